@@ -1,0 +1,508 @@
+"""The driver-side controller: one Ray actor per run that schedules, commits and remembers.
+
+How a run finds its controller: it is a *named, detached* actor,
+``cf_ray.controller.<run key>`` in the ``cf_ray`` namespace (``CF_RAY_NAMESPACE``), where the run
+key is derived from the run's storage location and name. Every worker's :class:`Checkpointer`
+gets it with ``get_if_exists=True``, so the first worker of a run creates it and workers restarted
+by Ray Train (same run) find the same one, with its schedule, its profile and its index of
+in-memory snapshots intact. It uses ``num_cpus=0`` and never blocks a worker: workers poll it
+with fire-and-forget calls and read the answers when they are ready.
+
+When the driver restarts (a new ``trainer.fit()`` with the same ``RunConfig(name, storage_path)``),
+a controller that is still alive (a long-lived cluster) is reused; otherwise a new one is created
+and rebuilds what matters from storage: the committed checkpoints, the generation counter and the
+saved profile (so the interval does not have to be profiled again from scratch). It exits on its
+own ``CF_RAY_CONTROLLER_LINGER_S`` seconds after every rank has called ``Checkpointer.finish()``,
+after writing the profile table to storage.
+
+What it does:
+* keeps the schedule: the policy's interval, published as numbered versions that the ranks adopt
+  together (see ``_control.py``);
+* tracks every section of every snapshot: staged in a holder (memory), durable (storage),
+  failed or superseded; commits a checkpoint — writes its manifest — only when every section of
+  that step and generation is durable; then applies keep-last clean-up and copies it to the
+  upload tiers, on its maintenance thread;
+* answers restore plans: the newest complete in-memory snapshot and the committed checkpoints;
+* keeps the profile table (one row per checkpoint) and the events (restores, failures).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from cf_ray import _env
+from cf_ray import manifest as mf
+from cf_ray.policy import FrequencyPolicy, Sample
+from cf_ray.storage import FileInfo, Storage
+
+logger = logging.getLogger("cf_ray")
+
+
+def run_key(storage_uri: str, run_name: str) -> str:
+    """A short stable key for a run (actor names may not contain every character of a URI)."""
+    digest = hashlib.sha1(f"{storage_uri}|{run_name}".encode()).hexdigest()[:12]
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in run_name)[:40]
+    return f"{safe}-{digest}"
+
+
+def controller_name(key: str) -> str:
+    return f"cf_ray.controller.{key}"
+
+
+@dataclass(slots=True)
+class _Pending:
+    generation: int
+    step: int
+    expected: set[str] | None = None
+    staged: dict[str, str] = field(default_factory=dict)  # section -> holder name
+    durable: dict[str, dict[str, FileInfo]] = field(default_factory=dict)
+    persist_s: dict[str, float] = field(default_factory=dict)
+    nbytes: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    superseded: set[str] = field(default_factory=set)
+    meta: dict = field(default_factory=dict)
+    state: str = "pending"  # pending, committed, failed, superseded
+    created: float = field(default_factory=time.time)
+
+
+@dataclass(kw_only=True, slots=True)
+class ControllerSettings:
+    """What the controller needs from the user's CheckpointConfig (picklable, no live objects)."""
+
+    policy: FrequencyPolicy
+    keep_last: int | None
+    tiers: list  # list[Storage]: upload destinations, fastest first
+    upload_milestones_only: bool
+
+
+class Controller:
+    """The controller's logic (the Ray actor class is :data:`ControllerActor`)."""
+
+    def __init__(self, key: str, storage: Storage, settings: ControllerSettings):
+        self.key = key
+        self.storage = storage
+        self.settings = settings
+        self.policy = settings.policy
+        self._lock = threading.RLock()
+        self._pending: dict[tuple[int, int], _Pending] = {}
+        self._rows: dict[tuple[int, int], dict] = {}
+        self._events: list[dict] = []
+        self._iters: collections.deque = collections.deque(maxlen=20000)
+        self._samples: collections.deque = collections.deque(maxlen=256)
+        self._failures: list[dict] = []
+        self._finished: set[int] = set()
+        self._world_size = None
+        self._holders: set[str] = set()
+        committed = mf.list_committed(storage)
+        self._committed: dict[int, dict] = {}
+        gens = [0]
+        for c in committed:
+            try:
+                m = mf.read_manifest(storage, c.path)
+            except Exception as e:  # noqa: BLE001 - a bad manifest is skipped, readers verify again
+                logger.warning("cf_ray: ignoring %s: %s", c.path, e)
+                continue
+            self._committed[c.step] = {"path": c.path, "milestone": m.milestone, "generation": m.generation,
+                                       "epoch": m.epoch}
+            gens.append(m.generation)
+        self.generation = max(gens)
+        first = self.policy.initial_interval()
+        self._schedules = [{"version": 0, "interval": first}]
+        self._load_policy_state()
+        self._maintenance: queue.Queue = queue.Queue()
+        self._mthread = threading.Thread(target=self._maintain, name="cf_ray-maintenance", daemon=True)
+        self._mthread.start()
+
+    # -- generations and restore --------------------------------------------------------------
+    def prepare_restore(self, world_size: int) -> dict:
+        """Called by rank 0 at the start of every attempt: a new generation and a restore plan."""
+        with self._lock:
+            self.generation += 1
+            self._world_size = world_size
+            self._finished.clear()
+            memory = None
+            for (gen, step), p in sorted(self._pending.items(), key=lambda kv: (kv[0][1], kv[0][0]), reverse=True):
+                if p.expected and p.expected <= set(p.staged):
+                    memory = {"generation": gen, "step": step, "sections": dict(p.staged),
+                              "world_size": p.meta.get("world_size"), "epoch": p.meta.get("epoch"),
+                              "replicated": p.meta.get("replicated", True)}
+                    break
+            storage_steps = sorted(self._committed, reverse=True)
+            return {"generation": self.generation, "memory": memory, "storage": storage_steps,
+                    "schedules": list(self._schedules)}
+
+    def restored(self, info: dict) -> None:
+        """Rank 0 reports where the attempt resumed from; old generations' memory is released."""
+        with self._lock:
+            self._events.append(dict(info, event="restore", generation=self.generation, time=time.time()))
+            gen = self.generation
+            for key in [k for k, p in self._pending.items() if k[0] < gen and p.state == "pending"]:
+                self._pending[key].state = "abandoned"
+        for name in list(self._holders):
+            try:
+                ray.get_actor(name, namespace=_env.namespace()).forget_before.remote(gen)
+            except ValueError:
+                self._holders.discard(name)
+
+    # -- worker polls ----------------------------------------------------------------------------
+    def sync(self, rank: int, generation: int, payload: dict) -> dict:
+        """Non-blocking exchange with a worker: its samples in, the schedule and commit state out."""
+        with self._lock:
+            for s in payload.get("samples", ()):
+                sample = Sample(**s)
+                self._samples.append(sample)
+                self._iters.append({"time": time.time(), "rank": rank, "step": sample.step,
+                                    "iter_s": sample.iter_s, "iters": sample.iters})
+            for st in payload.get("ckpt_stats", ()):
+                row = self._row(generation, st["step"])
+                for k in ("stall_s", "sync_s", "guard_s", "copy_s", "handoff_s"):
+                    if k in st:
+                        row.setdefault(f"_{k}", {})[rank] = st[k]
+                if "nbytes" in st:
+                    row.setdefault("_rank_bytes", {})[rank] = st["nbytes"]
+            self._replan()
+            adopted = payload.get("adopted_version", -1)
+            latest = max(self._committed) if self._committed else 0
+            return {
+                "schedules": [s for s in self._schedules if s["version"] > adopted],
+                "committed_step": latest,
+                "failures": [f for f in self._failures if f["seq"] > payload.get("seen_failures", -1)],
+            }
+
+    def _replan(self) -> None:
+        current = self._schedules[-1]["interval"]
+        try:
+            k = self.policy.plan(list(self._samples), current)
+        except Exception:  # noqa: BLE001 - a policy bug must not stop checkpointing
+            logger.exception("cf_ray: policy.plan failed; keeping interval %s", current)
+            return
+        if k is not None and k != current:
+            self._schedules.append({"version": len(self._schedules), "interval": int(k)})
+            self._events.append({"event": "interval", "interval": int(k), "previous": current, "time": time.time(),
+                                 "why": _explain(self.policy)})
+
+    # -- holders -----------------------------------------------------------------------------------
+    def part_staged(self, generation: int, step: int, section: str, holder: str, nbytes: int, meta: dict) -> None:
+        with self._lock:
+            self._holders.add(holder)
+            p = self._pend(generation, step)
+            p.staged[section] = holder
+            p.nbytes[section] = nbytes
+            if meta.get("rank") == 0 or not p.meta:
+                p.meta.update(meta)
+            if p.expected is None and "world_size" in meta:
+                w = int(meta["world_size"])
+                p.expected = {mf.rank_section(r) for r in range(w)}
+                if meta.get("replicated", True):
+                    p.expected.add(mf.SHARED)
+            if not meta.get("persist", True):
+                p.superseded.add(section)
+            row = self._row(generation, step)
+            row.update({k: meta[k] for k in ("epoch", "kind", "milestone", "interval") if k in meta})
+
+    def part_superseded(self, generation: int, step: int, section: str) -> None:
+        with self._lock:
+            p = self._pend(generation, step)
+            p.superseded.add(section)
+            if p.state == "pending":
+                p.state = "superseded"
+                self._row(generation, step).update(committed=False, where="memory-only",
+                                                   error="superseded by a newer snapshot before it was persisted")
+
+    def part_durable(self, generation: int, step: int, section: str, files: dict, persist_s: float) -> None:
+        with self._lock:
+            p = self._pend(generation, step)
+            p.durable[section] = {k: FileInfo(int(v["size"]), int(v["crc32"])) for k, v in files.items()}
+            p.persist_s[section] = persist_s
+            self._try_commit(p)
+
+    def part_failed(self, generation: int, step: int, section: str, error: str) -> None:
+        with self._lock:
+            p = self._pend(generation, step)
+            p.failed[section] = error
+            p.state = "failed"
+            rank = int(section.split("_")[1]) if section.startswith("rank_") else 0
+            failure = {"seq": len(self._failures), "step": step, "section": section, "rank": rank, "error": error,
+                       "generation": generation}
+            self._failures.append(failure)
+            self._row(generation, step).update(committed=False, where="failed", error=f"{section}: {error}")
+            logger.warning("cf_ray: checkpoint of step %d not committed: %s failed: %s", step, section, error)
+
+    def _pend(self, generation: int, step: int) -> _Pending:
+        p = self._pending.get((generation, step))
+        if p is None:
+            p = self._pending[(generation, step)] = _Pending(generation, step)
+            # Keep the table small: forget old settled entries, never pending ones of this generation.
+            if len(self._pending) > 64:
+                for k in sorted(self._pending)[: len(self._pending) - 64]:
+                    if self._pending[k].state != "pending":
+                        del self._pending[k]
+        return p
+
+    def _row(self, generation: int, step: int) -> dict:
+        row = self._rows.get((generation, step))
+        if row is None:
+            row = self._rows[(generation, step)] = {"step": step, "generation": generation, "committed": False,
+                                                    "where": "pending", "error": None,
+                                                    "interval": self._schedules[-1]["interval"]}
+        return row
+
+    def _try_commit(self, p: _Pending) -> None:
+        if p.state not in ("pending",) or p.expected is None or not p.expected <= set(p.durable):
+            return
+        files: dict[str, FileInfo] = {}
+        sections = {}
+        for sec in sorted(p.expected):
+            files.update(p.durable[sec])
+            data, index = mf.section_files(p.generation, sec)
+            sections[sec] = {"data": data, "index": index}
+        m = mf.Manifest(step=p.step, epoch=int(p.meta.get("epoch", 0)), world_size=int(p.meta["world_size"]),
+                        generation=p.generation, replicated=bool(p.meta.get("replicated", True)),
+                        kind=str(p.meta.get("kind", "scheduled")), milestone=bool(p.meta.get("milestone", False)),
+                        sections=sections, files=files, created_unix=time.time(),
+                        extra={"data_world_size": p.meta.get("world_size")})
+        directory = mf.step_dir(p.step)
+        try:
+            t0 = time.perf_counter()
+            newest_before = max(self._committed) if self._committed else -1
+            mf.commit(self.storage, directory, m) if p.step > newest_before else \
+                self.storage.write_file(f"{directory}/{mf.MANIFEST}", [m.to_bytes()])
+            commit_s = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 - a failed commit leaves the previous one the latest
+            self.part_failed(p.generation, p.step, "manifest", f"{type(e).__name__}: {e}")
+            return
+        p.state = "committed"
+        self._committed[p.step] = {"path": directory, "milestone": m.milestone, "generation": p.generation,
+                                   "epoch": m.epoch}
+        row = self._row(p.generation, p.step)
+        row.update(committed=True, where=self.storage.uri(directory), error=None, commit_s=commit_s,
+                   persist_s=max(p.persist_s.values()), bytes=sum(p.nbytes.values()),
+                   epoch=m.epoch, kind=m.kind, milestone=m.milestone)
+        logger.info("cf_ray: committed step %d (%d bytes) at %s", p.step, row["bytes"], row["where"])
+        self._maintenance.put(("after_commit", p.step, m))
+
+    # -- maintenance thread: retention and upload tiers ------------------------------------------------
+    def _maintain(self) -> None:
+        while True:
+            item = self._maintenance.get()
+            if item is None:
+                return
+            try:
+                if item[0] == "after_commit":
+                    _, step, m = item
+                    self._upload(step, m)
+                    self._retain()
+                elif item[0] == "save_profile":
+                    self._save_profile()
+            except Exception:  # noqa: BLE001 - a failed delete or upload never kills the thread
+                logger.exception("cf_ray: maintenance after step %s failed", item[1] if len(item) > 1 else "?")
+
+    def _upload(self, step: int, m: mf.Manifest) -> None:
+        if not self.settings.tiers or (self.settings.upload_milestones_only and not m.milestone):
+            return
+        directory = mf.step_dir(step)
+        for tier in self.settings.tiers:
+            t0 = time.perf_counter()
+            try:
+                for name in m.files:
+                    buf = mf.read_verified(self.storage, directory, m, name)
+                    info = tier.write_file(f"{directory}/{name}", [buf])
+                    if info != m.files[name]:
+                        raise IOError(f"upload of {name} to {tier.uri()} wrote {info}, expected {m.files[name]}")
+                mf.commit(tier, directory, m)  # the tier's own commit marker, written last
+                self._events.append({"event": "upload", "step": step, "tier": tier.uri(directory),
+                                     "seconds": time.perf_counter() - t0, "time": time.time()})
+            except Exception as e:  # noqa: BLE001
+                logger.warning("cf_ray: upload of step %d to %s failed: %s", step, tier.uri(), e)
+                self._events.append({"event": "upload_failed", "step": step, "tier": tier.uri(), "error": str(e),
+                                     "time": time.time()})
+            else:
+                self._retain_in(tier)
+
+    def _retain(self) -> None:
+        with self._lock:
+            committed = [(s, c["milestone"]) for s, c in self._committed.items()]
+            doomed = mf.to_delete(committed, self.settings.keep_last)
+            # The index is updated *before* deleting, so a concurrent restore plan never names a
+            # checkpoint that is being deleted (the same order as Ray's checkpoint manager).
+            for s in doomed:
+                self._committed.pop(s, None)
+            newest = max(self._committed) if self._committed else None
+        for s in doomed:
+            self._delete(self.storage, mf.step_dir(s))
+        # Directories without a manifest older than the newest commit are dead: a crashed writer's
+        # leftovers or superseded snapshots. Newer ones may still be in flight.
+        if newest is not None:
+            for name, step in mf.list_uncommitted(self.storage):
+                with self._lock:
+                    in_flight = any(k[1] == step and p.state == "pending" for k, p in self._pending.items())
+                if step < newest and not in_flight:
+                    self._delete(self.storage, f"{mf.CHECKPOINTS}/{name}")
+
+    def _retain_in(self, tier: Storage) -> None:
+        committed = []
+        for c in mf.list_committed(tier):
+            try:
+                committed.append((c.step, mf.read_manifest(tier, c.path).milestone))
+            except Exception:  # noqa: BLE001
+                continue
+        for s in mf.to_delete(committed, self.settings.keep_last):
+            self._delete(tier, mf.step_dir(s))
+
+    @staticmethod
+    def _delete(storage: Storage, path: str) -> None:
+        try:
+            storage.delete_dir(path)
+        except Exception as e:  # noqa: BLE001 - a failed delete is logged, never fatal
+            logger.warning("cf_ray: could not delete %s: %s", storage.uri(path), e)
+
+    # -- the profile ---------------------------------------------------------------------------------
+    def profile_rows(self) -> list[dict]:
+        with self._lock:
+            iter_s = _recent_iter_s(self._samples)
+            out = []
+            for (gen, step), row in sorted(self._rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+                r = {k: v for k, v in row.items() if not k.startswith("_")}
+                stall = _max(row.get("_stall_s"))
+                r["stall_s"] = stall
+                r["copy_s"] = _max(row.get("_copy_s"))
+                r["sync_s"] = _max(row.get("_sync_s"))
+                r["guard_s"] = _max(row.get("_guard_s"))
+                if "bytes" not in r and row.get("_rank_bytes"):
+                    r["bytes"] = sum(row["_rank_bytes"].values())
+                interval = r.get("interval")
+                if stall is not None and interval and iter_s:
+                    r["overhead_pct"] = 100.0 * stall / (interval * iter_s)
+                out.append(r)
+            return out
+
+    def iteration_rows(self) -> list[dict]:
+        with self._lock:
+            return list(self._iters)
+
+    def events(self) -> list[dict]:
+        with self._lock:
+            return list(self._events)
+
+    def record_event(self, event: dict) -> None:
+        with self._lock:
+            self._events.append(dict(event, time=event.get("time", time.time())))
+
+    def summary(self) -> dict:
+        with self._lock:
+            return {"generation": self.generation, "committed_steps": sorted(self._committed),
+                    "interval": self._schedules[-1]["interval"], "schedules": list(self._schedules),
+                    "failures": list(self._failures), "events": list(self._events),
+                    "pending": sorted(k[1] for k, p in self._pending.items() if p.state == "pending")}
+
+    def pending_steps(self, generation: int) -> list[int]:
+        with self._lock:
+            return sorted(k[1] for k, p in self._pending.items() if k[0] == generation and p.state == "pending"
+                          and not p.superseded)
+
+    def finish(self, rank: int, world_size: int) -> None:
+        with self._lock:
+            self._finished.add(rank)
+            done = len(self._finished) >= world_size
+        if done:
+            self._save_profile()
+            threading.Thread(target=self._linger_then_exit, name="cf_ray-linger", daemon=True).start()
+
+    def save_profile(self) -> None:
+        self._save_profile()
+
+    def _save_profile(self) -> None:
+        try:
+            from cf_ray import report
+
+            report.save_profile(self.storage, self.profile_rows(), self.iteration_rows())
+        except Exception as e:  # noqa: BLE001 - the profile is a report, never a reason to fail
+            logger.warning("cf_ray: could not save the profile table: %s", e)
+        self._save_policy_state()
+
+    def _save_policy_state(self) -> None:
+        if not hasattr(self.policy, "state_dict"):
+            return
+        try:
+            import json
+
+            self.storage.write_file("policy_state.json", [json.dumps(self.policy.state_dict()).encode()])
+        except Exception as e:  # noqa: BLE001
+            logger.warning("cf_ray: could not save the policy state: %s", e)
+
+    def _load_policy_state(self) -> None:
+        if not hasattr(self.policy, "load_state_dict") or not self.storage.exists("policy_state.json"):
+            return
+        try:
+            import json
+
+            self.policy.load_state_dict(json.loads(bytes(self.storage.read_file("policy_state.json"))))
+            first = self.policy.initial_interval()
+            self._schedules = [{"version": 0, "interval": first}]
+        except Exception as e:  # noqa: BLE001 - a stale or damaged profile means: profile again
+            logger.warning("cf_ray: ignoring the saved policy state: %s", e)
+
+    def _linger_then_exit(self) -> None:
+        time.sleep(_env.get_float(_env.LINGER_S))
+        with self._lock:
+            if self._finished and len(self._finished) >= (self._world_size or 1):
+                self.shutdown()
+
+    def shutdown(self) -> None:
+        """Kill this run's holders and exit (used at the end of a run and by tests)."""
+        for name in list(self._holders):
+            try:
+                ray.kill(ray.get_actor(name, namespace=_env.namespace()))
+            except Exception:  # noqa: BLE001
+                pass
+        self._maintenance.put(None)
+        os._exit(0)
+
+
+def _explain(policy) -> Any:
+    try:
+        return policy.explain() if hasattr(policy, "explain") else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _max(d: dict | None) -> float | None:
+    return max(d.values()) if d else None
+
+
+def _recent_iter_s(samples) -> float | None:
+    per_rank: dict[int, list[float]] = {}
+    for s in samples:
+        if s.iters > 0 and s.iter_s > 0:
+            per_rank.setdefault(s.rank, []).append(s.iter_s)
+    if not per_rank:
+        return None
+    # The slowest rank governs.
+    return max(sum(v[-8:]) / len(v[-8:]) for v in per_rank.values())
+
+
+ControllerActor = ray.remote(num_cpus=0, max_concurrency=32, max_restarts=0)(Controller)
+
+
+def get_or_create_controller(key: str, storage: Storage, settings: ControllerSettings):
+    return ControllerActor.options(
+        name=controller_name(key), namespace=_env.namespace(), lifetime="detached", get_if_exists=True,
+    ).remote(key, storage, settings)
+
+
+def get_controller(key: str):
+    """The live controller of a run, or ``None``."""
+    try:
+        return ray.get_actor(controller_name(key), namespace=_env.namespace())
+    except ValueError:
+        return None

@@ -1,0 +1,187 @@
+"""Reading checkpoints outside training: list them, load chosen entries from a chosen one.
+
+Caffe2's ``load_blobs_from_checkpoints`` for cf_ray: evaluation or fine-tuning code loads only the
+model weights (or a few tensors of them) from any committed checkpoint, without building the
+optimizer, the samplers or a Ray cluster. Nothing is unpickled: every file is checked against its
+manifest's size and CRC-32 before it is parsed.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import pyarrow.fs as pafs
+import torch
+
+from cf_ray import _codec
+from cf_ray import manifest as mf
+from cf_ray.errors import CheckpointNotFoundError, CorruptCheckpointError
+from cf_ray.storage import FsStorage
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """One committed checkpoint of a run."""
+
+    step: int
+    epoch: int
+    kind: str
+    milestone: bool
+    world_size: int
+    path: str
+
+
+def open_run(source: Any, filesystem: pafs.FileSystem | None = None) -> tuple[FsStorage, str | None]:
+    """(storage at the run's cf_ray root, a checkpoint directory under it or None).
+
+    ``source`` may be: a run directory (``<storage_path>/<name>``), its ``cf_ray`` root, one
+    checkpoint's directory (``.../checkpoints/step_000000000120``), as a local path or a URI, or a
+    ``ray.train.Checkpoint`` (``result.checkpoint``).
+    """
+    if hasattr(source, "path") and hasattr(source, "filesystem"):  # ray.train.Checkpoint
+        filesystem, source = source.filesystem, source.path
+    if not isinstance(source, str):
+        raise TypeError(f"expected a path, a URI or a ray.train.Checkpoint, got {type(source).__name__}")
+    storage = FsStorage.from_uri(source, filesystem)
+    root, name = storage.root, None
+    base = posixpath.basename(root)
+    if mf._DIR_RE.match(base) and posixpath.basename(posixpath.dirname(root)) == mf.CHECKPOINTS:
+        name = base
+        root = posixpath.dirname(posixpath.dirname(root))
+    elif base != "cf_ray":
+        candidate = FsStorage(storage.fs, posixpath.join(root, "cf_ray"))
+        if candidate.exists(mf.CHECKPOINTS):
+            root = candidate.root
+    run = FsStorage(storage.fs, root)
+    return run, (f"{mf.CHECKPOINTS}/{name}" if name else None)
+
+
+def list_checkpoints(source: Any, filesystem: pafs.FileSystem | None = None) -> list[CheckpointInfo]:
+    """Every committed checkpoint of a run (resumable ones and the final model), oldest first."""
+    run, _ = open_run(source, filesystem)
+    out = []
+    for c in mf.list_committed(run, kinds=("step", "final")):
+        try:
+            m = mf.read_manifest(run, c.path)
+        except CorruptCheckpointError:
+            continue
+        out.append(CheckpointInfo(step=m.step, epoch=m.epoch, kind=m.kind, milestone=m.milestone,
+                                  world_size=m.world_size, path=run.uri(c.path)))
+    return out
+
+
+def load_state(source: Any, *, step: int | None = None, objects: Iterable[str] | None = None,
+               keys: Iterable[str] | None = None, filesystem: pafs.FileSystem | None = None,
+               rank: int = 0) -> dict[str, Any]:
+    """Chosen entries of a chosen checkpoint, as state dicts with CPU tensors.
+
+    Args:
+        source: see :func:`open_run`.
+        step: which checkpoint (default: the newest resumable one; the final model if ``source``
+            names it).
+        objects: tracked object names to load (default: all), e.g. ``["model"]``.
+        keys: within each object, only these state-dict keys (e.g. ``["fc.weight"]``).
+        rank: whose per-rank state (``data``, ``rng``) to include when ``objects`` asks for them.
+
+    Raises:
+        CheckpointNotFoundError: no such committed checkpoint.
+        CorruptCheckpointError: a file fails verification.
+    """
+    run, directory = open_run(source, filesystem)
+    if directory is None:
+        committed = mf.list_committed(run)
+        if step is not None:
+            committed = [c for c in committed if c.step == step]
+        if not committed:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint{'' if step is None else f' at step {step}'} under {run.uri()}")
+        directory = committed[-1].path
+    elif step is not None and not directory.endswith(f"{step:012d}"):
+        raise CheckpointNotFoundError(f"{run.uri(directory)} is not the checkpoint of step {step}")
+    m = mf.read_manifest(run, directory)
+    wanted = None if objects is None else set(objects)
+    keyset = None if keys is None else set(keys)
+    if m.kind == "final":
+        buf = mf.read_verified(run, directory, m, "model.safetensors")
+        state = {"model": _read_safetensors(buf, keyset)}
+        return {k: v for k, v in state.items() if wanted is None or k in wanted}
+    out: dict[str, Any] = {}
+    if m.replicated:
+        shared = mf.load_section(run, directory, m, mf.SHARED)
+        objs = _select(shared, ("objects",), wanted, keyset)
+    else:
+        sec = mf.load_section(run, directory, m, mf.rank_section(rank))
+        objs = _select(sec, ("state",), wanted, keyset)
+    out.update(objs)
+    if wanted is not None and wanted - set(out):
+        sec = mf.load_section(run, directory, m, mf.rank_section(rank))
+        out.update(_select(sec, ("objects",), wanted - set(out), keyset))
+    missing = (wanted or set()) - set(out)
+    if missing:
+        raise CheckpointNotFoundError(f"checkpoint {run.uri(directory)} has no objects {sorted(missing)}")
+    return out
+
+
+def load_into(source: Any, objects: Mapping[str, Any], *, step: int | None = None, strict: bool = True,
+              filesystem: pafs.FileSystem | None = None) -> bool:
+    """Load the named objects (e.g. ``{"model": model}``) from a checkpoint.
+
+    Returns:
+        False when no such checkpoint exists (Caffe2's contract), True once loaded.
+    """
+    try:
+        states = load_state(source, step=step, objects=list(objects), filesystem=filesystem)
+    except CheckpointNotFoundError:
+        return False
+    for name, obj in objects.items():
+        target = obj.module if hasattr(obj, "module") and isinstance(obj, torch.nn.parallel.DistributedDataParallel) else obj
+        if isinstance(target, torch.nn.Module):
+            target.load_state_dict(states[name], strict=strict)
+        else:
+            target.load_state_dict(states[name])
+    return True
+
+
+def _select(section: mf.Section, path: tuple[str, ...], wanted, keyset) -> dict:
+    tree = section.tree
+    for p in path:
+        tree = tree[p]
+    out = {}
+    for name, sub in tree.items():
+        if wanted is not None and name not in wanted:
+            continue
+        if keyset is not None and isinstance(sub, dict):
+            sub = {k: v for k, v in sub.items() if k in keyset}
+        out[name] = _codec.unflatten(sub, lambda i, e: _codec.view(section.buf, e, copy=True), section.entries)
+    return out
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def _read_safetensors(buf: np.ndarray, keyset) -> dict[str, torch.Tensor]:
+    n = int.from_bytes(bytes(buf[:8]), "little")
+    if n <= 0 or 8 + n > buf.nbytes:
+        raise CorruptCheckpointError("model.safetensors has a bad header length")
+    header = json.loads(bytes(buf[8: 8 + n]))
+    base = 8 + n
+    out = {}
+    for name, spec in header.items():
+        if name == "__metadata__" or (keyset is not None and name not in keyset):
+            continue
+        dtype = _ST_DTYPES.get(spec["dtype"])
+        if dtype is None:
+            raise CorruptCheckpointError(f"unsupported safetensors dtype {spec['dtype']!r}")
+        begin, end = (int(x) for x in spec["data_offsets"])
+        if not 0 <= begin <= end <= buf.nbytes - base:
+            raise CorruptCheckpointError(f"tensor {name} lies outside model.safetensors")
+        raw = buf[base + begin: base + end].copy()
+        t = torch.from_numpy(raw).view(dtype) if end > begin else torch.empty(0, dtype=dtype)
+        out[name] = t.reshape(spec["shape"])
+    return out

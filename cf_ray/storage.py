@@ -1,0 +1,282 @@
+"""Storage: a tiny Protocol with ``str`` paths, implemented once over ``pyarrow.fs``.
+
+Every path given to a :class:`Storage` is *relative to its root* and checked by
+:func:`safe_relpath`: no ``..``, no absolute path, no empty component, and on local disk no symlink
+that resolves outside the root. A ``pathlib.Path`` would mangle ``s3://``, so paths are strings.
+
+Durability:
+* local disk: data goes to a temporary name in the same directory, is fsynced, renamed into place,
+  and the directory is fsynced. A reader never sees a half-written file under its final name.
+* object stores (S3, GCS): an object becomes visible only when its upload completes, so a plain
+  write is atomic per object; rename would be a copy, so it is never used there.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import uuid
+import zlib
+from dataclasses import dataclass
+from typing import Iterable, Protocol, runtime_checkable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from cf_ray import _env
+from cf_ray.errors import ConfigError, UnsafePathError
+
+
+@dataclass(frozen=True, slots=True)
+class FileInfo:
+    """What a manifest records of one file."""
+
+    size: int
+    crc32: int
+
+    def to_json(self) -> dict:
+        return {"size": self.size, "crc32": self.crc32}
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """Where checkpoints are written. All paths are relative to the storage's root.
+
+    Call order: the writer (a holder actor, phase 2) calls :meth:`write_file` for data files; the
+    controller calls :meth:`write_file` for the manifest last, then :meth:`delete_dir` for old
+    checkpoints. Readers (any rank at restore, a user's evaluation script) call :meth:`list_dir`,
+    :meth:`exists` and :meth:`read_file`.
+    """
+
+    def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> FileInfo:
+        """Write ``path`` durably and atomically from ``chunks``; return its size and CRC-32."""
+        ...
+
+    def read_file(self, path: str) -> np.ndarray:
+        """The whole file as a writable ``uint8`` array."""
+        ...
+
+    def list_dir(self, path: str) -> list[str]:
+        """Names (not paths) of the entries directly under ``path``; empty if it does not exist."""
+        ...
+
+    def exists(self, path: str) -> bool:
+        ...
+
+    def delete_dir(self, path: str) -> None:
+        """Delete ``path`` and everything under it; no error if it does not exist."""
+        ...
+
+    def uri(self, path: str = "") -> str:
+        """A human-readable location of ``path`` for logs and errors."""
+        ...
+
+
+def safe_relpath(path: str) -> str:
+    """Normalise a relative path and refuse anything that could leave the root.
+
+    Raises:
+        UnsafePathError: ``path`` is absolute, contains ``..``, a backslash, a NUL or an empty part.
+    """
+    if not isinstance(path, str):
+        raise UnsafePathError(f"path must be a string, got {type(path).__name__}")
+    if path == "":
+        return ""
+    if path.startswith("/") or "\\" in path or "\x00" in path or ":" in path.split("/")[0]:
+        raise UnsafePathError(f"path {path!r} must be relative to the checkpoint root")
+    parts = path.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise UnsafePathError(f"path {path!r} may not contain '..', '.' or empty components")
+    return path
+
+
+class FsStorage:
+    """:class:`Storage` over any ``pyarrow.fs.FileSystem``, holding an ``(fs, root)`` pair.
+
+    Args:
+        fs: the filesystem (``LocalFileSystem``, ``S3FileSystem``, ``GcsFileSystem``, ...).
+        root: the root path on ``fs`` (no URI scheme). Created if missing.
+    """
+
+    def __init__(self, fs: pafs.FileSystem, root: str):
+        if not isinstance(fs, pafs.FileSystem):
+            raise ConfigError(f"storage filesystem must be a pyarrow.fs.FileSystem, got {type(fs).__name__}")
+        self.fs = fs
+        self.root = root.rstrip("/") or "/"
+        self._local = isinstance(fs, pafs.LocalFileSystem)
+        if self._local:
+            self.root = os.path.abspath(self.root)
+
+    @classmethod
+    def from_uri(cls, uri: str, filesystem: pafs.FileSystem | None = None) -> "FsStorage":
+        """Build from ``/local/path``, ``file://``, ``s3://bucket/prefix``, ``gs://...``."""
+        if filesystem is not None:
+            return cls(filesystem, uri)
+        if "://" not in uri:
+            return cls(pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri)))
+        fs, path = pafs.FileSystem.from_uri(uri)
+        return cls(fs, path)
+
+    def __reduce__(self):
+        return (FsStorage, (self.fs, self.root))
+
+    def __repr__(self) -> str:
+        return f"FsStorage({self.uri()})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, FsStorage) and other.root == self.root and other.fs.equals(self.fs)
+
+    def __hash__(self) -> int:
+        return hash((self.root, self.fs.type_name))
+
+    # -- paths -----------------------------------------------------------------------------
+    def _abs(self, path: str) -> str:
+        rel = safe_relpath(path)
+        full = posixpath.join(self.root, rel) if rel else self.root
+        if self._local and rel:
+            real = os.path.realpath(full)
+            root_real = os.path.realpath(self.root)
+            if real != root_real and not real.startswith(root_real + os.sep):
+                raise UnsafePathError(f"path {path!r} resolves to {real}, outside the checkpoint root {root_real}")
+        return full
+
+    def uri(self, path: str = "") -> str:
+        full = self._abs(path) if path else self.root
+        scheme = {"local": "file", "s3": "s3", "gcs": "gs"}.get(self.fs.type_name, self.fs.type_name)
+        return f"{scheme}://{full}" if scheme != "file" else full
+
+    def fs_path(self, path: str = "") -> str:
+        """The path on :attr:`fs` (what ``ray.train.Checkpoint(path, filesystem)`` takes)."""
+        return self._abs(path) if path else self.root
+
+    def child(self, path: str) -> "FsStorage":
+        """A storage rooted at ``path`` under this one."""
+        return FsStorage(self.fs, self._abs(path))
+
+    def check_writable(self) -> None:
+        """Create the root and write/delete a probe file.
+
+        Raises:
+            ConfigError: the root cannot be created or written, with the reason and the location.
+        """
+        probe = f".cf_ray_probe_{uuid.uuid4().hex}"
+        try:
+            self.fs.create_dir(self.root, recursive=True)
+            self.write_file(probe, [b"ok"])
+            self.fs.delete_file(self._abs(probe))
+        except Exception as e:  # noqa: BLE001 - any failure means "cannot write here"
+            raise ConfigError(
+                f"checkpoint storage {self.uri()} is not writable ({type(e).__name__}: {e}); "
+                "pass a storage_path you can write to (RunConfig(storage_path=...) or "
+                "CheckpointConfig(storage_path=...))"
+            ) from e
+
+    # -- Storage protocol ----------------------------------------------------------------------
+    def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> FileInfo:
+        full = self._abs(path)
+        parent = posixpath.dirname(full)
+        crc, size = 0, 0
+        if self._local:
+            os.makedirs(parent, exist_ok=True)
+            tmp = posixpath.join(parent, f".tmp.{posixpath.basename(full)}.{uuid.uuid4().hex[:8]}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                for chunk in chunks:
+                    mv = memoryview(chunk).cast("B")
+                    crc = zlib.crc32(mv, crc)
+                    size += mv.nbytes
+                    while mv.nbytes:
+                        n = os.write(fd, mv)
+                        mv = mv[n:]
+                os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                _silently(os.unlink, tmp)
+                raise
+            os.close(fd)
+            os.replace(tmp, full)
+            _fsync_dir(parent)
+        else:
+            self.fs.create_dir(parent, recursive=True)
+            with self.fs.open_output_stream(full) as out:
+                for chunk in chunks:
+                    mv = memoryview(chunk).cast("B")
+                    crc = zlib.crc32(mv, crc)
+                    size += mv.nbytes
+                    out.write(pa.py_buffer(mv))
+        return FileInfo(size, crc)
+
+    def read_file(self, path: str) -> np.ndarray:
+        full = self._abs(path)
+        if self._local:
+            if os.path.islink(full):
+                raise UnsafePathError(f"refusing to read {full}: it is a symbolic link")
+            size = os.path.getsize(full)
+            buf = np.empty(size, dtype=np.uint8)
+            with open(full, "rb", buffering=0) as f:
+                view, got = memoryview(buf), 0
+                while got < size:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+            return buf[:got]
+        with self.fs.open_input_file(full) as f:
+            size = f.size()
+            data = f.read_buffer(size)
+        return np.frombuffer(data, dtype=np.uint8).copy()
+
+    def list_dir(self, path: str) -> list[str]:
+        full = self._abs(path)
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(full, allow_not_found=True))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(posixpath.basename(i.path.rstrip("/")) for i in infos)
+
+    def exists(self, path: str) -> bool:
+        return self.fs.get_file_info(self._abs(path)).type != pafs.FileType.NotFound
+
+    def delete_dir(self, path: str) -> None:
+        full = self._abs(path)
+        if not path:
+            raise UnsafePathError("refusing to delete the checkpoint root")
+        try:
+            self.fs.delete_dir(full)
+        except FileNotFoundError:
+            pass
+
+
+def chunked(buf: np.ndarray | memoryview | bytes, chunk: int | None = None) -> Iterable[memoryview]:
+    """Yield ``buf`` in chunks of :data:`_env.WRITE_CHUNK_BYTES`."""
+    size = chunk or _env.get_int(_env.WRITE_CHUNK_BYTES)
+    mv = memoryview(buf).cast("B")
+    for i in range(0, mv.nbytes, size):
+        yield mv[i: i + size]
+    if mv.nbytes == 0:
+        yield mv
+
+
+def crc32_of(buf: np.ndarray | memoryview | bytes) -> int:
+    return zlib.crc32(memoryview(buf).cast("B"))
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _silently(fn, *args) -> None:
+    try:
+        fn(*args)
+    except OSError:
+        pass
