@@ -30,7 +30,8 @@ _DTYPE = "__cf_dtype__"
 _DEVICE = "__cf_device__"
 _BYTES = "__cf_bytes__"
 _FLOAT = "__cf_float__"
-_TAGS = (_TENSOR, _NDARRAY, _TUPLE, _DICT, _NPSCALAR, _DTYPE, _DEVICE, _BYTES, _FLOAT)
+_STATEDICT = "__cf_state_dict__"  # a module's state_dict: an OrderedDict with a _metadata attribute
+_TAGS = (_TENSOR, _NDARRAY, _TUPLE, _DICT, _NPSCALAR, _DTYPE, _DEVICE, _BYTES, _FLOAT, _STATEDICT)
 
 # Only these dtypes are accepted from a file: a name read from disk is looked up here, never with
 # getattr on a module.
@@ -170,6 +171,10 @@ def flatten(tree: Any, *, offset: int = 0, prefix: str = "") -> Flat:
         if isinstance(v, list):
             return [enc(x, f"{path}[{i}]") for i, x in enumerate(v)]
         if isinstance(v, dict):
+            meta = getattr(v, "_metadata", None)
+            if isinstance(meta, dict):
+                # Keep the per-module versions that load_state_dict uses for old formats.
+                return {_STATEDICT: enc(dict(v), path), "meta": enc(dict(meta), f"{path}._metadata")}
             if all(isinstance(k, str) and k not in _TAGS for k in v):
                 return {k: enc(x, f"{path}.{k}" if path else k) for k, x in v.items()}
             return {_DICT: [[enc(k, f"{path}<key>"), enc(x, f"{path}[{k!r}]")] for k, x in v.items()]}
@@ -212,6 +217,12 @@ def unflatten(tree: Any, get: Callable[[int, TensorEntry], Any], entries: list[T
                 if x not in ("nan", "inf", "-inf"):
                     raise ValueError(f"unsupported float literal {x!r}")
                 return float(x)
+        if _STATEDICT in v:
+            import collections
+
+            out = collections.OrderedDict(dec(v[_STATEDICT]))
+            out._metadata = dec(v.get("meta", {}))  # type: ignore[attr-defined]
+            return out
         if _NPSCALAR in v:
             dt = v[_NPSCALAR]
             if dt not in _NUMPY_DTYPES:
@@ -245,3 +256,12 @@ def view(buf: np.ndarray, entry: TensorEntry, *, copy: bool) -> torch.Tensor | n
 
 def torch_dtype(name: str) -> torch.dtype:
     return _TORCH_DTYPES[name]
+
+
+def select_keys(tree: Any, keys: set[str]) -> Any:
+    """Keep only ``keys`` of an encoded top-level dict (a module state_dict included)."""
+    if isinstance(tree, dict) and _STATEDICT in tree:
+        return {_STATEDICT: select_keys(tree[_STATEDICT], keys), "meta": tree.get("meta", {})}
+    if isinstance(tree, dict) and not any(k in _TAGS for k in tree):
+        return {k: v for k, v in tree.items() if k in keys}
+    return tree

@@ -441,21 +441,26 @@ class Checkpointer:
             self._schedules[s["version"]] = s["interval"]
         self._received = self._adopted = max(self._schedules)
         self._interval = self._schedules[self._adopted]
-        candidates = []
+        candidates: list[tuple[str, Any]] = []
         newest_storage = plan["storage"][0] if plan["storage"] else -1
         mem = plan["memory"]
         if mem and self.config.restore_from in ("auto", "memory") and (
                 self.config.restore_from == "memory" or mem["step"] >= newest_storage):
             candidates.append(("memory", mem))
         if self.config.restore_from in ("auto", "storage"):
-            candidates.extend(("storage", s) for s in plan["storage"])
+            candidates.extend(("storage", (self.storage, mf.step_dir(s))) for s in plan["storage"])
+            if not plan["storage"]:
+                # A new run started with TorchTrainer(resume_from_checkpoint=...) from another run.
+                ray_ckpt = self._ray_checkpoint()
+                if ray_ckpt is not None:
+                    candidates.append(("storage", ray_ckpt))
         resume = None
         for source, cand in candidates:
             loaded, error = self._fetch(source, cand)
             if self._control.all_true(loaded is not None):
                 resume = self._apply(source, cand, loaded)
                 break
-            where = f"step {cand['step']} in memory" if source == "memory" else f"step {cand} in storage"
+            where = f"step {cand['step']} in memory" if source == "memory" else cand[0].uri(cand[1])
             logger.warning("cf_ray: rank %d: cannot restore %s (%s); falling back", self.rank, where,
                            error or "another rank could not")
             if self.rank == 0:
@@ -475,6 +480,27 @@ class Checkpointer:
                     resume.source)
         return resume
 
+    def _ray_checkpoint(self) -> tuple[Storage, str] | None:
+        """The cf_ray checkpoint that Ray Train hands this run, if any (``resume_from_checkpoint``)."""
+        if self._ray_storage is None:
+            return None
+        try:
+            ckpt = ray.train.get_checkpoint()
+        except Exception:  # noqa: BLE001
+            return None
+        if ckpt is None:
+            return None
+        from cf_ray.load import open_run
+
+        try:
+            run, directory = open_run(ckpt)
+        except Exception:  # noqa: BLE001 - not a cf_ray checkpoint
+            return None
+        if directory is None or not run.exists(f"{directory}/{mf.MANIFEST}"):
+            logger.warning("cf_ray: Ray Train's checkpoint %s is not a cf_ray checkpoint; ignoring it", ckpt.path)
+            return None
+        return run, directory
+
     def _sections_needed(self, saved_world: int, replicated: bool) -> list[str]:
         needed = [mf.SHARED] if replicated else []
         if saved_world == self.world_size:
@@ -489,10 +515,13 @@ class Checkpointer:
             if source == "memory":
                 needed = self._sections_needed(int(cand["world_size"]), bool(cand["replicated"]))
                 return {sec: self._fetch_memory(cand, sec) for sec in needed}, None
-            directory = mf.step_dir(cand)
-            manifest = mf.read_manifest(self.storage, directory)
+            storage, directory = cand
+            manifest = mf.read_manifest(storage, directory)
+            if manifest.kind == "final":
+                raise CorruptCheckpointError(f"{storage.uri(directory)} holds only final model weights; load it "
+                                             "with cf_ray.load_into(...) instead of resuming from it")
             needed = self._sections_needed(manifest.world_size, manifest.replicated)
-            out = {sec: mf.load_section(self.storage, directory, manifest, sec) for sec in needed}
+            out = {sec: mf.load_section(storage, directory, manifest, sec) for sec in needed}
             out["__manifest__"] = manifest
             return out, None
         except (CorruptCheckpointError, CheckpointNotFoundError, ElasticResumeError, LookupError, OSError,
@@ -520,7 +549,7 @@ class Checkpointer:
             path = None
         else:
             saved_world, replicated = manifest.world_size, manifest.replicated
-            path = self.storage.uri(mf.step_dir(cand))
+            path = cand[0].uri(cand[1])
         if saved_world != self.world_size and not replicated:
             raise ElasticResumeError(
                 f"the checkpoint was saved by {saved_world} ranks with replicated=False (per-rank model state); "

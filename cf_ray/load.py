@@ -154,8 +154,8 @@ def _select(section: mf.Section, path: tuple[str, ...], wanted, keyset) -> dict:
     for name, sub in tree.items():
         if wanted is not None and name not in wanted:
             continue
-        if keyset is not None and isinstance(sub, dict):
-            sub = {k: v for k, v in sub.items() if k in keyset}
+        if keyset is not None:
+            sub = _codec.select_keys(sub, keyset)
         out[name] = _codec.unflatten(sub, lambda i, e: _codec.view(section.buf, e, copy=True), section.entries)
     return out
 

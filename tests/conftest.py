@@ -1,0 +1,79 @@
+"""Shared fixtures: one local Ray cluster per test session, a real S3 server on loopback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local 2-CPU Ray cluster shared by every test that needs one.
+
+    Environment set here reaches the cluster's processes (they inherit it at start): the tests'
+    directory on PYTHONPATH so workers can import test helpers, and short timings.
+    """
+    import ray
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
+    os.environ.setdefault("CF_RAY_CONTROLLER_LINGER_S", "5")
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 endpoint (moto's server mode) on 127.0.0.1, for the whole session."""
+    pytest.importorskip("moto")
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+        except OSError:
+            time.sleep(0.2)
+    else:
+        proc.kill()
+        raise RuntimeError("moto server did not start")
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        os.environ.setdefault(k, v)
+    yield endpoint
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint, request):
+    """(pyarrow S3FileSystem, bucket name): a fresh bucket on the loopback S3 server."""
+    import boto3
+    import pyarrow.fs as pafs
+
+    name = "b" + str(abs(hash(request.node.nodeid)) % 10**10) + str(int(time.time() * 1000) % 10**6)
+    boto3.client("s3", endpoint_url=f"http://{s3_endpoint}", region_name="us-east-1",
+                 aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket=name)
+    fs = pafs.S3FileSystem(endpoint_override=s3_endpoint, scheme="http", access_key="testing",
+                           secret_key="testing", region="us-east-1", allow_bucket_creation=False)
+    return fs, name

@@ -1,0 +1,41 @@
+"""Test helpers that write checkpoints with the engine's own phase-2 functions (no Ray)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cf_ray import _codec
+from cf_ray import manifest as mf
+
+
+def arena_of(tree) -> tuple[np.ndarray, bytes]:
+    flat = _codec.flatten(tree)
+    buf = np.zeros(flat.nbytes, dtype=np.uint8)
+    for e, leaf in zip(flat.entries, flat.leaves):
+        raw = buf[e.offset: e.offset + e.nbytes]
+        if e.kind == "numpy":
+            raw[:] = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
+        elif leaf.numel():
+            raw[:] = leaf.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return buf, mf.encode_index(flat)
+
+
+def write_checkpoint(storage, step: int, model: torch.nn.Module, *, generation: int = 1, commit: bool = True,
+                     milestone: bool = False) -> mf.Manifest:
+    """A one-rank, replicated checkpoint of ``model`` at ``step``, written like the holder + controller do."""
+    directory = mf.step_dir(step)
+    files = {}
+    sections = {}
+    trees = {mf.SHARED: {"objects": {"model": model.state_dict()}},
+             mf.rank_section(0): {"objects": {}, "counters": {"step": step, "epoch": 0}}}
+    for sec, tree in trees.items():
+        arena, index = arena_of(tree)
+        files.update(mf.write_section(storage, directory, generation, sec, arena, index))
+        data, idx = mf.section_files(generation, sec)
+        sections[sec] = {"data": data, "index": idx}
+    m = mf.Manifest(step=step, epoch=0, world_size=1, generation=generation, replicated=True, sections=sections,
+                    files=files, milestone=milestone)
+    if commit:
+        mf.commit(storage, directory, m)
+    return m

@@ -1,0 +1,208 @@
+"""Storage and the commit protocol, on local disk and on a real S3 server (moto, loopback)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import cf_ray
+from cf_ray import manifest as mf
+from cf_ray.errors import CorruptCheckpointError, UnsafePathError
+from cf_ray.storage import FileInfo, FsStorage, Storage, safe_relpath
+from storage_helpers import write_checkpoint
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage(request, tmp_path):
+    if request.param == "local":
+        return FsStorage.from_uri(str(tmp_path / "run" / "cf_ray"))
+    fs, bucket = request.getfixturevalue("s3_bucket")
+    return FsStorage(fs, f"{bucket}/run/cf_ray")
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+
+
+def _weights_equal(a: dict, b: torch.nn.Module) -> bool:
+    return all(torch.equal(a[k], v) for k, v in b.state_dict().items())
+
+
+def test_fs_storage_and_a_faulty_storage_satisfy_the_protocol(storage):
+    class Faulty:
+        """Fails every write: what a test double for a broken bucket looks like."""
+
+        def write_file(self, path, chunks):
+            raise OSError("disk on fire")
+
+        read_file = list_dir = exists = delete_dir = uri = FsStorage.read_file
+
+    assert isinstance(storage, Storage)
+    assert isinstance(Faulty(), Storage)
+    with pytest.raises(OSError):
+        Faulty().write_file("x", [b""])
+
+
+def test_write_read_roundtrip_with_checksum(storage):
+    data = np.random.default_rng(0).integers(0, 255, 3_000_001, dtype=np.uint8)
+    info = storage.write_file("a/b/data.bin", [data[:1000], data[1000:]])
+    assert info == FileInfo(data.nbytes, __import__("zlib").crc32(data))
+    assert np.array_equal(storage.read_file("a/b/data.bin"), data)
+    assert storage.list_dir("a/b") == ["data.bin"]  # no temporary files left behind
+    storage.delete_dir("a")
+    assert not storage.exists("a/b/data.bin")
+
+
+@pytest.mark.parametrize("bad", ["../x", "a/../../x", "/etc/passwd", "a//b", "./a", "a\\b", "s3://b/x"])
+def test_paths_that_leave_the_root_are_refused(bad):
+    with pytest.raises(UnsafePathError):
+        safe_relpath(bad)
+
+
+def test_symlink_out_of_the_root_is_refused(tmp_path):
+    storage = FsStorage.from_uri(str(tmp_path / "root"))
+    storage.write_file("ok.txt", [b"x"])
+    (tmp_path / "secret.txt").write_text("secret")
+    os.symlink(tmp_path / "secret.txt", tmp_path / "root" / "link.txt")
+    os.symlink(tmp_path, tmp_path / "root" / "dirlink")
+    with pytest.raises(UnsafePathError):
+        storage.read_file("link.txt")
+    with pytest.raises(UnsafePathError):
+        storage.read_file("dirlink/secret.txt")
+
+
+def test_commit_makes_a_checkpoint_visible_and_loadable(storage):
+    model = _model(1)
+    write_checkpoint(storage, 10, model)
+    assert [c.step for c in mf.list_committed(storage)] == [10]
+    got = cf_ray.load_state(storage.uri() if storage.fs.type_name == "local" else storage.root,
+                            objects=["model"], filesystem=None if storage.fs.type_name == "local" else storage.fs)
+    assert _weights_equal(got["model"], model)
+
+
+def test_flipped_byte_and_truncated_file_are_detected_before_parsing(storage):
+    write_checkpoint(storage, 10, _model(1))
+    m20 = write_checkpoint(storage, 20, _model(2))
+    m30 = write_checkpoint(storage, 30, _model(3))
+    # Flip one byte of step 30's data, truncate step 20's index.
+    d30, d20 = mf.step_dir(30), mf.step_dir(20)
+    name30 = m30.sections[mf.SHARED]["data"]
+    buf = storage.read_file(f"{d30}/{name30}")
+    buf[len(buf) // 2] ^= 0x01
+    storage.write_file(f"{d30}/{name30}", [buf])
+    name20 = m20.sections[mf.SHARED]["index"]
+    idx = storage.read_file(f"{d20}/{name20}")
+    storage.write_file(f"{d20}/{name20}", [idx[: len(idx) // 2]])
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        mf.load_section(storage, d30, m30, mf.SHARED)
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        mf.load_section(storage, d20, m20, mf.SHARED)
+    with pytest.raises(CorruptCheckpointError):
+        mf.verify_all(storage, d30, m30)
+
+
+_WRITER = textwrap.dedent("""
+    import os, signal, sys, torch
+    sys.path.insert(0, {tests!r})
+    from cf_ray.storage import FsStorage
+    from cf_ray import manifest as mf
+    from storage_helpers import arena_of
+    storage = FsStorage.from_uri({root!r})
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+    arena, index = arena_of({{"objects": {{"model": model.state_dict()}}}})
+    mf.write_section(storage, mf.step_dir(20), 1, mf.SHARED, arena, index)
+    os.kill(os.getpid(), signal.SIGKILL)  # dies between the data files and the manifest
+""")
+
+
+def test_writer_killed_between_data_and_manifest_leaves_only_the_previous_checkpoint(tmp_path):
+    root = str(tmp_path / "run" / "cf_ray")
+    storage = FsStorage.from_uri(root)
+    first = _model(1)
+    write_checkpoint(storage, 10, first)
+    proc = subprocess.run([sys.executable, "-c", _WRITER.format(tests=os.path.dirname(__file__), root=root)])
+    assert proc.returncode == -9
+    assert storage.list_dir(mf.step_dir(20))  # the half-written data is there ...
+    assert [c.step for c in mf.list_committed(storage)] == [10]  # ... and invisible to readers
+    assert _weights_equal(cf_ray.load_state(root, objects=["model"])["model"], first)
+    # The next save of that step succeeds and is the one readers load.
+    second = _model(2)
+    write_checkpoint(storage, 20, second)
+    assert [c.step for c in mf.list_committed(storage)] == [10, 20]
+    assert _weights_equal(cf_ray.load_state(root, objects=["model"])["model"], second)
+
+
+def test_a_pickle_payload_is_never_executed(tmp_path):
+    root = tmp_path / "run" / "cf_ray"
+    storage = FsStorage.from_uri(str(root))
+    m = write_checkpoint(storage, 10, _model(1))
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    payload = pickle.dumps(Exploit())
+    directory = mf.step_dir(10)
+    # An attacker who can write the files can also rewrite the manifest's sizes and checksums.
+    for name in (m.sections[mf.SHARED]["index"], m.sections[mf.SHARED]["data"]):
+        m.files[name] = storage.write_file(f"{directory}/{name}", [payload])
+    storage.write_file(f"{directory}/{mf.MANIFEST}", [m.to_bytes()])
+    with pytest.raises(CorruptCheckpointError):
+        cf_ray.load_state(str(root))
+    # A torch.save file handed to cf_ray is not a checkpoint either.
+    (tmp_path / "model.pt").write_bytes(payload)
+    with pytest.raises(cf_ray.CheckpointNotFoundError):
+        cf_ray.load_state(str(tmp_path))
+    assert not marker.exists()
+
+
+def test_manifest_naming_files_outside_the_checkpoint_is_refused(tmp_path):
+    storage = FsStorage.from_uri(str(tmp_path / "run" / "cf_ray"))
+    m = write_checkpoint(storage, 10, _model(1))
+    raw = m.to_bytes().decode().replace(m.sections[mf.SHARED]["data"], "../../../../etc/passwd")
+    storage.write_file(f"{mf.step_dir(10)}/{mf.MANIFEST}", [raw.encode()])
+    with pytest.raises(UnsafePathError):
+        mf.read_manifest(storage, mf.step_dir(10))
+
+
+def test_load_chosen_entries_from_a_chosen_checkpoint(tmp_path):
+    root = str(tmp_path / "run" / "cf_ray")
+    storage = FsStorage.from_uri(root)
+    models = {step: _model(step) for step in (5, 10, 15)}
+    for step, model in models.items():
+        write_checkpoint(storage, step, model)
+    got = cf_ray.load_state(root, step=10, objects=["model"], keys=["0.weight"])
+    assert list(got["model"]) == ["0.weight"]
+    assert torch.equal(got["model"]["0.weight"], models[10].state_dict()["0.weight"])
+    target = _model(99)
+    assert cf_ray.load_into(root, {"model": target}, step=5)
+    assert _weights_equal(target.state_dict(), models[5])
+    assert cf_ray.load_into(root, {"model": target}, step=7) is False  # Caffe2's contract: False, not a crash
+    with pytest.raises(cf_ray.CheckpointNotFoundError):
+        cf_ray.load_state(root, step=7)
+    assert [c.step for c in cf_ray.list_checkpoints(root)] == [5, 10, 15]
+
+
+def test_keep_last_and_milestones_under_many_saves():
+    rng = random.Random(0)
+    committed: list[tuple[int, bool]] = []
+    for step in range(1, 500):
+        committed.append((step, rng.random() < 0.05))
+        doomed = set(mf.to_delete(committed, keep_last=3))
+        committed = [(s, m) for s, m in committed if s not in doomed]
+        assert max(s for s, _ in committed) == step  # the newest committed one always exists
+        ordinary = [s for s, m in committed if not m]
+        assert len(ordinary) <= 3 and ordinary == sorted(ordinary)[-3:]
+    milestones = [s for s, m in committed if m]
+    assert milestones and all(s in dict(committed) for s in milestones)
