@@ -266,6 +266,10 @@ class Checkpointer:
         """Checkpoint now. Every rank must call it at the same step (like ``ray.train.report``)."""
         self._snapshot("manual", milestone=milestone)
 
+    def wait_snapshot(self, timeout: float | None = None) -> bool:
+        """Block until the snapshot in flight (if any) is held by this node's holder actor."""
+        return self._snap.wait_done(timeout)
+
     def request_checkpoint(self, *, preemption: bool = False) -> None:
         """Ask for a checkpoint at the next step all ranks reach; safe to call from any thread and
         from one rank only (a signal handler, a metadata-endpoint poller)."""
@@ -442,14 +446,20 @@ class Checkpointer:
         self._received = self._adopted = max(self._schedules)
         self._interval = self._schedules[self._adopted]
         candidates: list[tuple[str, Any]] = []
-        newest_storage = plan["storage"][0] if plan["storage"] else -1
+        newest_storage = max([plan["storage"][0] if plan["storage"] else -1]
+                             + [t[0] for t in plan.get("tiers", ()) if t])
         mem = plan["memory"]
         if mem and self.config.restore_from in ("auto", "memory") and (
                 self.config.restore_from == "memory" or mem["step"] >= newest_storage):
             candidates.append(("memory", mem))
         if self.config.restore_from in ("auto", "storage"):
-            candidates.extend(("storage", (self.storage, mf.step_dir(s))) for s in plan["storage"])
-            if not plan["storage"]:
+            # Newest step first; for the same step, the primary storage before the upload tiers
+            # (fastest first), so a checkpoint lost or damaged on the primary is taken from a tier.
+            found = [(s, 0, self.storage) for s in plan["storage"]]
+            for i, steps in enumerate(plan.get("tiers", ())):
+                found.extend((s, i + 1, self.tiers[i]) for s in steps)
+            candidates.extend(("storage", (st, mf.step_dir(s))) for s, _, st in sorted(found, key=lambda x: (-x[0], x[1])))
+            if not found:
                 # A new run started with TorchTrainer(resume_from_checkpoint=...) from another run.
                 ray_ckpt = self._ray_checkpoint()
                 if ray_ckpt is not None:
@@ -584,6 +594,21 @@ class Checkpointer:
         return Resume(source=source, step=self.step_count, epoch=self.epoch, generation=self.generation, path=path,
                       saved_world_size=saved_world, data=data_states)
 
+    # -- what happened ------------------------------------------------------------------------------------
+    def profile_rows(self) -> list[dict]:
+        """One dict per checkpoint of the run so far (all ranks aggregated by the controller)."""
+        return ray.get(self.controller.profile_rows.remote(), timeout=_env.get_float(_env.ACTOR_TIMEOUT_S))
+
+    def profile(self):
+        """The profile table as a pandas DataFrame (see ``cf_ray.report.profile_frame``)."""
+        from cf_ray.report import profile_frame
+
+        return profile_frame(self.profile_rows())
+
+    def events(self) -> list[dict]:
+        """Restores, fallbacks, interval changes and uploads recorded by the controller."""
+        return ray.get(self.controller.events.remote(), timeout=_env.get_float(_env.ACTOR_TIMEOUT_S))
+
     # -- the end -----------------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> list[dict]:
         """Block until every checkpoint started so far is committed or has failed.
@@ -659,6 +684,12 @@ class Checkpointer:
                     ray.train.report(dict(self.metrics, cf_ray_step=self.step_count, cf_ray_final=True),
                                      checkpoint=ckpt if self.rank == 0 else None,
                                      checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+        if self.rank == 0 and self.tiers:
+            # Uploads to the second destination finish before fit() returns.
+            deadline = time.monotonic() + _env.get_float(_env.ACTOR_TIMEOUT_S)
+            while time.monotonic() < deadline and not ray.get(self.controller.maintenance_idle.remote()):
+                time.sleep(0.1)
+        self._control.broadcast(None)  # every rank leaves together, after the uploads
         summary = ray.get(self.controller.summary.remote(), timeout=_env.get_float(_env.ACTOR_TIMEOUT_S))
         self.controller.finish.remote(self.rank, self.world_size)
         self._snap.close(timeout=5)

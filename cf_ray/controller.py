@@ -138,8 +138,15 @@ class Controller:
                               "replicated": p.meta.get("replicated", True)}
                     break
             storage_steps = sorted(self._committed, reverse=True)
-            return {"generation": self.generation, "memory": memory, "storage": storage_steps,
-                    "schedules": list(self._schedules)}
+        tiers = []
+        for tier in self.settings.tiers:
+            try:
+                tiers.append(sorted((c.step for c in mf.list_committed(tier)), reverse=True))
+            except Exception as e:  # noqa: BLE001 - an unreachable tier is not a reason to fail a restore
+                logger.warning("cf_ray: cannot list upload tier %s: %s", tier.uri(), e)
+                tiers.append([])
+        return {"generation": self.generation, "memory": memory, "storage": storage_steps, "tiers": tiers,
+                "schedules": list(self._schedules)}
 
     def restored(self, info: dict) -> None:
         """Rank 0 reports where the attempt resumed from; old generations' memory is released."""
@@ -296,6 +303,7 @@ class Controller:
         while True:
             item = self._maintenance.get()
             if item is None:
+                self._maintenance.task_done()
                 return
             try:
                 if item[0] == "after_commit":
@@ -306,6 +314,8 @@ class Controller:
                     self._save_profile()
             except Exception:  # noqa: BLE001 - a failed delete or upload never kills the thread
                 logger.exception("cf_ray: maintenance after step %s failed", item[1] if len(item) > 1 else "?")
+            finally:
+                self._maintenance.task_done()
 
     def _upload(self, step: int, m: mf.Manifest) -> None:
         if not self.settings.tiers or (self.settings.upload_milestones_only and not m.milestone):
@@ -404,6 +414,10 @@ class Controller:
                     "interval": self._schedules[-1]["interval"], "schedules": list(self._schedules),
                     "failures": list(self._failures), "events": list(self._events),
                     "pending": sorted(k[1] for k, p in self._pending.items() if p.state == "pending")}
+
+    def maintenance_idle(self) -> bool:
+        """True when no upload or clean-up is queued or running."""
+        return self._maintenance.unfinished_tasks == 0
 
     def pending_steps(self, generation: int) -> list[int]:
         with self._lock:

@@ -7,9 +7,10 @@ pinned to its node. The writer runs in the holder's process, not in the training
 persist never takes the training process's GIL, and a persist that has started finishes even when
 the worker that staged it dies.
 
-Bounded memory: per section the holder keeps the newest staged entry plus, at most, the one being
-written (``2 x`` the section size), and a queued entry is replaced, not added to, when a newer one of
-the same section arrives (one persist in flight per section; intermediate snapshots that storage
+Bounded memory: per section the holder keeps the two newest staged entries (the newest may be
+incomplete across ranks when a worker dies in the middle of a snapshot; the one before is then the
+newest complete one), so ``2 x`` the section size, plus transiently the argument of a ``stage``
+call. A queued entry is replaced, not added to, when a newer one of the same section arrives (one persist in flight per section; intermediate snapshots that storage
 cannot keep up with are skipped, never queued without bound).
 
 Failure: an exception while writing is reported to the controller (``part_failed``) with the rank,
@@ -55,8 +56,9 @@ class Holder:
         self.controller_name = controller_name
         self.namespace = namespace
         self._lock = threading.Condition()
-        self._latest: dict[str, _Entry] = {}
+        self._latest: dict[str, list[_Entry]] = {}  # section -> the two newest entries, oldest first
         self._pending: dict[str, _Entry] = {}
+        self._urgent: list[_Entry] = []  # displaced milestone/priority entries, written first
         self._writing: _Entry | None = None
         self._controller = None
         self._closed = False
@@ -82,9 +84,15 @@ class Holder:
         superseded = []
         with self._lock:
             for e in entries:
-                self._latest[e.section] = e
+                kept = self._latest.setdefault(e.section, [])
+                kept.append(e)
+                del kept[:-2]
                 old = self._pending.get(e.section)
-                if old is not None:
+                if old is not None and (old.meta.get("milestone") or old.meta.get("priority")):
+                    # Milestones and preemption checkpoints are never skipped: write the newer one
+                    # right after instead (a second slot, only in this case).
+                    self._urgent.append(old)
+                elif old is not None:
                     superseded.append((old.generation, old.step, old.section))
                 if meta.get("persist", True):
                     self._pending[e.section] = e
@@ -101,7 +109,7 @@ class Holder:
     def get_section(self, generation: int, step: int, section: str) -> list | None:
         """``[ObjectRef of the arena, index bytes]`` if held, else ``None``."""
         with self._lock:
-            for e in (self._latest.get(section), self._writing, self._pending.get(section)):
+            for e in (*self._latest.get(section, ()), *self._urgent, self._writing, self._pending.get(section)):
                 if e is not None and e.section == section and e.generation == generation and e.step == step:
                     return [e.ref, e.index]
         return None
@@ -109,13 +117,14 @@ class Holder:
     def forget_before(self, generation: int) -> None:
         """Drop entries of earlier generations that are not being written."""
         with self._lock:
-            for d in (self._latest, self._pending):
-                for k in [k for k, e in d.items() if e.generation < generation]:
-                    del d[k]
+            for k in list(self._latest):
+                self._latest[k] = [e for e in self._latest[k] if e.generation >= generation]
+            for k in [k for k, e in self._pending.items() if e.generation < generation]:
+                del self._pending[k]
 
     def idle(self) -> bool:
         with self._lock:
-            return not self._pending and self._writing is None
+            return not self._pending and not self._urgent and self._writing is None
 
     def close(self) -> None:
         with self._lock:
@@ -128,8 +137,11 @@ class Holder:
     # -- writer thread -------------------------------------------------------------------------
     def _next(self) -> _Entry | None:
         with self._lock:
-            while not self._pending and not self._closed:
+            while not self._pending and not self._urgent and not self._closed:
                 self._lock.wait(timeout=1.0)
+            if self._urgent:
+                self._writing = self._urgent.pop(0)
+                return self._writing
             if not self._pending:
                 return None
             # Priority first (preemption), then the oldest step, so commits happen in step order.

@@ -34,7 +34,7 @@ def ray_cluster():
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
 
