@@ -149,17 +149,17 @@ class Controller:
                 "schedules": list(self._schedules)}
 
     def restored(self, info: dict) -> None:
-        """Rank 0 reports where the attempt resumed from; old generations' memory is released."""
+        """Rank 0 reports where the attempt resumed from.
+
+        Snapshots of earlier generations past the restored step belong to a timeline that this
+        attempt replays; they are not committed. Those at or before it are valid and may still
+        commit (the holders keep writing them), which keeps a memory restore durable.
+        """
         with self._lock:
             self._events.append(dict(info, event="restore", generation=self.generation, time=time.time()))
-            gen = self.generation
-            for key in [k for k, p in self._pending.items() if k[0] < gen and p.state == "pending"]:
-                self._pending[key].state = "abandoned"
-        for name in list(self._holders):
-            try:
-                ray.get_actor(name, namespace=_env.namespace()).forget_before.remote(gen)
-            except ValueError:
-                self._holders.discard(name)
+            for (gen, step), p in self._pending.items():
+                if gen < self.generation and p.state == "pending" and step > info.get("step", 0):
+                    p.state = "abandoned"
 
     # -- worker polls ----------------------------------------------------------------------------
     def sync(self, rank: int, generation: int, payload: dict) -> dict:

@@ -114,14 +114,6 @@ class Holder:
                     return [e.ref, e.index]
         return None
 
-    def forget_before(self, generation: int) -> None:
-        """Drop entries of earlier generations that are not being written."""
-        with self._lock:
-            for k in list(self._latest):
-                self._latest[k] = [e for e in self._latest[k] if e.generation >= generation]
-            for k in [k for k, e in self._pending.items() if e.generation < generation]:
-                del self._pending[k]
-
     def idle(self) -> bool:
         with self._lock:
             return not self._pending and not self._urgent and self._writing is None
