@@ -1,0 +1,55 @@
+"""The README's commands and snippets stay true: snippets come from files that run in CI."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _readme() -> str:
+    with open(os.path.join(ROOT, "README.md")) as f:
+        return f.read()
+
+
+def test_readme_opens_with_the_two_commands_and_ci_runs_the_test_one():
+    first_block = re.search(r"```bash\n(.*?)```", _readme(), re.S).group(1)
+    commands = [line.split("#")[0].strip() for line in first_block.splitlines() if line.strip()]
+    assert commands == ["make demo", "make test"]
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        assert "make test" in f.read()
+
+
+def _snippets():
+    for m in re.finditer(r"<!-- snippet: (\S+) -->\n```(\w+)\n(.*?)```", _readme(), re.S):
+        yield m.group(1), m.group(2), m.group(3)
+
+
+@pytest.mark.parametrize("path, lang, body", list(_snippets()))
+def test_readme_snippets_are_taken_from_files_that_run(path, lang, body):
+    with open(os.path.join(ROOT, path)) as f:
+        source_lines = [line.strip() for line in f]
+    for line in body.splitlines():
+        if lang == "diff":
+            if line.startswith("-") or line.strip() in ("", "..."):
+                continue
+            line = line[1:]
+        if line.strip():
+            assert line.strip() in source_lines, f"README line not in {path}: {line.strip()!r}"
+
+
+@pytest.mark.slow
+def test_example_train_ddp_runs_and_resumes(tmp_path):
+    env = dict(os.environ, CF_RAY_EXAMPLE_EPOCHS="2", CF_RAY_EXAMPLE_SAMPLES="256", RAY_ADDRESS="local",
+               CF_RAY_CONTROLLER_LINGER_S="2")
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "train_ddp.py"), "--storage-path", str(tmp_path),
+           "--hidden", "32", "--name", "ex"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "final model:" in out.stdout and "final_" in out.stdout
+    assert "checkpoints:" in out.stdout
