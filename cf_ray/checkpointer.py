@@ -45,6 +45,7 @@ from cf_ray.controller import (ControllerSettings, controller_name, get_or_creat
 from cf_ray.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, ElasticResumeError,
                            PersistError)
 from cf_ray.persist import get_or_create_holder
+from cf_ray.preemption import PreemptionConfig, PreemptionWatcher
 from cf_ray.policy import FixedInterval, FrequencyPolicy, SaveContext
 from cf_ray.snapshot import SnapshotJob, Snapshotter, StagedSection
 from cf_ray.storage import FsStorage, Storage
@@ -81,6 +82,11 @@ class CheckpointConfig:
     replicated: bool = True
     """True for DDP: model and optimizer state are identical on all ranks and rank 0 writes them once.
     False when each rank has its own model/optimizer state (every rank writes all of it)."""
+    resume_from: Any = None
+    """Start a *new* run from another run's checkpoint: a ``ray.train.Checkpoint`` (e.g. an earlier
+    ``result.checkpoint`` or one of ``result.best_checkpoints``), a checkpoint directory or a run
+    directory (path or URI). Used only while this run has no checkpoint of its own. This is Ray
+    Train v2's replacement for ``TorchTrainer(resume_from_checkpoint=...)``, which v2 refuses."""
     restore_from: str = "auto"
     """``auto``: newest in-memory snapshot if it is at least as new as storage, else storage;
     ``memory``/``storage``: only that source; ``none``: never restore."""
@@ -91,8 +97,14 @@ class CheckpointConfig:
     checkpoint (the run's result); ``None`` disables it."""
     raise_on_persist_error: bool = False
     """Raise :class:`PersistError` from ``wait()``/``finish()`` when a save failed (default: warn once)."""
+    preemption: bool | PreemptionConfig = True
+    """React to preemption notices (Ray Train's signal, SIGTERM, ``request_checkpoint(preemption=True)``)
+    with a just-in-time checkpoint; a :class:`cf_ray.preemption.PreemptionConfig` tunes how."""
 
     def __post_init__(self):
+        if not isinstance(self.preemption, (bool, PreemptionConfig)):
+            raise ConfigError(f"CheckpointConfig.preemption={self.preemption!r} must be True, False or a "
+                              "cf_ray.preemption.PreemptionConfig")
         if not isinstance(self.policy, FrequencyPolicy):
             raise ConfigError(f"CheckpointConfig.policy={self.policy!r} is not a policy; use "
                               "cf_ray.FixedInterval(every=k), cf_ray.EpochEnd() or cf_ray.Adaptive()")
@@ -161,7 +173,10 @@ class Checkpointer:
     def __init__(self, state: Mapping[str, Any], *, data: Mapping[str, Any] | None = None,
                  config: CheckpointConfig | None = None):
         self.config = config or CheckpointConfig()
-        self.state = _check_tracked(state, "state")
+        # DDP wrappers are tracked through the module they wrap (same parameters), so a checkpoint's
+        # keys do not depend on the wrapper: Ray's prepare_model() does not wrap with one worker, and
+        # an elastic run must load a 2-worker checkpoint into 1 worker and back.
+        self.state = {n: _unwrap_ddp(o) for n, o in _check_tracked(state, "state").items()}
         self.data = _check_tracked(data or {}, "data", allow_empty=True)
         self.rank, self.world_size, run_name, storage, ray_storage = _context(self.config)
         self.storage: FsStorage = storage
@@ -216,6 +231,14 @@ class Checkpointer:
         self.stall_s_total = 0.0
         self.metrics: dict[str, Any] = {}
         """User metrics sent with each registration of a checkpoint with Ray Train."""
+        self._seen_requests = -1
+        self.preemption: PreemptionWatcher | None = None
+        """This rank's preemption watcher (its ``notices`` and ``outcomes``), ``None`` when disabled."""
+        if self.config.preemption:
+            pcfg = self.config.preemption if isinstance(self.config.preemption, PreemptionConfig) \
+                else PreemptionConfig()
+            self.preemption = PreemptionWatcher(pcfg, self.rank, lambda: self._want(2))
+            self.preemption.install()
 
     # -- the training loop ------------------------------------------------------------------------
     def step(self, *optimizers, scaler=None) -> bool:
@@ -270,10 +293,24 @@ class Checkpointer:
         """Block until the snapshot in flight (if any) is held by this node's holder actor."""
         return self._snap.wait_done(timeout)
 
-    def request_checkpoint(self, *, preemption: bool = False) -> None:
+    def request_checkpoint(self, *, preemption: bool = False, deadline_s: float | None = None,
+                           deadline_unix: float | None = None, detail: str = "") -> None:
         """Ask for a checkpoint at the next step all ranks reach; safe to call from any thread and
-        from one rank only (a signal handler, a metadata-endpoint poller)."""
-        level = 2 if preemption else 1
+        from one rank only (a signal handler, a metadata-endpoint poller).
+
+        Args:
+            preemption: this is a preemption notice: the checkpoint is persisted before anything
+                else, and this rank waits for it and holds until the deadline (``cf_ray.preemption``).
+            deadline_s: seconds from now until this worker is expected to be gone (preemption only).
+            deadline_unix: the same as a UNIX time (wins over ``deadline_s``).
+            detail: free text kept with the notice.
+        """
+        if preemption and self.preemption is not None:
+            self.preemption.notify("user", deadline_s=deadline_s, deadline_unix=deadline_unix, detail=detail)
+            return
+        self._want(2 if preemption else 1)
+
+    def _want(self, level: int) -> None:
         if level > self._local_request:
             self._local_request = level
 
@@ -284,6 +321,8 @@ class Checkpointer:
             self._iter_sum += max(now - self._last_step_end - guard, 0.0)
             self._iter_n += 1
         self.step_count += 1
+        if self.preemption is not None:
+            self.preemption.poll(self.step_count)
         agreement = self._control.exchange(
             schedule_version=self._received, save_request=self._local_request,
             committed_step=self._known_committed,
@@ -307,6 +346,10 @@ class Checkpointer:
         if kind is not None:
             self._snapshot(kind, milestone=milestone, priority=kind == "preempt")
             self._took = True
+            if kind == "preempt" and self.preemption is not None:
+                # Wait until it is committed (bounded by the deadline), then hold or pass SIGTERM on.
+                self.preemption.after_checkpoint(self.step_count, self._wait_quiet,
+                                                 lambda s: self._known_committed >= s)
         self._poll()
         self._last_step_end = time.perf_counter()
 
@@ -330,6 +373,8 @@ class Checkpointer:
         meta = {"rank": self.rank, "world_size": self.world_size, "replicated": self.config.replicated,
                 "epoch": self.epoch, "kind": kind, "milestone": milestone, "priority": priority,
                 "interval": self._interval}
+        if kind == "preempt" and self.preemption is not None:
+            meta.update(self.preemption.snapshot_meta())  # the deadline, for the profile row
         guarded = self._guarded_ptrs()
         sync_s = self._snap.begin(self.step_count, sections, lambda t: t.data_ptr() in guarded, meta)
         self.last_save_step = self.step_count
@@ -384,7 +429,7 @@ class Checkpointer:
             while self._ckpt_stats:
                 stats.append(self._ckpt_stats.popleft())
             payload = {"samples": samples, "ckpt_stats": stats, "adopted_version": self._received,
-                       "seen_failures": self._seen_failures}
+                       "seen_failures": self._seen_failures, "seen_requests": self._seen_requests}
             self._poll_ref = self.controller.sync.remote(self.rank, self.generation, payload)
             self._last_poll = now
 
@@ -406,6 +451,13 @@ class Checkpointer:
                 self._failures.append(f)
                 logger.warning("cf_ray: rank %d: checkpoint of step %d failed (%s): %s; the previous committed "
                                "checkpoint stays the latest", self.rank, f["step"], f["section"], f["error"])
+        for r in reply.get("requests", ()):  # cf_ray.preemption.notify_preemption() from the driver
+            self._seen_requests = max(self._seen_requests, r["seq"])
+            if self.preemption is not None:  # every rank keeps the deadline; rank 0 asks (ranks poll apart)
+                self.preemption.notify("driver", deadline_unix=r.get("deadline_unix"), detail=r.get("detail", ""),
+                                       request=self.rank == 0)
+            elif self.rank == 0:
+                self._want(2)
 
     # -- Ray Train registration -------------------------------------------------------------------
     def _register_due(self) -> bool:
@@ -460,10 +512,10 @@ class Checkpointer:
                 found.extend((s, i + 1, self.tiers[i]) for s in steps)
             candidates.extend(("storage", (st, mf.step_dir(s))) for s, _, st in sorted(found, key=lambda x: (-x[0], x[1])))
             if not found:
-                # A new run started with TorchTrainer(resume_from_checkpoint=...) from another run.
-                ray_ckpt = self._ray_checkpoint()
-                if ray_ckpt is not None:
-                    candidates.append(("storage", ray_ckpt))
+                # A new run started from another run's checkpoint.
+                other = self._other_run_checkpoint()
+                if other is not None:
+                    candidates.append(("storage", other))
         resume = None
         for source, cand in candidates:
             loaded, error = self._fetch(source, cand)
@@ -490,24 +542,28 @@ class Checkpointer:
                     resume.source)
         return resume
 
-    def _ray_checkpoint(self) -> tuple[Storage, str] | None:
-        """The cf_ray checkpoint that Ray Train hands this run, if any (``resume_from_checkpoint``)."""
-        if self._ray_storage is None:
-            return None
-        try:
-            ckpt = ray.train.get_checkpoint()
-        except Exception:  # noqa: BLE001
-            return None
-        if ckpt is None:
+    def _other_run_checkpoint(self) -> tuple[Storage, str] | None:
+        """``CheckpointConfig.resume_from``, else the checkpoint Ray Train hands this run, if any."""
+        source = self.config.resume_from
+        if source is None and self._ray_storage is not None:
+            try:
+                source = ray.train.get_checkpoint()
+            except Exception:  # noqa: BLE001
+                source = None
+        if source is None:
             return None
         from cf_ray.load import open_run
 
         try:
-            run, directory = open_run(ckpt)
-        except Exception:  # noqa: BLE001 - not a cf_ray checkpoint
+            run, directory = open_run(source)
+            if directory is None:
+                committed = mf.list_committed(run)
+                directory = committed[-1].path if committed else None
+        except Exception as e:  # noqa: BLE001 - not a cf_ray checkpoint
+            logger.warning("cf_ray: cannot resume from %s: %s", source, e)
             return None
         if directory is None or not run.exists(f"{directory}/{mf.MANIFEST}"):
-            logger.warning("cf_ray: Ray Train's checkpoint %s is not a cf_ray checkpoint; ignoring it", ckpt.path)
+            logger.warning("cf_ray: %s is not a committed cf_ray checkpoint; starting fresh", source)
             return None
         return run, directory
 
@@ -610,6 +666,14 @@ class Checkpointer:
         return ray.get(self.controller.events.remote(), timeout=_env.get_float(_env.ACTOR_TIMEOUT_S))
 
     # -- the end -----------------------------------------------------------------------------------------
+    def _wait_quiet(self, timeout: float) -> None:
+        """``wait()`` for the preemption watcher: failures stay unreported for the user's next ``wait()``."""
+        reported = self._reported_failures
+        try:
+            self.wait(timeout)
+        finally:
+            self._reported_failures = reported
+
     def wait(self, timeout: float | None = None) -> list[dict]:
         """Block until every checkpoint started so far is committed or has failed.
 
@@ -693,12 +757,20 @@ class Checkpointer:
         summary = ray.get(self.controller.summary.remote(), timeout=_env.get_float(_env.ACTOR_TIMEOUT_S))
         self.controller.finish.remote(self.rank, self.world_size)
         self._snap.close(timeout=5)
+        if self.preemption is not None:
+            self.preemption.close()
         self._closed = True
         return FinishSummary(final_path=final_path, committed_steps=summary["committed_steps"],
                              failures=self._failures or failures)
 
 
 # -- helpers ------------------------------------------------------------------------------------------
+
+def _unwrap_ddp(obj):
+    while isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+        obj = obj.module
+    return obj
+
 
 def _check_tracked(objs, what: str, allow_empty: bool = False) -> dict:
     if not isinstance(objs, Mapping):

@@ -44,7 +44,8 @@ DEFAULTS: dict[str, Any] = {
     "upload_filesystem": None,
     "step_sleep": 0.0,
     "kill_after_handoff": False,  # wait until the last snapshot is in the holder before the SIGKILL
-    "env": {},  # environment variables set in the worker before anything else (cf_ray tunables)
+    "env": {},
+    "resume_from": None,  # another run's checkpoint to start from (CheckpointConfig.resume_from)  # environment variables set in the worker before anything else (cf_ray tunables)
 }
 
 
@@ -115,7 +116,7 @@ def train_loop_per_worker(config: dict) -> None:
             policy=_policy(cfg), keep_last=cfg["keep_last"], milestone_every=cfg["milestone_every"],
             restore_from=cfg["restore_from"], storage_path=cfg["storage_path"],
             storage_filesystem=cfg["storage_filesystem"], upload_path=cfg["upload_path"],
-            upload_filesystem=cfg["upload_filesystem"]),
+            upload_filesystem=cfg["upload_filesystem"], resume_from=cfg["resume_from"]),
     )
     resume = ckpt.restore()
     out = cfg["out_dir"]
@@ -159,7 +160,7 @@ def train_loop_per_worker(config: dict) -> None:
 
 
 def run(name: str, root: str, config: dict, *, workers: int = 2, max_failures: int = 3, storage_path: str | None = None,
-        storage_filesystem=None, resume_from_checkpoint=None):
+        storage_filesystem=None):
     """One ``TorchTrainer.fit()`` of :func:`train_loop_per_worker`; returns Ray's Result."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -171,7 +172,6 @@ def run(name: str, root: str, config: dict, *, workers: int = 2, max_failures: i
         run_config=RunConfig(name=name, storage_path=storage_path or os.path.join(root, "storage"),
                              storage_filesystem=storage_filesystem,
                              failure_config=FailureConfig(max_failures=max_failures)),
-        resume_from_checkpoint=resume_from_checkpoint,
     )
     return trainer.fit()
 
