@@ -472,10 +472,19 @@ class Checkpointer:
             return
         from ray.train import Checkpoint, CheckpointUploadMode
 
-        ckpt = Checkpoint(path=self.storage.fs_path(mf.step_dir(step)), filesystem=self.storage.fs)
+        # Ray Train remembers every registered checkpoint and, when a run with the same name starts
+        # again, refuses to start if one of them is gone. keep-last deletes checkpoints, so what is
+        # registered is a small pointer directory that cf_ray never deletes (Ray's own
+        # CheckpointConfig(num_to_keep=...) may), naming the checkpoint it stands for.
+        pointer = None
+        if self.rank == 0:
+            try:
+                pointer = mf.write_pointer(self.storage, step)
+            except Exception as e:  # noqa: BLE001 - registration is bookkeeping; never fail training for it
+                logger.warning("cf_ray: could not register step %d with Ray Train: %s", step, e)
+        ckpt = Checkpoint(path=self.storage.fs_path(pointer), filesystem=self.storage.fs) if pointer else None
         metrics = dict(self.metrics, cf_ray_step=step, cf_ray_epoch=self.epoch)
-        ray.train.report(metrics, checkpoint=ckpt if self.rank == 0 else None,
-                         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+        ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
 
     # -- restore ------------------------------------------------------------------------------------------
     def restore(self) -> Resume:

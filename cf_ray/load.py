@@ -40,7 +40,8 @@ def open_run(source: Any, filesystem: pafs.FileSystem | None = None) -> tuple[Fs
 
     ``source`` may be: a run directory (``<storage_path>/<name>``), its ``cf_ray`` root, one
     checkpoint's directory (``.../checkpoints/step_000000000120``), as a local path or a URI, or a
-    ``ray.train.Checkpoint`` (``result.checkpoint``).
+    ``ray.train.Checkpoint`` (``result.checkpoint``, or one of ``result.best_checkpoints``, which
+    are pointers to checkpoints).
     """
     if hasattr(source, "path") and hasattr(source, "filesystem"):  # ray.train.Checkpoint
         filesystem, source = source.filesystem, source.path
@@ -49,7 +50,11 @@ def open_run(source: Any, filesystem: pafs.FileSystem | None = None) -> tuple[Fs
     storage = FsStorage.from_uri(source, filesystem)
     root, name = storage.root, None
     base = posixpath.basename(root)
-    if mf._DIR_RE.match(base) and posixpath.basename(posixpath.dirname(root)) == mf.CHECKPOINTS:
+    parent = posixpath.basename(posixpath.dirname(root))
+    if parent == mf.REGISTERED and storage.exists(mf.POINTER):  # what was registered with Ray Train
+        run = FsStorage(storage.fs, posixpath.dirname(posixpath.dirname(root)))
+        return run, mf.read_pointer(storage.read_file(mf.POINTER))
+    if mf._DIR_RE.match(base) and parent == mf.CHECKPOINTS:
         name = base
         root = posixpath.dirname(posixpath.dirname(root))
     elif base != "cf_ray":

@@ -39,6 +39,8 @@ VERSION = 1
 MANIFEST = "MANIFEST.json"
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
+REGISTERED = "registered"
+POINTER = "cf_ray_checkpoint.json"
 SHARED = "shared"
 
 _DIR_RE = re.compile(r"^(step|final)_(\d{12})$")
@@ -155,6 +157,28 @@ def commit(storage: Storage, directory: str, manifest: Manifest) -> None:
         storage.write_file(LATEST, [directory.rsplit("/", 1)[-1].encode()])
     except Exception as e:  # noqa: BLE001 - the hint is optional; the manifest is the truth
         logger.warning("cf_ray: could not update the 'latest' hint (%s); the checkpoint is committed", e)
+
+
+def write_pointer(storage: Storage, step: int) -> str:
+    """A directory ``registered/step_<step>`` holding only a pointer to ``checkpoints/step_<step>``:
+    what is registered with Ray Train, so that cf_ray's keep-last never deletes what Ray remembers."""
+    directory = f"{REGISTERED}/step_{step:012d}"
+    body = json.dumps({"format": "cf_ray-pointer", "version": VERSION, "checkpoint": step_dir(step), "step": step})
+    storage.write_file(f"{directory}/{POINTER}", [body.encode()])
+    return directory
+
+
+def read_pointer(raw: bytes | np.ndarray) -> str:
+    """The checkpoint directory (relative to the run's root) that a pointer names."""
+    try:
+        d = json.loads(bytes(raw))
+        target = str(d["checkpoint"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(f"malformed checkpoint pointer: {e}") from None
+    if d.get("format") != "cf_ray-pointer" or not _DIR_RE.match(target.removeprefix(f"{CHECKPOINTS}/")) \
+            or not target.startswith(f"{CHECKPOINTS}/"):
+        raise UnsafePathError(f"checkpoint pointer names {target!r}, which is not a checkpoint of this run")
+    return target
 
 
 # -- reading ------------------------------------------------------------------------------------

@@ -172,11 +172,13 @@ def test_registered_with_ray_and_a_new_run_resumes_from_one_of_them(ray_cluster,
     cfg = dict(SMALL, step_sleep=0.05, env={"CF_RAY_REGISTER_INTERVAL_S": "0"})
     result = demo.run("registered", str(tmp_path), cfg)
     assert result.checkpoint.path.endswith("final_000000000026")
-    steps = [c.path for c, _ in result.best_checkpoints if "/step_" in c.path]
-    assert steps, "no intermediate checkpoint was registered with Ray Train"
-    existing = [p for p in steps if os.path.exists(os.path.join(p, mf.MANIFEST))]
-    chosen = next(c for c, _ in reversed(result.best_checkpoints) if c.path in existing)
-    step = int(chosen.path.rsplit("_", 1)[1])
+    registered = [c for c, _ in result.best_checkpoints if "/registered/step_" in c.path]
+    assert registered, "no intermediate checkpoint was registered with Ray Train"
+    # keep-last may have deleted what an old pointer names; the newest one stands.
+    chosen = registered[-1]
+    storage, directory = cf_ray.load.open_run(chosen)
+    assert storage.exists(f"{directory}/{mf.MANIFEST}")
+    step = int(directory.rsplit("_", 1)[1])
     # Ray Train v2 refuses TorchTrainer(resume_from_checkpoint=...); the checkpoint goes in the config.
     demo.run("continued", str(tmp_path), dict(SMALL, epochs=3, resume_from=chosen))
     first = resumes(tmp_path / "out" / "continued")[0]
@@ -195,7 +197,8 @@ def test_upload_tier_serves_the_restore_when_the_primary_is_lost(ray_cluster, tm
         mf.verify_all(tier, c.path, mf.read_manifest(tier, c.path))  # with its own manifest, verified
     import shutil
 
-    shutil.rmtree(tmp_path / "storage" / "tiered" / "cf_ray" / mf.CHECKPOINTS)  # the local disk is lost
+    for d in (tmp_path / "storage" / "tiered" / "cf_ray" / mf.CHECKPOINTS).glob("step_*"):
+        shutil.rmtree(d)  # the local copies are lost
     demo.run("tiered", str(tmp_path), dict(cfg, epochs=2, restore_from="storage"))
     latest = resumes(tmp_path / "out" / "tiered")[-1]
     assert (latest["source"], latest["step"]) == ("storage", in_tier[-1])
