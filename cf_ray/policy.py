@@ -20,6 +20,7 @@ A policy has two sides:
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
@@ -65,11 +66,18 @@ class Sample:
     step: int
     """The rank's step count when the sample was taken (the last step its iterations cover)."""
     iter_s: float = 0.0
-    """Mean seconds per iteration since the previous sample, checkpoint stalls excluded."""
+    """Mean seconds per iteration since the previous sample, checkpoint stalls excluded (all of
+    ``stall_s``: a stall counted here as well would be counted twice)."""
     iters: int = 0
     """Number of iterations the mean covers (0: no iteration information in this sample)."""
     stall_s: float | None = None
-    """Training-thread stall of checkpoint ``ckpt_step`` (guard wait + synchronous part)."""
+    """Training-thread stall of checkpoint ``ckpt_step``: the synchronous part plus the guard
+    waits for its own background copy (before the next optimizer step)."""
+    wait_s: float | None = None
+    """The part of ``stall_s`` spent waiting, before this snapshot could start, for the *previous*
+    checkpoint's copy/persist still in flight (one in flight per rank). It is left out of the cost,
+    because the interval keeps one persist in flight, and it proves the persist outlasted the
+    interval. Not the guard for this snapshot's own copy: that is cost. ``None``: no such wait."""
     copy_s: float | None = None
     """Background copy of that snapshot into host buffers (overlapped with training)."""
     persist_s: float | None = None
@@ -232,49 +240,55 @@ class Adaptive:
     the value the controller last published and every rank adopted (before that:
     :meth:`initial_interval`, so the first checkpoint is taken at ``first_checkpoint_step``).
 
-    **What it measures** (from the :class:`Sample` stream of every rank, the slowest rank governs):
+    **What it measures** (from the :class:`Sample` stream of every rank; the slowest rank governs):
 
-    * ``t`` — time per iteration: per rank the weighted median of its recent samples taken while
-      no copy or persist was in flight, then the maximum over ranks;
-    * ``C`` — cost of one checkpoint in training time: per rank, its stall plus the *slowdown* of
-      the iterations that overlapped the checkpoint's copy and persist (sum of ``iter_s - t_rank``
-      over them; this also catches waiting in a collective for a slower rank's stall), then the
-      maximum over ranks;
-    * ``B`` — background time of one checkpoint: ``copy_s + persist_s``, maximum over ranks.
+    * ``t`` — seconds per iteration: per rank the weighted median of its recent samples taken
+      while none of its copies or persists was in flight, then the maximum over ranks;
+    * ``C`` — training time one checkpoint costs: per rank, its stall plus the *slowdown* of the
+      iterations that overlapped the checkpoint's copy and persist (the sum of ``iter_s - t_rank``
+      over them, which also catches waiting in a collective for a slower rank's stall), maximum
+      over ranks; guard waits (``Sample.wait_s``) are left out, the persist rule removes them;
+    * ``B`` — background seconds of one checkpoint: ``copy_s + persist_s``, maximum over ranks. A
+      guard wait ``w`` after ``g`` steps proves ``B >= g * t + w``; that bound is used at once.
 
-    Each per-checkpoint series is summarised by the median of the last ``window`` checkpoints since
-    the last *drift*: when the two newest values of ``C`` or ``B`` both differ from the median of
-    the ones before by more than ``drift_ratio`` in the same direction, the older values are
-    dropped, so a change of level (interference, a slower disk, a larger state) is followed after
-    two checkpoints instead of ``window``. The iteration time follows drift continuously.
+    ``C`` and ``B`` are the mean (lowest and highest dropped) of the last ``window`` checkpoints
+    since the last *drift*, with a standard error. A drift is the two newest values of a series
+    both off the median of the ones before by more than ``drift_ratio`` (or four times the
+    series' own scatter, so noisy storage is not mistaken for drift) in the same direction; the
+    older values are then dropped, so a change of level (interference, a slower disk, a larger
+    state) is followed within two checkpoints. ``t`` follows drift continuously (16 samples).
 
     **The interval** is the shortest ``k`` that meets, in this order of precedence:
 
     1. ``min_interval <= k <= max_interval`` (always);
-    2. one persist in flight: ``k * t >= B * (1 + headroom)`` — never below CheckFreq's
+    2. one persist in flight: ``k * t >= B * (1 + headroom)``, so never below CheckFreq's
        ``ceil((t_full - t_stall) / t)``;
     3. ``k * t <= max_lost_s * (1 - headroom)`` when a bound on lost work is set;
-    4. the budget: ``C / (k * t) <= budget_pct * (1 - headroom)``.
+    4. the budget: ``C / (k * t) <= budget_pct * (1 - headroom)`` (``k * t`` is the useful
+       training time between two checkpoints).
 
-    When a rule must give way to a stronger one, :meth:`explain` says so in ``conflicts`` and a
+    When a rule gives way to a stronger one, :meth:`explain` says so in ``conflicts`` and a
     :class:`PolicyWarning` is issued once per kind of conflict.
 
-    **Hysteresis.** Once tuned, the interval is *widened* as soon as the current one breaks a
-    limit itself (predicted overhead above ``budget_pct``, ``k * t`` below ``B``); it is
-    *shortened* when it exceeds ``max_lost_s`` (at once) or when the target has stayed at or below
-    ``shrink_ratio * current`` across a new checkpoint (so noise does not make it oscillate). The
-    gap between the limit (``budget_pct``) and the aim (``budget_pct * (1 - headroom)``) is the
-    dead band.
+    **Hysteresis.** Once tuned, the interval is *widened* when the current one breaks a rule by
+    more than the noise (``(C - se) / (k * t) > budget_pct``, or ``k * t < B - se``): at once for
+    a clear overrun, at the next checkpoint for a marginal one. It is *shortened* at once when it
+    exceeds ``max_lost_s``; otherwise only to the interval that pessimistic estimates (``C`` and
+    ``B`` plus two standard errors, at least three checkpoints since the last drift) allow, when
+    that is at most ``shrink_ratio * current`` at two checkpoints in a row. The gap between the
+    limits and the aims (``headroom``) is the dead band.
 
-    **Profiling** is the first checkpoint, at ``first_checkpoint_step``: as soon as its stall and
-    persist time are known (or two checkpoints have been seen without a persist time) the interval
-    is tuned. A profile kept with the run (:meth:`state_dict`) lets a restarted job start from the
-    previous interval at once: :meth:`plan` returns it on its first call, and it is re-tuned as
-    soon as new measurements disagree by more than ``drift_ratio``.
+    **Profiling** is the first checkpoint, at ``first_checkpoint_step``: once its stall and persist
+    time are known (or a second checkpoint has been seen without a persist time) a *provisional*
+    interval is published; it is tuned once more as soon as iterations with nothing in flight have
+    been timed (or after three checkpoints), and hysteresis applies from then on. A profile kept
+    with the run (:meth:`state_dict` / :meth:`load_state_dict`) makes :meth:`plan` return the
+    previous interval (re-derived for this configuration) on its first call; it is replaced by new
+    measurements once they are in, at once if they differ by more than ``drift_ratio``.
 
     **Optional methods for the controller:** :meth:`explain` (a JSON-able dict of why the interval
-    is what it is; after every :meth:`plan`), :meth:`checkpoint_stats` (measured cost and overhead
-    of one checkpoint, for the profile table), :meth:`state_dict` (save with the run's profile) and
+    is what it is, as of the last :meth:`plan`), :meth:`checkpoint_stats` (what one checkpoint
+    cost, for the profile table), :meth:`state_dict` (keep with the run) and
     :meth:`load_state_dict` (into a freshly built policy, before the first :meth:`plan`).
 
     The object is mutable on the controller (``plan`` updates it); the copies on the workers only
@@ -295,7 +309,7 @@ class Adaptive:
     """Optional bound on the training time lost by a failure, in seconds: forces
     ``interval * t_iter <= max_lost_s`` even when that costs more than the budget (a warning says
     so). It cannot force checkpoints faster than storage persists them."""
-    window: int = 10
+    window: int = 16
     """How many recent checkpoints are combined into the cost and persist estimates (mean without
     the lowest and the highest value)."""
     headroom: float = 0.1
@@ -311,6 +325,7 @@ class Adaptive:
     cache warm-up)."""
 
     _st: "_State" = field(init=False, repr=False, compare=False)
+    """What :meth:`plan` has learnt (controller side only; not configuration)."""
 
     def __post_init__(self):
         b = self.budget_pct
@@ -360,7 +375,7 @@ class Adaptive:
         Args:
             samples: new samples, or the whole (bounded) history of them: samples already taken in
                 are recognised by identity and skipped, so a call costs O(new samples + window).
-            current: the interval in force (``None``: :meth:`initial_interval`).
+            current: the interval last published (``None``: :meth:`initial_interval`).
 
         Returns:
             A new interval (an int different from ``current``) or ``None``.
@@ -378,14 +393,18 @@ class Adaptive:
                               "ckpt": st.ckpt_clock, "at_step": st.max_step}
             st.changed_at = st.ckpt_clock
             st.shrink_since = st.widen_since = None
-            info["decision"] = decision
+            info.update(interval=decision, previous=current)
+            info["lost_work_s"] = decision * info["iter_s"] if info.get("iter_s") else None
+            info["predicted_overhead_pct"] = 100.0 * info["cost_s"] / (decision * info["iter_s"]) \
+                if info.get("iter_s") and info.get("cost_s") is not None else None
+            st.current = decision
             return decision
         return None
 
     def explain(self) -> dict:
         """Why the interval is what it is, as of the last :meth:`plan` (JSON-able).
 
-        Keys: ``phase`` (``profiling``/``tuned``/``restored``), ``interval`` (in force),
+        Keys: ``phase`` (``profiling``/``provisional``/``tuned``/``restored``), ``interval`` (in force),
         ``target`` (what the rules ask for now), ``binding`` (the rule that set the target:
         ``budget``, ``persist_in_flight``, ``max_lost_s``, ``min_interval``, ``max_interval``,
         ``profiling``), ``reason`` (one sentence), ``conflicts`` (rules that gave way),
@@ -405,19 +424,22 @@ class Adaptive:
     def checkpoint_stats(self, step: int) -> dict | None:
         """What was measured for the checkpoint at ``step`` (recent checkpoints only), or ``None``.
 
-        Returns a dict with ``stall_s`` (max over ranks), ``slowdown_s`` (extra iteration time while
-        its copy/persist ran), ``cost_s`` (max over ranks of stall + slowdown), ``copy_s``,
-        ``persist_s``, ``background_s``, ``bytes`` (sum over ranks) and ``overhead_pct`` (cost over
-        the baseline iteration time until the next checkpoint; ``None`` until that is known).
+        Returns a dict with ``stall_s`` (max over ranks), ``wait_s`` (the part of a stall spent
+        waiting for the previous snapshot, max over ranks), ``slowdown_s`` (extra iteration time
+        while its copy/persist ran), ``cost_s`` (max over ranks of stall + slowdown, waits
+        excluded), ``copy_s``, ``persist_s``, ``background_s`` (copy + persist), ``bytes`` (sum
+        over ranks) and ``overhead_pct`` (cost over the baseline iteration time until the next
+        checkpoint; ``None`` until that is known).
         """
         rec = self._st.recs.get(step)
         if rec is None:
             return None
         cost = rec.cost()
-        stall = rec.stall_max()
-        return {"stall_s": stall, "slowdown_s": None if cost is None or stall is None else max(cost - stall, 0.0),
+        own = rec.own_stall_max()
+        return {"stall_s": rec.stall_max(), "wait_s": _max_or_none(rec.wait),
+                "slowdown_s": None if cost is None or own is None else max(cost - own, 0.0),
                 "cost_s": cost, "copy_s": _max_or_none(rec.copy), "persist_s": _max_or_none(rec.persist),
-                "background_s": rec.bg(), "bytes": sum(rec.nbytes.values()) if rec.nbytes else None,
+                "background_s": rec.bg(False), "bytes": sum(rec.nbytes.values()) if rec.nbytes else None,
                 "overhead_pct": rec.overhead_pct()}
 
     def state_dict(self) -> dict:
@@ -457,16 +479,20 @@ class Adaptive:
 
     # -- ingestion ------------------------------------------------------------------------------
     def _ingest(self, s: Sample, current: int) -> None:
+        if not (isinstance(s, Sample) and isinstance(s.rank, numbers.Integral) and isinstance(s.step, numbers.Integral)
+                and (s.ckpt_step is None or isinstance(s.ckpt_step, numbers.Integral))):
+            return  # not a sample: ignored rather than fatal to the controller
         st = self._st
         st.clock += 1
         r = st.ranks.get(s.rank)
         if r is None:
             r = st.ranks[s.rank] = _Rank(self.warmup_steps)
         r.seen = st.clock
-        iters = s.iters if isinstance(s.iters, int) and s.iters > 0 else 0
+        iters = int(s.iters) if isinstance(s.iters, numbers.Integral) and s.iters > 0 else 0
         if iters and s.step < r.last_step:
             self._rollback(s.rank, r, s.step - iters)
-        if any(v is not None for v in (s.stall_s, s.copy_s, s.persist_s, s.nbytes)) or s.ckpt_step is not None:
+        if any(v is not None for v in (s.stall_s, s.wait_s, s.copy_s, s.persist_s, s.nbytes)) \
+                or s.ckpt_step is not None:
             self._ingest_ckpt(s.rank, r, s, current)
         if iters and _pos(s.iter_s) is not None:
             r.last_step = max(r.last_step, s.step)
@@ -488,33 +514,39 @@ class Adaptive:
             r.cur = None
         r.last_step = restored
         r.warm_until = restored + self.warmup_steps
+        st.rev += 1
 
     def _ingest_ckpt(self, rank: int, r: "_Rank", s: Sample, current: int) -> None:
         st = self._st
         c = s.ckpt_step
         approx = False
         cur = r.cur
-        if c is None:  # the engine did not say which checkpoint: guess
+        if c is None:
+            # The engine did not say which checkpoint the values describe. Guess: the same one
+            # until they change half an interval later, or a whole interval has passed.
             values = (s.stall_s, s.copy_s, s.nbytes)
             persist_only = all(v is None for v in values)
-            if cur is not None and (persist_only or (cur.approx and (
-                    values == cur.values or s.step - cur.step < max(2, current // 2)))):
+            gap = s.step - cur.step if cur is not None else 0
+            if cur is not None and (persist_only or (cur.approx and gap < current and (
+                    values == cur.values or gap < max(2, current // 2)))):
                 c = cur.step
             else:
                 c, approx = max(s.step - max(s.iters, 1), 0), True
         if cur is None or c > cur.step or (approx and c != cur.step):
             if cur is not None:
                 self._close_segment(rank, cur)
-            cur = r.cur = _RankCkpt(c, approx)
+            cur = r.cur = _RankCkpt(c, approx, cur.step if cur is not None else None)
         rec = st.recs.get(c)
         if rec is None:
             if c < cur.step:
                 return  # late news of a checkpoint already forgotten
             st.ckpt_clock += 1
-            rec = st.recs[c] = _Ckpt(c, st.ckpt_clock)
-            while len(st.recs) > max(4 * self.window, 16):
+            st.rev += 1
+            rec = st.recs[c] = _Ckpt(c, st.ckpt_clock, not st.decided)
+            while len(st.recs) > 2 * self.window + 4:
                 del st.recs[next(iter(st.recs))]
-        rec.put(rank, _nonneg(s.stall_s), _nonneg(s.copy_s), _nonneg(s.persist_s), s.nbytes)
+        if rec.put(rank, _nonneg(s.stall_s), _nonneg(s.wait_s), _nonneg(s.copy_s), _nonneg(s.persist_s), s.nbytes):
+            st.rev += 1
         if s.persist_s is not None:
             st.persist_seen = True
         if cur.step == c and s.stall_s is not None:
@@ -526,14 +558,25 @@ class Adaptive:
         if cur is not None and not cur.closed and self._overlapped(rank, r, s, first):
             if base is not None:
                 cur.excess += (s.iter_s - base) * iters
+                cur.base_open = cur.base_open or base
             r.dirty.append((s.iter_s, iters))
         else:
             if cur is not None and not cur.closed:
+                if cur.base_open and abs(s.iter_s / cur.base_open - 1.0) > 0.25:
+                    # The iteration time itself moved meanwhile: the difference is not the
+                    # checkpoint's doing, so this checkpoint's slowdown is not measured.
+                    cur.excess = 0.0
                 self._close_excess(rank, cur)
             r.clean.append((s.iter_s, iters))
             r.invalidate()
         if cur is not None:
-            cur.seg_base += (base if base is not None else s.iter_s) * iters
+            per_iter = base if base is not None else s.iter_s
+            before = min(max(cur.step - first + 1, 0), iters)  # iterations before the checkpoint
+            cur.seg_base += per_iter * (iters - before)
+            prev = self._st.recs.get(cur.prev_step) if cur.prev_step is not None else None
+            if before and prev is not None and rank in prev.base_s:
+                prev.base_s[rank] += per_iter * before
+                self._st.rev += 1
 
     def _overlapped(self, rank: int, r: "_Rank", s: Sample, first: int) -> bool:
         if s.overlapped is not None:
@@ -555,7 +598,8 @@ class Adaptive:
         cur.closed = True
         rec = self._st.recs.get(cur.step)
         if rec is not None:
-            rec.set_excess(rank, cur.excess)  # unclipped: noise averages out over checkpoints
+            rec.excess[rank] = cur.excess  # unclipped: noise averages out over checkpoints
+            self._st.rev += 1
 
     def _close_segment(self, rank: int, cur: "_RankCkpt") -> None:
         if not cur.closed:
@@ -563,6 +607,7 @@ class Adaptive:
         rec = self._st.recs.get(cur.step)
         if rec is not None and cur.seg_base > 0:
             rec.base_s[rank] = cur.seg_base
+            self._st.rev += 1
 
     # -- estimates ------------------------------------------------------------------------------
     def _t_iter(self) -> tuple[float | None, int | None, bool]:
@@ -587,60 +632,89 @@ class Adaptive:
     def _estimate(self) -> "_Est | None":
         st = self._st
         t, slowest, t_clean = self._t_iter()
-        recs = list(st.recs.values())
-        stalls = [(rec.step, v) for rec in recs if (v := rec.stall_max()) is not None]
-        settled = [(rec.step, rec.cost()) for rec in recs if rec.excess and rec.stall]
-        costs = settled if settled else [(rec.step, rec.cost()) for rec in recs if rec.stall]
-        bgs = [(rec.step, v) for rec in recs if (v := rec.bg()) is not None]
         prior = st.prior
         if t is None and prior:
             t = prior["iter_s"]
-        if t is None or (not stalls and not prior):
+        summary = self._summary()
+        if t is None or (summary is None and not prior):
             return None
         est = _Est(t=t, slowest=slowest, t_clean=t_clean)
-        drift: dict[str, Any] = {}
-        if costs:
-            est.cost, est.cost_se = self._level("cost_s", costs, drift)
-            est.stall = self._level("stall_s", stalls, {})[0]
-        else:
-            est.cost, est.stall, est.source = prior["cost_s"], prior["stall_s"], "saved profile"
-        if bgs:
-            est.bg, est.bg_se = self._level("background_s", bgs, drift)
-        else:
+        if summary is None:
+            est.cost, est.stall, est.bg, est.source = prior["cost_s"], prior["stall_s"], prior["background_s"], \
+                "saved profile"
+            est.nbytes = prior.get("bytes")
+            return est
+        for name, value in summary.items():
+            if name != "wait_gaps":
+                setattr(est, name, value)
+        if est.bg is None:
             est.bg = prior["background_s"] if prior else 0.0
-        copies = [v for rec in recs if (v := _max_or_none(rec.copy)) is not None]
-        persists = [v for rec in recs if (v := _max_or_none(rec.persist)) is not None]
-        est.copy = _median(copies[-self.window:]) if copies else None
-        est.persist = _median(persists[-self.window:]) if persists else None
-        with_bytes = [rec for rec in recs if rec.nbytes]
-        est.nbytes = sum(with_bytes[-1].nbytes.values()) if with_bytes else (prior or {}).get("bytes")
-        rates = [sum(rec.nbytes.values()) / max(rec.persist.values()) for rec in recs
-                 if rec.nbytes and rec.persist and max(rec.persist.values()) > 0]
-        est.rate = _median(rates[-self.window:]) if rates else None
-        measured = [(rec.cost(), sum(rec.base_s.values()) / len(rec.base_s)) for rec in recs[-self.window:]
-                    if rec.base_s and rec.stall]
-        if measured:
-            den = sum(b for _, b in measured)
-            est.measured_pct = 100.0 * sum(c for c, _ in measured) / den if den > 0 else None
-        est.n = len(costs)
-        est.has_persist = bool(persists)
-        est.drift = drift
+        # A guard wait means the previous copy+persist outlasted the interval: it took at least the
+        # time between the two checkpoints plus the wait. This catches a slower disk at once, even
+        # before (or without) persist times.
+        lower = [gap * t + w for gap, w in summary["wait_gaps"]]
+        if lower and max(lower) > est.bg:
+            est.bg = max(lower)
+            est.bg_from_waits = True
         return est
 
-    def _level(self, name: str, series: list[tuple[int, float]], drift: dict) -> tuple[float, float]:
-        """Robust mean of the last ``window`` values since the last change of level, and its
-        standard error.
+    def _summary(self) -> dict | None:
+        """The per-checkpoint part of the estimates; recomputed only when a record changed."""
+        st = self._st
+        if st.summary_rev == st.rev:
+            return st.summary
+        st.summary_rev = st.rev
+        recs = list(st.recs.values())
+        tuned = [rec for rec in recs if not rec.profiling]
+        if sum(1 for rec in tuned if rec.stall and rec.excess) >= 2:
+            recs = tuned  # checkpoints at the short profiling interval may have waited or overlapped
+        stalls = [(rec.step, v) for rec in recs if (v := rec.own_stall_max()) is not None]
+        if not stalls:
+            st.summary = None
+            return None
+        settled = [(rec.step, rec.cost()) for rec in recs if rec.excess and rec.stall]
+        costs = settled if settled else [(rec.step, rec.cost()) for rec in recs if rec.stall]
+        bgs = [(rec.step, v) for rec in recs if (v := rec.bg(st.persist_seen)) is not None]
+        drift: dict[str, Any] = {}
+        out: dict[str, Any] = {"drift": drift, "n": len(costs)}
+        out["cost"], out["cost_se"], out["n_level"] = self._level("cost_s", costs, drift)
+        out["stall"] = self._level("stall_s", stalls, {})[0]
+        out["bg"], out["bg_se"], n_bg = self._level("background_s", bgs, drift) if bgs else (None, 0.0, 0)
+        out["n_level"] = min(out["n_level"], n_bg) if bgs else out["n_level"]
+        copies = [v for rec in recs if (v := _max_or_none(rec.copy)) is not None]
+        persists = [v for rec in recs if (v := _max_or_none(rec.persist)) is not None]
+        out["copy"] = _median(copies[-self.window:]) if copies else None
+        out["persist"] = _median(persists[-self.window:]) if persists else None
+        out["has_persist"] = bool(persists)
+        with_bytes = [rec for rec in recs if rec.nbytes]
+        out["nbytes"] = sum(with_bytes[-1].nbytes.values()) if with_bytes else None
+        rates = [sum(rec.nbytes.values()) / max(rec.persist.values()) for rec in recs
+                 if rec.nbytes and rec.persist and max(rec.persist.values()) > 0]
+        out["rate"] = _median(rates[-self.window:]) if rates else None
+        out["wait_gaps"] = [(rec.step - prev.step, max(rec.wait.values())) for prev, rec in zip(recs[-4:], recs[-3:])
+                            if rec.wait and max(rec.wait.values()) > 0 and rec.step > prev.step]
+        measured = [(rec.cost(), sum(rec.base_s.values()) / len(rec.base_s)) for rec in recs[-self.window:]
+                    if rec.base_s and rec.stall]
+        den = sum(b for _, b in measured)
+        out["measured_pct"] = 100.0 * sum(c for c, _ in measured) / den if den > 0 else None
+        st.summary = out
+        return out
+
+    def _level(self, name: str, series: list[tuple[int, float]], drift: dict) -> tuple[float, float, int]:
+        """Robust mean of the last ``window`` values since the last change of level, its standard
+        error, and how many values it is based on.
 
         A change of level is two newest values both off the median of the values before them (at
         least two) by more than ``drift_ratio`` — or by more than four times that series' own
         typical scatter (median absolute deviation of the logarithms), so noisy storage does not
         look like drift — in the same direction.
         """
+        series = series[-2 * self.window - 2:]  # a change of level older than this is in the mean anyway
         vals = [max(v, 1e-9) for _, v in series]
         logs = [math.log(v) for v in vals]
         start, base_thr = 0, math.log(self.drift_ratio)
         for i in range(3, len(vals)):
-            ref = logs[start:i - 1]
+            ref = logs[max(start, i - 1 - self.window):i - 1]
             if len(ref) < 2:
                 continue
             m = _median(ref)
@@ -653,9 +727,9 @@ class Adaptive:
         recent = vals[max(start, len(vals) - self.window):]
         mean = _robust_mean(recent)
         if len(recent) < 2:
-            return mean, 0.0
+            return mean, 0.0, len(recent)
         sd = math.sqrt(sum((v - mean) ** 2 for v in recent) / (len(recent) - 1))
-        return mean, sd / math.sqrt(len(recent))
+        return mean, sd / math.sqrt(len(recent)), len(recent)
 
     # -- the decision ---------------------------------------------------------------------------
     def _target(self, est: "_Est", cost: float | None = None,
@@ -672,20 +746,22 @@ class Adaptive:
         k, binding = (k_budget, "budget") if k_budget >= k_flight else (k_flight, "persist_in_flight")
         if self.max_lost_s is not None:
             k_lost = math.floor(self.max_lost_s * (1.0 - self.headroom) / t + 1e-9)
+            if k_lost < 1 and t <= self.max_lost_s:
+                k_lost = 1
             if k > k_lost:
-                if k_flight_strict * t > self.max_lost_s:
-                    k, binding = max(k_flight_strict, k_lost, 1), "persist_in_flight"
+                if k_lost < 1:
+                    k, binding = max(k_flight_strict, 1), "max_lost_s" if k_flight_strict <= 1 else "persist_in_flight"
+                    conflicts.append(("lost_below_iter", (
+                        f"max_lost_s={self.max_lost_s:g} is shorter than one iteration ({t:.3g} s): checkpointing "
+                        f"every {k} step(s); raise max_lost_s above the iteration time")))
+                elif k_flight_strict > k_lost:
+                    k, binding = k_flight_strict, "persist_in_flight"
                     conflicts.append(("lost_vs_persist", (
                         f"max_lost_s={self.max_lost_s:g} cannot be met: one checkpoint takes {bg:.3g} s to copy and "
                         f"persist ({k_flight_strict} steps of {t:.3g} s) and checkpoints cannot be taken faster than "
                         "storage persists them; the persist time wins (use faster storage or raise max_lost_s)")))
-                elif k_lost < 1:
-                    k, binding = 1, "max_lost_s"
-                    conflicts.append(("lost_below_iter", (
-                        f"max_lost_s={self.max_lost_s:g} is shorter than one iteration ({t:.3g} s): "
-                        "checkpointing every step")))
                 else:
-                    k, binding = max(k_lost, k_flight_strict), "max_lost_s"
+                    k, binding = k_lost, "max_lost_s"
                     if cost / (k * t) > budget:
                         conflicts.append(("lost_vs_budget", (
                             f"max_lost_s={self.max_lost_s:g} wins over budget_pct={self.budget_pct:g}: checkpointing "
@@ -720,15 +796,26 @@ class Adaptive:
         budget = self.budget_pct / 100.0
         t = est.t
         info = self._info(est, k, binding, conflicts, current)
-        measured_ready = est.source == "measured" and est.t_clean and (est.has_persist or est.n >= 2)
-        if measured_ready:
+        ready = est.source == "measured" and (est.has_persist or est.n >= 2)
+        if ready and (est.t_clean or est.n >= 3):  # (a persist may overlap every iteration)
             phase = "tuned"
+        elif st.prior:
+            phase = "restored"
         else:
-            phase = "restored" if st.prior else "profiling"
+            phase = "provisional" if ready else "profiling"
         info["phase"] = phase
         if phase == "profiling":
-            info["reason"] = "profiling: first stall measured, waiting for its persist time"
+            info["reason"] = "profiling: waiting for the persist time of the first checkpoint"
             return None, info
+        if phase == "provisional":
+            # Every iteration timed so far overlapped a checkpoint: decide once now, and again as
+            # soon as iterations with nothing in flight have been timed (one interval later).
+            if st.decided:
+                info["reason"] = f"keeping {current}: waiting for iterations timed with nothing in flight"
+                return None, info
+            st.decided = True
+            info["reason"] = f"first checkpoint profiled: interval {k} ({binding} binds), provisional"
+            return (k if k != current else None), info
 
         for key, msg in conflicts:
             if key not in st.warned:
@@ -775,10 +862,11 @@ class Adaptive:
                               "checkpoint")
             return None, info
         st.widen_since = None
-        # Shorten only to what the rules give for pessimistic estimates (mean + 2 standard errors),
-        # and only when that is clearly shorter, twice in a row at different checkpoints.
+        # Shorten only to what the rules give for pessimistic estimates (mean + 2 standard errors,
+        # at least three checkpoints since the last drift), only when that is clearly shorter, and
+        # only when it is still so at the next checkpoint.
         k_safe = self._target(est, est.cost + 2.0 * est.cost_se, est.bg + 2.0 * est.bg_se)[0]
-        if k_safe <= math.floor(current * self.shrink_ratio):
+        if k_safe <= math.floor(current * self.shrink_ratio) and est.n_level >= 3:
             if st.shrink_since is None:
                 st.shrink_since = st.ckpt_clock
             elif st.ckpt_clock > st.shrink_since and st.ckpt_clock > st.changed_at:
@@ -815,8 +903,9 @@ class Adaptive:
             "iter_s": t, "slowest_rank": est.slowest, "stall_s": est.stall,
             "slowdown_s": max(est.cost - est.stall, 0.0), "cost_s": est.cost, "copy_s": est.copy,
             "persist_s": est.persist, "background_s": est.bg, "bytes": est.nbytes,
-            "persist_bytes_per_s": est.rate, "checkfreq_interval": cf, "source": est.source,
-            "drift": est.drift,
+            "persist_bytes_per_s": est.rate, "background_from_waits": est.bg_from_waits,
+            "checkfreq_interval": cf, "source": est.source,
+            "drift": dict(est.drift),
         }
 
 
@@ -829,6 +918,9 @@ class _State:
         self.last_obj: Sample | None = None  # the newest sample taken in (identity, see _new_samples)
         self.ranks: dict[int, _Rank] = {}
         self.recs: dict[int, _Ckpt] = {}  # by checkpoint step, in arrival order, bounded
+        self.rev = 0  # bumped whenever a record changes
+        self.summary_rev = -1
+        self.summary: dict | None = None
         self.clock = 0  # samples taken in
         self.ckpt_clock = 0  # checkpoints seen
         self.max_step = 0
@@ -872,12 +964,14 @@ class _Rank:
 class _RankCkpt:
     """One rank's view of its latest checkpoint while the iterations after it come in."""
 
-    __slots__ = ("step", "approx", "excess", "closed", "seg_base", "values")
+    __slots__ = ("step", "approx", "prev_step", "excess", "base_open", "closed", "seg_base", "values")
 
-    def __init__(self, step: int, approx: bool):
+    def __init__(self, step: int, approx: bool, prev_step: int | None):
         self.step = step
         self.approx = approx
+        self.prev_step = prev_step  # the rank's previous checkpoint, whose segment ends here
         self.excess = 0.0  # sum of (iter_s - baseline) over overlapped iterations
+        self.base_open: float | None = None  # the baseline they were compared with
         self.closed = False  # the overlap is over; excess is final
         self.seg_base = 0.0  # baseline time of the iterations until the next checkpoint
         self.values: tuple = ()
@@ -886,48 +980,65 @@ class _RankCkpt:
 class _Ckpt:
     """All ranks' measurements of one checkpoint."""
 
-    __slots__ = ("step", "seq", "stall", "copy", "persist", "nbytes", "excess", "base_s")
+    __slots__ = ("step", "seq", "profiling", "stall", "wait", "copy", "persist", "nbytes", "excess", "base_s")
 
-    def __init__(self, step: int, seq: int):
+    def __init__(self, step: int, seq: int, profiling: bool):
         self.step, self.seq = step, seq
+        self.profiling = profiling  # taken at the profiling interval, before the first decision
         self.stall: dict[int, float] = {}
+        self.wait: dict[int, float] = {}
         self.copy: dict[int, float] = {}
         self.persist: dict[int, float] = {}
         self.nbytes: dict[int, int] = {}
         self.excess: dict[int, float] = {}
         self.base_s: dict[int, float] = {}
 
-    def put(self, rank, stall, copy, persist, nbytes) -> None:
-        if stall is not None:
-            self.stall[rank] = stall
-        if copy is not None:
-            self.copy[rank] = copy
-        if persist is not None:
-            self.persist[rank] = persist
-        if isinstance(nbytes, (int, float)) and not isinstance(nbytes, bool) and nbytes >= 0:
+    def put(self, rank, stall, wait, copy, persist, nbytes) -> bool:
+        """Record the newest known values of ``rank``; whether anything changed."""
+        changed = False
+        for d, v in ((self.stall, stall), (self.wait, wait), (self.copy, copy), (self.persist, persist)):
+            if v is not None and d.get(rank) != v:
+                d[rank] = v
+                changed = True
+        if isinstance(nbytes, (int, float)) and not isinstance(nbytes, bool) and nbytes >= 0 \
+                and self.nbytes.get(rank) != int(nbytes):
             self.nbytes[rank] = int(nbytes)
-
-    def set_excess(self, rank: int, excess: float) -> None:
-        self.excess[rank] = excess
+            changed = True
+        return changed
 
     def drop_rank(self, rank: int) -> None:
-        for d in (self.stall, self.copy, self.persist, self.nbytes, self.excess, self.base_s):
+        for d in (self.stall, self.wait, self.copy, self.persist, self.nbytes, self.excess, self.base_s):
             d.pop(rank, None)
 
     def empty(self) -> bool:
         return not (self.stall or self.copy or self.persist or self.nbytes)
 
     def stall_max(self) -> float | None:
+        """The largest stall of a rank, guard waits included."""
         return max(self.stall.values()) if self.stall else None
 
-    def cost(self) -> float | None:
+    def own_stall_max(self) -> float | None:
+        """The largest stall of a rank without its guard wait."""
         if not self.stall:
             return None
-        return max(max(v + self.excess.get(r, 0.0) for r, v in self.stall.items()), 0.0)
+        return max(max(v - min(self.wait.get(r, 0.0), v), 0.0) for r, v in self.stall.items())
 
-    def bg(self) -> float | None:
+    def cost(self) -> float | None:
+        """Training time the checkpoint cost: the slowest rank's stall plus slowdown, without
+        guard waits (the largest one also reaches the other ranks, through the collectives)."""
+        if not self.stall:
+            return None
+        total = max(v + self.excess.get(r, 0.0) for r, v in self.stall.items())
+        waits = max(self.wait.values()) if self.wait else 0.0
+        return max(total - waits, self.own_stall_max(), 0.0)
+
+    def bg(self, persist_expected: bool) -> float | None:
+        """Copy + persist seconds of the slowest rank (``None`` while a persist is expected but
+        not yet known)."""
         if self.persist:
             return max(self.copy.get(r, 0.0) + p for r, p in self.persist.items())
+        if persist_expected:
+            return None
         return max(self.copy.values()) if self.copy else None
 
     def overhead_pct(self) -> float | None:
@@ -958,6 +1069,8 @@ class _Est:
     """Standard error of ``bg``."""
     t_clean: bool = True
     """Whether ``t`` comes from iterations with nothing in flight."""
+    bg_from_waits: bool = False
+    """Whether ``bg`` is the lower bound that guard waits imply."""
     copy: float | None = None
     """Copy seconds (median of recent checkpoints)."""
     persist: float | None = None
@@ -969,7 +1082,9 @@ class _Est:
     measured_pct: float | None = None
     """Overhead measured over recent checkpoints."""
     n: int = 0
-    """Checkpoints the cost estimate is based on."""
+    """Checkpoints measured (recent history)."""
+    n_level: int = 0
+    """Checkpoints the current cost and persist estimates are based on (since the last drift)."""
     has_persist: bool = False
     """Whether any persist time was measured."""
     source: str = "measured"

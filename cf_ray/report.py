@@ -1,0 +1,480 @@
+"""The profile of a run, as users see it: one row per checkpoint (pandas), kept as Parquet next to
+the checkpoints, plotted in one call, and exported as Ray metrics.
+
+The controller owns the rows: it builds them as plain dicts (see :func:`profile_frame` for the
+columns), writes them with :func:`save_profile` through the run's storage, and feeds each
+finished row to a :class:`CheckpointMetrics`. Users read them back after the run with
+:func:`read_run_profile` and draw them with :func:`plot_profile`::
+
+    from cf_ray import report
+
+    df = report.read_run_profile("/mnt/runs", "my-run")
+    report.plot_profile(df, report.read_run_iterations("/mnt/runs", "my-run"), budget_pct=5)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any, Iterable
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from cf_ray.errors import CorruptCheckpointError
+from cf_ray.storage import FileInfo, FsStorage, Storage
+
+logger = logging.getLogger(__name__)
+
+#: Where the profile lives under the run's cf_ray root (``<storage_path>/<run_name>/cf_ray``).
+PROFILE_FILE = "profile.parquet"
+#: The per-sample iteration times, next to it.
+ITERATIONS_FILE = "iterations.parquet"
+#: The folder of a run's cf_ray files under ``<storage_path>/<run_name>``.
+RUN_SUBDIR = "cf_ray"
+#: What ``kind`` a checkpoint row can have.
+KINDS = ("scheduled", "epoch", "manual", "preempt", "final")
+
+# Column -> dtype, in the order users see them. Extra keys follow, in order of first appearance.
+PROFILE_COLUMNS: dict[str, Any] = {
+    "step": "Int64",
+    "epoch": "Int64",
+    "kind": object,
+    "generation": "Int64",
+    "stall_s": "float64",
+    "copy_s": "float64",
+    "persist_s": "float64",
+    "bytes": "Int64",
+    "interval": "Int64",
+    "overhead_pct": "float64",
+    "committed": "boolean",
+    "where": object,
+    "error": object,
+}
+ITERATION_COLUMNS: dict[str, Any] = {
+    "step": "Int64",
+    "rank": "Int64",
+    "iter_s": "float64",
+    "iters": "Int64",
+    "time": "float64",
+}
+# How a per-rank value (a sequence, or a mapping rank -> value) becomes the row's value.
+_PER_RANK = {"stall_s": max, "copy_s": max, "persist_s": max, "bytes": sum}
+
+
+# -- frames -------------------------------------------------------------------------------------
+
+def profile_frame(rows: Iterable[Mapping] | pd.DataFrame) -> pd.DataFrame:
+    """The profile table: one row per checkpoint, in the order given.
+
+    Columns, always present and in this order: ``step``, ``epoch``, ``kind``
+    (scheduled/epoch/manual/preempt/final), ``generation``, ``stall_s`` (max over ranks),
+    ``copy_s`` (max), ``persist_s`` (max), ``bytes`` (sum over ranks), ``interval`` (in force),
+    ``overhead_pct`` (measured), ``committed`` (bool), ``where`` (storage URI, ``memory-only`` or
+    ``failed``), ``error`` (str or None); then any other key found in the rows.
+
+    Args:
+        rows: plain dicts from the controller (or a frame). Missing keys become NA / ``None``.
+            ``stall_s``, ``copy_s``, ``persist_s`` and ``bytes`` may also be given per rank (a
+            sequence, or a mapping rank -> value); they are reduced as said above.
+
+    Returns:
+        A :class:`pandas.DataFrame` with nullable integer/boolean columns and ``object`` strings.
+    """
+    if isinstance(rows, pd.DataFrame):
+        records = rows.to_dict("records")
+    else:
+        records = [dict(r) for r in rows]
+    for r in records:
+        for key, reduce in _PER_RANK.items():
+            if key in r:
+                r[key] = _reduce(r[key], reduce)
+    return _frame(records, PROFILE_COLUMNS)
+
+
+def iterations_frame(rows: Iterable[Mapping | Any] | pd.DataFrame) -> pd.DataFrame:
+    """The iteration-time table: one row per sample (``step``, ``rank``, ``iter_s``, ``iters``,
+    ``time``, then extra keys). Accepts dicts, :class:`cf_ray.policy.Sample` objects or a frame."""
+    if isinstance(rows, pd.DataFrame):
+        records = rows.to_dict("records")
+    else:
+        records = [r if isinstance(r, Mapping) else _fields(r) for r in rows]
+    return _frame(records, ITERATION_COLUMNS)
+
+
+def _fields(obj) -> dict:
+    names = getattr(obj, "__dataclass_fields__", None) or getattr(obj, "__slots__", ())
+    return {n: getattr(obj, n) for n in names if not n.startswith("_")}
+
+
+def _reduce(value, reduce):
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple, np.ndarray, pd.Series)):
+        vals = [v for v in value if not _missing(v)]
+        return reduce(vals) if vals else None
+    return value
+
+
+def _missing(v) -> bool:
+    if v is None or v is pd.NA or v is pd.NaT:
+        return True
+    try:
+        return isinstance(v, float) and math.isnan(v)
+    except TypeError:
+        return False
+
+
+def _frame(records: list[dict], schema: Mapping[str, Any]) -> pd.DataFrame:
+    extras: list[str] = []
+    seen = set(schema)
+    for r in records:
+        for k in r:
+            if k not in seen:
+                seen.add(k)
+                extras.append(k)
+    data = {col: [r.get(col) for r in records] for col in list(schema) + extras}
+    df = pd.DataFrame({col: pd.Series(vals, dtype=object) for col, vals in data.items()},
+                      columns=list(schema) + extras)
+    return _coerce(df, schema)
+
+
+def _coerce(df: pd.DataFrame, schema: Mapping[str, Any]) -> pd.DataFrame:
+    """Give the known columns their dtypes (adding missing ones) and put them first."""
+    df = df.copy()
+    for col, dtype in schema.items():
+        if col not in df.columns:
+            df[col] = pd.Series([None] * len(df), dtype=object, index=df.index)
+        df[col] = _as_dtype(df[col], dtype, col)
+    extras = [c for c in df.columns if c not in schema]
+    for col in extras:
+        df[col] = _infer(df[col])
+    return df[list(schema) + extras].reset_index(drop=True)
+
+
+def _as_dtype(s: pd.Series, dtype, col: str) -> pd.Series:
+    vals = [None if _missing(v) else v for v in s.tolist()]
+    if dtype is object:
+        return pd.Series([None if v is None else str(v) for v in vals], dtype=object, index=s.index)
+    if dtype == "boolean":
+        return pd.Series([None if v is None else bool(v) for v in vals], dtype="boolean", index=s.index)
+    if dtype == "Int64":
+        try:
+            return pd.Series(pd.array([None if v is None else _as_int(v) for v in vals], dtype="Int64"),
+                             index=s.index)
+        except (TypeError, ValueError):
+            logger.warning("cf_ray profile: column %r has non-integer values; keeping them as numbers", col)
+            dtype = "float64"
+    try:
+        return pd.Series([np.nan if v is None else float(v) for v in vals], dtype="float64", index=s.index)
+    except (TypeError, ValueError):
+        return pd.Series(vals, dtype=object, index=s.index)
+
+
+def _as_int(v) -> int:
+    if isinstance(v, (bool, np.bool_)):
+        return int(v)
+    f = float(v)
+    if not f.is_integer():
+        raise ValueError(v)
+    return int(f)
+
+
+def _infer(s: pd.Series) -> pd.Series:
+    """An extra column: numbers and booleans get a (nullable) numeric dtype, the rest stays as is."""
+    vals = [None if _missing(v) else v for v in s.tolist()]
+    present = [v for v in vals if v is not None]
+    if present and all(isinstance(v, (bool, np.bool_)) for v in present):
+        return pd.Series(vals, dtype="boolean", index=s.index)
+    if present and all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in present):
+        return pd.Series(pd.array(vals, dtype="Int64"), index=s.index)
+    if present and all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+                       for v in present):
+        return pd.Series([np.nan if v is None else float(v) for v in vals], dtype="float64", index=s.index)
+    return pd.Series(vals, dtype=object, index=s.index)
+
+
+# -- Parquet through a Storage ------------------------------------------------------------------
+
+def save_profile(storage: Storage, rows: Iterable[Mapping] | pd.DataFrame,
+                 iter_rows: Iterable[Mapping] | pd.DataFrame | None = None) -> dict[str, FileInfo]:
+    """Write the profile (and the iteration times) as Parquet at the storage's root.
+
+    Each file is written whole through :meth:`Storage.write_file`, so a reader sees the previous
+    version or the new one, never a torn file.
+
+    Args:
+        storage: the run's cf_ray root (e.g. an :class:`~cf_ray.storage.FsStorage`).
+        rows: checkpoint rows (see :func:`profile_frame`).
+        iter_rows: iteration samples (see :func:`iterations_frame`); ``None`` writes an empty table.
+
+    Returns:
+        ``{path: FileInfo}`` of the two files written.
+    """
+    out = {PROFILE_FILE: storage.write_file(PROFILE_FILE, [_parquet_bytes(profile_frame(rows))])}
+    out[ITERATIONS_FILE] = storage.write_file(ITERATIONS_FILE, [_parquet_bytes(iterations_frame(iter_rows or []))])
+    return out
+
+
+def load_profile(storage: Storage) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Read what :func:`save_profile` wrote.
+
+    Returns:
+        ``(profile, iterations)``; ``iterations`` is empty when its file is missing.
+
+    Raises:
+        FileNotFoundError: there is no profile at ``storage`` (the message says where it looked).
+        CorruptCheckpointError: a file exists but is not a readable Parquet table.
+    """
+    if not storage.exists(PROFILE_FILE):
+        raise FileNotFoundError(f"no cf_ray profile at {storage.uri(PROFILE_FILE)}; it is written when a run "
+                                "finishes (and by Checkpointer.finish()) — check storage_path and run_name")
+    profile = _coerce(_read_parquet(storage, PROFILE_FILE), PROFILE_COLUMNS)
+    if storage.exists(ITERATIONS_FILE):
+        iterations = _coerce(_read_parquet(storage, ITERATIONS_FILE), ITERATION_COLUMNS)
+    else:
+        iterations = iterations_frame([])
+    return profile, iterations
+
+
+def read_run_profile(storage_path: str, run_name: str, filesystem=None) -> pd.DataFrame:
+    """The profile table of a run: ``<storage_path>/<run_name>/cf_ray/profile.parquet``.
+
+    Args:
+        storage_path: what the run was given as ``storage_path`` (a local path, ``s3://...``,
+            ``gs://...``; a path on ``filesystem`` when one is given).
+        run_name: the run's name (a path under ``storage_path``; no ``..``).
+        filesystem: an optional ``pyarrow.fs.FileSystem`` (as for ``RunConfig(storage_filesystem=)``).
+
+    Raises:
+        FileNotFoundError: no profile there.
+    """
+    return load_profile(_run_storage(storage_path, run_name, filesystem))[0]
+
+
+def read_run_iterations(storage_path: str, run_name: str, filesystem=None) -> pd.DataFrame:
+    """The iteration-time table of a run (see :func:`read_run_profile` for the arguments)."""
+    return load_profile(_run_storage(storage_path, run_name, filesystem))[1]
+
+
+def _run_storage(storage_path: str, run_name: str, filesystem) -> FsStorage:
+    return FsStorage.from_uri(storage_path, filesystem).child(f"{run_name.strip('/')}/{RUN_SUBDIR}")
+
+
+def _parquet_bytes(df: pd.DataFrame) -> pa.Buffer:
+    table = pa.Table.from_pandas(_arrow_ready(df), preserve_index=False)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue()
+
+
+def _arrow_ready(df: pd.DataFrame) -> pd.DataFrame:
+    """Extra columns holding structures or mixed types become JSON text, so any row can be saved."""
+    df = df.copy()
+    for col in df.columns:
+        if df[col].dtype != object:
+            continue
+        vals = df[col].tolist()
+        if all(v is None or isinstance(v, str) for v in vals):
+            continue
+        try:
+            if any(isinstance(v, (Mapping, list, tuple, set)) for v in vals):
+                raise TypeError("structured")
+            pa.array(vals, from_pandas=True)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError):
+            df[col] = pd.Series([None if v is None else json.dumps(v, default=str, sort_keys=True) for v in vals],
+                                dtype=object, index=df.index)
+    return df
+
+
+def _read_parquet(storage: Storage, path: str) -> pd.DataFrame:
+    data = storage.read_file(path)
+    try:
+        table = pq.read_table(pa.BufferReader(pa.py_buffer(data)))
+    except (pa.ArrowInvalid, OSError) as e:
+        raise CorruptCheckpointError(f"{storage.uri(path)} is not a readable Parquet table ({e}); "
+                                     "delete it, the next save_profile() writes it again") from e
+    df = table.to_pandas()
+    return df.astype(object).where(df.notna(), None) if len(df) else df.astype(object)
+
+
+# -- the plot ---------------------------------------------------------------------------------------
+
+_KIND_STYLE = {"scheduled": "-", "epoch": "--", "manual": ":", "preempt": "-.", "final": "-"}
+
+
+def plot_profile(df: pd.DataFrame, iterations_df: pd.DataFrame | None = None, ax=None, *,
+                 budget_pct: float | None = None):
+    """Draw a run's profile: iteration time over steps, checkpoints as vertical lines (green:
+    committed, grey: in memory only / pending, red: failed; line style by kind) and the measured
+    overhead on a second axis.
+
+    Args:
+        df: the profile table (:func:`profile_frame` / :func:`read_run_profile`).
+        iterations_df: the iteration-time table; the slowest rank's time is drawn per step.
+        ax: a matplotlib ``Axes`` to draw on; a new figure is made when ``None``.
+        budget_pct: draw the overhead budget as a horizontal line.
+
+    Returns:
+        The ``matplotlib.figure.Figure``.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install cf-ray[plot]``).
+    """
+    try:
+        import matplotlib.lines as mlines
+    except ImportError as e:
+        raise ImportError("cf_ray.report.plot_profile needs matplotlib: pip install cf-ray[plot]") from e
+    if ax is None:
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(10, 4), layout="constrained")
+    else:
+        fig = ax.figure
+    df = profile_frame(df)
+    handles = []
+    if iterations_df is not None and len(iterations_df):
+        it = iterations_frame(iterations_df).dropna(subset=["step", "iter_s"])
+        it = it[it["iter_s"] > 0]
+        if len(it):
+            slowest = it.groupby("step")["iter_s"].max().sort_index()
+            handles += ax.plot(slowest.index.astype(float), slowest.to_numpy(dtype=float), color="tab:blue",
+                               linewidth=1.0, label="iteration time (slowest rank)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("iteration time (s)")
+    ckpts = df.dropna(subset=["step"])
+    for state, color in (("committed", "tab:green"), ("memory-only / pending", "0.6"), ("failed", "tab:red")):
+        sel = ckpts.loc[np.array([_state(r) == state for r in ckpts.itertuples(index=False)], dtype=bool)]
+        for kind, group in sel.groupby(sel["kind"].fillna("scheduled"), sort=False):
+            for step in group["step"].astype(float):
+                ax.axvline(step, color=color, linestyle=_KIND_STYLE.get(kind, "-"), linewidth=0.8, alpha=0.7)
+        if len(sel):
+            handles.append(mlines.Line2D([], [], color=color, linewidth=0.8, label=f"checkpoint ({state})"))
+    over = ckpts.dropna(subset=["overhead_pct"])
+    if len(over) or budget_pct is not None:
+        ax2 = ax.twinx()
+        if len(over):
+            handles += ax2.plot(over["step"].astype(float), over["overhead_pct"].astype(float), color="tab:orange",
+                                marker="o", markersize=3, linewidth=1.0, label="overhead (%)")
+        if budget_pct is not None:
+            handles.append(ax2.axhline(budget_pct, color="tab:orange", linestyle="--", linewidth=0.8,
+                                       label=f"budget ({budget_pct:g} %)"))
+        ax2.set_ylabel("checkpoint overhead (%)")
+        ax2.set_ylim(bottom=0)
+    if not len(ckpts) and (iterations_df is None or not len(iterations_df)):
+        ax.text(0.5, 0.5, "no checkpoints yet", transform=ax.transAxes, ha="center", va="center")
+    if handles:
+        ax.legend(handles=handles, loc="upper left", fontsize="small")
+    ax.set_title("cf_ray checkpoint profile")
+    return fig
+
+
+def _state(row) -> str:
+    error, committed = getattr(row, "error", None), getattr(row, "committed", None)
+    if getattr(row, "where", None) == "failed" or not _missing(error):
+        return "failed"
+    return "committed" if not _missing(committed) and bool(committed) else "memory-only / pending"
+
+
+# -- Ray metrics ------------------------------------------------------------------------------------
+
+class CheckpointMetrics:
+    """Ray metrics (``ray.util.metrics`` gauges) for the latest checkpoint of a run.
+
+    Gauges: ``cf_ray_checkpoint_interval`` (steps), ``cf_ray_checkpoint_stall_s``,
+    ``cf_ray_checkpoint_persist_s``, ``cf_ray_checkpoint_overhead_pct`` and
+    ``cf_ray_last_committed_step``, tagged with ``run`` (and any ``tags`` given). Ray is imported
+    when the first row is recorded, and only if it is initialised in this process; anywhere else
+    (no Ray, a plain script, a unit test) :meth:`record` does nothing. It never raises.
+
+    Args:
+        run: the run's name, as the ``run`` tag.
+        tags: more constant tags.
+    """
+
+    GAUGES = {
+        "interval": ("cf_ray_checkpoint_interval", "Checkpoint interval in force (steps)"),
+        "stall_s": ("cf_ray_checkpoint_stall_s", "Training stall of the latest checkpoint (s, slowest rank)"),
+        "persist_s": ("cf_ray_checkpoint_persist_s", "Persist time of the latest checkpoint (s, slowest rank)"),
+        "overhead_pct": ("cf_ray_checkpoint_overhead_pct", "Measured checkpoint overhead (% of training time)"),
+        "last_committed_step": ("cf_ray_last_committed_step", "Step of the newest committed checkpoint"),
+    }
+
+    def __init__(self, run: str | None = None, tags: Mapping[str, str] | None = None):
+        self._tags = {str(k): str(v) for k, v in (tags or {}).items()}
+        if run is not None:
+            self._tags["run"] = str(run)
+        self._gauges: dict | None = None
+        self.enabled: bool | None = None
+        """``None`` until the first :meth:`record`, then whether the gauges exist."""
+        self.recorded = 0
+        """How many rows were exported."""
+
+    def __reduce__(self):  # the gauges are rebuilt where the object lands
+        tags = dict(self._tags)
+        run = tags.pop("run", None)
+        return (CheckpointMetrics, (run, tags))
+
+    def _ensure(self) -> bool:
+        if self._gauges is not None:
+            return True
+        if self.enabled is False:
+            return False
+        try:
+            import ray
+
+            if not ray.is_initialized():
+                return False  # try again later: Ray may be started after this object
+            from ray.util.metrics import Gauge
+
+            gauges = {}
+            for key, (name, description) in self.GAUGES.items():
+                g = Gauge(name, description=description, tag_keys=tuple(sorted(self._tags)))
+                if self._tags:
+                    g.set_default_tags(self._tags)
+                gauges[key] = g
+            self._gauges = gauges
+            self.enabled = True
+        except Exception as e:  # noqa: BLE001 - metrics are best effort, never a reason to fail
+            logger.warning("cf_ray: Ray metrics disabled: %s", e)
+            self.enabled = False
+        return bool(self.enabled)
+
+    def record(self, row: Mapping) -> None:
+        """Export one profile row (a dict as in :func:`profile_frame`). Missing values are skipped."""
+        if not self._ensure():
+            return
+        values = {
+            "interval": row.get("interval"),
+            "stall_s": _reduce(row.get("stall_s"), max),
+            "persist_s": _reduce(row.get("persist_s"), max),
+            "overhead_pct": row.get("overhead_pct"),
+        }
+        if row.get("committed") is True and row.get("step") is not None:
+            values["last_committed_step"] = row.get("step")
+        try:
+            for key, v in values.items():
+                if v is None or isinstance(v, bool) or _missing(v):
+                    continue
+                self._gauges[key].set(float(v))
+            self.recorded += 1
+        except Exception as e:  # noqa: BLE001
+            logger.warning("cf_ray: could not export checkpoint metrics: %s", e)
+
+
+__all__ = [
+    "CheckpointMetrics",
+    "ITERATIONS_FILE",
+    "PROFILE_FILE",
+    "iterations_frame",
+    "load_profile",
+    "plot_profile",
+    "profile_frame",
+    "read_run_iterations",
+    "read_run_profile",
+    "save_profile",
+]

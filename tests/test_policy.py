@@ -1,0 +1,599 @@
+"""Frequency policies, without Ray: the fixed ones, and :class:`Adaptive` on synthetic traces.
+
+The traces run through a small simulator of synchronous data-parallel training (below) that
+feeds the policy the way the controller does and measures the *true* checkpoint overhead of the
+schedule it produces. Assertions are about what users rely on — overhead within the budget, the
+interval the shortest that is, timing of widening and shortening, no oscillation, the CheckFreq
+formula as a floor — judged against the simulator's ground truth (often by re-running the same
+trace with a fixed interval), not against constants copied from the implementation.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import pickle
+import random
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import pytest
+
+from cf_ray.errors import ConfigError
+from cf_ray.policy import (Adaptive, AnyOf, EpochEnd, FixedInterval, FrequencyPolicy, PolicyWarning, Sample,
+                           SaveContext)
+
+# ------------------------------------------------------------------------------------------------
+# The trace simulator
+# ------------------------------------------------------------------------------------------------
+
+POLL_S = 0.25  # a rank sends a sample about this often (simulated seconds)
+ADOPT_DELAY = 2  # steps between publication and adoption by every rank
+
+_KEYS = ("iter_s", "stall_s", "copy_s", "nbytes", "bw", "slowdown")
+
+
+@dataclass
+class Trace:
+    """Conditions over a run: defaults, then changes from a step on, for all or some ranks.
+
+    Per step every rank computes for ``iter_s`` (x lognormal noise, x ``1 + slowdown`` while its
+    own copy/persist is in flight); the collective makes the step as long as the slowest rank's
+    stall + compute, and each rank reports that minus its own stall. A checkpoint stalls a rank for
+    ``stall_s`` plus any wait for its previous copy+persist (one in flight), then copy (``copy_s``)
+    and persist (``nbytes / bw``) run in the background.
+    """
+
+    ranks: int = 4
+    iter_s: float = 0.05
+    stall_s: float = 0.1
+    copy_s: float = 0.05
+    nbytes: int = 100_000_000
+    bw: float = 1e9
+    slowdown: float = 0.0
+    iter_noise: float = 0.0
+    ckpt_noise: float = 0.0
+    seed: int = 0
+    changes: list = field(default_factory=list)
+
+    def at(self, step: int, ranks=None, **kw) -> "Trace":
+        assert set(kw) <= set(_KEYS), kw
+        self.changes.append((step, ranks, kw))
+        return self
+
+    def cond(self, step: int, rank: int) -> dict:
+        c = {k: getattr(self, k) for k in _KEYS}
+        for s, ranks, kw in self.changes:
+            if step >= s and (ranks is None or rank in ranks):
+                c.update(kw)
+        return c
+
+    def bg_s(self, step: int, rank: int) -> float:
+        """True copy + persist seconds of a checkpoint at ``step`` (no noise)."""
+        c = self.cond(step, rank)
+        return c["copy_s"] + c["nbytes"] / c["bw"]
+
+
+@dataclass
+class Run:
+    ckpts: list  # dicts: step, interval, wait (max guard wait)
+    changes: list  # (step, interval, phase) as published
+    wall: list  # seconds per step
+    clean: list  # seconds per step had nothing been checkpointed
+    intervals: list  # the interval every rank used at each step
+    start: int = 0  # the step the run resumed from (lists are indexed by step - start - 1)
+
+    def overhead_pct(self, lo: int = 1, hi: int | None = None) -> float:
+        """True overhead of steps lo..hi: extra wall time over the same steps without checkpoints."""
+        lo = max(lo - self.start, 1)
+        hi = len(self.wall) if hi is None else hi - self.start
+        w, c = sum(self.wall[lo - 1:hi]), sum(self.clean[lo - 1:hi])
+        return 100.0 * (w - c) / c
+
+    def interval_at(self, step: int) -> int:
+        return self.intervals[step - self.start - 1]
+
+    def ckpt_steps(self, lo: int = 0, hi: int = 10**9) -> list[int]:
+        return [c["step"] for c in self.ckpts if lo <= c["step"] < hi]
+
+    def tuned_changes(self) -> list[int]:
+        return [k for _, k, phase in self.changes if phase == "tuned"]
+
+
+def simulate(policy, trace: Trace, steps: int, *, persist_via_controller=False, with_ckpt_step=True,
+             report_wait=True, report_persist=True, history=256, start_step=0, samples_out=None) -> Run:
+    """Train ``steps`` steps under ``policy`` the way cf_ray's engine and controller drive it."""
+    rng = random.Random(trace.seed)
+    R = trace.ranks
+    t = 0.0
+    published = policy.initial_interval()
+    worker_interval = published
+    adopt: list = []
+    last_save = start_step
+    bg_done = [0.0] * R
+    last: list = [None] * R
+    acc = [[0.0, 0] for _ in range(R)]
+    stall_prev = None
+    next_poll = POLL_S
+    samples: collections.deque = collections.deque(maxlen=history)
+    persist_pending: list = []
+    run = Run([], [], [], [], [], start_step)
+
+    def ln(sigma):
+        return math.exp(rng.gauss(0.0, sigma)) if sigma else 1.0
+
+    def emit(sample):
+        samples.append(sample)
+        if samples_out is not None:
+            samples_out.append(sample)
+
+    for step in range(start_step + 1, start_step + steps + 1):
+        while adopt and adopt[0][0] <= step:
+            worker_interval = adopt.pop(0)[1]
+        comp, clean = [], []
+        for r in range(R):
+            c = trace.cond(step, r)
+            base = c["iter_s"] * ln(trace.iter_noise)
+            clean.append(base)
+            comp.append(base * (1.0 + c["slowdown"]) if t < bg_done[r] else base)
+        off = stall_prev or [0.0] * R
+        wall = max(o + x for o, x in zip(off, comp))
+        run.wall.append(wall)
+        run.clean.append(max(clean))
+        run.intervals.append(worker_interval)
+        t += wall
+        for r in range(R):
+            acc[r][0] += wall - off[r]
+            acc[r][1] += 1
+        stall_prev = None
+        ctx = SaveContext(step, 0, last_save, worker_interval, False)
+        if policy.should_save(step, ctx):
+            stalls, waits = [], []
+            for r in range(R):
+                c = trace.cond(step, r)
+                wait = max(0.0, bg_done[r] - t)
+                stall = c["stall_s"] * ln(trace.ckpt_noise) + wait
+                copy = c["copy_s"] * ln(trace.ckpt_noise)
+                persist = c["nbytes"] / c["bw"] * ln(trace.ckpt_noise)
+                bg_done[r] = t + stall + copy + persist
+                prev = last[r]
+                if prev is not None and not persist_via_controller and not prev["reported"]:
+                    persist_pending.append((prev["done"], r, prev["ckpt_step"], prev["persist_s"]))
+                last[r] = {"reported": False, "ckpt_step": step, "stall_s": stall, "wait_s": wait, "copy_s": copy,
+                           "persist_s": persist, "nbytes": int(c["nbytes"]), "done": bg_done[r]}
+                if persist_via_controller:
+                    persist_pending.append((bg_done[r], r, step, persist))
+                stalls.append(stall)
+                waits.append(wait)
+            stall_prev = stalls
+            last_save = step
+            run.ckpts.append({"step": step, "interval": worker_interval, "wait": max(waits)})
+        if t >= next_poll:
+            next_poll = t + POLL_S
+            for r in range(R):
+                kw = {}
+                if last[r] is not None:
+                    L = last[r]
+                    kw = {"stall_s": L["stall_s"], "copy_s": L["copy_s"], "nbytes": L["nbytes"]}
+                    if report_wait:
+                        kw["wait_s"] = L["wait_s"]
+                    if with_ckpt_step:
+                        kw["ckpt_step"] = L["ckpt_step"]
+                    if report_persist and not persist_via_controller and t >= L["done"]:
+                        kw["persist_s"] = L["persist_s"]
+                        L["reported"] = True
+                if acc[r][1]:
+                    emit(Sample(rank=r, step=step, iter_s=acc[r][0] / acc[r][1], iters=acc[r][1], **kw))
+                    acc[r] = [0.0, 0]
+            for item in [x for x in persist_pending if x[0] <= t and report_persist]:
+                persist_pending.remove(item)
+                done, rr, cs, p = item
+                emit(Sample(rank=rr, step=cs, ckpt_step=cs, persist_s=p))
+            k = policy.plan(list(samples), published)
+            if k is not None and k != published:
+                published = k
+                phase = policy.explain().get("phase") if hasattr(policy, "explain") else None
+                run.changes.append((step, k, phase))
+                adopt.append((step + ADOPT_DELAY, k))
+    return run
+
+
+def reversals(ks: list[int]) -> int:
+    return sum(1 for a, b, c in zip(ks, ks[1:], ks[2:]) if (b - a) * (c - b) < 0)
+
+
+def quiet(fn, *a, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PolicyWarning)
+        return fn(*a, **kw)
+
+
+BUDGET = 5.0
+
+# ------------------------------------------------------------------------------------------------
+# Fixed policies and the protocol
+# ------------------------------------------------------------------------------------------------
+
+
+def test_fixed_policies_unchanged():
+    f = FixedInterval(every=3)
+    assert [s for s in range(1, 10) if f.should_save(s, SaveContext(s, 0, 0))] == [3, 6, 9]
+    assert not f.should_save(3, SaveContext(3, 0, 0, epoch_end=True))
+    assert f.plan([], None) is None and f.initial_interval() is None
+    e = EpochEnd(every=2)
+    assert e.should_save(10, SaveContext(10, 2, 0, epoch_end=True))
+    assert not e.should_save(10, SaveContext(10, 1, 0, epoch_end=True))
+    assert not e.should_save(10, SaveContext(10, 2, 0))
+    for p in (f, e, Adaptive(), AnyOf(policies=[f, e])):
+        assert isinstance(p, FrequencyPolicy)
+        json.dumps(p.explain())
+    with pytest.raises(ConfigError, match="every"):
+        FixedInterval(every=0)
+    with pytest.raises(ConfigError, match="at least one"):
+        AnyOf(policies=[])
+
+
+def test_anyof_forwards_the_adaptive_member():
+    a = Adaptive(first_checkpoint_step=7)
+    p = AnyOf(policies=[EpochEnd(), a])
+    assert p.initial_interval() == 7
+    assert p.should_save(3, SaveContext(3, 1, 0, epoch_end=True))  # EpochEnd
+    assert p.should_save(7, SaveContext(7, 0, 0, 7)) and not p.should_save(6, SaveContext(6, 0, 0, 7))
+    run = quiet(simulate, p, Trace(), 400)
+    assert run.changes and p.explain()["policy"] == "AnyOf" and p.explain()["interval"] == run.changes[-1][1]
+    step = run.ckpt_steps()[-2]
+    assert p.checkpoint_stats(step) == a.checkpoint_stats(step) is not None
+    state = json.loads(json.dumps(p.state_dict()))
+    q = AnyOf(policies=[EpochEnd(), Adaptive(first_checkpoint_step=7)])
+    q.load_state_dict(state)
+    assert q.plan([], 7) == run.changes[-1][1]
+    with pytest.raises(ConfigError, match="member"):
+        q.load_state_dict({"members": []})
+
+
+@pytest.mark.parametrize("kwargs, field_name", [
+    ({"budget_pct": 0}, "budget_pct"), ({"budget_pct": 100}, "budget_pct"), ({"budget_pct": -5}, "budget_pct"),
+    ({"budget_pct": 150}, "budget_pct"), ({"budget_pct": float("nan")}, "budget_pct"),
+    ({"budget_pct": True}, "budget_pct"), ({"budget_pct": "5"}, "budget_pct"),
+    ({"min_interval": 50, "max_interval": 10}, "min_interval=50 is above max_interval=10"),
+    ({"min_interval": 0}, "min_interval"), ({"max_interval": 2.5}, "max_interval"),
+    ({"first_checkpoint_step": 0}, "first_checkpoint_step"),
+    ({"max_lost_s": 0}, "max_lost_s"), ({"max_lost_s": -1.0}, "max_lost_s"),
+    ({"max_lost_s": float("inf")}, "max_lost_s"), ({"window": 0}, "window"), ({"headroom": 1.0}, "headroom"),
+    ({"shrink_ratio": 1.0}, "shrink_ratio"), ({"drift_ratio": 1.0}, "drift_ratio"),
+    ({"warmup_steps": -1}, "warmup_steps"),
+])
+def test_bad_configuration_is_refused_with_the_field_named(kwargs, field_name):
+    with pytest.raises(ConfigError, match=field_name.replace("[", r"\[")) as e:
+        Adaptive(**kwargs)
+    assert repr(next(iter(kwargs.values())))[:3] in str(e.value)  # the value is named too
+
+
+def test_should_save_is_a_pure_function_of_configuration_and_context():
+    p = Adaptive(first_checkpoint_step=5)
+    assert p.initial_interval() == 5
+    fresh = [s for s in range(1, 12) if p.should_save(s, SaveContext(s, 0, 0, None))]
+    assert fresh[0] == 5
+    assert p.should_save(40, SaveContext(40, 0, 30, 10)) and not p.should_save(39, SaveContext(39, 0, 30, 10))
+    assert not p.should_save(40, SaveContext(40, 0, 30, 10, epoch_end=True))
+    assert Adaptive(min_interval=60).initial_interval() == 60  # never before min_interval
+    assert Adaptive(max_interval=3).initial_interval() == 3
+    # A worker's copy (pickled before anything was learnt) answers exactly like the controller's
+    # copy after it has learnt a profile and loaded state.
+    worker = pickle.loads(pickle.dumps(p))
+    quiet(simulate, p, Trace(), 300)
+    p.load_state_dict(p.state_dict())
+    for s, last, k in [(5, 0, None), (5, 0, 5), (77, 30, 47), (76, 30, 47)]:
+        ctx = SaveContext(s, 0, last, k)
+        assert worker.should_save(s, ctx) == p.should_save(s, ctx)
+    assert worker.initial_interval() == p.initial_interval()
+
+
+# ------------------------------------------------------------------------------------------------
+# Adaptive on synthetic traces
+# ------------------------------------------------------------------------------------------------
+
+
+def _fixed_overhead(trace: Trace, every: int, steps: int, lo: int = 200) -> float:
+    return simulate(FixedInterval(every=every), trace, steps).overhead_pct(lo)
+
+
+def test_steady_trace_within_budget_and_shortest_such_interval():
+    trace = Trace()
+    p = Adaptive(budget_pct=BUDGET)
+    run = simulate(p, trace, 2500)
+    k = run.interval_at(2500)
+    assert len(run.changes) <= 2 and len(run.tuned_changes()) <= 1  # profile, then leave it alone
+    assert run.overhead_pct(200) <= BUDGET
+    # The oracle: the same trace with fixed intervals. k is within budget, a clearly shorter one is not.
+    assert _fixed_overhead(trace, k, 2500) <= BUDGET
+    assert _fixed_overhead(trace, int(k * 0.8), 2500) > BUDGET
+    e = p.explain()
+    assert e["phase"] == "tuned" and e["binding"] == "budget" and e["interval"] == k
+    assert e["predicted_overhead_pct"] <= BUDGET
+    assert abs(e["measured_overhead_pct"] - run.overhead_pct(200)) < 0.5
+
+
+def test_checkfreq_formula_is_a_floor_and_is_met_when_persist_binds():
+    # Stall tiny, persist long: one persist in flight is what decides.
+    trace = Trace(stall_s=0.005, copy_s=0.1, nbytes=1_000_000_000, bw=1e9)
+    p = Adaptive()
+    run = simulate(p, trace, 2000)
+    k = run.interval_at(2000)
+    k_checkfreq = max(math.ceil(trace.bg_s(1000, 0) / trace.iter_s), 1)  # (t_full - t_stall) / t_iter
+    assert k >= k_checkfreq
+    assert k <= 1.25 * k_checkfreq + 1  # not wider than needed: the budget does not bind here
+    assert p.explain()["binding"] == "persist_in_flight"
+    assert p.explain()["checkfreq_interval"] == k_checkfreq
+    assert max(c["wait"] for c in run.ckpts if c["step"] > 200) == 0.0  # never waits for a persist
+    # And on a budget-bound trace the floor holds as well.
+    trace = Trace()
+    run = simulate(Adaptive(), trace, 800)
+    assert run.interval_at(800) >= math.ceil(trace.bg_s(1, 0) / trace.iter_s)
+
+
+def test_profiling_is_cheap_for_a_slow_job():
+    # 10 s per iteration: CheckFreq would time ~100 iterations (17 minutes) before checkpointing.
+    trace = Trace(iter_s=10.0, stall_s=10.0, copy_s=1.0, nbytes=4_000_000_000, bw=1e9)
+    p = Adaptive(first_checkpoint_step=5)
+    run = simulate(p, trace, 120)
+    assert run.ckpt_steps()[0] == 5
+    first_step, k, _ = run.changes[0]
+    assert first_step <= 8  # tuned right after the first checkpoint's persist time is known
+    assert len(run.changes) <= 2
+    assert run.overhead_pct(first_step + ADOPT_DELAY + 30) <= BUDGET
+    assert _fixed_overhead(trace, int(k * 0.8), 400, lo=40) > BUDGET
+
+
+def test_iterations_slow_down_half_way_the_interval_follows_in_steps():
+    trace = Trace().at(1500, iter_s=0.1)
+    p = Adaptive()
+    run = simulate(p, trace, 3000)
+    k1, k2 = run.interval_at(1499), run.interval_at(3000)
+    assert k2 < k1 * 0.6  # the same checkpoint cost is now spread over slower iterations
+    shortened_at = next(s for s, k, _ in run.changes if s >= 1500)
+    assert len(run.ckpt_steps(1500, shortened_at)) <= 3
+    assert run.overhead_pct(200, 1499) <= BUDGET and run.overhead_pct(1500 + 4 * k1) <= BUDGET
+    assert _fixed_overhead(Trace(iter_s=0.1), int(k2 * 0.8), 1500) > BUDGET  # still the shortest
+
+
+def test_fast_disk_turning_slow_widens_at_once():
+    trace = Trace(nbytes=500_000_000, bw=1e9).at(1000, bw=1e8)  # persist 0.5 s -> 5 s
+    p = Adaptive()
+    run = simulate(p, trace, 2500)
+    k1, k2 = run.interval_at(999), run.interval_at(2500)
+    assert k2 * trace.iter_s >= trace.bg_s(1500, 0) > k1 * trace.iter_s
+    widened_at = next(s for s, k, _ in run.changes if s >= 1000)
+    assert len(run.ckpt_steps(1000, widened_at + 1)) <= 2  # the first guard wait is enough evidence
+    assert [c for c in run.ckpts if c["step"] > widened_at + ADOPT_DELAY and c["wait"] > 1e-9] == []
+    assert p.explain()["binding"] == "persist_in_flight"
+    assert run.overhead_pct(widened_at + k2) <= BUDGET
+
+
+def test_one_straggler_rank_governs():
+    base = Trace(nbytes=100_000_000, bw=1e9)
+    straggler = Trace(nbytes=100_000_000, bw=1e9).at(0, ranks=[2], bw=2e8, stall_s=0.3)
+    k_base = simulate(Adaptive(), base, 1500).interval_at(1500)
+    p = Adaptive()
+    run = simulate(p, straggler, 1500)
+    k = run.interval_at(1500)
+    assert k > 2 * k_base
+    assert k * straggler.iter_s >= straggler.bg_s(1, 2)
+    assert run.overhead_pct(300) <= BUDGET
+    assert _fixed_overhead(straggler, k_base, 1500) > BUDGET  # ignoring rank 2 would break the budget
+    # A rank that computes slower sets the iteration time (the collectives make every rank wait).
+    p = Adaptive()
+    simulate(p, Trace().at(0, ranks=[1], iter_s=0.08), 600)
+    assert p.explain()["iter_s"] == pytest.approx(0.08, rel=0.05)
+    # Without a collective that evens them out, the slowest rank's own time is the one used.
+    p = Adaptive()
+    feed = [Sample(rank=r, step=s, iter_s=0.08 if r == 2 else 0.05, iters=1) for s in range(3, 40) for r in range(4)]
+    feed += [Sample(rank=r, step=40, ckpt_step=5, stall_s=0.1, persist_s=0.1) for r in range(4)]
+    assert p.plan(feed, None) is not None
+    assert p.explain()["slowest_rank"] == 2 and p.explain()["iter_s"] == 0.08
+
+
+def test_interference_widens_then_shortens_again():
+    # Another job shares the node from step 1000 to 2500: slower stalls, copies and disk.
+    trace = (Trace().at(1000, stall_s=0.4, copy_s=0.2, bw=3e8, iter_s=0.055)
+                    .at(2500, stall_s=0.1, copy_s=0.05, bw=1e9, iter_s=0.05))
+    p = Adaptive()
+    run = simulate(p, trace, 4000)
+    k0 = run.interval_at(999)
+    widened = [(s, k) for s, k, _ in run.changes if 1000 <= s < 2500]
+    assert widened and widened[0][1] > 2 * k0
+    assert len(run.ckpt_steps(1000, widened[0][0] + 1)) <= 3
+    shortened = [(s, k) for s, k, _ in run.changes if s >= 2500]
+    assert shortened and abs(shortened[-1][1] - k0) <= 0.2 * k0
+    assert len(run.ckpt_steps(2500, shortened[0][0] + 1)) <= 5
+    assert len(run.changes) <= 4  # profile, widen, shorten: nothing in between
+    k_mid = run.interval_at(2400)
+    assert run.overhead_pct(widened[0][0] + k_mid, 2499) <= BUDGET
+    assert run.overhead_pct(shortened[0][0] + 2 * k0) <= BUDGET
+    assert p.explain()["drift"]  # explain() says a change of level was seen
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_no_oscillation_on_a_noisy_steady_trace(seed):
+    trace = Trace(iter_noise=0.1, ckpt_noise=0.25, seed=seed)
+    run = simulate(Adaptive(), trace, 4000)
+    tuned = run.tuned_changes()
+    assert reversals([k for _, k, _ in run.changes[1:]]) == 0 and len(tuned) <= 3
+    assert run.overhead_pct(300) <= BUDGET
+
+
+def test_slowdown_of_iterations_during_a_persist_is_part_of_the_cost():
+    # Iterations run 50 % slower while a persist is in flight (shared PCIe/CPU/disk).
+    trace = Trace(nbytes=500_000_000, bw=1e9, slowdown=0.5)
+    p = Adaptive()
+    run = simulate(p, trace, 3000)
+    k = run.interval_at(3000)
+    assert p.explain()["slowdown_s"] > p.explain()["stall_s"]
+    assert run.overhead_pct(500) <= BUDGET
+    stall_only = math.ceil(trace.stall_s / (BUDGET / 100 * trace.iter_s))  # what the stall alone asks for
+    assert k > 1.5 * stall_only and _fixed_overhead(trace, stall_only, 3000) > BUDGET
+
+
+def test_max_lost_s_wins_over_the_budget_and_says_so():
+    p = Adaptive(max_lost_s=1.0)
+    with pytest.warns(PolicyWarning, match="max_lost_s=1 wins over budget_pct=5") as rec:
+        run = simulate(p, Trace(), 1500)
+    assert len([w for w in rec if issubclass(w.category, PolicyWarning)]) == 1  # once
+    k = run.interval_at(1500)
+    assert k * 0.05 <= 1.0
+    assert Adaptive().plan([], None) is None
+    e = p.explain()
+    assert e["binding"] == "max_lost_s" and e["conflicts"] and e["predicted_overhead_pct"] > BUDGET
+    assert run.overhead_pct(200) > BUDGET  # the price the user asked for
+
+
+def test_max_lost_s_cannot_beat_the_persist_time():
+    trace = Trace(nbytes=2_000_000_000, bw=1e9)  # 2 s to persist
+    p = Adaptive(max_lost_s=1.0)
+    with pytest.warns(PolicyWarning, match="cannot be met.*persist time wins"):
+        run = simulate(p, trace, 1500)
+    assert run.interval_at(1500) * trace.iter_s >= trace.bg_s(1, 0)
+    assert p.explain()["binding"] == "persist_in_flight"
+
+
+def test_max_lost_s_shorter_than_one_iteration():
+    p = Adaptive(max_lost_s=1.0)
+    with pytest.warns(PolicyWarning, match="shorter than one iteration"):
+        run = simulate(p, Trace(iter_s=2.0, stall_s=0.01, copy_s=0.01, nbytes=1000), 40)
+    assert run.interval_at(40) == 1
+
+
+def test_min_and_max_interval_win():
+    run = simulate(Adaptive(min_interval=60), Trace(), 1000)
+    assert run.ckpt_steps()[0] == 60 and min(run.intervals) >= 60
+    p = Adaptive(max_interval=20)
+    with pytest.warns(PolicyWarning, match="max_interval=20 wins over budget_pct"):
+        run = simulate(p, Trace(), 600)
+    assert max(run.intervals) <= 20 and p.explain()["binding"] == "max_interval"
+
+
+# ------------------------------------------------------------------------------------------------
+# Restart, robustness, cost
+# ------------------------------------------------------------------------------------------------
+
+
+def test_saved_profile_spares_a_restarted_job_the_profiling():
+    trace = Trace()
+    p = Adaptive()
+    run = simulate(p, trace, 1500)
+    k = run.interval_at(1500)
+    state = json.loads(json.dumps(p.state_dict()))  # what the controller writes next to the run
+
+    restarted = Adaptive()
+    restarted.load_state_dict(state)
+    assert restarted.initial_interval() == 5  # configuration only: every rank agrees without state
+    assert restarted.plan([], 5) == k  # published at once, before any sample
+    assert restarted.explain()["phase"] == "restored"
+    again = Adaptive()
+    again.load_state_dict(state)
+    run = simulate(again, trace, 1500, start_step=1500)
+    assert [c for _, c, _ in run.changes] == [k]  # no re-profiling, no retuning: nothing changed
+    assert "confirmed" in again.explain().get("reason", "") or again.explain()["phase"] == "tuned"
+
+    # A new budget re-derives the interval from the same profile.
+    looser = Adaptive(budget_pct=10.0)
+    looser.load_state_dict(state)
+    assert looser.plan([], 5) == pytest.approx(k / 2, abs=1)
+
+    # Conditions changed since the profile (a 10x slower disk): retuned as soon as measured.
+    slow = Trace(nbytes=1_000_000_000, bw=1e8)
+    again = Adaptive()
+    again.load_state_dict(state)
+    run = simulate(again, slow, 1500, start_step=1500)
+    assert run.interval_at(3000) * slow.iter_s >= slow.bg_s(1, 0)
+    assert len(run.ckpt_steps(1500, run.changes[-1][0] + 1)) <= 3
+
+    with pytest.raises(ConfigError, match="version"):
+        Adaptive().load_state_dict({"version": 99})
+    empty = Adaptive()
+    empty.load_state_dict(Adaptive().state_dict())  # nothing measured: profile as usual
+    assert empty.plan([], 5) is None
+
+
+def test_whole_history_and_new_samples_give_the_same_decisions():
+    feed: list = []
+    a = Adaptive()
+    simulate(a, Trace(iter_noise=0.05, ckpt_noise=0.1), 1200, samples_out=feed)
+    assert len(feed) > 500
+    b, c = Adaptive(), Adaptive()
+    history: list = []
+    cur_b = cur_c = 5
+    out_b, out_c = [], []
+    for i in range(0, len(feed), 4):
+        batch = feed[i:i + 4]
+        history.extend(batch)
+        kb = b.plan(history, cur_b)  # the whole history, growing
+        kc = c.plan(batch, cur_c)  # only the new samples
+        cur_b, cur_c = kb or cur_b, kc or cur_c
+        out_b.append(kb)
+        out_c.append(kc)
+    assert out_b == out_c and any(out_b)
+
+
+def test_plan_cost_does_not_grow_with_the_history():
+    p = Adaptive()
+    history = [Sample(rank=r, step=s, iter_s=0.05, iters=5) for s in range(5, 15_000, 5) for r in range(4)]
+    p.plan(history, 5)
+    t0 = time.process_time()
+    for i in range(500):
+        history.append(Sample(rank=i % 4, step=15_000 + i, iter_s=0.05, iters=5, ckpt_step=15_000,
+                              stall_s=0.1, copy_s=0.05, persist_s=0.1))
+        p.plan(history, 5)
+    assert time.process_time() - t0 < 1.0  # 12k-long history: O(n) per call would take far longer
+
+
+def test_messy_samples_and_a_restart_inside_the_run_do_not_break_it():
+    p = Adaptive()
+    junk = [Sample(rank=0, step=3, iter_s=float("nan"), iters=3), Sample(rank=1, step=3, iter_s=-1.0, iters=2),
+            Sample(rank=0, step=4, iter_s=0.1, iters=0), Sample(rank=2, step=4, stall_s=float("inf")),
+            Sample(rank=3, step=4, ckpt_step=4, persist_s=-2.0, nbytes=-1)]
+    assert p.plan(junk, None) is None
+    trace = Trace()
+    simulate(p, trace, 800)
+    k = p.explain()["interval"]
+    # Every rank restarts from step 700 (a failure) and runs again: steps go back.
+    run = simulate(p, trace, 800, start_step=700)
+    assert abs(run.interval_at(800) - k) <= 0.2 * k and run.overhead_pct(200) <= BUDGET
+    stats = p.checkpoint_stats(run.ckpt_steps()[-2])
+    assert stats and all(v is None or v >= 0 for v in stats.values())
+
+
+@pytest.mark.parametrize("mode", ["persist_from_controller", "no_ckpt_step", "no_wait_s", "stall_and_copy_only"])
+def test_engine_variants_still_tune(mode):
+    kw = {"persist_from_controller": {"persist_via_controller": True},
+          "no_ckpt_step": {"with_ckpt_step": False, "persist_via_controller": True},
+          "no_wait_s": {"report_wait": False},
+          "stall_and_copy_only": {"with_ckpt_step": False, "report_wait": False, "report_persist": False}}[mode]
+    trace = Trace(nbytes=500_000_000, bw=1e9)
+    p = Adaptive()
+    run = simulate(p, trace, 1500, **kw)
+    k = run.interval_at(1500)
+    assert run.overhead_pct(300) <= BUDGET and k * trace.iter_s >= trace.bg_s(1, 0)
+    assert _fixed_overhead(trace, int(k * 0.7), 1500) > BUDGET
+
+
+def test_explain_and_checkpoint_stats_are_json_and_truthful():
+    p = Adaptive()
+    assert p.explain()["phase"] == "profiling"
+    trace = Trace(nbytes=300_000_000, bw=1e9)
+    run = simulate(p, trace, 1000)
+    e = json.loads(json.dumps(p.explain()))
+    for key in ("phase", "interval", "target", "binding", "reason", "conflicts", "budget_pct", "iter_s",
+                "cost_s", "background_s", "predicted_overhead_pct", "measured_overhead_pct", "lost_work_s",
+                "checkfreq_interval", "last_change"):
+        assert key in e, key
+    assert e["iter_s"] == pytest.approx(trace.iter_s, rel=0.02)
+    assert e["background_s"] == pytest.approx(trace.bg_s(1, 0), rel=0.02)
+    assert e["lost_work_s"] == pytest.approx(e["interval"] * trace.iter_s, rel=0.02)
+    stats = p.checkpoint_stats(run.ckpt_steps()[-3])
+    json.dumps(stats)
+    assert stats["stall_s"] == pytest.approx(trace.stall_s) and stats["bytes"] == 4 * trace.nbytes
+    assert stats["overhead_pct"] == pytest.approx(run.overhead_pct(500), rel=0.1)
+    assert p.checkpoint_stats(-1) is None
