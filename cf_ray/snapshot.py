@@ -105,6 +105,7 @@ class Snapshotter:
         self._errors: list[tuple[int, BaseException]] = []
         self._lock = threading.Lock()
         self.last_timings: dict[str, float] = {}
+        self.last_begin: dict[str, float] = {}
         self._thread = threading.Thread(target=self._run, name=f"cf_ray-snapshot-r{rank}", daemon=True)
         self._thread.start()
 
@@ -116,8 +117,10 @@ class Snapshotter:
         Tensors for which ``is_guarded`` is true (they change only in the optimizer step) and all
         CUDA tensors are copied in the background; everything else is copied now.
         """
+        t_wait = time.perf_counter()
+        self.wait_done()  # at most one snapshot in flight: wait for the previous hand-off
         t0 = time.perf_counter()
-        self.wait_done()
+        wait_s = t0 - t_wait
         flats, arenas, deferred = {}, {}, []
         needs_event = False
         for name, tree in sections.items():
@@ -142,11 +145,13 @@ class Snapshotter:
             job.cuda_event = torch.cuda.Event()
             job.cuda_event.record()  # the side stream starts after the optimizer step's kernels
         job.timings["sync_s"] = time.perf_counter() - t0
+        job.timings["wait_s"] = wait_s
         job.timings["nbytes"] = float(sum(a.nbytes for a in arenas.values()))
+        self.last_begin = dict(job.timings)
         self._copy_done.clear()
         self._job_done.clear()
         self._queue.put(job)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t_wait
 
     def wait_copy(self) -> float:
         """The weight-update guard: block until the in-flight copy is done. Returns seconds waited."""
@@ -206,7 +211,7 @@ class Snapshotter:
                 with self._lock:
                     self._errors.append((job.step, e))
             finally:
-                self.last_timings = dict(job.timings)
+                self.last_timings = dict(job.timings, step=job.step)
                 self._copy_done.set()
                 self._job_done.set()
 
