@@ -32,6 +32,7 @@ DEFAULTS: dict[str, Any] = {
     "lr": 1e-3,
     "policy": "fixed",  # fixed, epoch, adaptive
     "interval": 5,
+    "budget_pct": 5.0,  # the adaptive policy's overhead budget
     "keep_last": 3,
     "milestone_every": None,
     "restore_from": "auto",
@@ -83,7 +84,7 @@ def _policy(cfg: dict):
     if cfg["policy"] == "epoch":
         return cf_ray.EpochEnd()
     if cfg["policy"] == "adaptive":
-        return cf_ray.Adaptive()
+        return cf_ray.Adaptive(budget_pct=float(cfg["budget_pct"]))
     raise ValueError(f"policy={cfg['policy']!r}: use fixed, epoch or adaptive")
 
 
@@ -102,7 +103,9 @@ def train_loop_per_worker(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     dataset = SyntheticDataset(cfg["samples"], cfg["dim"], cfg["seed"])
-    sampler = ResumableDistributedSampler(dataset, rank=rank, world_size=world, shuffle=True, seed=cfg["seed"])
+    # pad=False: every sample exactly once per epoch (torch's DistributedSampler pads with repeats).
+    sampler = ResumableDistributedSampler(dataset, rank=rank, world_size=world, shuffle=True, seed=cfg["seed"],
+                                          pad=False)
     # A generator of its own keeps iter(loader) from drawing from the global torch RNG, which the
     # checkpoint restores: otherwise a mid-epoch resume would draw once more than an uninterrupted run.
     loader = torch.utils.data.DataLoader(dataset, batch_size=cfg["batch_size"], sampler=sampler,
