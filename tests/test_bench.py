@@ -1,0 +1,45 @@
+"""Smoke test of ``cf-ray bench``: the smallest configuration end to end, in one TorchTrainer run."""
+
+import json
+
+import pytest
+
+from cf_ray import bench
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_smoke(tmp_path, capsys):
+    import ray
+
+    if ray.is_initialized():  # the bench starts its own local Ray with its own settings
+        ray.shutdown()
+    out = tmp_path / "bench"
+    rc = bench.main(["--quick", "--width", "64", "--layers", "2", "--batch", "4", "--iters", "6", "--warmup", "1",
+                     "--ks", "3", "--workers", "1", "--variants", "none,ray_sync,cf_fixed", "--no-recovery",
+                     "--out", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "| variant | k |" in printed and "Machine limits" in printed and "Targets" in printed
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["schema"] == bench.SCHEMA
+    for key in ("meta", "config", "limits", "settings", "variants", "skipped", "recovery", "targets"):
+        assert key in results
+    assert len(results["meta"]["loadavg_start"]) == 3 and len(results["meta"]["loadavg_end"]) == 3
+    assert results["limits"]["memcpy_gbps"] > 0 and results["limits"]["storage_write_fsync_gbps"] > 0
+    ids = {v["id"] for v in results["variants"]}
+    assert ids == {"w1/none", "w1/ray_sync/k3", "w1/cf_fixed/k3"}, ids
+    for v in results["variants"]:
+        for key in ("iter_median_s", "iter_min_s", "iter_max_s", "overhead_pct", "stall_per_ckpt_s",
+                    "checkpoints_taken", "checkpoints_committed", "peak_rss_mb_per_worker", "bytes_written"):
+            assert key in v, (v["id"], key)
+        assert v["iterations"] == 6 * v["rounds"]
+    cf = next(v for v in results["variants"] if v["variant"] == "cf_fixed")
+    assert cf["checkpoints_taken"] == 2 and cf["checkpoints_committed"] >= 1 and cf["bytes_written"] > 0
+    ray_sync = next(v for v in results["variants"] if v["variant"] == "ray_sync")
+    assert ray_sync["checkpoints_committed"] == 2 and ray_sync["stall_per_ckpt_s"] > 0
+    assert (out / "results.md").exists()
+    assert results["meta"]["plot"] is None or (out / "overhead.png").exists()
+    assert bench.main(["--render-readme", str(out / "results.json")]) == 0
+    assert "## Performance" in capsys.readouterr().out
