@@ -19,12 +19,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """A local 2-CPU Ray cluster shared by every test that needs one.
+def _start_ray():
+    import ray
 
-    Environment set here reaches the cluster's processes (they inherit it at start): the tests'
-    directory on PYTHONPATH so workers can import test helpers, and short timings.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+
+
+@pytest.fixture(scope="session")
+def _ray_session():
+    """Environment for every local Ray cluster the tests start, and a shutdown at the end.
+
+    Set here, it reaches the cluster's processes (they inherit it at start): the tests' directory
+    on PYTHONPATH so workers can import test helpers, and short timings.
     """
     import ray
 
@@ -32,11 +38,21 @@ def ray_cluster():
     os.environ.setdefault("CF_RAY_CONTROLLER_LINGER_S", "5")
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    yield
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+
+
+@pytest.fixture
+def ray_cluster(_ray_session):
+    """A local 2-CPU Ray cluster shared by the tests that need one (``address="local"``: never a
+    cluster that something else started on this machine). Started again if a test shut it down
+    (the benchmark's smoke test starts its own)."""
+    import ray
+
+    if not ray.is_initialized():
+        _start_ray()
     yield ray
-    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -55,7 +55,11 @@ def assert_exactly_once(rec, samples, epochs):
 
 
 @pytest.fixture(scope="module")
-def reference(ray_cluster, tmp_path_factory):
+def reference(_ray_session, tmp_path_factory):
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     root = tmp_path_factory.mktemp("reference")
     demo.run("reference", str(root), SMALL)
     out = root / "out" / "reference"
@@ -64,7 +68,8 @@ def reference(ray_cluster, tmp_path_factory):
 
 
 @pytest.mark.parametrize("where, restore_from", [("local", "memory"), ("local", "storage"), ("s3", "storage")])
-def test_worker_sigkilled_at_a_random_step_resumes_bitwise_identical(reference, tmp_path, request, where, restore_from):
+def test_worker_sigkilled_at_a_random_step_resumes_bitwise_identical(ray_cluster, reference, tmp_path, request, where,
+                                                                    restore_from):
     kill_at = random.randint(6, 2 * STEPS_PER_EPOCH - 2)
     kwargs = {}
     if where == "s3":

@@ -25,9 +25,12 @@ def tensor_ids(batch: torch.Tensor) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def ray_local(ray_cluster):
+def ray_local(_ray_session):
     """The session's local Ray cluster, with Ray Data's progress bars off."""
     import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
 
     ctx = ray.data.DataContext.get_current()
     old = ctx.enable_progress_bars
