@@ -10,6 +10,7 @@ from cf_ray.errors import (CfRayError, CheckpointNotFoundError, ConfigError, Cor
                            ElasticResumeError, PersistError, UnsafePathError)
 from cf_ray.load import CheckpointInfo, list_checkpoints, load_into, load_state
 from cf_ray.policy import Adaptive, AnyOf, EpochEnd, FixedInterval
+from cf_ray.preemption import PreemptionConfig, notify_preemption
 
 __version__ = "0.1.0"
 
@@ -28,9 +29,11 @@ __all__ = [
     "FinishSummary",
     "FixedInterval",
     "PersistError",
+    "PreemptionConfig",
     "Resume",
     "UnsafePathError",
     "list_checkpoints",
     "load_into",
     "load_state",
+    "notify_preemption",
 ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -237,8 +238,12 @@ def _hashable(k: Any) -> Any:
     return tuple(_hashable(x) for x in k) if isinstance(k, list) else k
 
 
-def view(buf: np.ndarray, entry: TensorEntry, *, copy: bool) -> torch.Tensor | np.ndarray:
-    """The tensor or array of ``entry`` inside the uint8 buffer ``buf`` (a copy if ``copy``)."""
+def view(buf: np.ndarray, entry: TensorEntry, *, copy: bool, readonly_ok: bool = False) -> torch.Tensor | np.ndarray:
+    """The tensor or array of ``entry`` inside the uint8 buffer ``buf`` (a copy if ``copy``).
+
+    A read-only ``buf`` (an object-store buffer) is copied unless ``readonly_ok``: the caller then
+    promises only to read the tensor (``nn.Module.load_state_dict`` copies out of it).
+    """
     if entry.offset + entry.nbytes > buf.nbytes:
         raise ValueError(f"entry {entry.name!r} ends at {entry.offset + entry.nbytes}, buffer has {buf.nbytes} bytes")
     raw = buf[entry.offset: entry.offset + entry.nbytes]
@@ -246,9 +251,11 @@ def view(buf: np.ndarray, entry: TensorEntry, *, copy: bool) -> torch.Tensor | n
         arr = raw.view(_NUMPY_DTYPES[entry.dtype]).reshape(entry.shape)
         return arr.copy() if copy else arr
     dtype = _TORCH_DTYPES[entry.dtype]
-    if copy or not raw.flags.writeable:
+    if copy or (not raw.flags.writeable and not readonly_ok):
         raw = raw.copy()
-    t = torch.from_numpy(raw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
+        t = torch.from_numpy(raw)
     if entry.nbytes == 0:
         return torch.empty(entry.shape, dtype=dtype)
     return t.view(dtype).reshape(entry.shape)

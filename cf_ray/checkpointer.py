@@ -38,7 +38,7 @@ import pyarrow.fs as pafs
 import ray
 import torch
 
-from cf_ray import _env
+from cf_ray import _codec, _env
 from cf_ray import manifest as mf
 from cf_ray._control import ControlPlane
 from cf_ray.controller import (ControllerSettings, controller_name, get_or_create_controller, run_key)
@@ -224,6 +224,7 @@ class Checkpointer:
         self._iter_n = 0
         self._last_step_end: float | None = None
         self._pending_guard_step: int | None = None
+        self._last_ckpt: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._took = False
@@ -270,6 +271,8 @@ class Checkpointer:
         guard = self._snap.wait_copy()
         if guard and self._pending_guard_step is not None:
             self._ckpt_stats.append({"step": self._pending_guard_step, "guard_s": guard})
+            if self._last_ckpt.get("ckpt_step") == self._pending_guard_step:
+                self._last_ckpt["stall_s"] += guard  # the guard for a snapshot's own copy is its cost
         self.stall_s_total += guard
         self._pending_guard_step = None
         yield
@@ -383,6 +386,9 @@ class Checkpointer:
         self.stall_s_total += stall
         self._pending_guard_step = self.step_count
         self._ckpt_stats.append({"step": self.step_count, "sync_s": sync_s, "stall_s": stall})
+        wait = self._snap.last_begin.get("wait_s", 0.0)
+        self._last_ckpt = {"ckpt_step": self.step_count, "stall_s": stall, "wait_s": wait if wait > 1e-4 else None,
+                           "nbytes": int(self._snap.last_begin.get("nbytes", 0))}
 
     def _guarded_ptrs(self) -> set[int]:
         """Storage pointers of tensors that change only in the optimizer step (copied in the background)."""
@@ -434,11 +440,14 @@ class Checkpointer:
             self._last_poll = now
 
     def _last_ckpt_sample(self) -> dict:
-        t = self._snap.last_timings
-        if not t:
+        """What this rank knows of its last checkpoint, in the policy's ``Sample`` fields."""
+        if not self._last_ckpt:
             return {}
-        return {"stall_s": t.get("sync_s", 0.0) + t.get("guard_s", 0.0), "copy_s": t.get("copy_s"),
-                "nbytes": int(t.get("nbytes", 0))}
+        out = dict(self._last_ckpt)
+        done = self._snap.last_timings
+        if done.get("step") == out["ckpt_step"]:
+            out["copy_s"] = done.get("copy_s")
+        return out
 
     def _on_reply(self, reply: dict) -> None:
         for s in reply["schedules"]:
@@ -631,10 +640,10 @@ class Checkpointer:
                 f"it cannot be loaded by {self.world_size} ranks. Resume with {saved_world} workers.")
         rank_trees = {sec: s.materialize(copy=False) for sec, s in loaded.items() if sec.startswith("rank_")}
         if replicated:
-            objects = loaded[mf.SHARED].materialize(copy=False)["objects"]
+            section, where = loaded[mf.SHARED], ("objects",)
         else:
-            objects = rank_trees[mf.rank_section(self.rank)]["state"]
-        _load_objects(self.state, objects, "state")
+            section, where = loaded[mf.rank_section(self.rank)], ("state",)
+        _load_objects(self.state, _materialize_objects(section, where, self.state), "state")
         if saved_world == self.world_size:
             mine = rank_trees[mf.rank_section(self.rank)]
             _load_objects(self.data, mine["objects"], "data")
@@ -669,6 +678,10 @@ class Checkpointer:
         from cf_ray.report import profile_frame
 
         return profile_frame(self.profile_rows())
+
+    def explain(self) -> Any:
+        """Why the checkpoint interval is what it is: the policy's own account (adaptive mode)."""
+        return ray.get(self.controller.explain.remote(), timeout=_env.get_float(_env.ACTOR_TIMEOUT_S))
 
     def events(self) -> list[dict]:
         """Restores, fallbacks, interval changes and uploads recorded by the controller."""
@@ -863,6 +876,26 @@ def _set_rng_state(state: dict) -> None:
 
 def _tuplify(x):
     return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _materialize_objects(section: mf.Section, path: tuple[str, ...], objs: dict) -> dict:
+    """The saved states of tracked objects, with as few copies as is safe.
+
+    ``nn.Module.load_state_dict`` copies into the module's own parameters, so a module gets views
+    straight into the snapshot's buffer (read-only when it is an object-store buffer: restore from
+    memory then costs a single copy). Everything else (optimizers keep the tensors they are given)
+    gets private, writable copies.
+    """
+    tree = section.tree
+    for p in path:
+        tree = tree[p]
+    out = {}
+    for name, sub in tree.items():
+        in_place = isinstance(objs.get(name), torch.nn.Module)
+        out[name] = _codec.unflatten(
+            sub, lambda i, e, c=not in_place: _codec.view(section.buf, e, copy=c, readonly_ok=not c),
+            section.entries)
+    return out
 
 
 def _load_objects(objs: dict, states: dict, what: str) -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
-import os
 import queue
 import threading
 import time
@@ -103,6 +102,9 @@ class Controller:
         self._finished: set[int] = set()
         self._world_size = None
         self._holders: set[str] = set()
+        self._metrics = None
+        self._requests: list[dict] = []  # checkpoint requests from cf_ray.preemption.notify_preemption
+        self._request_seq = 0
         committed = mf.list_committed(storage)
         self._committed: dict[int, dict] = {}
         gens = [0]
@@ -128,8 +130,10 @@ class Controller:
         """Called by rank 0 at the start of every attempt: a new generation and a restore plan."""
         with self._lock:
             self.generation += 1
+            self._reprofile_if_resized(world_size)
             self._world_size = world_size
             self._finished.clear()
+            self._requests.clear()  # a notice for the previous attempt is moot
             memory = None
             for (gen, step), p in sorted(self._pending.items(), key=lambda kv: (kv[0][1], kv[0][0]), reverse=True):
                 if p.expected and p.expected <= set(p.staged):
@@ -160,6 +164,10 @@ class Controller:
             for (gen, step), p in self._pending.items():
                 if gen < self.generation and p.state == "pending" and step > info.get("step", 0):
                     p.state = "abandoned"
+                    row = self._rows.get((gen, step))
+                    if row is not None and row.get("deadline_unix") is not None:
+                        row.update(made_deadline=False, where="abandoned",
+                                   error="not durable when its attempt ended")
 
     # -- worker polls ----------------------------------------------------------------------------
     def sync(self, rank: int, generation: int, payload: dict) -> dict:
@@ -184,7 +192,36 @@ class Controller:
                 "schedules": [s for s in self._schedules if s["version"] > adopted],
                 "committed_step": latest,
                 "failures": [f for f in self._failures if f["seq"] > payload.get("seen_failures", -1)],
+                "requests": [r for r in self._requests if r["seq"] > payload.get("seen_requests", -1)],
             }
+
+    def request_checkpoint(self, notice: dict) -> dict:
+        """A preemption (or resize) notice from outside the workers, for every rank of this attempt
+        (``cf_ray.preemption.notify_preemption``): ``deadline_unix`` and ``detail``."""
+        with self._lock:
+            self._request_seq += 1
+            req = {"seq": self._request_seq, "deadline_unix": notice.get("deadline_unix"),
+                   "detail": str(notice.get("detail", "")), "time": time.time(), "generation": self.generation}
+            self._requests.append(req)
+            self._events.append(dict(req, event="notice"))
+            return dict(req)
+
+    def _reprofile_if_resized(self, world_size: int) -> None:
+        """A new number of workers: measure again (fresh samples, a fresh copy of the policy)."""
+        if self._world_size is None or world_size == self._world_size:
+            return
+        self._samples.clear()
+        try:
+            import dataclasses
+
+            self.policy = dataclasses.replace(self.policy) if dataclasses.is_dataclass(self.policy) else self.policy
+        except Exception:  # noqa: BLE001 - keep the old one rather than fail a restore
+            logger.warning("cf_ray: could not reset the policy for the new world size", exc_info=True)
+        first = self.policy.initial_interval()
+        if first != self._schedules[-1]["interval"]:
+            self._schedules.append({"version": len(self._schedules), "interval": first})
+        self._events.append({"event": "reprofile", "world_size": world_size, "previous_world_size": self._world_size,
+                             "interval": first, "time": time.time()})
 
     def _replan(self) -> None:
         current = self._schedules[-1]["interval"]
@@ -215,7 +252,10 @@ class Controller:
             if not meta.get("persist", True):
                 p.superseded.add(section)
             row = self._row(generation, step)
-            row.update({k: meta[k] for k in ("epoch", "kind", "milestone", "interval") if k in meta})
+            row.update({k: meta[k] for k in ("epoch", "kind", "milestone", "interval", "world_size") if k in meta})
+            d = meta.get("deadline_unix")  # a just-in-time checkpoint: the earliest deadline any rank knows
+            if d is not None and (row.get("deadline_unix") is None or d < row["deadline_unix"]):
+                row.update(deadline_unix=d, notice_unix=meta.get("notice_unix"), notice_source=meta.get("notice_source"))
 
     def part_superseded(self, generation: int, step: int, section: str) -> None:
         with self._lock:
@@ -231,6 +271,9 @@ class Controller:
             p = self._pend(generation, step)
             p.durable[section] = {k: FileInfo(int(v["size"]), int(v["crc32"])) for k, v in files.items()}
             p.persist_s[section] = persist_s
+            # Workers cannot see phase 2: its time reaches the policy from here.
+            rank = int(section.split("_")[1]) if section.startswith("rank_") else 0
+            self._samples.append(Sample(rank=rank, step=step, ckpt_step=step, persist_s=persist_s))
             self._try_commit(p)
 
     def part_failed(self, generation: int, step: int, section: str, error: str) -> None:
@@ -242,8 +285,12 @@ class Controller:
             failure = {"seq": len(self._failures), "step": step, "section": section, "rank": rank, "error": error,
                        "generation": generation}
             self._failures.append(failure)
-            self._row(generation, step).update(committed=False, where="failed", error=f"{section}: {error}")
+            row = self._row(generation, step)
+            row.update(committed=False, where="failed", error=f"{section}: {error}")
+            if row.get("deadline_unix") is not None:
+                row["made_deadline"] = False
             logger.warning("cf_ray: checkpoint of step %d not committed: %s failed: %s", step, section, error)
+            self._record_metrics(generation, step)
 
     def _pend(self, generation: int, step: int) -> _Pending:
         p = self._pending.get((generation, step))
@@ -295,7 +342,11 @@ class Controller:
         row.update(committed=True, where=self.storage.uri(directory), error=None, commit_s=commit_s,
                    persist_s=max(p.persist_s.values()), bytes=sum(p.nbytes.values()),
                    epoch=m.epoch, kind=m.kind, milestone=m.milestone)
+        row["durable_unix"] = time.time()
+        if row.get("deadline_unix") is not None:
+            row["made_deadline"] = row["durable_unix"] <= row["deadline_unix"]
         logger.info("cf_ray: committed step %d (%d bytes) at %s", p.step, row["bytes"], row["where"])
+        self._record_metrics(p.generation, p.step)
         self._maintenance.put(("after_commit", p.step, m))
 
     # -- maintenance thread: retention and upload tiers ------------------------------------------------
@@ -376,6 +427,19 @@ class Controller:
         except Exception as e:  # noqa: BLE001 - a failed delete is logged, never fatal
             logger.warning("cf_ray: could not delete %s: %s", storage.uri(path), e)
 
+    def _record_metrics(self, generation: int, step: int) -> None:
+        """Export the row to Ray metrics (dashboard, Prometheus); never fails the caller."""
+        try:
+            if self._metrics is None:
+                from cf_ray.report import CheckpointMetrics
+
+                self._metrics = CheckpointMetrics(run=self.key)
+            row = next((r for r in self.profile_rows() if r["step"] == step and r["generation"] == generation), None)
+            if row is not None:
+                self._metrics.record(row)
+        except Exception:  # noqa: BLE001
+            logger.debug("cf_ray: metrics export failed", exc_info=True)
+
     # -- the profile ---------------------------------------------------------------------------------
     def profile_rows(self) -> list[dict]:
         with self._lock:
@@ -383,7 +447,10 @@ class Controller:
             out = []
             for (gen, step), row in sorted(self._rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
                 r = {k: v for k, v in row.items() if not k.startswith("_")}
-                stall = _max(row.get("_stall_s"))
+                stalls = row.get("_stall_s") or {}
+                guards = row.get("_guard_s") or {}
+                # Training-thread stall per rank: the synchronous part plus the guard's wait for the copy.
+                stall = max((v + guards.get(r, 0.0) for r, v in stalls.items()), default=None)
                 r["stall_s"] = stall
                 r["copy_s"] = _max(row.get("_copy_s"))
                 r["sync_s"] = _max(row.get("_sync_s"))
@@ -391,7 +458,10 @@ class Controller:
                 if "bytes" not in r and row.get("_rank_bytes"):
                     r["bytes"] = sum(row["_rank_bytes"].values())
                 interval = r.get("interval")
-                if stall is not None and interval and iter_s:
+                stats = _checkpoint_stats(self.policy, step)
+                if stats and stats.get("overhead_pct") is not None:
+                    r["overhead_pct"] = stats["overhead_pct"]
+                elif stall is not None and interval and iter_s:
                     r["overhead_pct"] = 100.0 * stall / (interval * iter_s)
                 out.append(r)
             return out
@@ -403,6 +473,11 @@ class Controller:
     def events(self) -> list[dict]:
         with self._lock:
             return list(self._events)
+
+    def explain(self) -> Any:
+        """Why the interval is what it is (the policy's ``explain()``), for users and notebooks."""
+        with self._lock:
+            return _explain(self.policy)
 
     def record_event(self, event: dict) -> None:
         with self._lock:
@@ -480,7 +555,14 @@ class Controller:
             except Exception:  # noqa: BLE001
                 pass
         self._maintenance.put(None)
-        os._exit(0)
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+
+def _checkpoint_stats(policy, step: int) -> dict | None:
+    try:
+        return policy.checkpoint_stats(step) if hasattr(policy, "checkpoint_stats") else None
+    except Exception:  # noqa: BLE001 - a report, never a failure
+        return None
 
 
 def _explain(policy) -> Any:
@@ -509,9 +591,27 @@ ControllerActor = ray.remote(num_cpus=0, max_concurrency=32, max_restarts=0)(Con
 
 
 def get_or_create_controller(key: str, storage: Storage, settings: ControllerSettings):
+    # On the head node when there is one: the worker that creates it may be on a spot node that is
+    # about to go, and the controller must outlive it (soft: anywhere if the head cannot take it).
+    head = _head_node_id()
+    extra = {}
+    if head is not None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        extra["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=head, soft=True)
     return ControllerActor.options(
-        name=controller_name(key), namespace=_env.namespace(), lifetime="detached", get_if_exists=True,
+        name=controller_name(key), namespace=_env.namespace(), lifetime="detached", get_if_exists=True, **extra,
     ).remote(key, storage, settings)
+
+
+def _head_node_id() -> str | None:
+    try:
+        for n in ray.nodes():
+            if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {}):
+                return n["NodeID"]
+    except Exception:  # noqa: BLE001 - placement is a preference only
+        pass
+    return None
 
 
 def get_controller(key: str):

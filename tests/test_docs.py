@@ -53,3 +53,12 @@ def test_example_train_ddp_runs_and_resumes(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "final model:" in out.stdout and "final_" in out.stdout
     assert "checkpoints:" in out.stdout
+
+
+@pytest.mark.slow
+def test_example_spot_training_runs(tmp_path):
+    env = dict(os.environ, RAY_ADDRESS="local", CF_RAY_CONTROLLER_LINGER_S="2")
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "spot_training.py"), "--dir", str(tmp_path)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "world size" in out.stdout
