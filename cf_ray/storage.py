@@ -52,26 +52,8 @@ class Storage(Protocol):
     """
 
     def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> FileInfo:
-        full = self._abs(path)
-        parent = posixpath.dirname(full)
-        if self._local:
-            os.makedirs(parent, exist_ok=True)
-            tmp = posixpath.join(parent, f".tmp.{posixpath.basename(full)}.{uuid.uuid4().hex[:8]}")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                info = _write_with_crc(chunks, lambda mv: _write_all(fd, mv))
-                os.fsync(fd)
-            except BaseException:
-                os.close(fd)
-                _silently(os.unlink, tmp)
-                raise
-            os.close(fd)
-            os.replace(tmp, full)
-            _fsync_dir(parent)
-            return info
-        self.fs.create_dir(parent, recursive=True)
-        with self.fs.open_output_stream(full) as out:
-            return _write_with_crc(chunks, lambda mv: out.write(pa.py_buffer(mv)))
+        """Write ``path`` durably and atomically from ``chunks``; return its size and CRC-32."""
+        ...
 
     def read_file(self, path: str) -> np.ndarray:
         """The whole file as a writable ``uint8`` array."""
@@ -196,19 +178,12 @@ class FsStorage:
     def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> FileInfo:
         full = self._abs(path)
         parent = posixpath.dirname(full)
-        crc, size = 0, 0
         if self._local:
             os.makedirs(parent, exist_ok=True)
             tmp = posixpath.join(parent, f".tmp.{posixpath.basename(full)}.{uuid.uuid4().hex[:8]}")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                for chunk in chunks:
-                    mv = memoryview(chunk).cast("B")
-                    crc = zlib.crc32(mv, crc)
-                    size += mv.nbytes
-                    while mv.nbytes:
-                        n = os.write(fd, mv)
-                        mv = mv[n:]
+                info = _write_with_crc(chunks, lambda mv: _write_all(fd, mv))
                 os.fsync(fd)
             except BaseException:
                 os.close(fd)
@@ -217,15 +192,10 @@ class FsStorage:
             os.close(fd)
             os.replace(tmp, full)
             _fsync_dir(parent)
-        else:
-            self.fs.create_dir(parent, recursive=True)
-            with self.fs.open_output_stream(full) as out:
-                for chunk in chunks:
-                    mv = memoryview(chunk).cast("B")
-                    crc = zlib.crc32(mv, crc)
-                    size += mv.nbytes
-                    out.write(pa.py_buffer(mv))
-        return FileInfo(size, crc)
+            return info
+        self.fs.create_dir(parent, recursive=True)
+        with self.fs.open_output_stream(full) as out:
+            return _write_with_crc(chunks, lambda mv: out.write(pa.py_buffer(mv)))
 
     def read_file(self, path: str) -> np.ndarray:
         full = self._abs(path)

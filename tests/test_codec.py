@@ -7,19 +7,13 @@ import pytest
 import torch
 
 from cf_ray import _codec
-from cf_ray.manifest import encode_index, parse_index
+from cf_ray.manifest import parse_index
+from storage_helpers import arena_of
 
 
 def _roundtrip(tree):
-    flat = _codec.flatten(tree)
-    buf = np.zeros(flat.nbytes, dtype=np.uint8)
-    for e, leaf in zip(flat.entries, flat.leaves):
-        raw = buf[e.offset: e.offset + e.nbytes]
-        if e.kind == "numpy":
-            raw[:] = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
-        else:
-            raw[:] = leaf.contiguous().reshape(-1).view(torch.uint8).numpy() if leaf.numel() else raw
-    tree_json, entries = parse_index(encode_index(flat), "test")
+    buf, index = arena_of(tree)  # the bytes and JSON index, laid out as a snapshot lays them out
+    tree_json, entries = parse_index(index, "test")
     return _codec.unflatten(tree_json, lambda i, e: _codec.view(buf, e, copy=True), entries)
 
 
