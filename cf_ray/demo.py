@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     stalls = [r["stall_s"] for r in result["profile"] if r.get("stall_s") is not None]
     equal = states_equal(os.path.join(root, "out", "reference", "final_state.pt"), os.path.join(out, "final_state.pt"))
     rows = [
-        ("checkpoints taken (rank 0, all attempts)", str(result["checkpoints_taken"])),
+        ("checkpoints taken (rank 0, after the restart)", str(result["checkpoints_taken"])),
         ("checkpoints committed", str(len(committed))),
         ("interval (steps)", str(args.interval)),
         ("stall per checkpoint (median)", f"{1000 * sorted(stalls)[len(stalls) // 2]:.1f} ms" if stalls else "n/a"),
