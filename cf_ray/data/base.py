@@ -437,3 +437,25 @@ class EpochCursor:
         self._position = consumed
         self._resumed = True
         self._plan_changed()
+
+
+class SamplerHeldPosition:
+    """Mixin for sources whose position lives in ``self.sampler`` (a :class:`ResumableSampler`):
+    the ``Stateful``/``ElasticStateful`` methods forward to it, so registering the source or its
+    sampler with the Checkpointer saves the same state."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forward to the sampler's ``set_epoch``."""
+        self.sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's state: what the loop has consumed so far."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Forward to the sampler's ``load_state_dict``."""
+        self.sampler.load_state_dict(state_dict)
+
+    def load_elastic_state(self, states: Sequence[Mapping[str, Any]], rank: int, world_size: int) -> None:
+        """Forward to the sampler's ``load_elastic_state``."""
+        self.sampler.load_elastic_state(states, rank, world_size)

@@ -13,11 +13,12 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from cf_ray.data.base import SamplerHeldPosition
 from cf_ray.data.sampler import ResumableDistributedSampler, ResumableSampler
 from cf_ray.errors import ConfigError
 
 
-class ResumableDataLoader(DataLoader):
+class ResumableDataLoader(SamplerHeldPosition, DataLoader):
     """A ``torch.utils.data.DataLoader`` over a :class:`ResumableSampler` that keeps the sampler's
     position equal to the batches the loop has received, with any ``num_workers``,
     ``prefetch_factor`` and ``persistent_workers``.
@@ -96,24 +97,7 @@ class ResumableDataLoader(DataLoader):
             yield batch
         sampler._finish_pass()  # a tail dropped by drop_last counts as consumed
 
-    # Stateful / ElasticStateful: the sampler holds the position.
-
-    def set_epoch(self, epoch: int) -> None:
-        """Forward to the sampler's :meth:`~ResumableSampler.set_epoch`."""
-        self.sampler.set_epoch(epoch)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The sampler's state: what the loop has received so far."""
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Forward to the sampler's :meth:`~ResumableSampler.load_state_dict`."""
-        self.sampler.load_state_dict(state_dict)
-
-    def load_elastic_state(self, states: Sequence[Mapping[str, Any]], rank: int,
-                           world_size: int) -> None:
-        """Forward to the sampler's :meth:`~ResumableSampler.load_elastic_state`."""
-        self.sampler.load_elastic_state(states, rank, world_size)
+    # Stateful / ElasticStateful: the sampler holds the position (SamplerHeldPosition).
 
 
 class _RecordingBatchSampler:

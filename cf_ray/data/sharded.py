@@ -19,14 +19,14 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 from torch.utils.data import Dataset
 
-from cf_ray.data.base import check_int, logger
+from cf_ray.data.base import SamplerHeldPosition, check_int, logger
 from cf_ray.data.sampler import ResumableSampler
 from cf_ray.errors import ConfigError
 
 LoadFn = Callable[[list[int]], Sequence[Any]]
 
 
-class ShardedDataset(Dataset):
+class ShardedDataset(SamplerHeldPosition, Dataset):
     """A map-style dataset of which this rank holds only its shard, with a resumable sampler.
 
     Index it with the *global* item ids that :attr:`sampler` yields.
@@ -103,25 +103,7 @@ class ShardedDataset(Dataset):
         """Number of items this rank holds."""
         return len(self._items)
 
-    # Stateful / ElasticStateful: the sampler holds the position.
-
-    def set_epoch(self, epoch: int) -> None:
-        """Forward to :meth:`ResumableSampler.set_epoch`."""
-        self.sampler.set_epoch(epoch)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The sampler's state (see :class:`ResumableSampler`)."""
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Forward to :meth:`ResumableSampler.load_state_dict`."""
-        self.sampler.load_state_dict(state_dict)
-
-    def load_elastic_state(self, states: Sequence[Mapping[str, Any]], rank: int,
-                           world_size: int) -> None:
-        """Forward to :meth:`ResumableSampler.load_elastic_state`; loads the items this rank
-        now needs from other shards."""
-        self.sampler.load_elastic_state(states, rank, world_size)
+    # Stateful / ElasticStateful: the sampler holds the position (SamplerHeldPosition).
 
     # internal
 
