@@ -5,12 +5,44 @@ The front door is small: a :class:`Checkpointer` per rank inside ``train_loop_pe
 afterwards. Everything else is internal.
 """
 
-from cf_ray.checkpointer import CheckpointConfig, Checkpointer, FinishSummary, Resume
-from cf_ray.errors import (CfRayError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
-                           ElasticResumeError, PersistError, UnsafePathError)
-from cf_ray.load import CheckpointInfo, list_checkpoints, load_into, load_state
-from cf_ray.policy import Adaptive, AnyOf, EpochEnd, FixedInterval
-from cf_ray.preemption import PreemptionConfig, notify_preemption
+import importlib
+from typing import TYPE_CHECKING
+
+# Names are loaded on first use (PEP 562): cf_ray's actors (controller, holder) import
+# ``cf_ray.controller`` / ``cf_ray.persist``, which run this file first, and must not pay for
+# torch and pandas they never use (seconds of CPU per actor process on a small machine).
+_LAZY = {
+    "CheckpointConfig": "checkpointer", "Checkpointer": "checkpointer", "FinishSummary": "checkpointer",
+    "Resume": "checkpointer",
+    "CfRayError": "errors", "CheckpointNotFoundError": "errors", "ConfigError": "errors",
+    "CorruptCheckpointError": "errors", "ElasticResumeError": "errors", "PersistError": "errors",
+    "UnsafePathError": "errors",
+    "CheckpointInfo": "load", "list_checkpoints": "load", "load_into": "load", "load_state": "load",
+    "Adaptive": "policy", "AnyOf": "policy", "EpochEnd": "policy", "FixedInterval": "policy",
+    "PreemptionConfig": "preemption", "notify_preemption": "preemption",
+}
+
+if TYPE_CHECKING:
+    from cf_ray.checkpointer import CheckpointConfig, Checkpointer, FinishSummary, Resume
+    from cf_ray.errors import (CfRayError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
+                               ElasticResumeError, PersistError, UnsafePathError)
+    from cf_ray.load import CheckpointInfo, list_checkpoints, load_into, load_state
+    from cf_ray.policy import Adaptive, AnyOf, EpochEnd, FixedInterval
+    from cf_ray.preemption import PreemptionConfig, notify_preemption
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cf_ray' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"cf_ray.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"
 

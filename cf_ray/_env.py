@@ -21,6 +21,8 @@ WARN_INTERVAL_S = "CF_RAY_WARN_INTERVAL_S"
 LINGER_S = "CF_RAY_CONTROLLER_LINGER_S"
 #: Bytes per write call when streaming a checkpoint file to storage.
 WRITE_CHUNK_BYTES = "CF_RAY_WRITE_CHUNK_BYTES"
+#: "0" turns off direct I/O (O_DIRECT) for large local writes; they then go through the page cache.
+DIRECT_IO = "CF_RAY_DIRECT_IO"
 #: Namespace of cf_ray's named actors.
 NAMESPACE = "CF_RAY_NAMESPACE"
 
@@ -31,6 +33,7 @@ _DEFAULTS = {
     WARN_INTERVAL_S: 15.0,
     LINGER_S: 120.0,
     WRITE_CHUNK_BYTES: 16 * 1024 * 1024,
+    DIRECT_IO: 1,
 }
 
 

@@ -4,7 +4,7 @@ What runs (see ``benchmarks/README.md`` for every JSON key):
 
 * **Machine limits**, measured first in the same invocation: host memcpy bandwidth (one thread,
   as the snapshot copy runs), storage write+fsync bandwidth (16 MiB chunks, as cf_ray writes),
-  zlib CRC-32 throughput (cf_ray checksums every byte it persists) and the first touch of newly
+  CRC-32 throughput (ISA-L's, as cf_ray uses; cf_ray checksums every byte it persists) and the first touch of newly
   allocated memory (page faults; slow on VMs, and every new host buffer pays it once).
 * **The reference job** (``TorchTrainer``, gloo, DDP, ``n x Linear(w, w)`` + Adam, synthetic data,
   fixed seed), once per CPU setting: every core busy (2 workers x 1 thread on 2 cores) and one
@@ -20,7 +20,10 @@ What runs (see ``benchmarks/README.md`` for every JSON key):
   ``dcp_async``  ``torch.distributed.checkpoint.async_save`` (own gloo group), the previous save
                  awaited before the next one, as torchtitan does;
   ``cf_fixed``   ``cf_ray.Checkpointer`` with ``FixedInterval(every=k)``;
-  ``cf_auto``    ``cf_ray.Checkpointer`` with ``Adaptive()``.
+  ``cf_auto``    ``cf_ray.Checkpointer`` with ``Adaptive(budget_pct=--budget-pct)`` (2 % by default),
+                 followed by two *probes*: ``cf_fixed`` at the interval ``k`` it chose and at ``k - 1``,
+                 each measured over whole periods after its first checkpoint (steady state), so the
+                 output shows whether ``k`` is within the budget and the shortest interval that is.
 
 * **Recovery** (a larger model: ~1 GB of state with ``--full``, the 302 MB reference model with
   ``--quick``), inside the first 2-worker ``fit()`` (``max_failures=2``; restarted attempts skip the
@@ -58,6 +61,8 @@ from typing import Any
 
 SCHEMA = "cf_ray.bench/1"
 
+_PROBE_TAG = {0: "@auto", -1: "@auto-1"}
+_PROBE_LABEL = {0: " at Adaptive's k", -1: " at Adaptive's k−1"}
 VARIANTS = ("none", "ray_sync", "ray_async", "dcp_async", "cf_fixed", "cf_auto")
 LABELS = {
     "none": "no checkpoint",
@@ -468,8 +473,18 @@ def _run_segments(cfg: dict, ctx, t_loop: float) -> None:
     dcp_pg = dist.new_group(backend="gloo") if any(s["variant"] == "dcp_async" for s in cfg["plan"]) \
         and world > 1 else None
     out_dir = cfg["out_dir"]
+    auto_k = None  # the interval Adaptive chose in the latest cf_auto segment (the same on every rank)
     for seg in cfg["plan"]:
         name, variant, k = seg["name"], seg["variant"], seg["k"]
+        iters, steady_from = cfg["iters"], 0
+        if seg.get("probe") is not None:
+            if not auto_k or auto_k + seg["probe"] < 1:
+                continue  # no interval chosen, or k - 1 == 0
+            k = auto_k + seg["probe"]
+            # m whole periods after the first checkpoint (the overhead is measured over them), at
+            # least two and at least as many iterations as the other segments.
+            m = max(2, math.ceil(cfg["iters"] / k))
+            iters, steady_from = (m + 1) * k - 1, k - 1
         _trim_memory()
         mon.reset()
         rss_start, anon_start, shmem_start = _MemMonitor.read()
@@ -481,7 +496,8 @@ def _run_segments(cfg: dict, ctx, t_loop: float) -> None:
         elif variant == "dcp_async":
             saver = _DcpSave(k, model, opt, rank, os.path.join(exp_path, name, "dcp"), dcp_pg)
         elif variant in ("cf_fixed", "cf_auto"):
-            policy = cf_ray.FixedInterval(every=k) if variant == "cf_fixed" else cf_ray.Adaptive()
+            policy = cf_ray.FixedInterval(every=k) if variant == "cf_fixed" else \
+                cf_ray.Adaptive(budget_pct=cfg.get("budget_pct", 5.0))
             saver = _CfSave(policy, model, opt, rank, exp_path, name, register=cfg["cf_register"])
         else:
             raise ValueError(f"unknown variant {variant!r}")
@@ -491,7 +507,7 @@ def _run_segments(cfg: dict, ctx, t_loop: float) -> None:
         cpu0, thread0 = time.process_time(), time.thread_time()
         t_seg = time.perf_counter()
         wall_start = time.time()
-        for i in range(1, cfg["iters"] + 1):
+        for i in range(1, iters + 1):
             t0 = time.perf_counter()
             forward_backward(i)
             if saver.uses_checkpointer:
@@ -508,7 +524,8 @@ def _run_segments(cfg: dict, ctx, t_loop: float) -> None:
         saver.drain()
         drain_s = time.perf_counter() - t_drain
         rec: dict[str, Any] = {"segment": name, "variant": variant, "k": k, "round": seg["round"], "rank": rank,
-                               "world_size": world, "iter_s": times, "stall_s": stalls, "loop_s": loop_s,
+                               "world_size": world, "probe": seg.get("probe"), "steady_from": steady_from,
+                               "iter_s": times, "stall_s": stalls, "loop_s": loop_s,
                                "drain_s": drain_s, "setup_s": setup_s, "state_bytes": state_bytes,
                                "rss_before_model": rss_before_model, "anon_before_model": anon_before_model,
                                "rss_start": rss_start, "anon_start": anon_start, "shmem_start": shmem_start,
@@ -527,6 +544,11 @@ def _run_segments(cfg: dict, ctx, t_loop: float) -> None:
         rec.update(peak_rss=mon.peak, peak_rss_anon=mon.peak_anon, peak_rss_shmem=mon.peak_shmem)
         _write_json(os.path.join(out_dir, f"{name}.rank{rank}.json"), rec)
         del saver
+        if variant == "cf_auto":
+            chosen = torch.tensor([int((rec.get("controller_summary") or {}).get("interval") or 0)])
+            if world > 1:
+                dist.broadcast(chosen, src=0)
+            auto_k = int(chosen.item())
         _barrier()
     mon.stop()
 
@@ -604,7 +626,7 @@ def _recovery(cfg: dict, ctx, t_attempt: float) -> None:
 
 def measure_limits(directory: Path, nbytes: int) -> dict:
     """Host memcpy (one thread), storage write+fsync and CRC-32 bandwidths, in GB/s (1e9 B/s)."""
-    import zlib
+    from cf_ray.storage import _crc32
 
     import numpy as np
     import torch
@@ -631,7 +653,7 @@ def measure_limits(directory: Path, nbytes: int) -> dict:
         crc = []
         for _ in range(3):
             t0 = time.perf_counter()
-            zlib.crc32(memoryview(buf))
+            _crc32(memoryview(buf))
             crc.append(n / (time.perf_counter() - t0) / 1e9)
         del src, dst
     finally:
@@ -666,15 +688,26 @@ def measure_limits(directory: Path, nbytes: int) -> dict:
 
 
 def _plan(matrix: dict[str, list[int]], rounds: int, iters: int, setting: str) -> list[dict]:
-    """Segments in rounds of alternating order; the baseline opens and closes every round."""
-    others = [(v, k) for v in VARIANTS if v != "none" for k in matrix.get(v, [])]
+    """Segments in rounds of alternating order; the baseline opens and closes every round.
+
+    Every ``cf_auto`` segment is followed by two *probe* segments, ``cf_fixed`` at the interval
+    ``k`` Adaptive chose in it and at ``k - 1`` (``probe`` 0 and -1; ``k`` is resolved at run time),
+    which show whether the chosen interval is within the budget and the shortest that is.
+    """
+    blocks = []
+    for v in VARIANTS:
+        if v == "none":
+            continue
+        for k in matrix.get(v, []):
+            blocks.append([(v, k, None)] + ([("cf_fixed", 0, 0), ("cf_fixed", 0, -1)] if v == "cf_auto" else []))
     plan = []
     for r in range(rounds):
-        order = others if r % 2 == 0 else list(reversed(others))
-        seq = [("none", 0)] + order + [("none", 0)] if "none" in matrix else order
-        for j, (v, k) in enumerate(seq):
-            plan.append({"name": f"{setting}-r{r}-{j:02d}-{v}" + (f"-k{k}" if k else ""), "variant": v, "k": k,
-                         "round": r, "iters": iters})
+        order = [seg for b in (blocks if r % 2 == 0 else list(reversed(blocks))) for seg in b]
+        seq = [("none", 0, None)] + order + [("none", 0, None)] if "none" in matrix else order
+        for j, (v, k, probe) in enumerate(seq):
+            tag = "" if probe is None else ("-auto" if probe == 0 else "-auto-1")
+            plan.append({"name": f"{setting}-r{r}-{j:02d}-{v}" + (f"-k{k}" if k else "") + tag, "variant": v,
+                         "k": k, "round": r, "iters": iters, "probe": probe})
     return plan
 
 
@@ -742,6 +775,10 @@ def _aggregate_setting(setting: str, workers: int, desc: str, seg_dir: Path, pla
                 ranks.append(json.loads(p.read_text()))
         if ranks:
             recs[seg["name"]] = ranks
+    # Probe segments' k is resolved at run time (the interval Adaptive chose); they only measure
+    # their steady state: the iterations from their first checkpoint on.
+    plan = [dict(s, k=recs[s["name"]][0]["k"]) if s.get("probe") is not None else s
+            for s in plan if s.get("probe") is None or s["name"] in recs]
     base_segs = [recs[s["name"]] for s in plan if s["variant"] == "none" and s["name"] in recs]
     base_times = [t for ranks in base_segs for t in ranks[0]["iter_s"]]
     base_mean = statistics.fmean(base_times) if base_times else float("nan")
@@ -755,33 +792,42 @@ def _aggregate_setting(setting: str, workers: int, desc: str, seg_dir: Path, pla
     out = []
     keys = []
     for s in plan:
-        key = (s["variant"], s["k"])
+        key = (s["variant"], s["k"], s.get("probe"))
         if key not in keys:
             keys.append(key)
-    for variant, k in keys:
-        segs = [(s, recs[s["name"]]) for s in plan if (s["variant"], s["k"]) == (variant, k) and s["name"] in recs]
+
+    def timed(rec: dict) -> list[float]:
+        return rec["iter_s"][rec.get("steady_from") or 0:]
+
+    for variant, k, probe in keys:
+        segs = [(s, recs[s["name"]]) for s in plan
+                if (s["variant"], s["k"], s.get("probe")) == (variant, k, probe) and s["name"] in recs]
         if not segs:
             continue
-        times = [t for _, ranks in segs for t in ranks[0]["iter_s"]]
+        times = [t for _, ranks in segs for t in timed(ranks[0])]
         n = len(times)
+        n_all = sum(len(ranks[0]["iter_s"]) for _, ranks in segs)
         mean = statistics.fmean(times)
         drain = sum(ranks[0]["drain_s"] for _, ranks in segs)
         obj: dict[str, Any] = {
-            "id": f"{setting}/{variant}" + (f"/k{k}" if k else ""), "setting": setting, "workers": workers,
-            "setting_desc": desc, "variant": variant, "label": LABELS[variant], "k": k or None,
+            "id": f"{setting}/{variant}" + (f"/k{k}" if k else "") + ("" if probe is None else _PROBE_TAG[probe]),
+            "setting": setting, "workers": workers, "setting_desc": desc, "variant": variant,
+            "label": LABELS[variant] + ("" if probe is None else _PROBE_LABEL[probe]), "k": k or None,
+            "probe": probe,
             "rounds": len(segs), "iterations": n,
             "iter_median_s": statistics.median(times), "iter_min_s": min(times), "iter_max_s": max(times),
             "iter_mean_s": mean,
             "overhead_pct": 100.0 * (mean / base_mean - 1.0),
             "overhead_incl_drain_pct": 100.0 * ((sum(times) + drain) / n / base_mean - 1.0),
-            "overhead_pct_per_round": [100.0 * (statistics.fmean(ranks[0]["iter_s"]) /
+            "overhead_pct_per_round": [100.0 * (statistics.fmean(timed(ranks[0])) /
                                                 base_round_mean.get(s["round"], base_mean) - 1.0)
                                        for s, ranks in segs],
-            "iter_mean_s_per_round": [statistics.fmean(ranks[0]["iter_s"]) for _, ranks in segs],
+            "iter_mean_s_per_round": [statistics.fmean(timed(ranks[0])) for _, ranks in segs],
             "drain_s": drain / len(segs), "setup_s": statistics.fmean(r[0]["setup_s"] for _, r in segs),
             # CPU time is far less sensitive than wall time to other jobs on the machine.
-            "worker_cpu_ms_per_iter": [1e3 * sum(r[w]["cpu_s"] for _, r in segs) / n for w in range(len(segs[0][1]))],
-            "train_thread_cpu_ms_per_iter": [1e3 * sum(r[w]["train_thread_cpu_s"] for _, r in segs) / n
+            "worker_cpu_ms_per_iter": [1e3 * sum(r[w]["cpu_s"] for _, r in segs) / n_all
+                                       for w in range(len(segs[0][1]))],
+            "train_thread_cpu_ms_per_iter": [1e3 * sum(r[w]["train_thread_cpu_s"] for _, r in segs) / n_all
                                              for w in range(len(segs[0][1]))],
             "state_bytes": state_bytes,
             "segments": [s["name"] for s, _ in segs],
@@ -832,7 +878,7 @@ def _aggregate_setting(setting: str, workers: int, desc: str, seg_dir: Path, pla
                          if e.get("event") == "interval"])
             acpu = [(r[0].get("controller_summary") or {}).get("actors_cpu_s") for _, r in segs]
             if all(a is not None for a in acpu):
-                obj["cf_actors_cpu_ms_per_iter"] = 1e3 * sum(acpu) / n
+                obj["cf_actors_cpu_ms_per_iter"] = 1e3 * sum(acpu) / n_all
             done = [r for r in rows_all if r.get("committed")]
             committed = len(done)
             written = sum(int(r.get("bytes") or 0) for r in done)
@@ -924,8 +970,21 @@ def _targets(results: dict) -> list[dict]:
         auto = by.get(f"{setting}/cf_auto")
         if auto:
             add("auto_overhead", setting, "cf_ray Adaptive overhead <= 2 %", auto["overhead_pct"], 2.0,
-                auto["overhead_pct"] <= 2.0, f"interval chosen: {auto.get('chosen_interval')}")
-        ks = sorted({v["k"] for v in results["variants"] if v["setting"] == setting and v["variant"] == "cf_fixed"})
+                auto["overhead_pct"] <= 2.0, f"interval chosen: {auto.get('chosen_interval')}; whole segment, "
+                                             "profiling included")
+        budget = results["config"].get("budget_pct")
+        for at in (v for v in results["variants"] if v["setting"] == setting and v.get("probe") == 0):
+            k = at["k"]
+            below = by.get(f"{setting}/cf_fixed/k{k - 1}@auto-1")
+            add("auto_within_budget", setting, f"FixedInterval at Adaptive's k={k}: overhead <= budget",
+                at["overhead_pct"], budget, at["overhead_pct"] <= budget,
+                f"steady state over {at['iterations']} iterations")
+            if below:
+                add("auto_shortest", setting, f"k={k} is the shortest within budget: overhead at k-1={k - 1} > budget",
+                    below["overhead_pct"], budget, below["overhead_pct"] > budget,
+                    f"steady state over {below['iterations']} iterations")
+        ks = sorted({v["k"] for v in results["variants"]
+                     if v["setting"] == setting and v["variant"] == "cf_fixed" and v.get("probe") is None})
         for k in ks:
             cf = by[f"{setting}/cf_fixed/k{k}"]["overhead_pct"]
             for other, text, fn in (
@@ -1008,6 +1067,8 @@ def render_markdown(results: dict, *, heading: str = "##") -> str:
         lines.append("|---|---|---|---|---|---|---|---|---|---|")
         for v in vs:
             k = v["k"] if v["k"] else (f"auto→{v.get('chosen_interval')}" if v["variant"] == "cf_auto" else "–")
+            if v.get("probe") is not None:
+                k = f"{v['k']} (= auto{'' if v['probe'] == 0 else ' − 1'}, steady state)"
             ovh = "–" if v["variant"] == "none" else _fmt(v["overhead_pct"], "+.1f")
             ovd = "–" if v["variant"] == "none" else _fmt(v["overhead_incl_drain_pct"], "+.1f")
             lines.append(
@@ -1031,7 +1092,7 @@ def render_markdown(results: dict, *, heading: str = "##") -> str:
     lines.append(f"| host memcpy, one thread | {lim['memcpy_gbps']:.2f} GB/s |")
     lines.append(f"| storage write + fsync ({lim['storage_test_bytes'] / 1e9:.2f} GB, 16 MiB chunks) "
                  f"| {lim['storage_write_fsync_gbps']:.2f} GB/s |")
-    lines.append(f"| zlib CRC-32, one thread | {lim['crc32_gbps']:.2f} GB/s |")
+    lines.append(f"| CRC-32 as cf_ray computes it (ISA-L), one thread | {lim['crc32_gbps']:.2f} GB/s |")
     if lim.get("first_touch_gbps"):
         lines.append(f"| first touch of newly allocated memory (page faults) | {lim['first_touch_gbps']:.2f} GB/s |")
     for v in results["variants"]:
@@ -1106,12 +1167,19 @@ def plot(results: dict, path: Path) -> Path | None:
         vs = [v for v in results["variants"] if v["setting"] == setting["setting"]]
         for variant in VARIANTS[1:]:
             pts = sorted((v["k"] or v.get("chosen_interval") or 1, v["overhead_pct"]) for v in vs
-                         if v["variant"] == variant)
+                         if v["variant"] == variant and v.get("probe") is None)
             if not pts:
                 continue
             xs, ys = zip(*pts)
             ax.plot(xs, ys, marker=markers[variant], ms=12 if variant == "cf_auto" else 6,
                     linestyle="" if variant == "cf_auto" else "-", label=LABELS[variant])
+        probes = sorted((v["k"], v["overhead_pct"]) for v in vs if v.get("probe") is not None)
+        if probes:
+            ax.plot(*zip(*probes), marker="x", ms=8, linestyle="", color="black",
+                    label="FixedInterval at Adaptive's k and k−1 (steady state)")
+        budget = results["config"].get("budget_pct")
+        if budget:
+            ax.axhline(budget, color="red", lw=0.8, ls="--", label=f"budget {budget:g} %")
         ax.axhline(0, color="grey", lw=0.8)
         ax.set_xscale("log")
         ax.set_xlabel("checkpoint interval k (iterations)")
@@ -1170,6 +1238,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, help="rounds over all variants (order alternates)")
     p.add_argument("--ks", type=_parse_ints, help="checkpoint intervals for every variant, e.g. 1,10,50")
     p.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--budget-pct", type=float, default=2.0,
+                   help="cf_auto's Adaptive(budget_pct=...): the overhead budget in percent (default: %(default)s, "
+                        "the benchmark's target; the library's default is 5)")
     p.add_argument("--large-width", type=int, help="Linear width of the recovery model")
     p.add_argument("--large-layers", type=int, help="number of Linear layers of the recovery model (~1 GB: 20)")
     p.add_argument("--no-recovery", action="store_true", help="skip the SIGKILL/restore measurement")
@@ -1264,7 +1335,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             cfg = {"setting": sid if has_segments else "recovery", "width": preset["width"],
                    "layers": preset["layers"], "batch": preset["batch"], "warmup": preset["warmup"],
                    "iters": preset["iters"], "seed": args.seed, "plan": plan, "out_dir": str(seg_dir),
-                   "cf_register": args.cf_register, "recovery": rcfg if with_recovery else None}
+                   "cf_register": args.cf_register, "budget_pct": args.budget_pct, "recovery": rcfg if with_recovery else None}
             t0 = time.time()
             error = None
             try:
@@ -1312,6 +1383,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             "recovery_model": {"width": preset["large_width"], "layers": preset["large_layers"],
                                "batch": preset["large_batch"], "params": large_params,
                                "interval": preset["rec_every"], "kill_step": preset["rec_kill_step"]},
+            "budget_pct": args.budget_pct,
             "iters": preset["iters"], "warmup": preset["warmup"], "rounds": preset["rounds"],
             "workers": preset["workers"], "matrix": {str(w): matrix_for(w) for w in preset["workers"]},
             "seed": args.seed,

@@ -72,6 +72,7 @@ class _Pending:
     meta: dict = field(default_factory=dict)
     state: str = "pending"  # pending, committed, failed, superseded
     created: float = field(default_factory=time.time)
+    persist_reported: bool = False  # the persist times went to the policy
 
 
 @dataclass(kw_only=True, slots=True)
@@ -249,6 +250,7 @@ class Controller:
                 p.expected = {mf.rank_section(r) for r in range(w)}
                 if meta.get("replicated", True):
                     p.expected.add(mf.SHARED)
+                self._report_persist(p)
             if not meta.get("persist", True):
                 p.superseded.add(section)
             row = self._row(generation, step)
@@ -271,10 +273,19 @@ class Controller:
             p = self._pend(generation, step)
             p.durable[section] = {k: FileInfo(int(v["size"]), int(v["crc32"])) for k, v in files.items()}
             p.persist_s[section] = persist_s
-            # Workers cannot see phase 2: its time reaches the policy from here.
-            rank = int(section.split("_")[1]) if section.startswith("rank_") else 0
-            self._samples.append(Sample(rank=rank, step=step, ckpt_step=step, persist_s=persist_s))
+            self._report_persist(p)
             self._try_commit(p)
+
+    def _report_persist(self, p: _Pending) -> None:
+        """Workers cannot see phase 2: its times reach the policy from here, once every section of
+        the checkpoint is durable (a small section durable first must not pass for the whole
+        checkpoint's persist time)."""
+        if p.persist_reported or p.expected is None or not p.expected <= set(p.durable):
+            return
+        p.persist_reported = True
+        for sec, secs in sorted(p.persist_s.items()):
+            rank = int(sec.split("_")[1]) if sec.startswith("rank_") else 0
+            self._samples.append(Sample(rank=rank, step=p.step, ckpt_step=p.step, persist_s=secs))
 
     def part_failed(self, generation: int, step: int, section: str, error: str) -> None:
         with self._lock:

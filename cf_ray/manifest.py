@@ -24,13 +24,15 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cf_ray import _codec
 from cf_ray.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
 from cf_ray.storage import FileInfo, Storage, chunked, crc32_of
+
+if TYPE_CHECKING:
+    from cf_ray import _codec  # imports torch; the controller and holder processes never need it
 
 logger = logging.getLogger("cf_ray")
 
@@ -261,10 +263,14 @@ class Section:
 
     def materialize(self, *, copy: bool = False) -> Any:
         """The state tree with tensors (views into ``buf`` unless ``copy``)."""
+        from cf_ray import _codec
+
         return _codec.unflatten(self.tree, lambda i, e: _codec.view(self.buf, e, copy=copy), self.entries)
 
 
 def parse_index(raw: bytes | np.ndarray, where: str) -> tuple[Any, list[_codec.TensorEntry]]:
+    from cf_ray import _codec
+
     try:
         d = json.loads(bytes(raw))
         entries = [_codec.TensorEntry.from_json(e) for e in d["entries"]]

@@ -21,12 +21,17 @@ from collections.abc import Mapping
 from typing import Any, Iterable
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
+
+from cf_ray._lazy import lazy_module
 
 from cf_ray.errors import CorruptCheckpointError
 from cf_ray.storage import FileInfo, FsStorage, Storage
+
+# pandas and parquet load on first use: the controller actor imports this module for its Ray
+# metrics at the first checkpoint and needs pandas only when it saves the profile at the end.
+pd = lazy_module("pandas")
+pq = lazy_module("pyarrow.parquet")
 
 logger = logging.getLogger(__name__)
 
