@@ -75,6 +75,14 @@ class _Pending:
     persist_reported: bool = False  # the persist times went to the policy
 
 
+def _per_holder_persist(p: _Pending) -> dict[str, float]:
+    """Seconds each holder spent writing this checkpoint's sections (it writes them in turn)."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for sec, secs in p.persist_s.items():
+        out[p.staged.get(sec, "")] += secs
+    return out
+
+
 @dataclass(kw_only=True, slots=True)
 class ControllerSettings:
     """What the controller needs from the user's CheckpointConfig (picklable, no live objects)."""
@@ -283,9 +291,15 @@ class Controller:
         if p.persist_reported or p.expected is None or not p.expected <= set(p.durable):
             return
         p.persist_reported = True
-        for sec, secs in sorted(p.persist_s.items()):
+        # A holder writes its sections one after the other: a rank's persist time is the time its
+        # holder spent writing this checkpoint (what "one persist in flight" has to fit).
+        per_holder = _per_holder_persist(p)
+        for sec in sorted(p.persist_s):
             rank = int(sec.split("_")[1]) if sec.startswith("rank_") else 0
-            self._samples.append(Sample(rank=rank, step=p.step, ckpt_step=p.step, persist_s=secs))
+            if sec == mf.SHARED and mf.rank_section(0) in p.persist_s:
+                continue  # rank 0's sample comes with its own section (same holder)
+            self._samples.append(Sample(rank=rank, step=p.step, ckpt_step=p.step,
+                                        persist_s=per_holder[p.staged.get(sec, "")]))
 
     def part_failed(self, generation: int, step: int, section: str, error: str) -> None:
         with self._lock:
@@ -351,7 +365,7 @@ class Controller:
                                    "epoch": m.epoch}
         row = self._row(p.generation, p.step)
         row.update(committed=True, where=self.storage.uri(directory), error=None, commit_s=commit_s,
-                   persist_s=max(p.persist_s.values()), bytes=sum(p.nbytes.values()),
+                   persist_s=max(_per_holder_persist(p).values()), bytes=sum(p.nbytes.values()),
                    epoch=m.epoch, kind=m.kind, milestone=m.milestone)
         row["durable_unix"] = time.time()
         if row.get("deadline_unix") is not None:

@@ -10,8 +10,15 @@ the worker that staged it dies.
 Bounded memory: per section the holder keeps the two newest staged entries (the newest may be
 incomplete across ranks when a worker dies in the middle of a snapshot; the one before is then the
 newest complete one), so ``2 x`` the section size, plus transiently the argument of a ``stage``
-call. A queued entry is replaced, not added to, when a newer one of the same section arrives (one persist in flight per section; intermediate snapshots that storage
-cannot keep up with are skipped, never queued without bound).
+call.
+
+Coalescing is per *checkpoint*, not per section: the writer finishes every section of the step it
+has started, then takes the oldest step waiting; a newer snapshot supersedes the whole of an older
+one that has not started (every one of its sections), never a part of it. So when storage is
+slower than the interval, intermediate snapshots are skipped and the ones written are complete
+and commit; with per-section replacement each section could end up belonging to a different step,
+and nothing would commit until storage caught up. Milestones and preemption checkpoints are never
+superseded (priority ones are written first).
 
 Failure: an exception while writing is reported to the controller (``part_failed``) with the rank,
 step and error; the thread goes on with the next entry; nothing is committed for that step, so the
@@ -57,8 +64,11 @@ class Holder:
         self.namespace = namespace
         self._lock = threading.Condition()
         self._latest: dict[str, list[_Entry]] = {}  # section -> the two newest entries, oldest first
-        self._pending: dict[str, _Entry] = {}
-        self._urgent: list[_Entry] = []  # displaced milestone/priority entries, written first
+        # (generation, step) -> section -> entry, staged and not started; at most one ordinary
+        # step (newer ones supersede it) besides milestones and priority checkpoints.
+        self._waiting: dict[tuple[int, int], dict[str, _Entry]] = {}
+        self._current: tuple[int, int] | None = None  # the step being written
+        self._current_left: dict[str, _Entry] = {}  # its sections not yet started
         self._writing: _Entry | None = None
         self._controller = None
         self._closed = False
@@ -82,20 +92,21 @@ class Holder:
             entries.append(_Entry(generation, step, name, ref, bytes(index), int(arena.nbytes), dict(meta), time.time()))
         put_s = time.perf_counter() - t0
         superseded = []
+        key = (generation, step)
         with self._lock:
             for e in entries:
                 kept = self._latest.setdefault(e.section, [])
                 kept.append(e)
                 del kept[:-2]
-                old = self._pending.get(e.section)
-                if old is not None and (old.meta.get("milestone") or old.meta.get("priority")):
-                    # Milestones and preemption checkpoints are never skipped: write the newer one
-                    # right after instead (a second slot, only in this case).
-                    self._urgent.append(old)
-                elif old is not None:
-                    superseded.append((old.generation, old.step, old.section))
-                if meta.get("persist", True):
-                    self._pending[e.section] = e
+            if meta.get("persist", True):
+                if key == self._current:  # a late section of the step being written
+                    self._current_left.update({e.section: e for e in entries})
+                else:
+                    self._waiting.setdefault(key, {}).update({e.section: e for e in entries})
+                    for older in [k for k in self._waiting if k < key]:
+                        if any(e.meta.get("milestone") or e.meta.get("priority") for e in self._waiting[older].values()):
+                            continue  # never skipped
+                        superseded += [(e.generation, e.step, e.section) for e in self._waiting.pop(older).values()]
             self._lock.notify_all()
         ctl = self._ctl()
         node = ray.get_runtime_context().get_node_id()
@@ -109,14 +120,15 @@ class Holder:
     def get_section(self, generation: int, step: int, section: str) -> list | None:
         """``[ObjectRef of the arena, index bytes]`` if held, else ``None``."""
         with self._lock:
-            for e in (*self._latest.get(section, ()), *self._urgent, self._writing, self._pending.get(section)):
+            waiting = [e for secs in self._waiting.values() for e in secs.values()]
+            for e in (*self._latest.get(section, ()), self._writing, *self._current_left.values(), *waiting):
                 if e is not None and e.section == section and e.generation == generation and e.step == step:
                     return [e.ref, e.index]
         return None
 
     def idle(self) -> bool:
         with self._lock:
-            return not self._pending and not self._urgent and self._writing is None
+            return not self._waiting and not self._current_left and self._writing is None
 
     def close(self) -> None:
         with self._lock:
@@ -129,19 +141,18 @@ class Holder:
     # -- writer thread -------------------------------------------------------------------------
     def _next(self) -> _Entry | None:
         with self._lock:
-            while not self._pending and not self._urgent and not self._closed:
+            while not self._waiting and not self._current_left and not self._closed:
                 self._lock.wait(timeout=1.0)
-            if self._urgent:
-                self._writing = self._urgent.pop(0)
-                return self._writing
-            if not self._pending:
-                return None
-            # Priority first (preemption), then the oldest step, so commits happen in step order.
-            key = min(self._pending, key=lambda k: (not self._pending[k].meta.get("priority", False),
-                                                  self._pending[k].step, k))
-            entry = self._pending.pop(key)
-            self._writing = entry
-            return entry
+            if not self._current_left:
+                if not self._waiting:
+                    return None
+                # Priority first (preemption), then the oldest step, so commits happen in step order.
+                self._current = min(self._waiting, key=lambda k: (
+                    not any(e.meta.get("priority") for e in self._waiting[k].values()), k))
+                self._current_left = self._waiting.pop(self._current)
+            section = min(self._current_left)
+            self._writing = self._current_left.pop(section)
+            return self._writing
 
     def _writer(self) -> None:
         while True:

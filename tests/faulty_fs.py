@@ -77,3 +77,31 @@ class FaultyHandler(pafs.FileSystemHandler):
     def open_append_stream(self, path, metadata):
         self._check(path)
         return self.fs.open_append_stream(path, metadata=metadata)
+
+
+class SlowHandler(FaultyHandler):
+    """Delegates to the local filesystem; writing a checkpoint data file (``*.bin``) of a step in
+    ``[slow_from, slow_to)`` takes ``delay_s`` longer: a storage that slows down for a while
+    (another job's I/O, a throttled bucket), by step so that tests do not depend on timing."""
+
+    def __init__(self, slow_from: int, slow_to: int, delay_s: float):
+        super().__init__(fail=r"$^", from_step=0)
+        self.slow_from, self.slow_to, self.delay_s = slow_from, slow_to, delay_s
+
+    def __reduce__(self):
+        return (SlowHandler, (self.slow_from, self.slow_to, self.delay_s))
+
+    def get_type_name(self):
+        return "slow"
+
+    def equals(self, other):
+        return isinstance(other, SlowHandler) and (other.slow_from, other.slow_to, other.delay_s) == (
+            self.slow_from, self.slow_to, self.delay_s)
+
+    def open_output_stream(self, path, metadata):
+        import time
+
+        m = re.search(r"checkpoints/step_(\d+)/.*\.bin$", path)
+        if m and self.slow_from <= int(m.group(1)) < self.slow_to:
+            time.sleep(self.delay_s)
+        return self.fs.open_output_stream(path, metadata=metadata)

@@ -16,7 +16,7 @@ def test_bench_smoke(tmp_path, capsys):
         ray.shutdown()
     out = tmp_path / "bench"
     rc = bench.main(["--quick", "--width", "64", "--layers", "2", "--batch", "4", "--iters", "6", "--warmup", "1",
-                     "--ks", "3", "--workers", "1", "--variants", "none,ray_sync,cf_fixed", "--no-recovery",
+                     "--ks", "3", "--workers", "1", "--variants", "none,ray_sync,cf_fixed,cf_auto", "--no-recovery",
                      "--out", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
@@ -28,13 +28,22 @@ def test_bench_smoke(tmp_path, capsys):
         assert key in results
     assert len(results["meta"]["loadavg_start"]) == 3 and len(results["meta"]["loadavg_end"]) == 3
     assert results["limits"]["memcpy_gbps"] > 0 and results["limits"]["storage_write_fsync_gbps"] > 0
-    ids = {v["id"] for v in results["variants"]}
-    assert ids == {"w1/none", "w1/ray_sync/k3", "w1/cf_fixed/k3"}, ids
+    auto = next(v for v in results["variants"] if v["variant"] == "cf_auto")
+    k = auto["chosen_interval"]
+    assert k >= 1
+    # FixedInterval at Adaptive's k and k - 1 (none when k == 1), measured over whole periods.
+    probes = {v["probe"]: v for v in results["variants"] if v.get("probe") is not None}
+    assert probes[0]["k"] == k and (k == 1) == (-1 not in probes)
+    assert probes[0]["iterations"] % k == 0 and probes[0]["checkpoints_taken"] >= 2
+    assert {t["id"] for t in results["targets"]} >= {"auto_within_budget"} | ({"auto_shortest"} if k > 1 else set())
+    ids = {v["id"] for v in results["variants"] if v.get("probe") is None}
+    assert ids == {"w1/none", "w1/ray_sync/k3", "w1/cf_fixed/k3", "w1/cf_auto"}, ids
     for v in results["variants"]:
         for key in ("iter_median_s", "iter_min_s", "iter_max_s", "overhead_pct", "stall_per_ckpt_s",
                     "checkpoints_taken", "checkpoints_committed", "peak_rss_mb_per_worker", "bytes_written"):
             assert key in v, (v["id"], key)
-        assert v["iterations"] == 6 * v["rounds"]
+        if v.get("probe") is None:
+            assert v["iterations"] == 6 * v["rounds"]
     cf = next(v for v in results["variants"] if v["variant"] == "cf_fixed")
     assert cf["checkpoints_taken"] == 2 and cf["checkpoints_committed"] >= 1 and cf["bytes_written"] > 0
     ray_sync = next(v for v in results["variants"] if v["variant"] == "ray_sync")

@@ -1,0 +1,43 @@
+"""The automatic interval on a real TorchTrainer run: storage that slows down half-way makes the
+controller widen the interval within a few checkpoints, and shorten it again once it is fast."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.fs as pafs
+import pytest
+
+from cf_ray import demo
+
+pytestmark = pytest.mark.slow
+
+SLOW_FROM, SLOW_TO = 60, 160  # checkpoints of these steps take DELAY_S more per data file
+DELAY_S = 0.3  # x 3 data files (shared, rank 0, rank 1): ~1 s per checkpoint, ~25 iterations
+
+
+def test_interval_widens_while_storage_is_slow_and_shortens_after(ray_cluster, tmp_path):
+    from faulty_fs import SlowHandler
+
+    fs = pafs.PyFileSystem(SlowHandler(SLOW_FROM, SLOW_TO, DELAY_S))
+    # 3200 samples, 2 ranks, batches of 8: 200 steps per epoch, 400 in all, ~35 ms each.
+    cfg = dict(samples=3200, epochs=2, batch_size=8, hidden=64, depth=2, policy="adaptive", budget_pct=5.0,
+               step_sleep=0.03, keep_last=2, storage_path=str(tmp_path / "ckpts"), storage_filesystem=fs)
+    demo.run("adaptive", str(tmp_path), cfg)
+    result = json.load(open(tmp_path / "out" / "adaptive" / "result.json"))
+    changes = [(e["previous"], e["interval"]) for e in result["events"] if e["event"] == "interval"]
+    rows = sorted(result["profile"], key=lambda r: r["step"])
+    at = [(r["step"], r["interval"]) for r in rows if r.get("interval")]
+    before = [k for s, k in at if 30 <= s < SLOW_FROM]
+    during = [k for s, k in at if SLOW_FROM <= s < SLOW_TO + 40]
+    after = [k for s, k in at if s >= 340]
+    assert before and during and after, at
+    # Tuned before the slow phase: frequent checkpoints (a small model, fast storage).
+    assert max(before) <= 12, (at, changes)
+    # Slow storage: one persist in flight takes ~1 s, so the interval widens well past it.
+    assert max(during) >= 3 * max(before), (at, changes)
+    # Snapshots that storage could not keep up with were skipped whole: the slow phase committed.
+    assert any(r["committed"] for r in rows if SLOW_FROM <= r["step"] < SLOW_TO), at
+    # Fast again: the interval comes back down.
+    assert after[-1] <= max(during) / 2, (at, changes)
+    assert all(e["why"]["reason"] for e in result["events"] if e["event"] == "interval")
