@@ -348,8 +348,8 @@ def _write_with_crc(chunks: Iterable[memoryview | bytes], write) -> FileInfo:
     """Write ``chunks`` in order while a second thread computes their CRC-32.
 
     Both ``os.write``/pyarrow writes and the CRC-32 release the GIL on large buffers, so the
-    checksum (measured ~1.1-3.8 GB/s here, the same order as the disk) overlaps with the writes
-    instead of adding to them.
+    checksum overlaps with the writes instead of adding to them (with ISA-L it runs at ~13-20 GB/s
+    here, far above the disk; zlib's, the fallback, at ~1-3 GB/s, the same order as the disk).
     """
     pending: queue.Queue = queue.Queue(maxsize=4)
     result = {"crc": 0, "size": 0}
