@@ -69,6 +69,10 @@ class Holder:
         self._waiting: dict[tuple[int, int], dict[str, _Entry]] = {}
         self._current: tuple[int, int] | None = None  # the step being written
         self._current_left: dict[str, _Entry] = {}  # its sections not yet started
+        # Steps whose writing has started (newest last, bounded): never superseded, and finished
+        # first when a section of theirs arrives late (another rank's stage call came after the
+        # writer had moved on), so that nothing half-written is left behind.
+        self._started: list[tuple[int, int]] = []
         self._writing: _Entry | None = None
         self._controller = None
         self._closed = False
@@ -104,7 +108,8 @@ class Holder:
                 else:
                     self._waiting.setdefault(key, {}).update({e.section: e for e in entries})
                     for older in [k for k in self._waiting if k < key]:
-                        if any(e.meta.get("milestone") or e.meta.get("priority") for e in self._waiting[older].values()):
+                        if older in self._started or any(e.meta.get("milestone") or e.meta.get("priority")
+                                                         for e in self._waiting[older].values()):
                             continue  # never skipped
                         superseded += [(e.generation, e.step, e.section) for e in self._waiting.pop(older).values()]
             self._lock.notify_all()
@@ -146,10 +151,14 @@ class Holder:
             if not self._current_left:
                 if not self._waiting:
                     return None
-                # Priority first (preemption), then the oldest step, so commits happen in step order.
+                # Finish started steps first, then priority (preemption), then the oldest step, so
+                # commits happen in step order.
                 self._current = min(self._waiting, key=lambda k: (
-                    not any(e.meta.get("priority") for e in self._waiting[k].values()), k))
+                    k not in self._started, not any(e.meta.get("priority") for e in self._waiting[k].values()), k))
                 self._current_left = self._waiting.pop(self._current)
+                if self._current not in self._started:
+                    self._started.append(self._current)
+                    del self._started[:-16]
             section = min(self._current_left)
             self._writing = self._current_left.pop(section)
             return self._writing
