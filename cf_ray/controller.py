@@ -295,7 +295,7 @@ class Controller:
         # holder spent writing this checkpoint (what "one persist in flight" has to fit).
         per_holder = _per_holder_persist(p)
         for sec in sorted(p.persist_s):
-            rank = int(sec.split("_")[1]) if sec.startswith("rank_") else 0
+            rank = mf.section_rank(sec)
             if sec == mf.SHARED and mf.rank_section(0) in p.persist_s:
                 continue  # rank 0's sample comes with its own section (same holder)
             self._samples.append(Sample(rank=rank, step=p.step, ckpt_step=p.step,
@@ -306,7 +306,7 @@ class Controller:
             p = self._pend(generation, step)
             p.failed[section] = error
             p.state = "failed"
-            rank = int(section.split("_")[1]) if section.startswith("rank_") else 0
+            rank = mf.section_rank(section)
             failure = {"seq": len(self._failures), "step": step, "section": section, "rank": rank, "error": error,
                        "generation": generation}
             self._failures.append(failure)

@@ -54,6 +54,11 @@ def rank_section(rank: int) -> str:
     return f"rank_{rank:05d}"
 
 
+def section_rank(section: str) -> int:
+    """The rank a section belongs to (the inverse of :func:`rank_section`; the shared one is rank 0's)."""
+    return int(section.split("_")[1]) if section.startswith("rank_") else 0
+
+
 def step_dir(step: int, kind: str = "step") -> str:
     return f"{CHECKPOINTS}/{kind}_{step:012d}"
 

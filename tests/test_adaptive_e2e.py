@@ -30,7 +30,7 @@ def test_interval_widens_while_storage_is_slow_and_shortens_after(ray_cluster, t
     at = [(r["step"], r["interval"]) for r in rows if r.get("interval")]
     before = [k for s, k in at if 30 <= s < SLOW_FROM]
     during = [k for s, k in at if SLOW_FROM <= s < SLOW_TO + 40]
-    after = [k for s, k in at if s >= 340]
+    after = [k for s, k in at if s >= SLOW_TO + 60]
     assert before and during and after, at
     # Tuned before the slow phase: frequent checkpoints (a small model, fast storage).
     assert max(before) <= 12, (at, changes)
@@ -38,6 +38,7 @@ def test_interval_widens_while_storage_is_slow_and_shortens_after(ray_cluster, t
     assert max(during) >= 3 * max(before), (at, changes)
     # Snapshots that storage could not keep up with were skipped whole: the slow phase committed.
     assert any(r["committed"] for r in rows if SLOW_FROM <= r["step"] < SLOW_TO), at
-    # Fast again: the interval comes back down.
-    assert after[-1] <= max(during) / 2, (at, changes)
+    # Fast again: the interval comes back down. (Not necessarily to stay: later measurements,
+    # e.g. a GC pause or the final checkpoint, may widen it again on their own merits.)
+    assert min(after) <= max(during) / 2, (at, changes)
     assert all(e["why"]["reason"] for e in result["events"] if e["event"] == "interval")
