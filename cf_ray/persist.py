@@ -65,8 +65,7 @@ class Holder:
         self._lock = threading.Condition()
         self._latest: dict[str, list[_Entry]] = {}  # section -> the two newest entries, oldest first
         # (generation, step) -> section -> entry, staged and not started; at most one ordinary
-        # step (newer ones supersede it) besides milestones, priority checkpoints and late
-        # sections of started steps.
+        # step (newer ones supersede it) besides milestones and priority checkpoints.
         self._waiting: dict[tuple[int, int], dict[str, _Entry]] = {}
         self._current: tuple[int, int] | None = None  # the step being written
         self._current_left: dict[str, _Entry] = {}  # its sections not yet started
@@ -104,14 +103,15 @@ class Holder:
                 kept.append(e)
                 del kept[:-2]
             if meta.get("persist", True):
-                # A late section of a started step (the current one included) waits here too and
-                # is taken first (see _next).
-                self._waiting.setdefault(key, {}).update({e.section: e for e in entries})
-                for older in [k for k in self._waiting if k < key]:
-                    if older in self._started or any(e.meta.get("milestone") or e.meta.get("priority")
-                                                     for e in self._waiting[older].values()):
-                        continue  # never skipped
-                    superseded += [(e.generation, e.step, e.section) for e in self._waiting.pop(older).values()]
+                if key == self._current:  # a late section of the step being written
+                    self._current_left.update({e.section: e for e in entries})
+                else:
+                    self._waiting.setdefault(key, {}).update({e.section: e for e in entries})
+                    for older in [k for k in self._waiting if k < key]:
+                        if older in self._started or any(e.meta.get("milestone") or e.meta.get("priority")
+                                                         for e in self._waiting[older].values()):
+                            continue  # never skipped
+                        superseded += [(e.generation, e.step, e.section) for e in self._waiting.pop(older).values()]
             self._lock.notify_all()
         ctl = self._ctl()
         node = ray.get_runtime_context().get_node_id()
