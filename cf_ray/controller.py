@@ -258,7 +258,10 @@ class Controller:
                 p.expected = {mf.rank_section(r) for r in range(w)}
                 if meta.get("replicated", True):
                     p.expected.add(mf.SHARED)
+                # The controller is a threaded actor: a holder's part_durable calls may run before
+                # the part_staged that says which sections to expect, so commit from here as well.
                 self._report_persist(p)
+                self._try_commit(p)
             if not meta.get("persist", True):
                 p.superseded.add(section)
             row = self._row(generation, step)
