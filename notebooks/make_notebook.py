@@ -20,7 +20,7 @@ from cf_ray import demo, report
 
 SMALL = os.environ.get("CF_RAY_NOTEBOOK_SMALL") == "1"
 root = tempfile.mkdtemp(prefix="cf_ray_notebook_")
-job = dict(policy="adaptive", samples=1200 if SMALL else 6000, epochs=1, hidden=512, depth=3, batch_size=16)
+job = dict(policy="adaptive", samples=6400 if SMALL else 25600, epochs=1, hidden=512, depth=3, batch_size=16)
 ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)"""),
     ("md", "## A run with the default budget (5 % of training time)"),
     ("code", """demo.run("budget5", root, dict(job, budget_pct=5.0))
@@ -29,7 +29,9 @@ profile5[["step", "kind", "interval", "stall_s", "copy_s", "persist_s", "bytes",
     ("md", """One row per checkpoint: the interval in force when it was taken, the training-thread stall
 (synchronous part plus the guard's wait for the background copy), the background copy, the persist
 (phase 2, in the holder actor) and the overhead the policy measured. The first checkpoint comes at
-step 5, before anything is known; the interval is then tuned from measurements."""),
+step 5, before anything is known; the interval is then tuned from measurements. The workers send
+their timings every quarter of a second (`CF_RAY_POLL_INTERVAL_S`), so with iterations of a few tens
+of milliseconds the first tuned interval comes a few dozen steps in."""),
     ("code", """iterations5 = report.read_run_iterations(os.path.join(root, "storage"), "budget5")
 fig = report.plot_profile(profile5, iterations5, budget_pct=5.0)"""),
     ("md", "## The same job with a 1 % budget"),
@@ -46,7 +48,7 @@ pd.DataFrame(summary).T"""),
     ("md", """A tighter budget means fewer checkpoints: the interval grows until the measured overhead
 fits. The profile is saved with the run (`profile.parquet` under `<storage_path>/<name>/cf_ray/`),
 so it can be read later by run name, as above, after the cluster is gone."""),
-    ("code", """assert summary["budget 1 %"]["final interval"] >= summary["budget 5 %"]["final interval"]
+    ("code", """assert summary["budget 1 %"]["checkpoints"] < summary["budget 5 %"]["checkpoints"]
 ray.shutdown()"""),
 ]
 
