@@ -12,16 +12,20 @@ from cf_ray import demo
 
 pytestmark = pytest.mark.slow
 
-SLOW_FROM, SLOW_TO = 60, 160  # checkpoints of these steps take DELAY_S more per data file
+SLOW_FROM, SLOW_TO = 60, 220  # checkpoints of these steps take DELAY_S more per data file
 DELAY_S = 0.3  # x 3 data files (shared, rank 0, rank 1): ~1 s per checkpoint, ~25 iterations
+# The holder writes one of the slow checkpoints per ~1 s and skips the snapshots in between, so the
+# policy hears of the slow storage once per ~25 steps; two such commits make a change of level.
+# 160 slow steps give it five or six (100 were sometimes too few for the widening to be adopted
+# before the storage was fast again).
 
 
 def test_interval_widens_while_storage_is_slow_and_shortens_after(ray_cluster, tmp_path):
     from faulty_fs import SlowHandler
 
     fs = pafs.PyFileSystem(SlowHandler(SLOW_FROM, SLOW_TO, DELAY_S))
-    # 3200 samples, 2 ranks, batches of 8: 200 steps per epoch, 400 in all, ~35 ms each.
-    cfg = dict(samples=3200, epochs=2, batch_size=8, hidden=64, depth=2, policy="adaptive", budget_pct=5.0,
+    # 4000 samples, 2 ranks, batches of 8: 250 steps per epoch, 500 in all, ~35 ms each.
+    cfg = dict(samples=4000, epochs=2, batch_size=8, hidden=64, depth=2, policy="adaptive", budget_pct=5.0,
                step_sleep=0.03, keep_last=2, storage_path=str(tmp_path / "ckpts"), storage_filesystem=fs)
     demo.run("adaptive", str(tmp_path), cfg)
     result = json.load(open(tmp_path / "out" / "adaptive" / "result.json"))
