@@ -280,8 +280,12 @@ class Adaptive:
 
     **Profiling** is the first checkpoint, at ``first_checkpoint_step``: once its stall and persist
     time are known (or a second checkpoint has been seen without a persist time) a *provisional*
-    interval is published; it is tuned once more as soon as iterations with nothing in flight have
-    been timed (or after three checkpoints), and hysteresis applies from then on. A profile kept
+    interval is published; until the slowdown of the iterations that overlap the checkpoint has been
+    measured (its copy and persist are over and a later iteration has been timed), its copy and
+    persist count as lost training time — what they cost when every core trains — so the
+    provisional interval errs wide, never short. It is tuned as soon as that slowdown and iterations
+    with nothing in flight have been timed (or after three checkpoints), and hysteresis applies
+    from then on. A profile kept
     with the run (:meth:`state_dict` / :meth:`load_state_dict`) makes :meth:`plan` return the
     previous interval (re-derived for this configuration) on its first call; it is replaced by new
     measurements once they are in, at once if they differ by more than ``drift_ratio``.
@@ -686,6 +690,7 @@ class Adaptive:
         out["copy"] = _median(copies[-self.window:]) if copies else None
         out["persist"] = _median(persists[-self.window:]) if persists else None
         out["has_persist"] = bool(persists)
+        out["settled"] = bool(settled)
         with_bytes = [rec for rec in recs if rec.nbytes]
         out["nbytes"] = sum(with_bytes[-1].nbytes.values()) if with_bytes else None
         rates = [sum(rec.nbytes.values()) / max(rec.persist.values()) for rec in recs
@@ -797,7 +802,9 @@ class Adaptive:
         t = est.t
         info = self._info(est, k, binding, conflicts, current)
         ready = est.source == "measured" and (est.has_persist or est.n >= 2)
-        if ready and (est.t_clean or est.n >= 3):  # (a persist may overlap every iteration)
+        # Tuned once the iteration time is clean and some checkpoint's slowdown is measured (its
+        # overlap is over) — or after three checkpoints (a persist may overlap every iteration).
+        if ready and ((est.t_clean and est.settled) or est.n >= 3):
             phase = "tuned"
         elif st.prior:
             phase = "restored"
@@ -814,6 +821,14 @@ class Adaptive:
                 info["reason"] = f"keeping {current}: waiting for iterations timed with nothing in flight"
                 return None, info
             st.decided = True
+            if not est.settled:
+                # How much the copy and persist slow the iterations that overlap them is not known
+                # yet. Until it is, count them as lost training time (what they cost when every
+                # core trains): the first interval then errs wide, not short (a few checkpoints
+                # that each cost a whole persist); the measured cost replaces it as soon as the
+                # first checkpoint's overlap is over.
+                k, binding, conflicts = self._target(est, max(est.cost, est.bg), est.bg)
+                info = dict(self._info(est, k, binding, conflicts, current), phase=phase)
             info["reason"] = f"first checkpoint profiled: interval {k} ({binding} binds), provisional"
             return (k if k != current else None), info
 
@@ -1069,6 +1084,8 @@ class _Est:
     """Standard error of ``bg``."""
     t_clean: bool = True
     """Whether ``t`` comes from iterations with nothing in flight."""
+    settled: bool = False
+    """Whether some checkpoint's slowdown is measured (its overlap is over), so ``cost`` holds it."""
     bg_from_waits: bool = False
     """Whether ``bg`` is the lower bound that guard waits imply."""
     copy: float | None = None

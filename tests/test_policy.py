@@ -436,6 +436,25 @@ def test_slowdown_of_iterations_during_a_persist_is_part_of_the_cost():
     assert k > 1.5 * stall_only and _fixed_overhead(trace, stall_only, 3000) > BUDGET
 
 
+@pytest.mark.parametrize("slowdown", [1.0, 0.3, 0.0])
+def test_first_decision_does_not_undercut_the_slowdown_it_has_not_measured(slowdown):
+    # A stall of a few ms, a persist of ~1.5 iterations. With every core training (slowdown 1)
+    # the iterations overlapping it run twice as slow, so a checkpoint costs about a whole
+    # persist; with a core free (slowdown 0) it costs the stall. Until the first checkpoint's
+    # overlap is over nothing tells the two apart.
+    trace = Trace(ranks=2, iter_s=0.4, stall_s=0.005, copy_s=0.2, nbytes=300_000_000, bw=1e9, slowdown=slowdown)
+    p = Adaptive(budget_pct=2.0)
+    run = simulate(p, trace, 600)
+    k = run.interval_at(600)
+    first, second = run.ckpt_steps()[:2]
+    # No checkpoint at an interval shorter than what the measurements settle on ...
+    assert second - first >= 0.8 * k
+    assert all(c["interval"] >= 0.8 * k for c in run.ckpts[1:])
+    # ... and no long wait for the measurements either: the second checkpoint comes on time.
+    assert second <= first + k + 4 + ADOPT_DELAY
+    assert run.overhead_pct(1, 200) <= 1.1 * 2.0
+
+
 def test_max_lost_s_wins_over_the_budget_and_says_so():
     p = Adaptive(max_lost_s=1.0)
     with pytest.warns(PolicyWarning, match="max_lost_s=1 wins over budget_pct=5") as rec:
