@@ -230,6 +230,7 @@ class Checkpointer:
         self._took = False
         self.checkpoints_taken = 0
         self.stall_s_total = 0.0
+        self._prepared = False
         self.metrics: dict[str, Any] = {}
         """User metrics sent with each registration of a checkpoint with Ray Train."""
         self._seen_requests = -1
@@ -353,12 +354,18 @@ class Checkpointer:
                 # Wait until it is committed (bounded by the deadline), then hold or pass SIGTERM on.
                 self.preemption.after_checkpoint(self.step_count, self._wait_quiet,
                                                  lambda s: self._known_committed >= s)
+        elif not self._prepared:
+            # After the first optimizer step the state has its layout (Adam creates its state
+            # there): fault in the snapshot buffers now, in the background, not at the first
+            # checkpoint's copy (snapshot.py).
+            self._prepared = True
+            self._snap.prepare(self._sections())
         self._poll()
         self._last_step_end = time.perf_counter()
 
     # -- phase 1 ----------------------------------------------------------------------------------------
-    def _snapshot(self, kind: str, *, milestone: bool = False, priority: bool = False) -> None:
-        t0 = time.perf_counter()
+    def _sections(self) -> dict[str, Any]:
+        """This rank's snapshot: section name -> state tree (references; copied by the snapshotter)."""
         rank_tree = {
             "objects": {name: obj.state_dict() for name, obj in self.data.items()},
             "rng": _rng_state(),
@@ -373,6 +380,11 @@ class Checkpointer:
         else:
             rank_tree["state"] = replicated
         sections[mf.rank_section(self.rank)] = rank_tree
+        return sections
+
+    def _snapshot(self, kind: str, *, milestone: bool = False, priority: bool = False) -> None:
+        t0 = time.perf_counter()
+        sections = self._sections()
         meta = {"rank": self.rank, "world_size": self.world_size, "replicated": self.config.replicated,
                 "epoch": self.epoch, "kind": kind, "milestone": milestone, "priority": priority,
                 "interval": self._interval}
