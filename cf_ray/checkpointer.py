@@ -231,6 +231,7 @@ class Checkpointer:
         self.checkpoints_taken = 0
         self.stall_s_total = 0.0
         self._prepared = False
+        self._prepare_overlap = False  # the last iteration overlapped the buffers' fault-in
         self.metrics: dict[str, Any] = {}
         """User metrics sent with each registration of a checkpoint with Ray Train."""
         self._seen_requests = -1
@@ -321,9 +322,13 @@ class Checkpointer:
     def _after_update(self, dt: float, guard: float) -> None:
         self._took = False
         now = time.perf_counter()
-        if self._last_step_end is not None:
+        preparing = self._snap.preparing()
+        if self._last_step_end is not None and not (preparing or self._prepare_overlap):
+            # Iterations that overlapped the fault-in of the snapshot buffers are not timed: they
+            # would inflate the baseline that the policy measures each checkpoint's slowdown against.
             self._iter_sum += max(now - self._last_step_end - guard, 0.0)
             self._iter_n += 1
+        self._prepare_overlap = preparing
         self.step_count += 1
         if self.preemption is not None:
             self.preemption.poll(self.step_count)
@@ -359,7 +364,7 @@ class Checkpointer:
             # there): fault in the snapshot buffers now, in the background, not at the first
             # checkpoint's copy (snapshot.py).
             self._prepared = True
-            self._snap.prepare(self._sections())
+            self._prepare_overlap = self._snap.prepare(self._sections())
         self._poll()
         self._last_step_end = time.perf_counter()
 

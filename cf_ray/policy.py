@@ -568,8 +568,9 @@ class Adaptive:
             if cur is not None and not cur.closed:
                 if cur.base_open and abs(s.iter_s / cur.base_open - 1.0) > 0.25:
                     # The iteration time itself moved meanwhile: the difference is not the
-                    # checkpoint's doing, so this checkpoint's slowdown is not measured.
-                    cur.excess = 0.0
+                    # checkpoint's doing, so this checkpoint's slowdown is not measured (and it
+                    # does not count as a checkpoint whose slowdown is known: ``settled``).
+                    cur.unmeasured = True
                 self._close_excess(rank, cur)
             r.clean.append((s.iter_s, iters))
             r.invalidate()
@@ -601,7 +602,7 @@ class Adaptive:
     def _close_excess(self, rank: int, cur: "_RankCkpt") -> None:
         cur.closed = True
         rec = self._st.recs.get(cur.step)
-        if rec is not None:
+        if rec is not None and not cur.unmeasured:
             rec.excess[rank] = cur.excess  # unclipped: noise averages out over checkpoints
             self._st.rev += 1
 
@@ -979,7 +980,7 @@ class _Rank:
 class _RankCkpt:
     """One rank's view of its latest checkpoint while the iterations after it come in."""
 
-    __slots__ = ("step", "approx", "prev_step", "excess", "base_open", "closed", "seg_base", "values")
+    __slots__ = ("step", "approx", "prev_step", "excess", "base_open", "closed", "unmeasured", "seg_base", "values")
 
     def __init__(self, step: int, approx: bool, prev_step: int | None):
         self.step = step
@@ -988,6 +989,7 @@ class _RankCkpt:
         self.excess = 0.0  # sum of (iter_s - baseline) over overlapped iterations
         self.base_open: float | None = None  # the baseline they were compared with
         self.closed = False  # the overlap is over; excess is final
+        self.unmeasured = False  # the iteration time moved during the overlap: excess is not known
         self.seg_base = 0.0  # baseline time of the iterations until the next checkpoint
         self.values: tuple = ()
 

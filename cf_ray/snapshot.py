@@ -123,6 +123,7 @@ class Snapshotter:
         self.last_timings: dict[str, float] = {}
         self.last_begin: dict[str, float] = {}
         self.prepare_s: float | None = None  # seconds the background thread spent in prepare()
+        self._preparing = False
         self._thread = threading.Thread(target=self._run, name=f"cf_ray-snapshot-r{rank}", daemon=True)
         self._thread.start()
 
@@ -185,9 +186,14 @@ class Snapshotter:
         for name, tree in sections.items():
             flat = _codec.flatten(tree)
             layouts[name] = (flat.layout_key(), flat.nbytes)
+        self._preparing = True
         self._job_done.clear()
         self._queue.put(_Prepare(layouts))
         return True
+
+    def preparing(self) -> bool:
+        """Whether :meth:`prepare`'s job is still running (the iterations meanwhile compete with it)."""
+        return self._preparing
 
     def wait_copy(self) -> float:
         """The weight-update guard: block until the in-flight copy is done. Returns seconds waited."""
@@ -264,6 +270,7 @@ class Snapshotter:
             logger.warning("cf_ray: rank %d: could not allocate snapshot buffers ahead: %r", self.rank, e)
             self._arenas.clear()
         finally:
+            self._preparing = False
             self._job_done.set()
 
     def _copy(self, job: SnapshotJob) -> None:

@@ -436,13 +436,18 @@ def test_slowdown_of_iterations_during_a_persist_is_part_of_the_cost():
     assert k > 1.5 * stall_only and _fixed_overhead(trace, stall_only, 3000) > BUDGET
 
 
-@pytest.mark.parametrize("slowdown", [1.0, 0.3, 0.0])
-def test_first_decision_does_not_undercut_the_slowdown_it_has_not_measured(slowdown):
+@pytest.mark.parametrize("slowdown,warm_up", [(1.0, False), (0.3, False), (0.0, False), (1.0, True)])
+def test_first_decision_does_not_undercut_the_slowdown_it_has_not_measured(slowdown, warm_up):
     # A stall of a few ms, a persist of ~1.5 iterations. With every core training (slowdown 1)
     # the iterations overlapping it run twice as slow, so a checkpoint costs about a whole
     # persist; with a core free (slowdown 0) it costs the stall. Until the first checkpoint's
-    # overlap is over nothing tells the two apart.
+    # overlap is over nothing tells the two apart. ``warm_up``: the first iterations of a job are
+    # slower (allocator, caches; 0.59 s against 0.38 s on the benchmark's reference job), so the
+    # overlapped ones compared with them look no slower — that is not a measured slowdown of 0.
     trace = Trace(ranks=2, iter_s=0.4, stall_s=0.005, copy_s=0.2, nbytes=300_000_000, bw=1e9, slowdown=slowdown)
+    if warm_up:
+        trace.iter_s = 0.6
+        trace.at(7, iter_s=0.4)
     p = Adaptive(budget_pct=2.0)
     run = simulate(p, trace, 600)
     k = run.interval_at(600)
@@ -452,7 +457,10 @@ def test_first_decision_does_not_undercut_the_slowdown_it_has_not_measured(slowd
     assert all(c["interval"] >= 0.8 * k for c in run.ckpts[1:])
     # ... and no long wait for the measurements either: the second checkpoint comes on time.
     assert second <= first + k + 4 + ADOPT_DELAY
-    assert run.overhead_pct(1, 200) <= 1.1 * 2.0
+    # With the warm-up, the provisional interval is derived from the slow first iterations (it
+    # predicts a checkpoint's cost as a share of 0.6 s iterations, not 0.4 s): up to a third short
+    # until the settled one replaces it.
+    assert run.overhead_pct(1, 200) <= (1.25 if warm_up else 1.1) * 2.0
 
 
 def test_max_lost_s_wins_over_the_budget_and_says_so():
