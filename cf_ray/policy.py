@@ -283,7 +283,9 @@ class Adaptive:
     interval is published; until the slowdown of the iterations that overlap the checkpoint has been
     measured (its copy and persist are over and a later iteration has been timed), its copy and
     persist count as lost training time — what they cost when every core trains — so the
-    provisional interval errs wide, never short. It is tuned as soon as that slowdown and iterations
+    provisional interval errs wide, never short. A slowdown measured while the iteration time itself
+    moved by more than 25 % (the first iterations of a job are slower: allocator, caches) is not a
+    measurement. It is tuned as soon as that slowdown and iterations
     with nothing in flight have been timed (or after three checkpoints), and hysteresis applies
     from then on. A profile kept
     with the run (:meth:`state_dict` / :meth:`load_state_dict`) makes :meth:`plan` return the
