@@ -545,10 +545,23 @@ class Adaptive:
         rec = st.recs.get(c)
         if rec is None:
             if c < cur.step:
-                return  # late news of a checkpoint already forgotten
-            st.ckpt_clock += 1
-            st.rev += 1
-            rec = st.recs[c] = _Ckpt(c, st.ckpt_clock, not st.decided)
+                # A rank reports only its newest checkpoint with each sample, so at short
+                # intervals most checkpoints are never heard of until their persist time comes
+                # from the controller — and at an interval shorter than the persist, the ones the
+                # holder wrote are the only evidence of how long a persist takes. Keep those
+                # (in step order); drop anything else older than the newest checkpoint, and
+                # whatever is older than every checkpoint still kept.
+                if s.persist_s is None or (st.recs and c < next(iter(st.recs))):
+                    return
+                st.ckpt_clock += 1
+                st.rev += 1
+                st.recs[c] = _Ckpt(c, st.ckpt_clock, not st.decided)
+                st.recs = dict(sorted(st.recs.items()))
+                rec = st.recs[c]
+            else:
+                st.ckpt_clock += 1
+                st.rev += 1
+                rec = st.recs[c] = _Ckpt(c, st.ckpt_clock, not st.decided)
             while len(st.recs) > 2 * self.window + 4:
                 del st.recs[next(iter(st.recs))]
         if rec.put(rank, _nonneg(s.stall_s), _nonneg(s.wait_s), _nonneg(s.copy_s), _nonneg(s.persist_s), s.nbytes):
@@ -710,7 +723,7 @@ class Adaptive:
 
     def _level(self, name: str, series: list[tuple[int, float]], drift: dict) -> tuple[float, float, int]:
         """Robust mean of the last ``window`` values since the last change of level, its standard
-        error, and how many values it is based on.
+        error (from their median absolute deviation), and how many values it is based on.
 
         A change of level is two newest values both off the median of the values before them (at
         least two) by more than ``drift_ratio`` — or by more than four times that series' own
@@ -736,7 +749,12 @@ class Adaptive:
         mean = _robust_mean(recent)
         if len(recent) < 2:
             return mean, 0.0, len(recent)
-        sd = math.sqrt(sum((v - mean) ** 2 for v in recent) / (len(recent) - 1))
+        # The scatter as the median absolute deviation (x 1.4826: the standard deviation for normal
+        # noise): one value that straddles a change of level (a persist that was half slow) would
+        # otherwise inflate the standard error for ``window`` checkpoints, and with it the
+        # pessimistic estimate that shortening waits for, long after the mean has dropped it.
+        m = _median(recent)
+        sd = 1.4826 * _median([abs(v - m) for v in recent])
         return mean, sd / math.sqrt(len(recent)), len(recent)
 
     # -- the decision ---------------------------------------------------------------------------
@@ -935,7 +953,7 @@ class _State:
     def __init__(self):
         self.last_obj: Sample | None = None  # the newest sample taken in (identity, see _new_samples)
         self.ranks: dict[int, _Rank] = {}
-        self.recs: dict[int, _Ckpt] = {}  # by checkpoint step, in arrival order, bounded
+        self.recs: dict[int, _Ckpt] = {}  # by checkpoint step, in step order, bounded
         self.rev = 0  # bumped whenever a record changes
         self.summary_rev = -1
         self.summary: dict | None = None

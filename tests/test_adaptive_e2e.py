@@ -38,8 +38,9 @@ def test_interval_widens_while_storage_is_slow_and_shortens_after(ray_cluster, t
     assert before and during and after, at
     # Tuned before the slow phase: frequent checkpoints (a small model, fast storage).
     assert max(before) <= 12, (at, changes)
-    # Slow storage: one persist in flight takes ~1 s, so the interval widens well past it.
-    assert max(during) >= 3 * max(before), (at, changes)
+    # Slow storage: a persist takes ~1 s, ~26 steps of ~35 ms; one in flight at a time means the
+    # interval widens to about that (28-30 in every run seen), whatever it was before (2-10).
+    assert max(during) >= 20 and max(during) >= 2 * max(before), (at, changes)
     # Snapshots that storage could not keep up with were skipped whole: the slow phase committed.
     assert any(r["committed"] for r in rows if SLOW_FROM <= r["step"] < SLOW_TO), at
     # Fast again: the interval comes back down. (Not necessarily to stay: later measurements,
