@@ -32,15 +32,19 @@ def test_interval_widens_while_storage_is_slow_and_shortens_after(ray_cluster, t
     changes = [(e["previous"], e["interval"]) for e in result["events"] if e["event"] == "interval"]
     rows = sorted(result["profile"], key=lambda r: r["step"])
     at = [(r["step"], r["interval"]) for r in rows if r.get("interval")]
-    before = [k for s, k in at if 30 <= s < SLOW_FROM]
+    before = [k for s, k in at if 20 <= s < SLOW_FROM]
     during = [k for s, k in at if SLOW_FROM <= s < SLOW_TO + 40]
     after = [k for s, k in at if s >= SLOW_TO + 60]
     assert before and during and after, at
-    # Tuned before the slow phase: frequent checkpoints (a small model, fast storage).
-    assert max(before) <= 12, (at, changes)
+    # Tuned before the slow phase: frequent checkpoints (a small model, fast storage). The interval
+    # in force when the slow phase begins counts, not the first ones: the provisional interval
+    # after the first checkpoint errs wide by design (3 to 59 in the runs seen) and may still be in force after
+    # step 20 (a CI run took its checkpoint at 33 with a provisional 18, then tuned to 3).
+    tuned = before[-1]
+    assert tuned <= 12, (at, changes)
     # Slow storage: a persist takes ~1 s, ~26 steps of ~35 ms; one in flight at a time means the
     # interval widens to about that (28-30 in every run seen), whatever it was before (2-10).
-    assert max(during) >= 20 and max(during) >= 2 * max(before), (at, changes)
+    assert max(during) >= 20 and max(during) >= 2 * tuned, (at, changes)
     # Snapshots that storage could not keep up with were skipped whole: the slow phase committed.
     assert any(r["committed"] for r in rows if SLOW_FROM <= r["step"] < SLOW_TO), at
     # Fast again: the interval comes back down. (Not necessarily to stay: later measurements,
