@@ -103,6 +103,7 @@ class Controller:
         self.policy = settings.policy
         self._lock = threading.RLock()
         self._pending: dict[tuple[int, int], _Pending] = {}
+        self._unknown_seen: set[int] = set()  # uncommitted step directories of no known checkpoint
         self._rows: dict[tuple[int, int], dict] = {}
         self._events: list[dict] = []
         self._iters: collections.deque = collections.deque(maxlen=20000)
@@ -429,14 +430,26 @@ class Controller:
             newest = max(self._committed) if self._committed else None
         for s in doomed:
             self._delete(self.storage, mf.step_dir(s))
+        if newest is None:
+            return
         # Directories without a manifest older than the newest commit are dead: a crashed writer's
-        # leftovers or superseded snapshots. Newer ones may still be in flight.
-        if newest is not None:
-            for name, step in mf.list_uncommitted(self.storage):
-                with self._lock:
-                    in_flight = any(k[1] == step and p.state == "pending" for k, p in self._pending.items())
-                if step < newest and not in_flight:
-                    self._delete(self.storage, f"{mf.CHECKPOINTS}/{name}")
+        # leftovers, failed or superseded snapshots. Checkpoints commit out of step order when a
+        # rank's section arrives late at its holder, so an older one may still be in flight, or may
+        # commit between this listing and the check below: the check asks what the step is *now*
+        # (a step committed since the listing was deleted here once — a milestone, in CI). A step
+        # this controller has no record of may be one whose part_staged has not run yet (the actor
+        # is threaded): it is deleted only if a later pass still finds it unknown and uncommitted.
+        leftovers = mf.list_uncommitted(self.storage)
+        with self._lock:
+            states: dict[int, set[str]] = {}
+            for (_, step), p in self._pending.items():
+                states.setdefault(step, set()).add(p.state)
+            unknown = {step for _, step in leftovers if step not in states and step not in self._committed}
+            dead = [name for name, step in leftovers if step < newest and step not in self._committed and (
+                step in self._unknown_seen if step in unknown else "pending" not in states[step])]
+            self._unknown_seen = unknown
+        for name in dead:
+            self._delete(self.storage, f"{mf.CHECKPOINTS}/{name}")
 
     def _retain_in(self, tier: Storage) -> None:
         committed = []

@@ -100,3 +100,86 @@ def test_a_superseded_step_is_not_waited_for_nor_committed(tmp_path):
         ctl.part_durable(ctl.generation, 4, sec, _write(ctl, 4, sec)[0], 0.01)
     assert ctl.pending_steps(ctl.generation) == []
     assert mf.list_committed(ctl.storage) == []
+
+
+def _retaining_controller(root, keep_last: int) -> Controller:
+    storage = FsStorage(pafs.LocalFileSystem(), str(root))
+    return Controller("test", storage, ControllerSettings(policy=FixedInterval(every=1), keep_last=keep_last,
+                                                          tiers=[], upload_milestones_only=False))
+
+
+def _wait_maintenance(ctl: Controller) -> None:
+    import time
+
+    deadline = time.monotonic() + 30
+    while not ctl.maintenance_idle():
+        assert time.monotonic() < deadline, "the controller's clean-up did not finish"
+        time.sleep(0.01)
+
+
+def test_a_checkpoint_committed_during_the_clean_up_of_older_directories_is_kept(tmp_path, monkeypatch):
+    """Out-of-order commits: step 11 commits first (rank 1's section of the milestone step 10 came
+    late to its holder), so the clean-up after it finds step 10 without a manifest, older than the
+    newest. If step 10's last section turns durable between that listing and the check of what is
+    still in flight, step 10 is committed: it must not be deleted (a CI run lost its milestone so)."""
+    ctl = _retaining_controller(tmp_path, keep_last=2)
+    meta = {"world_size": WORLD, "replicated": True, "epoch": 0, "kind": "scheduled"}
+    last = {}  # step -> (files, value) of its last section, held back
+    for step, milestone in ((10, True), (11, False)):
+        for sec in SECTIONS:
+            files, value = _write(ctl, step, sec)
+            ctl.part_staged(ctl.generation, step, sec, "holder", 32,
+                            dict(meta, rank=mf.section_rank(sec), milestone=milestone))
+            if sec == SECTIONS[-1]:
+                last[step] = (files, value)
+            else:
+                ctl.part_durable(ctl.generation, step, sec, files, 0.01)
+    assert ctl.pending_steps(ctl.generation) == [10, 11]
+
+    real_list = mf.list_uncommitted
+    late = {"files": last[10][0]}
+
+    def listing_then_the_late_section(storage):
+        out = real_list(storage)
+        files = late.pop("files", None)
+        if files is not None:  # the holder's message runs now, on another thread
+            ctl.part_durable(ctl.generation, 10, SECTIONS[-1], files, 0.01)
+        return out
+
+    monkeypatch.setattr(mf, "list_uncommitted", listing_then_the_late_section)
+    ctl.part_durable(ctl.generation, 11, SECTIONS[-1], last[11][0], 0.01)  # 11 commits before 10
+    _wait_maintenance(ctl)
+    assert "files" not in late, "the interleaving under test did not happen"
+    assert [c.step for c in mf.list_committed(ctl.storage)] == [10, 11]
+    m = mf.read_manifest(ctl.storage, mf.step_dir(10))
+    assert m.milestone
+    section = mf.load_section(ctl.storage, mf.step_dir(10), m, SECTIONS[-1])  # verifies every checksum it reads
+    assert torch.equal(_codec.view(section.buf, section.entries[0], copy=True), last[10][1])
+
+
+def _commit(ctl: Controller, step: int) -> None:
+    meta = {"world_size": WORLD, "replicated": True, "epoch": 0, "kind": "scheduled"}
+    for sec in SECTIONS:
+        files, _ = _write(ctl, step, sec)
+        ctl.part_staged(ctl.generation, step, sec, "holder", 32, dict(meta, rank=mf.section_rank(sec)))
+        ctl.part_durable(ctl.generation, step, sec, files, 0.01)
+    _wait_maintenance(ctl)
+
+
+def test_clean_up_deletes_a_leftover_directory_only_once_it_is_known_dead(tmp_path):
+    """A directory without a manifest, older than the newest commit: a crashed writer's leftover,
+    or a holder's write whose part_staged has not reached the threaded controller yet. The first
+    clean-up that sees it unknown keeps it; one that still finds it unknown later deletes it; a
+    failed step's directory goes at once; one that became known and committed stays."""
+    ctl = _retaining_controller(tmp_path, keep_last=None)
+    _write(ctl, 3, SECTIONS[0])  # nobody ever says anything of step 3
+    _write(ctl, 4, SECTIONS[0])  # step 4 is announced late, then commits
+    _write(ctl, 5, SECTIONS[0])
+    ctl.part_failed(ctl.generation, 5, SECTIONS[1], "IOError: disk full")
+    _commit(ctl, 6)
+    uncommitted = {s for _, s in mf.list_uncommitted(ctl.storage)}
+    assert uncommitted == {3, 4}
+    _commit(ctl, 4)
+    _commit(ctl, 7)
+    assert mf.list_uncommitted(ctl.storage) == []
+    assert [c.step for c in mf.list_committed(ctl.storage)] == [4, 6, 7]
