@@ -21,7 +21,7 @@ What it does:
 * tracks every section of every snapshot: staged in a holder (memory), durable (storage),
   failed or superseded; commits a checkpoint — writes its manifest — only when every section of
   that step and generation is durable; then applies keep-last clean-up and copies it to the
-  upload tiers, on its maintenance thread;
+  upload tiers, on its maintenance thread (no clean-up between a restore plan and the restore);
 * answers restore plans: the newest complete in-memory snapshot and the committed checkpoints;
 * keeps the profile table (one row per checkpoint) and the events (restores, failures).
 """
@@ -104,6 +104,7 @@ class Controller:
         self._lock = threading.RLock()
         self._pending: dict[tuple[int, int], _Pending] = {}
         self._unknown_seen: set[int] = set()  # uncommitted step directories of no known checkpoint
+        self._restoring = False  # between prepare_restore() and restored(): no deletions
         self._rows: dict[tuple[int, int], dict] = {}
         self._events: list[dict] = []
         self._iters: collections.deque = collections.deque(maxlen=20000)
@@ -140,6 +141,9 @@ class Controller:
         """Called by rank 0 at the start of every attempt: a new generation and a restore plan."""
         with self._lock:
             self.generation += 1
+            # Until this attempt has restored, keep-last deletes nothing: the plan names checkpoints
+            # that a late commit of the previous attempt would otherwise push out (keep_last=1).
+            self._restoring = True
             self._reprofile_if_resized(world_size)
             self._world_size = world_size
             self._finished.clear()
@@ -167,9 +171,12 @@ class Controller:
 
         Snapshots of earlier generations past the restored step belong to a timeline that this
         attempt replays; they are not committed. Those at or before it are valid and may still
-        commit (the holders keep writing them), which keeps a memory restore durable.
+        commit (the holders keep writing them), which keeps a memory restore durable. Keep-last
+        clean-up, held back since :meth:`prepare_restore`, runs again from here.
         """
         with self._lock:
+            self._restoring = False
+            self._maintenance.put(("retain",))  # what was deferred during the restore
             self._events.append(dict(info, event="restore", generation=self.generation, time=time.time()))
             for (gen, step), p in self._pending.items():
                 if gen < self.generation and p.state == "pending" and step > info.get("step", 0):
@@ -390,6 +397,10 @@ class Controller:
                     _, step, m = item
                     self._upload(step, m)
                     self._retain()
+                elif item[0] == "retain":
+                    self._retain()
+                    for tier in self.settings.tiers:
+                        self._retain_in(tier)
                 elif item[0] == "save_profile":
                     self._save_profile()
             except Exception:  # noqa: BLE001 - a failed delete or upload never kills the thread
@@ -421,6 +432,8 @@ class Controller:
 
     def _retain(self) -> None:
         with self._lock:
+            if self._restoring:
+                return  # deferred until restored()
             committed = [(s, c["milestone"]) for s, c in self._committed.items()]
             doomed = mf.to_delete(committed, self.settings.keep_last)
             # The index is updated *before* deleting, so a concurrent restore plan never names a
@@ -452,6 +465,8 @@ class Controller:
             self._delete(self.storage, f"{mf.CHECKPOINTS}/{name}")
 
     def _retain_in(self, tier: Storage) -> None:
+        if self._restoring:
+            return  # deferred until restored()
         committed = []
         for c in mf.list_committed(tier):
             try:

@@ -183,3 +183,19 @@ def test_clean_up_deletes_a_leftover_directory_only_once_it_is_known_dead(tmp_pa
     _commit(ctl, 7)
     assert mf.list_uncommitted(ctl.storage) == []
     assert [c.step for c in mf.list_committed(ctl.storage)] == [4, 6, 7]
+
+
+def test_keep_last_deletes_nothing_a_restore_plan_names_until_the_restore_is_done(tmp_path):
+    """keep_last=1: while a new attempt restores from the checkpoint its plan names, a late commit of
+    the previous attempt (a holder finishing its write) must not delete that checkpoint under it."""
+    ctl = _retaining_controller(tmp_path, keep_last=1)
+    _commit(ctl, 4)
+    plan = ctl.prepare_restore(WORLD)
+    assert plan["storage"] == [4]
+    _commit(ctl, 6)  # the previous attempt's holder commits late
+    assert [c.step for c in mf.list_committed(ctl.storage)] == [4, 6]
+    m = mf.read_manifest(ctl.storage, mf.step_dir(4))
+    mf.verify_all(ctl.storage, mf.step_dir(4), m)  # the restore reads it whole
+    ctl.restored({"source": "storage", "step": 4, "epoch": 0})
+    _wait_maintenance(ctl)
+    assert [c.step for c in mf.list_committed(ctl.storage)] == [6]  # deferred, not forgotten
