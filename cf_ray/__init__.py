@@ -9,7 +9,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 # Names are loaded on first use (PEP 562): cf_ray's actors (controller, holder) import
-# ``cf_ray.controller`` / ``cf_ray.persist``, which run this file first, and must not pay for
+# ``cf_ray._engine.driver`` / ``cf_ray._engine.node``, which run this file first, and must not pay for
 # torch and pandas they never use (seconds of CPU per actor process on a small machine).
 _LAZY = {
     "CheckpointConfig": "checkpointer", "Checkpointer": "checkpointer", "FinishSummary": "checkpointer",

@@ -38,17 +38,18 @@ import pyarrow.fs as pafs
 import ray
 import torch
 
-from cf_ray import _codec, _env
-from cf_ray import manifest as mf
-from cf_ray._control import ControlPlane
-from cf_ray.controller import (ControllerSettings, controller_name, get_or_create_controller, run_key)
+from cf_ray._engine import env as _env
+from cf_ray._engine.format import codec as _codec
+from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.worker.control import ControlPlane
+from cf_ray._engine.driver.controller import (ControllerSettings, controller_name, get_or_create_controller, run_key)
 from cf_ray.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, ElasticResumeError,
                            PersistError)
-from cf_ray.persist import get_or_create_holder
+from cf_ray._engine.node.holder import get_or_create_holder
 from cf_ray.preemption import PreemptionConfig, PreemptionWatcher
 from cf_ray.policy import FixedInterval, FrequencyPolicy, SaveContext
-from cf_ray.snapshot import SnapshotJob, Snapshotter, StagedSection
-from cf_ray.storage import FsStorage, Storage
+from cf_ray._engine.worker.snapshot import SnapshotJob, Snapshotter, StagedSection
+from cf_ray._engine.storage.fs import FsStorage, Storage
 
 logger = logging.getLogger("cf_ray")
 

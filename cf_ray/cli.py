@@ -34,6 +34,23 @@ def _profile(argv: list[str]) -> int:
     return 0
 
 
+def _bench(argv: list[str]) -> int:
+    """The benchmark lives in the repository's ``benchmarks/`` package, not in the installed one."""
+    try:
+        from benchmarks.bench import main as bench_main
+    except ImportError:
+        import pathlib
+
+        root = pathlib.Path(__file__).resolve().parents[1]
+        if not (root / "benchmarks" / "bench.py").exists():
+            print("cf-ray bench runs from a clone of the cf_ray repository (it is not part of the installed "
+                  "package): git clone it, `pip install -e .` there and run `cf-ray bench` again", file=sys.stderr)
+            return 2
+        sys.path.insert(0, str(root))
+        from benchmarks.bench import main as bench_main
+    return bench_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"demo": "run the main job: a TorchTrainer run with a worker SIGKILLed part-way",
@@ -51,9 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(rest)
     if cmd == "bench":
-        from cf_ray.bench import main as bench_main
-
-        return bench_main(rest)
+        return _bench(rest)
     if cmd == "ls":
         return _ls(rest)
     return _profile(rest)

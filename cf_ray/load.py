@@ -17,10 +17,10 @@ import numpy as np
 import pyarrow.fs as pafs
 import torch
 
-from cf_ray import _codec
-from cf_ray import manifest as mf
+from cf_ray._engine.format import codec as _codec
+from cf_ray._engine.format import manifest as mf
 from cf_ray.errors import CheckpointNotFoundError, CorruptCheckpointError
-from cf_ray.storage import FsStorage
+from cf_ray._engine.storage.fs import FsStorage
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,7 +79,7 @@ from typing import Any, Callable
 
 import ray
 
-from cf_ray import _env
+from cf_ray._engine import env as _env
 from cf_ray.errors import CfRayError, ConfigError
 
 logger = logging.getLogger("cf_ray")
@@ -563,8 +563,8 @@ def controller_of(storage_path: str, run_name: str, storage_filesystem=None):
         run_name: the run's name (``RunConfig(name=...)``).
         storage_filesystem: the ``pyarrow.fs`` filesystem given with it, if any.
     """
-    from cf_ray.controller import get_controller, run_key
-    from cf_ray.storage import FsStorage
+    from cf_ray._engine.driver.controller import get_controller, run_key
+    from cf_ray._engine.storage.fs import FsStorage
 
     storage = FsStorage.from_uri(storage_path, storage_filesystem).child(f"{run_name}/cf_ray")
     return get_controller(run_key(storage.uri(), run_name))

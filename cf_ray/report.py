@@ -23,10 +23,10 @@ from typing import Any, Iterable
 import numpy as np
 import pyarrow as pa
 
-from cf_ray._lazy import lazy_module
+from cf_ray._engine.lazy import lazy_module
 
 from cf_ray.errors import CorruptCheckpointError
-from cf_ray.storage import FileInfo, FsStorage, Storage
+from cf_ray._engine.storage.fs import FileInfo, FsStorage, Storage
 
 # pandas and parquet load on first use: the controller actor imports this module for its Ray
 # metrics at the first checkpoint and needs pandas only when it saves the profile at the end.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cf_ray import _codec
-from cf_ray import manifest as mf
+from cf_ray._engine.format import codec as _codec
+from cf_ray._engine.format import manifest as mf
 
 
 def arena_of(tree) -> tuple[np.ndarray, bytes]:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from cf_ray import bench
+from benchmarks import bench
 
 
 @pytest.mark.slow

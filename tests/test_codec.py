@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from cf_ray import _codec
-from cf_ray.manifest import parse_index
+from cf_ray._engine.format import codec as _codec
+from cf_ray._engine.format.manifest import parse_index
 from storage_helpers import arena_of
 
 

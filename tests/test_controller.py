@@ -16,12 +16,12 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from cf_ray import _codec
-from cf_ray import manifest as mf
-from cf_ray.controller import Controller, ControllerSettings
+from cf_ray._engine.format import codec as _codec
+from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.driver.controller import Controller, ControllerSettings
 from cf_ray.policy import FixedInterval
-from cf_ray.snapshot import _Arena
-from cf_ray.storage import FsStorage
+from cf_ray._engine.worker.snapshot import _Arena
+from cf_ray._engine.storage.fs import FsStorage
 
 WORLD = 2
 SECTIONS = [mf.SHARED, mf.rank_section(0), mf.rank_section(1)]

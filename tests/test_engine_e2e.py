@@ -16,8 +16,8 @@ import torch
 
 import cf_ray
 from cf_ray import demo
-from cf_ray import manifest as mf
-from cf_ray.storage import FsStorage
+from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.storage.fs import FsStorage
 
 pytestmark = pytest.mark.slow
 

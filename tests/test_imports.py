@@ -9,7 +9,7 @@ import cf_ray
 
 
 def test_actor_modules_do_not_import_torch_or_pandas():
-    code = ("import sys, cf_ray.controller, cf_ray.persist, cf_ray.report, cf_ray.manifest; "
+    code = ("import sys, cf_ray._engine.driver.controller, cf_ray._engine.node.holder, cf_ray.report, cf_ray._engine.format.manifest; "
             "print(sorted(m for m in ('torch', 'pandas', 'pyarrow.parquet') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

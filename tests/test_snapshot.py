@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cf_ray import manifest as mf
-from cf_ray.snapshot import Snapshotter
+from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.worker.snapshot import Snapshotter
 
 
 class _Received:

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 import cf_ray
-from cf_ray import manifest as mf
+from cf_ray._engine.format import manifest as mf
 from cf_ray import preemption
 from cf_ray.data import ResumableDistributedSampler
 from cf_ray.preemption import PreemptionConfig, PreemptionWatcher, notify_preemption
-from cf_ray.storage import FsStorage
+from cf_ray._engine.storage.fs import FsStorage
 from faulty_fs import FaultyHandler  # tests/ is on the workers' PYTHONPATH too (conftest.py)
 
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import cf_ray
-from cf_ray import manifest as mf
+from cf_ray._engine.format import manifest as mf
 from cf_ray.errors import CorruptCheckpointError, UnsafePathError
-from cf_ray.storage import FileInfo, FsStorage, Storage, safe_relpath
+from cf_ray._engine.storage.fs import FileInfo, FsStorage, Storage, safe_relpath
 from storage_helpers import write_checkpoint
 
 
@@ -113,8 +113,8 @@ def test_flipped_byte_and_truncated_file_are_detected_before_parsing(storage):
 _WRITER = textwrap.dedent("""
     import os, signal, sys, torch
     sys.path.insert(0, {tests!r})
-    from cf_ray.storage import FsStorage
-    from cf_ray import manifest as mf
+    from cf_ray._engine.storage.fs import FsStorage
+    from cf_ray._engine.format import manifest as mf
     from storage_helpers import arena_of
     storage = FsStorage.from_uri({root!r})
     torch.manual_seed(7)
@@ -213,7 +213,7 @@ def test_large_local_writes_go_direct_and_stay_exact(tmp_path, monkeypatch):
     file system takes it); whatever the chunking of the stream, the bytes and the CRC are exact."""
     import zlib
 
-    from cf_ray import storage as st
+    from cf_ray._engine.storage import fs as st
 
     chunk = 64 * 1024
     monkeypatch.setenv("CF_RAY_WRITE_CHUNK_BYTES", str(chunk))

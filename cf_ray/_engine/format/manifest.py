@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cf_ray.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
-from cf_ray.storage import FileInfo, Storage, chunked, crc32_of
+from cf_ray._engine.storage.fs import FileInfo, Storage, chunked, crc32_of
 
 if TYPE_CHECKING:
-    from cf_ray import _codec  # imports torch; the controller and holder processes never need it
+    from cf_ray._engine.format import codec as _codec  # imports torch; the controller and holder processes never need it
 
 logger = logging.getLogger("cf_ray")
 
@@ -268,13 +268,13 @@ class Section:
 
     def materialize(self, *, copy: bool = False) -> Any:
         """The state tree with tensors (views into ``buf`` unless ``copy``)."""
-        from cf_ray import _codec
+        from cf_ray._engine.format import codec as _codec
 
         return _codec.unflatten(self.tree, lambda i, e: _codec.view(self.buf, e, copy=copy), self.entries)
 
 
 def parse_index(raw: bytes | np.ndarray, where: str) -> tuple[Any, list[_codec.TensorEntry]]:
-    from cf_ray import _codec
+    from cf_ray._engine.format import codec as _codec
 
     try:
         d = json.loads(bytes(raw))

@@ -39,7 +39,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from cf_ray import _codec
+from cf_ray._engine.format import codec as _codec
 
 logger = logging.getLogger("cf_ray")
 
@@ -290,6 +290,6 @@ class Snapshotter:
 
 
 def _encode_index(flat: _codec.Flat) -> bytes:
-    from cf_ray.manifest import encode_index
+    from cf_ray._engine.format.manifest import encode_index
 
     return encode_index(flat)

@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from cf_ray import _env
+from cf_ray._engine import env as _env
 from cf_ray.errors import ConfigError, UnsafePathError
 
 try:  # the same CRC-32 as zlib's (the manifests do not change), ~20 GB/s instead of ~1-3 GB/s

@@ -39,10 +39,10 @@ from typing import Any
 
 import ray
 
-from cf_ray import _env
-from cf_ray import manifest as mf
+from cf_ray._engine import env as _env
+from cf_ray._engine.format import manifest as mf
 from cf_ray.policy import FrequencyPolicy, Sample
-from cf_ray.storage import FileInfo, Storage
+from cf_ray._engine.storage.fs import FileInfo, Storage
 
 logger = logging.getLogger("cf_ray")
 

@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 import ray
 
-from cf_ray import manifest as mf
-from cf_ray.storage import Storage
+from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.storage.fs import Storage
 
 logger = logging.getLogger("cf_ray")
 
