@@ -12,23 +12,24 @@ from typing import TYPE_CHECKING
 # ``cf_ray._engine.driver`` / ``cf_ray._engine.node``, which run this file first, and must not pay for
 # torch and pandas they never use (seconds of CPU per actor process on a small machine).
 _LAZY = {
-    "CheckpointConfig": "checkpointer", "Checkpointer": "checkpointer", "FinishSummary": "checkpointer",
+    "CheckpointConfig": "config", "Checkpointer": "checkpointer", "FinishSummary": "checkpointer",
     "Resume": "checkpointer",
     "CfRayError": "errors", "CheckpointNotFoundError": "errors", "ConfigError": "errors",
     "CorruptCheckpointError": "errors", "ElasticResumeError": "errors", "PersistError": "errors",
     "UnsafePathError": "errors",
     "CheckpointInfo": "load", "list_checkpoints": "load", "load_into": "load", "load_state": "load",
     "Adaptive": "policy", "AnyOf": "policy", "EpochEnd": "policy", "FixedInterval": "policy",
-    "PreemptionConfig": "preemption", "notify_preemption": "preemption",
+    "PreemptionConfig": "config", "notify_preemption": "preemption",
 }
 
 if TYPE_CHECKING:
-    from cf_ray.checkpointer import CheckpointConfig, Checkpointer, FinishSummary, Resume
+    from cf_ray.checkpointer import Checkpointer, FinishSummary, Resume
+    from cf_ray.config import CheckpointConfig, PreemptionConfig
     from cf_ray.errors import (CfRayError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
                                ElasticResumeError, PersistError, UnsafePathError)
     from cf_ray.load import CheckpointInfo, list_checkpoints, load_into, load_state
     from cf_ray.policy import Adaptive, AnyOf, EpochEnd, FixedInterval
-    from cf_ray.preemption import PreemptionConfig, notify_preemption
+    from cf_ray.preemption import notify_preemption
 
 
 def __getattr__(name: str):

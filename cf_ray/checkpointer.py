@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 import numpy as np
-import pyarrow.fs as pafs
 import ray
 import torch
 
@@ -46,81 +45,13 @@ from cf_ray._engine.driver.controller import (ControllerSettings, controller_nam
 from cf_ray.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, ElasticResumeError,
                            PersistError)
 from cf_ray._engine.node.holder import get_or_create_holder
-from cf_ray.preemption import PreemptionConfig, PreemptionWatcher
-from cf_ray.policy import FixedInterval, FrequencyPolicy, SaveContext
+from cf_ray.config import CheckpointConfig, PreemptionConfig
+from cf_ray.preemption import PreemptionWatcher
+from cf_ray.policy import SaveContext
 from cf_ray._engine.worker.snapshot import SnapshotJob, Snapshotter, StagedSection
 from cf_ray._engine.storage.fs import FsStorage, Storage
 
 logger = logging.getLogger("cf_ray")
-
-_RESTORE_FROM = ("auto", "memory", "storage", "none")
-_UPLOAD = ("all", "milestones")
-
-
-@dataclass(kw_only=True, slots=True)
-class CheckpointConfig:
-    """How a :class:`Checkpointer` checkpoints. Every field is checked when it is built."""
-
-    policy: FrequencyPolicy = field(default_factory=lambda: FixedInterval(every=50))
-    """When to checkpoint: ``FixedInterval(every=k)``, ``EpochEnd()``, ``Adaptive(...)``, ``AnyOf(...)``."""
-    storage_path: str | None = None
-    """Where checkpoints go. ``None``: the run's ``RunConfig(storage_path=...)`` (required outside Ray Train)."""
-    storage_filesystem: pafs.FileSystem | None = None
-    """A ``pyarrow.fs`` filesystem for ``storage_path``; ``None``: inferred from the URI or Ray's."""
-    run_name: str | None = None
-    """The run's name. ``None``: Ray Train's experiment name (required outside Ray Train)."""
-    upload_path: str | None = None
-    """An optional second destination (e.g. ``s3://bucket/archive``): committed checkpoints are copied
-    there in the background with their own manifest."""
-    upload_filesystem: pafs.FileSystem | None = None
-    """A ``pyarrow.fs`` filesystem for ``upload_path``."""
-    upload: str = "all"
-    """What goes to ``upload_path``: ``"all"`` committed checkpoints or only ``"milestones"``."""
-    keep_last: int | None = 3
-    """Committed checkpoints to keep (milestones and the final model are never deleted); ``None`` keeps all."""
-    milestone_every: int | None = None
-    """Every this many steps, the checkpoint is a milestone, never deleted by keep-last."""
-    replicated: bool = True
-    """True for DDP: model and optimizer state are identical on all ranks and rank 0 writes them once.
-    False when each rank has its own model/optimizer state (every rank writes all of it)."""
-    resume_from: Any = None
-    """Start a *new* run from another run's checkpoint: a ``ray.train.Checkpoint`` (e.g. an earlier
-    ``result.checkpoint`` or one of ``result.best_checkpoints``), a checkpoint directory or a run
-    directory (path or URI). Used only while this run has no checkpoint of its own. This is Ray
-    Train v2's replacement for ``TorchTrainer(resume_from_checkpoint=...)``, which v2 refuses."""
-    restore_from: str = "auto"
-    """``auto``: newest in-memory snapshot if it is at least as new as storage, else storage;
-    ``memory``/``storage``: only that source; ``none``: never restore."""
-    register_with_ray: bool = True
-    """Register committed checkpoints with Ray Train (``result.checkpoint``, ``get_checkpoint()``)."""
-    final_model: str | None = "model"
-    """Name of the tracked module whose weights ``finish()`` writes as a consolidated safetensors
-    checkpoint (the run's result); ``None`` disables it."""
-    raise_on_persist_error: bool = False
-    """Raise :class:`PersistError` from ``wait()``/``finish()`` when a save failed (default: warn once)."""
-    preemption: bool | PreemptionConfig = True
-    """React to preemption notices (Ray Train's signal, SIGTERM, ``request_checkpoint(preemption=True)``)
-    with a just-in-time checkpoint; a :class:`cf_ray.preemption.PreemptionConfig` tunes how."""
-
-    def __post_init__(self):
-        if not isinstance(self.preemption, (bool, PreemptionConfig)):
-            raise ConfigError(f"CheckpointConfig.preemption={self.preemption!r} must be True, False or a "
-                              "cf_ray.preemption.PreemptionConfig")
-        if not isinstance(self.policy, FrequencyPolicy):
-            raise ConfigError(f"CheckpointConfig.policy={self.policy!r} is not a policy; use "
-                              "cf_ray.FixedInterval(every=k), cf_ray.EpochEnd() or cf_ray.Adaptive()")
-        if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
-            raise ConfigError(f"CheckpointConfig.keep_last={self.keep_last!r} must be an int >= 1 or None (keep all)")
-        if self.milestone_every is not None and (not isinstance(self.milestone_every, int) or self.milestone_every < 1):
-            raise ConfigError(f"CheckpointConfig.milestone_every={self.milestone_every!r} must be an int >= 1 or None")
-        if self.restore_from not in _RESTORE_FROM:
-            raise ConfigError(f"CheckpointConfig.restore_from={self.restore_from!r} must be one of {_RESTORE_FROM}")
-        if self.upload not in _UPLOAD:
-            raise ConfigError(f"CheckpointConfig.upload={self.upload!r} must be one of {_UPLOAD}")
-        if self.upload == "milestones" and self.upload_path and self.milestone_every is None:
-            warnings.warn("CheckpointConfig.upload='milestones' without milestone_every: only checkpoints saved "
-                          "with save(milestone=True) will be uploaded", stacklevel=3)
-
 
 @dataclass(frozen=True, slots=True)
 class Resume:

@@ -80,52 +80,13 @@ from typing import Any, Callable
 import ray
 
 from cf_ray._engine import env as _env
-from cf_ray.errors import CfRayError, ConfigError
+from cf_ray.config import PreemptionConfig
+from cf_ray.errors import CfRayError
 
 logger = logging.getLogger("cf_ray")
 
-_RAY_SIGNAL = ("auto", "api", "off")
 #: Ray Train's own fallback when a drain reports no deadline (``DEFAULT_PREEMPTION_DEADLINE_S``).
 _RAY_DEFAULT_DEADLINE_S = 120.0
-
-
-@dataclass(kw_only=True, slots=True)
-class PreemptionConfig:
-    """How a :class:`~cf_ray.Checkpointer` reacts to preemption notices
-    (``CheckpointConfig(preemption=PreemptionConfig(...))``; ``preemption=True`` is the default)."""
-
-    ray_signal: str = "auto"
-    """Ray Train's preemption signal: ``auto`` reads the worker's copy after every step (no
-    barrier) and falls back to ``ray.train.get_preemption_info()`` every ``ray_poll_every`` steps
-    where that copy is not reachable; ``api`` always uses the public call; ``off`` ignores it."""
-    ray_poll_every: int = 10
-    """Steps between two calls of ``ray.train.get_preemption_info()`` (a barrier) when it is used."""
-    sigterm: bool = True
-    """Treat SIGTERM to a worker process as a preemption notice (deferred, see the module doc)."""
-    sigterm_deadline_s: float = 30.0
-    """Deadline assumed for a SIGTERM, in seconds after it arrived (Kubernetes' default grace)."""
-    sigterm_exit: bool = True
-    """After the checkpoint of a SIGTERM is durable, let the previous SIGTERM handler run (the
-    process ends as it would have without cf_ray). False: hold like any other notice."""
-    hold: bool = True
-    """A rank that knows the deadline waits until the just-in-time checkpoint is committed, then
-    holds until the deadline instead of taking steps that the kill would throw away."""
-    hold_extra_s: float = 1.0
-    """Keep holding this long past the deadline: the kill rarely comes on the dot, and a step taken
-    just before it would be lost."""
-    max_wait_s: float = 120.0
-    """Upper bound of that wait for a notice without a deadline."""
-
-    def __post_init__(self):
-        if self.ray_signal not in _RAY_SIGNAL:
-            raise ConfigError(f"PreemptionConfig.ray_signal={self.ray_signal!r} must be one of {_RAY_SIGNAL}")
-        if isinstance(self.ray_poll_every, bool) or not isinstance(self.ray_poll_every, int) or self.ray_poll_every < 1:
-            raise ConfigError(f"PreemptionConfig.ray_poll_every={self.ray_poll_every!r} must be an int >= 1 "
-                              "(steps between two calls of ray.train.get_preemption_info())")
-        for name in ("sigterm_deadline_s", "hold_extra_s", "max_wait_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-                raise ConfigError(f"PreemptionConfig.{name}={v!r} must be a number of seconds >= 0")
 
 
 @dataclass(frozen=True, slots=True)

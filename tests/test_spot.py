@@ -23,7 +23,8 @@ import cf_ray
 from cf_ray._engine.format import manifest as mf
 from cf_ray import preemption
 from cf_ray.data import ResumableDistributedSampler
-from cf_ray.preemption import PreemptionConfig, PreemptionWatcher, notify_preemption
+from cf_ray.config import PreemptionConfig
+from cf_ray.preemption import PreemptionWatcher, notify_preemption
 from cf_ray._engine.storage.fs import FsStorage
 from faulty_fs import FaultyHandler  # tests/ is on the workers' PYTHONPATH too (conftest.py)
 

@@ -1,0 +1,243 @@
+"""What crosses an actor boundary: worker -> holder -> controller, and back.
+
+Every message is a frozen dataclass carrying ``version`` (:data:`PROTOCOL_VERSION`); a receiver
+built from other code refuses a message of another version with :class:`ProtocolError` instead of
+misreading it (a cluster where the driver and the workers run different cf_ray versions).
+States, checkpoint kinds, restore sources and request levels are Enums whose values are the
+strings (and ints) stored on storage and in the profile table, so nothing on disk changes.
+
+No torch here: this module is imported by the controller and the holders.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from cf_ray.errors import CfRayError
+
+#: Bumped whenever a message below changes shape.
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(CfRayError):
+    """A message from a process running another version of cf_ray."""
+
+
+class SectionState(str, enum.Enum):
+    """Where a checkpoint (all its sections) stands in the controller."""
+
+    PENDING = "pending"
+    """Some section is not durable yet."""
+    COMMITTED = "committed"
+    """Every section is durable and the manifest is written."""
+    FAILED = "failed"
+    """A section or the manifest could not be written; the previous checkpoint stays the latest."""
+    SUPERSEDED = "superseded"
+    """A newer snapshot replaced it before it was persisted (storage slower than the interval)."""
+    ABANDONED = "abandoned"
+    """Past the step a later attempt restored: a timeline that attempt replays; never committed."""
+
+
+class CheckpointKind(str, enum.Enum):
+    """Why a checkpoint was taken (the manifest's and the profile's ``kind``)."""
+
+    SCHEDULED = "scheduled"
+    EPOCH = "epoch"
+    MANUAL = "manual"
+    PREEMPT = "preempt"
+    FINAL = "final"
+
+
+class RestoreSource(str, enum.Enum):
+    """Where an attempt resumed from (``Resume.source``)."""
+
+    FRESH = "fresh"
+    MEMORY = "memory"
+    STORAGE = "storage"
+
+
+class RequestLevel(enum.IntEnum):
+    """A rank's request for an out-of-schedule checkpoint (the agreement's ``save_request``)."""
+
+    NONE = 0
+    MANUAL = 1
+    PREEMPT = 2
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Message:
+    version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        if self.version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"{type(self).__name__} of protocol version {self.version}, this process speaks {PROTOCOL_VERSION}: "
+                "the driver, the workers and cf_ray's actors must run the same cf_ray version")
+
+
+# -- worker -> holder -------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SnapshotMeta(Message):
+    """What a rank says of its snapshot when it hands it to its node's holder."""
+
+    rank: int
+    world_size: int
+    replicated: bool
+    epoch: int
+    kind: CheckpointKind
+    milestone: bool = False
+    priority: bool = False
+    """A preemption checkpoint: persisted before anything else, never superseded."""
+    interval: int | None = None
+    persist: bool = True
+    """False: held in memory only (never written)."""
+    copy_s: float | None = None
+    sync_s: float | None = None
+    deadline_unix: float | None = None
+    notice_unix: float | None = None
+    notice_source: str | None = None
+
+
+# -- holder -> controller ----------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PartStaged(Message):
+    """A section of a snapshot is held in a holder's memory (and queued for persisting)."""
+
+    generation: int
+    step: int
+    section: str
+    holder: str
+    nbytes: int
+    meta: SnapshotMeta
+    holder_put_s: float = 0.0
+    node_id: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PartDurable(Message):
+    """A section's files are written; ``files`` maps file name -> ``{"size", "crc32"}``."""
+
+    generation: int
+    step: int
+    section: str
+    files: dict[str, dict[str, int]]
+    persist_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PartFailed(Message):
+    generation: int
+    step: int
+    section: str
+    error: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PartSuperseded(Message):
+    generation: int
+    step: int
+    section: str
+
+
+# -- worker <-> controller -------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Schedule(Message):
+    """One version of the checkpoint interval; ranks adopt versions together."""
+
+    schedule_version: int
+    interval: int | None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Failure(Message):
+    """A checkpoint that did not commit, as the workers learn of it."""
+
+    seq: int
+    step: int
+    section: str
+    rank: int
+    error: str
+    generation: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointRequest(Message):
+    """A notice from outside the workers (``cf_ray.notify_preemption``) for every rank."""
+
+    seq: int
+    deadline_unix: float | None
+    detail: str = ""
+    time_unix: float = 0.0
+    generation: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyncRequest(Message):
+    """A worker's non-blocking poll: its timing samples in (``policy.Sample`` fields as dicts)."""
+
+    rank: int
+    generation: int
+    samples: tuple[dict, ...] = ()
+    ckpt_stats: tuple[dict, ...] = ()
+    adopted_version: int = -1
+    seen_failures: int = -1
+    seen_requests: int = -1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyncReply(Message):
+    schedules: tuple[Schedule, ...]
+    committed_step: int
+    failures: tuple[Failure, ...] = ()
+    requests: tuple[CheckpointRequest, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemorySnapshot(Message):
+    """The newest snapshot every section of which some holder still has."""
+
+    generation: int
+    step: int
+    sections: dict[str, str]
+    """section -> name of the holder actor that has it."""
+    world_size: int
+    epoch: int
+    replicated: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RestorePlan(Message):
+    """The controller's answer to rank 0 at the start of an attempt."""
+
+    generation: int
+    memory: MemorySnapshot | None
+    storage: tuple[int, ...]
+    """Committed steps on the primary storage, newest first."""
+    tiers: tuple[tuple[int, ...], ...] = ()
+    """Committed steps on each upload tier, newest first."""
+    schedules: tuple[Schedule, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Restored(Message):
+    """Rank 0 reports where the attempt resumed from."""
+
+    source: RestoreSource
+    step: int
+    epoch: int
+    seconds: float = 0.0
+    world_size: int = 1
+    saved_world_size: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+__all__ = [
+    "PROTOCOL_VERSION", "CheckpointKind", "CheckpointRequest", "Failure", "MemorySnapshot", "Message",
+    "PartDurable", "PartFailed", "PartStaged", "PartSuperseded", "ProtocolError", "RequestLevel", "RestorePlan",
+    "RestoreSource", "Restored", "Schedule", "SectionState", "SnapshotMeta", "SyncReply", "SyncRequest",
+]

@@ -1,0 +1,130 @@
+"""Configuration a user builds: :class:`CheckpointConfig` and :class:`PreemptionConfig`.
+
+Importable without torch (the driver builds them; the workers receive them). Every field is
+checked when the object is built; a bad value raises :class:`~cf_ray.ConfigError` naming the field
+and what to use instead.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from cf_ray.errors import ConfigError
+from cf_ray.policy import FixedInterval, FrequencyPolicy
+
+_RAY_SIGNAL = ("auto", "api", "off")
+
+
+@dataclass(kw_only=True, slots=True)
+class PreemptionConfig:
+    """How a :class:`~cf_ray.Checkpointer` reacts to preemption notices
+    (``CheckpointConfig(preemption=PreemptionConfig(...))``; ``preemption=True`` is the default)."""
+
+    ray_signal: str = "auto"
+    """Ray Train's preemption signal: ``auto`` reads the worker's copy after every step (no
+    barrier) and falls back to ``ray.train.get_preemption_info()`` every ``ray_poll_every`` steps
+    where that copy is not reachable; ``api`` always uses the public call; ``off`` ignores it."""
+    ray_poll_every: int = 10
+    """Steps between two calls of ``ray.train.get_preemption_info()`` (a barrier) when it is used."""
+    sigterm: bool = True
+    """Treat SIGTERM to a worker process as a preemption notice (deferred, see the module doc)."""
+    sigterm_deadline_s: float = 30.0
+    """Deadline assumed for a SIGTERM, in seconds after it arrived (Kubernetes' default grace)."""
+    sigterm_exit: bool = True
+    """After the checkpoint of a SIGTERM is durable, let the previous SIGTERM handler run (the
+    process ends as it would have without cf_ray). False: hold like any other notice."""
+    hold: bool = True
+    """A rank that knows the deadline waits until the just-in-time checkpoint is committed, then
+    holds until the deadline instead of taking steps that the kill would throw away."""
+    hold_extra_s: float = 1.0
+    """Keep holding this long past the deadline: the kill rarely comes on the dot, and a step taken
+    just before it would be lost."""
+    max_wait_s: float = 120.0
+    """Upper bound of that wait for a notice without a deadline."""
+
+    def __post_init__(self):
+        if self.ray_signal not in _RAY_SIGNAL:
+            raise ConfigError(f"PreemptionConfig.ray_signal={self.ray_signal!r} must be one of {_RAY_SIGNAL}")
+        if isinstance(self.ray_poll_every, bool) or not isinstance(self.ray_poll_every, int) or self.ray_poll_every < 1:
+            raise ConfigError(f"PreemptionConfig.ray_poll_every={self.ray_poll_every!r} must be an int >= 1 "
+                              "(steps between two calls of ray.train.get_preemption_info())")
+        for name in ("sigterm_deadline_s", "hold_extra_s", "max_wait_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ConfigError(f"PreemptionConfig.{name}={v!r} must be a number of seconds >= 0")
+
+
+_RESTORE_FROM = ("auto", "memory", "storage", "none")
+_UPLOAD = ("all", "milestones")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """How a :class:`Checkpointer` checkpoints. Every field is checked when it is built."""
+
+    policy: FrequencyPolicy = field(default_factory=lambda: FixedInterval(every=50))
+    """When to checkpoint: ``FixedInterval(every=k)``, ``EpochEnd()``, ``Adaptive(...)``, ``AnyOf(...)``."""
+    storage_path: str | None = None
+    """Where checkpoints go. ``None``: the run's ``RunConfig(storage_path=...)`` (required outside Ray Train)."""
+    storage_filesystem: pafs.FileSystem | None = None
+    """A ``pyarrow.fs`` filesystem for ``storage_path``; ``None``: inferred from the URI or Ray's."""
+    run_name: str | None = None
+    """The run's name. ``None``: Ray Train's experiment name (required outside Ray Train)."""
+    upload_path: str | None = None
+    """An optional second destination (e.g. ``s3://bucket/archive``): committed checkpoints are copied
+    there in the background with their own manifest."""
+    upload_filesystem: pafs.FileSystem | None = None
+    """A ``pyarrow.fs`` filesystem for ``upload_path``."""
+    upload: str = "all"
+    """What goes to ``upload_path``: ``"all"`` committed checkpoints or only ``"milestones"``."""
+    keep_last: int | None = 3
+    """Committed checkpoints to keep (milestones and the final model are never deleted); ``None`` keeps all."""
+    milestone_every: int | None = None
+    """Every this many steps, the checkpoint is a milestone, never deleted by keep-last."""
+    replicated: bool = True
+    """True for DDP: model and optimizer state are identical on all ranks and rank 0 writes them once.
+    False when each rank has its own model/optimizer state (every rank writes all of it)."""
+    resume_from: Any = None
+    """Start a *new* run from another run's checkpoint: a ``ray.train.Checkpoint`` (e.g. an earlier
+    ``result.checkpoint`` or one of ``result.best_checkpoints``), a checkpoint directory or a run
+    directory (path or URI). Used only while this run has no checkpoint of its own. This is Ray
+    Train v2's replacement for ``TorchTrainer(resume_from_checkpoint=...)``, which v2 refuses."""
+    restore_from: str = "auto"
+    """``auto``: newest in-memory snapshot if it is at least as new as storage, else storage;
+    ``memory``/``storage``: only that source; ``none``: never restore."""
+    register_with_ray: bool = True
+    """Register committed checkpoints with Ray Train (``result.checkpoint``, ``get_checkpoint()``)."""
+    final_model: str | None = "model"
+    """Name of the tracked module whose weights ``finish()`` writes as a consolidated safetensors
+    checkpoint (the run's result); ``None`` disables it."""
+    raise_on_persist_error: bool = False
+    """Raise :class:`PersistError` from ``wait()``/``finish()`` when a save failed (default: warn once)."""
+    preemption: bool | PreemptionConfig = True
+    """React to preemption notices (Ray Train's signal, SIGTERM, ``request_checkpoint(preemption=True)``)
+    with a just-in-time checkpoint; a :class:`cf_ray.preemption.PreemptionConfig` tunes how."""
+
+    def __post_init__(self):
+        if not isinstance(self.preemption, (bool, PreemptionConfig)):
+            raise ConfigError(f"CheckpointConfig.preemption={self.preemption!r} must be True, False or a "
+                              "cf_ray.preemption.PreemptionConfig")
+        if not isinstance(self.policy, FrequencyPolicy):
+            raise ConfigError(f"CheckpointConfig.policy={self.policy!r} is not a policy; use "
+                              "cf_ray.FixedInterval(every=k), cf_ray.EpochEnd() or cf_ray.Adaptive()")
+        if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
+            raise ConfigError(f"CheckpointConfig.keep_last={self.keep_last!r} must be an int >= 1 or None (keep all)")
+        if self.milestone_every is not None and (not isinstance(self.milestone_every, int) or self.milestone_every < 1):
+            raise ConfigError(f"CheckpointConfig.milestone_every={self.milestone_every!r} must be an int >= 1 or None")
+        if self.restore_from not in _RESTORE_FROM:
+            raise ConfigError(f"CheckpointConfig.restore_from={self.restore_from!r} must be one of {_RESTORE_FROM}")
+        if self.upload not in _UPLOAD:
+            raise ConfigError(f"CheckpointConfig.upload={self.upload!r} must be one of {_UPLOAD}")
+        if self.upload == "milestones" and self.upload_path and self.milestone_every is None:
+            warnings.warn("CheckpointConfig.upload='milestones' without milestone_every: only checkpoints saved "
+                          "with save(milestone=True) will be uploaded", stacklevel=3)
+
+
+__all__ = ["CheckpointConfig", "PreemptionConfig"]
