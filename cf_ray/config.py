@@ -111,6 +111,9 @@ class CheckpointConfig:
         if not isinstance(self.preemption, (bool, PreemptionConfig)):
             raise ConfigError(f"CheckpointConfig.preemption={self.preemption!r} must be True, False or a "
                               "cf_ray.preemption.PreemptionConfig")
+        if isinstance(self.policy, type):  # the class passes the Protocol check and fails at the first call
+            raise ConfigError(f"CheckpointConfig.policy={self.policy.__name__} is a class; pass an instance, "
+                              f"e.g. policy={self.policy.__name__}()")
         if not isinstance(self.policy, FrequencyPolicy):
             raise ConfigError(f"CheckpointConfig.policy={self.policy!r} is not a policy; use "
                               "cf_ray.FixedInterval(every=k), cf_ray.EpochEnd() or cf_ray.Adaptive()")

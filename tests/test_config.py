@@ -42,6 +42,7 @@ def test_bad_interval(every):
 @pytest.mark.parametrize("kwargs, field", [
     ({"keep_last": 0}, "keep_last"), ({"restore_from": "disk"}, "restore_from"),
     ({"milestone_every": -1}, "milestone_every"), ({"policy": 10}, "policy"), ({"upload": "some"}, "upload"),
+    ({"policy": cf_ray.Adaptive}, "policy"), ({"policy": cf_ray.FixedInterval}, "policy"),
 ])
 def test_bad_config_fields(kwargs, field):
     with pytest.raises(ConfigError, match=f"CheckpointConfig.{field}"):
