@@ -12,12 +12,13 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from storage_helpers import write_checkpoint
 
 import cf_ray
 from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.storage.base import FileInfo, Storage, safe_relpath
+from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.errors import CorruptCheckpointError, UnsafePathError
-from cf_ray._engine.storage.fs import FileInfo, FsStorage, Storage, safe_relpath
-from storage_helpers import write_checkpoint
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -213,7 +214,8 @@ def test_large_local_writes_go_direct_and_stay_exact(tmp_path, monkeypatch):
     file system takes it); whatever the chunking of the stream, the bytes and the CRC are exact."""
     import zlib
 
-    from cf_ray._engine.storage import fs as st
+    from cf_ray._engine.storage import direct_io as dio
+    from cf_ray._engine.storage.base import chunked
 
     chunk = 64 * 1024
     monkeypatch.setenv("CF_RAY_WRITE_CHUNK_BYTES", str(chunk))
@@ -221,14 +223,14 @@ def test_large_local_writes_go_direct_and_stay_exact(tmp_path, monkeypatch):
     rng = np.random.default_rng(0)
     for n in (0, 1, 4096, chunk - 1, chunk, chunk + 1, 3 * chunk + 4097):
         data = rng.integers(0, 256, n, dtype=np.uint8)
-        info = s.write_file(f"d/f{n}", st.chunked(data, 7777))
+        info = s.write_file(f"d/f{n}", chunked(data, 7777))
         assert (info.size, info.crc32) == (n, zlib.crc32(data))
         assert np.array_equal(s.read_file(f"d/f{n}"), data)
     fd = os.open(tmp_path / "raw", os.O_WRONLY | os.O_CREAT)
-    w = st._DirectWriter(fd)
+    w = dio._DirectWriter(fd)
     data = rng.integers(0, 256, 2 * chunk + 10, dtype=np.uint8)
     w.write(memoryview(data))
-    assert w.direct or os.fstat(fd).st_dev in st._direct_refused  # used, or refused by this file system
+    assert w.direct or os.fstat(fd).st_dev in dio._direct_refused  # used, or refused by this file system
     w.close()
     assert not w.direct  # the tail went through the page cache
     os.close(fd)

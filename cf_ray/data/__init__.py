@@ -2,7 +2,7 @@
 
 Every source records what the training loop has *consumed* (never what a prefetcher read ahead)
 in a small JSON-able ``state_dict()``, orders each epoch as a pure function of ``(seed, epoch)``,
-and follows the same epoch rules (see :mod:`cf_ray.data.base`). Give the objects to
+and follows the same epoch rules (see :mod:`cf_ray.data.protocols`). Give the objects to
 ``cf_ray.Checkpointer(data={...})``; they are per rank.
 
 =====================================  ======================================  ===============
@@ -18,10 +18,10 @@ NVIDIA DALI                            :class:`DALIExternalSource`,             
 =====================================  ======================================  ===============
 """
 
-from cf_ray.data.base import DataOrderError, ElasticStateful, Stateful
 from cf_ray.data.dali import DALIExternalSource, ResumableDALIIterator
 from cf_ray.data.loader import ResumableDataLoader
 from cf_ray.data.parquet import ResumableParquetReader
+from cf_ray.data.protocols import DataOrderError, ElasticStateful, Stateful
 from cf_ray.data.ray_data import ResumableRayDataIterator, ordered_data_config
 from cf_ray.data.sampler import ResumableDistributedSampler, ResumableSampler
 from cf_ray.data.sharded import ShardedDataset

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from cf_ray.data.base import check_int
+from cf_ray.data._checks import check_int
 from cf_ray.data.sampler import ResumableSampler
 from cf_ray.errors import ConfigError
 

@@ -9,11 +9,11 @@ order, adds a batch's size to the sampler's position only when the loop receives
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from cf_ray.data.base import SamplerHeldPosition
+from cf_ray.data._cursor import SamplerHeldPosition
 from cf_ray.data.sampler import ResumableDistributedSampler, ResumableSampler
 from cf_ray.errors import ConfigError
 

@@ -31,7 +31,7 @@ output depends on unseeded random numbers, time, or the worker that runs them.
 
 Give ``id_column`` to have the order checked: the state then carries an order-independent digest
 of the ids consumed, and a resume whose skipped rows do not have the same digest raises
-:class:`~cf_ray.data.base.DataOrderError` instead of silently repeating or skipping rows.
+:class:`~cf_ray.data.protocols.DataOrderError` instead of silently repeating or skipping rows.
 
 Elastic resume: at an epoch boundary (every old rank at the start, or every old rank at the end of
 the same epoch) a resume on another world size is accepted; in the middle of an epoch it raises
@@ -73,15 +73,15 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from cf_ray.data.base import (
+from cf_ray.data._checks import (
     FORMAT_KEY,
-    DataOrderError,
     check_elastic_states,
     check_format,
     check_int,
     check_same,
     resolve_world,
 )
+from cf_ray.data.protocols import DataOrderError
 from cf_ray.errors import ConfigError, ElasticResumeError
 
 _MASK = (1 << 64) - 1

@@ -14,14 +14,18 @@ of the new world size.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+import logging
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from torch.utils.data import Dataset
 
-from cf_ray.data.base import SamplerHeldPosition, check_int, logger
+from cf_ray.data._checks import check_int
+from cf_ray.data._cursor import SamplerHeldPosition
 from cf_ray.data.sampler import ResumableSampler
 from cf_ray.errors import ConfigError
+
+logger = logging.getLogger("cf_ray.data")
 
 LoadFn = Callable[[list[int]], Sequence[Any]]
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections import Counter
 
 import pytest
 from data_harness import check_every_interrupt_point, roundtrip, run_segments

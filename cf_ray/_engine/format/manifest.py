@@ -1,14 +1,7 @@
-"""The on-storage layout of a run's checkpoints, the manifest that commits one, and safe reading.
+"""The manifest that commits a checkpoint, the pointers registered with Ray Train, and safe reading.
 
-Layout under a run's root (``<storage_path>/<run name>/cf_ray`` by default)::
-
-    checkpoints/step_000000000120/MANIFEST.json          <- written last: the commit
-    checkpoints/step_000000000120/g0001.shared.bin       <- replicated state (written once, rank 0)
-    checkpoints/step_000000000120/g0001.shared.json      <- its tensor table + JSON tree
-    checkpoints/step_000000000120/g0001.rank_00001.bin   <- per-rank state (RNG, data position)
-    checkpoints/final_000000000400/model.safetensors     <- the consolidated model at the end
-    latest                                               <- name of the newest committed dir (a hint)
-    profile.parquet, iterations.parquet                  <- the profile table
+The layout of a run's root (directory and file names) is in :mod:`cf_ray._engine.format.layout`;
+its names are re-exported here, so ``mf.SHARED``, ``mf.step_dir(...)`` and the like keep working.
 
 A checkpoint exists only when its ``MANIFEST.json`` exists. The manifest lists every file with its
 size and CRC-32; readers verify both before parsing a single byte of a file, and fall back to the
@@ -21,51 +14,36 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cf_ray._engine.format.layout import (  # noqa: F401 - re-exported: callers use mf.SHARED, mf.step_dir, ...
+    _DIR_RE,
+    _FILE_RE,
+    _SECTION_RE,
+    CHECKPOINTS,
+    FORMAT,
+    LATEST,
+    MANIFEST,
+    POINTER,
+    REGISTERED,
+    SHARED,
+    VERSION,
+    rank_section,
+    section_files,
+    section_rank,
+    step_dir,
+)
+from cf_ray._engine.storage.base import FileInfo, Storage, chunked, crc32_of
 from cf_ray.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
-from cf_ray._engine.storage.fs import FileInfo, Storage, chunked, crc32_of
 
 if TYPE_CHECKING:
     from cf_ray._engine.format import codec as _codec  # imports torch; the controller and holder processes never need it
 
 logger = logging.getLogger("cf_ray")
-
-FORMAT = "cf_ray"
-VERSION = 1
-MANIFEST = "MANIFEST.json"
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
-REGISTERED = "registered"
-POINTER = "cf_ray_checkpoint.json"
-SHARED = "shared"
-
-_DIR_RE = re.compile(r"^(step|final)_(\d{12})$")
-_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}$")
-_SECTION_RE = re.compile(r"^(shared|rank_\d{5})$")
-
-
-def rank_section(rank: int) -> str:
-    return f"rank_{rank:05d}"
-
-
-def section_rank(section: str) -> int:
-    """The rank a section belongs to (the inverse of :func:`rank_section`; the shared one is rank 0's)."""
-    return int(section.split("_")[1]) if section.startswith("rank_") else 0
-
-
-def step_dir(step: int, kind: str = "step") -> str:
-    return f"{CHECKPOINTS}/{kind}_{step:012d}"
-
-
-def section_files(generation: int, section: str) -> tuple[str, str]:
-    """(data file, index file) names of one section."""
-    return f"g{generation:04d}.{section}.bin", f"g{generation:04d}.{section}.json"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -91,7 +69,9 @@ class Manifest:
     files: dict[str, FileInfo] = field(default_factory=dict)
     """File name -> size and CRC-32."""
     created_unix: float = 0.0
+    """Wall-clock time of the commit (``time.time()`` when 0 at :meth:`to_bytes`)."""
     extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form JSON-able details stored with the manifest."""
 
     def to_bytes(self) -> bytes:
         d = {
@@ -199,6 +179,7 @@ class CommittedCheckpoint:
     kind: str
     """``step`` (resumable) or ``final`` (model weights only)."""
     step: int
+    """Optimizer steps taken when it was written."""
 
     @property
     def path(self) -> str:
@@ -263,8 +244,11 @@ class Section:
     """One loaded section: its JSON tree, tensor table and byte buffer."""
 
     tree: Any
+    """The JSON tree of the state, tensors replaced by references into ``entries``."""
     entries: list[_codec.TensorEntry]
+    """The tensor table: where each tensor lies in ``buf``."""
     buf: np.ndarray
+    """The verified bytes of the section's data file."""
 
     def materialize(self, *, copy: bool = False) -> Any:
         """The state tree with tensors (views into ``buf`` unless ``copy``)."""

@@ -1,107 +1,40 @@
-"""Storage: a tiny Protocol with ``str`` paths, implemented once over ``pyarrow.fs``.
-
-Every path given to a :class:`Storage` is *relative to its root* and checked by
-:func:`safe_relpath`: no ``..``, no absolute path, no empty component, and on local disk no symlink
-that resolves outside the root. A ``pathlib.Path`` would mangle ``s3://``, so paths are strings.
+""":class:`FsStorage`: the :class:`~cf_ray._engine.storage.base.Storage` protocol, implemented once
+over ``pyarrow.fs``.
 
 Durability:
 * local disk: data goes to a temporary name in the same directory, is fsynced, renamed into place,
   and the directory is fsynced. A reader never sees a half-written file under its final name.
   Files of at least one chunk (``CF_RAY_WRITE_CHUNK_BYTES``, 16 MiB) are written with ``O_DIRECT``
-  through a page-aligned bounce buffer where the file system allows it: the kernel then DMAs from
-  that buffer instead of copying every byte into the page cache, which measured 0.07 s instead of
-  0.1-1.0 s of CPU for 300 MB here — CPU that a checkpoint otherwise takes from training when every
-  core trains. The tail, and every file on a file system that refuses ``O_DIRECT`` (tmpfs), is
-  written through the page cache. ``CF_RAY_DIRECT_IO=0`` turns it off.
+  through a page-aligned bounce buffer where the file system allows it (see
+  :mod:`cf_ray._engine.storage.direct_io`); ``CF_RAY_DIRECT_IO=0`` turns it off.
 * object stores (S3, GCS): an object becomes visible only when its upload completes, so a plain
   write is atomic per object; rename would be a copy, so it is never used there.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import posixpath
-import queue
-import threading
 import uuid
-from dataclasses import dataclass
-from typing import Iterable, Protocol, runtime_checkable
+from typing import Iterable
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from cf_ray._engine import env as _env
+# Storage, chunked, crc32_of, _crc32, _O_DIRECT and _direct_refused were defined here before the split
+# into base/fs/direct_io; they stay importable from here until every importer names the module that
+# now defines them (issue #11).
+from cf_ray._engine.storage.base import FileInfo, Storage, _crc32, chunked, crc32_of, safe_relpath  # noqa: F401
+from cf_ray._engine.storage.direct_io import (  # noqa: F401
+    _O_DIRECT,
+    _direct_io_wanted,
+    _direct_refused,
+    _DirectWriter,
+    _write_all,
+    _write_with_crc,
+)
 from cf_ray.errors import ConfigError, UnsafePathError
-
-try:  # the same CRC-32 as zlib's (the manifests do not change), ~20 GB/s instead of ~1-3 GB/s
-    from isal.isal_zlib import crc32 as _crc32
-except ImportError:  # pragma: no cover - isal is a dependency; zlib is the fallback
-    from zlib import crc32 as _crc32
-
-
-@dataclass(frozen=True, slots=True)
-class FileInfo:
-    """What a manifest records of one file."""
-
-    size: int
-    crc32: int
-
-    def to_json(self) -> dict:
-        return {"size": self.size, "crc32": self.crc32}
-
-
-@runtime_checkable
-class Storage(Protocol):
-    """Where checkpoints are written. All paths are relative to the storage's root.
-
-    Call order: the writer (a holder actor, phase 2) calls :meth:`write_file` for data files; the
-    controller calls :meth:`write_file` for the manifest last, then :meth:`delete_dir` for old
-    checkpoints. Readers (any rank at restore, a user's evaluation script) call :meth:`list_dir`,
-    :meth:`exists` and :meth:`read_file`.
-    """
-
-    def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> FileInfo:
-        """Write ``path`` durably and atomically from ``chunks``; return its size and CRC-32."""
-        ...
-
-    def read_file(self, path: str) -> np.ndarray:
-        """The whole file as a writable ``uint8`` array."""
-        ...
-
-    def list_dir(self, path: str) -> list[str]:
-        """Names (not paths) of the entries directly under ``path``; empty if it does not exist."""
-        ...
-
-    def exists(self, path: str) -> bool:
-        ...
-
-    def delete_dir(self, path: str) -> None:
-        """Delete ``path`` and everything under it; no error if it does not exist."""
-        ...
-
-    def uri(self, path: str = "") -> str:
-        """A human-readable location of ``path`` for logs and errors."""
-        ...
-
-
-def safe_relpath(path: str) -> str:
-    """Normalise a relative path and refuse anything that could leave the root.
-
-    Raises:
-        UnsafePathError: ``path`` is absolute, contains ``..``, a backslash, a NUL or an empty part.
-    """
-    if not isinstance(path, str):
-        raise UnsafePathError(f"path must be a string, got {type(path).__name__}")
-    if path == "":
-        return ""
-    if path.startswith("/") or "\\" in path or "\x00" in path or ":" in path.split("/")[0]:
-        raise UnsafePathError(f"path {path!r} must be relative to the checkpoint root")
-    parts = path.split("/")
-    if any(p in ("", ".", "..") for p in parts):
-        raise UnsafePathError(f"path {path!r} may not contain '..', '.' or empty components")
-    return path
 
 
 class FsStorage:
@@ -252,140 +185,6 @@ class FsStorage:
             self.fs.delete_dir(full)
         except FileNotFoundError:
             pass
-
-
-def _write_all(fd: int, mv: memoryview) -> None:
-    while mv.nbytes:
-        n = os.write(fd, mv)
-        mv = mv[n:]
-
-
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-_direct_refused: set[int] = set()  # devices whose file system refused O_DIRECT
-_bounce = threading.local()
-
-
-def _direct_io_wanted(fd: int) -> bool:
-    return bool(_O_DIRECT) and _env.get_int(_env.DIRECT_IO) != 0 and os.fstat(fd).st_dev not in _direct_refused
-
-
-class _DirectWriter:
-    """Writes a stream to ``fd``: whole chunks with ``O_DIRECT`` from a page-aligned bounce buffer,
-    the rest (small files, the tail) through the page cache.
-
-    The bounce buffer (one per thread, ``CF_RAY_WRITE_CHUNK_BYTES``) is filled from the stream and
-    written when full; O_DIRECT needs an aligned address, length and file offset, which a full
-    buffer at a multiple of its size always has. ``O_DIRECT`` is switched on with ``fcntl`` at the
-    first full buffer and off again before the tail, so a file smaller than one chunk never uses it.
-    """
-
-    def __init__(self, fd: int):
-        import mmap
-
-        self.fd = fd
-        size = _env.get_int(_env.WRITE_CHUNK_BYTES)
-        size = max(size - size % mmap.PAGESIZE, mmap.PAGESIZE)
-        buf = getattr(_bounce, "buf", None)
-        if buf is None or len(buf) != size:
-            buf = _bounce.buf = mmap.mmap(-1, size)  # page-aligned, reused by this thread
-        self.buf = memoryview(buf)
-        self.fill = 0
-        self.direct = False
-        self.refused = False
-
-    def write(self, mv: memoryview) -> None:
-        if self.refused and not self.fill:
-            _write_all(self.fd, mv)
-            return
-        cap = self.buf.nbytes
-        while mv.nbytes:
-            take = min(cap - self.fill, mv.nbytes)
-            self.buf[self.fill:self.fill + take] = mv[:take]
-            self.fill += take
-            mv = mv[take:]
-            if self.fill == cap:
-                self._flush_full()
-
-    def _flush_full(self) -> None:
-        if not self.direct and not self.refused:
-            try:
-                self._set_direct(True)
-            except OSError:
-                self._refuse()
-        off, n = 0, self.buf.nbytes
-        while off < n:
-            try:
-                off += os.write(self.fd, self.buf[off:])
-            except OSError as e:
-                if not self.direct or e.errno != errno.EINVAL:
-                    raise
-                # This file system takes no O_DIRECT writes (or not of this alignment): go on
-                # through the page cache from where the refused write started.
-                self._set_direct(False)
-                self._refuse()
-        self.fill = 0
-
-    def _refuse(self) -> None:
-        self.refused = True
-        _direct_refused.add(os.fstat(self.fd).st_dev)
-
-    def _set_direct(self, on: bool) -> None:
-        import fcntl
-
-        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
-        fcntl.fcntl(self.fd, fcntl.F_SETFL, (flags | _O_DIRECT) if on else (flags & ~_O_DIRECT))
-        self.direct = on
-
-    def close(self) -> None:
-        if self.direct:
-            self._set_direct(False)
-        if self.fill:
-            _write_all(self.fd, self.buf[:self.fill])
-            self.fill = 0
-
-
-def _write_with_crc(chunks: Iterable[memoryview | bytes], write) -> FileInfo:
-    """Write ``chunks`` in order while a second thread computes their CRC-32.
-
-    Both ``os.write``/pyarrow writes and the CRC-32 release the GIL on large buffers, so the
-    checksum overlaps with the writes instead of adding to them (with ISA-L it runs at ~13-20 GB/s
-    here, far above the disk; zlib's, the fallback, at ~1-3 GB/s, the same order as the disk).
-    """
-    pending: queue.Queue = queue.Queue(maxsize=4)
-    result = {"crc": 0, "size": 0}
-
-    def checksum() -> None:
-        crc, size = 0, 0
-        while (mv := pending.get()) is not None:
-            crc = _crc32(mv, crc)
-            size += mv.nbytes
-        result["crc"], result["size"] = crc, size
-
-    t = threading.Thread(target=checksum, name="cf_ray-crc32", daemon=True)
-    t.start()
-    try:
-        for chunk in chunks:
-            mv = memoryview(chunk).cast("B")
-            pending.put(mv)
-            write(mv)
-    finally:
-        pending.put(None)
-        t.join()
-    return FileInfo(result["size"], result["crc"])
-
-
-def chunked(buf: np.ndarray | memoryview | bytes, chunk: int | None = None) -> Iterable[memoryview]:
-    """Yield ``buf`` in chunks of :data:`_env.WRITE_CHUNK_BYTES`."""
-    size = chunk or _env.get_int(_env.WRITE_CHUNK_BYTES)
-    mv = memoryview(buf).cast("B")
-    for i in range(0, mv.nbytes, size):
-        yield mv[i: i + size]
-    if mv.nbytes == 0:
-        yield mv
-
-
-def crc32_of(buf: np.ndarray | memoryview | bytes) -> int:
-    return _crc32(memoryview(buf).cast("B"))
 
 
 def _fsync_dir(path: str) -> None:

@@ -1,194 +1,21 @@
-"""The contract between cf_ray's checkpoint engine and the data sources, and the helpers the
-sources share.
-
-Call order, on every rank (objects given to ``Checkpointer(data=...)`` are per rank)::
-
-    obj = Source(..., rank=r, world_size=w)      # freshly built on every (re)start
-    # restore(), same number of workers as the checkpoint:
-    obj.load_state_dict(state_of_rank_r)
-    # restore(), another number of workers (elastic):
-    obj.load_elastic_state(states_of_every_old_rank, r, w)
-    for epoch in range(resume.epoch, EPOCHS):
-        obj.set_epoch(epoch)                     # keeps a position loaded for this same epoch
-        for batch in ...:                        # the source counts what the loop consumed
-            ...; ckpt.step(opt)                  # may call obj.state_dict() right here
-        ckpt.end_epoch()                         # may call obj.state_dict(): epoch complete
-
-A state is a small JSON-able dict (str keys; lists, ints, floats, str, bool, None) that describes
-exactly what the training loop has consumed, never what a prefetcher has read ahead.
-
-Epoch boundary rules, shared by every source so that the engine can treat them alike:
-
-* ``set_epoch(e)`` with ``e`` equal to the current epoch does nothing: it must not reset a
-  mid-epoch position that ``load_state_dict`` has just restored.
-* ``set_epoch(e)`` with another ``e`` starts epoch ``e`` at position 0.
-* A state taken after the last batch of epoch ``e`` (by ``end_epoch()`` or by the last ``step()``)
-  says "epoch ``e`` complete". After loading it, ``set_epoch(e + 1)`` starts the next epoch, and a
-  pass over epoch ``e`` (``set_epoch(e)`` then iterate) yields nothing, so epoch ``e`` is never
-  replayed whichever epoch the engine resumes at.
-* Iterating again over a finished epoch without loading a state repeats that epoch, as a torch
-  ``DistributedSampler`` does when ``set_epoch`` is not called.
-"""
+"""The position machinery the sources share: :class:`EpochCursor` (a per-rank plan of each epoch
+and a position in it, with the epoch rules of :mod:`cf_ray.data.protocols`) and
+:class:`SamplerHeldPosition` (for sources whose position lives in their sampler)."""
 
 from __future__ import annotations
 
 import copy
 import json
-import logging
 import warnings
-from typing import Any, ClassVar, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, ClassVar, Mapping, Sequence
 
+from cf_ray.data._checks import FORMAT_KEY, check_elastic_states, check_format, check_int, check_same, resolve_world
 from cf_ray.errors import ConfigError, ElasticResumeError
-
-logger = logging.getLogger("cf_ray.data")
-
-#: Key of the format tag in every state; the value is ``"<kind>/<version>"``.
-FORMAT_KEY = "format"
-
-
-@runtime_checkable
-class Stateful(Protocol):
-    """Something whose position can be saved and restored.
-
-    ``state_dict()`` is called by the engine on the training thread right after an optimizer step
-    (or at ``end_epoch()``) and must describe exactly what the loop has consumed so far.
-    ``load_state_dict()`` is called once, on a freshly built object, before iteration starts.
-    """
-
-    def state_dict(self) -> dict[str, Any]:
-        """Return the position as a small JSON-able dict."""
-        ...
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore a position saved by ``state_dict()`` of an object built the same way."""
-        ...
-
-
-@runtime_checkable
-class ElasticStateful(Stateful, Protocol):
-    """A :class:`Stateful` that can resume on another number of workers.
-
-    When a run resumes with a different world size, the engine calls ``load_elastic_state`` on
-    every new rank (instead of ``load_state_dict``) with the states of *all* old ranks. The
-    implementation splits what the old ranks had not consumed in the current epoch over the new
-    ranks, so the epoch still sees every item exactly once; the next epochs follow the new world
-    size. Ranks may have consumed different amounts (the last batch of an epoch may differ), so an
-    implementation must not assume equal consumption.
-    """
-
-    def load_elastic_state(
-        self, states: Sequence[Mapping[str, Any]], rank: int, world_size: int
-    ) -> None:
-        """Restore from the states of every old rank (index = old rank) as new ``rank`` of
-        ``world_size``.
-
-        Raises:
-            ElasticResumeError: the states cannot be re-split without duplicating or skipping.
-        """
-        ...
-
-
-class DataOrderError(ConfigError):
-    """A source's order on resume differs from the order of the run that saved the state, so
-    exactly-once cannot be guaranteed (for example a Ray Data pipeline that is not
-    deterministic). The message says what to change."""
-
-
-def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """Return ``(rank, world_size)``: the given values, else torch.distributed's, else ``(0, 1)``.
-
-    Raises:
-        ConfigError: a value is not an int, or ``rank`` is outside ``[0, world_size)``.
-    """
-    if rank is None or world_size is None:
-        import torch.distributed as dist
-
-        dist_on = dist.is_available() and dist.is_initialized()
-        if world_size is None:
-            world_size = dist.get_world_size() if dist_on else 1
-        if rank is None:
-            rank = dist.get_rank() if dist_on else 0
-    check_int("world_size", world_size, minimum=1)
-    check_int("rank", rank, minimum=0)
-    if rank >= world_size:
-        raise ConfigError(f"rank={rank} must be smaller than world_size={world_size}; pass the "
-                          "rank of this worker (ray.train.get_context().get_world_rank())")
-    return rank, world_size
-
-
-def check_int(name: str, value: Any, *, minimum: int) -> int:
-    """Return ``value`` if it is an int (not a bool) ``>= minimum``, else raise ConfigError."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{name}={value!r} must be an int >= {minimum}")
-    return value
-
-
-def check_format(state: Mapping[str, Any], fmt: str, owner: str) -> None:
-    """Raise ConfigError unless ``state`` is a mapping saved by a source of format ``fmt``."""
-    if not isinstance(state, Mapping):
-        raise ConfigError(f"{owner}.load_state_dict() expects a dict saved by {owner}.state_dict(), "
-                          f"got {type(state).__name__}")
-    got = state.get(FORMAT_KEY)
-    if got != fmt:
-        raise ConfigError(f"{owner} cannot load a state of format {got!r} (expected {fmt!r}); "
-                          f"register the same kind of data source in the resumed run as in the run "
-                          "that saved the checkpoint")
-
-
-def check_same(owner: str, state: Mapping[str, Any], expected: Mapping[str, Any],
-               hints: Mapping[str, str]) -> None:
-    """Raise ConfigError if a saved setting differs from this object's.
-
-    Args:
-        owner: class name used in the message.
-        state: the saved state.
-        expected: setting name -> this object's value.
-        hints: setting name -> what to change, appended to the message.
-    """
-    for key, value in expected.items():
-        saved = state.get(key)
-        if saved != value:
-            hint = hints.get(key, f"Build {owner} with {key}={saved!r}")
-            raise ConfigError(
-                f"{owner}: the checkpoint was saved with {key}={saved!r} but this {owner} has "
-                f"{key}={value!r}; resuming would not give the saved order, so items would be "
-                f"repeated or skipped. {hint}, or start a fresh run")
-
-
-def check_elastic_states(owner: str, states: Sequence[Mapping[str, Any]], fmt: str,
-                         same_keys: Sequence[str]) -> int:
-    """Check that ``states`` are the states of every rank of one old run; return its world size.
-
-    Raises:
-        ConfigError: a state is of another format.
-        ElasticResumeError: the list is not one state per old rank in rank order, or the old
-            ranks disagree on a setting or on the epoch.
-    """
-    if not isinstance(states, Sequence) or isinstance(states, (str, bytes)) or not states:
-        raise ElasticResumeError(f"{owner}.load_elastic_state() needs the list of every old "
-                                 f"rank's state (index = old rank), got {states!r:.80}")
-    for s in states:
-        check_format(s, fmt, owner)
-    old_world = states[0].get("world_size")
-    if old_world != len(states):
-        raise ElasticResumeError(
-            f"{owner}: the saved states say world_size={old_world} but {len(states)} states were "
-            "given; pass the state of every old rank, in rank order")
-    for i, s in enumerate(states):
-        if s.get("rank") != i or s.get("world_size") != old_world:
-            raise ElasticResumeError(f"{owner}: state #{i} belongs to rank {s.get('rank')} of "
-                                     f"{s.get('world_size')}; pass states in old-rank order")
-        for key in same_keys:
-            if s.get(key) != states[0].get(key):
-                raise ElasticResumeError(
-                    f"{owner}: old ranks 0 and {i} disagree on {key!r} ({states[0].get(key)!r} vs "
-                    f"{s.get(key)!r}); they do not come from the same checkpoint step")
-    return old_world
 
 
 class EpochCursor:
     """Shared machinery of the sources whose epoch is a known list: a per-rank *plan* for each
-    epoch and a position in it, with the epoch rules of this module's docstring.
+    epoch and a position in it, with the epoch rules of :mod:`cf_ray.data.protocols`.
 
     The plan of an epoch is a pure function of the subclass's settings, the epoch, the world size
     and the *elastic history*: the world sizes and per-rank consumption at which this epoch was

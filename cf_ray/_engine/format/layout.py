@@ -1,0 +1,52 @@
+"""Names and paths of the on-storage layout of a run's checkpoints (no I/O here).
+
+Layout under a run's root (``<storage_path>/<run name>/cf_ray`` by default)::
+
+    checkpoints/step_000000000120/MANIFEST.json          <- written last: the commit
+    checkpoints/step_000000000120/g0001.shared.bin       <- replicated state (written once, rank 0)
+    checkpoints/step_000000000120/g0001.shared.json      <- its tensor table + JSON tree
+    checkpoints/step_000000000120/g0001.rank_00001.bin   <- per-rank state (RNG, data position)
+    checkpoints/final_000000000400/model.safetensors     <- the consolidated model at the end
+    latest                                               <- name of the newest committed dir (a hint)
+    registered/step_000000000120/cf_ray_checkpoint.json  <- a pointer registered with Ray Train
+    profile.parquet, iterations.parquet                  <- the profile table
+
+File names carry the *generation* (one per start of the worker group) so that a straggling writer
+of an earlier generation can never overwrite a file that a newer manifest refers to. The manifest
+and how it is read are in :mod:`cf_ray._engine.format.manifest`.
+"""
+
+from __future__ import annotations
+
+import re
+
+FORMAT = "cf_ray"
+VERSION = 1
+MANIFEST = "MANIFEST.json"
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+REGISTERED = "registered"
+POINTER = "cf_ray_checkpoint.json"
+SHARED = "shared"
+
+_DIR_RE = re.compile(r"^(step|final)_(\d{12})$")
+_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}$")
+_SECTION_RE = re.compile(r"^(shared|rank_\d{5})$")
+
+
+def rank_section(rank: int) -> str:
+    return f"rank_{rank:05d}"
+
+
+def section_rank(section: str) -> int:
+    """The rank a section belongs to (the inverse of :func:`rank_section`; the shared one is rank 0's)."""
+    return int(section.split("_")[1]) if section.startswith("rank_") else 0
+
+
+def step_dir(step: int, kind: str = "step") -> str:
+    return f"{CHECKPOINTS}/{kind}_{step:012d}"
+
+
+def section_files(generation: int, section: str) -> tuple[str, str]:
+    """(data file, index file) names of one section."""
+    return f"g{generation:04d}.{section}.bin", f"g{generation:04d}.{section}.json"

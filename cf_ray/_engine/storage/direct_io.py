@@ -1,0 +1,144 @@
+"""How bytes reach a local file: ``O_DIRECT`` writes through a page-aligned bounce buffer, and the
+CRC-32 computed on a second thread while the bytes are written.
+
+Files of at least one chunk (``CF_RAY_WRITE_CHUNK_BYTES``, 16 MiB) are written with ``O_DIRECT``
+through a page-aligned bounce buffer where the file system allows it: the kernel then DMAs from
+that buffer instead of copying every byte into the page cache, which measured 0.07 s instead of
+0.1-1.0 s of CPU for 300 MB here — CPU that a checkpoint otherwise takes from training when every
+core trains. The tail, and every file on a file system that refuses ``O_DIRECT`` (tmpfs), is
+written through the page cache. ``CF_RAY_DIRECT_IO=0`` turns it off.
+
+:func:`_write_with_crc` is used for every write of :class:`~cf_ray._engine.storage.fs.FsStorage`,
+local or not; the rest only for local disk.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import queue
+import threading
+from typing import Iterable
+
+from cf_ray._engine import env as _env
+from cf_ray._engine.storage.base import FileInfo, _crc32
+
+
+def _write_all(fd: int, mv: memoryview) -> None:
+    while mv.nbytes:
+        n = os.write(fd, mv)
+        mv = mv[n:]
+
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_direct_refused: set[int] = set()  # devices whose file system refused O_DIRECT
+_bounce = threading.local()
+
+
+def _direct_io_wanted(fd: int) -> bool:
+    return bool(_O_DIRECT) and _env.get_int(_env.DIRECT_IO) != 0 and os.fstat(fd).st_dev not in _direct_refused
+
+
+class _DirectWriter:
+    """Writes a stream to ``fd``: whole chunks with ``O_DIRECT`` from a page-aligned bounce buffer,
+    the rest (small files, the tail) through the page cache.
+
+    The bounce buffer (one per thread, ``CF_RAY_WRITE_CHUNK_BYTES``) is filled from the stream and
+    written when full; O_DIRECT needs an aligned address, length and file offset, which a full
+    buffer at a multiple of its size always has. ``O_DIRECT`` is switched on with ``fcntl`` at the
+    first full buffer and off again before the tail, so a file smaller than one chunk never uses it.
+    """
+
+    def __init__(self, fd: int):
+        import mmap
+
+        self.fd = fd
+        size = _env.get_int(_env.WRITE_CHUNK_BYTES)
+        size = max(size - size % mmap.PAGESIZE, mmap.PAGESIZE)
+        buf = getattr(_bounce, "buf", None)
+        if buf is None or len(buf) != size:
+            buf = _bounce.buf = mmap.mmap(-1, size)  # page-aligned, reused by this thread
+        self.buf = memoryview(buf)
+        self.fill = 0
+        self.direct = False
+        self.refused = False
+
+    def write(self, mv: memoryview) -> None:
+        if self.refused and not self.fill:
+            _write_all(self.fd, mv)
+            return
+        cap = self.buf.nbytes
+        while mv.nbytes:
+            take = min(cap - self.fill, mv.nbytes)
+            self.buf[self.fill:self.fill + take] = mv[:take]
+            self.fill += take
+            mv = mv[take:]
+            if self.fill == cap:
+                self._flush_full()
+
+    def _flush_full(self) -> None:
+        if not self.direct and not self.refused:
+            try:
+                self._set_direct(True)
+            except OSError:
+                self._refuse()
+        off, n = 0, self.buf.nbytes
+        while off < n:
+            try:
+                off += os.write(self.fd, self.buf[off:])
+            except OSError as e:
+                if not self.direct or e.errno != errno.EINVAL:
+                    raise
+                # This file system takes no O_DIRECT writes (or not of this alignment): go on
+                # through the page cache from where the refused write started.
+                self._set_direct(False)
+                self._refuse()
+        self.fill = 0
+
+    def _refuse(self) -> None:
+        self.refused = True
+        _direct_refused.add(os.fstat(self.fd).st_dev)
+
+    def _set_direct(self, on: bool) -> None:
+        import fcntl
+
+        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, (flags | _O_DIRECT) if on else (flags & ~_O_DIRECT))
+        self.direct = on
+
+    def close(self) -> None:
+        if self.direct:
+            self._set_direct(False)
+        if self.fill:
+            _write_all(self.fd, self.buf[:self.fill])
+            self.fill = 0
+
+
+def _write_with_crc(chunks: Iterable[memoryview | bytes], write) -> FileInfo:
+    """Write ``chunks`` in order while a second thread computes their CRC-32.
+
+    Both ``os.write``/pyarrow writes and the CRC-32 release the GIL on large buffers, so the
+    checksum overlaps with the writes instead of adding to them (with ISA-L it runs at ~13-20 GB/s
+    here, far above the disk; zlib's, the fallback, at ~1-3 GB/s, the same order as the disk).
+    """
+    pending: queue.Queue = queue.Queue(maxsize=4)
+    result = {"crc": 0, "size": 0}
+
+    def checksum() -> None:
+        crc, size = 0, 0
+        while (mv := pending.get()) is not None:
+            crc = _crc32(mv, crc)
+            size += mv.nbytes
+        result["crc"], result["size"] = crc, size
+
+    t = threading.Thread(target=checksum, name="cf_ray-crc32", daemon=True)
+    t.start()
+    try:
+        for chunk in chunks:
+            mv = memoryview(chunk).cast("B")
+            pending.put(mv)
+            write(mv)
+    finally:
+        pending.put(None)
+        t.join()
+    return FileInfo(result["size"], result["crc"])
