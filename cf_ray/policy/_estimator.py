@@ -1,0 +1,558 @@
+"""Samples -> estimates: what :class:`~cf_ray.policy.adaptive.Adaptive` learns from the timing
+samples of every rank (controller side only).
+
+:class:`Estimator` takes in :class:`~cf_ray.policy.base.Sample` objects, keeps per rank the
+iteration times with and without a checkpoint in flight and per checkpoint what every rank
+measured of it, and turns them into an :class:`Estimate` (seconds per iteration ``t``, the cost
+``C`` and the background time ``B`` of one checkpoint, with their standard errors and the changes
+of level detected) that the decision ladder (:mod:`cf_ray.policy._rules`) reads.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cf_ray.policy.base import Sample
+
+_DETAIL = frozenset({"copy", "persist", "nbytes", "rate", "measured_pct", "drift"})
+"""The keys of :meth:`Estimator._summary` that go into :class:`EstimateDetail`."""
+
+
+class Estimator:
+    """Everything :meth:`Adaptive.plan` learns from the samples; lives on the controller only."""
+
+    def __init__(self, *, window: int, warmup_steps: int, drift_ratio: float):
+        self.window = window  # Adaptive.window
+        self.warmup_steps = warmup_steps  # Adaptive.warmup_steps
+        self.drift_ratio = drift_ratio  # Adaptive.drift_ratio
+        self.prior: dict | None = None  # a saved profile (Adaptive.load_state_dict) standing in for measurements
+        self.last_obj: Sample | None = None  # the newest sample taken in (identity, see _new_samples)
+        self.ranks: dict[int, _Rank] = {}
+        self.recs: dict[int, _Ckpt] = {}  # by checkpoint step, in step order, bounded
+        self.rev = 0  # bumped whenever a record changes
+        self.summary_rev = -1
+        self.summary: dict | None = None
+        self.clock = 0  # samples taken in
+        self.ckpt_clock = 0  # checkpoints seen
+        self.max_step = 0
+        self.persist_seen = False
+
+    def ingest(self, samples: Sequence[Sample], current: int, profiling: bool) -> None:
+        """Take in the samples not taken in yet (see :meth:`_new_samples`).
+
+        ``current`` is the interval in force (it helps attribute checkpoint values that come
+        without ``ckpt_step``); ``profiling``: no interval has been decided yet, so the
+        checkpoints first heard of now were taken at the short profiling interval.
+        """
+        for s in self._new_samples(samples):
+            self._ingest(s, current, profiling)
+
+    def record(self, step: int) -> _Ckpt | None:
+        """What every rank measured of the checkpoint at ``step`` (recent checkpoints only)."""
+        return self.recs.get(step)
+
+    def _new_samples(self, samples: Sequence[Sample]) -> Sequence[Sample]:
+        """The samples after the newest one already taken in (found by identity, scanning back)."""
+        n = len(samples)
+        if n == 0:
+            return ()
+        last = self.last_obj
+        start = 0
+        if last is not None:
+            for i in range(n - 1, -1, -1):
+                if samples[i] is last:
+                    start = i + 1
+                    break
+        self.last_obj = samples[n - 1]
+        if start == 0:
+            return samples
+        return [samples[i] for i in range(start, n)]
+
+    # -- ingestion ------------------------------------------------------------------------------
+    def _ingest(self, s: Sample, current: int, profiling: bool) -> None:
+        if not (isinstance(s, Sample) and isinstance(s.rank, numbers.Integral) and isinstance(s.step, numbers.Integral)
+                and (s.ckpt_step is None or isinstance(s.ckpt_step, numbers.Integral))):
+            return  # not a sample: ignored rather than fatal to the controller
+        self.clock += 1
+        r = self.ranks.get(s.rank)
+        if r is None:
+            r = self.ranks[s.rank] = _Rank(self.warmup_steps)
+        r.seen = self.clock
+        iters = int(s.iters) if isinstance(s.iters, numbers.Integral) and s.iters > 0 else 0
+        if iters and s.step < r.last_step:
+            self._rollback(s.rank, r, s.step - iters)
+        if any(v is not None for v in (s.stall_s, s.wait_s, s.copy_s, s.persist_s, s.nbytes)) \
+                or s.ckpt_step is not None:
+            self._ingest_ckpt(s.rank, r, s, current, profiling)
+        if iters and _pos(s.iter_s) is not None:
+            r.last_step = max(r.last_step, s.step)
+            self.max_step = max(self.max_step, s.step)
+            first = s.step - iters + 1
+            if first <= r.warm_until:
+                return
+            self._ingest_iters(s.rank, r, s, first, iters)
+
+    def _rollback(self, rank: int, r: _Rank, restored: int) -> None:
+        """The rank restarted from ``restored``: forget its part of the abandoned checkpoints."""
+        for step in [c for c in self.recs if c > restored]:
+            rec = self.recs[step]
+            rec.drop_rank(rank)
+            if rec.empty():
+                del self.recs[step]
+        if r.cur is not None and r.cur.step > restored:
+            r.cur = None
+        r.last_step = restored
+        r.warm_until = restored + self.warmup_steps
+        self.rev += 1
+
+    def _ingest_ckpt(self, rank: int, r: _Rank, s: Sample, current: int, profiling: bool) -> None:
+        c = s.ckpt_step
+        approx = False
+        cur = r.cur
+        if c is None:
+            # The engine did not say which checkpoint the values describe. Guess: the same one
+            # until they change half an interval later, or a whole interval has passed.
+            values = (s.stall_s, s.copy_s, s.nbytes)
+            persist_only = all(v is None for v in values)
+            gap = s.step - cur.step if cur is not None else 0
+            if cur is not None and (persist_only or (cur.approx and gap < current and (
+                    values == cur.values or gap < max(2, current // 2)))):
+                c = cur.step
+            else:
+                c, approx = max(s.step - max(s.iters, 1), 0), True
+        if cur is None or c > cur.step or (approx and c != cur.step):
+            if cur is not None:
+                self._close_segment(rank, cur)
+            cur = r.cur = _RankCkpt(c, approx, cur.step if cur is not None else None)
+        rec = self.recs.get(c)
+        if rec is None:
+            if c < cur.step:
+                # A rank reports only its newest checkpoint with each sample, so at short
+                # intervals most checkpoints are never heard of until their persist time comes
+                # from the controller — and at an interval shorter than the persist, the ones the
+                # holder wrote are the only evidence of how long a persist takes. Keep those
+                # (in step order); drop anything else older than the newest checkpoint, and
+                # whatever is older than every checkpoint still kept.
+                if s.persist_s is None or (self.recs and c < next(iter(self.recs))):
+                    return
+                self.ckpt_clock += 1
+                self.rev += 1
+                self.recs[c] = _Ckpt(c, self.ckpt_clock, profiling)
+                self.recs = dict(sorted(self.recs.items()))
+                rec = self.recs[c]
+            else:
+                self.ckpt_clock += 1
+                self.rev += 1
+                rec = self.recs[c] = _Ckpt(c, self.ckpt_clock, profiling)
+            while len(self.recs) > 2 * self.window + 4:
+                del self.recs[next(iter(self.recs))]
+        if rec.put(rank, _nonneg(s.stall_s), _nonneg(s.wait_s), _nonneg(s.copy_s), _nonneg(s.persist_s), s.nbytes):
+            self.rev += 1
+        if s.persist_s is not None:
+            self.persist_seen = True
+        if cur.step == c and s.stall_s is not None:
+            cur.values = (s.stall_s, s.copy_s, s.nbytes)
+
+    def _ingest_iters(self, rank: int, r: _Rank, s: Sample, first: int, iters: int) -> None:
+        cur = r.cur
+        base = r.base()
+        if cur is not None and not cur.closed and self._overlapped(rank, r, s, first):
+            if base is not None:
+                cur.excess += (s.iter_s - base) * iters
+                cur.base_open = cur.base_open or base
+            r.dirty.append((s.iter_s, iters))
+        else:
+            if cur is not None and not cur.closed:
+                if cur.base_open and abs(s.iter_s / cur.base_open - 1.0) > 0.25:
+                    # The iteration time itself moved meanwhile: the difference is not the
+                    # checkpoint's doing, so this checkpoint's slowdown is not measured (and it
+                    # does not count as a checkpoint whose slowdown is known: ``settled``).
+                    cur.unmeasured = True
+                self._close_excess(rank, cur)
+            r.clean.append((s.iter_s, iters))
+            r.invalidate()
+        if cur is not None:
+            per_iter = base if base is not None else s.iter_s
+            before = min(max(cur.step - first + 1, 0), iters)  # iterations before the checkpoint
+            cur.seg_base += per_iter * (iters - before)
+            prev = self.recs.get(cur.prev_step) if cur.prev_step is not None else None
+            if before and prev is not None and rank in prev.base_s:
+                prev.base_s[rank] += per_iter * before
+                self.rev += 1
+
+    def _overlapped(self, rank: int, r: _Rank, s: Sample, first: int) -> bool:
+        if s.overlapped is not None:
+            return bool(s.overlapped)
+        cur = r.cur
+        rec = self.recs.get(cur.step)
+        copy = rec.copy.get(rank) if rec else None
+        persist = rec.persist.get(rank) if rec else None
+        if persist is None and self.persist_seen:
+            return True  # persists are reported in this run and this one has not finished yet
+        base = r.base()
+        if base is None:
+            base = self._t_iter()[0]
+        bg = (copy or 0.0) + (persist or 0.0)
+        steps = math.ceil(bg / base) if base else 1
+        return first <= cur.step + max(steps, 1)
+
+    def _close_excess(self, rank: int, cur: _RankCkpt) -> None:
+        cur.closed = True
+        rec = self.recs.get(cur.step)
+        if rec is not None and not cur.unmeasured:
+            rec.excess[rank] = cur.excess  # unclipped: noise averages out over checkpoints
+            self.rev += 1
+
+    def _close_segment(self, rank: int, cur: _RankCkpt) -> None:
+        if not cur.closed:
+            self._close_excess(rank, cur)
+        rec = self.recs.get(cur.step)
+        if rec is not None and cur.seg_base > 0:
+            rec.base_s[rank] = cur.seg_base
+            self.rev += 1
+
+    # -- estimates ------------------------------------------------------------------------------
+    def _t_iter(self) -> tuple[float | None, int | None, bool]:
+        """Seconds per iteration of the slowest active rank, that rank, and whether every active
+        rank's value comes from iterations with nothing in flight."""
+        horizon = 64 * max(len(self.ranks), 1) + 256  # ranks silent this long are gone
+        best, who, clean = None, None, True
+        for rank, r in self.ranks.items():
+            if self.clock - r.seen > horizon:
+                continue
+            b = r.base()
+            if b is None:
+                b = r.dirty_base()
+                if b is None:
+                    continue
+                clean = False
+            if best is None or b > best:
+                best, who = b, rank
+        return best, who, clean and best is not None
+
+    def estimate(self) -> Estimate | None:
+        """The estimates a decision is based on (the saved profile stands in for what is not
+        measured yet), or ``None`` while there is not enough to go on."""
+        t, slowest, t_clean = self._t_iter()
+        prior = self.prior
+        if t is None and prior:
+            t = prior["iter_s"]
+        summary = self._summary()
+        if t is None or (summary is None and not prior):
+            return None
+        est = Estimate(t=t, slowest=slowest, t_clean=t_clean)
+        if summary is None:
+            est.cost, est.stall, est.bg, est.source = prior["cost_s"], prior["stall_s"], prior["background_s"], \
+                "saved profile"
+            est.detail.nbytes = prior.get("bytes")
+            return est
+        for name, value in summary.items():
+            if name in _DETAIL:
+                setattr(est.detail, name, value)
+            elif name != "wait_gaps":
+                setattr(est, name, value)
+        if est.bg is None:
+            est.bg = prior["background_s"] if prior else 0.0
+        # A guard wait means the previous copy+persist outlasted the interval: it took at least the
+        # time between the two checkpoints plus the wait. This catches a slower disk at once, even
+        # before (or without) persist times.
+        lower = [gap * t + w for gap, w in summary["wait_gaps"]]
+        if lower and max(lower) > est.bg:
+            est.bg = max(lower)
+            est.bg_from_waits = True
+        return est
+
+    def _summary(self) -> dict | None:
+        """The per-checkpoint part of the estimates; recomputed only when a record changed."""
+        if self.summary_rev == self.rev:
+            return self.summary
+        self.summary_rev = self.rev
+        recs = list(self.recs.values())
+        tuned = [rec for rec in recs if not rec.profiling]
+        if sum(1 for rec in tuned if rec.stall and rec.excess) >= 2:
+            recs = tuned  # checkpoints at the short profiling interval may have waited or overlapped
+        stalls = [(rec.step, v) for rec in recs if (v := rec.own_stall_max()) is not None]
+        if not stalls:
+            self.summary = None
+            return None
+        settled = [(rec.step, rec.cost()) for rec in recs if rec.excess and rec.stall]
+        costs = settled if settled else [(rec.step, rec.cost()) for rec in recs if rec.stall]
+        bgs = [(rec.step, v) for rec in recs if (v := rec.bg(self.persist_seen)) is not None]
+        drift: dict[str, Any] = {}
+        out: dict[str, Any] = {"drift": drift, "n": len(costs)}
+        out["cost"], out["cost_se"], out["n_level"] = self._level("cost_s", costs, drift)
+        out["stall"] = self._level("stall_s", stalls, {})[0]
+        out["bg"], out["bg_se"], n_bg = self._level("background_s", bgs, drift) if bgs else (None, 0.0, 0)
+        out["n_level"] = min(out["n_level"], n_bg) if bgs else out["n_level"]
+        copies = [v for rec in recs if (v := _max_or_none(rec.copy)) is not None]
+        persists = [v for rec in recs if (v := _max_or_none(rec.persist)) is not None]
+        out["copy"] = _median(copies[-self.window:]) if copies else None
+        out["persist"] = _median(persists[-self.window:]) if persists else None
+        out["has_persist"] = bool(persists)
+        out["settled"] = bool(settled)
+        with_bytes = [rec for rec in recs if rec.nbytes]
+        out["nbytes"] = sum(with_bytes[-1].nbytes.values()) if with_bytes else None
+        rates = [sum(rec.nbytes.values()) / max(rec.persist.values()) for rec in recs
+                 if rec.nbytes and rec.persist and max(rec.persist.values()) > 0]
+        out["rate"] = _median(rates[-self.window:]) if rates else None
+        out["wait_gaps"] = [(rec.step - prev.step, max(rec.wait.values())) for prev, rec in zip(recs[-4:], recs[-3:])
+                            if rec.wait and max(rec.wait.values()) > 0 and rec.step > prev.step]
+        measured = [(rec.cost(), sum(rec.base_s.values()) / len(rec.base_s)) for rec in recs[-self.window:]
+                    if rec.base_s and rec.stall]
+        den = sum(b for _, b in measured)
+        out["measured_pct"] = 100.0 * sum(c for c, _ in measured) / den if den > 0 else None
+        self.summary = out
+        return out
+
+    def _level(self, name: str, series: list[tuple[int, float]], drift: dict) -> tuple[float, float, int]:
+        """Robust mean of the last ``window`` values since the last change of level, its standard
+        error (from their median absolute deviation), and how many values it is based on.
+
+        A change of level is two newest values both off the median of the values before them (at
+        least two) by more than ``drift_ratio`` — or by more than four times that series' own
+        typical scatter (median absolute deviation of the logarithms), so noisy storage does not
+        look like drift — in the same direction.
+        """
+        series = series[-2 * self.window - 2:]  # a change of level older than this is in the mean anyway
+        vals = [max(v, 1e-9) for _, v in series]
+        logs = [math.log(v) for v in vals]
+        start, base_thr = 0, math.log(self.drift_ratio)
+        for i in range(3, len(vals)):
+            ref = logs[max(start, i - 1 - self.window):i - 1]
+            if len(ref) < 2:
+                continue
+            m = _median(ref)
+            mad = _median([abs(x - m) for x in ref])
+            thr = max(base_thr, 4.0 * mad)
+            a, b = logs[i - 1] - m, logs[i] - m
+            if (a > thr and b > thr) or (a < -thr and b < -thr):
+                drift[name] = {"at_step": series[i - 1][0], "from": math.exp(m), "to": _median(vals[i - 1:i + 1])}
+                start = i - 1
+        recent = vals[max(start, len(vals) - self.window):]
+        mean = _robust_mean(recent)
+        if len(recent) < 2:
+            return mean, 0.0, len(recent)
+        # The scatter as the median absolute deviation (x 1.4826: the standard deviation for normal
+        # noise): one value that straddles a change of level (a persist that was half slow) would
+        # otherwise inflate the standard error for ``window`` checkpoints, and with it the
+        # pessimistic estimate that shortening waits for, long after the mean has dropped it.
+        m = _median(recent)
+        sd = 1.4826 * _median([abs(v - m) for v in recent])
+        return mean, sd / math.sqrt(len(recent)), len(recent)
+
+
+# -- per-rank and per-checkpoint bookkeeping ------------------------------------------------------
+
+class _Rank:
+    __slots__ = ("clean", "dirty", "_base", "last_step", "warm_until", "seen", "cur")
+
+    def __init__(self, warmup: int):
+        self.clean: deque = deque(maxlen=16)  # (iter_s, iters) with nothing in flight
+        self.dirty: deque = deque(maxlen=16)  # (iter_s, iters) overlapping a copy/persist
+        self._base: float | None = None
+        self.last_step = 0
+        self.warm_until = warmup
+        self.seen = 0
+        self.cur: _RankCkpt | None = None
+
+    def base(self) -> float | None:
+        if self._base is None and self.clean:
+            self._base = _weighted_median(self.clean)
+        return self._base
+
+    def dirty_base(self) -> float | None:
+        return _weighted_median(self.dirty) if self.dirty else None
+
+    def invalidate(self) -> None:
+        self._base = None
+
+
+class _RankCkpt:
+    """One rank's view of its latest checkpoint while the iterations after it come in."""
+
+    __slots__ = ("step", "approx", "prev_step", "excess", "base_open", "closed", "unmeasured", "seg_base", "values")
+
+    def __init__(self, step: int, approx: bool, prev_step: int | None):
+        self.step = step
+        self.approx = approx
+        self.prev_step = prev_step  # the rank's previous checkpoint, whose segment ends here
+        self.excess = 0.0  # sum of (iter_s - baseline) over overlapped iterations
+        self.base_open: float | None = None  # the baseline they were compared with
+        self.closed = False  # the overlap is over; excess is final
+        self.unmeasured = False  # the iteration time moved during the overlap: excess is not known
+        self.seg_base = 0.0  # baseline time of the iterations until the next checkpoint
+        self.values: tuple = ()
+
+
+class _Ckpt:
+    """All ranks' measurements of one checkpoint."""
+
+    __slots__ = ("step", "seq", "profiling", "stall", "wait", "copy", "persist", "nbytes", "excess", "base_s")
+
+    def __init__(self, step: int, seq: int, profiling: bool):
+        self.step, self.seq = step, seq
+        self.profiling = profiling  # taken at the profiling interval, before the first decision
+        self.stall: dict[int, float] = {}
+        self.wait: dict[int, float] = {}
+        self.copy: dict[int, float] = {}
+        self.persist: dict[int, float] = {}
+        self.nbytes: dict[int, int] = {}
+        self.excess: dict[int, float] = {}
+        self.base_s: dict[int, float] = {}
+
+    def put(self, rank, stall, wait, copy, persist, nbytes) -> bool:
+        """Record the newest known values of ``rank``; whether anything changed."""
+        changed = False
+        for d, v in ((self.stall, stall), (self.wait, wait), (self.copy, copy), (self.persist, persist)):
+            if v is not None and d.get(rank) != v:
+                d[rank] = v
+                changed = True
+        if isinstance(nbytes, (int, float)) and not isinstance(nbytes, bool) and nbytes >= 0 \
+                and self.nbytes.get(rank) != int(nbytes):
+            self.nbytes[rank] = int(nbytes)
+            changed = True
+        return changed
+
+    def drop_rank(self, rank: int) -> None:
+        for d in (self.stall, self.wait, self.copy, self.persist, self.nbytes, self.excess, self.base_s):
+            d.pop(rank, None)
+
+    def empty(self) -> bool:
+        return not (self.stall or self.copy or self.persist or self.nbytes)
+
+    def stall_max(self) -> float | None:
+        """The largest stall of a rank, guard waits included."""
+        return max(self.stall.values()) if self.stall else None
+
+    def own_stall_max(self) -> float | None:
+        """The largest stall of a rank without its guard wait."""
+        if not self.stall:
+            return None
+        return max(max(v - min(self.wait.get(r, 0.0), v), 0.0) for r, v in self.stall.items())
+
+    def cost(self) -> float | None:
+        """Training time the checkpoint cost: the slowest rank's stall plus slowdown, without
+        guard waits (the largest one also reaches the other ranks, through the collectives)."""
+        if not self.stall:
+            return None
+        total = max(v + self.excess.get(r, 0.0) for r, v in self.stall.items())
+        waits = max(self.wait.values()) if self.wait else 0.0
+        return max(total - waits, self.own_stall_max(), 0.0)
+
+    def bg(self, persist_expected: bool) -> float | None:
+        """Copy + persist seconds of the slowest rank (``None`` while a persist is expected but
+        not yet known)."""
+        if self.persist:
+            return max(self.copy.get(r, 0.0) + p for r, p in self.persist.items())
+        if persist_expected:
+            return None
+        return max(self.copy.values()) if self.copy else None
+
+    def overhead_pct(self) -> float | None:
+        cost = self.cost()
+        if cost is None or not self.base_s:
+            return None
+        base = sum(self.base_s.values()) / len(self.base_s)
+        return 100.0 * cost / base if base > 0 else None
+
+
+@dataclass(kw_only=True, slots=True)
+class EstimateDetail:
+    """What the estimates are made of beyond what the rules read (for :meth:`Adaptive.explain`)."""
+
+    copy: float | None = None
+    """Copy seconds (median of recent checkpoints)."""
+    persist: float | None = None
+    """Persist seconds (median of recent checkpoints)."""
+    nbytes: int | None = None
+    """Bytes of the newest checkpoint, all ranks."""
+    rate: float | None = None
+    """Persist throughput, bytes per second."""
+    measured_pct: float | None = None
+    """Overhead measured over recent checkpoints."""
+    drift: dict = field(default_factory=dict)
+    """Changes of level detected in the per-checkpoint series."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Estimate:
+    """The estimates one decision is based on."""
+
+    t: float
+    """Seconds per iteration (slowest rank)."""
+    slowest: int | None = None
+    """The rank whose iteration time governs."""
+    cost: float = 0.0
+    """Training time one checkpoint costs (stall + slowdown)."""
+    cost_se: float = 0.0
+    """Standard error of ``cost``."""
+    stall: float = 0.0
+    """Training-thread stall per checkpoint (max over ranks)."""
+    bg: float = 0.0
+    """Copy + persist seconds per checkpoint (max over ranks)."""
+    bg_se: float = 0.0
+    """Standard error of ``bg``."""
+    t_clean: bool = True
+    """Whether ``t`` comes from iterations with nothing in flight."""
+    settled: bool = False
+    """Whether some checkpoint's slowdown is measured (its overlap is over), so ``cost`` holds it."""
+    bg_from_waits: bool = False
+    """Whether ``bg`` is the lower bound that guard waits imply."""
+    n: int = 0
+    """Checkpoints measured (recent history)."""
+    n_level: int = 0
+    """Checkpoints the current cost and persist estimates are based on (since the last drift)."""
+    has_persist: bool = False
+    """Whether any persist time was measured."""
+    source: str = "measured"
+    """``measured`` or ``saved profile``."""
+    detail: EstimateDetail = field(default_factory=EstimateDetail)
+    """Copy and persist times, bytes, throughput, measured overhead and drift (reported only)."""
+
+
+# -- numeric helpers ----------------------------------------------------------------------------
+
+def _ceil(x: float) -> int:
+    return math.ceil(x - 1e-9)
+
+
+def _pos(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 else None
+
+
+def _nonneg(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 else None
+
+
+def _max_or_none(d: dict) -> float | None:
+    return max(d.values()) if d else None
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def _robust_mean(xs: Sequence[float]) -> float:
+    """Mean without the lowest and the highest value (the median for fewer than four values)."""
+    if len(xs) < 4:
+        return _median(xs)
+    s = sorted(xs)[1:-1]
+    return sum(s) / len(s)
+
+
+def _weighted_median(pairs) -> float:
+    items = sorted(pairs)
+    total = sum(w for _, w in items)
+    acc = 0.0
+    for v, w in items:
+        acc += w
+        if acc * 2 >= total:
+            return v
+    return items[-1][0]

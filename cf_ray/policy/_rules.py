@@ -1,0 +1,345 @@
+"""The decision ladder of :class:`~cf_ray.policy.adaptive.Adaptive`: estimates -> the interval.
+
+:func:`target` turns an :class:`~cf_ray.policy._estimator.Estimate` into the interval the rules
+ask for (and the rule that binds); :func:`decide` walks the ladder that says whether to publish it
+now: profiling, provisional, restored, the first measured decision, and once tuned the hysteresis
+(outside the bounds, too much lost work, persist in flight, over budget, room to shorten). The
+first rung that applies decides; :class:`RuleState` is what the ladder remembers between plans.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from cf_ray.policy._estimator import Estimate, _ceil
+from cf_ray.policy.base import PolicyWarning
+
+if TYPE_CHECKING:
+    from cf_ray.policy.adaptive import Adaptive
+
+Verdict = tuple["int | None", dict]
+"""What a decision returns: the interval to publish (``None``: keep the current one) and the
+explanation (:meth:`Adaptive.explain`)."""
+
+_WARN_STACKLEVEL = 5
+"""Points a :class:`PolicyWarning` at the caller of :meth:`Adaptive.plan`: ``warnings.warn`` in
+``_Ladder._warn_conflicts`` <- ``_Ladder.run`` <- :func:`decide` <- ``Adaptive.plan`` <- caller."""
+
+
+class Phase(str, Enum):
+    """Where the policy is in its life (``explain()["phase"]``)."""
+
+    PROFILING = "profiling"
+    """No interval decided yet: waiting for the first checkpoint's measurements."""
+    PROVISIONAL = "provisional"
+    """An interval from the first checkpoint, before its slowdown or clean iterations are measured."""
+    TUNED = "tuned"
+    """Decided from measurements; hysteresis applies."""
+    RESTORED = "restored"
+    """Decided from a saved profile until new checkpoints are measured."""
+
+
+@dataclass(slots=True)
+class RuleState:
+    """What the decision ladder remembers between :meth:`Adaptive.plan` calls (controller only)."""
+
+    decided: bool = False
+    """An interval was decided (provisional, restored or measured)."""
+    measured_decided: bool = False
+    """An interval was decided from measurements (the first tuned decision is behind us)."""
+    changed_at: int = -1
+    """The checkpoint count (``Estimator.ckpt_clock``) when the interval last changed."""
+    shrink_since: int | None = None
+    """The checkpoint count when a clearly shorter interval was first found possible."""
+    widen_since: int | None = None
+    """The checkpoint count when a marginal overrun of the budget was first seen."""
+    warned: set[str] = field(default_factory=set)
+    """The kinds of conflict already warned about (one :class:`PolicyWarning` per kind)."""
+    current: int | None = None
+    """The interval in force, as of the last plan."""
+    info: dict = field(default_factory=dict)
+    """The explanation of the last plan."""
+    last_change: dict | None = None
+    """The last change of the interval: from, to, reason, checkpoint count and step."""
+
+    def published(self, decision: int, current: int, info: dict, ckpt_clock: int, at_step: int) -> None:
+        """Record that ``decision`` replaces ``current`` (and say so in ``info``)."""
+        self.last_change = {"from": current, "to": decision, "reason": info.get("reason"),
+                            "ckpt": ckpt_clock, "at_step": at_step}
+        self.changed_at = ckpt_clock
+        self.shrink_since = self.widen_since = None
+        info.update(interval=decision, previous=current)
+        info["lost_work_s"] = decision * info["iter_s"] if info.get("iter_s") else None
+        info["predicted_overhead_pct"] = 100.0 * info["cost_s"] / (decision * info["iter_s"]) \
+            if info.get("iter_s") and info.get("cost_s") is not None else None
+        self.current = decision
+
+
+def target(cfg: Adaptive, est: Estimate, cost: float | None = None,
+           bg: float | None = None) -> tuple[int, str, list[tuple[str, str]]]:
+    """The shortest interval that meets the rules, in their order of precedence, the rule that
+    binds, and the ``(kind, message)`` of every rule that gave way (see :class:`Adaptive`)."""
+    t = est.t
+    cost = max(est.cost if cost is None else cost, 0.0)
+    bg = max(est.bg if bg is None else bg, 0.0)
+    budget = cfg.budget_pct / 100.0
+    aim = budget * (1.0 - cfg.headroom)
+    k_budget = max(_ceil(cost / (aim * t)), 1)
+    k_flight = max(_ceil(bg * (1.0 + cfg.headroom) / t), 1)
+    k_flight_strict = max(_ceil(bg / t), 1)
+    conflicts: list[tuple[str, str]] = []
+    k, binding = (k_budget, "budget") if k_budget >= k_flight else (k_flight, "persist_in_flight")
+    if cfg.max_lost_s is not None:
+        k_lost = math.floor(cfg.max_lost_s * (1.0 - cfg.headroom) / t + 1e-9)
+        if k_lost < 1 and t <= cfg.max_lost_s:
+            k_lost = 1
+        if k > k_lost:
+            if k_lost < 1:
+                k, binding = max(k_flight_strict, 1), "max_lost_s" if k_flight_strict <= 1 else "persist_in_flight"
+                conflicts.append(("lost_below_iter", (
+                    f"max_lost_s={cfg.max_lost_s:g} is shorter than one iteration ({t:.3g} s): checkpointing "
+                    f"every {k} step(s); raise max_lost_s above the iteration time")))
+            elif k_flight_strict > k_lost:
+                k, binding = k_flight_strict, "persist_in_flight"
+                conflicts.append(("lost_vs_persist", (
+                    f"max_lost_s={cfg.max_lost_s:g} cannot be met: one checkpoint takes {bg:.3g} s to copy and "
+                    f"persist ({k_flight_strict} steps of {t:.3g} s) and checkpoints cannot be taken faster than "
+                    "storage persists them; the persist time wins (use faster storage or raise max_lost_s)")))
+            else:
+                k, binding = k_lost, "max_lost_s"
+                if cost / (k * t) > budget:
+                    conflicts.append(("lost_vs_budget", (
+                        f"max_lost_s={cfg.max_lost_s:g} wins over budget_pct={cfg.budget_pct:g}: checkpointing "
+                        f"every {k} steps costs about {100 * cost / (k * t):.3g}% of training time; raise "
+                        "max_lost_s or budget_pct to stay within the budget")))
+    if k < cfg.min_interval:
+        if binding == "max_lost_s":
+            conflicts.append(("min_vs_lost", (
+                f"min_interval={cfg.min_interval} wins over max_lost_s={cfg.max_lost_s:g}: up to "
+                f"{cfg.min_interval * t:.3g} s of work can be lost")))
+        k, binding = cfg.min_interval, "min_interval"
+    if k > cfg.max_interval:
+        k, binding = cfg.max_interval, "max_interval"
+        if k < k_flight_strict:
+            conflicts.append(("max_vs_persist", (
+                f"max_interval={cfg.max_interval} wins over the persist time: one checkpoint takes "
+                f"{bg:.3g} s ({k_flight_strict} steps) to persist, so training will wait for storage")))
+        elif cost / (k * t) > budget:
+            conflicts.append(("max_vs_budget", (
+                f"max_interval={cfg.max_interval} wins over budget_pct={cfg.budget_pct:g}: overhead about "
+                f"{100 * cost / (k * t):.3g}%")))
+    return k, binding, conflicts
+
+
+def prior_check(cfg: Adaptive, prior: dict, est: Estimate) -> str:
+    """Whether new measurements confirm the saved profile ``prior`` (within ``drift_ratio``)."""
+    changed = []
+    for key, now in (("iter_s", est.t), ("cost_s", est.cost), ("background_s", est.bg)):
+        was = prior.get(key) or 0.0
+        lo, hi = min(was, now), max(was, now)
+        if hi > 0 and (lo <= 0 or hi / lo > cfg.drift_ratio) and hi > 1e-3:
+            changed.append(f"{key} {was:.3g} -> {now:.3g}")
+    if changed:
+        return "conditions changed since the saved profile (" + ", ".join(changed) + ")"
+    return "saved profile confirmed by new measurements"
+
+
+def info(cfg: Adaptive, est: Estimate, k: int, binding: str, conflicts, current: int) -> dict:
+    """The explanation of a decision (see :meth:`Adaptive.explain`), before its ``phase``/``reason``."""
+    t = est.t
+    d = est.detail
+    cf = max(_ceil(((d.copy or 0.0) + (d.persist or 0.0)) / t), 1)
+    return {
+        "interval": current, "target": k, "binding": binding, "conflicts": [m for _, m in conflicts],
+        "budget_pct": cfg.budget_pct,
+        "predicted_overhead_pct": 100.0 * est.cost / (current * t) if current else None,
+        "measured_overhead_pct": d.measured_pct,
+        "lost_work_s": current * t if current else None, "max_lost_s": cfg.max_lost_s,
+        "iter_s": t, "slowest_rank": est.slowest, "stall_s": est.stall,
+        "slowdown_s": max(est.cost - est.stall, 0.0), "cost_s": est.cost, "copy_s": d.copy,
+        "persist_s": d.persist, "background_s": est.bg, "bytes": d.nbytes,
+        "persist_bytes_per_s": d.rate, "background_from_waits": est.bg_from_waits,
+        "checkfreq_interval": cf, "source": est.source,
+        "drift": dict(d.drift),
+    }
+
+
+def phase_of(est: Estimate, prior: dict | None) -> Phase:
+    """Which phase the estimates put the policy in."""
+    ready = est.source == "measured" and (est.has_persist or est.n >= 2)
+    # Tuned once the iteration time is clean and some checkpoint's slowdown is measured (its
+    # overlap is over) — or after three checkpoints (a persist may overlap every iteration).
+    if ready and ((est.t_clean and est.settled) or est.n >= 3):
+        return Phase.TUNED
+    if prior:
+        return Phase.RESTORED
+    return Phase.PROVISIONAL if ready else Phase.PROFILING
+
+
+def decide(cfg: Adaptive, state: RuleState, est: Estimate | None, prior: dict | None, ckpt_clock: int,
+           current: int) -> Verdict:
+    """The interval to publish (``None``: keep ``current``) and why, from the estimates ``est``.
+
+    ``prior`` is the saved profile (if any), ``ckpt_clock`` the number of checkpoints seen so far
+    (the clock of the hysteresis). Updates ``state``.
+    """
+    if est is None:
+        return None, {"phase": Phase.PROFILING.value, "interval": current, "target": None, "binding": "profiling",
+                      "reason": f"profiling: waiting for the first checkpoint (step {cfg.initial_interval()}) "
+                                "and iteration times", "budget_pct": cfg.budget_pct}
+    return _Ladder(cfg, state, est, prior, ckpt_clock, current).run()
+
+
+class _Ladder:
+    """One decision: the rungs in order; the first that returns a :data:`Verdict` decides."""
+
+    __slots__ = ("cfg", "st", "est", "prior", "ckpt_clock", "current", "k", "binding", "conflicts", "info",
+                 "phase")
+
+    def __init__(self, cfg: Adaptive, st: RuleState, est: Estimate, prior: dict | None, ckpt_clock: int,
+                 current: int):
+        self.cfg, self.st, self.est, self.prior = cfg, st, est, prior
+        self.ckpt_clock, self.current = ckpt_clock, current
+        self.k, self.binding, self.conflicts = target(cfg, est)
+        self.info = info(cfg, est, self.k, self.binding, self.conflicts, current)
+        self.phase = phase_of(est, prior)
+        self.info["phase"] = self.phase.value
+
+    def run(self) -> Verdict:
+        for rung in (self._profiling, self._provisional, self._warn_conflicts, self._restored,
+                     self._first_measured, self._outside_bounds, self._too_much_lost_work,
+                     self._persist_does_not_fit, self._over_budget, self._room_to_shorten):
+            verdict = rung()
+            if verdict is not None:
+                return verdict
+        return self._keep()
+
+    def _publish(self, k: int) -> int | None:
+        return k if k != self.current else None
+
+    # -- before tuning ----------------------------------------------------------------------------
+    def _profiling(self) -> Verdict | None:
+        if self.phase is not Phase.PROFILING:
+            return None
+        self.info["reason"] = "profiling: waiting for the persist time of the first checkpoint"
+        return None, self.info
+
+    def _provisional(self) -> Verdict | None:
+        if self.phase is not Phase.PROVISIONAL:
+            return None
+        st, est, info_ = self.st, self.est, self.info
+        k, binding = self.k, self.binding
+        # Every iteration timed so far overlapped a checkpoint: decide once now, and again as
+        # soon as iterations with nothing in flight have been timed (one interval later).
+        if st.decided:
+            info_["reason"] = f"keeping {self.current}: waiting for iterations timed with nothing in flight"
+            return None, info_
+        st.decided = True
+        if not est.settled:
+            # How much the copy and persist slow the iterations that overlap them is not known
+            # yet. Until it is, count them as lost training time (what they cost when every
+            # core trains): the first interval then errs wide, not short (a few checkpoints
+            # that each cost a whole persist); the measured cost replaces it as soon as the
+            # first checkpoint's overlap is over.
+            k, binding, conflicts = target(self.cfg, est, max(est.cost, est.bg), est.bg)
+            info_ = dict(info(self.cfg, est, k, binding, conflicts, self.current), phase=self.phase.value)
+        info_["reason"] = f"first checkpoint profiled: interval {k} ({binding} binds), provisional"
+        return self._publish(k), info_
+
+    def _warn_conflicts(self) -> None:
+        """Not a rung (never decides): from here on, warn once per kind of rule that gave way."""
+        for key, msg in self.conflicts:
+            if key not in self.st.warned:
+                self.st.warned.add(key)
+                warnings.warn(f"cf_ray Adaptive policy: {msg}", PolicyWarning, stacklevel=_WARN_STACKLEVEL)
+
+    def _restored(self) -> Verdict | None:
+        if self.phase is not Phase.RESTORED:
+            return None
+        if self.st.decided:
+            self.info["reason"] = f"keeping {self.current} from the saved profile until new checkpoints are measured"
+            return None, self.info
+        self.st.decided = True
+        self.info["reason"] = f"interval {self.k} from the saved profile ({self.binding} binds)"
+        return self._publish(self.k), self.info
+
+    def _first_measured(self) -> Verdict | None:
+        st = self.st
+        if st.measured_decided:
+            return None
+        st.measured_decided = st.decided = True
+        why = "profiled" if not self.prior else prior_check(self.cfg, self.prior, self.est)
+        self.info["reason"] = f"{why}: interval {self.k} ({self.binding} binds)"
+        if not why.startswith("saved profile confirmed"):
+            return self._publish(self.k), self.info
+        # A confirmed saved profile: keep the interval unless the rules below say otherwise.
+        return None
+
+    # -- tuned: hysteresis ----------------------------------------------------------------------
+    def _outside_bounds(self) -> Verdict | None:
+        current = self.current
+        if current < self.cfg.min_interval or current > self.cfg.max_interval:
+            self.info["reason"] = f"interval {current} is outside [min_interval, max_interval]"
+            return self.k, self.info
+        return None
+
+    def _too_much_lost_work(self) -> Verdict | None:
+        lost_s, t, k, current = self.cfg.max_lost_s, self.est.t, self.k, self.current
+        if lost_s is not None and current * t > lost_s and k < current:
+            self.info["reason"] = f"{current} steps of {t:.3g} s exceed max_lost_s={lost_s:g}: shortening to {k}"
+            return k, self.info
+        return None
+
+    def _persist_does_not_fit(self) -> Verdict | None:
+        est, t, k, current = self.est, self.est.t, self.k, self.current
+        if k > current and current * t < est.bg - est.bg_se:
+            self.info["reason"] = (f"persist in flight: {est.bg:.3g} s of copy+persist do not fit in {current} steps "
+                                   f"of {t:.3g} s: widening to {k}")
+            return k, self.info
+        return None
+
+    def _over_budget(self) -> Verdict | None:
+        st, est, t, k, current = self.st, self.est, self.est.t, self.k, self.current
+        budget = self.cfg.budget_pct / 100.0
+        over = max(est.cost - est.cost_se, 0.0) / (current * t)  # noise alone does not widen
+        if k > current and over > budget:
+            # A clear overrun widens at once; a marginal one must still be there at the next checkpoint.
+            if over > budget * (1.0 + 2.0 * self.cfg.headroom) or (
+                    st.widen_since is not None and self.ckpt_clock > st.widen_since):
+                self.info["reason"] = (f"over budget: {100 * over:.3g}% > {self.cfg.budget_pct:g}% at "
+                                       f"{current} steps: widening to {k}")
+                return k, self.info
+            if st.widen_since is None:
+                st.widen_since = self.ckpt_clock
+            self.info["reason"] = (f"keeping {current}: {100 * over:.3g}% is over the budget, confirming at the "
+                                   "next checkpoint")
+            return None, self.info
+        st.widen_since = None
+        return None
+
+    def _room_to_shorten(self) -> Verdict | None:
+        st, est, t, current = self.st, self.est, self.est.t, self.current
+        # Shorten only to what the rules give for pessimistic estimates (mean + 2 standard errors,
+        # at least three checkpoints since the last drift), only when that is clearly shorter, and
+        # only when it is still so at the next checkpoint.
+        k_safe = target(self.cfg, est, est.cost + 2.0 * est.cost_se, est.bg + 2.0 * est.bg_se)[0]
+        if k_safe <= math.floor(current * self.cfg.shrink_ratio) and est.n_level >= 3:
+            if st.shrink_since is None:
+                st.shrink_since = self.ckpt_clock
+            elif self.ckpt_clock > st.shrink_since and self.ckpt_clock > st.changed_at:
+                self.info["reason"] = (f"headroom: {k_safe} steps meet every rule (predicted overhead "
+                                       f"{100 * est.cost / (k_safe * t):.3g}%): shortening from {current}")
+                return k_safe, self.info
+            self.info["reason"] = (f"keeping {current}: shorter interval {k_safe} possible, confirming at the "
+                                   "next checkpoint")
+            return None, self.info
+        st.shrink_since = None
+        return None
+
+    def _keep(self) -> Verdict:
+        self.info["reason"] = f"keeping {self.current}: within every rule ({self.binding} sets the target {self.k})"
+        return None, self.info

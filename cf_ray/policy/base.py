@@ -1,0 +1,224 @@
+"""When to checkpoint: small, pure policy objects (no Ray inside), in the manner of Orbax's
+save-decision policies.
+
+A policy has two sides:
+
+* ``should_save(step, ctx)`` runs on every rank after each optimizer step. It must be a pure
+  function of its arguments, because every rank evaluates it independently and all ranks must
+  agree: ``ctx`` holds only values that every rank has agreed on (the step, the epoch boundary, the
+  last checkpoint step and the interval the controller published and the ranks adopted together).
+* ``plan(samples, current)`` runs in the driver-side controller for adaptive policies: it turns
+  timing samples from every rank into the interval to use next. Fixed policies return ``None``.
+* ``initial_interval()`` is the interval every rank uses before the controller publishes one. It
+  depends on the policy's configuration only (never on loaded state), so every rank computes the
+  same value from its own copy of the policy.
+
+This module holds the protocol and the fixed policies. :class:`~cf_ray.policy.adaptive.Adaptive`
+(in :mod:`cf_ray.policy.adaptive`) also offers optional methods for the controller:
+:meth:`Adaptive.explain`, :meth:`Adaptive.checkpoint_stats`, :meth:`Adaptive.state_dict` and
+:meth:`Adaptive.load_state_dict`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from cf_ray.errors import ConfigError
+
+
+class PolicyWarning(UserWarning):
+    """Two constraints of :class:`Adaptive` cannot both be met; the message says which one won."""
+
+
+@dataclass(frozen=True, slots=True)
+class SaveContext:
+    """What every rank knows identically when it decides whether ``step`` is a checkpoint step."""
+
+    step: int
+    """Optimizer steps taken so far in the run (after this one)."""
+    epoch: int
+    """The current epoch."""
+    last_save_step: int
+    """The step of the last checkpoint taken (or restored from); 0 on a fresh run."""
+    interval: int | None = None
+    """The interval published by the controller and adopted by all ranks (adaptive mode)."""
+    epoch_end: bool = False
+    """True when called from ``Checkpointer.end_epoch()``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sample:
+    """One compact timing message for :meth:`FrequencyPolicy.plan`.
+
+    Workers send one every poll (iteration timing plus what they know of their last checkpoint).
+    The controller may add samples of its own for what a worker cannot see, e.g. when a holder
+    reports a section durable: ``Sample(rank=r, step=c, ckpt_step=c, persist_s=t)``. A sample with
+    ``iters == 0`` carries checkpoint information only. Repeating the same checkpoint values in
+    every sample is fine: :class:`Adaptive` records each checkpoint once per rank and keeps the
+    newest value of each field.
+    """
+
+    rank: int
+    """The rank the measurements belong to."""
+    step: int
+    """The rank's step count when the sample was taken (the last step its iterations cover)."""
+    iter_s: float = 0.0
+    """Mean seconds per iteration since the previous sample, checkpoint stalls excluded (all of
+    ``stall_s``: a stall counted here as well would be counted twice)."""
+    iters: int = 0
+    """Number of iterations the mean covers (0: no iteration information in this sample)."""
+    stall_s: float | None = None
+    """Training-thread stall of checkpoint ``ckpt_step``: the synchronous part plus the guard
+    waits for its own background copy (before the next optimizer step)."""
+    wait_s: float | None = None
+    """The part of ``stall_s`` spent waiting, before this snapshot could start, for the *previous*
+    checkpoint's copy/persist still in flight (one in flight per rank). It is left out of the cost,
+    because the interval keeps one persist in flight, and it proves the persist outlasted the
+    interval. Not the guard for this snapshot's own copy: that is cost. ``None``: no such wait."""
+    copy_s: float | None = None
+    """Background copy of that snapshot into host buffers (overlapped with training)."""
+    persist_s: float | None = None
+    """Phase 2 (write + checksum) of this rank's sections of that checkpoint; ``None`` while it is
+    still running. For a failed persist, report the time until it failed, or leave ``None``."""
+    nbytes: int | None = None
+    """Bytes of this rank's snapshot."""
+    ckpt_step: int | None = None
+    """The step of the checkpoint that ``stall_s``/``copy_s``/``persist_s``/``nbytes`` describe.
+    Strongly recommended: without it the policy guesses which checkpoint the values belong to and
+    cannot attribute the slowdown of the iterations that run while a persist is in flight."""
+    overlapped: bool | None = None
+    """Whether a snapshot copy or persist of this rank was in flight during these iterations;
+    ``None`` lets the policy infer it from ``ckpt_step`` and the copy and persist times."""
+
+
+@runtime_checkable
+class FrequencyPolicy(Protocol):
+    """Decides checkpoint steps. See the module docstring for which side calls what."""
+
+    def should_save(self, step: int, ctx: SaveContext) -> bool: ...
+
+    def plan(self, samples: Sequence[Sample], current: int | None) -> int | None: ...
+
+    def initial_interval(self) -> int | None: ...
+
+
+@dataclass(kw_only=True, slots=True)
+class FixedInterval:
+    """Checkpoint every ``every`` optimizer steps (CheckFreq's MANUAL mode)."""
+
+    every: int
+    """Steps between checkpoints; a checkpoint is taken when ``step % every == 0``."""
+
+    def __post_init__(self):
+        if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
+            raise ConfigError(f"FixedInterval.every={self.every!r} must be an int >= 1; "
+                              "use EpochEnd() to checkpoint only at epoch boundaries")
+
+    def should_save(self, step: int, ctx: SaveContext) -> bool:
+        return not ctx.epoch_end and step > 0 and step % self.every == 0
+
+    def plan(self, samples, current):
+        return None
+
+    def initial_interval(self) -> int | None:
+        return None  # not controller-driven
+
+    def explain(self) -> dict:
+        """Why the interval is what it is (see :meth:`Adaptive.explain`)."""
+        return {"policy": "FixedInterval", "interval": self.every, "binding": "manual",
+                "reason": f"a fixed interval of {self.every} steps was configured"}
+
+
+@dataclass(kw_only=True, slots=True)
+class EpochEnd:
+    """Checkpoint only at epoch boundaries (CheckFreq's baseline), every ``every`` epochs."""
+
+    every: int = 1
+    """Epochs between checkpoints; a checkpoint is taken when ``epoch % every == 0``."""
+
+    def __post_init__(self):
+        if not isinstance(self.every, int) or self.every < 1:
+            raise ConfigError(f"EpochEnd.every={self.every!r} must be an int >= 1")
+
+    def should_save(self, step: int, ctx: SaveContext) -> bool:
+        return ctx.epoch_end and ctx.epoch % self.every == 0
+
+    def plan(self, samples, current):
+        return None
+
+    def initial_interval(self) -> int | None:
+        return None
+
+    def explain(self) -> dict:
+        """Why the interval is what it is (see :meth:`Adaptive.explain`)."""
+        return {"policy": "EpochEnd", "interval": None, "binding": "epoch",
+                "reason": f"checkpoints at the end of every {self.every} epoch(s)"}
+
+
+@dataclass(kw_only=True, slots=True)
+class AnyOf:
+    """Checkpoint when any of ``policies`` says so; an adaptive member's plan is used.
+
+    The optional methods (``explain``, ``checkpoint_stats``, ``state_dict``,
+    ``load_state_dict``) are forwarded to the members that have them.
+    """
+
+    policies: tuple = field(default_factory=tuple)
+    """The member policies; the first one whose ``plan`` returns an interval drives the schedule."""
+
+    def __post_init__(self):
+        self.policies = tuple(self.policies)
+        if not self.policies:
+            raise ConfigError("AnyOf(policies=...) needs at least one policy")
+        for p in self.policies:
+            if not isinstance(p, FrequencyPolicy):
+                raise ConfigError(f"AnyOf: {p!r} is not a FrequencyPolicy")
+
+    def should_save(self, step: int, ctx: SaveContext) -> bool:
+        return any(p.should_save(step, ctx) for p in self.policies)
+
+    def plan(self, samples, current):
+        for p in self.policies:
+            k = p.plan(samples, current)
+            if k is not None:
+                return k
+        return None
+
+    def initial_interval(self) -> int | None:
+        for p in self.policies:
+            k = p.initial_interval()
+            if k is not None:
+                return k
+        return None
+
+    def explain(self) -> dict:
+        """The members' explanations, in order (see :meth:`Adaptive.explain`)."""
+        parts = [p.explain() if hasattr(p, "explain") else {"policy": type(p).__name__} for p in self.policies]
+        driver = next((e for e in parts if e.get("interval") is not None and e.get("policy") == "Adaptive"), None)
+        out = dict(driver) if driver else {"interval": None}
+        out.update(policy="AnyOf", members=parts)
+        return out
+
+    def checkpoint_stats(self, step: int) -> dict | None:
+        """The first member's :meth:`Adaptive.checkpoint_stats` that knows ``step``."""
+        for p in self.policies:
+            if hasattr(p, "checkpoint_stats"):
+                stats = p.checkpoint_stats(step)
+                if stats is not None:
+                    return stats
+        return None
+
+    def state_dict(self) -> dict:
+        """The members' state, by position (``None`` for members without state)."""
+        return {"members": [p.state_dict() if hasattr(p, "state_dict") else None for p in self.policies]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load what :meth:`state_dict` returned into a freshly built ``AnyOf`` of the same members."""
+        members = state.get("members") if isinstance(state, dict) else None
+        if not isinstance(members, list) or len(members) != len(self.policies):
+            raise ConfigError(f"AnyOf.load_state_dict: expected {len(self.policies)} member states, got {members!r}")
+        for p, s in zip(self.policies, members):
+            if s is not None and hasattr(p, "load_state_dict"):
+                p.load_state_dict(s)
