@@ -16,12 +16,22 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
+from cf_ray._engine.driver.controller import Controller, ControllerSettings
+from cf_ray._engine.driver.messages import (
+    CheckpointKind,
+    PartDurable,
+    PartFailed,
+    PartStaged,
+    PartSuperseded,
+    Restored,
+    RestoreSource,
+    SnapshotMeta,
+)
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.driver.controller import Controller, ControllerSettings
-from cf_ray.policy import FixedInterval
-from cf_ray._engine.worker.snapshot import _Arena
 from cf_ray._engine.storage.fs import FsStorage
+from cf_ray._engine.worker.snapshot import _Arena
+from cf_ray.policy import FixedInterval
 
 WORLD = 2
 SECTIONS = [mf.SHARED, mf.rank_section(0), mf.rank_section(1)]
@@ -60,14 +70,16 @@ def test_commits_whatever_order_the_holder_messages_run_in(tmp_path, order):
     ctl = _controller(tmp_path)
     step = 7
     written = {sec: _write(ctl, step, sec) for sec in SECTIONS}
-    meta = {"world_size": WORLD, "replicated": True, "epoch": 0, "kind": "scheduled"}
+    meta = {"world_size": WORLD, "replicated": True, "epoch": 0, "kind": CheckpointKind.SCHEDULED}
     msgs = _messages()
     for i in order:
         kind, sec = msgs[i]
         if kind == "staged":
-            ctl.part_staged(ctl.generation, step, sec, "holder", 32, dict(meta, rank=mf.section_rank(sec)))
+            ctl.part_staged(PartStaged(generation=ctl.generation, step=step, section=sec, holder="holder", nbytes=32,
+                                       meta=SnapshotMeta(**meta, rank=mf.section_rank(sec))))
         else:
-            ctl.part_durable(ctl.generation, step, sec, written[sec][0], 0.01)
+            ctl.part_durable(PartDurable(generation=ctl.generation, step=step, section=sec, files=written[sec][0],
+                                         persist_s=0.01))
     assert ctl.pending_steps(ctl.generation) == []
     assert [c.step for c in mf.list_committed(ctl.storage)] == [step]
     m = mf.read_manifest(ctl.storage, mf.step_dir(step))
@@ -79,25 +91,28 @@ def test_commits_whatever_order_the_holder_messages_run_in(tmp_path, order):
 
 def test_a_step_missing_a_section_stays_pending_and_uncommitted(tmp_path):
     ctl = _controller(tmp_path)
-    meta = {"world_size": WORLD, "replicated": True, "epoch": 0, "kind": "scheduled"}
+    meta = {"world_size": WORLD, "replicated": True, "epoch": 0, "kind": CheckpointKind.SCHEDULED}
     for sec in SECTIONS[:2]:
         files, _ = _write(ctl, 3, sec)
-        ctl.part_staged(ctl.generation, 3, sec, "holder", 32, dict(meta, rank=mf.section_rank(sec)))
-        ctl.part_durable(ctl.generation, 3, sec, files, 0.01)
+        ctl.part_staged(PartStaged(generation=ctl.generation, step=3, section=sec, holder="holder", nbytes=32,
+                                   meta=SnapshotMeta(**meta, rank=mf.section_rank(sec))))
+        ctl.part_durable(PartDurable(generation=ctl.generation, step=3, section=sec, files=files, persist_s=0.01))
     assert ctl.pending_steps(ctl.generation) == [3]
     assert mf.list_committed(ctl.storage) == []
 
 
 def test_a_superseded_step_is_not_waited_for_nor_committed(tmp_path):
     ctl = _controller(tmp_path)
-    meta = {"world_size": WORLD, "replicated": True, "epoch": 0, "kind": "scheduled"}
+    meta = {"world_size": WORLD, "replicated": True, "epoch": 0, "kind": CheckpointKind.SCHEDULED}
     files, _ = _write(ctl, 4, SECTIONS[0])
-    ctl.part_durable(ctl.generation, 4, SECTIONS[0], files, 0.01)
-    ctl.part_superseded(ctl.generation, 4, SECTIONS[1])
+    ctl.part_durable(PartDurable(generation=ctl.generation, step=4, section=SECTIONS[0], files=files, persist_s=0.01))
+    ctl.part_superseded(PartSuperseded(generation=ctl.generation, step=4, section=SECTIONS[1]))
     for sec in SECTIONS:
-        ctl.part_staged(ctl.generation, 4, sec, "holder", 32, dict(meta, rank=mf.section_rank(sec)))
+        ctl.part_staged(PartStaged(generation=ctl.generation, step=4, section=sec, holder="holder", nbytes=32,
+                                   meta=SnapshotMeta(**meta, rank=mf.section_rank(sec))))
     for sec in SECTIONS[1:]:
-        ctl.part_durable(ctl.generation, 4, sec, _write(ctl, 4, sec)[0], 0.01)
+        ctl.part_durable(PartDurable(generation=ctl.generation, step=4, section=sec, files=_write(ctl, 4, sec)[0],
+                                     persist_s=0.01))
     assert ctl.pending_steps(ctl.generation) == []
     assert mf.list_committed(ctl.storage) == []
 
@@ -123,17 +138,18 @@ def test_a_checkpoint_committed_during_the_clean_up_of_older_directories_is_kept
     newest. If step 10's last section turns durable between that listing and the check of what is
     still in flight, step 10 is committed: it must not be deleted (a CI run lost its milestone so)."""
     ctl = _retaining_controller(tmp_path, keep_last=2)
-    meta = {"world_size": WORLD, "replicated": True, "epoch": 0, "kind": "scheduled"}
+    meta = {"world_size": WORLD, "replicated": True, "epoch": 0, "kind": CheckpointKind.SCHEDULED}
     last = {}  # step -> (files, value) of its last section, held back
     for step, milestone in ((10, True), (11, False)):
         for sec in SECTIONS:
             files, value = _write(ctl, step, sec)
-            ctl.part_staged(ctl.generation, step, sec, "holder", 32,
-                            dict(meta, rank=mf.section_rank(sec), milestone=milestone))
+            ctl.part_staged(PartStaged(generation=ctl.generation, step=step, section=sec, holder="holder", nbytes=32,
+                                       meta=SnapshotMeta(**meta, rank=mf.section_rank(sec), milestone=milestone)))
             if sec == SECTIONS[-1]:
                 last[step] = (files, value)
             else:
-                ctl.part_durable(ctl.generation, step, sec, files, 0.01)
+                ctl.part_durable(PartDurable(generation=ctl.generation, step=step, section=sec, files=files,
+                                             persist_s=0.01))
     assert ctl.pending_steps(ctl.generation) == [10, 11]
 
     real_list = mf.list_uncommitted
@@ -143,11 +159,13 @@ def test_a_checkpoint_committed_during_the_clean_up_of_older_directories_is_kept
         out = real_list(storage)
         files = late.pop("files", None)
         if files is not None:  # the holder's message runs now, on another thread
-            ctl.part_durable(ctl.generation, 10, SECTIONS[-1], files, 0.01)
+            ctl.part_durable(PartDurable(generation=ctl.generation, step=10, section=SECTIONS[-1], files=files,
+                                         persist_s=0.01))
         return out
 
     monkeypatch.setattr(mf, "list_uncommitted", listing_then_the_late_section)
-    ctl.part_durable(ctl.generation, 11, SECTIONS[-1], last[11][0], 0.01)  # 11 commits before 10
+    ctl.part_durable(PartDurable(generation=ctl.generation, step=11, section=SECTIONS[-1], files=last[11][0],
+                                 persist_s=0.01))  # 11 commits before 10
     _wait_maintenance(ctl)
     assert "files" not in late, "the interleaving under test did not happen"
     assert [c.step for c in mf.list_committed(ctl.storage)] == [10, 11]
@@ -158,11 +176,12 @@ def test_a_checkpoint_committed_during_the_clean_up_of_older_directories_is_kept
 
 
 def _commit(ctl: Controller, step: int) -> None:
-    meta = {"world_size": WORLD, "replicated": True, "epoch": 0, "kind": "scheduled"}
+    meta = {"world_size": WORLD, "replicated": True, "epoch": 0, "kind": CheckpointKind.SCHEDULED}
     for sec in SECTIONS:
         files, _ = _write(ctl, step, sec)
-        ctl.part_staged(ctl.generation, step, sec, "holder", 32, dict(meta, rank=mf.section_rank(sec)))
-        ctl.part_durable(ctl.generation, step, sec, files, 0.01)
+        ctl.part_staged(PartStaged(generation=ctl.generation, step=step, section=sec, holder="holder", nbytes=32,
+                                   meta=SnapshotMeta(**meta, rank=mf.section_rank(sec))))
+        ctl.part_durable(PartDurable(generation=ctl.generation, step=step, section=sec, files=files, persist_s=0.01))
     _wait_maintenance(ctl)
 
 
@@ -175,7 +194,7 @@ def test_clean_up_deletes_a_leftover_directory_only_once_it_is_known_dead(tmp_pa
     _write(ctl, 3, SECTIONS[0])  # nobody ever says anything of step 3
     _write(ctl, 4, SECTIONS[0])  # step 4 is announced late, then commits
     _write(ctl, 5, SECTIONS[0])
-    ctl.part_failed(ctl.generation, 5, SECTIONS[1], "IOError: disk full")
+    ctl.part_failed(PartFailed(generation=ctl.generation, step=5, section=SECTIONS[1], error="IOError: disk full"))
     _commit(ctl, 6)
     uncommitted = {s for _, s in mf.list_uncommitted(ctl.storage)}
     assert uncommitted == {3, 4}
@@ -191,11 +210,11 @@ def test_keep_last_deletes_nothing_a_restore_plan_names_until_the_restore_is_don
     ctl = _retaining_controller(tmp_path, keep_last=1)
     _commit(ctl, 4)
     plan = ctl.prepare_restore(WORLD)
-    assert plan["storage"] == [4]
+    assert plan.storage == (4,)
     _commit(ctl, 6)  # the previous attempt's holder commits late
     assert [c.step for c in mf.list_committed(ctl.storage)] == [4, 6]
     m = mf.read_manifest(ctl.storage, mf.step_dir(4))
     mf.verify_all(ctl.storage, mf.step_dir(4), m)  # the restore reads it whole
-    ctl.restored({"source": "storage", "step": 4, "epoch": 0})
+    ctl.restored(Restored(source=RestoreSource.STORAGE, step=4, epoch=0))
     _wait_maintenance(ctl)
     assert [c.step for c in mf.list_committed(ctl.storage)] == [6]  # deferred, not forgotten

@@ -12,7 +12,7 @@ No torch here: this module is imported by the controller and the holders.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from cf_ray.errors import CfRayError
@@ -66,15 +66,33 @@ class RequestLevel(enum.IntEnum):
     PREEMPT = 2
 
 
+def _check_version(cls: type, version: Any) -> None:
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"{cls.__name__} of protocol version {version}, this process speaks {PROTOCOL_VERSION}: "
+            "the driver, the workers and cf_ray's actors must run the same cf_ray version")
+
+
+def _rebuild(cls: type, values: dict[str, Any]) -> Message:
+    """Unpickle a message through its constructor; the version is checked first (a message of
+    another version may have other fields)."""
+    _check_version(cls, values.get("version"))
+    return cls(**values)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Message:
     version: int = PROTOCOL_VERSION
+    """The protocol version of the process that made the message."""
 
     def __post_init__(self) -> None:
-        if self.version != PROTOCOL_VERSION:
-            raise ProtocolError(
-                f"{type(self).__name__} of protocol version {self.version}, this process speaks {PROTOCOL_VERSION}: "
-                "the driver, the workers and cf_ray's actors must run the same cf_ray version")
+        _check_version(type(self), self.version)
+
+    def __reduce__(self):
+        # Pickle (Ray's serialisation of actor arguments and results) would restore the slots
+        # without __post_init__; rebuilding through the constructor makes the *receiver* check
+        # the version of what it is sent.
+        return _rebuild, (type(self), {f.name: getattr(self, f.name) for f in fields(self)})
 
 
 # -- worker -> holder -------------------------------------------------------------------------------
@@ -130,6 +148,8 @@ class PartDurable(Message):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PartFailed(Message):
+    """A section could not be written: nothing is committed for its step."""
+
     generation: int
     step: int
     section: str
@@ -138,6 +158,8 @@ class PartFailed(Message):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PartSuperseded(Message):
+    """A section will never be written: a newer snapshot replaced it before its writing started."""
+
     generation: int
     step: int
     section: str
@@ -191,6 +213,8 @@ class SyncRequest(Message):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SyncReply(Message):
+    """The controller's answer to a poll: what the rank has not seen yet."""
+
     schedules: tuple[Schedule, ...]
     committed_step: int
     failures: tuple[Failure, ...] = ()

@@ -30,12 +30,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import ray
 
+from cf_ray._engine.driver.messages import PartDurable, PartFailed, PartStaged, PartSuperseded, SnapshotMeta
+from cf_ray._engine.driver.naming import holder_name
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.storage.fs import Storage
 
@@ -44,21 +46,25 @@ logger = logging.getLogger("cf_ray")
 
 @dataclass(slots=True)
 class _Entry:
+    """One section of one snapshot, held by this holder."""
+
     generation: int
     step: int
     section: str
-    ref: Any  # ObjectRef of the uint8 arena, owned by this holder
+    ref: Any
+    """ObjectRef of the uint8 arena, owned by this holder."""
     index: bytes
-    nbytes: int
-    meta: dict = field(default_factory=dict)
-    staged_at: float = 0.0
+    """The section's encoded tensor index (``manifest.encode_index``)."""
+    size_bytes: int
+    """Size of the arena."""
+    meta: SnapshotMeta
+    """What the rank that staged it said of the snapshot."""
 
 
 class Holder:
     """The holder's logic (the Ray actor class is :data:`HolderActor`)."""
 
-    def __init__(self, run_key: str, storage: Storage, controller_name: str, namespace: str):
-        self.run_key = run_key
+    def __init__(self, storage: Storage, controller_name: str, namespace: str):
         self.storage = storage
         self.controller_name = controller_name
         self.namespace = namespace
@@ -75,7 +81,6 @@ class Holder:
         self._started: list[tuple[int, int]] = []
         self._writing: _Entry | None = None
         self._controller = None
-        self._closed = False
         self._thread = threading.Thread(target=self._writer, name="cf_ray-persist", daemon=True)
         self._thread.start()
 
@@ -85,7 +90,8 @@ class Holder:
         return self._controller
 
     # -- called by workers -------------------------------------------------------------------
-    def stage(self, generation: int, step: int, sections: dict[str, tuple[np.ndarray, bytes]], meta: dict) -> dict:
+    def stage(self, generation: int, step: int, sections: dict[str, tuple[np.ndarray, bytes]],
+              meta: SnapshotMeta) -> dict:
         """Take ownership of a snapshot's sections and queue them for persisting."""
         t0 = time.perf_counter()
         entries = []
@@ -93,7 +99,7 @@ class Holder:
             # The argument lives in an object owned by the calling worker; re-put it so that this
             # holder owns the bytes and they survive the worker.
             ref = ray.put(arena)
-            entries.append(_Entry(generation, step, name, ref, bytes(index), int(arena.nbytes), dict(meta), time.time()))
+            entries.append(_Entry(generation, step, name, ref, bytes(index), int(arena.nbytes), meta))
         put_s = time.perf_counter() - t0
         superseded = []
         key = (generation, step)
@@ -102,13 +108,13 @@ class Holder:
                 kept = self._latest.setdefault(e.section, [])
                 kept.append(e)
                 del kept[:-2]
-            if meta.get("persist", True):
+            if meta.persist:
                 if key == self._current:  # a late section of the step being written
                     self._current_left.update({e.section: e for e in entries})
                 else:
                     self._waiting.setdefault(key, {}).update({e.section: e for e in entries})
                     for older in [k for k in self._waiting if k < key]:
-                        if older in self._started or any(e.meta.get("milestone") or e.meta.get("priority")
+                        if older in self._started or any(e.meta.milestone or e.meta.priority
                                                          for e in self._waiting[older].values()):
                             continue  # never skipped
                         superseded += [(e.generation, e.step, e.section) for e in self._waiting.pop(older).values()]
@@ -116,10 +122,11 @@ class Holder:
         ctl = self._ctl()
         node = ray.get_runtime_context().get_node_id()
         for e in entries:
-            ctl.part_staged.remote(e.generation, e.step, e.section, self._name(), e.nbytes,
-                                   dict(meta, holder_put_s=put_s, node_id=node))
+            ctl.part_staged.remote(PartStaged(generation=e.generation, step=e.step, section=e.section,
+                                              holder=self._name(), nbytes=e.size_bytes, meta=meta,
+                                              holder_put_s=put_s, node_id=node))
         for gen, st, sec in superseded:
-            ctl.part_superseded.remote(gen, st, sec)
+            ctl.part_superseded.remote(PartSuperseded(generation=gen, step=st, section=sec))
         return {"put_s": put_s}
 
     def get_section(self, generation: int, step: int, section: str) -> list | None:
@@ -131,30 +138,20 @@ class Holder:
                     return [e.ref, e.index]
         return None
 
-    def idle(self) -> bool:
-        with self._lock:
-            return not self._waiting and not self._current_left and self._writing is None
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._lock.notify_all()
-
     def _name(self) -> str:
         return ray.get_runtime_context().get_actor_name() or ""
 
     # -- writer thread -------------------------------------------------------------------------
-    def _next(self) -> _Entry | None:
+    def _next(self) -> _Entry:
+        """The next section to write (blocks until there is one)."""
         with self._lock:
-            while not self._waiting and not self._current_left and not self._closed:
+            while not self._waiting and not self._current_left:
                 self._lock.wait(timeout=1.0)
             if not self._current_left:
-                if not self._waiting:
-                    return None
                 # Finish started steps first, then priority (preemption), then the oldest step, so
                 # commits happen in step order.
                 self._current = min(self._waiting, key=lambda k: (
-                    k not in self._started, not any(e.meta.get("priority") for e in self._waiting[k].values()), k))
+                    k not in self._started, not any(e.meta.priority for e in self._waiting[k].values()), k))
                 self._current_left = self._waiting.pop(self._current)
                 if self._current not in self._started:
                     self._started.append(self._current)
@@ -166,8 +163,6 @@ class Holder:
     def _writer(self) -> None:
         while True:
             entry = self._next()
-            if entry is None:
-                return
             t0 = time.perf_counter()
             try:
                 arena = ray.get(entry.ref)
@@ -175,13 +170,14 @@ class Holder:
                 files = mf.write_section(self.storage, directory, entry.generation, entry.section, arena, entry.index)
                 del arena
                 persist_s = time.perf_counter() - t0
-                self._ctl().part_durable.remote(entry.generation, entry.step, entry.section,
-                                                {k: v.to_json() for k, v in files.items()}, persist_s)
+                self._ctl().part_durable.remote(PartDurable(
+                    generation=entry.generation, step=entry.step, section=entry.section,
+                    files={k: v.to_json() for k, v in files.items()}, persist_s=persist_s))
             except Exception as e:  # noqa: BLE001 - never kill the thread; the controller reports it
                 logger.warning("cf_ray: persisting %s of step %d failed: %r", entry.section, entry.step, e)
                 try:
-                    self._ctl().part_failed.remote(entry.generation, entry.step, entry.section,
-                                                   f"{type(e).__name__}: {e}")
+                    self._ctl().part_failed.remote(PartFailed(generation=entry.generation, step=entry.step,
+                                                              section=entry.section, error=f"{type(e).__name__}: {e}"))
                 except Exception:  # noqa: BLE001
                     logger.exception("cf_ray: could not report a persist failure to the controller")
             finally:
@@ -191,10 +187,6 @@ class Holder:
 
 
 HolderActor = ray.remote(num_cpus=0, max_concurrency=16, max_restarts=0)(Holder)
-
-
-def holder_name(run_key: str, node_id: str) -> str:
-    return f"cf_ray.holder.{run_key}.{node_id}"
 
 
 def get_or_create_holder(run_key: str, storage: Storage, controller_name: str, namespace: str):
@@ -208,4 +200,7 @@ def get_or_create_holder(run_key: str, storage: Storage, controller_name: str, n
         lifetime="detached",
         get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-    ).remote(run_key, storage, controller_name, namespace)
+    ).remote(storage, controller_name, namespace)
+
+
+__all__ = ["Holder", "HolderActor", "get_or_create_holder"]

@@ -1,0 +1,135 @@
+"""The controller's schedule: the policy, its samples and the numbered versions of the interval.
+
+The ranks adopt schedule versions together (see ``worker/control.py``): a version, once
+published, never changes; a new interval is a new version. The policy's learnt state is saved
+next to the run (``policy_state.json``) with the profile, so a controller that restarts does not
+have to profile the interval again from scratch.
+
+Not thread-safe on its own: the controller calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import time
+from typing import Any
+
+from cf_ray._engine.driver.messages import Schedule
+from cf_ray._engine.storage.fs import Storage
+from cf_ray.policy import FrequencyPolicy, Sample
+
+logger = logging.getLogger("cf_ray")
+
+POLICY_STATE = "policy_state.json"
+"""Where the policy's state is saved, relative to the run's storage."""
+
+
+class ScheduleBook:
+    """The policy, the samples it plans from, and the published schedule versions.
+
+    Args:
+        policy: the user's frequency policy (a copy of it lives here; the workers have theirs).
+        storage: the run's storage, for the saved policy state.
+    """
+
+    def __init__(self, policy: FrequencyPolicy, storage: Storage):
+        self.policy = policy
+        """The policy in force (a fresh copy after a resize)."""
+        self.storage = storage
+        self.samples: collections.deque[Sample] = collections.deque(maxlen=256)
+        """The newest timing samples, the policy's input."""
+        self._schedules: list[Schedule] = [Schedule(schedule_version=0, interval=self.policy.initial_interval())]
+        self.load_state()
+
+    # -- versions ---------------------------------------------------------------------------------
+    @property
+    def current_interval(self) -> int | None:
+        """The interval of the newest version."""
+        return self._schedules[-1].interval
+
+    def all(self) -> tuple[Schedule, ...]:
+        return tuple(self._schedules)
+
+    def since(self, adopted_version: int) -> tuple[Schedule, ...]:
+        """The versions newer than ``adopted_version`` (what a rank has not seen yet)."""
+        return tuple(s for s in self._schedules if s.schedule_version > adopted_version)
+
+    def as_dicts(self) -> list[dict]:
+        """The versions as ``{"version", "interval"}`` dicts (the controller's summary)."""
+        return [{"version": s.schedule_version, "interval": s.interval} for s in self._schedules]
+
+    def _publish(self, interval: int | None) -> None:
+        self._schedules.append(Schedule(schedule_version=len(self._schedules), interval=interval))
+
+    # -- planning -----------------------------------------------------------------------------------
+    def add_sample(self, sample: Sample) -> None:
+        self.samples.append(sample)
+
+    def replan(self) -> dict | None:
+        """Ask the policy; a new interval is published as a new version. Returns the ``interval``
+        event to record, or ``None`` when nothing changed."""
+        current = self.current_interval
+        try:
+            k = self.policy.plan(list(self.samples), current)
+        except Exception:  # noqa: BLE001 - a policy bug must not stop checkpointing
+            logger.exception("cf_ray: policy.plan failed; keeping interval %s", current)
+            return None
+        if k is not None and k != current:
+            self._publish(int(k))
+            return {"event": "interval", "interval": int(k), "previous": current, "time": time.time(),
+                    "why": explain(self.policy)}
+        return None
+
+    def reprofile_if_resized(self, previous_world_size: int | None, world_size: int) -> dict | None:
+        """A new number of workers: measure again (fresh samples, a fresh copy of the policy).
+        Returns the ``reprofile`` event to record, or ``None`` when the size did not change."""
+        if previous_world_size is None or world_size == previous_world_size:
+            return None
+        self.samples.clear()
+        try:
+            self.policy = dataclasses.replace(self.policy) if dataclasses.is_dataclass(self.policy) else self.policy
+        except Exception:  # noqa: BLE001 - keep the old one rather than fail a restore
+            logger.warning("cf_ray: could not reset the policy for the new world size", exc_info=True)
+        first = self.policy.initial_interval()
+        if first != self.current_interval:
+            self._publish(first)
+        return {"event": "reprofile", "world_size": world_size, "previous_world_size": previous_world_size,
+                "interval": first, "time": time.time()}
+
+    # -- the policy's state on storage ------------------------------------------------------------------
+    def save_state(self) -> None:
+        if not hasattr(self.policy, "state_dict"):
+            return
+        try:
+            self.storage.write_file(POLICY_STATE, [json.dumps(self.policy.state_dict()).encode()])
+        except Exception as e:  # noqa: BLE001
+            logger.warning("cf_ray: could not save the policy state: %s", e)
+
+    def load_state(self) -> None:
+        if not hasattr(self.policy, "load_state_dict") or not self.storage.exists(POLICY_STATE):
+            return
+        try:
+            self.policy.load_state_dict(json.loads(bytes(self.storage.read_file(POLICY_STATE))))
+            first = self.policy.initial_interval()
+            self._schedules = [Schedule(schedule_version=0, interval=first)]
+        except Exception as e:  # noqa: BLE001 - a stale or damaged profile means: profile again
+            logger.warning("cf_ray: ignoring the saved policy state: %s", e)
+
+
+def explain(policy) -> Any:
+    """The policy's ``explain()``, or ``None`` (a report, never a failure)."""
+    try:
+        return policy.explain() if hasattr(policy, "explain") else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def checkpoint_stats(policy, step: int) -> dict | None:
+    """The policy's ``checkpoint_stats(step)``, or ``None`` (a report, never a failure)."""
+    try:
+        return policy.checkpoint_stats(step) if hasattr(policy, "checkpoint_stats") else None
+    except Exception:  # noqa: BLE001 - a report, never a failure
+        return None
