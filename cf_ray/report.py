@@ -17,21 +17,26 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Mapping
-from typing import Any, Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import pyarrow as pa
 
 from cf_ray._engine.lazy import lazy_module
-
-from cf_ray.errors import CorruptCheckpointError
 from cf_ray._engine.storage.fs import FileInfo, FsStorage, Storage
+from cf_ray.errors import CorruptCheckpointError
 
 # pandas and parquet load on first use: the controller actor imports this module for its Ray
 # metrics at the first checkpoint and needs pandas only when it saves the profile at the end.
-pd = lazy_module("pandas")
-pq = lazy_module("pyarrow.parquet")
+# Type checkers see the real modules, for the annotations. pandas ships no type information (no
+# pandas-stubs here), so the casts below only state what the checker cannot infer from its source.
+if TYPE_CHECKING:
+    import pandas as pd
+    import pyarrow.parquet as pq
+else:
+    pd = lazy_module("pandas")
+    pq = lazy_module("pyarrow.parquet")
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +139,7 @@ def _missing(v) -> bool:
         return False
 
 
-def _frame(records: list[dict], schema: Mapping[str, Any]) -> pd.DataFrame:
+def _frame(records: Sequence[Mapping], schema: Mapping[str, Any]) -> pd.DataFrame:
     extras: list[str] = []
     seen = set(schema)
     for r in records:
@@ -154,11 +159,16 @@ def _coerce(df: pd.DataFrame, schema: Mapping[str, Any]) -> pd.DataFrame:
     for col, dtype in schema.items():
         if col not in df.columns:
             df[col] = pd.Series([None] * len(df), dtype=object, index=df.index)
-        df[col] = _as_dtype(df[col], dtype, col)
+        df[col] = _as_dtype(_column(df, col), dtype, col)
     extras = [c for c in df.columns if c not in schema]
     for col in extras:
-        df[col] = _infer(df[col])
-    return df[list(schema) + extras].reset_index(drop=True)
+        df[col] = _infer(_column(df, col))
+    return cast("pd.DataFrame", df[list(schema) + extras].reset_index(drop=True))
+
+
+def _column(df: pd.DataFrame, col: Any) -> pd.Series:
+    """``df[col]``: a Series, as column names are unique in these frames."""
+    return cast("pd.Series", df[col])
 
 
 def _as_dtype(s: pd.Series, dtype, col: str) -> pd.Series:
@@ -346,7 +356,7 @@ def plot_profile(df: pd.DataFrame, iterations_df: pd.DataFrame | None = None, ax
         it = iterations_frame(iterations_df).dropna(subset=["step", "iter_s"])
         it = it[it["iter_s"] > 0]
         if len(it):
-            slowest = it.groupby("step")["iter_s"].max().sort_index()
+            slowest = cast("pd.Series", it.groupby("step")["iter_s"].max()).sort_index()
             handles += ax.plot(slowest.index.astype(float), slowest.to_numpy(dtype=float), color="tab:blue",
                                linewidth=1.0, label="iteration time (slowest rank)")
     ax.set_xlabel("step")
@@ -453,6 +463,8 @@ class CheckpointMetrics:
         """Export one profile row (a dict as in :func:`profile_frame`). Missing values are skipped."""
         if not self._ensure():
             return
+        gauges = self._gauges
+        assert gauges is not None  # _ensure() returned True: it built them
         values = {
             "interval": row.get("interval"),
             "stall_s": _reduce(row.get("stall_s"), max),
@@ -465,7 +477,7 @@ class CheckpointMetrics:
             for key, v in values.items():
                 if v is None or isinstance(v, bool) or _missing(v):
                     continue
-                self._gauges[key].set(float(v))
+                gauges[key].set(float(v))
             self.recorded += 1
         except Exception as e:  # noqa: BLE001
             logger.warning("cf_ray: could not export checkpoint metrics: %s", e)

@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from cf_ray.errors import ConfigError
-from cf_ray.policy import (Adaptive, AnyOf, EpochEnd, FixedInterval, FrequencyPolicy, PolicyWarning, Sample,
-                           SaveContext)
+from cf_ray.policy import Adaptive, AnyOf, EpochEnd, FixedInterval, FrequencyPolicy, PolicyWarning, Sample, SaveContext
 
 # ------------------------------------------------------------------------------------------------
 # The trace simulator
@@ -58,7 +57,7 @@ class Trace:
     seed: int = 0
     changes: list = field(default_factory=list)
 
-    def at(self, step: int, ranks=None, **kw) -> "Trace":
+    def at(self, step: int, ranks=None, **kw) -> Trace:
         assert set(kw) <= set(_KEYS), kw
         self.changes.append((step, ranks, kw))
         return self

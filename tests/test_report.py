@@ -14,9 +14,9 @@ import pyarrow.fs as pafs
 import pytest
 
 from cf_ray import report
+from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.errors import CorruptCheckpointError, UnsafePathError
 from cf_ray.policy import Sample
-from cf_ray._engine.storage.fs import FsStorage
 
 FIXED = ["step", "epoch", "kind", "generation", "stall_s", "copy_s", "persist_s", "bytes", "interval",
          "overhead_pct", "committed", "where", "error"]

@@ -3,7 +3,8 @@ pass before a source loads it (format tag, settings, one consistent state per ol
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from cf_ray.errors import ConfigError, ElasticResumeError
 
@@ -100,4 +101,4 @@ def check_elastic_states(owner: str, states: Sequence[Mapping[str, Any]], fmt: s
                 raise ElasticResumeError(
                     f"{owner}: old ranks 0 and {i} disagree on {key!r} ({states[0].get(key)!r} vs "
                     f"{s.get(key)!r}); they do not come from the same checkpoint step")
-    return old_world
+    return len(states)  # == old_world, checked above

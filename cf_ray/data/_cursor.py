@@ -7,10 +7,14 @@ from __future__ import annotations
 import copy
 import json
 import warnings
-from typing import Any, ClassVar, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from cf_ray.data._checks import FORMAT_KEY, check_elastic_states, check_format, check_int, check_same, resolve_world
 from cf_ray.errors import ConfigError, ElasticResumeError
+
+if TYPE_CHECKING:
+    from cf_ray.data.sampler import ResumableSampler
 
 
 class EpochCursor:
@@ -270,6 +274,9 @@ class SamplerHeldPosition:
     """Mixin for sources whose position lives in ``self.sampler`` (a :class:`ResumableSampler`):
     the ``Stateful``/``ElasticStateful`` methods forward to it, so registering the source or its
     sampler with the Checkpointer saves the same state."""
+
+    sampler: ResumableSampler
+    """The sampler that holds the position; the class using the mixin sets it."""
 
     def set_epoch(self, epoch: int) -> None:
         """Forward to the sampler's ``set_epoch``."""

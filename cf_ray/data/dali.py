@@ -20,7 +20,8 @@ iterator first runs. On a machine without a GPU build a CPU pipeline with ``devi
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 

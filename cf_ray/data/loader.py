@@ -9,7 +9,8 @@ order, adds a batch's size to the sampler's position only when the loop receives
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Iterator
+from collections.abc import Iterator, Sized
+from typing import Any, cast
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
@@ -68,8 +69,10 @@ class ResumableDataLoader(SamplerHeldPosition, DataLoader):
             raise ConfigError(f"in_order={kwargs['in_order']!r}: ResumableDataLoader needs batches "
                               "in sampler order to know which ones the loop consumed; remove it")
         if sampler is None:
+            # A map-style Dataset has a len() (torch does not declare it); the sampler raises
+            # ConfigError when it has none.
             sampler = ResumableDistributedSampler(
-                dataset, shuffle=True if shuffle is None else shuffle, seed=seed or 0)
+                cast(Sized, dataset), shuffle=True if shuffle is None else shuffle, seed=seed or 0)
         elif shuffle is not None or seed is not None:
             raise ConfigError("shuffle= and seed= belong to the sampler when sampler= is given; "
                               "set them on the ResumableSampler instead")

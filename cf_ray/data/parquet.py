@@ -17,7 +17,8 @@ import hashlib
 import json
 import math
 import posixpath
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -123,7 +124,7 @@ class ResumableParquetReader(EpochCursor):
     def _plan_len(self, plan: list[Interval]) -> int:
         return sum(b - a for a, b in plan)
 
-    def _lists(self, epoch: int, history: list[dict[str, Any]],
+    def _lists(self, epoch: int, history: list[dict[str, Any]],  # noqa: ARG002 (hook signature; the epoch's order is in _set_layout)
                world_size: int) -> list[list[Interval]]:
         w0 = history[0]["world_size"] if history else world_size
         n = self.num_rows
@@ -209,6 +210,7 @@ class ResumableParquetReader(EpochCursor):
             raise ConfigError(f"{self.paths[f]} row group {g} has {table.num_rows} rows, its footer "
                               f"said {n}: the file changed while the reader was open")
         if self.shuffle:
+            assert self._layout_epoch is not None, "__iter__ sets the layout before it reads a unit"
             perm = np.random.default_rng([self.seed, self._layout_epoch, unit]).permutation(n)
             table = table.take(pa.array(perm))
         self._cached = ((f, g), table)
@@ -226,6 +228,7 @@ def _resolve(paths: str | Sequence[str],
         filesystem, first = pafs.FileSystem.from_uri(paths[0]) if "://" in paths[0] else (
             pafs.LocalFileSystem(), paths[0])
         paths = [first] + [pafs.FileSystem.from_uri(p)[1] if "://" in p else p for p in paths[1:]]
+    assert filesystem is not None  # both branches above give one
     out: list[str] = []
     for p in paths:
         info = filesystem.get_file_info(p)

@@ -32,7 +32,8 @@ Epoch boundary rules, shared by every source so that the engine can treat them a
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from cf_ray.errors import ConfigError
 

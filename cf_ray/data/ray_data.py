@@ -69,7 +69,8 @@ rows of the interrupted epoch on resume and of requiring a deterministic order.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, cast
 
 import numpy as np
 
@@ -333,7 +334,10 @@ def _num_rows(batch: Any) -> int:
 
 def _id_digest(batch: Any, column: str) -> int:
     """Sum of 64-bit hashes of the ids in ``batch``: independent of order and of batching."""
-    import pandas as pd
+    import pandas.util
+
+    # pandas.util resolves hash_array lazily, so type checkers see only an object.
+    hash_array = cast("Callable[[np.ndarray], np.ndarray]", pandas.util.hash_array)
 
     try:
         ids = batch[column]
@@ -343,5 +347,5 @@ def _id_digest(batch: Any, column: str) -> int:
         ids = ids.to_numpy()
     elif hasattr(ids, "numpy"):  # torch tensor
         ids = ids.detach().cpu().numpy()
-    hashes = pd.util.hash_array(np.asarray(ids).ravel())  # fixed key: stable across processes
+    hashes = hash_array(np.asarray(ids).ravel())  # fixed key: stable across processes
     return int(hashes.sum(dtype=np.uint64))

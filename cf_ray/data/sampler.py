@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Iterator, Sequence, Sized
+from collections.abc import Iterator, Sequence, Sized
+from typing import Any
 
 import numpy as np
 import torch

@@ -15,7 +15,8 @@ of the new world size.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset
@@ -62,6 +63,9 @@ class ShardedDataset(SamplerHeldPosition, Dataset):
     Raises:
         ConfigError: an argument is invalid, or ``load_fn`` returned the wrong number of items.
     """
+
+    sampler: ShardSampler
+    """The sampler over this dataset's shards; it holds the position."""
 
     def __init__(self, num_items: int, load_fn: LoadFn, *, rank: int | None = None,
                  world_size: int | None = None, shuffle: bool = True, seed: int = 0) -> None:

@@ -189,6 +189,7 @@ class Estimator:
         if s.overlapped is not None:
             return bool(s.overlapped)
         cur = r.cur
+        assert cur is not None  # called only while this rank has a checkpoint open
         rec = self.recs.get(cur.step)
         copy = rec.copy.get(rank) if rec else None
         persist = rec.persist.get(rank) if rec else None
@@ -247,6 +248,7 @@ class Estimator:
             return None
         est = Estimate(t=t, slowest=slowest, t_clean=t_clean)
         if summary is None:
+            assert prior  # no summary and no prior returned above
             est.cost, est.stall, est.bg, est.source = prior["cost_s"], prior["stall_s"], prior["background_s"], \
                 "saved profile"
             est.detail.nbytes = prior.get("bytes")
@@ -280,8 +282,9 @@ class Estimator:
         if not stalls:
             self.summary = None
             return None
-        settled = [(rec.step, rec.cost()) for rec in recs if rec.excess and rec.stall]
-        costs = settled if settled else [(rec.step, rec.cost()) for rec in recs if rec.stall]
+        # cost() is None exactly when a record has no stall.
+        settled = [(rec.step, c) for rec in recs if rec.excess and (c := rec.cost()) is not None]
+        costs = settled if settled else [(rec.step, c) for rec in recs if (c := rec.cost()) is not None]
         bgs = [(rec.step, v) for rec in recs if (v := rec.bg(self.persist_seen)) is not None]
         drift: dict[str, Any] = {}
         out: dict[str, Any] = {"drift": drift, "n": len(costs)}
@@ -302,8 +305,8 @@ class Estimator:
         out["rate"] = _median(rates[-self.window:]) if rates else None
         out["wait_gaps"] = [(rec.step - prev.step, max(rec.wait.values())) for prev, rec in zip(recs[-4:], recs[-3:])
                             if rec.wait and max(rec.wait.values()) > 0 and rec.step > prev.step]
-        measured = [(rec.cost(), sum(rec.base_s.values()) / len(rec.base_s)) for rec in recs[-self.window:]
-                    if rec.base_s and rec.stall]
+        measured = [(c, sum(rec.base_s.values()) / len(rec.base_s)) for rec in recs[-self.window:]
+                    if rec.base_s and (c := rec.cost()) is not None]
         den = sum(b for _, b in measured)
         out["measured_pct"] = 100.0 * sum(c for c, _ in measured) / den if den > 0 else None
         self.summary = out
@@ -442,7 +445,9 @@ class _Ckpt:
             return None
         total = max(v + self.excess.get(r, 0.0) for r, v in self.stall.items())
         waits = max(self.wait.values()) if self.wait else 0.0
-        return max(total - waits, self.own_stall_max(), 0.0)
+        own = self.own_stall_max()
+        assert own is not None  # self.stall is not empty
+        return max(total - waits, own, 0.0)
 
     def bg(self, persist_expected: bool) -> float | None:
         """Copy + persist seconds of the slowest rank (``None`` while a persist is expected but

@@ -160,7 +160,7 @@ class Adaptive:
         interval = ctx.interval if ctx.interval is not None else self.initial_interval()
         return step - ctx.last_save_step >= interval
 
-    def initial_interval(self) -> int | None:
+    def initial_interval(self) -> int:
         """The interval before the controller publishes one: ``first_checkpoint_step``.
 
         It depends on configuration only, so every rank computes the same value; a loaded profile

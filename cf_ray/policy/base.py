@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from cf_ray.errors import ConfigError
 
@@ -119,7 +119,7 @@ class FixedInterval:
     def should_save(self, step: int, ctx: SaveContext) -> bool:
         return not ctx.epoch_end and step > 0 and step % self.every == 0
 
-    def plan(self, samples, current):
+    def plan(self, samples: Sequence[Sample], current: int | None) -> int | None:  # noqa: ARG002 (protocol signature)
         return None
 
     def initial_interval(self) -> int | None:
@@ -142,10 +142,10 @@ class EpochEnd:
         if not isinstance(self.every, int) or self.every < 1:
             raise ConfigError(f"EpochEnd.every={self.every!r} must be an int >= 1")
 
-    def should_save(self, step: int, ctx: SaveContext) -> bool:
+    def should_save(self, step: int, ctx: SaveContext) -> bool:  # noqa: ARG002 (protocol signature)
         return ctx.epoch_end and ctx.epoch % self.every == 0
 
-    def plan(self, samples, current):
+    def plan(self, samples: Sequence[Sample], current: int | None) -> int | None:  # noqa: ARG002 (protocol signature)
         return None
 
     def initial_interval(self) -> int | None:
@@ -179,7 +179,7 @@ class AnyOf:
     def should_save(self, step: int, ctx: SaveContext) -> bool:
         return any(p.should_save(step, ctx) for p in self.policies)
 
-    def plan(self, samples, current):
+    def plan(self, samples: Sequence[Sample], current: int | None) -> int | None:
         for p in self.policies:
             k = p.plan(samples, current)
             if k is not None:
@@ -197,7 +197,7 @@ class AnyOf:
         """The members' explanations, in order (see :meth:`Adaptive.explain`)."""
         parts = [p.explain() if hasattr(p, "explain") else {"policy": type(p).__name__} for p in self.policies]
         driver = next((e for e in parts if e.get("interval") is not None and e.get("policy") == "Adaptive"), None)
-        out = dict(driver) if driver else {"interval": None}
+        out: dict[str, Any] = dict(driver) if driver else {"interval": None}
         out.update(policy="AnyOf", members=parts)
         return out
 

@@ -14,8 +14,9 @@ Every state taken goes through JSON, as it would through a checkpoint.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 Make = Callable[[], Any]
 IdsOf = Callable[[Any], list]

@@ -12,8 +12,7 @@ from data_harness import check_every_interrupt_point, roundtrip
 pytest.importorskip("nvidia.dali")
 from nvidia.dali import fn, pipeline_def  # noqa: E402
 
-from cf_ray.data import (DALIExternalSource, ResumableDALIIterator,  # noqa: E402
-                         ResumableDistributedSampler)
+from cf_ray.data import DALIExternalSource, ResumableDALIIterator, ResumableDistributedSampler  # noqa: E402
 from cf_ray.errors import ConfigError  # noqa: E402
 
 BATCH = 3

@@ -96,8 +96,14 @@ def test_every_source_meets_the_engine_protocols(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from cf_ray.data import (ElasticStateful, ResumableDALIIterator, ResumableDataLoader,
-                             ResumableParquetReader, ResumableRayDataIterator, Stateful)
+    from cf_ray.data import (
+        ElasticStateful,
+        ResumableDALIIterator,
+        ResumableDataLoader,
+        ResumableParquetReader,
+        ResumableRayDataIterator,
+        Stateful,
+    )
 
     pq.write_table(pa.table({"id": [1, 2]}), str(tmp_path / "a.parquet"))
     sampler = ResumableDistributedSampler(IdDataset(4), rank=0, world_size=1)

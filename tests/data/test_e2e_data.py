@@ -12,7 +12,6 @@ import sys
 from collections import Counter
 
 import pytest
-
 import ray.cloudpickle
 
 pytestmark = pytest.mark.slow
@@ -21,7 +20,8 @@ pytestmark = pytest.mark.slow
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 N, EPOCHS, BATCH, WORKERS = 1003, 2, 16, 2
-STEPS_PER_EPOCH = -(-(-(-N // WORKERS)) // BATCH)  # 32: 502 and 501 samples, pad=False
+PER_WORKER = -(-N // WORKERS)  # 502 and 501 samples, pad=False: the larger shard (ceiling division)
+STEPS_PER_EPOCH = -(-PER_WORKER // BATCH)  # 32
 
 
 def train_loop(config):
