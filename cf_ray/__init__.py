@@ -1,8 +1,12 @@
 """cf_ray: CheckFreq-style frequent, two-phase, automatically tuned checkpoints for Ray Train.
 
 The front door is small: a :class:`Checkpointer` per rank inside ``train_loop_per_worker``, its
-:class:`CheckpointConfig`, the frequency policies, and functions to read checkpoints and profiles
-afterwards. Everything else is internal.
+:class:`CheckpointConfig`, the frequency policies, :class:`Run` (the driver-side handle of a run:
+its profile, summary, checkpoints and preemption notices), functions to read checkpoints, and the
+exceptions users catch. ``__all__`` below is the whole public surface of this module, pinned by
+``tests/test_public_api.py``; the other public modules are ``cf_ray.policy``, ``cf_ray.data``,
+``cf_ray.preemption`` (``CheckpointBeforeResize``) and ``cf_ray.report``. Everything under
+``cf_ray._engine`` is internal.
 """
 
 import importlib
@@ -20,6 +24,7 @@ _LAZY = {
     "CheckpointInfo": "load", "list_checkpoints": "load", "load_into": "load", "load_state": "load",
     "Adaptive": "policy", "AnyOf": "policy", "EpochEnd": "policy", "FixedInterval": "policy",
     "PreemptionConfig": "config", "notify_preemption": "preemption",
+    "Run": "run", "RunUnavailableError": "run",
 }
 
 if TYPE_CHECKING:
@@ -30,6 +35,7 @@ if TYPE_CHECKING:
     from cf_ray.load import CheckpointInfo, list_checkpoints, load_into, load_state
     from cf_ray.policy import Adaptive, AnyOf, EpochEnd, FixedInterval
     from cf_ray.preemption import notify_preemption
+    from cf_ray.run import Run, RunUnavailableError
 
 
 def __getattr__(name: str):
@@ -64,6 +70,8 @@ __all__ = [
     "PersistError",
     "PreemptionConfig",
     "Resume",
+    "Run",
+    "RunUnavailableError",
     "UnsafePathError",
     "list_checkpoints",
     "load_into",

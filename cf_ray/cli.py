@@ -23,14 +23,18 @@ def _ls(argv: list[str]) -> int:
 
 
 def _profile(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="cf-ray profile", description="Print a run's checkpoint profile table.")
-    p.add_argument("storage_path")
-    p.add_argument("run_name")
+    p = argparse.ArgumentParser(prog="cf-ray profile", description="Print a run's checkpoint profile table.",
+                                usage="cf-ray profile RUN | cf-ray profile STORAGE_PATH RUN_NAME")
+    p.add_argument("where", nargs="+", metavar="RUN",
+                   help="the run directory (<storage_path>/<name>) or a URI; or the two arguments storage_path "
+                        "and run_name, as given to RunConfig")
     args = p.parse_args(argv)
-    from cf_ray.report import read_run_profile
+    if len(args.where) > 2:
+        p.error("give RUN (<storage_path>/<name>) or STORAGE_PATH RUN_NAME")
+    from cf_ray.run import Run
 
-    df = read_run_profile(args.storage_path, args.run_name)
-    print(df.to_string(index=False))
+    run = Run.from_path(args.where[0]) if len(args.where) == 1 else Run(*args.where)
+    print(run.profile().to_string(index=False))
     return 0
 
 

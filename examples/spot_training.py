@@ -10,7 +10,7 @@ cf_ray (the training loop is ordinary: a ``Checkpointer``, a resumable sampler, 
    ``PREEMPTING`` state) ends the attempt at the deadline; the node is gone, so the job is
    re-submitted with 1 worker, as Ray's elastic policy would decide.
 2. **Growing back, 1 -> 2 workers.** A node joins. Before the scheduler resizes the group, it tells
-   the job through cf_ray (``cf_ray.preemption.notify_preemption``, with a deadline), then tears
+   the job through cf_ray (``cf_ray.Run(...).notify_preemption``, with a deadline), then tears
    the group down at the deadline and starts it again with 2 workers.
 
 Each time, cf_ray takes a just-in-time checkpoint at the next step all ranks reach, persists it
@@ -195,11 +195,12 @@ def main(argv=None) -> int:
 
     import ray
 
-    from cf_ray.preemption import controller_of, notify_preemption
+    import cf_ray
 
     t0 = time.time()
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     cloud = ray.remote(num_cpus=0)(Cloud).options(name="spot-cloud").remote()
+    run = cf_ray.Run(os.path.join(args.dir, "checkpoints"), "spot")  # the job's storage_path and run_name
     events = []
 
     def state():
@@ -217,7 +218,7 @@ def main(argv=None) -> int:
         return result["end"]
 
     def jit_row(since):
-        rows = ray.get(controller_of(os.path.join(args.dir, "checkpoints"), "spot").profile_rows.remote())
+        rows = run.profile_rows()
         return next((r for r in rows if r.get("kind") == "preempt" and (r.get("notice_unix") or 0) >= since), None)
 
     def record(kind, notice_unix, deadline_unix, world_before, world_after):
@@ -252,8 +253,7 @@ def main(argv=None) -> int:
         _wait_for(lambda: max(state()["steps"].values()) >= start + args.grow_after, "1 worker training", attempt)
         notice = time.time()
         deadline = notice + args.grace
-        notify_preemption(os.path.join(args.dir, "checkpoints"), "spot", deadline_unix=deadline,
-                          detail="a node joined: resize 1 -> 2")
+        run.notify_preemption(deadline_unix=deadline, detail="a node joined: resize 1 -> 2")
         kill_all_at(deadline, [0], attempt)  # the scheduler restarts the group with the new size
         record("node joins (cf_ray notice)", notice, deadline, 1, 2)
 
@@ -267,12 +267,12 @@ def main(argv=None) -> int:
         ev.update(step=row.get("step"), made=row.get("made_deadline"), resumed=nxt["step"], source=nxt["source"],
                   done=done, lost=done - nxt["step"], restart_s=nxt["time"] - ev["deadline_unix"],
                   durable_s=(row.get("durable_unix") or 0) - ev["notice_unix"])
-    final = ray.get(controller_of(os.path.join(args.dir, "checkpoints"), "spot").summary.remote())
-    reprofiles = [e for e in final["events"] if e["event"] == "reprofile"]
+    final = run.summary()
+    reprofiles = [e for e in final.get("events", []) if e["event"] == "reprofile"]  # live summaries only
     ray.shutdown()
 
-    print(f"\n| event | notice at | deadline | JIT checkpoint step | durable before the deadline | "
-          f"iterations lost | restart | world size |")
+    print("\n| event | notice at | deadline | JIT checkpoint step | durable before the deadline | "
+          "iterations lost | restart | world size |")
     print("|---|---|---|---|---|---|---|---|")
     for ev in events:
         made = {True: f"yes, {ev['durable_s']:.2f} s after the notice", False: "no", None: "n/a"}[ev.get("made")]

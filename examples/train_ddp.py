@@ -76,7 +76,9 @@ def main():
     print("final model:", result.checkpoint.path)
     model = torch.nn.Sequential(torch.nn.Linear(64, args.hidden), torch.nn.ReLU(), torch.nn.Linear(args.hidden, 1))
     cf_ray.load_into(result.checkpoint, {"model": model})  # evaluation: weights only, no optimizer
-    print("checkpoints:", [(c.step, c.kind) for c in cf_ray.list_checkpoints(result.checkpoint.path.rsplit("/cf_ray/", 1)[0])])
+    run = cf_ray.Run(args.storage_path, args.name)  # the run seen from the driver: checkpoints, profile, summary
+    print("checkpoints:", [(c.step, c.kind) for c in run.checkpoints()])
+    print("committed steps:", run.summary()["committed_steps"])
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ job = dict(policy="adaptive", samples=6400 if SMALL else 25600, epochs=1, hidden
 ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)"""),
     ("md", "## A run with the default budget (5 % of training time)"),
     ("code", """demo.run("budget5", root, dict(job, budget_pct=5.0))
-profile5 = report.read_run_profile(os.path.join(root, "storage"), "budget5")
+run5 = cf_ray.Run(os.path.join(root, "storage"), "budget5")  # RunConfig(storage_path, name) of the job
+profile5 = run5.profile()
 profile5[["step", "kind", "interval", "stall_s", "copy_s", "persist_s", "bytes", "overhead_pct", "committed", "where"]]"""),
     ("md", """One row per checkpoint: the interval in force when it was taken, the training-thread stall
 (synchronous part plus the guard's wait for the background copy), the background copy, the persist
@@ -32,11 +33,10 @@ profile5[["step", "kind", "interval", "stall_s", "copy_s", "persist_s", "bytes",
 step 5, before anything is known; the interval is then tuned from measurements. The workers send
 their timings every quarter of a second (`CF_RAY_POLL_INTERVAL_S`), so with iterations of a few tens
 of milliseconds the first tuned interval comes a few dozen steps in."""),
-    ("code", """iterations5 = report.read_run_iterations(os.path.join(root, "storage"), "budget5")
-fig = report.plot_profile(profile5, iterations5, budget_pct=5.0)"""),
+    ("code", """fig = report.plot_profile(profile5, run5.iterations(), budget_pct=5.0)"""),
     ("md", "## The same job with a 1 % budget"),
     ("code", """demo.run("budget1", root, dict(job, budget_pct=1.0))
-profile1 = report.read_run_profile(os.path.join(root, "storage"), "budget1")
+profile1 = cf_ray.Run(os.path.join(root, "storage"), "budget1").profile()
 summary = {
     "budget 5 %": {"final interval": int(profile5["interval"].iloc[-1]), "checkpoints": len(profile5),
                    "median overhead %": float(profile5["overhead_pct"].median())},
@@ -46,8 +46,9 @@ summary = {
 import pandas as pd
 pd.DataFrame(summary).T"""),
     ("md", """A tighter budget means fewer checkpoints: the interval grows until the measured overhead
-fits. The profile is saved with the run (`profile.parquet` under `<storage_path>/<name>/cf_ray/`),
-so it can be read later by run name, as above, after the cluster is gone."""),
+fits. `cf_ray.Run` asks the run's controller while it is alive, and reads the profile saved with the
+run (`profile.parquet` under `<storage_path>/<name>/cf_ray/`) afterwards: the same call works later,
+by run name, after the cluster is gone."""),
     ("code", """assert summary["budget 1 %"]["checkpoints"] < summary["budget 5 %"]["checkpoints"]
 ray.shutdown()"""),
 ]
