@@ -22,20 +22,24 @@ def arena_of(tree) -> tuple[np.ndarray, bytes]:
 
 
 def write_checkpoint(storage, step: int, model: torch.nn.Module, *, generation: int = 1, commit: bool = True,
-                     milestone: bool = False) -> mf.Manifest:
-    """A one-rank, replicated checkpoint of ``model`` at ``step``, written like the holder + controller do."""
+                     milestone: bool = False, world_size: int = 1) -> mf.Manifest:
+    """A replicated checkpoint of ``model`` at ``step``, written like the holder + controller do:
+    one rank by default; with ``world_size`` > 1 every rank's section also holds a per-rank object
+    ``data`` = ``{"rank": r, "position": 1000 * r + step}`` (what a data loader's position looks like)."""
     directory = mf.step_dir(step)
     files = {}
     sections = {}
-    trees = {mf.SHARED: {"objects": {"model": model.state_dict()}},
-             mf.rank_section(0): {"objects": {}, "counters": {"step": step, "epoch": 0}}}
+    trees = {mf.SHARED: {"objects": {"model": model.state_dict()}}}
+    for r in range(world_size):
+        objects = {"data": {"rank": r, "position": 1000 * r + step}} if world_size > 1 else {}
+        trees[mf.rank_section(r)] = {"objects": objects, "counters": {"step": step, "epoch": 0}}
     for sec, tree in trees.items():
         arena, index = arena_of(tree)
         files.update(mf.write_section(storage, directory, generation, sec, arena, index))
         data, idx = mf.section_files(generation, sec)
         sections[sec] = {"data": data, "index": idx}
-    m = mf.Manifest(step=step, epoch=0, world_size=1, generation=generation, replicated=True, sections=sections,
-                    files=files, milestone=milestone)
+    m = mf.Manifest(step=step, epoch=0, world_size=world_size, generation=generation, replicated=True,
+                    sections=sections, files=files, milestone=milestone)
     if commit:
         mf.commit(storage, directory, m)
     return m

@@ -96,3 +96,31 @@ def test_index_from_a_file_cannot_name_arbitrary_dtypes():
     with pytest.raises(ValueError, match="needs 16 bytes"):
         _codec.TensorEntry.from_json({"name": "x", "dtype": "float32", "shape": [4], "offset": 0, "nbytes": 8,
                                       "kind": "torch"})
+
+
+def test_a_damaged_state_tree_raises_corrupt_checkpoint_error():
+    from cf_ray.errors import CorruptCheckpointError
+
+    entries = [_codec.TensorEntry("t", "float32", (2,), 0, 8, "torch")]
+    buf = np.zeros(8, dtype=np.uint8)
+
+    def get(i, e):
+        return _codec.view(buf, e, copy=True)
+
+    for tree in ({"__cf_tensor__": 1}, {"__cf_tensor__": True}, {"__cf_tensor__": "0"}, {"__cf_tuple__": 5},
+                 {"__cf_dict__": [[{"a": 1}, 2]]}, {"__cf_dict__": [[1]]}, {"__cf_dict__": 3},
+                 {"__cf_bytes__": "!!not base64"}, {"__cf_bytes__": 5}, {"__cf_device__": "warp-drive:9"},
+                 {"__cf_dtype__": ["float32"]}, {"__cf_dtype__": "object"}, {"__cf_float__": "1e400"},
+                 {"__cf_npscalar__": "<f8"}, {"__cf_npscalar__": ["<f8"], "v": 1},
+                 {"__cf_npscalar__": "|i1", "v": 1000},
+                 {"__cf_npscalar__": "<f8", "v": "x"}, {"__cf_state_dict__": 5, "meta": {}},
+                 {"__cf_state_dict__": {}, "meta": 5}, [{"ok": {"__cf_tuple__": None}}]):
+        with pytest.raises(CorruptCheckpointError, match="malformed state tree"):
+            _codec.unflatten(tree, get, entries)
+    assert torch.equal(_codec.unflatten({"__cf_tensor__": 0}, get, entries), torch.zeros(2))
+
+
+def test_an_index_cannot_name_a_negative_shape():
+    with pytest.raises(ValueError, match="malformed tensor entry"):
+        _codec.TensorEntry.from_json({"name": "x", "dtype": "float32", "shape": [-1, -2], "offset": 0, "nbytes": 8,
+                                      "kind": "torch"})

@@ -19,6 +19,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from cf_ray.errors import CfRayError, CorruptCheckpointError
+
 #: Arena offsets are multiples of this, so every dtype view of a slice is aligned.
 ALIGN = 64
 
@@ -76,7 +78,8 @@ class TensorEntry:
                                 int(d["offset"]), int(d["nbytes"]), str(d["kind"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed tensor entry {d!r}: {e}") from None
-        if entry.kind not in ("torch", "numpy") or entry.offset < 0 or entry.nbytes < 0:
+        if entry.kind not in ("torch", "numpy") or entry.offset < 0 or entry.nbytes < 0 \
+                or any(s < 0 for s in entry.shape):
             raise ValueError(f"malformed tensor entry {d!r}")
         if entry.kind == "torch" and entry.dtype not in _TORCH_DTYPES:
             raise ValueError(f"unsupported tensor dtype {entry.dtype!r} in entry {entry.name!r}")
@@ -189,7 +192,24 @@ def flatten(tree: Any, *, offset: int = 0, prefix: str = "") -> Flat:
 
 
 def unflatten(tree: Any, get: Callable[[int, TensorEntry], Any], entries: list[TensorEntry]) -> Any:
-    """Rebuild a state tree; ``get(i, entry)`` returns the tensor or array of entry ``i``."""
+    """Rebuild a state tree; ``get(i, entry)`` returns the tensor or array of entry ``i``.
+
+    Raises:
+        CorruptCheckpointError: ``tree`` (read from a file) is not a tree that :func:`flatten` writes:
+            a bad tag, a reference out of range, an unhashable key, bad base64, ... Never a bare
+            ``KeyError``/``TypeError``/``ValueError``.
+    """
+    try:
+        return _decode(tree, get, entries)
+    except CfRayError:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, OverflowError, RuntimeError) as e:
+        # binascii.Error is a ValueError, RecursionError a RuntimeError (and so are torch's errors).
+        raise CorruptCheckpointError(f"malformed state tree: {type(e).__name__}: {e}") from None
+
+
+def _decode(tree: Any, get: Callable[[int, TensorEntry], Any], entries: list[TensorEntry]) -> Any:
+    """:func:`unflatten` without the translation of errors."""
 
     def dec(v: Any) -> Any:
         if isinstance(v, list):
@@ -199,7 +219,7 @@ def unflatten(tree: Any, get: Callable[[int, TensorEntry], Any], entries: list[T
         if len(v) == 1:
             (k, x), = v.items()
             if k in (_TENSOR, _NDARRAY):
-                if not isinstance(x, int) or not 0 <= x < len(entries):
+                if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < len(entries):
                     raise ValueError(f"tensor reference {x!r} is out of range")
                 return get(x, entries[x])
             if k == _TUPLE:
@@ -213,7 +233,7 @@ def unflatten(tree: Any, get: Callable[[int, TensorEntry], Any], entries: list[T
             if k == _DEVICE:
                 return torch.device(str(x))
             if k == _BYTES:
-                return base64.b64decode(x)
+                return base64.b64decode(x, validate=True)
             if k == _FLOAT:
                 if x not in ("nan", "inf", "-inf"):
                     raise ValueError(f"unsupported float literal {x!r}")
@@ -222,7 +242,10 @@ def unflatten(tree: Any, get: Callable[[int, TensorEntry], Any], entries: list[T
             import collections
 
             out = collections.OrderedDict(dec(v[_STATEDICT]))
-            out._metadata = dec(v.get("meta", {}))  # type: ignore[attr-defined]
+            meta = dec(v.get("meta", {}))
+            if not isinstance(meta, dict):
+                raise ValueError(f"state_dict metadata must be a dict, found {type(meta).__name__}")
+            out._metadata = meta  # type: ignore[attr-defined]
             return out
         if _NPSCALAR in v:
             dt = v[_NPSCALAR]

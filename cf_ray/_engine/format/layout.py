@@ -21,13 +21,24 @@ from __future__ import annotations
 import re
 
 FORMAT = "cf_ray"
-VERSION = 1
+#: Version 2: the manifest carries a checksum of its own content (``checksum``) and is written as
+#: compact JSON. Version 1 manifests (no self-checksum) are still read: checkpoints written before
+#: that change stay loadable.
+VERSION = 2
 MANIFEST = "MANIFEST.json"
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 REGISTERED = "registered"
 POINTER = "cf_ray_checkpoint.json"
 SHARED = "shared"
+#: The final model's one section and file (``final_<step>/``): what ``write_final_model`` writes.
+FINAL_SECTION = "model"
+FINAL_MODEL_FILE = "model.safetensors"
+#: Every ``kind`` a manifest may carry: the values of ``messages.CheckpointKind`` (the format does
+#: not import the driver's messages; tests/test_manifest.py checks that the two agree).
+KINDS = ("scheduled", "epoch", "manual", "preempt", "final")
+#: Per-rank sections are ``rank_00000`` .. ``rank_99999``.
+MAX_WORLD_SIZE = 100_000
 
 _DIR_RE = re.compile(r"^(step|final)_(\d{12})$")
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}$")

@@ -89,6 +89,18 @@ def safe_relpath(path: str) -> str:
     return path
 
 
+def is_symlink(storage: Storage, path: str) -> bool:
+    """True when ``path`` is a symbolic link, for a storage that can tell (``FsStorage`` on local
+    disk has ``is_symlink``); False for object stores and for storages without the method, which
+    stays optional so that a minimal :class:`Storage` needs only the six methods above.
+
+    Raises:
+        UnsafePathError: ``path`` itself is not a safe relative path.
+    """
+    probe = getattr(storage, "is_symlink", None)
+    return bool(probe(safe_relpath(path))) if callable(probe) else False
+
+
 def chunked(buf: np.ndarray | memoryview | bytes, chunk: int | None = None) -> Iterable[memoryview]:
     """Yield ``buf`` in chunks of :data:`_env.WRITE_CHUNK_BYTES`."""
     size = chunk or _env.get_int(_env.WRITE_CHUNK_BYTES)

@@ -87,6 +87,13 @@ class FsStorage:
                 raise UnsafePathError(f"path {path!r} resolves to {real}, outside the checkpoint root {root_real}")
         return full
 
+    def is_symlink(self, path: str) -> bool:
+        """True when ``path`` is a symbolic link on local disk (wherever it points); object stores
+        have no links. Does not follow or resolve the link, so it never raises for one that leaves
+        the root: listings use it to skip such an entry instead of failing on it."""
+        rel = safe_relpath(path)
+        return bool(rel) and self._local and os.path.islink(posixpath.join(self.root, rel))
+
     def uri(self, path: str = "") -> str:
         full = self._abs(path) if path else self.root
         scheme = {"local": "file", "s3": "s3", "gcs": "gs"}.get(self.fs.type_name, self.fs.type_name)
