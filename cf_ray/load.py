@@ -8,19 +8,19 @@ manifest's size and CRC-32 before it is parsed.
 
 from __future__ import annotations
 
-import json
 import posixpath
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
-import numpy as np
 import pyarrow.fs as pafs
 import torch
 
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format import manifest as mf
-from cf_ray.errors import CheckpointNotFoundError, CorruptCheckpointError
+from cf_ray._engine.format.safetensors import read_safetensors
 from cf_ray._engine.storage.fs import FsStorage
+from cf_ray.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +112,7 @@ def load_state(source: Any, *, step: int | None = None, objects: Iterable[str] |
     keyset = None if keys is None else set(keys)
     if m.kind == "final":
         buf = mf.read_verified(run, directory, m, "model.safetensors")
-        state = {"model": _read_safetensors(buf, keyset)}
+        state = {"model": read_safetensors(buf, keyset)}
         return {k: v for k, v in state.items() if wanted is None or k in wanted}
     out: dict[str, Any] = {}
     if m.replicated:
@@ -161,32 +161,5 @@ def _select(section: mf.Section, path: tuple[str, ...], wanted, keyset) -> dict:
             continue
         if keyset is not None:
             sub = _codec.select_keys(sub, keyset)
-        out[name] = _codec.unflatten(sub, lambda i, e: _codec.view(section.buf, e, copy=True), section.entries)
-    return out
-
-
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
-
-
-def _read_safetensors(buf: np.ndarray, keyset) -> dict[str, torch.Tensor]:
-    n = int.from_bytes(bytes(buf[:8]), "little")
-    if n <= 0 or 8 + n > buf.nbytes:
-        raise CorruptCheckpointError("model.safetensors has a bad header length")
-    header = json.loads(bytes(buf[8: 8 + n]))
-    base = 8 + n
-    out = {}
-    for name, spec in header.items():
-        if name == "__metadata__" or (keyset is not None and name not in keyset):
-            continue
-        dtype = _ST_DTYPES.get(spec["dtype"])
-        if dtype is None:
-            raise CorruptCheckpointError(f"unsupported safetensors dtype {spec['dtype']!r}")
-        begin, end = (int(x) for x in spec["data_offsets"])
-        if not 0 <= begin <= end <= buf.nbytes - base:
-            raise CorruptCheckpointError(f"tensor {name} lies outside model.safetensors")
-        raw = buf[base + begin: base + end].copy()
-        t = torch.from_numpy(raw).view(dtype) if end > begin else torch.empty(0, dtype=dtype)
-        out[name] = t.reshape(spec["shape"])
+        out[name] = _codec.unflatten(sub, lambda _i, e: _codec.view(section.buf, e, copy=True), section.entries)
     return out

@@ -7,8 +7,8 @@ Every rank watches three sources; one notice on one rank is enough:
   ``ray drain-node``) and calls ``mark_preempt(PreemptionInfo)`` on every worker;
   ``ray.train.get_preemption_info()`` returns it. That call is a barrier (rank 0's value is
   broadcast, so every rank must call it as often). cf_ray instead reads the worker's own copy
-  after every step, which costs nothing, and lets its per-step all-reduce (``_control.py``) make
-  the ranks agree; where that copy is not reachable (another Ray version) it falls back to the
+  after every step, which costs nothing, and lets its per-step all-reduce
+  (``cf_ray/_engine/worker/control.py``) make the ranks agree; where that copy is not reachable (another Ray version) it falls back to the
   public call every ``ray_poll_every`` steps, the same steps on every rank. Ray then keeps the
   group running until the deadline (``PreemptionInfo.deadline_ms``, or 120 s after detection when
   Ray Core reports none) plus ``FailureConfig.preemption_grace_s``, and restarts it from the latest
@@ -70,447 +70,17 @@ just-in-time checkpoint.
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import cast
 
 import ray
 
 from cf_ray._engine import env as _env
+from cf_ray._engine.driver.messages import CheckpointRequest
 from cf_ray.config import PreemptionConfig
 from cf_ray.errors import CfRayError
 
 logger = logging.getLogger("cf_ray")
-
-#: Ray Train's own fallback when a drain reports no deadline (``DEFAULT_PREEMPTION_DEADLINE_S``).
-_RAY_DEFAULT_DEADLINE_S = 120.0
-
-
-@dataclass(frozen=True, slots=True)
-class PreemptionNotice:
-    """One notice as a rank received it."""
-
-    source: str
-    """``ray`` (Ray Train's signal), ``sigterm``, ``user`` (``request_checkpoint``) or ``driver``
-    (:func:`notify_preemption`)."""
-    received_unix: float
-    """When this rank received it (``time.time()``)."""
-    deadline_unix: float | None
-    """When the worker is expected to be gone; ``None`` when unknown."""
-    rank: int
-    """The rank that received it."""
-    detail: str = ""
-    """Free text: Ray's preempted ranks and nodes, the user's reason."""
-    requested: bool = True
-    """Whether this rank asked for the checkpoint. A notice that reaches every rank (Ray's, the
-    driver's) is acted on by rank 0 only, so that ranks hearing of it a step apart do not ask for
-    two checkpoints; the others keep it for its deadline."""
-
-    def seconds_left(self, now: float | None = None) -> float | None:
-        if self.deadline_unix is None:
-            return None
-        return self.deadline_unix - (time.time() if now is None else now)
-
-
-@dataclass(slots=True)
-class PreemptionOutcome:
-    """What became of a rank's notice once its just-in-time checkpoint was taken."""
-
-    notice: PreemptionNotice
-    step: int
-    """The step of the just-in-time checkpoint."""
-    durable: bool
-    """Committed when this rank stopped waiting for it."""
-    durable_before_deadline: bool | None
-    """Committed before the deadline (``None``: no deadline)."""
-    waited_s: float
-    held_s: float = 0.0
-
-
-# Watchers of this process by token: the function run on the main thread through the actor finds
-# the live object here (what ``__ray_call__`` carries is pickled, so it cannot carry the object).
-_REGISTRY: dict[int, "PreemptionWatcher"] = {}
-_REGISTRY_LOCK = threading.RLock()  # re-entrant: the signal handler takes it on the main thread
-
-
-class PreemptionWatcher:
-    """One per rank, owned by the :class:`~cf_ray.Checkpointer`. Thread-safe ``notify``.
-
-    Call order (training thread unless said otherwise): ``install()`` once; ``poll(step)`` after
-    every optimizer step, before the exchange; ``notify(...)`` from any thread or a signal
-    handler; ``snapshot_meta()`` when a ``preempt`` checkpoint is taken; ``after_checkpoint(...)``
-    right after it; ``close()`` at the end.
-
-    Args:
-        config: the :class:`PreemptionConfig`.
-        rank: this rank.
-        request: called (from any thread) when a notice arrives; asks for a ``preempt`` checkpoint.
-    """
-
-    def __init__(self, config: PreemptionConfig, rank: int, request: Callable[[], None]):
-        self.config = config
-        self.rank = rank
-        self._request = request
-        self._lock = threading.RLock()  # re-entrant: a signal handler may run while the main thread holds it
-        self.notices: list[PreemptionNotice] = []
-        """Every notice this rank received, oldest first."""
-        self.outcomes: list[PreemptionOutcome] = []
-        """What became of them (one per just-in-time checkpoint that this rank had a notice for)."""
-        self.jit_steps: list[int] = []
-        """Steps of every just-in-time checkpoint this rank took (the same on every rank)."""
-        self._active: PreemptionNotice | None = None
-        self._ray_mode = "off"
-        self._ray_seen: set = set()
-        self._ray_first_seen: dict = {}
-        self._token = id(self)
-        self._sigterm_mode = "off"  # off, main (plain handler), actor (via the worker actor's main thread)
-        self._sigterm_notice: PreemptionNotice | None = None
-        self._actor = None
-        self._prev_handler: Any = None
-        self._prev_wakeup = -1
-        self._pipe: tuple[int, int] | None = None
-        self._reader: threading.Thread | None = None
-        self._installed_on_main = False
-        self._closed = False
-
-    # -- set-up ------------------------------------------------------------------------------------
-    def install(self) -> None:
-        """Find Ray's signal and install the SIGTERM handler (see the module doc for how)."""
-        if self.config.ray_signal != "off":
-            self._ray_mode = _ray_mode(self.config.ray_signal)
-        if self.config.sigterm:
-            with _REGISTRY_LOCK:
-                _REGISTRY[self._token] = self
-            if threading.current_thread() is threading.main_thread():
-                self._install_on_main()
-                self._sigterm_mode = "main"
-            else:
-                actor = _current_actor()
-                if actor is None:
-                    logger.warning("cf_ray: rank %d: SIGTERM is not watched (not the main thread and not inside a "
-                                   "Ray actor); Ray Train's preemption signal and request_checkpoint() still are",
-                                   self.rank)
-                else:
-                    r, w = os.pipe()
-                    os.set_blocking(w, False)
-                    self._pipe = (r, w)
-                    self._actor = actor
-                    try:
-                        ok = ray.get(actor.__ray_call__.remote(_main_install, self._token),
-                                     timeout=_env.get_float(_env.ACTOR_TIMEOUT_S))
-                    except Exception as e:  # noqa: BLE001 - never fail training for the watcher
-                        ok = False
-                        logger.warning("cf_ray: rank %d: could not install the SIGTERM handler: %r", self.rank, e)
-                    if not ok:
-                        logger.warning("cf_ray: rank %d: SIGTERM is not watched (the worker actor does not run "
-                                       "calls on its main thread)", self.rank)
-                    if ok:
-                        self._sigterm_mode = "actor"
-                        self._reader = threading.Thread(target=self._read_wakeups, name="cf_ray-sigterm",
-                                                        daemon=True)
-                        self._reader.start()
-                    else:
-                        self._close_pipe()
-        logger.debug("cf_ray: rank %d watches preemption: ray=%s sigterm=%s", self.rank, self._ray_mode,
-                     self._sigterm_mode)
-
-    @property
-    def sources(self) -> dict[str, str]:
-        """How each source is watched on this rank: ``ray`` (``mailbox``, ``api``, ``off``) and
-        ``sigterm`` (``actor``, ``main``, ``off``); ``user`` always works."""
-        return {"ray": self._ray_mode, "sigterm": self._sigterm_mode, "user": "on"}
-
-    def _install_on_main(self) -> None:
-        """On the main thread: our handler for SIGTERM, and the wakeup pipe when there is one."""
-        self._prev_handler = signal.signal(signal.SIGTERM, _python_sigterm)
-        if self._pipe is not None:
-            self._prev_wakeup = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
-        self._installed_on_main = True
-
-    def _uninstall_on_main(self) -> Any:
-        """On the main thread: put back what was there. Returns the previous SIGTERM handler."""
-        prev = self._prev_handler
-        if not self._installed_on_main:
-            return prev
-        self._installed_on_main = False
-        try:
-            if signal.getsignal(signal.SIGTERM) is _python_sigterm:
-                signal.signal(signal.SIGTERM, prev if prev is not None else signal.SIG_DFL)
-            if self._pipe is not None:
-                current = signal.set_wakeup_fd(self._prev_wakeup)
-                if current not in (-1, self._pipe[1]):  # someone else's: leave it in place
-                    signal.set_wakeup_fd(current)
-        except (ValueError, OSError) as e:
-            logger.warning("cf_ray: rank %d: could not restore the SIGTERM handler: %r", self.rank, e)
-        return prev
-
-    def _read_wakeups(self) -> None:
-        r = self._pipe[0]
-        while True:
-            try:
-                data = os.read(r, 512)
-            except OSError:
-                return
-            if not data:
-                return
-            if self._prev_wakeup >= 0:  # keep whoever had the wakeup fd before us informed
-                try:
-                    os.write(self._prev_wakeup, data)
-                except OSError:
-                    pass
-            if signal.SIGTERM in data:
-                self._on_sigterm()
-
-    def _on_sigterm(self) -> None:
-        with self._lock:
-            if self._sigterm_notice is not None:
-                return
-            now = time.time()
-            self._sigterm_notice = self.notify("sigterm", deadline_unix=now + self.config.sigterm_deadline_s,
-                                               detail="SIGTERM to the worker process")
-
-    # -- notices -------------------------------------------------------------------------------------
-    def notify(self, source: str, *, deadline_unix: float | None = None, deadline_s: float | None = None,
-               detail: str = "", request: bool = True) -> PreemptionNotice:
-        """Record a notice and (``request``) ask for a just-in-time checkpoint. Any thread; several
-        sources may report the same event (the earliest deadline wins)."""
-        now = time.time()
-        if deadline_unix is None and deadline_s is not None:
-            deadline_unix = now + float(deadline_s)
-        notice = PreemptionNotice(source=source, received_unix=now, deadline_unix=deadline_unix, rank=self.rank,
-                                  detail=detail, requested=request)
-        with self._lock:
-            self.notices.append(notice)
-            act = self._active
-            if act is None or (notice.deadline_unix is not None
-                               and (act.deadline_unix is None or notice.deadline_unix < act.deadline_unix)):
-                self._active = notice
-        left = notice.seconds_left(now)
-        logger.warning("cf_ray: rank %d: preemption notice from %s%s%s%s", self.rank, source,
-                       f", deadline in {left:.1f} s" if left is not None else ", no deadline",
-                       f" ({detail})" if detail else "",
-                       "; checkpointing at the next step" if request else "; rank 0 asks for the checkpoint")
-        if request:
-            self._request()
-        return notice
-
-    @property
-    def active(self) -> PreemptionNotice | None:
-        """The notice the next just-in-time checkpoint answers, if any."""
-        return self._active
-
-    def poll(self, step: int) -> None:
-        """After every optimizer step, on the training thread: look at Ray Train's signal."""
-        act = self._active
-        if act is not None and not act.requested and act.deadline_unix is not None \
-                and time.time() > act.deadline_unix + 1.0:
-            self._active = None  # heard of after its checkpoint, and long past: forget it
-        if self._ray_mode == "mailbox":
-            info = _read_mailbox()
-        elif self._ray_mode == "api" and step % self.config.ray_poll_every == 0:
-            try:
-                info = ray.train.get_preemption_info()
-            except Exception as e:  # noqa: BLE001
-                logger.warning("cf_ray: rank %d: ray.train.get_preemption_info() failed (%r); not polled again",
-                               self.rank, e)
-                self._ray_mode = "off"
-                return
-        else:
-            return
-        if info is None:
-            return
-        key = (info.deadline_ms, tuple(sorted((n, tuple(r)) for n, r in info.preempted_node_to_ranks.items())))
-        if key in self._ray_seen:
-            return
-        self._ray_seen.add(key)
-        if info.deadline_ms:
-            deadline = info.deadline_ms / 1000.0
-        else:  # Ray restarts the group this long after it saw the drain
-            deadline = self._ray_first_seen.setdefault("t", time.time()) + _ray_default_deadline_s()
-        ranks = info.preempted_ranks
-        # Every rank gets Ray's signal; from the mailbox they may see it a step apart, so only rank 0
-        # asks (the public call returns the same value on every rank at the same step).
-        self.notify("ray", deadline_unix=deadline, request=self._ray_mode == "api" or self.rank == 0,
-                    detail=f"Ray Train: preempted ranks {ranks}, nodes {[n[:8] for n in info.preempted_node_ids]}"
-                           f"{' (this rank)' if self.rank in ranks else ''}")
-
-    def snapshot_meta(self) -> dict:
-        """What the ``preempt`` checkpoint's metadata records of this rank's notice (may be empty)."""
-        n = self._active
-        if n is None:
-            return {}
-        return {"deadline_unix": n.deadline_unix, "notice_unix": n.received_unix, "notice_source": n.source}
-
-    # -- after the checkpoint -----------------------------------------------------------------------------
-    def after_checkpoint(self, step: int, wait: Callable[[float], Any], committed: Callable[[int], bool]) -> None:
-        """Right after this rank started the ``preempt`` checkpoint of ``step``: wait for it to be
-        committed (bounded by the deadline), then hold or let SIGTERM take its course.
-
-        Args:
-            step: the checkpoint's step.
-            wait: ``Checkpointer.wait``: blocks up to the given seconds until nothing is pending.
-            committed: whether ``step`` (or a newer one) is committed, as this rank knows it.
-        """
-        self.jit_steps.append(step)
-        with self._lock:
-            notice, self._active = self._active, None
-        if notice is None:
-            return
-        t0 = time.time()
-        left = notice.seconds_left(t0)
-        budget = self.config.max_wait_s if left is None else max(left, 0.5)
-        try:
-            wait(budget)
-        except CfRayError as e:  # raise_on_persist_error: report it, the outcome says not durable
-            logger.warning("cf_ray: rank %d: the just-in-time checkpoint of step %d failed: %s", self.rank, step, e)
-        durable = committed(step)
-        now = time.time()
-        made = None if notice.deadline_unix is None else (durable and now <= notice.deadline_unix)
-        outcome = PreemptionOutcome(notice=notice, step=step, durable=durable, durable_before_deadline=made,
-                                    waited_s=now - t0)
-        self.outcomes.append(outcome)
-        left = notice.seconds_left(now)
-        logger.warning("cf_ray: rank %d: just-in-time checkpoint of step %d %s%s", self.rank, step,
-                       "committed" if durable else "NOT committed yet",
-                       "" if left is None else f", {left:.1f} s before the deadline" if left >= 0
-                       else f", {-left:.1f} s after the deadline")
-        if notice.source == "sigterm" and self.config.sigterm_exit and self._sigterm_mode != "off":
-            self._redeliver_sigterm()
-            # The process is ending; a step taken now would be lost. Hold until it does (or the deadline).
-            self._sleep_until(notice.deadline_unix + self.config.hold_extra_s, outcome)
-            return
-        if self.config.hold and notice.deadline_unix is not None:
-            self._sleep_until(notice.deadline_unix + self.config.hold_extra_s, outcome)
-
-    def _sleep_until(self, until: float | None, outcome: PreemptionOutcome) -> None:
-        t0 = time.time()
-        if until is None or until <= t0:
-            return
-        logger.warning("cf_ray: rank %d: holding %.1f s until the deadline (a step taken now would be lost)",
-                       self.rank, until - t0)
-        while not self._closed and time.time() < until:
-            time.sleep(min(0.1, max(until - time.time(), 0.0)))
-        outcome.held_s = time.time() - t0
-        logger.warning("cf_ray: rank %d: still alive after the deadline; training goes on", self.rank)
-
-    def _redeliver_sigterm(self) -> None:
-        if self._sigterm_mode == "main":
-            _main_redeliver(None, self._token)
-        elif self._sigterm_mode == "actor":
-            self._actor.__ray_call__.remote(_main_redeliver, self._token)
-
-    # -- the end --------------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Put the SIGTERM handling back as it was. Call once, from the training thread."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._sigterm_mode == "main":
-            self._uninstall_on_main()
-        elif self._sigterm_mode == "actor" and self._installed_on_main:
-            try:
-                ray.get(self._actor.__ray_call__.remote(_main_uninstall, self._token), timeout=10)
-            except Exception as e:  # noqa: BLE001
-                logger.warning("cf_ray: rank %d: could not restore the SIGTERM handler: %r", self.rank, e)
-        self._close_pipe()
-        with _REGISTRY_LOCK:
-            _REGISTRY.pop(self._token, None)
-
-    def _close_pipe(self) -> None:
-        if self._pipe is None or self._installed_on_main:
-            return  # still the wakeup fd: leave it open rather than let Python write to a reused fd
-        r, w = self._pipe
-        self._pipe = None
-        for fd in (w, r):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
-# -- run on the main thread (directly, or as a task of the worker actor) ----------------------------
-
-def _python_sigterm(signum, frame) -> None:  # noqa: ARG001 - the signal module's signature
-    with _REGISTRY_LOCK:
-        watchers = list(_REGISTRY.values())
-    for w in watchers:
-        w._on_sigterm()
-
-
-def _main_install(_actor_self, token: int) -> bool:
-    w = _REGISTRY.get(token)
-    if w is None or threading.current_thread() is not threading.main_thread():
-        return False
-    w._install_on_main()
-    return True
-
-
-def _main_uninstall(_actor_self, token: int) -> None:
-    w = _REGISTRY.get(token)
-    if w is not None:
-        w._uninstall_on_main()
-
-
-def _main_redeliver(_actor_self, token: int) -> None:
-    """Let SIGTERM do what it would have done without cf_ray."""
-    w = _REGISTRY.get(token)
-    if w is None:
-        return
-    prev = w._uninstall_on_main()
-    logger.warning("cf_ray: rank %d: passing the deferred SIGTERM on", w.rank)
-    if callable(prev) and prev is not _python_sigterm:
-        prev(signal.SIGTERM, None)  # Ray's handler raises SystemExit: the worker process ends
-    elif prev in (None, signal.SIG_DFL):
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-# -- Ray Train's signal ---------------------------------------------------------------------------------
-
-def _ray_mode(wanted: str) -> str:
-    if wanted == "auto":
-        try:
-            _read_mailbox()
-            return "mailbox"
-        except Exception:  # noqa: BLE001 - not inside Ray Train v2, or another layout
-            pass
-    try:
-        import ray.train
-
-        ray.train.get_context()
-        if hasattr(ray.train, "get_preemption_info"):
-            return "api"
-    except Exception:  # noqa: BLE001
-        pass
-    return "off"
-
-
-def _read_mailbox():
-    """The ``PreemptionInfo`` Ray Train's watcher left on this worker (Ray 2.60's internal layout)."""
-    from ray.train.v2._internal.execution.context import get_train_context
-
-    return get_train_context().preemption_context.preemption_info
-
-
-def _ray_default_deadline_s() -> float:
-    try:
-        from ray.train.v2._internal.constants import DEFAULT_PREEMPTION_DEADLINE_S
-
-        return float(DEFAULT_PREEMPTION_DEADLINE_S)
-    except Exception:  # noqa: BLE001
-        return _RAY_DEFAULT_DEADLINE_S
-
-
-def _current_actor():
-    try:
-        ctx = ray.get_runtime_context()
-        if ctx.get_actor_id() is None:
-            return None
-        return ctx.current_actor
-    except Exception:  # noqa: BLE001
-        return None
 
 
 # -- from the driver (or any process of the cluster) ------------------------------------------------------
@@ -524,7 +94,8 @@ def controller_of(storage_path: str, run_name: str, storage_filesystem=None):
         run_name: the run's name (``RunConfig(name=...)``).
         storage_filesystem: the ``pyarrow.fs`` filesystem given with it, if any.
     """
-    from cf_ray._engine.driver.controller import get_controller, run_key
+    from cf_ray._engine.driver.controller import get_controller
+    from cf_ray._engine.driver.naming import run_key
     from cf_ray._engine.storage.fs import FsStorage
 
     storage = FsStorage.from_uri(storage_path, storage_filesystem).child(f"{run_name}/cf_ray")
@@ -547,7 +118,8 @@ def notify_preemption(storage_path: str, run_name: str, *, deadline_s: float | N
         detail: free text kept with the notice.
 
     Returns:
-        The request as the controller recorded it (``seq``, ``deadline_unix``, ``time``).
+        The request as the controller recorded it (``seq``, ``deadline_unix``, ``detail``, ``time``,
+        ``generation``).
 
     Raises:
         CfRayError: no live controller for this run (the job is not running).
@@ -558,8 +130,10 @@ def notify_preemption(storage_path: str, run_name: str, *, deadline_s: float | N
                          "storage_path and name as the job's RunConfig")
     if deadline_unix is None and deadline_s is not None:
         deadline_unix = time.time() + float(deadline_s)
-    return ray.get(ctl.request_checkpoint.remote({"deadline_unix": deadline_unix, "detail": detail}),
-                   timeout=_env.get_float(_env.ACTOR_TIMEOUT_S))
+    req = cast(CheckpointRequest, ray.get(ctl.request_checkpoint.remote(deadline_unix, detail),
+                                          timeout=_env.get_float(_env.ACTOR_TIMEOUT_S)))
+    return {"seq": req.seq, "deadline_unix": req.deadline_unix, "detail": req.detail, "time": req.time_unix,
+            "generation": req.generation}
 
 
 try:  # Ray Train v2's controller callbacks (a DeveloperAPI; RunConfig(callbacks=...) accepts them)
@@ -616,8 +190,7 @@ class CheckpointBeforeResize(_ControllerCallback):
             ctl = controller_of(self.storage_path, self.run_name, self.storage_filesystem)
             if ctl is None:
                 return out
-            ray.get(ctl.request_checkpoint.remote({"deadline_unix": t0 + self.timeout_s, "detail": detail}),
-                    timeout=10)
+            ray.get(ctl.request_checkpoint.remote(t0 + self.timeout_s, detail), timeout=10)
             while time.time() - t0 < self.timeout_s:
                 rows = ray.get(ctl.profile_rows.remote(), timeout=10)
                 row = next((r for r in rows if r.get("kind") == "preempt" and r.get("notice_source") == "driver"
@@ -634,6 +207,5 @@ class CheckpointBeforeResize(_ControllerCallback):
         return out
 
 
-__all__ = ["CheckpointBeforeResize", "PreemptionConfig", "PreemptionNotice", "PreemptionOutcome", "PreemptionWatcher",
-           "controller_of", "notify_preemption"]
+__all__ = ["CheckpointBeforeResize", "PreemptionConfig", "controller_of", "notify_preemption"]
 

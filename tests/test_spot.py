@@ -18,16 +18,17 @@ import time
 import pyarrow.fs as pafs
 import pytest
 import torch
-
-import cf_ray
-from cf_ray._engine.format import manifest as mf
-from cf_ray import preemption
-from cf_ray.data import ResumableDistributedSampler
-from cf_ray.config import PreemptionConfig
-from cf_ray.preemption import PreemptionWatcher, notify_preemption
-from cf_ray._engine.storage.fs import FsStorage
 from faulty_fs import FaultyHandler  # tests/ is on the workers' PYTHONPATH too (conftest.py)
 
+import cf_ray
+from cf_ray import preemption
+from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.storage.fs import FsStorage
+from cf_ray._engine.worker import preemption_watcher
+from cf_ray._engine.worker.preemption_watcher import PreemptionWatcher
+from cf_ray.config import PreemptionConfig
+from cf_ray.data import ResumableDistributedSampler
+from cf_ray.preemption import notify_preemption
 
 # -- the watcher alone ----------------------------------------------------------------------------------
 
@@ -72,7 +73,7 @@ def test_sigterm_in_the_main_thread_is_a_notice_passed_on_after_the_checkpoint()
         assert passed_on == []  # deferred, not swallowed ...
         w.after_checkpoint(7, wait=lambda t: None, committed=lambda s: True)
         assert passed_on == [signal.SIGTERM]  # ... passed on once the checkpoint is durable
-        assert signal.getsignal(signal.SIGTERM) is not preemption._python_sigterm
+        assert signal.getsignal(signal.SIGTERM) is not preemption_watcher._python_sigterm
         (out,) = w.outcomes
         assert out.step == 7 and out.durable and out.durable_before_deadline
         assert w.jit_steps == [7] and w.active is None
@@ -83,7 +84,7 @@ def test_sigterm_in_the_main_thread_is_a_notice_passed_on_after_the_checkpoint()
 
 def test_rays_signal_from_the_worker_mailbox(monkeypatch):
     info = _info(5.0)
-    monkeypatch.setattr(preemption, "_read_mailbox", lambda: info)
+    monkeypatch.setattr(preemption_watcher, "_read_mailbox", lambda: info)
     w0, r0 = _watcher(0, ray_signal="auto")
     w1, r1 = _watcher(1, ray_signal="auto")
     w0.install()
@@ -427,7 +428,7 @@ def _lineage(out):
     for (gen, rank, step), r in sorted(_records(out).items()):
         kept[(rank, step)] = (gen, r)
     resumes = {r["generation"]: r["step"] for r in _resumes(out)}
-    for (rank, step), (gen, r) in list(kept.items()):
+    for (rank, step), (gen, _r) in list(kept.items()):
         later = [g for g in resumes if g > gen and resumes[g] < step]
         if later:
             del kept[(rank, step)]

@@ -13,31 +13,34 @@ With one rank, or without ``torch.distributed``, the local vector is the agreeme
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-logger = logging.getLogger("cf_ray")
+from cf_ray._engine.driver.messages import RequestLevel
 
 # Field positions in the vector.
 SCHEDULE_VERSION = 0  # MIN: the newest schedule version every rank has received
-SAVE_REQUEST = 1  # MAX (negated): 0 none, 1 manual request, 2 preemption notice
+SAVE_REQUEST = 1  # MAX (negated): a RequestLevel (0 none, 1 manual request, 2 preemption notice)
 COMMITTED_STEP = 2  # MIN: the newest committed step every rank knows of
 REGISTER = 3  # MAX (negated): rank 0 asks to register with Ray Train
-STOP = 4  # MAX (negated): stop after the next checkpoint is durable (preemption)
-_N = 5
-_NEGATED = (SAVE_REQUEST, REGISTER, STOP)
+_N = 4
+_NEGATED = (SAVE_REQUEST, REGISTER)
 
 
 @dataclass(frozen=True, slots=True)
 class Agreement:
+    """What every rank acts on at the same step."""
+
     schedule_version: int
-    save_request: int
+    """The newest schedule version every rank has received (the one to adopt)."""
+    save_request: RequestLevel
+    """The strongest out-of-schedule checkpoint request any rank posted."""
     committed_step: int
+    """The newest committed step every rank knows of."""
     register: bool
-    stop: bool
+    """Rank 0 asks every rank to register ``committed_step`` with Ray Train."""
 
 
 class ControlPlane:
@@ -57,14 +60,13 @@ class ControlPlane:
             # A gloo group of our own: works beside NCCL and keeps our collectives out of DDP's way.
             self._group = dist.new_group(backend="gloo")
 
-    def exchange(self, *, schedule_version: int, save_request: int, committed_step: int, register: bool,
-                 stop: bool = False) -> Agreement | None:
+    def exchange(self, *, schedule_version: int, save_request: RequestLevel, committed_step: int,
+                 register: bool) -> Agreement | None:
         local = [0] * _N
         local[SCHEDULE_VERSION] = schedule_version
-        local[SAVE_REQUEST] = save_request
+        local[SAVE_REQUEST] = int(save_request)
         local[COMMITTED_STEP] = committed_step
         local[REGISTER] = int(register)
-        local[STOP] = int(stop)
         if self._group is None:
             return _agreement(local)
         previous = None
@@ -108,11 +110,16 @@ class ControlPlane:
             self._work.wait()
             self._work = None
 
+    def close(self) -> None:
+        """Forget the in-flight exchange without waiting for it (the other ranks may be gone)."""
+        self._work = None
+        self._buf = None
+
     def _decode(self, buf: torch.Tensor) -> list[int]:
         vals = buf.tolist()
         return [(-v if i in _NEGATED else v) for i, v in enumerate(vals)]
 
 
 def _agreement(v: list[int]) -> Agreement:
-    return Agreement(schedule_version=v[SCHEDULE_VERSION], save_request=v[SAVE_REQUEST],
-                     committed_step=v[COMMITTED_STEP], register=bool(v[REGISTER]), stop=bool(v[STOP]))
+    return Agreement(schedule_version=v[SCHEDULE_VERSION], save_request=RequestLevel(v[SAVE_REQUEST]),
+                     committed_step=v[COMMITTED_STEP], register=bool(v[REGISTER]))

@@ -25,21 +25,33 @@ real TorchTrainer on this 2-core machine (200 MiB per rank, rank 1 SIGKILLed): a
 ``ray.put`` held by another actor is lost with the worker (``OwnerDiedError``); by-value to a
 holder that re-puts survived, ~0.2 s on the *background* thread, zero-copy reads at restore.
 ``ray.put(_owner=...)`` raises ``ValueError`` on 2.60. See benchmarks/ for the current figures.
+
+Two classes: :class:`Snapshotter`, the copy engine (no Ray; it calls back a ``hand_off``), and
+:class:`Phase1`, what the Checkpointer drives (what a snapshot holds, its metadata, and the
+hand-off to the holder).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
+import ray
 import torch
 
+from cf_ray._engine import env as _env
+from cf_ray._engine.driver.messages import CheckpointKind, SnapshotMeta
 from cf_ray._engine.format import codec as _codec
+from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.worker.restore import rng_state
+from cf_ray._engine.worker.timing import Timing
 
 logger = logging.getLogger("cf_ray")
 
@@ -57,7 +69,8 @@ class SnapshotJob:
     """A snapshot in flight: what to copy, and what the hand-off needs."""
 
     step: int
-    meta: dict
+    meta: Any
+    """What the hand-off passes on (a :class:`SnapshotMeta` from the Checkpointer)."""
     flats: dict[str, _codec.Flat]
     arenas: dict[str, np.ndarray]
     deferred: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -124,12 +137,13 @@ class Snapshotter:
         self.last_begin: dict[str, float] = {}
         self.prepare_s: float | None = None  # seconds the background thread spent in prepare()
         self._preparing = False
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"cf_ray-snapshot-r{rank}", daemon=True)
         self._thread.start()
 
     # -- training thread ---------------------------------------------------------------------
     def begin(self, step: int, sections: dict[str, Any], is_guarded: Callable[[torch.Tensor], bool],
-              meta: dict) -> float:
+              meta: Any) -> float:
         """Start a snapshot of ``sections`` (name -> state tree). Returns seconds spent here.
 
         Tensors for which ``is_guarded`` is true (they change only in the optimizer step) and all
@@ -216,9 +230,18 @@ class Snapshotter:
         return errors
 
     def close(self, timeout: float | None = None) -> None:
+        """Stop the background thread once the job in flight (if any) is done or ``timeout`` passed.
+        Later calls do nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self.wait_done(timeout)
         self._queue.put(None)
         self._thread.join(timeout=5)
+
+    def release_buffers(self) -> None:
+        """Drop the host buffers (after :meth:`close`; a job still in flight keeps its own)."""
+        self._arenas.clear()
 
     # -- internals -------------------------------------------------------------------------------
     def _arena_for(self, name: str, flat: _codec.Flat) -> _Arena:
@@ -245,7 +268,7 @@ class Snapshotter:
                     job.timings["copy_s"] = time.perf_counter() - t0
                     self._copy_done.set()
                 sections = {
-                    name: StagedSection(job.arenas[name], _encode_index(flat))
+                    name: StagedSection(job.arenas[name], mf.encode_index(flat))
                     for name, flat in job.flats.items()
                 }
                 t1 = time.perf_counter()
@@ -289,7 +312,126 @@ class Snapshotter:
             dst.copy_(src)
 
 
-def _encode_index(flat: _codec.Flat) -> bytes:
-    from cf_ray._engine.format.manifest import encode_index
+class Phase1:
+    """Phase 1 of one rank as the :class:`~cf_ray.Checkpointer` drives it: what a snapshot holds,
+    the :class:`Snapshotter` that copies it, and the hand-off of the bytes to this node's holder.
 
-    return encode_index(flat)
+    Call order (training thread): :meth:`take` at a checkpoint step, right after the optimizer
+    step; :meth:`prepare_once` at the first step that takes none; :meth:`wait_copy` before every
+    optimizer step (the guard); :meth:`close` at the end.
+
+    Args:
+        rank, world_size: this rank and the number of ranks.
+        replicated: ``CheckpointConfig.replicated`` (rank 0 alone saves the tracked state).
+        state, data: the tracked objects (replicated and per-rank).
+        holder: this node's holder actor.
+        timing: where the hand-off's timings go.
+    """
+
+    def __init__(self, rank: int, world_size: int, replicated: bool, state: Mapping[str, Any],
+                 data: Mapping[str, Any], holder, timing: Timing):
+        self.rank = rank
+        self.world_size = world_size
+        self.replicated = replicated
+        self.state = state
+        self.data = data
+        self.holder = holder
+        self.generation = 0
+        """This attempt's generation (names the snapshot in the holder)."""
+        self._timing = timing
+        self._prepared = False
+        self._snap = Snapshotter(rank, self._hand_off)
+
+    # -- the training thread ------------------------------------------------------------------------
+    def take(self, step: int, epoch: int, kind: CheckpointKind, *, milestone: bool, interval: int | None,
+             notice: dict) -> float:
+        """Start the snapshot of ``step``; returns the seconds the snapshotter spent on this thread.
+
+        Args:
+            notice: a preemption notice's deadline fields for the profile row (may be empty).
+        """
+        sections = self._sections(step, epoch)
+        meta = SnapshotMeta(rank=self.rank, world_size=self.world_size, replicated=self.replicated, epoch=epoch,
+                            kind=kind, milestone=milestone, priority=kind is CheckpointKind.PREEMPT,
+                            interval=interval, **notice)
+        guarded = self._guarded_ptrs()
+        return self._snap.begin(step, sections, lambda t: t.data_ptr() in guarded, meta)
+
+    def prepare_once(self, step: int, epoch: int) -> bool:
+        """Fault in the snapshot buffers in the background, the first time only. Returns whether
+        that started now (the next iterations then compete with it)."""
+        if self._prepared:
+            return False
+        # After the first optimizer step the state has its layout (Adam creates its state
+        # there): fault in the snapshot buffers now, in the background, not at the first
+        # checkpoint's copy (see the module doc).
+        self._prepared = True
+        return self._snap.prepare(self._sections(step, epoch))
+
+    def wait_copy(self) -> float:
+        """The weight-update guard (:meth:`Snapshotter.wait_copy`)."""
+        return self._snap.wait_copy()
+
+    def wait_done(self, timeout: float | None = None) -> bool:
+        return self._snap.wait_done(timeout)
+
+    def preparing(self) -> bool:
+        return self._snap.preparing()
+
+    def take_errors(self) -> list[tuple[int, BaseException]]:
+        return self._snap.take_errors()
+
+    @property
+    def last_begin(self) -> dict[str, float]:
+        """The snapshotter's timings of the last :meth:`take` (``wait_s``, ``nbytes``, ...)."""
+        return self._snap.last_begin
+
+    @property
+    def last_timings(self) -> dict[str, float]:
+        """The snapshotter's timings of its last finished job (``step``, ``copy_s``, ...)."""
+        return self._snap.last_timings
+
+    def close(self, timeout: float | None = 5) -> None:
+        """Stop the background thread and drop the buffers (idempotent)."""
+        self._snap.close(timeout=timeout)
+        self._snap.release_buffers()
+
+    # -- internals ------------------------------------------------------------------------------------
+    def _sections(self, step: int, epoch: int) -> dict[str, Any]:
+        """This rank's snapshot: section name -> state tree (references; copied by the snapshotter)."""
+        rank_tree = {
+            "objects": {name: obj.state_dict() for name, obj in self.data.items()},
+            "rng": rng_state(),
+            "counters": {"step": step, "epoch": epoch},
+        }
+        sections: dict[str, Any] = {}
+        replicated = {name: obj.state_dict() for name, obj in self.state.items()} \
+            if (self.rank == 0 or not self.replicated) else None
+        if self.replicated:
+            if self.rank == 0:
+                sections[mf.SHARED] = {"objects": replicated}
+        else:
+            rank_tree["state"] = replicated
+        sections[mf.rank_section(self.rank)] = rank_tree
+        return sections
+
+    def _guarded_ptrs(self) -> set[int]:
+        """Storage pointers of tensors that change only in the optimizer step (copied in the background)."""
+        ptrs = set()
+        for obj in self.state.values():
+            if isinstance(obj, torch.nn.Module):
+                ptrs.update(p.data_ptr() for p in obj.parameters())
+            elif isinstance(obj, torch.optim.Optimizer):
+                for group in obj.param_groups:
+                    ptrs.update(p.data_ptr() for p in group["params"])
+                for st in obj.state.values():
+                    ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
+        return ptrs
+
+    def _hand_off(self, job: SnapshotJob, sections: dict[str, StagedSection]) -> None:
+        """Background thread: give the bytes to this node's holder (which persists them)."""
+        meta = dataclasses.replace(job.meta, copy_s=job.timings.get("copy_s"), sync_s=job.timings.get("sync_s"))
+        payload = {name: (s.arena, s.index) for name, s in sections.items()}
+        ref = self.holder.stage.remote(self.generation, job.step, payload, meta=meta)
+        ray.get(ref, timeout=_env.get_float(_env.ACTOR_TIMEOUT_S))
+        self._timing.handed_off(job.step, job.timings)

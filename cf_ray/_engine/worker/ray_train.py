@@ -1,0 +1,114 @@
+"""What Ray Train learns of cf_ray's checkpoints: committed steps registered as they come (rank 0
+asks, every rank reports at the same step), and the consolidated model as the run's result.
+
+Registration is bookkeeping: it never fails training, and it happens only when checkpoints live in
+Ray Train's run directory (``WorkerContext.ray_storage``) and ``register_with_ray`` is set.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import ray
+import torch
+
+from cf_ray._engine import env as _env
+from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.safetensors import write_final_model
+from cf_ray._engine.worker.context import WorkerContext
+from cf_ray._engine.worker.control import Agreement, ControlPlane
+
+logger = logging.getLogger("cf_ray")
+
+
+class RayTrainLink:
+    """One rank's reports to Ray Train.
+
+    Call order (training thread): :meth:`start_attempt` at restore; :meth:`due` before each
+    exchange (rank 0); :meth:`on_agreement` with each agreement; :meth:`final_model` at the end.
+
+    Args:
+        ctx: this rank's context (storage, and Ray Train's storage when registering is possible).
+        register_with_ray: ``CheckpointConfig.register_with_ray``.
+        final_module: the tracked module written as the final model (``None``: none).
+    """
+
+    def __init__(self, ctx: WorkerContext, register_with_ray: bool, final_module: torch.nn.Module | None):
+        self.rank = ctx.rank
+        self.storage = ctx.storage
+        self.ray_storage = ctx.ray_storage
+        self.register_with_ray = register_with_ray
+        self.final_module = final_module
+        self.metrics: dict[str, Any] = {}
+        """User metrics sent with each registration of a checkpoint with Ray Train."""
+        self._registered = 0
+        self._last_register = time.monotonic()
+
+    def start_attempt(self, committed_step: int) -> None:
+        """At restore: what was committed before this attempt counts as registered."""
+        self._registered = committed_step
+
+    # -- checkpoints as they commit -------------------------------------------------------------------
+    def due(self, known_committed: int) -> bool:
+        """Whether rank 0 should ask every rank to register ``known_committed`` now."""
+        return (self.register_with_ray and self.ray_storage is not None
+                and known_committed > self._registered
+                and time.monotonic() - self._last_register >= _env.get_float(_env.REGISTER_INTERVAL_S))
+
+    def on_agreement(self, agreement: Agreement | None, epoch: int) -> None:
+        """Register the agreed committed step when the ranks agreed to."""
+        if agreement is not None and agreement.register and agreement.committed_step > self._registered:
+            self._register(agreement.committed_step, epoch)
+
+    def _register(self, step: int, epoch: int) -> None:
+        self._registered = step
+        self._last_register = time.monotonic()
+        if self.ray_storage is None:
+            return
+        from ray.train import Checkpoint, CheckpointUploadMode
+
+        # Ray Train remembers every registered checkpoint and, when a run with the same name starts
+        # again, refuses to start if one of them is gone. keep-last deletes checkpoints, so what is
+        # registered is a small pointer directory that cf_ray never deletes (Ray's own
+        # CheckpointConfig(num_to_keep=...) may), naming the checkpoint it stands for.
+        pointer = None
+        if self.rank == 0:
+            try:
+                pointer = mf.write_pointer(self.storage, step)
+            except Exception as e:  # noqa: BLE001 - registration is bookkeeping; never fail training for it
+                logger.warning("cf_ray: could not register step %d with Ray Train: %s", step, e)
+        ckpt = Checkpoint(path=self.storage.fs_path(pointer), filesystem=self.storage.fs) if pointer else None
+        metrics = dict(self.metrics, cf_ray_step=step, cf_ray_epoch=epoch)
+        ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+
+    # -- the end of training --------------------------------------------------------------------------
+    def final_model(self, step: int, epoch: int, control: ControlPlane) -> tuple[str | None, list[dict]]:
+        """Rank 0 writes the consolidated model; every rank registers it as the run's result.
+
+        Returns:
+            (its location or ``None``, the failure to report when writing it failed on rank 0).
+        """
+        if not isinstance(self.final_module, torch.nn.Module):
+            return None, []
+        final_dir = mf.step_dir(step, kind="final")
+        ok, failures = True, []
+        if self.rank == 0:
+            try:
+                write_final_model(self.storage, final_dir, self.final_module, step=step, epoch=epoch)
+            except Exception as e:  # noqa: BLE001 - never fail the job for a failed save
+                ok = False
+                logger.warning("cf_ray: writing the final model failed: %r", e)
+                failures = [{"step": step, "section": "final", "rank": 0, "error": repr(e)}]
+        ok = control.broadcast(ok)
+        if not ok:
+            return None, failures
+        if self.register_with_ray and self.ray_storage is not None:
+            from ray.train import Checkpoint, CheckpointUploadMode
+
+            ckpt = Checkpoint(path=self.storage.fs_path(final_dir), filesystem=self.storage.fs)
+            ray.train.report(dict(self.metrics, cf_ray_step=step, cf_ray_final=True),
+                             checkpoint=ckpt if self.rank == 0 else None,
+                             checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+        return self.storage.uri(final_dir), failures

@@ -1,0 +1,103 @@
+"""What this rank measures for the policy and the profile table: the time of an iteration without
+checkpointing, what each checkpoint cost the training thread (its stall, the weight-update guard)
+and the background thread (copy, hand-off), and a summary of the last checkpoint.
+
+Samples travel to the controller with the next poll (:mod:`cf_ray._engine.worker.controller_link`).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+
+class Timing:
+    """One rank's measurements between two polls of the controller.
+
+    Call order (training thread unless said otherwise): :meth:`guarded` after the weight-update
+    guard; :meth:`end_iteration` right after the optimizer step; :meth:`snapshot_taken` when a
+    checkpoint starts; :meth:`handed_off` (background thread) once its bytes are in the holder;
+    :meth:`step_end` at the end of a step; :meth:`drain` when a poll goes out.
+    """
+
+    def __init__(self):
+        self.checkpoints_taken = 0
+        """Checkpoints started by this rank."""
+        self.stall_s_total = 0.0
+        """Seconds the training thread spent on checkpoints (starting them and the guard)."""
+        self.prepare_overlap = False
+        """The last iteration overlapped the fault-in of the snapshot buffers (snapshot.py)."""
+        self._ckpt_stats: collections.deque = collections.deque(maxlen=64)
+        self._iter_sum_s = 0.0
+        self._iter_n = 0
+        self._last_step_end: float | None = None
+        self._pending_guard_step: int | None = None
+        self._last_ckpt: dict[str, Any] = {}
+
+    # -- the training thread ------------------------------------------------------------------------
+    def guarded(self, guard_s: float) -> None:
+        """The weight-update guard waited ``guard_s`` (0 when the copy was already done)."""
+        if guard_s and self._pending_guard_step is not None:
+            self._ckpt_stats.append({"step": self._pending_guard_step, "guard_s": guard_s})
+            if self._last_ckpt.get("ckpt_step") == self._pending_guard_step:
+                self._last_ckpt["stall_s"] += guard_s  # the guard for a snapshot's own copy is its cost
+        self.stall_s_total += guard_s
+        self._pending_guard_step = None
+
+    def end_iteration(self, guard_s: float, preparing: bool) -> None:
+        """After the optimizer step: time the iteration since the last one ended."""
+        now = time.perf_counter()
+        if self._last_step_end is not None and not (preparing or self.prepare_overlap):
+            # Iterations that overlapped the fault-in of the snapshot buffers are not timed: they
+            # would inflate the baseline that the policy measures each checkpoint's slowdown against.
+            self._iter_sum_s += max(now - self._last_step_end - guard_s, 0.0)
+            self._iter_n += 1
+        self.prepare_overlap = preparing
+
+    def snapshot_taken(self, step: int, sync_s: float, stall_s: float, last_begin: dict[str, float]) -> None:
+        """A checkpoint of ``step`` started: ``sync_s`` in the snapshotter, ``stall_s`` in all."""
+        self.checkpoints_taken += 1
+        self.stall_s_total += stall_s
+        self._pending_guard_step = step
+        self._ckpt_stats.append({"step": step, "sync_s": sync_s, "stall_s": stall_s})
+        wait = last_begin.get("wait_s", 0.0)
+        self._last_ckpt = {"ckpt_step": step, "stall_s": stall_s, "wait_s": wait if wait > 1e-4 else None,
+                           "nbytes": int(last_begin.get("nbytes", 0))}
+
+    def step_end(self) -> None:
+        self._last_step_end = time.perf_counter()
+
+    # -- the background thread ------------------------------------------------------------------------
+    def handed_off(self, step: int, timings: dict[str, float]) -> None:
+        """The snapshot of ``step`` is held by the holder; ``timings`` are the snapshotter's."""
+        self._ckpt_stats.append({"step": step, "copy_s": timings.get("copy_s", 0.0),
+                                 "handoff_s": timings.get("handoff_s", 0.0),
+                                 "nbytes": int(timings.get("nbytes", 0))})
+
+    # -- out to the controller -------------------------------------------------------------------------
+    def drain(self, rank: int, step: int, copy_timings: dict[str, float]) -> tuple[list[dict], list[dict]]:
+        """(samples in the policy's ``Sample`` fields, per-checkpoint stats) since the last drain.
+
+        Args:
+            rank, step: this rank and its step count.
+            copy_timings: the snapshotter's timings of its last finished job (``last_timings``).
+        """
+        samples = []
+        if self._iter_n:
+            samples.append({"rank": rank, "step": step, "iter_s": self._iter_sum_s / self._iter_n,
+                            "iters": self._iter_n, **self._last_ckpt_sample(copy_timings)})
+            self._iter_sum_s, self._iter_n = 0.0, 0
+        stats = []
+        while self._ckpt_stats:
+            stats.append(self._ckpt_stats.popleft())
+        return samples, stats
+
+    def _last_ckpt_sample(self, copy_timings: dict[str, float]) -> dict:
+        """What this rank knows of its last checkpoint, in the policy's ``Sample`` fields."""
+        if not self._last_ckpt:
+            return {}
+        out = dict(self._last_ckpt)
+        if copy_timings.get("step") == out["ckpt_step"]:
+            out["copy_s"] = copy_timings.get("copy_s")
+        return out

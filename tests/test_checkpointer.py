@@ -1,0 +1,137 @@
+"""The Checkpointer's lifecycle (``close()``, ``with``) and the worker parts it drives, one by one.
+
+The parts alone need no Ray; the lifecycle tests build a Checkpointer outside Ray Train (its
+controller and holder actors on the shared local cluster), a few steps each.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+import cf_ray
+from cf_ray._engine.driver.messages import CheckpointKind, RequestLevel, Schedule
+from cf_ray._engine.worker import preemption_watcher
+from cf_ray._engine.worker.control import Agreement, ControlPlane
+from cf_ray._engine.worker.scheduler import Scheduler
+from cf_ray._engine.worker.timing import Timing
+from cf_ray.checkpointer import _Lifecycle
+from cf_ray.config import PreemptionConfig
+
+# -- the parts alone (no Ray) ----------------------------------------------------------------------------
+
+def _agreement(version=0, request=RequestLevel.NONE, committed=0, register=False):
+    return Agreement(schedule_version=version, save_request=request, committed_step=committed, register=register)
+
+
+def test_one_rank_agrees_with_itself_at_once():
+    cp = ControlPlane(0, 1)
+    got = cp.exchange(schedule_version=3, save_request=RequestLevel.MANUAL, committed_step=7, register=True)
+    assert got == _agreement(3, RequestLevel.MANUAL, 7, True)
+    assert got.save_request is RequestLevel.MANUAL
+    cp.close()
+    cp.close()  # nothing in flight: nothing to forget
+
+
+def test_scheduler_turns_requests_milestones_and_the_policy_into_a_kind():
+    s = Scheduler(cf_ray.CheckpointConfig(policy=cf_ray.FixedInterval(every=5), milestone_every=4))
+    assert s.decide(1, 0, None) == (None, False)
+    assert s.decide(4, 0, None) == (CheckpointKind.SCHEDULED, True)  # a milestone, whatever the policy says
+    s.want(RequestLevel.PREEMPT)
+    s.want(RequestLevel.MANUAL)  # the stronger request stays
+    assert s.local_request is RequestLevel.PREEMPT
+    assert s.decide(6, 0, _agreement(request=RequestLevel.PREEMPT)) == (CheckpointKind.PREEMPT, False)
+    assert s.local_request is RequestLevel.NONE  # agreed on: not posted again
+    assert s.decide(7, 0, _agreement(request=RequestLevel.MANUAL))[0] is CheckpointKind.MANUAL
+    # A schedule version is adopted only once every rank has it (the agreement says so).
+    first = s.interval
+    s.receive([Schedule(schedule_version=1, interval=2)])
+    assert s.received == 1 and s.interval == first
+    s.decide(8, 0, _agreement(version=1))
+    assert s.interval == 2
+
+
+def test_timing_reports_each_checkpoint_once_and_skips_iterations_that_prepared_buffers():
+    t = Timing()
+    t.end_iteration(0.0, preparing=False)
+    t.step_end()
+    t.end_iteration(0.0, preparing=True)  # overlapped the fault-in of the buffers: not timed
+    t.step_end()
+    t.end_iteration(0.0, preparing=False)  # the one after it is not timed either
+    t.step_end()
+    t.end_iteration(0.0, preparing=False)
+    t.snapshot_taken(4, sync_s=0.01, stall_s=0.02, last_begin={"wait_s": 0.0, "nbytes": 100.0})
+    t.guarded(0.5)  # the next step's guard waits for this snapshot's copy: part of its cost
+    samples, stats = t.drain(0, 4, {"step": 4, "copy_s": 0.3})
+    (sample,) = samples
+    assert sample["iters"] == 1 and sample["ckpt_step"] == 4 and sample["copy_s"] == 0.3
+    assert sample["stall_s"] == pytest.approx(0.52) and sample["wait_s"] is None and sample["nbytes"] == 100
+    assert [s["step"] for s in stats] == [4, 4] and stats[1]["guard_s"] == 0.5
+    assert t.checkpoints_taken == 1 and t.stall_s_total == pytest.approx(0.52)
+    assert t.drain(0, 4, {}) == ([], [])
+
+
+# -- the lifecycle (Ray actors, no TorchTrainer) -------------------------------------------------------
+
+def _tiny(tmp_path, run_name, **cfg):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg.setdefault("policy", cf_ray.FixedInterval(every=2))
+    cfg.setdefault("preemption", PreemptionConfig(ray_signal="off", sigterm=True))
+    ck = cf_ray.Checkpointer({"model": model, "optimizer": opt}, config=cf_ray.CheckpointConfig(
+        storage_path=str(tmp_path), run_name=run_name, register_with_ray=False, final_model=None, **cfg))
+    ck.restore()
+
+    def step():
+        model(torch.randn(2, 4)).sum().backward()
+        ck.step(opt)
+        opt.zero_grad()
+    return ck, step
+
+
+def test_close_releases_the_handler_the_thread_and_the_buffers_and_is_idempotent(ray_cluster, tmp_path):
+    previous = signal.getsignal(signal.SIGTERM)
+    ck, step = _tiny(tmp_path, "close")
+    assert ck.preemption.sources["sigterm"] == "main"
+    assert signal.getsignal(signal.SIGTERM) is preemption_watcher._python_sigterm
+    for _ in range(3):
+        step()
+    thread = ck._phase1._snap._thread
+    ck.close()
+    assert signal.getsignal(signal.SIGTERM) is previous
+    assert not thread.is_alive() and ck._phase1._snap._arenas == {}
+    assert ck._lifecycle is _Lifecycle.CLOSED
+    ck.close()  # a second close does nothing
+    with pytest.raises(RuntimeError, match="after close"):
+        ck.finish()
+
+
+def test_a_with_block_finishes_on_a_normal_exit(ray_cluster, tmp_path):
+    ck, step = _tiny(tmp_path, "with_ok")
+    with ck as same:
+        assert same is ck
+        for _ in range(4):
+            step()
+    assert ck._lifecycle is _Lifecycle.FINISHED
+    assert [c.step for c in cf_ray.list_checkpoints(str(tmp_path / "with_ok"))] == [2, 4]  # finish() waited
+    with pytest.raises(RuntimeError, match="already called"):
+        ck.finish()
+    ck.close()  # after finish(): nothing left to release
+
+
+def test_a_with_block_closes_and_reraises_on_an_exception(ray_cluster, tmp_path, monkeypatch):
+    previous = signal.getsignal(signal.SIGTERM)
+    ck, step = _tiny(tmp_path, "with_error")
+    finished = []
+    monkeypatch.setattr(ck, "finish", lambda: finished.append(True))
+    with pytest.raises(ValueError, match="diverged"):
+        with ck:
+            step()
+            raise ValueError("loss diverged")
+    assert finished == []  # closed, not finished: nothing waits for storage on the way out
+    assert ck._lifecycle is _Lifecycle.CLOSED
+    assert signal.getsignal(signal.SIGTERM) is previous
+    assert not ck._phase1._snap._thread.is_alive()
