@@ -220,10 +220,10 @@ class _NoSave:
 
     uses_checkpointer = False
 
-    def due(self, step: int) -> bool:
+    def due(self, step: int) -> bool:  # noqa: ARG002 - the saver interface
         return False
 
-    def save(self, step: int) -> float:
+    def save(self, step: int) -> float:  # noqa: ARG002 - the saver interface
         return 0.0
 
     def drain(self) -> None:
@@ -362,7 +362,8 @@ class _DcpSave:
                 "ckpt_bytes": self.ckpt_bytes if self.rank == 0 else 0}
 
 
-def _actor_cpu(actor_self) -> float:
+def _actor_cpu(_actor) -> float:
+    """CPU seconds of the calling actor's process (``__ray_call__`` passes the actor instance first)."""
     return time.process_time()
 
 
@@ -392,21 +393,22 @@ class _CfSave:
         except Exception:  # noqa: BLE001 - a figure we can live without
             return None
 
-    def due(self, step: int) -> bool:
+    def due(self, step: int) -> bool:  # noqa: ARG002 - the saver interface
         return False
 
-    def save(self, step: int) -> float:
+    def save(self, step: int) -> float:  # noqa: ARG002 - the saver interface
         return 0.0
 
     def drain(self) -> None:
         self.ckpt.wait()
 
     def profile(self) -> tuple[list[dict], dict]:
-        import ray
+        """The run's profile rows and summary, from its live controller (through the public ``cf_ray.Run``)."""
+        import cf_ray
 
-        ctl = self.ckpt.controller
-        rows = ray.get(ctl.profile_rows.remote(), timeout=120)
-        summary = ray.get(ctl.summary.remote(), timeout=120)
+        run = cf_ray.Run(self.storage_path, self.run_name)
+        rows = run.profile_rows()
+        summary = run.summary()
         now = self._actors_cpu()
         if now is not None and self.actors_cpu0 is not None:
             summary = dict(summary, actors_cpu_s=now - self.actors_cpu0)
@@ -630,10 +632,10 @@ def _recovery(cfg: dict, ctx, t_attempt: float) -> None:
 
 def measure_limits(directory: Path, nbytes: int) -> dict:
     """Host memcpy (one thread), storage write+fsync and CRC-32 bandwidths, in GB/s (1e9 B/s)."""
-    from cf_ray._engine.storage.fs import _crc32
-
     import numpy as np
     import torch
+
+    from cf_ray._engine.storage.fs import _crc32
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import signal
@@ -196,7 +197,7 @@ def _equal(a, b) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="cf-ray demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="cf-ray demo", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--dir", default=os.path.join(os.getcwd(), "cf_ray_runs", "demo"),
                    help="everything is written under this directory (default: ./cf_ray_runs/demo)")
     p.add_argument("--interval", type=int, default=5, help="checkpoint every this many steps (default 5)")
@@ -211,12 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.exists(root):
         shutil.rmtree(root)
     os.makedirs(root)
-    steps_per_epoch = -(-(-(-args.samples // 2)) // DEFAULTS["batch_size"])
+    samples_per_rank = -(-args.samples // 2)  # ceil(samples / 2 workers)
+    steps_per_epoch = -(-samples_per_rank // DEFAULTS["batch_size"])
     total = steps_per_epoch * args.epochs
     kill_at = args.kill_at or max(2, int(total * 0.6) + 2)
     cfg = {"interval": args.interval, "epochs": args.epochs, "samples": args.samples, "hidden": args.hidden}
     t0 = time.time()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
     try:
         print(f"cf_ray demo: 2 workers, {total} steps, checkpoint every {args.interval} steps; "
               f"rank 1 is SIGKILLed at step {kill_at}. Writing under {root}")

@@ -5,10 +5,10 @@ import random
 import numpy as np
 import pytest
 import torch
+from storage_helpers import arena_of
 
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format.manifest import parse_index
-from storage_helpers import arena_of
 
 
 def _roundtrip(tree):

@@ -13,8 +13,9 @@ from __future__ import annotations
 import base64
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -72,7 +73,7 @@ class TensorEntry:
                 "offset": self.offset, "nbytes": self.nbytes, "kind": self.kind}
 
     @staticmethod
-    def from_json(d: dict) -> "TensorEntry":
+    def from_json(d: dict) -> TensorEntry:
         try:
             entry = TensorEntry(str(d["name"]), str(d["dtype"]), tuple(int(s) for s in d["shape"]),
                                 int(d["offset"]), int(d["nbytes"]), str(d["kind"]))

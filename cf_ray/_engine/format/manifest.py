@@ -22,7 +22,7 @@ import math
 import posixpath
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 
@@ -51,7 +51,8 @@ from cf_ray._engine.storage.base import FileInfo, Storage, chunked, crc32_of, is
 from cf_ray.errors import CfRayError, CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
 
 if TYPE_CHECKING:
-    from cf_ray._engine.format import codec as _codec  # imports torch; the controller and holder processes never need it
+    # imports torch; the controller and holder processes never need it
+    from cf_ray._engine.format import codec as _codec
 
 logger = logging.getLogger("cf_ray")
 
@@ -105,7 +106,7 @@ class Manifest:
         return _canonical(d).encode()
 
     @staticmethod
-    def from_bytes(raw: bytes | np.ndarray, where: str = "") -> "Manifest":
+    def from_bytes(raw: bytes | np.ndarray, where: str = "") -> Manifest:
         """Parse and check a manifest: its own checksum (version 2), then a strict schema.
 
         Raises:
@@ -163,7 +164,7 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
     return d
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -541,7 +542,7 @@ class Section:
         """The state tree with tensors (views into ``buf`` unless ``copy``)."""
         from cf_ray._engine.format import codec as _codec
 
-        return _codec.unflatten(self.tree, lambda i, e: _codec.view(self.buf, e, copy=copy), self.entries)
+        return _codec.unflatten(self.tree, lambda _i, e: _codec.view(self.buf, e, copy=copy), self.entries)
 
 
 def parse_index(raw: bytes | np.ndarray, where: str) -> tuple[Any, list[_codec.TensorEntry]]:

@@ -10,8 +10,9 @@ module needs no ``pyarrow`` so that code which only passes a storage around can 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -101,10 +102,16 @@ def is_symlink(storage: Storage, path: str) -> bool:
     return bool(probe(safe_relpath(path))) if callable(probe) else False
 
 
+def _byte_view(buf: np.ndarray | memoryview | bytes) -> memoryview:
+    """``buf`` as a flat memoryview of bytes, without a copy. ``ndarray.data`` is ``memoryview(ndarray)``;
+    it is spelled so because numpy's stubs declare the buffer protocol only for Python >= 3.12."""
+    return (buf.data if isinstance(buf, np.ndarray) else memoryview(buf)).cast("B")
+
+
 def chunked(buf: np.ndarray | memoryview | bytes, chunk: int | None = None) -> Iterable[memoryview]:
     """Yield ``buf`` in chunks of :data:`_env.WRITE_CHUNK_BYTES`."""
     size = chunk or _env.get_int(_env.WRITE_CHUNK_BYTES)
-    mv = memoryview(buf).cast("B")
+    mv = _byte_view(buf)
     for i in range(0, mv.nbytes, size):
         yield mv[i: i + size]
     if mv.nbytes == 0:
@@ -112,4 +119,4 @@ def chunked(buf: np.ndarray | memoryview | bytes, chunk: int | None = None) -> I
 
 
 def crc32_of(buf: np.ndarray | memoryview | bytes) -> int:
-    return _crc32(memoryview(buf).cast("B"))
+    return _crc32(_byte_view(buf))

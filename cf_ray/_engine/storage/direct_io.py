@@ -18,7 +18,7 @@ import errno
 import os
 import queue
 import threading
-from typing import Iterable
+from collections.abc import Iterable
 
 from cf_ray._engine import env as _env
 from cf_ray._engine.storage.base import FileInfo, _crc32

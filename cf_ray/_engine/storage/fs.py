@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import posixpath
 import uuid
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -55,7 +55,7 @@ class FsStorage:
             self.root = os.path.abspath(self.root)
 
     @classmethod
-    def from_uri(cls, uri: str, filesystem: pafs.FileSystem | None = None) -> "FsStorage":
+    def from_uri(cls, uri: str, filesystem: pafs.FileSystem | None = None) -> FsStorage:
         """Build from ``/local/path``, ``file://``, ``s3://bucket/prefix``, ``gs://...``."""
         if filesystem is not None:
             return cls(filesystem, uri)
@@ -103,7 +103,7 @@ class FsStorage:
         """The path on :attr:`fs` (what ``ray.train.Checkpoint(path, filesystem)`` takes)."""
         return self._abs(path) if path else self.root
 
-    def child(self, path: str) -> "FsStorage":
+    def child(self, path: str) -> FsStorage:
         """A storage rooted at ``path`` under this one."""
         return FsStorage(self.fs, self._abs(path))
 
@@ -161,7 +161,7 @@ class FsStorage:
             size = os.path.getsize(full)
             buf = np.empty(size, dtype=np.uint8)
             with open(full, "rb", buffering=0) as f:
-                view, got = memoryview(buf), 0
+                view, got = buf.data, 0  # memoryview(buf), spelled so for numpy's stubs
                 while got < size:
                     n = f.readinto(view[got:])
                     if not n:
