@@ -7,10 +7,19 @@ exceptions users catch. ``__all__`` below is the whole public surface of this mo
 ``tests/test_public_api.py``; the other public modules are ``cf_ray.policy``, ``cf_ray.data``,
 ``cf_ray.preemption`` (``CheckpointBeforeResize``) and ``cf_ray.report``. Everything under
 ``cf_ray._engine`` is internal.
+
+Importing cf_ray checks that the installed Ray is one cf_ray was tested with (``ImportError``
+otherwise, naming the supported range; ``CF_RAY_ALLOW_UNTESTED_RAY=1`` skips the check): see
+:mod:`cf_ray._version`.
 """
 
 import importlib
 from typing import TYPE_CHECKING
+
+from cf_ray._version import __version__ as __version__
+from cf_ray._version import check_ray_version as _check_ray_version
+
+_check_ray_version()
 
 # Names are loaded on first use (PEP 562): cf_ray's actors (controller, holder) import
 # ``cf_ray._engine.driver`` / ``cf_ray._engine.node``, which run this file first, and must not pay for
@@ -30,8 +39,15 @@ _LAZY = {
 if TYPE_CHECKING:
     from cf_ray.checkpointer import Checkpointer, FinishSummary, Resume
     from cf_ray.config import CheckpointConfig, PreemptionConfig
-    from cf_ray.errors import (CfRayError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
-                               ElasticResumeError, PersistError, UnsafePathError)
+    from cf_ray.errors import (
+        CfRayError,
+        CheckpointNotFoundError,
+        ConfigError,
+        CorruptCheckpointError,
+        ElasticResumeError,
+        PersistError,
+        UnsafePathError,
+    )
     from cf_ray.load import CheckpointInfo, list_checkpoints, load_into, load_state
     from cf_ray.policy import Adaptive, AnyOf, EpochEnd, FixedInterval
     from cf_ray.preemption import notify_preemption
@@ -50,8 +66,6 @@ def __getattr__(name: str):
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Adaptive",

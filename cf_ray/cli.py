@@ -1,15 +1,49 @@
-"""The ``cf-ray`` command: ``demo`` (the main job), ``bench``, ``ls`` and ``profile``."""
+"""The ``cf-ray`` command.
+
+Every command that reads a run takes it the same way, as ``RUN``: the run's directory
+``<storage_path>/<name>`` (what ``RunConfig(storage_path=..., name=...)`` created), its ``cf_ray``
+folder, or the same as a URI (``s3://bucket/runs/my-run``). ``cf-ray <command> --help`` shows an
+example for each.
+
+    cf-ray demo                                  the main job (a worker SIGKILLed part-way)
+    cf-ray bench                                 the benchmark (from a clone of the repository)
+    cf-ray ls RUN                                the committed checkpoints
+    cf-ray profile RUN                           the profile table
+    cf-ray verify RUN [--step N]                 every file's size and checksum; exit 1 on damage
+    cf-ray export RUN [--step N] --to FMT DIR    the model as model.safetensors or model.pt
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+_RUN_HELP = ("the run: its directory <storage_path>/<name> (as RunConfig(storage_path, name) made it), its cf_ray "
+             "folder, or a URI such as s3://bucket/runs/my-run")
 
-def _ls(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="cf-ray ls", description="List a run's committed checkpoints.")
-    p.add_argument("run", help="the run directory (<storage_path>/<name>), its cf_ray root, or a URI")
-    args = p.parse_args(argv)
+COMMANDS = {
+    "demo": "run the main job: a TorchTrainer run with a worker SIGKILLed part-way",
+    "bench": "benchmark cf_ray against Ray Train's own checkpointing and DCP",
+    "ls": "list a run's committed checkpoints",
+    "profile": "print a run's checkpoint profile table",
+    "verify": "check every file of a run's checkpoints (size, CRC-32, manifest) without loading them",
+    "export": "write a checkpoint's model as model.safetensors or model.pt for other tools",
+}
+
+
+def _parser(cmd: str, example: str, usage: str | None = None) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=f"cf-ray {cmd}", description=COMMANDS[cmd][0].upper() + COMMANDS[cmd][1:] + ".",
+                                   usage=usage, epilog="example:\n" + example,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def ls_parser() -> argparse.ArgumentParser:
+    p = _parser("ls", "  cf-ray ls cf_ray_runs/my-run\n  cf-ray ls s3://bucket/runs/my-run")
+    p.add_argument("run", metavar="RUN", help=_RUN_HELP)
+    return p
+
+
+def _ls(args: argparse.Namespace) -> int:
     from cf_ray.load import list_checkpoints
 
     infos = list_checkpoints(args.run)
@@ -22,20 +56,119 @@ def _ls(argv: list[str]) -> int:
     return 0
 
 
-def _profile(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="cf-ray profile", description="Print a run's checkpoint profile table.",
-                                usage="cf-ray profile RUN | cf-ray profile STORAGE_PATH RUN_NAME")
-    p.add_argument("where", nargs="+", metavar="RUN",
-                   help="the run directory (<storage_path>/<name>) or a URI; or the two arguments storage_path "
-                        "and run_name, as given to RunConfig")
-    args = p.parse_args(argv)
+def profile_parser() -> argparse.ArgumentParser:
+    p = _parser("profile", "  cf-ray profile cf_ray_runs/my-run\n"
+                           "  cf-ray profile cf_ray_runs/my-run > profile.txt\n\n"
+                           "(cf-ray profile STORAGE_PATH NAME, the older form, still works and is deprecated)",
+                usage="cf-ray profile [-h] RUN")
+    p.add_argument("where", nargs="+", metavar="RUN", help=_RUN_HELP)
+    return p
+
+
+def _profile(args: argparse.Namespace) -> int:
     if len(args.where) > 2:
-        p.error("give RUN (<storage_path>/<name>) or STORAGE_PATH RUN_NAME")
+        profile_parser().error("give one RUN: <storage_path>/<name> or a URI")
     from cf_ray.run import Run
 
-    run = Run.from_path(args.where[0]) if len(args.where) == 1 else Run(*args.where)
+    if len(args.where) == 2:
+        print(f"cf-ray profile STORAGE_PATH NAME is deprecated: give the run as one argument, "
+              f"cf-ray profile {args.where[0].rstrip('/')}/{args.where[1]}", file=sys.stderr)
+        run = Run(*args.where)
+    else:
+        run = Run.from_path(args.where[0])
     print(run.profile().to_string(index=False))
     return 0
+
+
+def _size(n_bytes: int) -> str:
+    value, unit = float(n_bytes), "B"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            break
+        value /= 1000
+    return f"{n_bytes} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def verify_parser() -> argparse.ArgumentParser:
+    p = _parser("verify", "  cf-ray verify cf_ray_runs/my-run\n"
+                          "  cf-ray verify cf_ray_runs/my-run --step 1200\n"
+                          "  cf-ray verify s3://bucket/runs/my-run && echo intact\n\n"
+                          "One line per committed checkpoint: its step, its kind, and OK or DAMAGED with the file\n"
+                          "and what is wrong with it. Every file the manifest lists is read and checked against\n"
+                          "its size and CRC-32, the manifest against its own checksum, the tensor tables against\n"
+                          "their data files; no tensor is loaded into a model and nothing is unpickled.\n"
+                          "Exit status: 0 all intact, 1 damage found, 2 nothing to check (no committed\n"
+                          "checkpoint, or none at --step).")
+    p.add_argument("run", metavar="RUN", help=_RUN_HELP + "; or one checkpoint's directory")
+    p.add_argument("--step", type=int, default=None, metavar="N", help="check only the checkpoints of this step")
+    return p
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from cf_ray._verify import verify_run
+    from cf_ray.errors import CheckpointNotFoundError
+    from cf_ray.load import open_run
+
+    storage, directory = open_run(args.run)
+    try:
+        checks = verify_run(storage, directory, step=args.step)
+    except CheckpointNotFoundError as e:
+        print(f"cf-ray verify: {e}", file=sys.stderr)
+        return 2
+    print(f"{'step':>10}  {'kind':<10} status")
+    for c in checks:
+        if c.vanished:
+            status = "GONE (deleted while it was checked: keep-last of a live run)"
+        elif c.ok:
+            status = f"OK ({c.files} file{'s' if c.files != 1 else ''}, {_size(c.size_bytes)})"
+        else:
+            status = "DAMAGED: " + "; ".join(c.problems)
+        print(f"{c.step:>10}  {c.kind:<10} {status}")
+    damaged = [c for c in checks if not c.ok]
+    print(f"{len(checks)} checkpoint{'s' if len(checks) != 1 else ''} under {storage.uri()}: "
+          f"{len(checks) - len(damaged)} intact, {len(damaged)} damaged")
+    return 1 if damaged else 0
+
+
+def export_parser() -> argparse.ArgumentParser:
+    p = _parser("export", "  cf-ray export cf_ray_runs/my-run --step 1200 --to safetensors exported/\n"
+                          "  cf-ray export cf_ray_runs/my-run --to torch exported/\n\n"
+                          "then, in Python:\n"
+                          "  safetensors.torch.load_file('exported/model.safetensors')\n"
+                          "  torch.load('exported/model.pt', weights_only=True)\n\n"
+                          "The model is the object tracked as 'model' (Checkpointer({'model': model, ...}));\n"
+                          "without --step, the newest checkpoint (the final model when the run finished).\n"
+                          "Every file is verified against the manifest before it is read.",
+                usage="cf-ray export [-h] RUN [--step N] --to {safetensors,torch} DIR")
+    p.add_argument("run", metavar="RUN", help=_RUN_HELP + "; or one checkpoint's directory")
+    p.add_argument("out_dir", metavar="DIR", help="local directory to write <object>.safetensors or <object>.pt to")
+    p.add_argument("--to", required=True, choices=("safetensors", "torch"), help="the file format")
+    p.add_argument("--step", type=int, default=None, metavar="N", help="the checkpoint's step (default: the newest)")
+    p.add_argument("--object", default="model", dest="obj",
+                   help="the tracked object to export, as named in Checkpointer({...}) (default: model)")
+    return p
+
+
+def _export(args: argparse.Namespace) -> int:
+    from cf_ray._export import export_model
+    from cf_ray.errors import CfRayError
+    from cf_ray.load import open_run
+
+    storage, directory = open_run(args.run)
+    try:
+        done = export_model(storage, directory, args.out_dir, to=args.to, step=args.step, obj=args.obj)
+    except CfRayError as e:  # no such checkpoint, damaged, sharded, not storable: said in one line
+        print(f"cf-ray export: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {done.path}: {done.tensors} tensors, {_size(done.size_bytes)}, from {done.kind} checkpoint of step "
+          f"{done.step} ({done.source})")
+    return 0
+
+
+#: The commands that read a run: their parsers (``--help``, and the README's examples are checked
+#: against them) and what they do with the parsed arguments.
+PARSERS = {"ls": ls_parser, "profile": profile_parser, "verify": verify_parser, "export": export_parser}
+_RUN = {"ls": _ls, "profile": _profile, "verify": _verify, "export": _export}
 
 
 def _bench(argv: list[str]) -> int:
@@ -55,17 +188,22 @@ def _bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def _usage() -> str:
+    lines = ["usage: cf-ray {" + ",".join(COMMANDS) + "} [options]", ""]
+    lines += [f"  {k:<8} {v}" for k, v in COMMANDS.items()]
+    lines += ["", "RUN, for every command that reads a run: " + _RUN_HELP + ".",
+              "cf-ray COMMAND --help shows the command's options and an example, e.g.:",
+              "  cf-ray verify cf_ray_runs/my-run"]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": "run the main job: a TorchTrainer run with a worker SIGKILLed part-way",
-                "bench": "benchmark cf_ray against Ray Train's own checkpointing and DCP",
-                "ls": "list a run's committed checkpoints",
-                "profile": "print a run's checkpoint profile table"}
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: cf-ray {" + ",".join(commands) + "} [options]\n")
-        for k, v in commands.items():
-            print(f"  {k:<8} {v}")
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        known = not argv or argv[0] in ("-h", "--help")
+        print(_usage() if known else f"cf-ray: unknown command {argv[0]!r}\n\n{_usage()}",
+              file=sys.stdout if known else sys.stderr)
+        return 0 if known else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":
         from cf_ray.demo import main as demo_main
@@ -73,9 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         return demo_main(rest)
     if cmd == "bench":
         return _bench(rest)
-    if cmd == "ls":
-        return _ls(rest)
-    return _profile(rest)
+    return _RUN[cmd](PARSERS[cmd]().parse_args(rest))
 
 
 if __name__ == "__main__":

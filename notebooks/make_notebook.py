@@ -1,67 +1,270 @@
-"""Builds notebooks/automatic_frequency.ipynb from the cells below (run it after editing them)."""
+"""Builds notebooks/automatic_frequency.ipynb from the cells below, executes it and saves it with its outputs.
 
+    .venv/bin/python notebooks/make_notebook.py            # after editing a cell: rebuild, run (~1.5 min), save
+
+The notebook is committed with its outputs, so that the tables and plots show where the repository
+is browsed. ``tests/test_notebooks.py`` checks that they came from the current code: the committed
+cells are the ones below, and a fresh execution gives the same outputs in the cells tagged
+``deterministic`` and outputs of the same kinds (tables with the same columns, plots) in the others.
+What the cells print to stderr (Ray's log lines) is left out of the committed copy.
+"""
+
+from __future__ import annotations
+
+import argparse
 import os
+import tempfile
 
 import nbformat as nbf
 
+PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "automatic_frequency.ipynb")
+
+#: The tag of the code cells whose outputs do not depend on timing: compared exactly with the committed ones.
+DETERMINISTIC = "deterministic"
+
+#: (kind, source[, tag]) of every cell, in order.
 CELLS = [
     ("md", """# Automatic checkpoint frequency with cf_ray
 
-A small `TorchTrainer` run on a local Ray cluster, with `cf_ray.Adaptive`: the controller measures
-iteration time, the stall each checkpoint costs the training thread and the persist time, on every
-rank, and picks the shortest interval whose overhead stays within the budget. Then the same job
-with a tighter budget, and what changed.
+A small `TorchTrainer` job on a local Ray cluster (2 CPU workers, about a minute and a half on a
+laptop), written the way you would write your own:
 
-Runs top to bottom on a laptop (2 CPU workers). `CF_RAY_NOTEBOOK_SMALL=1` makes it smaller (CI)."""),
-    ("code", """import os, tempfile
-import ray
-import cf_ray
-from cf_ray import demo, report
+1. **your `train_loop_per_worker`** with a `cf_ray.Checkpointer` and the automatic policy
+   `cf_ray.Adaptive`, which measures iteration time, the stall each checkpoint costs the training
+   thread and the persist time on every rank, and picks the shortest interval whose overhead stays
+   within a budget;
+2. **a failure** injected from this notebook: a worker process SIGKILLs itself at a step chosen
+   below; Ray Train restarts the workers and cf_ray resumes them where the last checkpoint left off;
+3. **the profile table and the plot** of the run, from `cf_ray.Run`;
+4. **an interrupted kernel**: the same job with a tighter budget, interrupted mid-run and started
+   again, resumes;
+5. **the effect of the budget**, and the run's checkpoints checked and exported with the `cf-ray`
+   command."""),
+    ("code", """%matplotlib inline
+import json, os, signal, tempfile, threading, time
 
-SMALL = os.environ.get("CF_RAY_NOTEBOOK_SMALL") == "1"
-root = tempfile.mkdtemp(prefix="cf_ray_notebook_")
-job = dict(policy="adaptive", samples=6400 if SMALL else 25600, epochs=1, hidden=512, depth=3, batch_size=16)
-ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)"""),
-    ("md", "## A run with the default budget (5 % of training time)"),
-    ("code", """demo.run("budget5", root, dict(job, budget_pct=5.0))
-run5 = cf_ray.Run(os.path.join(root, "storage"), "budget5")  # RunConfig(storage_path, name) of the job
-profile5 = run5.profile()
-profile5[["step", "kind", "interval", "stall_s", "copy_s", "persist_s", "bytes", "overhead_pct", "committed", "where"]]"""),
-    ("md", """One row per checkpoint: the interval in force when it was taken, the training-thread stall
-(synchronous part plus the guard's wait for the background copy), the background copy, the persist
-(phase 2, in the holder actor) and the overhead the policy measured. The first checkpoint comes at
-step 5, before anything is known; the interval is then tuned from measurements. The workers send
-their timings every quarter of a second (`CF_RAY_POLL_INTERVAL_S`), so with iterations of a few tens
-of milliseconds the first tuned interval comes a few dozen steps in."""),
-    ("code", """fig = report.plot_profile(profile5, run5.iterations(), budget_pct=5.0)"""),
-    ("md", "## The same job with a 1 % budget"),
-    ("code", """demo.run("budget1", root, dict(job, budget_pct=1.0))
-profile1 = cf_ray.Run(os.path.join(root, "storage"), "budget1").profile()
-summary = {
-    "budget 5 %": {"final interval": int(profile5["interval"].iloc[-1]), "checkpoints": len(profile5),
-                   "median overhead %": float(profile5["overhead_pct"].median())},
-    "budget 1 %": {"final interval": int(profile1["interval"].iloc[-1]), "checkpoints": len(profile1),
-                   "median overhead %": float(profile1["overhead_pct"].median())},
-}
 import pandas as pd
-pd.DataFrame(summary).T"""),
-    ("md", """A tighter budget means fewer checkpoints: the interval grows until the measured overhead
-fits. `cf_ray.Run` asks the run's controller while it is alive, and reads the profile saved with the
-run (`profile.parquet` under `<storage_path>/<name>/cf_ray/`) afterwards: the same call works later,
-by run name, after the cluster is gone."""),
-    ("code", """assert summary["budget 1 %"]["checkpoints"] < summary["budget 5 %"]["checkpoints"]
-ray.shutdown()"""),
+import ray
+import torch
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+import cf_ray
+from cf_ray import report
+
+root = tempfile.mkdtemp(prefix="cf_ray_notebook_")
+storage_path = os.path.join(root, "runs")  # RunConfig(storage_path=...) of every run below
+_ = ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)""", DETERMINISTIC),
+    ("md", """## 1. Your training loop
+
+This is the function you write. cf_ray adds three things to an ordinary DDP loop: a
+`Checkpointer` that tracks the model, the optimizer and the sampler's position; `restore()` at the
+start, which returns where this attempt resumes (`fresh` the first time); and `step(optimizer)` in
+place of `optimizer.step()`. `finish()` at the end writes the consolidated model.
+
+Two lines are there for this notebook only: rank 0 appends where each attempt started to a file
+(the workers' output is not shown here), and rank 1 SIGKILLs itself at step `fail_at` in the
+first attempt: the failure."""),
+    ("code", """def train_loop_per_worker(config):
+    import ray.train
+    import ray.train.torch
+    import torch
+
+    import cf_ray
+    from cf_ray.data import ResumableDistributedSampler
+
+    torch.set_num_threads(1)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(config["samples"], 32, generator=g)
+    dataset = torch.utils.data.TensorDataset(x, torch.tanh(x @ torch.randn(32, 1, generator=g)))
+    sampler = ResumableDistributedSampler(dataset, rank=rank, world_size=world, shuffle=True, seed=0)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=16, sampler=sampler)
+    torch.manual_seed(0)
+    model = ray.train.torch.prepare_model(torch.nn.Sequential(
+        torch.nn.Linear(32, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1)))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    ckpt = cf_ray.Checkpointer(
+        {"model": model, "optimizer": optimizer},
+        data={"sampler": sampler},
+        config=cf_ray.CheckpointConfig(policy=cf_ray.Adaptive(budget_pct=config["budget_pct"])),
+    )
+    resume = ckpt.restore()  # fresh, or where the last attempt left off (a holder's memory, or storage)
+    if rank == 0:  # for this notebook: where each attempt started
+        with open(config["attempts_log"], "a") as f:
+            f.write(json.dumps({"attempt": resume.generation, "source": resume.source, "step": resume.step}) + "\\n")
+
+    for epoch in range(resume.epoch, config["epochs"]):
+        sampler.set_epoch(epoch)
+        for xb, yb in loader:
+            loss = torch.nn.functional.mse_loss(model(xb), yb)
+            loss.backward()
+            ckpt.step(optimizer)
+            optimizer.zero_grad()
+            if rank == 1 and ckpt.step_count == config["fail_at"] and resume.generation == 1:
+                os.kill(os.getpid(), signal.SIGKILL)  # for this notebook: the failure
+        ckpt.end_epoch()
+    ckpt.finish()""", DETERMINISTIC),
+    ("md", """`fit` below is the usual `TorchTrainer` boilerplate: 2 workers, `RunConfig(storage_path, name)`
+names the run (and where its checkpoints go), `FailureConfig(max_failures=2)` lets Ray Train
+restart the workers after a failure. `attempts(name)` reads the file the loop appends to."""),
+    ("code", """def fit(name, **config):
+    config = {"samples": 12800, "epochs": 1, "budget_pct": 5.0, "fail_at": None,
+              "attempts_log": os.path.join(root, f"{name}.attempts.jsonl"), **config}
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(storage_path=storage_path, name=name, failure_config=FailureConfig(max_failures=2)),
+    )
+    return trainer.fit()
+
+
+def attempts(name):
+    return pd.read_json(os.path.join(root, f"{name}.attempts.jsonl"), lines=True)""", DETERMINISTIC),
+    ("md", """## 2. A failure, and the resume
+
+400 steps per worker with the default budget (5 % of training time); rank 1 is killed at step
+`fail_at`. Ray Train restarts both workers, and `ckpt.restore()` in the second attempt returns the
+newest checkpoint: from a holder's memory when its snapshot is at least as new as storage's."""),
+    ("code", """fail_at = 250
+result = fit("budget5", budget_pct=5.0, fail_at=fail_at)
+attempts("budget5")"""),
+    ("code", """a = attempts("budget5")
+print("attempts:", len(a))
+print("the second resumed from a checkpoint taken before the failure:", 0 < a["step"].iloc[1] <= fail_at)
+print("it ran to the end:", result.error is None)""", DETERMINISTIC),
+    ("md", """## 3. The profile table and the plot
+
+`cf_ray.Run(storage_path, name)` is the run's handle on the driver: while the job runs (and a while
+after) it asks the run's controller; later it reads the table the run saved next to its
+checkpoints, so the same call works in another session. One row per checkpoint: the interval in
+force when it was taken, the training-thread stall, the background copy, the persist (phase 2, in
+the holder actor), the overhead the policy measured, and whether it committed."""),
+    ("code", """run5 = cf_ray.Run(storage_path, "budget5")
+profile5 = run5.profile()
+profile5[["step", "kind", "generation", "interval", "stall_s", "copy_s", "persist_s", "bytes", "overhead_pct",
+          "committed"]]"""),
+    ("md", """The first checkpoint comes at step 5, before anything is known; then the interval is tuned from
+measurements (the workers send their timings every quarter of a second, so the first tuned
+interval comes a few dozen steps in). Generation 2 is the attempt after the failure. In the plot:
+the slowest rank's iteration time, every checkpoint as a vertical line (green: committed), and the
+measured overhead against the budget."""),
+    ("code", """fig = report.plot_profile(profile5, run5.iterations(), budget_pct=5.0)"""),
+    ("md", """## 4. Interrupt the kernel, run the cell again: it resumes
+
+The same job with a 1 % budget. **Interrupt the kernel** while the next cell runs
+(the ■ button, or `I, I`): Ray Train aborts the fit and stops the workers, and the cell ends with
+`SystemExit`. **Run the cell again**: the run's `storage_path` and `name` are the same, so the new
+attempt resumes from the newest checkpoint the interrupted one left, in memory (while the run's
+cf_ray controller lingers, `CF_RAY_CONTROLLER_LINGER_S`, 120 s by default) or on storage. Its
+step is in the `attempts` table below.
+
+Here a thread presses the button for you, once a checkpoint past step 40 has committed (it sends
+SIGINT to this process, as Jupyter's interrupt does), and the cell after it is the same cell, run
+again."""),
+    ("code", """def interrupt_after_commit(name, step):  # for this notebook: what the interrupt button does
+    run = cf_ray.Run(storage_path, name)
+    while not [c for c in run.checkpoints() if c.step >= step]:
+        time.sleep(0.2)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+threading.Thread(target=interrupt_after_commit, args=("budget1", 40), daemon=True).start()
+try:
+    fit("budget1", budget_pct=1.0)
+except (KeyboardInterrupt, SystemExit, ray.exceptions.RayActorError) as e:  # without the try: shown as an error
+    print(f"interrupted ({type(e).__name__})")"""),
+    ("code", """result = fit("budget1", budget_pct=1.0)  # the same cell, run again
+attempts("budget1")"""),
+    ("code", """a = attempts("budget1")
+print("attempts:", len(a))
+print("the second resumed where the interrupted one left off:", a["step"].iloc[1] >= 40)
+print("it ran to the end:", result.error is None)""", DETERMINISTIC),
+    ("md", """## 5. The effect of the budget
+
+A tighter budget means a longer interval: fewer checkpoints, each costing about the same, until
+the measured overhead fits. Both runs start at an interval of 5 steps, before anything is measured;
+the mean interval once tuned counts the steps between scheduled checkpoints from the policy's first
+decision on."""),
+    ("code", """profile1 = cf_ray.Run(storage_path, "budget1").profile()
+
+
+def summary(df):
+    scheduled = df[df["kind"] == "scheduled"]  # not the manual one that ends the run
+    first_tuned = scheduled.loc[scheduled["interval"] != scheduled["interval"].iloc[0], "step"].min()
+    tuned = scheduled.loc[scheduled["step"] >= first_tuned, "step"].drop_duplicates()
+    return {"steps": int(df["step"].max()), "checkpoints": df["step"].nunique(),
+            "mean interval once tuned": round((tuned.max() - tuned.min()) / (len(tuned) - 1), 1),
+            "median overhead %": round(float(df["overhead_pct"].median()), 2),
+            "median stall (ms)": round(1000 * float(df["stall_s"].median()), 1)}
+
+
+comparison = pd.DataFrame.from_dict({"budget 5 %": summary(profile5), "budget 1 %": summary(profile1)}, orient="index")
+comparison"""),
+    ("code", """ok = comparison.loc["budget 1 %", "mean interval once tuned"] > comparison.loc["budget 5 %", "mean interval once tuned"]
+print("a 1 % budget makes the policy choose a longer interval than a 5 % one:", ok)""", DETERMINISTIC),
+    ("md", """## 6. The run from the shell: `cf-ray verify` and `cf-ray export`
+
+`cf-ray verify RUN` reads every file of every committed checkpoint and checks it against the
+manifest (size and CRC-32, and the manifest's own checksum) without loading a tensor: one line per
+checkpoint, exit status 1 if anything is damaged. `cf-ray export RUN --to torch DIR` writes the
+model (here the final one) for other tools; `--to safetensors` writes `model.safetensors`.
+`cli.main([...])` is the same as the command in a shell."""),
+    ("code", """from cf_ray import cli
+
+cli.main(["verify", os.path.join(storage_path, "budget5")])"""),
+    ("code", """exported = os.path.join(root, "exported")
+cli.main(["export", os.path.join(storage_path, "budget5"), "--to", "torch", exported])"""),
+    ("code", """model = torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                            torch.nn.Linear(512, 1))
+model.load_state_dict(torch.load(os.path.join(exported, "model.pt"), weights_only=True))""", DETERMINISTIC),
+    ("code", """ray.shutdown()""", DETERMINISTIC),
 ]
 
 
-def main() -> None:
+def build() -> nbf.NotebookNode:
+    """The notebook, without outputs."""
     nb = nbf.v4.new_notebook()
-    nb.cells = [nbf.v4.new_markdown_cell(src) if kind == "md" else nbf.v4.new_code_cell(src) for kind, src in CELLS]
+    for kind, src, *tags in CELLS:
+        cell = nbf.v4.new_markdown_cell(src) if kind == "md" else nbf.v4.new_code_cell(src)
+        if tags:
+            cell.metadata["tags"] = list(tags)
+        nb.cells.append(cell)
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "automatic_frequency.ipynb")
-    nbf.write(nb, path)
-    print("wrote", path)
+    nb.metadata["language_info"] = {"name": "python"}
+    for i, cell in enumerate(nb.cells):
+        cell.id = f"cell-{i:02d}"  # stable ids: a re-run changes only what the outputs change
+    return nb
+
+
+def execute(nb: nbf.NotebookNode, workdir: str | None = None) -> nbf.NotebookNode:
+    """Run every cell in a fresh kernel (``cwd``: ``workdir``), as a user would, top to bottom."""
+    import nbclient
+
+    workdir = workdir or tempfile.mkdtemp(prefix="cf_ray_nb_")
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", record_timing=False,
+                            resources={"metadata": {"path": workdir}}).execute()
+    return nb
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--no-execute", action="store_true", help="write the cells without outputs (not for committing)")
+    p.add_argument("--out", default=PATH, help=f"where to write it (default: {os.path.relpath(PATH)})")
+    args = p.parse_args(argv)
+    nb = build()
+    if not args.no_execute:
+        execute(nb)
+        for cell in nb.cells:  # Ray's and the kernel's log lines (timestamps, hosts): not part of the story
+            if cell.cell_type == "code":
+                cell.outputs = [o for o in cell.outputs if not (o.output_type == "stream" and o.name == "stderr")]
+    nbf.write(nb, args.out)
+    print("wrote", args.out, f"({os.path.getsize(args.out) / 1e3:.0f} kB)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

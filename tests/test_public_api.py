@@ -18,6 +18,7 @@ import cf_ray.policy
 import cf_ray.preemption
 from cf_ray import report
 from cf_ray._engine.storage.fs import FsStorage
+
 from storage_helpers import write_checkpoint
 
 CF_RAY = [
@@ -212,3 +213,71 @@ def test_the_run_handle_loads_no_torch_or_pandas():
             "print(sorted(m for m in ('torch', 'pandas', 'pyarrow.parquet') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# -- what cf_ray was tested with --------------------------------------------------------------------------------
+
+def _pins() -> dict[str, str]:
+    import pathlib
+    import re
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    pins = {}
+    for dep in project["dependencies"]:
+        m = re.match(r"^([A-Za-z0-9_.-]+)(\[[^\]]*\])?(.*)$", dep)
+        pins[m.group(1)] = m.group(3).replace(" ", "")
+    return pins
+
+
+def test_the_pins_say_what_was_tested():
+    from cf_ray import _version
+
+    pins = _pins()
+    assert pins["ray"] == _version.RAY_SUPPORTED == ">=2.60,<2.61"  # the import check and the pin agree
+    assert pins["pyarrow"] == ">=14.0.1"  # 14.0.0 runs code from crafted Parquet/IPC files (CVE-2023-47248)
+    assert pins["torch"] == ">=2.13"  # what CI installs (the Makefile's TORCH)
+
+
+def test_an_untested_ray_is_refused_at_import_naming_the_supported_range(monkeypatch):
+    from cf_ray import _version
+
+    monkeypatch.delenv(_version.ALLOW_UNTESTED_RAY, raising=False)
+    _version.check_ray_version()  # the installed one
+    for ok in ("2.60.0", "2.60.7", "2.60.0rc1"):
+        _version.check_ray_version(ok)
+    for untested in ("2.59.9", "2.61.0", "3.0.0.dev0", "nightly"):
+        with pytest.raises(ImportError, match=r"Ray >=2\.60,<2\.61.*CF_RAY_ALLOW_UNTESTED_RAY=1") as e:
+            _version.check_ray_version(untested)
+        assert untested in str(e.value)
+    monkeypatch.setenv(_version.ALLOW_UNTESTED_RAY, "1")
+    _version.check_ray_version("2.61.0")
+
+
+def test_importing_cf_ray_with_an_untested_ray_fails_clearly():
+    import subprocess
+    import sys
+
+    code = ("import importlib.metadata as m; real = m.version; "
+            "m.version = lambda n: '2.99.0' if n == 'ray' else real(n); import cf_ray")
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "CF_RAY_ALLOW_UNTESTED_RAY"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode != 0
+    assert "ImportError: cf_ray" in out.stderr and "Ray 2.99.0 is installed" in out.stderr
+    assert "ray[train]>=2.60,<2.61" in out.stderr
+    ok = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        env=dict(env, CF_RAY_ALLOW_UNTESTED_RAY="1"))
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_deprecations_are_shown_and_fail_only_in_cf_ray_code():
+    import warnings
+
+    with pytest.raises(DeprecationWarning):  # cf_ray's own, or its call of a deprecated Ray/torch API
+        warnings.warn_explicit("old", DeprecationWarning, "cf_ray/_engine/x.py", 1, module="cf_ray._engine.x")
+    with pytest.warns(DeprecationWarning):  # Ray's and torch's drift: shown in the test output, not an error
+        warnings.warn_explicit("old", DeprecationWarning, "ray/train/x.py", 1, module="ray.train.x")
+    with pytest.warns(DeprecationWarning):
+        warnings.warn_explicit("old", DeprecationWarning, "cf_ray_plugin/x.py", 1, module="cf_ray_plugin.x")

@@ -1,0 +1,260 @@
+"""``cf-ray``: one way to name a run (RUN) for every command, ``verify`` and ``export`` on real
+checkpoints written by the engine's own phase-2 functions, and ``--help`` with an example."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from cf_ray import cli
+from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.safetensors import read_safetensors, write_final_model
+from cf_ray._engine.storage.fs import FsStorage
+
+from storage_helpers import arena_of, write_checkpoint
+
+COMMANDS = ("ls", "profile", "verify", "export")
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """``<tmp>/runs/r``: committed step checkpoints 5 and 10 (the model of seed 5 and 10), an uncommitted
+    step 15, and the final model at step 12 (seed 12). Returns (run directory, its cf_ray storage)."""
+    storage = FsStorage.from_uri(str(tmp_path / "runs")).child("r/cf_ray")
+    for step in (5, 10):
+        write_checkpoint(storage, step, _model(step))
+    write_checkpoint(storage, 15, _model(15), commit=False)
+    write_final_model(storage, mf.step_dir(12, "final"), _model(12), step=12, epoch=1)
+    return tmp_path / "runs" / "r", storage
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    rc = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _lines(out: str) -> dict[int, str]:
+    """verify's checkpoint lines by step (a step may have two: a resumable checkpoint and the final model)."""
+    lines: dict[int, str] = {}
+    for line in out.splitlines()[1:-1]:
+        step = int(line.split()[0])
+        lines[step] = lines.get(step, "") + line
+    return lines
+
+
+# -- verify -----------------------------------------------------------------------------------------------------
+
+def test_verify_reports_every_committed_checkpoint_intact(run_dir, capsys):
+    run, _ = run_dir
+    rc, out, _ = _cli(capsys, "verify", run)
+    assert rc == 0, out
+    lines = _lines(out)
+    assert sorted(lines) == [5, 10, 12]  # the uncommitted step 15 is no checkpoint
+    assert "scheduled" in lines[5] and "OK (4 files" in lines[5]  # shared + rank 0: a data and an index file each
+    assert "final" in lines[12] and "OK (1 file," in lines[12]
+    assert out.splitlines()[-1].endswith("3 intact, 0 damaged")
+    for where in (run / "cf_ray", f"file://{run}"):  # its cf_ray folder, a URI: the same run
+        assert _cli(capsys, "verify", where)[1] == out
+
+
+def test_verify_exits_1_and_names_the_file_when_a_byte_is_flipped(run_dir, capsys):
+    run, storage = run_dir
+    data = os.path.join(storage.fs_path(mf.step_dir(10)), mf.section_files(1, mf.SHARED)[0])
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    rc, out, _ = _cli(capsys, "verify", run)
+    assert rc == 1
+    lines = _lines(out)
+    assert "DAMAGED" in lines[10] and "g0001.shared.bin" in lines[10] and "checksum" in lines[10]
+    assert str(storage.fs_path()) not in lines[10], "the file is named relative to its checkpoint"
+    assert "OK" in lines[5] and "OK" in lines[12]
+    assert out.splitlines()[-1].endswith("2 intact, 1 damaged")
+    # The exit status of the command itself, as a shell script sees it.
+    proc = subprocess.run([sys.executable, "-m", "cf_ray.cli", "verify", str(run)], capture_output=True, text=True)
+    assert proc.returncode == 1 and "g0001.shared.bin" in proc.stdout
+    assert _cli(capsys, "verify", run, "--step", 5)[0] == 0  # only that one
+
+
+def test_verify_finds_a_truncated_file_a_missing_one_and_a_damaged_manifest(run_dir, capsys):
+    run, storage = run_dir
+    index = os.path.join(storage.fs_path(mf.step_dir(5)), mf.section_files(1, mf.SHARED)[1])
+    with open(index, "r+b") as f:
+        f.truncate(os.path.getsize(index) - 3)
+    os.unlink(os.path.join(storage.fs_path(mf.step_dir(12, "final")), "model.safetensors"))
+    manifest = os.path.join(storage.fs_path(mf.step_dir(10)), mf.MANIFEST)
+    raw = open(manifest).read()
+    with open(manifest, "w") as f:
+        f.write(raw.replace('"epoch":0', '"epoch":7'))
+    rc, out, _ = _cli(capsys, "verify", run)
+    assert rc == 1
+    lines = _lines(out)
+    assert "DAMAGED" in lines[5] and "g0001.shared.json" in lines[5] and "truncated" in lines[5]
+    assert "DAMAGED" in lines[12] and "model.safetensors is missing" in lines[12]
+    assert "DAMAGED" in lines[10] and "MANIFEST.json" in lines[10] and "checksum" in lines[10]
+    assert out.splitlines()[-1].endswith("0 intact, 3 damaged")
+
+
+def test_verify_of_one_checkpoint_directory_and_of_nothing(run_dir, tmp_path, capsys):
+    _, storage = run_dir
+    rc, out, _ = _cli(capsys, "verify", storage.fs_path(mf.step_dir(10)))
+    assert rc == 0 and sorted(_lines(out)) == [10]
+    rc, _, err = _cli(capsys, "verify", run_dir[0], "--step", 7)
+    assert rc == 2 and "no committed checkpoint at step 7" in err
+    rc, _, err = _cli(capsys, "verify", tmp_path / "nowhere")
+    assert rc == 2 and "no committed checkpoint" in err
+
+
+# -- export -----------------------------------------------------------------------------------------------------
+
+def _read_safetensors(path) -> tuple[dict, dict]:
+    buf = np.fromfile(path, dtype=np.uint8)
+    n = int.from_bytes(bytes(buf[:8]), "little")
+    header = json.loads(bytes(buf[8: 8 + n]))
+    return read_safetensors(buf, None), header["__metadata__"]
+
+
+def test_export_safetensors_equals_the_model_of_that_step(run_dir, tmp_path, capsys):
+    run, _ = run_dir
+    rc, out, err = _cli(capsys, "export", run, "--step", 10, "--to", "safetensors", tmp_path / "out")
+    assert rc == 0, err
+    assert "model.safetensors" in out and "step 10" in out
+    tensors, meta = _read_safetensors(tmp_path / "out" / "model.safetensors")
+    assert _equal(tensors, _model(10).state_dict())
+    assert meta["cf_ray_step"] == "10" and meta["format"] == "pt" and meta["cf_ray_kind"] == "scheduled"
+    # Without --step: the newest checkpoint, here the final model (step 12) that the run wrote at its end.
+    rc, out, _ = _cli(capsys, "export", run, "--to", "safetensors", tmp_path / "newest")
+    assert rc == 0 and "final" in out
+    assert _equal(_read_safetensors(tmp_path / "newest" / "model.safetensors")[0], _model(12).state_dict())
+
+
+def test_export_safetensors_is_read_by_the_safetensors_library(run_dir, tmp_path, capsys):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    assert _cli(capsys, "export", run_dir[0], "--step", 5, "--to", "safetensors", tmp_path)[0] == 0
+    assert _equal(safetensors_torch.load_file(str(tmp_path / "model.safetensors")), _model(5).state_dict())
+
+
+def test_export_torch_loads_with_weights_only(run_dir, tmp_path, capsys):
+    run, _ = run_dir
+    rc, out, err = _cli(capsys, "export", run, "--step", 5, "--to", "torch", tmp_path)
+    assert rc == 0, err
+    loaded = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert _equal(dict(loaded), _model(5).state_dict())
+    model = _model(99)
+    model.load_state_dict(loaded)  # what a user does with it
+    assert _equal(model.state_dict(), _model(5).state_dict())
+
+
+def _write_full(storage, step: int, objects: dict, *, world_size: int = 1, replicated: bool = True):
+    """A checkpoint holding ``objects`` (replicated), or ``objects`` per rank as shards (``replicated=False``)."""
+    directory, files, sections = mf.step_dir(step), {}, {}
+    trees = {mf.SHARED: {"objects": objects}} if replicated else {}
+    for r in range(world_size):
+        trees[mf.rank_section(r)] = ({"objects": {}, "counters": {"step": step, "epoch": 0}} if replicated else
+                                     {"state": objects, "objects": {}, "counters": {"step": step, "epoch": 0}})
+    for sec, tree in trees.items():
+        arena, index = arena_of(tree)
+        files.update(mf.write_section(storage, directory, 1, sec, arena, index))
+        data, idx = mf.section_files(1, sec)
+        sections[sec] = {"data": data, "index": idx}
+    mf.commit(storage, directory, mf.Manifest(step=step, epoch=0, world_size=world_size, generation=1,
+                                              replicated=replicated, sections=sections, files=files))
+
+
+def test_export_of_another_object_and_what_safetensors_cannot_hold(tmp_path, capsys):
+    model = _model(3)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    storage = FsStorage.from_uri(str(tmp_path / "runs")).child("r/cf_ray")
+    _write_full(storage, 4, {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    run = tmp_path / "runs" / "r"
+    rc, _, err = _cli(capsys, "export", run, "--object", "optimizer", "--to", "safetensors", tmp_path / "o")
+    assert rc == 1 and "not a tensor" in err and "--to torch" in err
+    assert not os.path.exists(tmp_path / "o" / "optimizer.safetensors")
+    assert _cli(capsys, "export", run, "--object", "optimizer", "--to", "torch", tmp_path / "o")[0] == 0
+    loaded = torch.load(tmp_path / "o" / "optimizer.pt", weights_only=True)
+    assert loaded["param_groups"][0]["lr"] == optimizer.state_dict()["param_groups"][0]["lr"]
+    assert torch.equal(loaded["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    rc, _, err = _cli(capsys, "export", run, "--object", "scheduler", "--to", "torch", tmp_path / "o")
+    assert rc == 1 and "scheduler" in err
+
+
+def test_export_refuses_per_rank_shards(tmp_path, capsys):
+    storage = FsStorage.from_uri(str(tmp_path / "runs")).child("r/cf_ray")
+    _write_full(storage, 4, {"model": _model(1).state_dict()}, world_size=2, replicated=False)
+    rc, _, err = _cli(capsys, "export", tmp_path / "runs" / "r", "--to", "safetensors", tmp_path / "o")
+    assert rc == 1 and "per-rank shards" in err
+
+
+def test_export_of_a_missing_step(run_dir, tmp_path, capsys):
+    rc, _, err = _cli(capsys, "export", run_dir[0], "--step", 7, "--to", "torch", tmp_path)
+    assert rc == 1 and "no committed checkpoint at step 7" in err
+
+
+# -- the command ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help_with_an_example(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert f"usage: cf-ray {command}" in out and "example:" in out
+    assert f"cf-ray {command} cf_ray_runs/my-run" in out, "the example names a run the one way: RUN"
+
+
+def test_the_top_level_help_lists_every_command(capsys):
+    rc, out, _ = _cli(capsys, "--help")
+    assert rc == 0 and all(f"  {c} " in out for c in (*COMMANDS, "demo", "bench")) and "RUN" in out
+    rc, _, err = _cli(capsys, "nonsense")
+    assert rc == 2 and "unknown command" in err
+
+
+def test_ls_and_profile_take_the_run_the_same_way(run_dir, capsys):
+    run, storage = run_dir
+    from cf_ray import report
+
+    report.save_profile(storage, [{"step": 5, "kind": "scheduled", "generation": 1, "committed": True}], [])
+    rc, out, _ = _cli(capsys, "ls", run)
+    assert rc == 0 and "step_000000000010" in out and "final_000000000012" in out
+    rc, one, err = _cli(capsys, "profile", run)
+    assert rc == 0 and "scheduled" in one and not err
+    rc, two, err = _cli(capsys, "profile", run.parent, run.name)  # the older form: deprecated, still works
+    assert rc == 0 and two == one and "deprecated" in err and f"cf-ray profile {run}" in err
+
+
+def test_the_readme_command_line_reference_parses():
+    import re
+    import shlex
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+        section = f.read().split("## Command line", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    seen = set()
+    for line in block.splitlines():
+        argv = shlex.split(line.split("#")[0])
+        assert argv[0] == "cf-ray" and argv[1] in cli.COMMANDS, line
+        seen.add(argv[1])
+        if argv[1] in cli.PARSERS:
+            args = cli.PARSERS[argv[1]]().parse_args(argv[2:])
+            assert (getattr(args, "run", None) or args.where[0]) == "cf_ray_runs/my-run", "RUN, the one way"
+    assert seen == set(cli.COMMANDS), "every command is in the reference"
