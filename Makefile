@@ -7,13 +7,13 @@ PY      := $(VENV)/bin/python
 TORCH   ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast bench bench-quick clean
+.PHONY: demo test test-fast lint format bench bench-quick clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e '.[test,notebooks,plot,dali]'
+	$(PY) -m pip install --quiet -e '.[test,notebooks,plot,dali,lint]'
 	touch $@
 
 demo: $(VENV)/.installed    ## the main job: TorchTrainer on a local Ray cluster, a worker SIGKILLed part-way
@@ -27,6 +27,15 @@ test: $(VENV)/.installed
 
 test-fast: $(VENV)/.installed    ## everything but the slow end-to-end runs
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed    ## ruff (lint + format check) over the repo, pyright (basic) over cf_ray/
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/pyright
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 bench-quick: $(VENV)/.installed
 	$(VENV)/bin/cf-ray bench --quick
