@@ -18,6 +18,7 @@ from cf_ray._engine.driver.messages import (
     CheckpointKind,
     CheckpointRequest,
     Failure,
+    HolderState,
     MemorySnapshot,
     Message,
     PartDurable,
@@ -65,6 +66,12 @@ EXAMPLES: list[Message] = [
         schedule_version=0, interval=5),)),
     Restored(source=RestoreSource.MEMORY, step=10, epoch=1, seconds=0.2, world_size=2, saved_world_size=2,
              extra={"note": 1}),
+    HolderState(holder="cf_ray.holder.k.n1", node_id="n1", generation=2,
+                staged=(PartStaged(generation=2, step=10, section=mf.SHARED, holder="cf_ray.holder.k.n1", nbytes=64,
+                                   meta=META),),
+                outcomes=(PartDurable(generation=2, step=10, section=mf.SHARED,
+                                      files={"a.bin": {"size": 64, "crc32": 7}}, persist_s=0.5,
+                                      holder="cf_ray.holder.k.n1"),)),
 ]
 
 

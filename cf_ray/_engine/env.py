@@ -26,6 +26,32 @@ DIRECT_IO = "CF_RAY_DIRECT_IO"
 #: Namespace of cf_ray's named actors.
 NAMESPACE = "CF_RAY_NAMESPACE"
 
+# -- the control plane (issue #16): liveness, recovery, bounded controller, uploads -------------
+#: Messages a holder keeps queued for the controller (part_staged, part_durable, ...) while it is
+#: unreachable; past this the oldest are dropped with a warning (the controller's watch recovers them).
+SEND_QUEUE = "CF_RAY_SEND_QUEUE"
+#: Seconds between two checks by the controller of the holders that hold its pending sections
+#: (a dead or restarted holder's sections fail instead of staying pending forever).
+WATCH_INTERVAL_S = "CF_RAY_WATCH_INTERVAL_S"
+#: Seconds the controller's shutdown waits for each holder to finish what it is writing (and for
+#: the queued uploads) before it kills it; what is left is logged.
+DRAIN_TIMEOUT_S = "CF_RAY_DRAIN_TIMEOUT_S"
+#: Seconds a restore plan waits for a restarted controller to re-learn from the holders what they hold.
+RESYNC_TIMEOUT_S = "CF_RAY_RESYNC_TIMEOUT_S"
+#: Uploads to the tiers queued at most; when full the oldest non-milestone one is dropped (logged).
+UPLOAD_QUEUE = "CF_RAY_UPLOAD_QUEUE"
+#: Tries of one upload on a transient error (OSError), with exponential backoff.
+UPLOAD_RETRIES = "CF_RAY_UPLOAD_RETRIES"
+#: Seconds before the first retry of an upload (doubled each time, at most 60 s).
+UPLOAD_BACKOFF_S = "CF_RAY_UPLOAD_BACKOFF_S"
+#: Profile rows the controller keeps in memory; older ones go to storage in Parquet parts.
+PROFILE_WINDOW_ROWS = "CF_RAY_PROFILE_WINDOW_ROWS"
+#: Events (and failures) the controller keeps in memory, newest.
+EVENTS_WINDOW = "CF_RAY_EVENTS_WINDOW"
+#: Seconds between two saves of the policy's learnt state during a run (so that a restarted
+#: controller does not profile again from scratch).
+POLICY_SAVE_INTERVAL_S = "CF_RAY_POLICY_SAVE_INTERVAL_S"
+
 _DEFAULTS = {
     POLL_INTERVAL_S: 0.25,
     REGISTER_INTERVAL_S: 10.0,
@@ -34,6 +60,16 @@ _DEFAULTS = {
     LINGER_S: 120.0,
     WRITE_CHUNK_BYTES: 16 * 1024 * 1024,
     DIRECT_IO: 1,
+    SEND_QUEUE: 4096,
+    WATCH_INTERVAL_S: 5.0,
+    DRAIN_TIMEOUT_S: 300.0,
+    RESYNC_TIMEOUT_S: 10.0,
+    UPLOAD_QUEUE: 16,
+    UPLOAD_RETRIES: 5,
+    UPLOAD_BACKOFF_S: 1.0,
+    PROFILE_WINDOW_ROWS: 1000,
+    EVENTS_WINDOW: 1000,
+    POLICY_SAVE_INTERVAL_S: 60.0,
 }
 
 

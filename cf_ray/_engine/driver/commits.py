@@ -2,18 +2,32 @@
 (memory), durable (storage), failed or superseded; a checkpoint commits — its manifest is written
 — only when every section of that step and generation is durable.
 
-The controller actor is threaded (``max_concurrency``), so Ray does not keep the order in which a
-holder sent ``part_staged`` and ``part_durable``: a section can be durable before the call saying
+The controller actor is threaded (``max_concurrency``), so Ray does not keep the order in which
+holders sent ``part_staged`` and ``part_durable``: a section can be durable before the call saying
 which sections the step has. A commit is therefore tried from both.
 
+Every message is idempotent (issue #16): a holder re-sends what it is not sure arrived (after a
+timeout, to a controller that started again, in a resync), so the same ``part_staged`` or
+``part_durable`` may come twice, or long after its step settled. A step commits once (the state
+goes pending -> committing -> committed); messages of a step that settled and left the pending
+table are answered from a bounded record of settled steps, the committed index, and the restores
+(a step past a later attempt's restore point is abandoned, however late its messages come).
+
+Storage I/O is never done under the controller's lock: a transition that completes a step
+returns a :class:`CommitJob`; the caller writes the manifest (:meth:`CommitBook.write`) after
+releasing the lock and reports back (:meth:`CommitBook.finish`, under the lock again). While a
+step is *committing* it counts as in flight (never cleaned up, never abandoned, never failed by a
+late message), and keep-last never sees it (it is not in the committed index yet).
+
 Not thread-safe on its own: the controller calls it under its lock (so does the maintenance
-thread, for the committed index and the states of the steps in flight).
+thread, for the committed index and the states of the steps in flight), except :meth:`write`.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +43,10 @@ logger = logging.getLogger("cf_ray")
 
 #: How many (generation, step) entries the pending table keeps; older settled ones are forgotten.
 MAX_PENDING = 64
+#: How many settled steps are remembered after they left the pending table (late duplicates).
+MAX_SETTLED = 1024
+#: How many restores (generation -> restored step) are remembered.
+MAX_RESTORES = 32
 
 
 @dataclass(slots=True)
@@ -41,6 +59,8 @@ class _Pending:
     """The sections the checkpoint has; ``None`` until a ``part_staged`` says (its world size)."""
     staged: dict[str, str] = field(default_factory=dict)
     """section -> name of the holder that has it in memory."""
+    writers: dict[str, str] = field(default_factory=dict)
+    """section -> name of the holder that reported it durable or failed."""
     durable: dict[str, dict[str, FileInfo]] = field(default_factory=dict)
     """section -> its files on storage."""
     persist_s: dict[str, float] = field(default_factory=dict)
@@ -56,6 +76,16 @@ class _Pending:
     state: SectionState = SectionState.PENDING
     persist_reported: bool = False
     """The persist times went to the policy."""
+    committing: bool = False
+    """Its manifest is being written (outside the lock): in flight, and committed at most once."""
+    lost: bool = False
+    """Failed because the holder that had a section died (or came back empty) before writing it:
+    if a later attempt then restores before this step, it is abandoned instead (the attempt it
+    belonged to ended, which is what the holder's death usually means)."""
+    verify_files: bool = False
+    """Learnt from a holder's resync: its files are checked on storage before the commit (a step
+    committed and deleted by keep-last before the controller started again must not come back)."""
+    created_mono: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +97,28 @@ class Committed:
     milestone: bool
     generation: int
     epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class CommitJob:
+    """A complete step whose manifest is to be written, outside the controller's lock."""
+
+    generation: int
+    step: int
+    manifest: mf.Manifest
+    directory: str
+    verify_files: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    """What writing a :class:`CommitJob` did."""
+
+    commit_s: float = 0.0
+    error: str | None = None
+    """Why the manifest could not be written (the step fails)."""
+    missing: bool = False
+    """A resync-derived step whose files are gone (deleted by keep-last): abandoned, not failed."""
 
 
 def load_committed(storage: Storage) -> tuple[dict[int, Committed], int]:
@@ -101,23 +153,49 @@ class CommitBook:
         committed: the committed index to start from (:func:`load_committed`).
         book: the profile (rows, failures, metrics) each transition is recorded in.
         schedule: where the persist times go (the policy's samples).
-        on_commit: called with ``(step, manifest)`` after each commit (clean-up and uploads).
+        on_commit: called with ``(step, manifest)`` after each commit (clean-up and uploads), under
+            the controller's lock.
+        restores: generation -> the step that attempt restored (persisted by the controller):
+            older generations' steps past it are abandoned.
     """
 
     def __init__(self, storage: Storage, committed: dict[int, Committed], *, book: ProfileBook,
-                 schedule: ScheduleBook, on_commit: Callable[[int, mf.Manifest], None]):
+                 schedule: ScheduleBook, on_commit: Callable[[int, mf.Manifest], None],
+                 restores: dict[int, int] | None = None):
         self.storage = storage
         self.committed = committed
-        """step -> :class:`Committed`, the checkpoints a restore may read."""
+        """step -> :class:`Committed`, the checkpoints a restore may read (change it through
+        :meth:`add_committed` and :meth:`remove_committed`)."""
+        self._newest: int | None = max(committed) if committed else None
         self.pending: dict[tuple[int, int], _Pending] = {}
         """(generation, step) -> :class:`_Pending`."""
+        self._settled: collections.OrderedDict[tuple[int, int], tuple[SectionState, str | None]] = \
+            collections.OrderedDict()
+        """Settled steps that left the pending table: (state, error), the newest :data:`MAX_SETTLED`."""
+        self.restores: dict[int, int] = dict(restores or {})
+        self.settled_out: list[tuple[int, int, SectionState, tuple[str, ...]]] = []
+        """Steps that settled since the caller last took them: (generation, step, state, holders)
+        (the controller tells those holders, outside the lock)."""
         self._book = book
         self._schedule = schedule
         self._on_commit = on_commit
+        self._io_lock = threading.Lock()  # manifest writes in turn (never the controller's lock)
+        self._hint_step = self._newest if self._newest is not None else -1  # the newest 'latest' hint written
+
+    # -- the committed index ----------------------------------------------------------------------------
+    def add_committed(self, step: int, entry: Committed) -> None:
+        self.committed[step] = entry
+        if self._newest is None or step > self._newest:
+            self._newest = step
+
+    def remove_committed(self, step: int) -> None:
+        self.committed.pop(step, None)
+        if step == self._newest:
+            self._newest = max(self.committed) if self.committed else None
 
     # -- queries ----------------------------------------------------------------------------------------
     def newest_step(self) -> int | None:
-        return max(self.committed) if self.committed else None
+        return self._newest
 
     def committed_steps(self, *, newest_first: bool = False) -> list[int]:
         return sorted(self.committed, reverse=newest_first)
@@ -133,29 +211,89 @@ class CommitBook:
                       and not p.superseded)
 
     def states_by_step(self) -> dict[int, set[SectionState]]:
-        """step -> the states of its entries (of every generation)."""
+        """step -> the states of its entries (of every generation); a committing one is pending."""
         states: dict[int, set[SectionState]] = {}
         for (_, step), p in self.pending.items():
             states.setdefault(step, set()).add(p.state)
         return states
 
+    def in_flight_steps(self) -> set[int]:
+        """Steps with an entry still pending or committing (keep-last and clean-up leave them)."""
+        return {k[1] for k, p in self.pending.items() if p.state == SectionState.PENDING}
+
     def newest_in_memory(self) -> MemorySnapshot | None:
         """The newest snapshot every section of which some holder has (a memory restore)."""
         for (gen, step), p in sorted(self.pending.items(), key=lambda kv: (kv[0][1], kv[0][0]), reverse=True):
-            if p.expected and p.expected <= set(p.staged):
+            if p.expected and p.expected <= set(p.staged) and p.meta is not None:
                 return MemorySnapshot(generation=gen, step=step, sections=dict(p.staged),
                                       world_size=p.meta.world_size, epoch=p.meta.epoch,
                                       replicated=p.meta.replicated)
         return None
 
+    def state_of(self, generation: int, step: int) -> SectionState | None:
+        """Where ``(generation, step)`` stands; ``None`` when this controller never heard of it."""
+        p = self.pending.get((generation, step))
+        if p is not None:
+            return p.state
+        known = self._late_state(generation, step)
+        return None if known is None else known[0]
+
+    def accepts(self, generation: int, step: int) -> bool:
+        """Whether a message about ``(generation, step)`` changes anything (not a late one about a
+        step that settled and was forgotten, is committed, or was abandoned by a restore)."""
+        return (generation, step) in self.pending or self._late_state(generation, step) is None
+
+    def settled_report(self, generation: int, steps: list[int]) -> dict:
+        """Which of ``steps`` (of ``generation``) are settled, and how (the ``settled`` RPC)."""
+        out: dict = {"generation": generation, "committed": [], "failed": {}, "superseded": [], "abandoned": [],
+                     "pending": [], "unknown": []}
+        for step in steps:
+            step = int(step)
+            p = self.pending.get((generation, step))
+            if p is not None:
+                state, error = p.state, "; ".join(f"{s}: {e}" for s, e in sorted(p.failed.items())) or None
+                if state == SectionState.PENDING and p.superseded and not p.committing:
+                    state = SectionState.SUPERSEDED  # a memory-only section: it will never be written
+            else:
+                known = self._late_state(generation, step)
+                if known is None:
+                    out["unknown"].append(step)
+                    continue
+                state, error = known
+            if state == SectionState.FAILED:
+                out["failed"][step] = error or "failed"
+            else:
+                out[state.value].append(step)
+        out["newest_committed"] = self._newest
+        return out
+
+    def _late_state(self, generation: int, step: int) -> tuple[SectionState, str | None] | None:
+        """The state of a step that is not in the pending table: settled and forgotten, committed
+        (on storage), or abandoned by a later restore; ``None`` when nothing says."""
+        known = self._settled.get((generation, step))
+        if known is not None:
+            return known
+        c = self.committed.get(step)
+        if c is not None and c.generation == generation:
+            return SectionState.COMMITTED, None
+        if c is not None and c.generation > generation:
+            return SectionState.ABANDONED, None  # a later attempt committed this step again
+        if any(gen > generation and step > restored for gen, restored in self.restores.items()):
+            return SectionState.ABANDONED, None
+        return None
+
     # -- transitions ----------------------------------------------------------------------------------------
-    def staged(self, msg: PartStaged) -> None:
+    def staged(self, msg: PartStaged, *, resync: bool = False) -> CommitJob | None:
+        p = self._entry(msg.generation, msg.step, resync=resync)
+        if p is None:
+            return None
         meta = msg.meta
-        p = self._pend(msg.generation, msg.step)
         p.staged[msg.section] = msg.holder
         p.section_bytes[msg.section] = msg.nbytes
         if meta.rank == 0 or p.meta is None:
             p.meta = meta
+        if not meta.persist:
+            p.superseded.add(msg.section)
         if p.expected is None:
             p.expected = {mf.rank_section(r) for r in range(int(meta.world_size))}
             if meta.replicated:
@@ -163,54 +301,103 @@ class CommitBook:
             # The controller is a threaded actor: a holder's part_durable calls may run before
             # the part_staged that says which sections to expect, so commit from here as well.
             self._report_persist(p)
-            self._try_commit(p)
-        if not meta.persist:
-            p.superseded.add(msg.section)
+            return self._try_commit(p)
+        return None
 
-    def superseded(self, generation: int, step: int, section: str) -> None:
-        p = self._pend(generation, step)
+    def superseded(self, generation: int, step: int, section: str, *, resync: bool = False) -> None:
+        p = self._entry(generation, step, resync=resync)
+        if p is None:
+            return
         p.superseded.add(section)
-        if p.state == SectionState.PENDING:
-            p.state = SectionState.SUPERSEDED
+        if p.state == SectionState.PENDING and not p.committing:
+            self._settle(p, SectionState.SUPERSEDED)
             self._book.note_superseded(generation, step)
 
     def durable(self, generation: int, step: int, section: str, files: dict[str, dict[str, int]],
-                persist_s: float) -> None:
-        p = self._pend(generation, step)
+                persist_s: float, *, holder: str = "", resync: bool = False) -> CommitJob | None:
+        p = self._entry(generation, step, resync=resync)
+        if p is None:
+            return None
         p.durable[section] = {k: FileInfo(int(v["size"]), int(v["crc32"])) for k, v in files.items()}
         p.persist_s[section] = persist_s
+        if holder:
+            p.writers[section] = holder
         self._report_persist(p)
-        self._try_commit(p)
+        return self._try_commit(p)
 
-    def failed(self, generation: int, step: int, section: str, error: str) -> None:
-        p = self._pend(generation, step)
+    def failed(self, generation: int, step: int, section: str, error: str, *, holder: str = "",
+               resync: bool = False, lost: bool = False) -> None:
+        """A section could not be written (``lost``: its holder died before writing it)."""
+        p = self._entry(generation, step, resync=resync)
+        if p is None or p.committing or p.state == SectionState.COMMITTED:
+            return  # every section is durable: a late or stale failure changes nothing
+        if holder:
+            p.writers[section] = holder
+        if section in p.failed and p.state == SectionState.FAILED:
+            return  # the same failure again (a re-sent message)
         p.failed[section] = error
-        p.state = SectionState.FAILED
+        p.lost = lost and (p.state != SectionState.FAILED or p.lost)
+        self._settle(p, SectionState.FAILED)
         self._book.add_failure(generation=generation, step=step, section=section, rank=mf.section_rank(section),
                                error=error)
         self._book.note_failed(generation, step, section, error)
         logger.warning("cf_ray: checkpoint of step %d not committed: %s failed: %s", step, section, error)
         self._book.record_metrics(generation, step)
 
+    def abandon(self, generation: int, step: int) -> bool:
+        """One entry still pending is abandoned (nothing will complete it). Returns whether it was."""
+        p = self.pending.get((generation, step))
+        if p is None or p.state != SectionState.PENDING or p.committing:
+            return False
+        self._settle(p, SectionState.ABANDONED)
+        return True
+
     def abandon_after(self, generation: int, step: int) -> list[tuple[int, int]]:
         """Entries of generations before ``generation`` still pending past ``step`` become
-        abandoned (a timeline the attempt restored at ``step`` replays). Returns their keys."""
+        abandoned (a timeline the attempt restored at ``step`` replays), and so do their late
+        messages; so do those that failed only because their holder died (``lost``): their attempt
+        ended. Returns the keys abandoned now."""
+        self.restores[generation] = step
+        for g in sorted(self.restores)[:-MAX_RESTORES]:
+            del self.restores[g]
         out = []
         for (gen, st), p in self.pending.items():
-            if gen < generation and p.state == SectionState.PENDING and st > step:
-                p.state = SectionState.ABANDONED
+            in_flight = p.state == SectionState.PENDING and not p.committing
+            if gen < generation and st > step and (in_flight or (p.state == SectionState.FAILED and p.lost)):
+                self._settle(p, SectionState.ABANDONED)
                 out.append((gen, st))
         return out
 
-    def _pend(self, generation: int, step: int) -> _Pending:
+    def take_settled(self) -> list[tuple[int, int, SectionState, tuple[str, ...]]]:
+        out, self.settled_out = self.settled_out, []
+        return out
+
+    def _settle(self, p: _Pending, state: SectionState) -> None:
+        p.state = state
+        holders = tuple(sorted(set(p.staged.values()) | set(p.writers.values())))
+        if holders:
+            self.settled_out.append((p.generation, p.step, state, holders))
+
+    def _entry(self, generation: int, step: int, *, resync: bool) -> _Pending | None:
+        """The pending entry of a message, made on first mention; ``None`` when the message is
+        about a step that settled and was forgotten, is committed, or was abandoned by a restore."""
         p = self.pending.get((generation, step))
-        if p is None:
-            p = self.pending[(generation, step)] = _Pending(generation, step)
-            # Keep the table small: forget old settled entries, never pending ones of this generation.
-            if len(self.pending) > MAX_PENDING:
-                for k in sorted(self.pending)[: len(self.pending) - MAX_PENDING]:
-                    if self.pending[k].state != SectionState.PENDING:
-                        del self.pending[k]
+        if p is not None:
+            return p
+        if self._late_state(generation, step) is not None:
+            return None
+        p = self.pending[(generation, step)] = _Pending(generation, step, verify_files=resync)
+        # Keep the table small: forget old settled entries (remembering how they settled), never
+        # pending ones.
+        if len(self.pending) > MAX_PENDING:
+            for k in sorted(self.pending)[: len(self.pending) - MAX_PENDING]:
+                old = self.pending[k]
+                if old.state != SectionState.PENDING:
+                    del self.pending[k]
+                    self._settled[k] = (old.state, "; ".join(f"{s}: {e}" for s, e in sorted(old.failed.items()))
+                                        or None)
+                    while len(self._settled) > MAX_SETTLED:
+                        self._settled.popitem(last=False)
         return p
 
     def _report_persist(self, p: _Pending) -> None:
@@ -230,9 +417,11 @@ class CommitBook:
             self._schedule.add_sample(Sample(rank=rank, step=p.step, ckpt_step=p.step,
                                              persist_s=per_holder[p.staged.get(sec, "")]))
 
-    def _try_commit(self, p: _Pending) -> None:
-        if p.state != SectionState.PENDING or p.expected is None or not p.expected <= set(p.durable):
-            return
+    def _try_commit(self, p: _Pending) -> CommitJob | None:
+        """The decision, under the lock: a complete step becomes *committing* (once)."""
+        if p.state != SectionState.PENDING or p.committing or p.expected is None or p.meta is None \
+                or not p.expected <= set(p.durable):
+            return None
         files: dict[str, FileInfo] = {}
         sections = {}
         for sec in sorted(p.expected):
@@ -245,23 +434,87 @@ class CommitBook:
                         kind=CheckpointKind(meta.kind).value, milestone=bool(meta.milestone),
                         sections=sections, files=files, created_unix=time.time(),
                         extra={"data_world_size": meta.world_size})
-        directory = mf.step_dir(p.step)
-        try:
+        p.committing = True
+        return CommitJob(generation=p.generation, step=p.step, manifest=m, directory=mf.step_dir(p.step),
+                         verify_files=p.verify_files)
+
+    # -- the commit itself ------------------------------------------------------------------------------
+    def write(self, job: CommitJob) -> CommitResult:
+        """Write the manifest (the commit point) and, for the newest step so far, the ``latest``
+        hint. Storage I/O: called *without* the controller's lock; manifests are written one at a
+        time (their own lock), so the hint never goes back to an older step."""
+        with self._io_lock:
             t0 = time.perf_counter()
-            newest_before = max(self.committed) if self.committed else -1
-            mf.commit(self.storage, directory, m) if p.step > newest_before else \
-                self.storage.write_file(f"{directory}/{mf.MANIFEST}", [m.to_bytes()])
-            commit_s = time.perf_counter() - t0
-        except Exception as e:  # noqa: BLE001 - a failed commit leaves the previous one the latest
-            self.failed(p.generation, p.step, "manifest", f"{type(e).__name__}: {e}")
+            try:
+                if job.verify_files and not _files_present(self.storage, job.directory, job.manifest.files):
+                    return CommitResult(missing=True)
+                if job.step > self._hint_step:
+                    mf.commit(self.storage, job.directory, job.manifest)
+                    self._hint_step = job.step
+                else:
+                    self.storage.write_file(f"{job.directory}/{mf.MANIFEST}", [job.manifest.to_bytes()])
+            except Exception as e:  # noqa: BLE001 - a failed commit leaves the previous one the latest
+                return CommitResult(error=f"{type(e).__name__}: {e}")
+            return CommitResult(commit_s=time.perf_counter() - t0)
+
+    def finish(self, job: CommitJob, result: CommitResult) -> None:
+        """Record what :meth:`write` did (under the lock): committed, failed or abandoned."""
+        p = self.pending[(job.generation, job.step)]  # a committing entry is pending: never pruned
+        p.committing = False
+        if result.missing:
+            logger.info("cf_ray: step %d (generation %d), re-learnt after a restart, is no longer on storage "
+                        "(deleted by keep-last): not committed again", job.step, job.generation)
+            self._settle(p, SectionState.ABANDONED)
             return
-        p.state = SectionState.COMMITTED
-        self.committed[p.step] = Committed(path=directory, milestone=m.milestone, generation=p.generation,
-                                           epoch=m.epoch)
-        row = self._book.note_committed(p.generation, p.step, where=self.storage.uri(directory), commit_s=commit_s,
-                                        persist_s=max(_per_holder_persist(p).values()),
+        if result.error is not None:
+            self.failed(p.generation, p.step, "manifest", result.error)
+            return
+        m = job.manifest
+        self._settle(p, SectionState.COMMITTED)
+        self.add_committed(p.step, Committed(path=job.directory, milestone=m.milestone, generation=p.generation,
+                                             epoch=m.epoch))
+        row = self._book.note_committed(p.generation, p.step, where=self.storage.uri(job.directory),
+                                        commit_s=result.commit_s, persist_s=max(_per_holder_persist(p).values()),
                                         total_bytes=sum(p.section_bytes.values()), epoch=m.epoch, kind=m.kind,
                                         milestone=m.milestone)
         logger.info("cf_ray: committed step %d (%d bytes) at %s", p.step, row["bytes"], row["where"])
         self._book.record_metrics(p.generation, p.step)
         self._on_commit(p.step, m)
+
+    # -- the watch (see recovery.py) ------------------------------------------------------------------
+    def watch_targets(self, min_age_s: float) -> tuple[dict[str, list[tuple[int, int, str]]],
+                                                       list[tuple[int, int, str]]]:
+        """What to ask the holders about: sections of steps pending for at least ``min_age_s``
+        that some holder has or wrote and whose outcome this controller has not heard (by holder),
+        and sections expected that no holder was heard of (orphans)."""
+        by_holder: dict[str, list[tuple[int, int, str]]] = collections.defaultdict(list)
+        orphans: list[tuple[int, int, str]] = []
+        now = time.monotonic()
+        for (gen, step), p in self.pending.items():
+            if p.state != SectionState.PENDING or p.committing or now - p.created_mono < min_age_s:
+                continue
+            done = set(p.durable) | set(p.failed) | p.superseded
+            for sec, holder in p.staged.items():
+                if sec not in done:
+                    by_holder[holder].append((gen, step, sec))
+            if p.expected is None:  # its part_staged never came: ask who wrote a section
+                for sec, holder in p.writers.items():
+                    by_holder[holder].append((gen, step, sec))
+            else:
+                orphans += [(gen, step, sec) for sec in sorted(p.expected - set(p.staged) - done)]
+        return dict(by_holder), orphans
+
+
+def _files_present(storage: Storage, directory: str, files: dict[str, FileInfo]) -> bool:
+    """Whether every file is on storage with its size (its content is verified by readers)."""
+    fs = getattr(storage, "fs", None)
+    fs_path = getattr(storage, "fs_path", None)
+    for name, info in files.items():
+        path = f"{directory}/{name}"
+        if fs is not None and callable(fs_path):
+            got = fs.get_file_info(fs_path(path))
+            if got.size is None or got.size != info.size:
+                return False
+        elif not storage.exists(path):
+            return False
+    return True

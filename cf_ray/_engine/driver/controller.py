@@ -6,14 +6,28 @@ key is derived from the run's storage location and name. Every worker's :class:`
 gets it with ``get_if_exists=True``, so the first worker of a run creates it and workers restarted
 by Ray Train (same run) find the same one, with its schedule, its profile and its index of
 in-memory snapshots intact. It uses ``num_cpus=0`` and never blocks a worker: workers poll it
-with fire-and-forget calls and read the answers when they are ready.
+with non-blocking calls and read the answers when they are ready.
 
 When the driver restarts (a new ``trainer.fit()`` with the same ``RunConfig(name, storage_path)``),
 a controller that is still alive (a long-lived cluster) is reused; otherwise a new one is created
 and rebuilds what matters from storage: the committed checkpoints, the generation counter and the
 saved profile (so the interval does not have to be profiled again from scratch). It exits on its
 own ``CF_RAY_CONTROLLER_LINGER_S`` seconds after every rank has called ``Checkpointer.finish()``,
-after writing the profile table to storage.
+after asking every holder to finish what it is writing and writing the profile table to storage.
+
+Liveness and recovery (issue #16): the controller is created detached (the creating worker does
+not own it) with ``max_restarts=-1``: when its process dies (OOM, a bug), Ray runs the constructor
+again, which rebuilds the state from storage (committed manifests, ``policy_state.json``,
+``control_state.json`` — the generation and recent restores, :mod:`.recovery`) and from the holders
+of this run on every alive node (``Holder.resync``: what each holds and has done lately; also asked
+of any holder that first contacts it later). Its generation is then at least the newest any holder
+or worker reports, and it numbers schedule versions, failures and requests above its predecessor's
+(:mod:`.schedule`). A controller that is gone for good (killed) is created again by whoever needs it:
+the workers call :func:`resolve_controller` when a call to it fails; the holders look it up by name
+again for every message they could not deliver (:mod:`cf_ray._engine.node.sender`). Every holder
+message is idempotent here. A watch thread asks the holders about sections pending too long
+(``Holder.lookup``): a lost message is recovered, and a section whose holder died or came back empty
+fails, so the steps after it commit and nobody waits for ever.
 
 What it does:
 * keeps the schedule: the policy's interval, published as numbered versions that the ranks adopt
@@ -24,17 +38,22 @@ What it does:
   copies it to the upload tiers, on its maintenance thread (no clean-up between a restore plan and
   the restore) — :mod:`.maintenance`;
 * answers restore plans: the newest complete in-memory snapshot and the committed checkpoints;
+  and which steps of an attempt are settled (:meth:`Controller.settled`);
 * keeps the profile table (one row per checkpoint) and the events (restores, failures) —
   :mod:`.profile_book`.
 
 :class:`Controller` is the RPC facade over these parts. Every RPC takes the one controller lock
-(an ``RLock``: the parts call back into each other under it); the maintenance thread takes it for
-its reads of the committed index and the pending table, never while it deletes or uploads.
-The messages it exchanges are the typed, versioned ones of :mod:`.messages`.
+(an ``RLock``: the parts call back into each other under it) for its bookkeeping only: storage I/O
+(a manifest, the profile, the control state) and calls to other actors happen after it is released
+(a commit is decided under the lock, written without it, and recorded under it again). The
+maintenance thread takes the lock for its reads of the committed index and the pending table, never
+while it deletes or uploads. The messages it exchanges are the typed, versioned ones of :mod:`.messages`.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -42,12 +61,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+import ray.exceptions
 
 from cf_ray._engine import env as _env
-from cf_ray._engine.driver.commits import CommitBook, load_committed
+from cf_ray._engine.driver.commits import CommitBook, CommitJob, load_committed
 from cf_ray._engine.driver.maintenance import Maintenance, tier_steps
 from cf_ray._engine.driver.messages import (
     CheckpointRequest,
+    HolderState,
+    Message,
     PartDurable,
     PartFailed,
     PartStaged,
@@ -55,11 +77,13 @@ from cf_ray._engine.driver.messages import (
     Restored,
     RestorePlan,
     RestoreSource,
+    SectionState,
     SyncReply,
     SyncRequest,
 )
 from cf_ray._engine.driver.naming import controller_name, run_key
-from cf_ray._engine.driver.profile_book import ProfileBook
+from cf_ray._engine.driver.profile_book import ProfileBook, delete_other_lineages, newest_lineage
+from cf_ray._engine.driver.recovery import ControlState, HolderBusy, HolderLink, in_ray_actor, was_reconstructed
 from cf_ray._engine.driver.schedule import ScheduleBook
 from cf_ray._engine.driver.schedule import explain as explain_policy
 from cf_ray._engine.format import manifest as mf
@@ -67,6 +91,11 @@ from cf_ray._engine.storage.fs import Storage
 from cf_ray.policy import FrequencyPolicy, Sample
 
 logger = logging.getLogger("cf_ray")
+
+_AUTO = object()
+
+#: What ``Holder.lookup`` says of a section it does not have.
+_UNKNOWN = "unknown"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -81,33 +110,73 @@ class ControllerSettings:
     """Upload destinations, fastest first."""
     upload_milestones_only: bool
     """Copy only milestones to the upload tiers."""
+    recreated: bool = False
+    """This controller replaces one that died while workers ran (set by :func:`resolve_controller`):
+    it numbers schedule versions, failures and requests above anything the earlier one handed out,
+    and continues its profile."""
 
 
 class Controller:
     """The controller's logic (the Ray actor class is :data:`ControllerActor`): the RPC facade
-    over the schedule, the commit bookkeeping, the maintenance thread and the profile."""
+    over the schedule, the commit bookkeeping, the maintenance thread and the profile.
 
-    def __init__(self, key: str, storage: Storage, settings: ControllerSettings):
+    Args:
+        key: the run key.
+        storage: the run's storage.
+        settings: from the user's config.
+        holders: how to reach the run's holders; by default a :class:`HolderLink` inside a Ray
+            actor and none in process (tests drive the controller directly, holders are names).
+    """
+
+    def __init__(self, key: str, storage: Storage, settings: ControllerSettings, *, holders: Any = _AUTO):
         self.key = key
         self.storage = storage
         self._lock = threading.RLock()
-        committed, self.generation = load_committed(storage)
-        self._schedule = ScheduleBook(settings.policy, storage)
-        self._book = ProfileBook(key, storage, self._schedule)
+        resumed = was_reconstructed() or settings.recreated
+        self._link: HolderLink | None = (HolderLink(key, _env.namespace()) if in_ray_actor() else None) \
+            if holders is _AUTO else holders
+        committed, newest_generation = load_committed(storage)
+        self._control = ControlState(storage)
+        saved_generation, restores = self._control.load()
+        self.generation = max(newest_generation, saved_generation)
+        self._state_seq = 0
+        base = int(time.time() * 1000) if resumed else 0  # numbers above a predecessor's (see .schedule)
+        self._schedule = ScheduleBook(settings.policy, storage, version_base=base)
+        lineage = newest_lineage(storage) if resumed else None
+        self._book = ProfileBook(key, storage, self._schedule, lineage=lineage, seq_base=base,
+                                 on_batch=self._on_profile_batch)
         self._commits = CommitBook(storage, committed, book=self._book, schedule=self._schedule,
-                                   on_commit=self._after_commit)
+                                   on_commit=self._after_commit, restores=restores)
         self._maintenance = Maintenance(storage, tiers=settings.tiers, keep_last=settings.keep_last,
                                         upload_milestones_only=settings.upload_milestones_only, lock=self._lock,
-                                        commits=self._commits, book=self._book)
+                                        commits=self._commits, book=self._book,
+                                        periodic=(_env.get_float(_env.POLICY_SAVE_INTERVAL_S),
+                                                  self._save_policy_state))
+        if lineage is None:
+            keep = self._book.parts.lineage
+            self._maintenance.run_soon(lambda: delete_other_lineages(storage, keep))
         self._world_size: int | None = None
         self._finished: set[int] = set()
         self._holders: set[str] = set()
-        self._requests: list[CheckpointRequest] = []  # from cf_ray.preemption.notify_preemption
-        self._request_seq = 0
+        self._resyncing: set[str] = set()
+        self._requests: collections.deque[CheckpointRequest] = collections.deque(maxlen=64)  # notify_preemption
+        self._request_seq = base
+        self._resynced = threading.Event()
+        """Set once the holders alive at the start were asked what they hold."""
+        self._stopping = threading.Event()
+        if self._link is not None:
+            threading.Thread(target=self._rebuild_from_holders, name="cf_ray-resync", daemon=True).start()
+        else:
+            self._resynced.set()
+        if self._link is not None and in_ray_actor():  # in process, tests call watch_once() themselves
+            threading.Thread(target=self._watch_loop, name="cf_ray-watch", daemon=True).start()
 
     # -- generations and restore --------------------------------------------------------------
     def prepare_restore(self, world_size: int) -> RestorePlan:
-        """Called by rank 0 at the start of every attempt: a new generation and a restore plan."""
+        """Called by rank 0 at the start of every attempt: a new generation and a restore plan.
+        A controller that just started waits (at most ``CF_RAY_RESYNC_TIMEOUT_S``) until the holders
+        have said what they hold, so that a memory restore is not missed."""
+        self._resynced.wait(timeout=_env.get_float(_env.RESYNC_TIMEOUT_S))
         with self._lock:
             self.generation += 1
             # Until this attempt has restored, keep-last deletes nothing: the plan names checkpoints
@@ -120,6 +189,8 @@ class Controller:
             memory = self._commits.newest_in_memory()
             storage_steps = tuple(self._commits.committed_steps(newest_first=True))
             generation, schedules = self.generation, self._schedule.all()
+            state = self._control_state()
+        self._control.write(*state)
         return RestorePlan(generation=generation, memory=memory, storage=storage_steps,
                            tiers=tier_steps(self._maintenance.tiers), schedules=schedules)
 
@@ -127,9 +198,10 @@ class Controller:
         """Rank 0 reports where the attempt resumed from.
 
         Snapshots of earlier generations past the restored step belong to a timeline that this
-        attempt replays; they are not committed. Those at or before it are valid and may still
-        commit (the holders keep writing them), which keeps a memory restore durable. Keep-last
-        clean-up, held back since :meth:`prepare_restore`, runs again from here.
+        attempt replays; they are not committed (nor are their late messages, see
+        :meth:`CommitBook.abandon_after`). Those at or before it are valid and may still commit
+        (the holders keep writing them), which keeps a memory restore durable. Keep-last clean-up,
+        held back since :meth:`prepare_restore`, runs again from here.
         """
         with self._lock:
             self._maintenance.resume_deletions()  # what was deferred during the restore
@@ -139,11 +211,24 @@ class Controller:
                                   "event": "restore", "generation": self.generation, "time": time.time()})
             for gen, step in self._commits.abandon_after(self.generation, info.step):
                 self._book.note_abandoned(gen, step)
+            state = self._control_state()
+            settled = self._commits.take_settled()
+        self._control.write(*state)
+        self._tell_holders(settled)
+
+    def _control_state(self) -> tuple[int, int, dict[int, int]]:
+        self._state_seq += 1
+        return self._state_seq, self.generation, dict(self._commits.restores)
 
     # -- worker polls ----------------------------------------------------------------------------
     def sync(self, req: SyncRequest) -> SyncReply:
         """Non-blocking exchange with a worker: its samples in, the schedule and commit state out."""
         with self._lock:
+            # A controller that started again continues above what the workers have seen.
+            self.generation = max(self.generation, req.generation)
+            self._event(self._schedule.continue_above(req.adopted_version))
+            self._book.continue_failures_above(req.seen_failures)
+            self._request_seq = max(self._request_seq, req.seen_requests)
             for s in req.samples:
                 sample = Sample(**s)
                 self._schedule.add_sample(sample)
@@ -168,32 +253,278 @@ class Controller:
                                   "time": req.time_unix, "generation": req.generation, "event": "notice"})
             return req
 
+    def settled(self, generation: int, steps: list[int]) -> dict:
+        """Which of ``steps`` (of ``generation``) are settled — nothing more will happen to them —
+        and how. Returns::
+
+            {"generation": int,
+             "committed": [step, ...],          # manifest written (or on storage)
+             "failed": {step: "section: error"}, # a section or the manifest could not be written
+             "superseded": [step, ...],         # replaced by a newer snapshot before it was written
+             "abandoned": [step, ...],          # past a later attempt's restore point, or its files
+                                                #   were gone when a restarted controller re-learnt it
+             "pending": [step, ...],            # known, some section not durable yet (not settled)
+             "unknown": [step, ...],            # never heard of (not settled: its part_staged may
+                                                #   not have arrived yet, or the controller restarted)
+             "newest_committed": int | None,    # the newest committed step of any generation
+             "resynced": bool}                  # False while a controller that just started is
+                                                #   still asking the holders what they hold
+
+        A step is settled when it is in ``committed``, ``failed``, ``superseded`` or ``abandoned``.
+        """
+        with self._lock:
+            out = self._commits.settled_report(int(generation), list(steps))
+        out["resynced"] = self._resynced.is_set()
+        return out
+
+    def ping(self) -> dict:
+        """A cheap liveness check: ``{"generation": int, "resynced": bool}``."""
+        return {"generation": self.generation, "resynced": self._resynced.is_set()}
+
     # -- holders -----------------------------------------------------------------------------------
-    def part_staged(self, msg: PartStaged) -> None:
+    # Each returns the step's state after the message (a SectionState, or None when this controller
+    # knows nothing of it); every one is idempotent (a holder re-sends what it is unsure arrived).
+    def part_staged(self, msg: PartStaged) -> SectionState | None:
         with self._lock:
-            self._holders.add(msg.holder)
-            self._commits.staged(msg)
-            self._book.note_staged(msg.generation, msg.step, msg.meta)
+            new = self._note_holder(msg.holder)
+            self.generation = max(self.generation, msg.generation)
+            job = self._staged(msg, resync=False)
+            state, settled = self._commits.state_of(msg.generation, msg.step), self._commits.take_settled()
+        self._complete([job], settled)
+        self._resync_if_new(msg.holder, new)
+        return state
 
-    def part_superseded(self, msg: PartSuperseded) -> None:
+    def part_superseded(self, msg: PartSuperseded) -> SectionState | None:
         with self._lock:
+            new = self._note_holder(msg.holder)
             self._commits.superseded(msg.generation, msg.step, msg.section)
+            state, settled = self._commits.state_of(msg.generation, msg.step), self._commits.take_settled()
+        self._tell_holders(settled)
+        self._resync_if_new(msg.holder, new)
+        return state
 
-    def part_durable(self, msg: PartDurable) -> None:
+    def part_durable(self, msg: PartDurable) -> SectionState | None:
         with self._lock:
-            self._commits.durable(msg.generation, msg.step, msg.section, msg.files, msg.persist_s)
+            new = self._note_holder(msg.holder)
+            job = self._commits.durable(msg.generation, msg.step, msg.section, msg.files, msg.persist_s,
+                                        holder=msg.holder)
+            state, settled = self._commits.state_of(msg.generation, msg.step), self._commits.take_settled()
+        state = self._complete([job], settled, msg.generation, msg.step) or state
+        self._resync_if_new(msg.holder, new)
+        return state
 
-    def part_failed(self, msg: PartFailed) -> None:
+    def part_failed(self, msg: PartFailed) -> SectionState | None:
         with self._lock:
-            self._commits.failed(msg.generation, msg.step, msg.section, msg.error)
+            new = self._note_holder(msg.holder)
+            self._commits.failed(msg.generation, msg.step, msg.section, msg.error, holder=msg.holder)
+            state, settled = self._commits.state_of(msg.generation, msg.step), self._commits.take_settled()
+        self._tell_holders(settled)
+        self._resync_if_new(msg.holder, new)
+        return state
 
+    def apply_holder_state(self, state: HolderState) -> None:
+        """What a holder holds and did (``Holder.resync``), applied as if each message came again."""
+        with self._lock:
+            self.generation = max(self.generation, state.generation)
+            self._note_holder(state.holder)
+            jobs = self._apply_locked(state.staged, state.outcomes)
+            settled = self._commits.take_settled()
+        self._complete(jobs, settled)
+
+    def _staged(self, msg: PartStaged, *, resync: bool) -> CommitJob | None:
+        if not self._commits.accepts(msg.generation, msg.step):
+            return None
+        job = self._commits.staged(msg, resync=resync)
+        self._book.note_staged(msg.generation, msg.step, msg.meta)
+        return job
+
+    def _apply_locked(self, staged: tuple | list, outcomes: tuple | list) -> list[CommitJob | None]:
+        jobs = [self._staged(m, resync=True) for m in staged]
+        for o in outcomes:
+            if isinstance(o, PartDurable):
+                jobs.append(self._commits.durable(o.generation, o.step, o.section, o.files, o.persist_s,
+                                                  holder=o.holder, resync=True))
+            elif isinstance(o, PartFailed):
+                self._commits.failed(o.generation, o.step, o.section, o.error, holder=o.holder, resync=True)
+            elif isinstance(o, PartSuperseded):
+                self._commits.superseded(o.generation, o.step, o.section, resync=True)
+        return jobs
+
+    def _complete(self, jobs: list[CommitJob | None], settled: list, generation: int | None = None,
+                  step: int | None = None) -> SectionState | None:
+        """Write the manifests of the steps that became complete (outside the lock), record the
+        results (under it), then tell the holders which steps settled. Returns the state of
+        ``(generation, step)`` afterwards when given."""
+        state = None
+        for job in jobs:
+            if job is None:
+                continue
+            result = self._commits.write(job)
+            with self._lock:
+                self._commits.finish(job, result)
+                settled = settled + self._commits.take_settled()
+        if generation is not None and step is not None and any(j is not None for j in jobs):
+            with self._lock:
+                state = self._commits.state_of(generation, step)
+        self._tell_holders(settled)
+        return state
+
+    def _tell_holders(self, settled: list[tuple[int, int, SectionState, tuple[str, ...]]]) -> None:
+        """The steps that settled: their holders drop their record (fire-and-forget)."""
+        if self._link is None or not settled:
+            return
+        by_holder: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
+        for gen, step, _state, holders in settled:
+            for h in holders:
+                by_holder[h].append((gen, step))
+        for h, keys in by_holder.items():
+            self._link.forget(h, keys)
+
+    def _note_holder(self, name: str) -> bool:
+        """Remember a holder; True when it is new to this controller."""
+        if not name or name in self._holders:
+            return False
+        self._holders.add(name)
+        return True
+
+    def _resync_if_new(self, name: str, new: bool) -> None:
+        """A holder first heard of after this controller started: ask it what it holds (once, in
+        the background: never from an RPC thread that holds the lock)."""
+        if not new or self._link is None or not self._resynced.is_set():
+            return  # the start-up resync asks every holder anyway
+        with self._lock:
+            if name in self._resyncing:
+                return
+            self._resyncing.add(name)
+        threading.Thread(target=self._resync_one, args=(name,), name="cf_ray-resync", daemon=True).start()
+
+    def _resync_one(self, name: str) -> bool:
+        link = self._link
+        if link is None:
+            return False
+        try:
+            state = link.resync(name, timeout_s=_env.get_float(_env.ACTOR_TIMEOUT_S))
+            if state is not None:
+                self.apply_holder_state(state)
+            return state is not None
+        except HolderBusy:
+            logger.warning("cf_ray: holder %s did not answer a resync in time", name)
+            return False
+        except Exception:  # noqa: BLE001
+            logger.exception("cf_ray: resync of holder %s failed", name)
+            return False
+        finally:
+            with self._lock:
+                self._resyncing.discard(name)
+
+    def _rebuild_from_holders(self) -> None:
+        """At start: ask the run's holder on every alive node what it holds and has done lately."""
+        link = self._link
+        try:
+            names = link.names_on_alive_nodes() if link is not None else []
+            found = [n for n in names if link is not None and link.exists(n)]
+            for name in found:
+                self._resync_one(name)
+            if found:
+                logger.info("cf_ray: controller %s re-learnt the state of %d holder(s); generation %d",
+                            self.key, len(found), self.generation)
+        except Exception:  # noqa: BLE001
+            logger.exception("cf_ray: could not resync the holders")
+        finally:
+            self._resynced.set()
+
+    # -- the watch -------------------------------------------------------------------------------------
+    def _watch_loop(self) -> None:
+        while not self._stopping.wait(max(0.2, _env.get_float(_env.WATCH_INTERVAL_S))):
+            try:
+                self.watch_once()
+            except Exception:  # noqa: BLE001 - the watch never dies
+                logger.exception("cf_ray: the controller's watch failed")
+
+    def watch_once(self, min_age_s: float | None = None) -> None:
+        """Ask the holders about sections pending for at least ``min_age_s`` (default
+        ``CF_RAY_WATCH_INTERVAL_S``): an outcome this controller missed is applied; a section its
+        holder does not have (it died, or Ray restarted it empty) fails; a section of an earlier
+        attempt that no holder was ever heard to have is abandoned."""
+        if self._link is None:
+            return
+        interval = _env.get_float(_env.WATCH_INTERVAL_S)
+        min_age_s = interval if min_age_s is None else min_age_s
+        with self._lock:
+            by_holder, orphans = self._commits.watch_targets(min_age_s)
+            known = sorted(self._holders)
+        staged: list[PartStaged] = []
+        outcomes: list[Message] = []
+        lost: list[tuple[tuple[int, int, str], str]] = []
+        gone: set[str] = set()
+        timeout_s = max(1.0, interval)
+        for name, keys in by_holder.items():
+            try:
+                answer = self._link.lookup(name, keys, timeout_s=timeout_s)
+            except HolderBusy:
+                continue
+            if answer is None:
+                gone.add(name)
+                lost += [(k, name) for k in keys]
+                continue
+            for key, (status, st, out) in zip(keys, answer):
+                staged += [st] if st is not None else []
+                outcomes += [out] if out is not None else []
+                if status == _UNKNOWN:
+                    lost.append((key, name))
+        unfound = set(orphans)
+        for name in known if orphans else ():
+            try:
+                answer = self._link.lookup(name, orphans, timeout_s=timeout_s)
+            except HolderBusy:
+                unfound.clear()  # cannot tell: ask again next time
+                continue
+            if answer is None:
+                gone.add(name)
+                continue
+            for key, (status, st, out) in zip(orphans, answer):
+                if status != _UNKNOWN:
+                    unfound.discard(key)
+                    staged += [st] if st is not None else []
+                    outcomes += [out] if out is not None else []
+        with self._lock:
+            jobs = self._apply_locked(staged, outcomes)
+            for (gen, step, sec), name in lost:
+                self._commits.failed(gen, step, sec, f"lost: holder {name} died or was restarted before it had "
+                                                     "written this section", holder=name, lost=True)
+            for gen, step in sorted({(g, s) for g, s, _ in unfound}):
+                if gen < self.generation and self._commits.abandon(gen, step):
+                    self._book.note_abandoned(gen, step)
+                    logger.info("cf_ray: step %d of generation %d abandoned: a section was never handed to a "
+                                "holder and its attempt is over", step, gen)
+            self._holders -= gone
+            settled = self._commits.take_settled()
+        self._complete(jobs, settled)
+
+    # -- commits and maintenance -------------------------------------------------------------------
     def _after_commit(self, step: int, m: mf.Manifest) -> None:
         self._maintenance.after_commit(step, m)
 
+    def _on_profile_batch(self) -> None:
+        self._maintenance.profile_batch_ready()
+
+    def maintenance_idle(self) -> bool:
+        """True when no upload, clean-up or profile write is queued or running."""
+        return self._maintenance.idle()
+
+    def uploads_pending(self) -> list[int]:
+        """Steps whose upload to the tiers is queued or running, oldest first (``Checkpointer.finish``
+        waits until this is empty, or reports what is left)."""
+        return self._maintenance.uploads_pending()
+
+    def pending_steps(self, generation: int) -> list[int]:
+        with self._lock:
+            return self._commits.awaited_steps(generation)
+
     # -- the profile ---------------------------------------------------------------------------------
     def profile_rows(self) -> list[dict]:
-        with self._lock:
-            return self._book.profile_rows()
+        """Every row of this run's profile so far: the parts on storage and the rows in memory."""
+        return self._book.all_rows(self._lock)
 
     def iteration_rows(self) -> list[dict]:
         with self._lock:
@@ -223,14 +554,6 @@ class Controller:
                     "failures": self._book.failure_dicts(), "events": list(self._book.events),
                     "pending": self._commits.pending_steps()}
 
-    def maintenance_idle(self) -> bool:
-        """True when no upload or clean-up is queued or running."""
-        return self._maintenance.idle()
-
-    def pending_steps(self, generation: int) -> list[int]:
-        with self._lock:
-            return self._commits.awaited_steps(generation)
-
     # -- the end of a run ------------------------------------------------------------------------------
     def finish(self, rank: int, world_size: int) -> None:
         with self._lock:
@@ -243,29 +566,57 @@ class Controller:
     def save_profile(self) -> None:
         """Write the profile table and the policy's state to storage (never raises)."""
         self._book.save(self._lock)
-        self._schedule.save_state()
+        self._save_policy_state()
+
+    def _save_policy_state(self) -> None:
+        with self._lock:
+            raw = self._schedule.state_bytes()
+        self._schedule.write_state(raw)
 
     def _linger_then_exit(self) -> None:
         time.sleep(_env.get_float(_env.LINGER_S))
         with self._lock:
-            if self._finished and len(self._finished) >= (self._world_size or 1):
-                self.shutdown()
+            done = bool(self._finished) and len(self._finished) >= (self._world_size or 1)
+        if done:
+            self.shutdown()
 
     def shutdown(self) -> None:
-        """Kill this run's holders and exit (used at the end of a run and by tests)."""
-        for name in list(self._holders):
-            try:
-                ray.kill(ray.get_actor(name, namespace=_env.namespace()))
-            except Exception:  # noqa: BLE001
-                pass
+        """Ask this run's holders to finish what they are writing (at most ``CF_RAY_DRAIN_TIMEOUT_S``,
+        logged when they do not), let the queued uploads finish (as long again), write the profile,
+        then kill the holders and exit (used at the end of a run and by tests)."""
+        self._stopping.set()
+        timeout_s = _env.get_float(_env.DRAIN_TIMEOUT_S)
+        names: list[str] = []
+        if self._link is not None:
+            with self._lock:
+                names = sorted(self._holders | set(n for n in self._link.names_on_alive_nodes()
+                                                   if n not in self._holders and self._link.exists(n)))
+            for name, answer in self._link.drain_all(names, timeout_s).items():
+                if answer is not None and not answer.get("drained"):
+                    logger.warning("cf_ray: holder %s had not finished within %s=%.0f s when the run ended "
+                                   "(writing %s, waiting %s, %s messages unsent); what it did not write is lost, "
+                                   "the committed checkpoints stand", name, _env.DRAIN_TIMEOUT_S, timeout_s,
+                                   answer.get("writing"), answer.get("waiting"), answer.get("unsent"))
+        if not self._maintenance.wait_idle(timeout_s):
+            logger.warning("cf_ray: uploads of steps %s not finished within %s=%.0f s at the end of the run",
+                           self._maintenance.uploads_pending(), _env.DRAIN_TIMEOUT_S, timeout_s)
+        self.save_profile()
+        if self._link is not None:
+            for name in names:
+                self._link.kill(name)
         self._maintenance.stop()
-        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+        if in_ray_actor():
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
 
-ControllerActor = ray.remote(num_cpus=0, max_concurrency=32, max_restarts=0)(Controller)
+# max_restarts=-1: Ray runs the constructor again after the process died; it rebuilds from storage
+# and from the holders (see the module doc). Calls in flight when it died fail; callers retry.
+ControllerActor = ray.remote(num_cpus=0, max_concurrency=32, max_restarts=-1)(Controller)
 
 
 def get_or_create_controller(key: str, storage: Storage, settings: ControllerSettings):
+    """The run's controller, created (detached: the creating process does not own it) if there is
+    none. The arguments are used only when it is created."""
     # On the head node when there is one: the worker that creates it may be on a spot node that is
     # about to go, and the controller must outlive it (soft: anywhere if the head cannot take it).
     head = _head_node_id()
@@ -277,6 +628,34 @@ def get_or_create_controller(key: str, storage: Storage, settings: ControllerSet
     return ControllerActor.options(
         name=controller_name(key), namespace=_env.namespace(), lifetime="detached", get_if_exists=True, **extra,
     ).remote(key, storage, settings)
+
+
+def resolve_controller(key: str, storage: Storage, settings: ControllerSettings, timeout_s: float | None = None):
+    """A live handle of the run's controller, made again if it is gone: what a worker calls when a
+    call to the controller failed (``RayActorError``, ``ActorDiedError``, ``ActorUnavailableError``,
+    a timeout). A controller that Ray is restarting is waited for; one that is gone for good (killed,
+    or its node lost before Ray could restart it) is created again by the first caller — several
+    ranks may call at once, Ray's ``get_if_exists`` makes one — with ``recreated=True`` (it numbers
+    above the dead one's versions and rebuilds from storage and the holders). Tries with backoff for
+    at most ``timeout_s`` (``CF_RAY_ACTOR_TIMEOUT_S``).
+
+    Raises:
+        TimeoutError: no live controller within the timeout (the last error is chained).
+    """
+    deadline = time.monotonic() + (_env.get_float(_env.ACTOR_TIMEOUT_S) if timeout_s is None else timeout_s)
+    settings = dataclasses.replace(settings, recreated=True)
+    delay, last = 0.05, None
+    while True:
+        try:
+            handle = get_or_create_controller(key, storage, settings)
+            ray.get(handle.ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            return handle
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError) as e:
+            last = e
+        if time.monotonic() + delay > deadline:
+            raise TimeoutError(f"no live cf_ray controller for run {key} within the timeout") from last
+        time.sleep(delay)
+        delay = min(delay * 2, 2.0)
 
 
 def _head_node_id() -> str | None:
@@ -298,4 +677,4 @@ def get_controller(key: str):
 
 
 __all__ = ["Controller", "ControllerActor", "ControllerSettings", "controller_name", "get_controller",
-           "get_or_create_controller", "run_key"]
+           "get_or_create_controller", "resolve_controller", "run_key"]

@@ -17,8 +17,9 @@ from typing import Any
 
 from cf_ray.errors import CfRayError
 
-#: Bumped whenever a message below changes shape.
-PROTOCOL_VERSION = 1
+#: Bumped whenever a message below changes shape (2: the holder's name on every holder message,
+#: :class:`HolderState`).
+PROTOCOL_VERSION = 2
 
 
 class ProtocolError(CfRayError):
@@ -144,6 +145,8 @@ class PartDurable(Message):
     section: str
     files: dict[str, dict[str, int]]
     persist_s: float
+    holder: str = ""
+    """The holder that wrote it (the controller asks it again when it has to)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -154,6 +157,7 @@ class PartFailed(Message):
     step: int
     section: str
     error: str
+    holder: str = ""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -163,6 +167,24 @@ class PartSuperseded(Message):
     generation: int
     step: int
     section: str
+    holder: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HolderState(Message):
+    """What a holder holds and has done lately (``Holder.resync()``): how a controller that started
+    again, or that lost a message, learns it. Every message in it may already have been delivered:
+    the controller's handlers are idempotent."""
+
+    holder: str
+    node_id: str = ""
+    generation: int = 0
+    """The newest generation this holder has seen (a restarted controller's is at least this)."""
+    staged: tuple[PartStaged, ...] = ()
+    """Every section held in memory or written recently and not known settled, oldest first."""
+    outcomes: tuple[Message, ...] = ()
+    """The outcome of each section of ``staged`` that has one: ``PartDurable``, ``PartFailed`` or
+    ``PartSuperseded``."""
 
 
 # -- worker <-> controller -------------------------------------------------------------------------
@@ -261,7 +283,7 @@ class Restored(Message):
 
 
 __all__ = [
-    "PROTOCOL_VERSION", "CheckpointKind", "CheckpointRequest", "Failure", "MemorySnapshot", "Message",
+    "PROTOCOL_VERSION", "CheckpointKind", "CheckpointRequest", "Failure", "HolderState", "MemorySnapshot", "Message",
     "PartDurable", "PartFailed", "PartStaged", "PartSuperseded", "ProtocolError", "RequestLevel", "RestorePlan",
     "RestoreSource", "Restored", "Schedule", "SectionState", "SnapshotMeta", "SyncReply", "SyncRequest",
 ]

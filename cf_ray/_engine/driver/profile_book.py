@@ -6,17 +6,38 @@ A row is a plain dict keyed by ``(generation, step)``; its columns and values ar
 table's (``cf_ray.report.profile_frame``). Keys starting with ``_`` are per-rank inputs folded
 into the public columns by :meth:`ProfileBook.profile_rows`.
 
+Bounded (issue #16): memory and per-commit work stay constant however many checkpoints a run takes.
+
+* Rows: the newest ``CF_RAY_PROFILE_WINDOW_ROWS`` (1,000) are kept in memory. When the window is
+  full, its oldest quarter leaves memory as one batch of public rows, which the maintenance thread
+  appends to storage as a Parquet part, ``profile/<lineage>/part-<n>.parquet`` (:class:`ProfileParts`),
+  never rewriting an earlier one. :meth:`ProfileBook.profile_rows` returns the parts and the window
+  together; :meth:`ProfileBook.save` (the end of a run) writes the whole table to
+  ``profile.parquet`` as before, so ``cf_ray.report.read_run_profile`` reads it unchanged. A row
+  mentioned again after it left memory (a rank's late timings) is merged with its part on read.
+  The *lineage* is one controller and the controllers Ray restarts in its place; a new controller
+  (a new ``fit()``) starts a new one, as a new controller started a new table before.
+* Events and failures: the newest ``CF_RAY_EVENTS_WINDOW`` (1,000) each; a failure's ``seq``
+  keeps counting (workers ask for the failures after the last one they saw).
+* Iterations: the newest 20,000 (as before).
+* The metrics export builds the one row it exports, not the table.
+
 Not thread-safe on its own: the controller calls it under its lock (the maintenance thread only
-appends events, one ``list.append`` at a time).
+appends events, one ``deque.append`` at a time, and writes the parts without the lock).
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
+import posixpath
+import re
 import threading
 import time
+from collections.abc import Callable, Iterable
 
+from cf_ray._engine import env as _env
 from cf_ray._engine.driver.messages import CheckpointKind, Failure, SectionState, SnapshotMeta
 from cf_ray._engine.driver.schedule import ScheduleBook, checkpoint_stats
 from cf_ray._engine.storage.fs import Storage
@@ -25,6 +46,105 @@ logger = logging.getLogger("cf_ray")
 
 #: Per-rank timings a worker reports of its checkpoints (``SyncRequest.ckpt_stats``).
 _RANK_TIMINGS = ("stall_s", "sync_s", "guard_s", "copy_s", "handoff_s")
+
+#: Where the profile's parts live, relative to the run's storage.
+PROFILE_PARTS = "profile"
+_PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
+_LINEAGE_RE = re.compile(r"^\d{20}$")
+
+
+def new_lineage() -> str:
+    """The name of a new lineage of profile parts (sorts by creation time)."""
+    return f"{time.time_ns():020d}"
+
+
+class ProfileParts:
+    """The parts of one lineage on storage: append-only Parquet files of evicted rows.
+
+    Storage I/O only: called without the controller's lock (the maintenance thread writes, an RPC
+    thread reads).
+
+    Args:
+        storage: the run's storage.
+        lineage: this controller's lineage (:func:`new_lineage`, or :func:`newest_lineage`).
+    """
+
+    def __init__(self, storage: Storage, lineage: str):
+        self.storage = storage
+        self.lineage = lineage
+        self.directory = f"{PROFILE_PARTS}/{lineage}"
+        self._next = 1 + max((int(m.group(1)) for m in map(_PART_RE.match, self._names()) if m), default=0)
+
+    def _names(self) -> list[str]:
+        try:
+            return [n for n in self.storage.list_dir(self.directory) if _PART_RE.match(n)]
+        except Exception as e:  # noqa: BLE001 - the profile is a report, never a reason to fail
+            logger.warning("cf_ray: cannot list the profile parts at %s: %s", self.storage.uri(self.directory), e)
+            return []
+
+    def write(self, rows: list[dict]) -> str:
+        """Append ``rows`` as the next part; returns its path."""
+        from cf_ray import report
+
+        path = f"{self.directory}/part-{self._next:06d}.parquet"
+        self.storage.write_file(path, [report._parquet_bytes(report.profile_frame(rows))])
+        self._next += 1
+        return path
+
+    def read_all(self) -> list[dict]:
+        """Every row of every part, oldest part first (an unreadable part is skipped, logged)."""
+        from cf_ray import report
+
+        out: list[dict] = []
+        for name in sorted(self._names()):
+            path = f"{self.directory}/{name}"
+            try:
+                out.extend(report._read_parquet(self.storage, path).to_dict("records"))
+            except Exception as e:  # noqa: BLE001
+                logger.warning("cf_ray: skipping the profile part %s: %s", self.storage.uri(path), e)
+        return out
+
+
+def newest_lineage(storage: Storage) -> str | None:
+    """The newest lineage on storage (what a controller that Ray restarted continues), or ``None``."""
+    try:
+        names = [n for n in storage.list_dir(PROFILE_PARTS) if _LINEAGE_RE.match(n)]
+    except Exception:  # noqa: BLE001
+        return None
+    return max(names, default=None)
+
+
+def delete_other_lineages(storage: Storage, keep: str) -> None:
+    """Delete the parts of earlier controllers (their table is in ``profile.parquet`` when they
+    finished, which this controller's save replaces, as before parts existed). Storage I/O."""
+    try:
+        names = [n for n in storage.list_dir(PROFILE_PARTS) if _LINEAGE_RE.match(n) and n != keep]
+    except Exception:  # noqa: BLE001
+        return
+    for name in names:
+        try:
+            storage.delete_dir(posixpath.join(PROFILE_PARTS, name))
+        except Exception as e:  # noqa: BLE001
+            logger.warning("cf_ray: could not delete old profile parts %s: %s", name, e)
+
+
+def merge_rows(*sources: Iterable[dict]) -> list[dict]:
+    """Rows of several sources as one table in step order: rows of the same ``(generation,
+    step)`` are merged, a later source's non-missing values winning."""
+    merged: dict[tuple, dict] = {}
+    for rows in sources:
+        for r in rows:
+            key = (r.get("generation"), r.get("step"))
+            old = merged.get(key)
+            if old is None:
+                merged[key] = dict(r)
+            else:
+                old.update({k: v for k, v in r.items() if v is not None})
+    return sorted(merged.values(), key=lambda r: (_sort_key(r.get("step")), _sort_key(r.get("generation"))))
+
+
+def _sort_key(v) -> tuple:
+    return (v is None, v if v is not None else 0)
 
 
 class ProfileBook:
@@ -35,17 +155,35 @@ class ProfileBook:
         storage: the run's storage (where the profile table is saved).
         schedule: the schedule (the interval a new row starts with; the policy and samples the
             overhead column comes from).
+        lineage: where this controller's evicted rows go (:class:`ProfileParts`); a new lineage
+            when ``None``.
+        seq_base: the first failure's ``seq`` (a controller that starts again during a run counts
+            above its predecessor, see :mod:`.schedule`).
+        on_batch: called (under the controller's lock) when a batch of rows left memory and waits
+            to be written (:meth:`write_parts`, by the maintenance thread).
     """
 
-    def __init__(self, key: str, storage: Storage, schedule: ScheduleBook):
+    def __init__(self, key: str, storage: Storage, schedule: ScheduleBook, *, lineage: str | None = None,
+                 seq_base: int = 0, on_batch: Callable[[], None] | None = None):
         self.key = key
         self.storage = storage
         self.schedule = schedule
+        self.parts = ProfileParts(storage, lineage or new_lineage())
+        self._window = max(4, _env.get_int(_env.PROFILE_WINDOW_ROWS))
         self._rows: dict[tuple[int, int], dict] = {}
-        self.events: list[dict] = []
-        """Restores, fallbacks, notices, interval changes, uploads, in order."""
+        """(generation, step) -> row, oldest first mention first; at most the window."""
+        self._unwritten: list[list[dict]] = []
+        """Batches of public rows that left memory, until their part is written."""
+        self._evicted: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
+        """Keys of the rows that left memory most recently (at most the window): a later mention
+        makes a fragment (no defaults), merged with the part on read."""
+        self._on_batch = on_batch
+        events_window = max(1, _env.get_int(_env.EVENTS_WINDOW))
+        self.events: collections.deque[dict] = collections.deque(maxlen=events_window)
+        """Restores, fallbacks, notices, interval changes, uploads, in order (the newest)."""
         self._iters: collections.deque = collections.deque(maxlen=20000)
-        self._failures: list[Failure] = []
+        self._failures: collections.deque[Failure] = collections.deque(maxlen=events_window)
+        self._next_failure_seq = int(seq_base)
         self._metrics = None  # cf_ray.report.CheckpointMetrics, made on first use
 
     # -- rows ---------------------------------------------------------------------------------------------
@@ -53,10 +191,28 @@ class ProfileBook:
         """The row of a checkpoint, made on first mention."""
         row = self._rows.get((generation, step))
         if row is None:
-            row = self._rows[(generation, step)] = {"step": step, "generation": generation, "committed": False,
-                                                    "where": SectionState.PENDING.value, "error": None,
-                                                    "interval": self.schedule.current_interval}
+            if (generation, step) in self._evicted:  # late news of a row already on its way to storage
+                row = self._rows[(generation, step)] = {"step": step, "generation": generation}
+            else:
+                row = self._rows[(generation, step)] = {"step": step, "generation": generation, "committed": False,
+                                                        "where": SectionState.PENDING.value, "error": None,
+                                                        "interval": self.schedule.current_interval}
+            if len(self._rows) > self._window:
+                self._evict()
         return row
+
+    def _evict(self) -> None:
+        """The oldest quarter of the window leaves memory, as a batch for the next part."""
+        n = max(1, self._window // 4)
+        keys = list(itertools.islice(self._rows, n))
+        for k in keys:
+            self._evicted[k] = None
+        while len(self._evicted) > self._window:
+            self._evicted.popitem(last=False)
+        iter_s = _recent_iter_s(self.schedule.samples)
+        self._unwritten.append([self._public(self._rows.pop(k), iter_s) for k in keys])
+        if self._on_batch is not None:
+            self._on_batch()
 
     def add_rank_timings(self, generation: int, rank: int, stats: dict) -> None:
         """A rank's timings of one of its checkpoints (one entry of ``SyncRequest.ckpt_stats``)."""
@@ -102,30 +258,65 @@ class ProfileBook:
             row["made_deadline"] = row["durable_unix"] <= row["deadline_unix"]
         return row
 
-    def profile_rows(self) -> list[dict]:
-        """One dict per checkpoint (the profile table's columns), in step order."""
+    def memory_rows(self) -> list[dict]:
+        """The rows still in memory (the window, and batches not yet in a part), in step order."""
         iter_s = _recent_iter_s(self.schedule.samples)
-        out = []
-        for (_gen, step), row in sorted(self._rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-            r = {k: v for k, v in row.items() if not k.startswith("_")}
-            stalls = row.get("_stall_s") or {}
-            guards = row.get("_guard_s") or {}
-            # Training-thread stall per rank: the synchronous part plus the guard's wait for the copy.
-            stall = max((v + guards.get(r, 0.0) for r, v in stalls.items()), default=None)
-            r["stall_s"] = stall
-            r["copy_s"] = _max(row.get("_copy_s"))
-            r["sync_s"] = _max(row.get("_sync_s"))
-            r["guard_s"] = _max(row.get("_guard_s"))
-            if "bytes" not in r and row.get("_rank_bytes"):
-                r["bytes"] = sum(row["_rank_bytes"].values())
-            interval = r.get("interval")
-            stats = checkpoint_stats(self.schedule.policy, step)
-            if stats and stats.get("overhead_pct") is not None:
-                r["overhead_pct"] = stats["overhead_pct"]
-            elif stall is not None and interval and iter_s:
-                r["overhead_pct"] = 100.0 * stall / (interval * iter_s)
-            out.append(r)
-        return out
+        window = [self._public(row, iter_s) for _, row in sorted(self._rows.items(),
+                                                                   key=lambda kv: (kv[0][1], kv[0][0]))]
+        return merge_rows(*self._unwritten, window) if self._unwritten else window
+
+    def profile_rows(self) -> list[dict]:
+        """One dict per checkpoint still in memory (the profile table's columns), in step order.
+        The whole table is :meth:`all_rows` (storage I/O: outside the controller's lock)."""
+        return self.memory_rows()
+
+    def all_rows(self, lock: threading.RLock) -> list[dict]:
+        """Every row of this lineage: the parts on storage and the rows in memory, in step order.
+        The rows in memory are read under ``lock``, the parts without it."""
+        with lock:
+            memory = self.memory_rows()
+        parts = self.parts.read_all()  # after: a batch written meanwhile is in one of the two
+        return merge_rows(parts, memory) if parts else memory
+
+    def _public(self, row: dict, iter_s: float | None) -> dict:
+        """A row as the profile table has it: the per-rank inputs folded into its columns."""
+        step = row["step"]
+        r = {k: v for k, v in row.items() if not k.startswith("_")}
+        stalls = row.get("_stall_s") or {}
+        guards = row.get("_guard_s") or {}
+        # Training-thread stall per rank: the synchronous part plus the guard's wait for the copy.
+        stall = max((v + guards.get(r, 0.0) for r, v in stalls.items()), default=None)
+        r["stall_s"] = stall
+        r["copy_s"] = _max(row.get("_copy_s"))
+        r["sync_s"] = _max(row.get("_sync_s"))
+        r["guard_s"] = _max(row.get("_guard_s"))
+        if "bytes" not in r and row.get("_rank_bytes"):
+            r["bytes"] = sum(row["_rank_bytes"].values())
+        interval = r.get("interval")
+        stats = checkpoint_stats(self.schedule.policy, step)
+        if stats and stats.get("overhead_pct") is not None:
+            r["overhead_pct"] = stats["overhead_pct"]
+        elif stall is not None and interval and iter_s:
+            r["overhead_pct"] = 100.0 * stall / (interval * iter_s)
+        return r
+
+    # -- parts (the maintenance thread) ----------------------------------------------------------------
+    def write_parts(self, lock: threading.RLock) -> None:
+        """Write the batches that left memory, one part each (storage I/O without ``lock``; the
+        batches stay readable in memory until their part is written). Never raises."""
+        with lock:
+            batches = list(self._unwritten)
+        for batch in batches:
+            try:
+                self.parts.write(batch)
+            except Exception as e:  # noqa: BLE001 - the profile is a report, never a reason to fail
+                logger.warning("cf_ray: could not write %d profile rows to %s (dropped): %s", len(batch),
+                               self.storage.uri(self.parts.directory), e)
+            with lock:
+                self._unwritten = [b for b in self._unwritten if b is not batch]
+
+    def unwritten_batches(self) -> int:
+        return len(self._unwritten)
 
     # -- iterations, events, failures --------------------------------------------------------------------
     def add_iteration(self, rank: int, step: int, iter_s: float, iters: int) -> None:
@@ -138,10 +329,15 @@ class ProfileBook:
         self.events.append(event)
 
     def add_failure(self, *, generation: int, step: int, section: str, rank: int, error: str) -> Failure:
-        failure = Failure(seq=len(self._failures), step=step, section=section, rank=rank, error=error,
+        failure = Failure(seq=self._next_failure_seq, step=step, section=section, rank=rank, error=error,
                           generation=generation)
+        self._next_failure_seq += 1
         self._failures.append(failure)
         return failure
+
+    def continue_failures_above(self, seen_seq: int) -> None:
+        """A rank has seen failure ``seen_seq`` of an earlier controller: count above it."""
+        self._next_failure_seq = max(self._next_failure_seq, int(seen_seq) + 1)
 
     def failures_since(self, seen_seq: int) -> tuple[Failure, ...]:
         return tuple(f for f in self._failures if f.seq > seen_seq)
@@ -155,24 +351,27 @@ class ProfileBook:
     def record_metrics(self, generation: int, step: int) -> None:
         """Export the row to Ray metrics (dashboard, Prometheus); never fails the caller."""
         try:
+            row = self._rows.get((generation, step))
+            if row is None:
+                return
             if self._metrics is None:
                 from cf_ray.report import CheckpointMetrics
 
                 self._metrics = CheckpointMetrics(run=self.key)
-            row = next((r for r in self.profile_rows() if r["step"] == step and r["generation"] == generation), None)
-            if row is not None:
-                self._metrics.record(row)
+            self._metrics.record(self._public(row, _recent_iter_s(self.schedule.samples)))
         except Exception:  # noqa: BLE001
             logger.debug("cf_ray: metrics export failed", exc_info=True)
 
     def save(self, lock: threading.RLock) -> None:
-        """Write the profile table and the iteration rows to storage; never fails the caller.
-        The rows are read under ``lock`` (the controller's), the writing is done without it."""
+        """Write the profile table (every row of this lineage) and the iteration rows to storage;
+        never fails the caller. The rows in memory are read under ``lock`` (the controller's),
+        the parts are read and the table written without it."""
         try:
             from cf_ray import report
 
             with lock:
-                rows, iterations = self.profile_rows(), self.iteration_rows()
+                iterations = self.iteration_rows()
+            rows = self.all_rows(lock)
             report.save_profile(self.storage, rows, iterations)
         except Exception as e:  # noqa: BLE001 - the profile is a report, never a reason to fail
             logger.warning("cf_ray: could not save the profile table: %s", e)

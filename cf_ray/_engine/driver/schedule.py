@@ -1,7 +1,13 @@
 """The controller's schedule: the policy, its samples and the numbered versions of the interval.
 
 The ranks adopt schedule versions together (see ``worker/control.py``): a version, once
-published, never changes; a new interval is a new version. The policy's learnt state is saved
+published, never changes; a new interval is a new version. A controller that starts again while
+workers run (Ray restarted it, or a worker recreated it) numbers its versions from a time-based
+base (``version_base``), above anything its predecessor published, so that no two controllers ever
+publish the same number with different intervals; and a poll from a rank that has received a
+version at or above this controller's next one makes it publish its interval above that version
+(:meth:`ScheduleBook.continue_above`), so the ranks adopt the new controller's schedule. Only the
+newest :data:`MAX_VERSIONS` versions are kept (ranks adopt the newest they all have). The policy's learnt state is saved
 next to the run (``policy_state.json``) with the profile, so a controller that restarts does not
 have to profile the interval again from scratch.
 
@@ -26,6 +32,9 @@ logger = logging.getLogger("cf_ray")
 POLICY_STATE = "policy_state.json"
 """Where the policy's state is saved, relative to the run's storage."""
 
+#: Schedule versions kept (the newest); older ones are never needed again.
+MAX_VERSIONS = 64
+
 
 class ScheduleBook:
     """The policy, the samples it plans from, and the published schedule versions.
@@ -33,15 +42,18 @@ class ScheduleBook:
     Args:
         policy: the user's frequency policy (a copy of it lives here; the workers have theirs).
         storage: the run's storage, for the saved policy state.
+        version_base: the number of the first version (0 for a run's first controller).
     """
 
-    def __init__(self, policy: FrequencyPolicy, storage: Storage):
+    def __init__(self, policy: FrequencyPolicy, storage: Storage, *, version_base: int = 0):
         self.policy = policy
         """The policy in force (a fresh copy after a resize)."""
         self.storage = storage
         self.samples: collections.deque[Sample] = collections.deque(maxlen=256)
         """The newest timing samples, the policy's input."""
-        self._schedules: list[Schedule] = [Schedule(schedule_version=0, interval=self.policy.initial_interval())]
+        self._base = int(version_base)
+        self._schedules: list[Schedule] = [Schedule(schedule_version=self._base,
+                                                    interval=self.policy.initial_interval())]
         self.load_state()
 
     # -- versions ---------------------------------------------------------------------------------
@@ -61,8 +73,26 @@ class ScheduleBook:
         """The versions as ``{"version", "interval"}`` dicts (the controller's summary)."""
         return [{"version": s.schedule_version, "interval": s.interval} for s in self._schedules]
 
-    def _publish(self, interval: int | None) -> None:
-        self._schedules.append(Schedule(schedule_version=len(self._schedules), interval=interval))
+    @property
+    def next_version(self) -> int:
+        """The number the next published version gets."""
+        return self._schedules[-1].schedule_version + 1
+
+    def _publish(self, interval: int | None, version: int | None = None) -> None:
+        self._schedules.append(Schedule(schedule_version=self.next_version if version is None else version,
+                                        interval=interval))
+        del self._schedules[:-MAX_VERSIONS]
+
+    def continue_above(self, adopted_version: int) -> dict | None:
+        """A rank has received ``adopted_version``, which this controller never published (it
+        started again after the one that did): publish the current interval above it. Returns the
+        ``interval`` event to record, or ``None`` when nothing was published."""
+        if adopted_version < self.next_version:
+            return None
+        current = self.current_interval
+        self._publish(current, version=int(adopted_version) + 1)
+        return {"event": "interval", "interval": current, "previous": None, "time": time.time(),
+                "why": "published again above the version the workers had from an earlier controller"}
 
     # -- planning -----------------------------------------------------------------------------------
     def add_sample(self, sample: Sample) -> None:
@@ -101,10 +131,25 @@ class ScheduleBook:
 
     # -- the policy's state on storage ------------------------------------------------------------------
     def save_state(self) -> None:
+        self.write_state(self.state_bytes())
+
+    def state_bytes(self) -> bytes | None:
+        """The policy's state as saved (under the controller's lock: the policy is not thread-safe),
+        or ``None`` for a policy without state."""
         if not hasattr(self.policy, "state_dict"):
+            return None
+        try:
+            return json.dumps(self.policy.state_dict()).encode()
+        except Exception as e:  # noqa: BLE001
+            logger.warning("cf_ray: could not save the policy state: %s", e)
+            return None
+
+    def write_state(self, raw: bytes | None) -> None:
+        """Write what :meth:`state_bytes` returned (storage I/O: never under the controller's lock)."""
+        if raw is None:
             return
         try:
-            self.storage.write_file(POLICY_STATE, [json.dumps(self.policy.state_dict()).encode()])
+            self.storage.write_file(POLICY_STATE, [raw])
         except Exception as e:  # noqa: BLE001
             logger.warning("cf_ray: could not save the policy state: %s", e)
 
@@ -114,7 +159,7 @@ class ScheduleBook:
         try:
             self.policy.load_state_dict(json.loads(bytes(self.storage.read_file(POLICY_STATE))))
             first = self.policy.initial_interval()
-            self._schedules = [Schedule(schedule_version=0, interval=first)]
+            self._schedules = [Schedule(schedule_version=self._base, interval=first)]
         except Exception as e:  # noqa: BLE001 - a stale or damaged profile means: profile again
             logger.warning("cf_ray: ignoring the saved policy state: %s", e)
 

@@ -23,10 +23,24 @@ superseded (priority ones are written first).
 Failure: an exception while writing is reported to the controller (``part_failed``) with the rank,
 step and error; the thread goes on with the next entry; nothing is committed for that step, so the
 previous committed checkpoint stays the latest.
+
+Liveness (issue #16): the messages to the controller go through a :class:`~.sender.Sender` (one
+thread, a bounded FIFO, each message acknowledged; the controller looked up again by name and the
+message sent again when the controller is dead or restarting). The holder keeps a bounded record
+(the newest :data:`MAX_RECORD_STEPS` steps not known settled) of every section it was given and what
+became of it — staged, then durable (files, persist time), failed or superseded — which a
+controller that starts again asks for (:meth:`Holder.resync`), and which the controller's watch
+asks about sections pending too long (:meth:`Holder.lookup`: a section this holder does not know,
+after it died and Ray restarted it empty, fails instead of staying pending). The controller tells
+the holder when a step settled (:meth:`Holder.forget`). A holder that dies is restarted by Ray
+(``max_restarts=-1``) or made again by the next ``get_or_create_holder`` on its node; what it held is
+gone, storage is the truth. At the end of a run the controller asks it to finish what it is writing
+(:meth:`Holder.drain`) before it kills it.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -35,13 +49,35 @@ from typing import Any
 
 import numpy as np
 import ray
+import ray.exceptions
 
-from cf_ray._engine.driver.messages import PartDurable, PartFailed, PartStaged, PartSuperseded, SnapshotMeta
+from cf_ray._engine.driver.messages import (
+    HolderState,
+    Message,
+    PartDurable,
+    PartFailed,
+    PartStaged,
+    PartSuperseded,
+    SnapshotMeta,
+)
 from cf_ray._engine.driver.naming import holder_name
 from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.node.sender import Sender
 from cf_ray._engine.storage.fs import Storage
 
 logger = logging.getLogger("cf_ray")
+
+#: Steps (generation, step) whose sections the holder keeps a record of, newest; a step leaves the
+#: record when the controller says it settled (:meth:`Holder.forget`) or when newer ones push it out.
+MAX_RECORD_STEPS = 64
+
+#: Seconds :meth:`Holder.stage` waits for the controller to acknowledge ``part_staged`` before it
+#: returns anyway (the message stays queued): once ``stage`` returned, the controller knows the
+#: snapshot, so a holder that dies before writing it makes it fail instead of staying unknown.
+STAGE_ACK_WAIT_S = 5.0
+
+#: What :meth:`Holder.lookup` says of one section.
+LOOKUP_DONE, LOOKUP_HELD, LOOKUP_UNKNOWN = "done", "held", "unknown"
 
 
 @dataclass(slots=True)
@@ -68,6 +104,8 @@ class Holder:
         self.storage = storage
         self.controller_name = controller_name
         self.namespace = namespace
+        self._name = _actor_name()
+        self._node = _node_id()
         self._lock = threading.Condition()
         self._latest: dict[str, list[_Entry]] = {}  # section -> the two newest entries, oldest first
         # (generation, step) -> section -> entry, staged and not started; at most one ordinary
@@ -80,19 +118,20 @@ class Holder:
         # writer had moved on), so that nothing half-written is left behind.
         self._started: list[tuple[int, int]] = []
         self._writing: _Entry | None = None
-        self._controller = None
+        # (generation, step) -> section -> [PartStaged, outcome or None]: what the controller may ask
+        # again (resync, lookup); the newest MAX_RECORD_STEPS steps not known settled.
+        self._record: collections.OrderedDict[tuple[int, int], dict[str, list]] = collections.OrderedDict()
+        self._generation = 0  # the newest generation staged here
+        self._sender = Sender(controller_name, namespace)
         self._thread = threading.Thread(target=self._writer, name="cf_ray-persist", daemon=True)
         self._thread.start()
-
-    def _ctl(self):
-        if self._controller is None:
-            self._controller = ray.get_actor(self.controller_name, namespace=self.namespace)
-        return self._controller
 
     # -- called by workers -------------------------------------------------------------------
     def stage(self, generation: int, step: int, sections: dict[str, tuple[np.ndarray, bytes]],
               meta: SnapshotMeta) -> dict:
-        """Take ownership of a snapshot's sections and queue them for persisting."""
+        """Take ownership of a snapshot's sections and queue them for persisting. Returns
+        ``{"put_s": seconds to own the bytes, "acked": whether the controller acknowledged it}``
+        once the controller has acknowledged ``part_staged`` (at most :data:`STAGE_ACK_WAIT_S`)."""
         t0 = time.perf_counter()
         entries = []
         for name, (arena, index) in sections.items():
@@ -103,12 +142,17 @@ class Holder:
         put_s = time.perf_counter() - t0
         superseded = []
         key = (generation, step)
+        staged = [PartStaged(generation=e.generation, step=e.step, section=e.section, holder=self._name,
+                             nbytes=e.size_bytes, meta=meta, holder_put_s=put_s, node_id=self._node) for e in entries]
         with self._lock:
+            self._generation = max(self._generation, generation)
             for e in entries:
                 kept = self._latest.setdefault(e.section, [])
                 kept.append(e)
                 del kept[:-2]
             if meta.persist:
+                for msg in staged:
+                    self._record_staged(msg)
                 if key == self._current:  # a late section of the step being written
                     self._current_left.update({e.section: e for e in entries})
                 else:
@@ -117,17 +161,18 @@ class Holder:
                         if older in self._started or any(e.meta.milestone or e.meta.priority
                                                          for e in self._waiting[older].values()):
                             continue  # never skipped
-                        superseded += [(e.generation, e.step, e.section) for e in self._waiting.pop(older).values()]
+                        for e in self._waiting.pop(older).values():
+                            msg = PartSuperseded(generation=e.generation, step=e.step, section=e.section,
+                                                 holder=self._name)
+                            self._record_outcome(msg)
+                            superseded.append(msg)
             self._lock.notify_all()
-        ctl = self._ctl()
-        node = ray.get_runtime_context().get_node_id()
-        for e in entries:
-            ctl.part_staged.remote(PartStaged(generation=e.generation, step=e.step, section=e.section,
-                                              holder=self._name(), nbytes=e.size_bytes, meta=meta,
-                                              holder_put_s=put_s, node_id=node))
-        for gen, st, sec in superseded:
-            ctl.part_superseded.remote(PartSuperseded(generation=gen, step=st, section=sec))
-        return {"put_s": put_s}
+        acks = [self._sender.send("part_staged", msg) for msg in staged]
+        for msg in superseded:
+            self._sender.send("part_superseded", msg)
+        deadline = time.monotonic() + STAGE_ACK_WAIT_S
+        acked = all(a.wait(max(0.0, deadline - time.monotonic())) for a in acks)
+        return {"put_s": put_s, "acked": acked}
 
     def get_section(self, generation: int, step: int, section: str) -> list | None:
         """``[ObjectRef of the arena, index bytes]`` if held, else ``None``."""
@@ -138,8 +183,82 @@ class Holder:
                     return [e.ref, e.index]
         return None
 
-    def _name(self) -> str:
-        return ray.get_runtime_context().get_actor_name() or ""
+    # -- called by the controller ----------------------------------------------------------------
+    def resync(self) -> HolderState:
+        """Everything in the record: each section given to this holder (of the steps not known
+        settled) and what became of it, for a controller that starts again (or that first hears
+        of this holder). The controller's handlers are idempotent: what it knew already is harmless."""
+        with self._lock:
+            staged = tuple(v[0] for secs in self._record.values() for v in secs.values())
+            outcomes = tuple(v[1] for secs in self._record.values() for v in secs.values() if v[1] is not None)
+            return HolderState(holder=self._name, node_id=self._node, generation=self._generation, staged=staged,
+                               outcomes=outcomes)
+
+    def lookup(self, keys: list[tuple[int, int, str]]) -> list[tuple[str, PartStaged | None, Message | None]]:
+        """What became of each ``(generation, step, section)``: ``("done", staged, outcome)`` when
+        it was written, failed or superseded; ``("held", staged, None)`` while it waits or is being
+        written; ``("unknown", None, None)`` when this holder does not have it (it was restarted
+        empty, or never had it): the controller then fails it instead of waiting for ever."""
+        out = []
+        with self._lock:
+            live = {(e.generation, e.step, e.section) for e in (
+                *(e for secs in self._waiting.values() for e in secs.values()), *self._current_left.values(),
+                self._writing) if e is not None}
+            for gen, step, sec in keys:
+                rec = self._record.get((gen, step), {}).get(sec)
+                if rec is not None and rec[1] is not None:
+                    out.append((LOOKUP_DONE, rec[0], rec[1]))
+                elif rec is not None or (gen, step, sec) in live:
+                    out.append((LOOKUP_HELD, rec[0] if rec is not None else None, None))
+                else:
+                    out.append((LOOKUP_UNKNOWN, None, None))
+        return out
+
+    def forget(self, keys: list[tuple[int, int]]) -> None:
+        """These steps settled (committed, failed, superseded, abandoned): drop their record."""
+        with self._lock:
+            for gen, step in keys:
+                self._record.pop((int(gen), int(step)), None)
+
+    def drain(self, timeout_s: float) -> dict:
+        """Finish what is queued and being written, and deliver its messages, for at most
+        ``timeout_s`` (the controller's shutdown, before it kills this holder). Returns
+        ``{"drained": bool, "waiting": [[generation, step], ...], "writing": [generation, step, section]
+        | None, "unsent": n}``."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._waiting or self._current_left or self._writing is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._lock.wait(timeout=min(left, 0.5))
+            waiting = sorted([list(k) for k in self._waiting]
+                             + ([list(self._current)] if self._current_left and self._current is not None else []))
+            writing = None if self._writing is None else [self._writing.generation, self._writing.step,
+                                                           self._writing.section]
+        sent = self._sender.wait_idle(max(0.0, deadline - time.monotonic()))
+        unsent = self._sender.pending()
+        return {"drained": not waiting and writing is None and sent, "waiting": waiting, "writing": writing,
+                "unsent": unsent}
+
+    def ping(self) -> str:
+        """This holder's name (a cheap liveness check)."""
+        return self._name
+
+    # -- the record --------------------------------------------------------------------------------
+    def _record_staged(self, msg: PartStaged) -> None:
+        key = (msg.generation, msg.step)
+        secs = self._record.get(key)
+        if secs is None:
+            secs = self._record[key] = {}
+            while len(self._record) > MAX_RECORD_STEPS:
+                self._record.popitem(last=False)
+        secs[msg.section] = [msg, None]
+
+    def _record_outcome(self, msg: PartDurable | PartFailed | PartSuperseded) -> None:
+        rec = self._record.get((msg.generation, msg.step), {}).get(msg.section)
+        if rec is not None:
+            rec[1] = msg
 
     # -- writer thread -------------------------------------------------------------------------
     def _next(self) -> _Entry:
@@ -164,33 +283,50 @@ class Holder:
         while True:
             entry = self._next()
             t0 = time.perf_counter()
+            outcome: PartDurable | PartFailed
             try:
                 arena = ray.get(entry.ref)
                 directory = mf.step_dir(entry.step)
                 files = mf.write_section(self.storage, directory, entry.generation, entry.section, arena, entry.index)
                 del arena
-                persist_s = time.perf_counter() - t0
-                self._ctl().part_durable.remote(PartDurable(
-                    generation=entry.generation, step=entry.step, section=entry.section,
-                    files={k: v.to_json() for k, v in files.items()}, persist_s=persist_s))
+                outcome = PartDurable(generation=entry.generation, step=entry.step, section=entry.section,
+                                      files={k: v.to_json() for k, v in files.items()},
+                                      persist_s=time.perf_counter() - t0, holder=self._name)
             except Exception as e:  # noqa: BLE001 - never kill the thread; the controller reports it
                 logger.warning("cf_ray: persisting %s of step %d failed: %r", entry.section, entry.step, e)
-                try:
-                    self._ctl().part_failed.remote(PartFailed(generation=entry.generation, step=entry.step,
-                                                              section=entry.section, error=f"{type(e).__name__}: {e}"))
-                except Exception:  # noqa: BLE001
-                    logger.exception("cf_ray: could not report a persist failure to the controller")
-            finally:
-                with self._lock:
-                    self._writing = None
-                    self._lock.notify_all()
+                outcome = PartFailed(generation=entry.generation, step=entry.step, section=entry.section,
+                                     error=f"{type(e).__name__}: {e}", holder=self._name)
+            with self._lock:
+                # The outcome is in the record before the entry stops being "being written": a
+                # lookup in between never finds the section unknown.
+                self._record_outcome(outcome)
+                self._writing = None
+                self._lock.notify_all()
+            self._sender.send("part_durable" if isinstance(outcome, PartDurable) else "part_failed", outcome)
 
 
-HolderActor = ray.remote(num_cpus=0, max_concurrency=16, max_restarts=0)(Holder)
+def _actor_name() -> str:
+    try:
+        return (ray.get_runtime_context().get_actor_name() or "") if ray.is_initialized() else ""
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+def _node_id() -> str:
+    try:
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+# max_restarts=-1: a holder that crashes (OOM) is started again on its node by Ray, empty; the
+# workers' handles keep working and their next snapshot goes to it.
+HolderActor = ray.remote(num_cpus=0, max_concurrency=16, max_restarts=-1)(Holder)
 
 
 def get_or_create_holder(run_key: str, storage: Storage, controller_name: str, namespace: str):
-    """The holder of this node for this run (created on first use, pinned to this node)."""
+    """The holder of this node for this run (created on first use, pinned to this node; made again
+    when the previous one died for good — Ray restarts one that crashed)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node_id = ray.get_runtime_context().get_node_id()
@@ -203,4 +339,31 @@ def get_or_create_holder(run_key: str, storage: Storage, controller_name: str, n
     ).remote(storage, controller_name, namespace)
 
 
-__all__ = ["Holder", "HolderActor", "get_or_create_holder"]
+def resolve_holder(run_key: str, storage: Storage, controller_name: str, namespace: str,
+                   timeout_s: float | None = None):
+    """A live handle of this node's holder: :func:`get_or_create_holder`, then a ``ping`` that
+    must answer; a dead one (killed, its name not yet released) is looked up again with backoff
+    until one answers, for at most ``timeout_s`` (``CF_RAY_ACTOR_TIMEOUT_S``). Safe to call from
+    several ranks of a node at once (Ray's ``get_if_exists`` makes one holder).
+
+    Raises:
+        TimeoutError: no live holder within the timeout (the last error is chained).
+    """
+    from cf_ray._engine import env as _env
+
+    deadline = time.monotonic() + (_env.get_float(_env.ACTOR_TIMEOUT_S) if timeout_s is None else timeout_s)
+    delay, last = 0.05, None
+    while True:
+        try:
+            h = get_or_create_holder(run_key, storage, controller_name, namespace)
+            ray.get(h.ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            return h
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError) as e:
+            last = e
+        if time.monotonic() + delay > deadline:
+            raise TimeoutError(f"no live cf_ray holder for run {run_key} on this node") from last
+        time.sleep(delay)
+        delay = min(delay * 2, 2.0)
+
+
+__all__ = ["Holder", "HolderActor", "get_or_create_holder", "resolve_holder"]

@@ -1,0 +1,171 @@
+"""The holder's line to the controller: every message is delivered or its loss is seen (issue #16).
+
+One thread sends the holder's messages (``part_staged``, ``part_durable``, ``part_failed``,
+``part_superseded``) in order from a bounded FIFO and waits for each to be acknowledged (the
+controller's method returned). When the controller is dead, restarting or unreachable
+(``RayActorError``, ``ActorDiedError``, ``ActorUnavailableError``, ``GetTimeoutError``, or no actor
+of that name), the cached handle is dropped, the controller is looked up again by name with
+exponential backoff, and the message is sent again: for at most ``CF_RAY_ACTOR_TIMEOUT_S`` per
+message, after which it is given up with a warning. The controller's handlers are idempotent, so a
+message that did arrive before its acknowledgement was lost does no harm when it comes again.
+
+Nothing given up is lost for good: the holder keeps a record of what it holds and what became of
+it, which a controller that starts again asks for (``Holder.resync``) and which the controller's
+watch asks about sections pending too long (``Holder.lookup``). The queue holds at most
+``CF_RAY_SEND_QUEUE`` messages; past that the oldest is dropped with a warning (the same recovery
+applies), so a long-unreachable controller never grows the holder's memory.
+
+No torch here.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Any
+
+import ray
+import ray.exceptions
+
+from cf_ray._engine import env as _env
+
+logger = logging.getLogger("cf_ray")
+
+#: What a failed call to the controller can raise when the controller is gone or unreachable.
+_RETRY = tuple(e for e in (ray.exceptions.RayActorError, getattr(ray.exceptions, "ActorUnavailableError", None),
+                           ray.exceptions.GetTimeoutError, ValueError) if e is not None)
+#: Seconds one call may take before it is sent again (the controller answers in milliseconds).
+CALL_TIMEOUT_S = 30.0
+
+
+class Ticket:
+    """One queued message: :attr:`done` is set once it is acknowledged, given up or dropped;
+    :attr:`delivered` says whether the controller acknowledged it."""
+
+    __slots__ = ("delivered", "done")
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.delivered = False
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s``; returns whether the message was delivered."""
+        return self.done.wait(timeout_s) and self.delivered
+
+
+class Sender:
+    """Delivers messages to the named controller, in order, one at a time.
+
+    Args:
+        controller_name: the controller actor's name.
+        namespace: its namespace.
+    """
+
+    def __init__(self, controller_name: str, namespace: str):
+        self.controller_name = controller_name
+        self.namespace = namespace
+        self._cond = threading.Condition()
+        self._queue: collections.deque[tuple[str, Any, Ticket]] = collections.deque()
+        self._busy = False
+        self._handle = None
+        self.sent = 0
+        """Messages acknowledged."""
+        self.given_up = 0
+        """Messages not delivered within the timeout, or dropped from a full queue."""
+        self._thread = threading.Thread(target=self._run, name="cf_ray-sender", daemon=True)
+        self._thread.start()
+
+    def send(self, method: str, msg: Any) -> Ticket:
+        """Queue ``controller.<method>(msg)``; returns at once, with the message's :class:`Ticket`."""
+        limit = max(1, _env.get_int(_env.SEND_QUEUE))
+        done = Ticket()
+        with self._cond:
+            if len(self._queue) >= limit:
+                dropped = self._queue.popleft()
+                dropped[2].done.set()
+                self.given_up += 1
+                logger.warning("cf_ray: the holder's queue to the controller is full (%d, %s); dropping the oldest "
+                               "message (%s); the controller recovers it from the holder's record", limit,
+                               _env.SEND_QUEUE, dropped[0])
+            self._queue.append((method, msg, done))
+            self._cond.notify_all()
+        return done
+
+    def pending(self) -> int:
+        """Messages queued or being delivered."""
+        with self._cond:
+            return len(self._queue) + int(self._busy)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until every queued message is delivered or given up. Returns whether it is so."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(timeout=min(left, 0.5))
+            return True
+
+    def forget_handle(self) -> None:
+        """Look the controller up again before the next message (it was replaced)."""
+        self._handle = None
+
+    # -- the thread --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                method, msg, done = self._queue.popleft()
+                self._busy = True
+            try:
+                done.delivered = self._deliver(method, msg)
+            except Exception:  # noqa: BLE001 - never kill the thread
+                logger.exception("cf_ray: sending %s to the controller failed", method)
+            finally:
+                done.done.set()
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _resolve(self):
+        if self._handle is None:
+            self._handle = ray.get_actor(self.controller_name, namespace=self.namespace)
+        return self._handle
+
+    def _deliver(self, method: str, msg: Any) -> bool:
+        """Send until acknowledged (True) or given up (False)."""
+        deadline = time.monotonic() + _env.get_float(_env.ACTOR_TIMEOUT_S)
+        delay = 0.05
+        while True:
+            try:
+                handle = self._resolve()
+                ray.get(getattr(handle, method).remote(msg),
+                        timeout=min(CALL_TIMEOUT_S, max(1.0, deadline - time.monotonic())))
+                self.sent += 1
+                return True
+            except ray.exceptions.RayTaskError as e:  # the controller's method raised: a resend would too
+                self.given_up += 1
+                logger.warning("cf_ray: the controller refused %s (step %s): %r", method, getattr(msg, "step", "?"), e)
+                return False
+            except _RETRY as e:
+                self._handle = None
+                if time.monotonic() + delay > deadline:
+                    self.given_up += 1
+                    logger.warning("cf_ray: could not deliver %s (step %s) to the controller %s within %s=%.0f s "
+                                   "(%s); the controller recovers it from the holder's record when it is back",
+                                   method, getattr(msg, "step", "?"), self.controller_name, _env.ACTOR_TIMEOUT_S,
+                                   _env.get_float(_env.ACTOR_TIMEOUT_S), type(e).__name__)
+                    return False
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+            except Exception as e:  # noqa: BLE001 - e.g. the message cannot be serialised: a resend would fail too
+                self.given_up += 1
+                logger.warning("cf_ray: could not send %s (step %s): %r", method, getattr(msg, "step", "?"), e)
+                return False
+
+
+__all__ = ["Sender", "Ticket"]
