@@ -15,8 +15,13 @@
 
 Per step, on the training thread, cf_ray does: the weight-update guard (wait for an in-flight
 background copy, usually already done), the optimizer step, one asynchronous exchange with the
-other ranks (``cf_ray/_engine/worker/control.py``), the policy's decision, and a non-blocking poll
-of the controller. Nothing in a step waits for storage or for the controller.
+other ranks (``cf_ray/_engine/worker/control.py``), the policy's decision, a non-blocking poll
+of the controller, and the durability watchdog's judgement (``watchdog.py``). Nothing in a step
+waits for storage or for the controller.
+
+A failed save never fails the job, and is never silent: each failure is logged and reported by
+``wait()``/``finish()``; when nothing commits for much longer than the schedule implies, every rank
+says so once per episode (``CheckpointConfig(on_durability_lost="raise")`` fails the attempt instead).
 
 :class:`Checkpointer` is a facade: each step of that sequence is one part under
 ``cf_ray/_engine/worker/`` (context, control, scheduler, timing, snapshot, controller_link,
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -35,9 +41,11 @@ from typing import Any
 import ray
 
 from cf_ray._engine import env as _env
+from cf_ray._engine.driver import controller as _controller
 from cf_ray._engine.driver.controller import ControllerSettings, get_or_create_controller
 from cf_ray._engine.driver.messages import CheckpointKind, CheckpointRequest, RequestLevel, RestorePlan, RestoreSource
 from cf_ray._engine.driver.naming import controller_name
+from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.node.holder import get_or_create_holder
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray._engine.worker.context import WorkerContext, check_tracked, unwrap_ddp
@@ -49,8 +57,23 @@ from cf_ray._engine.worker.restore import Outcome, Restorer, newest_committed
 from cf_ray._engine.worker.scheduler import Scheduler
 from cf_ray._engine.worker.snapshot import Phase1
 from cf_ray._engine.worker.timing import Timing
+from cf_ray._engine.worker.watchdog import DurabilitySettings, DurabilityWatchdog, Knowledge
 from cf_ray.config import CheckpointConfig, PreemptionConfig
-from cf_ray.errors import ConfigError
+from cf_ray.errors import ConfigError, DurabilityLostError
+
+logger = logging.getLogger("cf_ray")
+
+
+def _controller_resolver(key: str, storage, settings: ControllerSettings):
+    """What a rank calls when the controller is gone: a live handle, made again if needed."""
+    def resolve():
+        # SEAM (#16, driver side): resolve_controller() waits for a live controller and makes it
+        # again when it is gone for good; without it, the same get-or-create as at the start.
+        resolve_controller = getattr(_controller, "resolve_controller", None)
+        if resolve_controller is not None:
+            return resolve_controller(key, storage, settings)
+        return get_or_create_controller(key, storage, settings)
+    return resolve
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +138,12 @@ class Checkpointer:
 
     Raises:
         ConfigError: no tracked objects, an object without ``state_dict``, or unwritable storage.
+
+    A tracked object that is neither a module nor an optimizer (an LR scheduler, AMP's grad scaler,
+    a user object) is saved as it is at the start of the next Checkpointer call after a checkpoint
+    (``step()``, ``end_epoch()``, ...), so a scheduler stepped right after ``ckpt.step(optimizer)``
+    resumes bitwise; the model, the optimizer, the RNG states and the data positions are saved as
+    they are at the checkpoint's step (``cf_ray/_engine/worker/snapshot.py``).
     """
 
     def __init__(self, state: Mapping[str, Any], *, data: Mapping[str, Any] | None = None,
@@ -136,11 +165,17 @@ class Checkpointer:
         self._timing = Timing()
         self._scheduler = Scheduler(self.config)
         self._phase1 = Phase1(ctx.rank, ctx.world_size, self.config.replicated, self.state, self.data, holder,
-                              self._timing)
-        self._link = ControllerLink(controller, ctx.rank, self._timing, self._scheduler, self._heard_from_driver)
+                              self._timing, resolve_holder=lambda: get_or_create_holder(
+                                  ctx.key, ctx.storage, controller_name(ctx.key), _env.namespace()))
+        self._link = ControllerLink(controller, ctx.rank, self._timing, self._scheduler, self._heard_from_driver,
+                                    resolve=_controller_resolver(ctx.key, ctx.storage, settings))
+        self._watchdog = DurabilityWatchdog(DurabilitySettings(
+            timeout_s=self.config.durability_timeout_s, factor=self.config.durability_factor,
+            floor_s=self.config.durability_floor_s))
+        self._lost_reported = False  # rank 0 recorded the episode in progress with the controller
         final_module = self.state.get(self.config.final_model) if self.config.final_model else None
         self._ray_train = RayTrainLink(ctx, self.config.register_with_ray, final_module)
-        self._restorer = Restorer(ctx, self.config, controller, self._control, self.state, self.data)
+        self._restorer = Restorer(ctx, self.config, self._link, self._control, self.state, self.data)
         self.step_count = 0
         self.epoch = 0
         self.resume: Resume | None = None
@@ -163,6 +198,9 @@ class Checkpointer:
 
         Returns:
             True when a checkpoint was started at this step.
+
+        Raises:
+            DurabilityLostError: ``on_durability_lost="raise"`` and some rank lost durability.
         """
         if not optimizers:
             raise ConfigError("Checkpointer.step() needs the optimizer(s) to step, e.g. ckpt.step(optimizer)")
@@ -180,6 +218,7 @@ class Checkpointer:
     @contextlib.contextmanager
     def update(self) -> Iterator[None]:
         """Guard a custom weight update: ``with ckpt.update(): my_update()``; counts as one step."""
+        self._phase1.capture_late()                             # the last snapshot's schedulers, ...
         guard_s = self._phase1.wait_copy()                      # guard
         self._timing.guarded(guard_s)
         yield                                                   # update
@@ -191,6 +230,8 @@ class Checkpointer:
         if self.preemption is not None:
             self.preemption.poll(self.step_count)
         agreement = self._agree()                               # agree
+        if agreement is not None and agreement.durability_lost:
+            self._raise_durability_lost()
         self._ray_train.on_agreement(agreement, self.epoch)
         kind, milestone = self._scheduler.decide(self.step_count, self.epoch, agreement)  # decide
         if kind is not None:
@@ -201,6 +242,7 @@ class Checkpointer:
         elif self._phase1.prepare_once(self.step_count, self.epoch):
             self._timing.prepare_overlap = True
         self._link.poll(self.step_count, self._phase1.last_timings)  # report
+        self._watch()                                           # durability
         self._timing.step_end()
 
     def _agree(self) -> Agreement | None:
@@ -208,7 +250,8 @@ class Checkpointer:
         committed = self._link.known_committed
         return self._control.exchange(schedule_version=self._scheduler.received,
                                       save_request=self._scheduler.local_request, committed_step=committed,
-                                      register=self.rank == 0 and self._ray_train.due(committed))
+                                      register=self.rank == 0 and self._ray_train.due(committed),
+                                      durability_lost=self._watchdog.lost and self.config.on_durability_lost == "raise")
 
     def _snapshot(self, kind: CheckpointKind, *, milestone: bool = False) -> None:
         t0 = time.perf_counter()
@@ -217,10 +260,85 @@ class Checkpointer:
         sync_s = self._phase1.take(self.step_count, self.epoch, kind, milestone=milestone,
                                    interval=self._scheduler.interval, notice=notice)
         self._scheduler.saved(self.step_count)
+        self._link.track(self.step_count)
+        self._watchdog.taken(self.step_count, time.monotonic())
         self._timing.snapshot_taken(self.step_count, sync_s, time.perf_counter() - t0, self._phase1.last_begin)
+
+    # -- durability: the watchdog's episodes ---------------------------------------------------------------
+    def _watch(self) -> None:
+        """Feed the watchdog what this rank knows; say so when an episode starts or ends."""
+        now = time.monotonic()
+        change = self._watchdog.observe(Knowledge(
+            now=now, step=self.step_count, committed_step=self._link.known_committed, info_time=self._link.info_time,
+            in_flight_s=self._link.in_flight_s(now), poll_failures=self._link.poll_failures,
+            interval_steps=self._scheduler.interval))
+        iter_s = self._watchdog.iter_s
+        self._phase1.late_wait_s = max(5.0, 4 * iter_s) if iter_s else 5.0
+        if change is None:
+            return
+        if change.started:
+            logger.warning("%s", self._lost_message(action=True))
+            self._record_lost()
+        else:
+            ep = change.episode
+            logger.warning("cf_ray: rank %d: durability restored at step %d: step %d committed, %.0f s after the alarm "
+                           "(%s)", self.rank, self.step_count, change.committed_step, change.lost_s, ep.reason.value)
+            if self.rank == 0 and self._lost_reported:
+                self._link.record_event({"event": "durability_restored", "rank": self.rank, "step": self.step_count,
+                                         "committed_step": change.committed_step, "lost_s": change.lost_s,
+                                         "reason": ep.reason.value, "generation": self.generation})
+            self._lost_reported = False
+
+    def _record_lost(self) -> None:
+        """Rank 0 tells the controller (its events, profile and metrics), once per episode."""
+        if self.rank != 0 or self._lost_reported:
+            return
+        self._lost_reported = True
+        ep = self._watchdog.episode
+        event: dict[str, Any] = {"event": "durability_lost", "rank": self.rank, "step": self.step_count,
+                                 "committed_step": self._link.known_committed, "generation": self.generation,
+                                 "action": self.config.on_durability_lost,
+                                 "failures": [f"step {f['step']} ({f['section']}): {f['error']}"
+                                              for f in self._link.failures[-3:]]}
+        if ep is not None:
+            event.update(reason=ep.reason.value, since_step=ep.since_step, waited_s=ep.waited_s, limit_s=ep.limit_s)
+        else:
+            event.update(reason="another_rank")
+        self._link.record_event(event)
+
+    def _lost_message(self, *, action: bool) -> str:
+        """What happened, as this rank knows it, and (``action``) what cf_ray does about it."""
+        ep = self._watchdog.episode
+        if ep is not None:
+            what = f"cf_ray: rank {self.rank}: durability lost at step {self.step_count}: {ep.describe()}"
+            if self.config.durability_timeout_s is None:
+                what += (f" ({self.config.durability_factor:g} x the expected {ep.expected_s:.1f} s to a commit, "
+                         f"at least durability_floor_s={self.config.durability_floor_s:g})")
+        else:
+            what = (f"cf_ray: rank {self.rank}: durability lost on another rank at step {self.step_count} (this rank "
+                    f"knows of no commit since step {self._link.known_committed})")
+        failures = self._link.failures[-3:]
+        what += ". Last failures: " + ("; ".join(f"step {f['step']} ({f['section']}): {f['error']}" for f in failures)
+                                       if failures else "none reported (a storage that hangs, or the controller)")
+        what += (f". Checkpoints go to {self.storage.uri()}: check that it is reachable and writable, and that the "
+                 "cf_ray controller actor is alive")
+        if not action:
+            return what
+        if self.config.on_durability_lost == "raise":
+            return what + "; the attempt fails (CheckpointConfig(on_durability_lost='raise'))"
+        return (what + "; training goes on, the newest committed checkpoint stays the one a restart would use "
+                "(warned once per episode; on_durability_lost='raise' fails the attempt instead)")
+
+    def _raise_durability_lost(self) -> None:
+        self._record_lost()
+        raise DurabilityLostError(
+            self._lost_message(action=False) + ". The attempt fails because CheckpointConfig(on_durability_lost="
+            "'raise'); to tolerate longer stalls set CheckpointConfig(durability_timeout_s=...), or "
+            "on_durability_lost='warn' to train on without durable checkpoints")
 
     def end_epoch(self) -> bool:
         """Mark the end of an epoch; takes the checkpoint that ``EpochEnd`` asks for."""
+        self._phase1.capture_late()
         self.epoch += 1
         if self._scheduler.epoch_end_due(self.step_count, self.epoch):
             self._snapshot(CheckpointKind.EPOCH)
@@ -229,10 +347,12 @@ class Checkpointer:
 
     def save(self, *, milestone: bool = False) -> None:
         """Checkpoint now. Every rank must call it at the same step (like ``ray.train.report``)."""
+        self._phase1.capture_late()
         self._snapshot(CheckpointKind.MANUAL, milestone=milestone)
 
     def wait_snapshot(self, timeout: float | None = None) -> bool:
         """Block until the snapshot in flight (if any) is held by this node's holder actor."""
+        self._phase1.capture_late()
         return self._phase1.wait_done(timeout)
 
     def request_checkpoint(self, *, preemption: bool = False, deadline_s: float | None = None,
@@ -266,8 +386,19 @@ class Checkpointer:
 
         All ranks must call it, once, before training. On a fresh run it changes nothing.
 
+        Every candidate (memory, then storage, newest first) is read and validated on every rank
+        before anything is loaded; one that any rank cannot read or use is skipped on every rank.
+        Once loaded, every tracked object is checked against the checkpoint's fingerprint of it.
+
         Returns:
             Where to resume: :class:`Resume` (``epoch``, ``step``, ``source``, data states).
+
+        Raises:
+            CheckpointMismatchError: the script tracks an object the checkpoint does not hold, or the
+                other way round (``allow_missing_objects``/``allow_unexpected_objects`` allow it).
+            ConfigError: ``resume_from`` holds no cf_ray checkpoint (naming it).
+            RestoreError: a rank failed to load a validated checkpoint, an object was not restored,
+                or no checkpoint could be used; raised on every rank, naming the rank and the cause.
         """
         t0 = time.perf_counter()
         plan = self._restorer.plan()
@@ -281,6 +412,7 @@ class Checkpointer:
         """This attempt's generation, every schedule version so far, and what is already committed."""
         committed = newest_committed(plan)
         self._link.start_attempt(plan.generation, committed)
+        self._watchdog.start_attempt(committed, time.monotonic())
         self._phase1.generation = plan.generation
         self._scheduler.start_attempt(plan.schedules)
         self._ray_train.start_attempt(committed)
@@ -313,38 +445,61 @@ class Checkpointer:
 
     # -- the end -----------------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> list[dict]:
-        """Block until every checkpoint started so far is committed or has failed.
+        """Block until every checkpoint this rank took in this attempt is committed or has failed
+        (superseded and abandoned ones count as settled), or ``timeout`` seconds passed
+        (``CF_RAY_ACTOR_TIMEOUT_S`` by default): each one left then is reported as a failure of
+        its own (section ``timeout``, ``"not durable after N s"``) and a warning.
 
         Returns:
             The failures of this attempt not yet reported (each reported once).
 
         Raises:
-            PersistError: when ``raise_on_persist_error`` and a save failed.
+            PersistError: when ``raise_on_persist_error`` and a save failed (or timed out).
         """
+        self._phase1.capture_late()
+        return self._wait(timeout, report_timeout=True)
+
+    def _wait(self, timeout: float | None, *, report_timeout: bool) -> list[dict]:
         limit = timeout if timeout is not None else _env.get_float(_env.ACTOR_TIMEOUT_S)
         deadline = time.monotonic() + limit
         self._phase1.wait_done(limit)
         self._link.add_local_failures(self._phase1.take_errors())
-        self._link.wait_durable(deadline, self.step_count, self._phase1.last_timings)
+        self._link.wait_durable(deadline, self.step_count, self._phase1.last_timings, report_timeout=report_timeout)
         return self._link.new_failures(self.config.raise_on_persist_error)
 
     def _wait_quiet(self, timeout: float) -> None:
-        """``wait()`` for the preemption watcher: failures stay unreported for the user's next ``wait()``."""
+        """``wait()`` for the preemption watcher: failures stay unreported for the user's next ``wait()``,
+        and what is not durable yet is not reported as timed out."""
+        self._phase1.capture_late()
         with self._link.failures_kept_unreported():
-            self.wait(timeout)
+            self._wait(timeout, report_timeout=False)
 
     def finish(self) -> FinishSummary:
-        """End of training: wait for in-flight checkpoints, write the consolidated model, register it
-        with Ray Train as the run's result, and release cf_ray's actors and threads (:meth:`close`).
-        Call on every rank."""
+        """End of training: checkpoint the final state (unless the last checkpoint is of this step),
+        wait for every checkpoint taken, write the consolidated model, register it with Ray Train as
+        the run's result, and release cf_ray's actors and threads (:meth:`close`). Call on every rank.
+
+        The final model's manifest names the newest committed full checkpoint (a milestone, never
+        deleted by keep-last), so ``CheckpointConfig(resume_from=result.checkpoint)`` continues the
+        run: model, optimizer, schedulers, RNG and data positions."""
         if self._lifecycle is not _Lifecycle.OPEN:
             raise RuntimeError("Checkpointer.finish() was already called" if self._lifecycle is _Lifecycle.FINISHED
                                else "Checkpointer.finish() after close()")
+        self._phase1.capture_late()
+        if self.step_count > 0 and self._scheduler.last_save_step != self.step_count:  # agreed: same on every rank
+            self._snapshot(CheckpointKind.MANUAL, milestone=True)  # every rank, at the same step (like save())
+            self._phase1.capture_late()  # nothing runs between this checkpoint and the end
         failures = self.wait()
         self._control.drain()
-        final_path, final_failures = self._ray_train.final_model(self.step_count, self.epoch, self._control)
+        resume = mf.step_dir(self._link.known_committed) if self._link.known_committed > 0 else None
+        if self.rank == 0 and self._link.known_committed < self.step_count:
+            logger.warning("cf_ray: the final state (step %d) is not committed; the final model names %s for "
+                           "resume_from", self.step_count,
+                           f"the newest committed checkpoint, {resume}" if resume else "no checkpoint")
+        final_path, final_failures = self._ray_train.final_model(self.step_count, self.epoch, self._control,
+                                                                 resume=resume)
         if self.rank == 0 and self._ctx.tiers:
-            self._link.wait_maintenance()  # uploads to the second destination finish before fit() returns
+            self._link.wait_maintenance(self.step_count)  # uploads to the tiers finish before fit() returns
         self._control.broadcast(None)  # every rank leaves together, after the uploads
         summary = self._link.finish(self.rank, self.world_size)
         self.close()
@@ -358,7 +513,7 @@ class Checkpointer:
         :meth:`wait`/:meth:`finish`); later calls do nothing."""
         if self._lifecycle is not _Lifecycle.OPEN:
             return
-        self._phase1.close(timeout=5)
+        self._phase1.close(timeout=5)  # its snapshot in flight takes the late objects' state first
         if self.preemption is not None:
             self.preemption.close()
         self._control.close()

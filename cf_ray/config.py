@@ -60,6 +60,7 @@ class PreemptionConfig:
 
 _RESTORE_FROM = ("auto", "memory", "storage", "none")
 _UPLOAD = ("all", "milestones")
+_ON_DURABILITY_LOST = ("warn", "raise")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -106,6 +107,27 @@ class CheckpointConfig:
     preemption: bool | PreemptionConfig = True
     """React to preemption notices (Ray Train's signal, SIGTERM, ``request_checkpoint(preemption=True)``)
     with a just-in-time checkpoint; a :class:`cf_ray.preemption.PreemptionConfig` tunes how."""
+    on_durability_lost: str = "warn"
+    """What a rank does when nothing has committed for much longer than the schedule implies (see
+    ``durability_timeout_s``), or the controller cannot be reached: ``"warn"`` says so loudly, once
+    per episode, and trains on; ``"raise"`` fails the attempt with :class:`~cf_ray.errors.DurabilityLostError`
+    from ``step()`` on every rank (Ray Train's ``FailureConfig`` then decides whether to restart)."""
+    durability_timeout_s: float | None = None
+    """Seconds without a commit, counted from the oldest checkpoint taken since the last commit, after
+    which durability counts as lost. ``None``: automatic, ``durability_factor`` x (the interval in
+    seconds + the observed persist time), at least ``durability_floor_s``."""
+    durability_factor: float = 3.0
+    """The automatic limit's multiple of the expected time to a commit (interval + persist)."""
+    durability_floor_s: float = 60.0
+    """The automatic limit is never below this many seconds (short intervals would otherwise alarm
+    on every hiccup of the storage)."""
+    allow_missing_objects: bool = False
+    """Restore even when the script tracks an object (``state`` or ``data``) that the checkpoint does
+    not hold (e.g. a scheduler added in a new version of the script): that object keeps its fresh
+    state and a warning names it. False: :class:`~cf_ray.errors.CheckpointMismatchError` naming it."""
+    allow_unexpected_objects: bool = False
+    """Restore even when the checkpoint holds an object the script no longer tracks: it is ignored
+    with a warning naming it. False: :class:`~cf_ray.errors.CheckpointMismatchError` naming it."""
 
     def __post_init__(self):
         if not isinstance(self.preemption, (bool, PreemptionConfig)):
@@ -125,9 +147,28 @@ class CheckpointConfig:
             raise ConfigError(f"CheckpointConfig.restore_from={self.restore_from!r} must be one of {_RESTORE_FROM}")
         if self.upload not in _UPLOAD:
             raise ConfigError(f"CheckpointConfig.upload={self.upload!r} must be one of {_UPLOAD}")
+        if self.on_durability_lost not in _ON_DURABILITY_LOST:
+            raise ConfigError(f"CheckpointConfig.on_durability_lost={self.on_durability_lost!r} must be one of "
+                              f"{_ON_DURABILITY_LOST}")
+        if self.durability_timeout_s is not None and not _positive(self.durability_timeout_s):
+            raise ConfigError(f"CheckpointConfig.durability_timeout_s={self.durability_timeout_s!r} must be a number "
+                              "of seconds > 0, or None (automatic)")
+        if not _positive(self.durability_factor) or self.durability_factor < 1:
+            raise ConfigError(f"CheckpointConfig.durability_factor={self.durability_factor!r} must be a number >= 1")
+        if not _positive(self.durability_floor_s):
+            raise ConfigError(f"CheckpointConfig.durability_floor_s={self.durability_floor_s!r} must be a number of "
+                              "seconds > 0")
+        for name in ("allow_missing_objects", "allow_unexpected_objects"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"CheckpointConfig.{name}={getattr(self, name)!r} must be True or False")
         if self.upload == "milestones" and self.upload_path and self.milestone_every is None:
             warnings.warn("CheckpointConfig.upload='milestones' without milestone_every: only checkpoints saved "
                           "with save(milestone=True) will be uploaded", stacklevel=3)
+
+
+def _positive(v: Any) -> bool:
+    """A finite int or float > 0 (not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
 
 
 __all__ = ["CheckpointConfig", "PreemptionConfig"]

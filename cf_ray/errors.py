@@ -33,3 +33,20 @@ class PersistError(CfRayError):
 
 class ElasticResumeError(CfRayError):
     """The saved state cannot be re-split over the new number of workers."""
+
+
+class DurabilityLostError(CfRayError):
+    """Nothing has committed for much longer than the checkpoint schedule implies (or the controller
+    cannot be reached), and ``CheckpointConfig(on_durability_lost="raise")`` asks to fail the attempt.
+    The message says since when, why as far as this rank knows, and what to change."""
+
+
+class RestoreError(CfRayError):
+    """Restoring failed on some rank; every rank raises it, naming the rank and the cause."""
+
+
+class CheckpointMismatchError(ConfigError):
+    """The script and the checkpoint track different objects: the script tracks one that the
+    checkpoint does not hold, or the checkpoint holds one that the script no longer tracks, or an
+    object's saved layout (keys, shapes) does not fit the tracked one. The message names it and the
+    opt-out (``CheckpointConfig(allow_missing_objects=True)`` / ``allow_unexpected_objects=True``)."""

@@ -18,7 +18,7 @@ import torch
 
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.format.safetensors import read_safetensors
+from cf_ray._engine.format.safetensors import RESUME_KEY, read_safetensors
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.errors import CheckpointNotFoundError, CorruptCheckpointError
 
@@ -63,6 +63,45 @@ def open_run(source: Any, filesystem: pafs.FileSystem | None = None) -> tuple[Fs
             root = candidate.root
     run = FsStorage(storage.fs, root)
     return run, (f"{mf.CHECKPOINTS}/{name}" if name else None)
+
+
+def resumable_checkpoint(source: Any, filesystem: pafs.FileSystem | None = None) -> tuple[FsStorage, str]:
+    """(the run's storage, the full checkpoint's directory) that ``source`` names or points at: a
+    run (its newest committed checkpoint), a checkpoint directory, a pointer registered with Ray
+    Train, or a final model (``result.checkpoint``), followed to the full checkpoint its manifest
+    names (written by ``Checkpointer.finish()``).
+
+    Raises:
+        CheckpointNotFoundError: no committed full checkpoint there (or the one a final model names
+            is gone).
+        CorruptCheckpointError: a damaged manifest or pointer.
+    """
+    run, directory = open_run(source, filesystem)
+    if directory is None:
+        committed = mf.list_committed(run)
+        if not committed:
+            raise CheckpointNotFoundError(f"no committed cf_ray checkpoint under {run.uri()}")
+        directory = committed[-1].path
+    m = mf.read_manifest(run, directory)
+    if m.kind == "final":
+        directory = _full_checkpoint_of_final(run, directory, m)
+        mf.read_manifest(run, directory)  # it must still be there (CheckpointNotFoundError otherwise)
+    return run, directory
+
+
+def _full_checkpoint_of_final(run: FsStorage, directory: str, m: mf.Manifest) -> str:
+    target = m.extra.get(RESUME_KEY)
+    if target is None:
+        raise CheckpointNotFoundError(
+            f"{run.uri(directory)} holds only the final model weights and names no full checkpoint of its run; "
+            "resume from the run directory or a registered checkpoint instead")
+    name = target.removeprefix(f"{mf.CHECKPOINTS}/") if isinstance(target, str) else ""
+    match = mf._DIR_RE.match(name)
+    if not isinstance(target, str) or not target.startswith(f"{mf.CHECKPOINTS}/") or not match \
+            or match.group(1) != "step":
+        raise CorruptCheckpointError(f"the final model's manifest {run.uri(directory)} names {target!r} as its full "
+                                     "checkpoint, which is not a checkpoint of this run")
+    return target
 
 
 def list_checkpoints(source: Any, filesystem: pafs.FileSystem | None = None) -> list[CheckpointInfo]:
@@ -110,9 +149,17 @@ def load_state(source: Any, *, step: int | None = None, objects: Iterable[str] |
     m = mf.read_manifest(run, directory)
     wanted = None if objects is None else set(objects)
     keyset = None if keys is None else set(keys)
+    if m.kind == "final" and wanted is not None and wanted - {mf.FINAL_SECTION} and RESUME_KEY in m.extra:
+        # Objects besides the model: from the full checkpoint the final model names (same step).
+        directory = _full_checkpoint_of_final(run, directory, m)
+        m = mf.read_manifest(run, directory)
     if m.kind == "final":
         buf = mf.read_verified(run, directory, m, "model.safetensors")
         state = {"model": read_safetensors(buf, keyset)}
+        missing = (wanted or set()) - set(state)
+        if missing:
+            raise CheckpointNotFoundError(f"checkpoint {run.uri(directory)} holds only the final model, not "
+                                          f"{sorted(missing)}")
         return {k: v for k, v in state.items() if wanted is None or k in wanted}
     out: dict[str, Any] = {}
     if m.replicated:
@@ -154,7 +201,11 @@ def load_into(source: Any, objects: Mapping[str, Any], *, step: int | None = Non
 def _select(section: mf.Section, path: tuple[str, ...], wanted, keyset) -> dict:
     tree = section.tree
     for p in path:
+        if not isinstance(tree, dict) or p not in tree:
+            raise CorruptCheckpointError(f"a section of the checkpoint has no {'.'.join(path)!r} (malformed state tree)")
         tree = tree[p]
+    if not isinstance(tree, dict):
+        raise CorruptCheckpointError(f"the checkpoint's {'.'.join(path)!r} is not a mapping (malformed state tree)")
     out = {}
     for name, sub in tree.items():
         if wanted is not None and name not in wanted:

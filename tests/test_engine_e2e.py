@@ -18,6 +18,7 @@ import cf_ray
 from cf_ray import demo
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.storage.fs import FsStorage
+from cf_ray.load import open_run, resumable_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -127,8 +128,9 @@ def test_damaged_newest_checkpoints_are_skipped_on_restore(ray_cluster, tmp_path
     root = tmp_path / "storage" / "damaged" / "cf_ray"
     storage = FsStorage(pafs.LocalFileSystem(), str(root))
     committed = [c.step for c in mf.list_committed(storage)]
-    # Snapshots that storage could not keep up with may be skipped; the newest one never is.
-    assert len(committed) >= 3 and committed[-1] == 25, committed
+    # Snapshots that storage could not keep up with may be skipped; the newest one never is: the
+    # final state's, which finish() takes at step 26 (#16: result.checkpoint resumes from it).
+    assert len(committed) >= 3 and committed[-1] == 26 and 25 in committed, committed
     newest, second, third = committed[-1], committed[-2], committed[-3]
     m1, m2 = mf.read_manifest(storage, mf.step_dir(newest)), mf.read_manifest(storage, mf.step_dir(second))
     path = root / mf.step_dir(newest) / m1.sections[mf.SHARED]["data"]
@@ -183,7 +185,7 @@ def test_registered_with_ray_and_a_new_run_resumes_from_one_of_them(ray_cluster,
     assert registered, "no intermediate checkpoint was registered with Ray Train"
     # keep-last may have deleted what an old pointer names; the newest one stands.
     chosen = registered[-1]
-    storage, directory = cf_ray.load.open_run(chosen)
+    storage, directory = open_run(chosen)
     assert storage.exists(f"{directory}/{mf.MANIFEST}")
     step = int(directory.rsplit("_", 1)[1])
     # Ray Train v2 refuses TorchTrainer(resume_from_checkpoint=...); the checkpoint goes in the config.
@@ -209,3 +211,22 @@ def test_upload_tier_serves_the_restore_when_the_primary_is_lost(ray_cluster, tm
     demo.run("tiered", str(tmp_path), dict(cfg, epochs=2, restore_from="storage"))
     latest = resumes(tmp_path / "out" / "tiered")[-1]
     assert (latest["source"], latest["step"]) == ("storage", in_tier[-1])
+
+
+def test_resume_from_the_result_checkpoint_continues_bitwise_and_a_bad_one_raises_before_training(
+        ray_cluster, reference, tmp_path):
+    first = demo.run("first", str(tmp_path), dict(SMALL, epochs=1))
+    assert first.checkpoint.path.endswith(f"final_{STEPS_PER_EPOCH:012d}")  # the final model ...
+    _, directory = resumable_checkpoint(first.checkpoint)  # ... names the full checkpoint
+    assert directory == mf.step_dir(STEPS_PER_EPOCH)
+    # A new run from the first one's result goes on with epoch 1 as if it had never stopped.
+    demo.run("second", str(tmp_path), dict(SMALL, resume_from=first.checkpoint))
+    out = tmp_path / "out" / "second"
+    (resumed,) = resumes(out)
+    assert (resumed["source"], resumed["step"], resumed["epoch"]) == ("storage", STEPS_PER_EPOCH, 1)
+    assert demo.states_equal(reference / "final_state.pt", out / "final_state.pt")  # model and optimizer, bitwise
+    assert {**lineage(tmp_path / "out" / "first"), **lineage(out)} == lineage(reference)
+    bad = str(tmp_path / "no_such_run")
+    with pytest.raises(Exception, match="no_such_run.*holds no cf_ray checkpoint"):
+        demo.run("bad", str(tmp_path), dict(SMALL, resume_from=bad), max_failures=0)
+    assert not glob.glob(str(tmp_path / "out" / "bad" / "ids_*"))  # raised before training

@@ -18,7 +18,6 @@ import time
 import pyarrow.fs as pafs
 import pytest
 import torch
-from faulty_fs import FaultyHandler  # tests/ is on the workers' PYTHONPATH too (conftest.py)
 
 import cf_ray
 from cf_ray import preemption
@@ -29,6 +28,8 @@ from cf_ray._engine.worker.preemption_watcher import PreemptionWatcher
 from cf_ray.config import PreemptionConfig
 from cf_ray.data import ResumableDistributedSampler
 from cf_ray.preemption import notify_preemption
+
+from faulty_fs import FaultyHandler  # tests/ is on the workers' PYTHONPATH too (conftest.py)
 
 # -- the watcher alone ----------------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Agreement between ranks without a blocking call per step.
 
 Every decision that must be identical on all ranks (adopt schedule version v, take a checkpoint
-now because of a preemption notice or a manual request, register committed step C with Ray Train)
+now because of a preemption notice or a manual request, register committed step C with Ray Train,
+fail the attempt because durability is lost and ``on_durability_lost="raise"``)
 travels in a tiny int64 vector. At each step every rank launches an *asynchronous* all-reduce
 (MIN) of its local vector on a dedicated gloo group and collects the result of the previous step's
 all-reduce, which is long finished by then because the ranks move in lockstep anyway (DDP
@@ -25,8 +26,9 @@ SCHEDULE_VERSION = 0  # MIN: the newest schedule version every rank has received
 SAVE_REQUEST = 1  # MAX (negated): a RequestLevel (0 none, 1 manual request, 2 preemption notice)
 COMMITTED_STEP = 2  # MIN: the newest committed step every rank knows of
 REGISTER = 3  # MAX (negated): rank 0 asks to register with Ray Train
-_N = 4
-_NEGATED = (SAVE_REQUEST, REGISTER)
+DURABILITY_LOST = 4  # MAX (negated): a rank lost durability and the attempt is to fail
+_N = 5
+_NEGATED = (SAVE_REQUEST, REGISTER, DURABILITY_LOST)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +43,8 @@ class Agreement:
     """The newest committed step every rank knows of."""
     register: bool
     """Rank 0 asks every rank to register ``committed_step`` with Ray Train."""
+    durability_lost: bool = False
+    """Some rank lost durability with ``on_durability_lost="raise"``: every rank fails the attempt."""
 
 
 class ControlPlane:
@@ -61,12 +65,13 @@ class ControlPlane:
             self._group = dist.new_group(backend="gloo")
 
     def exchange(self, *, schedule_version: int, save_request: RequestLevel, committed_step: int,
-                 register: bool) -> Agreement | None:
+                 register: bool, durability_lost: bool = False) -> Agreement | None:
         local = [0] * _N
         local[SCHEDULE_VERSION] = schedule_version
         local[SAVE_REQUEST] = int(save_request)
         local[COMMITTED_STEP] = committed_step
         local[REGISTER] = int(register)
+        local[DURABILITY_LOST] = int(durability_lost)
         if self._group is None:
             return _agreement(local)
         previous = None
@@ -122,4 +127,5 @@ class ControlPlane:
 
 def _agreement(v: list[int]) -> Agreement:
     return Agreement(schedule_version=v[SCHEDULE_VERSION], save_request=RequestLevel(v[SAVE_REQUEST]),
-                     committed_step=v[COMMITTED_STEP], register=bool(v[REGISTER]))
+                     committed_step=v[COMMITTED_STEP], register=bool(v[REGISTER]),
+                     durability_lost=bool(v[DURABILITY_LOST]))

@@ -84,8 +84,13 @@ class RayTrainLink:
         ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
 
     # -- the end of training --------------------------------------------------------------------------
-    def final_model(self, step: int, epoch: int, control: ControlPlane) -> tuple[str | None, list[dict]]:
+    def final_model(self, step: int, epoch: int, control: ControlPlane,
+                    resume: str | None = None) -> tuple[str | None, list[dict]]:
         """Rank 0 writes the consolidated model; every rank registers it as the run's result.
+
+        Args:
+            resume: the newest committed full checkpoint (``checkpoints/step_<n>``), named in the
+                final model's manifest so that ``resume_from=result.checkpoint`` continues the run.
 
         Returns:
             (its location or ``None``, the failure to report when writing it failed on rank 0).
@@ -96,7 +101,7 @@ class RayTrainLink:
         ok, failures = True, []
         if self.rank == 0:
             try:
-                write_final_model(self.storage, final_dir, self.final_module, step=step, epoch=epoch)
+                write_final_model(self.storage, final_dir, self.final_module, step=step, epoch=epoch, resume=resume)
             except Exception as e:  # noqa: BLE001 - never fail the job for a failed save
                 ok = False
                 logger.warning("cf_ray: writing the final model failed: %r", e)

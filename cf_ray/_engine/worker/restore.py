@@ -1,33 +1,56 @@
 """Restore at the start of an attempt: the controller's plan, the candidates it names (a holder's
 snapshot in memory, committed checkpoints on storage and the upload tiers, another run's
-checkpoint), fetched and verified on every rank before any tracked object is touched, then
-applied; a candidate any rank cannot read is skipped on every rank (the next one is tried).
-Also the RNG states a snapshot carries (this rank's Python, NumPy, torch and CUDA generators).
+checkpoint), each one read, verified and *validated* on every rank before any tracked object is
+touched (``restore_checks.py``), then applied and checked against the fingerprints the snapshot
+recorded.
+
+One decision, shared: every phase (the plan, the candidates, each candidate's read and validation,
+the load) ends with an exchange of every rank's outcome (a small all-gather on cf_ray's own group),
+so an error on any rank reaches every rank within seconds, never as a hang in a collective:
+
+* reading failed (damage, a file or a holder gone, an I/O error that three tries with backoff did
+  not get past) or validation refused the candidate: every rank falls back to the next one (rank
+  0 records a ``restore_fallback`` event, with ``corrupt: true`` when the cause was damage, which
+  the controller quarantines);
+* the script and the checkpoint disagree on what is tracked (:class:`~cf_ray.errors.CheckpointMismatchError`),
+  a bad ``resume_from`` (:class:`~cf_ray.errors.ConfigError`), no plan, or a load that failed after
+  validation (objects may be partly overwritten): every rank raises, naming the rank and the cause
+  (:class:`~cf_ray.errors.RestoreError` unless the cause has a type of its own);
+* no candidate left: a fresh start when every refusal was damage or a missing file; a
+  :class:`~cf_ray.errors.RestoreError` when one was refused for another reason (a checkpoint
+  exists that this script cannot use: never silently a fresh run).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
-import random
-import warnings
+import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
 import ray
-import torch
+import ray.exceptions
 
 from cf_ray._engine import env as _env
 from cf_ray._engine.driver.messages import MemorySnapshot, Restored, RestorePlan, RestoreSource
-from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.storage.base import Storage
+from cf_ray._engine.worker import restore_checks as _checks
 from cf_ray._engine.worker.context import WorkerContext
 from cf_ray._engine.worker.control import ControlPlane
+from cf_ray._engine.worker.controller_link import ControllerLink
+from cf_ray._engine.worker.rng import rng_state, set_rng_state  # noqa: F401 - re-exported (older imports)
 from cf_ray.config import CheckpointConfig
-from cf_ray.errors import CheckpointNotFoundError, CorruptCheckpointError, ElasticResumeError
+from cf_ray.errors import CfRayError, CheckpointMismatchError, ConfigError, CorruptCheckpointError, RestoreError
 
 logger = logging.getLogger("cf_ray")
+
+#: Tries of one read on a transient error (an ``OSError`` that is not "not found"), with backoff.
+READ_TRIES = 3
+#: Seconds before the second try (doubled for the next).
+READ_BACKOFF_S = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +71,37 @@ class Outcome:
     """This rank's restored data-object states by name."""
 
 
+class _Verdict(enum.IntEnum):
+    OK = 0
+    SKIP = 1
+    """This candidate cannot be used: every rank goes on with the next one."""
+    FAIL = 2
+    """Every rank raises."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Status:
+    """One rank's outcome of a phase, as exchanged with every rank."""
+
+    verdict: _Verdict
+    rank: int
+    error: str = ""
+    """``Type: message`` of what went wrong."""
+    error_type: type | None = None
+    """For ``FAIL``: the cf_ray error type every rank raises (``None``: RestoreError)."""
+    damage: bool = False
+    """For ``SKIP``: the cause was damage or a missing file, not a refusal of the content."""
+    corrupt: bool = False
+    """For ``SKIP``: the cause was a :class:`CorruptCheckpointError` (the controller quarantines it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _PlanFailed:
+    """What rank 0 broadcasts instead of a plan when it could not get one."""
+
+    error: str
+
+
 def newest_committed(plan: RestorePlan) -> int:
     """The newest committed step on the primary storage or an upload tier (0 when none)."""
     newest = _newest_stored(plan)
@@ -58,26 +112,34 @@ def _newest_stored(plan: RestorePlan) -> int:
     return max([plan.storage[0] if plan.storage else -1] + [t[0] for t in plan.tiers if t])
 
 
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
 class Restorer:
     """Restore of one rank. Every rank calls :meth:`plan`, then :meth:`load`, then :meth:`report`.
 
     Args:
         ctx: this rank's context (storage, tiers, whether Ray Train hands it a checkpoint).
-        config: ``restore_from`` and ``resume_from``.
-        controller: the run's controller actor.
-        control: the agreement (the plan is broadcast, every candidate agreed on).
+        config: ``restore_from``, ``resume_from``, ``allow_missing_objects``, ``allow_unexpected_objects``.
+        link: this rank's line to the controller (re-resolved when the controller is gone).
+        control: the agreement (the plan is broadcast, every phase's outcome shared).
         state, data: the tracked objects to load into.
     """
 
-    def __init__(self, ctx: WorkerContext, config: CheckpointConfig, controller, control: ControlPlane,
+    def __init__(self, ctx: WorkerContext, config: CheckpointConfig, link: ControllerLink, control: ControlPlane,
                  state: dict[str, Any], data: dict[str, Any]):
         self.ctx = ctx
         self.restore_from = config.restore_from
         self.resume_from = config.resume_from
-        self.controller = controller
+        self.allow_missing = config.allow_missing_objects
+        self.allow_unexpected = config.allow_unexpected_objects
+        self.link = link
         self.control = control
         self.state = state
         self.data = data
+        self.verified: list[str] = []
+        """The objects checked against their fingerprints by the last :meth:`load`."""
 
     @property
     def rank(self) -> int:
@@ -89,12 +151,22 @@ class Restorer:
 
     # -- the plan --------------------------------------------------------------------------------------
     def plan(self) -> RestorePlan:
-        """Rank 0 asks the controller for a new generation and a plan; every rank gets the same."""
-        plan = None
+        """Rank 0 asks the controller for a new generation and a plan; every rank gets the same.
+
+        Raises:
+            RestoreError: rank 0 could not get one (on every rank).
+        """
+        plan: Any = None
         if self.rank == 0:
-            plan = ray.get(self.controller.prepare_restore.remote(self.world_size),
-                           timeout=_env.get_float(_env.ACTOR_TIMEOUT_S))
-        return cast(RestorePlan, self.control.broadcast(plan))
+            try:
+                plan = self.link.call("prepare_restore", self.world_size)
+            except Exception as e:  # noqa: BLE001 - shared with every rank below, never a hang
+                plan = _PlanFailed(_describe(e))
+        plan = self.control.broadcast(plan)
+        if isinstance(plan, _PlanFailed):
+            raise RestoreError(f"cf_ray: rank 0 could not get a restore plan from the controller ({plan.error}); "
+                               "every rank stops here")
+        return cast(RestorePlan, plan)
 
     def _candidates(self, plan: RestorePlan) -> list[tuple[RestoreSource, Any]]:
         """Newest first: the memory snapshot (when not older than storage), then storage steps."""
@@ -119,82 +191,175 @@ class Restorer:
                     candidates.append((RestoreSource.STORAGE, other))
         return candidates
 
-    # -- fetch and apply -------------------------------------------------------------------------------
+    # -- fetch, validate, apply: every phase's outcome shared ------------------------------------------
     def load(self, plan: RestorePlan) -> Outcome:
-        """The newest candidate every rank could read, loaded into the tracked objects."""
-        for source, cand in self._candidates(plan):
-            loaded, error = self._fetch(source, cand)
-            if self.control.all_true(loaded is not None):
-                assert loaded is not None  # this rank's own flag was in the agreement
-                return self._apply(source, cand, loaded)
+        """The newest candidate every rank could read and validate, loaded into the tracked objects.
+
+        Raises:
+            CheckpointMismatchError, ConfigError, RestoreError: on every rank (see the module doc).
+        """
+        candidates: list[tuple[RestoreSource, Any]] = []
+        try:
+            candidates = self._candidates(plan)
+            status = _Status(_Verdict.OK, self.rank)
+        except Exception as e:  # noqa: BLE001 - shared below
+            status = self._fail(e)
+        self._decide(self._agree(status), "")
+        refused: list[tuple[str, _Status]] = []
+        for source, cand in candidates:
             where = f"step {cand.step} in memory" if source is RestoreSource.MEMORY else cand[0].uri(cand[1])
-            logger.warning("cf_ray: rank %d: cannot restore %s (%s); falling back", self.rank, where,
-                           error or "another rank could not")
-            if self.rank == 0:
-                self.controller.record_event.remote({"event": "restore_fallback", "source": source.value,
-                                                     "where": where, "error": str(error)})
+            prepared, status = self._prepare(source, cand)
+            statuses = self._agree(status)
+            self._decide(statuses, where)
+            skipped = next((s for s in statuses if s.verdict is _Verdict.SKIP), None)
+            if skipped is not None:
+                refused.append((where, skipped))
+                self._fall_back(source, where, status, skipped)
+                continue
+            assert prepared is not None  # this rank's own verdict was OK
+            return self._apply(source, cand, where, prepared)
+        config_like = [(w, s) for w, s in refused if not s.damage]
+        if config_like:
+            reasons = "; ".join(f"{w}: rank {s.rank}: {s.error}" for w, s in config_like)
+            raise RestoreError(f"cf_ray: no checkpoint could be restored, and {len(config_like)} could not be used by "
+                               f"this script ({reasons}). Starting fresh would throw the run's progress away; fix the "
+                               "cause, or set CheckpointConfig(restore_from='none') to start fresh on purpose")
         return Outcome(source=RestoreSource.FRESH)
+
+    def _prepare(self, source: RestoreSource, cand) -> tuple[_checks.Prepared | None, _Status]:
+        """Read and validate one candidate on this rank (nothing tracked is touched)."""
+        try:
+            loaded, saved_world, replicated = self._fetch(source, cand)
+        except Exception as e:  # noqa: BLE001 - reading failed: fall back
+            damage = isinstance(e, (CorruptCheckpointError, FileNotFoundError, LookupError, OSError,
+                                    ray.exceptions.RayError))
+            return None, _Status(_Verdict.SKIP, self.rank, _describe(e), damage=damage,
+                                 corrupt=isinstance(e, CorruptCheckpointError))
+        try:
+            prepared = _checks.validate(loaded, saved_world=saved_world, replicated=replicated, rank=self.rank,
+                                        world_size=self.world_size, state=self.state, data=self.data,
+                                        allow_missing=self.allow_missing, allow_unexpected=self.allow_unexpected)
+        except CheckpointMismatchError as e:
+            return None, self._fail(e)
+        except Exception as e:  # noqa: BLE001 - a checkpoint that cannot be applied is skipped like a corrupt one
+            corrupt = isinstance(e, CorruptCheckpointError)
+            return None, _Status(_Verdict.SKIP, self.rank, _describe(e), damage=corrupt, corrupt=corrupt)
+        return prepared, _Status(_Verdict.OK, self.rank)
+
+    def _apply(self, source: RestoreSource, cand, where: str, prepared: _checks.Prepared) -> Outcome:
+        data_states: dict = {}
+        try:
+            data_states = _checks.apply(prepared, self.state, self.data, self.rank, self.world_size)
+            self.verified = _checks.verify(prepared, self.state, self.data)
+            status = _Status(_Verdict.OK, self.rank)
+        except Exception as e:  # noqa: BLE001 - objects may be partly overwritten: every rank stops
+            status = _Status(_Verdict.FAIL, self.rank, _describe(e),
+                             error_type=type(e) if isinstance(e, RestoreError) else None)
+        self._decide(self._agree(status), where)
+        if self.rank == 0:
+            fresh = f"; kept as built: {', '.join(prepared.fresh)}" if prepared.fresh else ""
+            logger.warning("cf_ray: restored step %d (epoch %d) from %s (%s); %d objects verified against their "
+                           "fingerprints%s%s", prepared.step, prepared.epoch, source.value, where, len(self.verified),
+                           f" ({', '.join(self.verified)})" if self.verified else " (the checkpoint has none)", fresh)
+        path = None if source is RestoreSource.MEMORY else cand[0].uri(cand[1])
+        return Outcome(source=source, step=prepared.step, epoch=prepared.epoch, path=path,
+                       saved_world_size=prepared.saved_world, data=data_states)
+
+    # -- the shared decision ----------------------------------------------------------------------------
+    def _fail(self, e: BaseException) -> _Status:
+        keep = isinstance(e, CfRayError) and type(e) is not CfRayError
+        return _Status(_Verdict.FAIL, self.rank, _describe(e), error_type=type(e) if keep else None)
+
+    def _agree(self, status: _Status) -> list[_Status]:
+        """Every rank's outcome of this phase (an all-gather; every rank reaches it, whatever happened)."""
+        return cast(list, self.control.all_gather(status))
+
+    def _decide(self, statuses: list[_Status], where: str) -> None:
+        """Raise on every rank when some rank failed; the error names that rank and its cause."""
+        failed = next((s for s in statuses if s.verdict is _Verdict.FAIL), None)
+        if failed is None:
+            return
+        at = f" restoring {where}" if where else ""
+        msg = failed.error.split(": ", 1)[1] if ": " in failed.error else failed.error
+        text = (f"{msg} (rank {failed.rank}{at}; raised on every rank)" if failed.error_type is not None
+                else f"cf_ray: restore failed on rank {failed.rank}{at}: {failed.error}; every rank stops here")
+        cls = failed.error_type if failed.error_type is not None else RestoreError
+        try:
+            err = cls(text)
+        except Exception:  # noqa: BLE001 - a type that takes other arguments
+            err = RestoreError(text)
+        raise err
+
+    def _fall_back(self, source: RestoreSource, where: str, mine: _Status, first: _Status) -> None:
+        why = mine.error if mine.verdict is _Verdict.SKIP else f"rank {first.rank}: {first.error}"
+        logger.warning("cf_ray: rank %d: cannot restore %s (%s); falling back", self.rank, where, why)
+        if self.rank == 0:
+            self.link.record_event({"event": "restore_fallback", "source": source.value, "where": where,
+                                    "error": first.error, "rank": first.rank, "corrupt": first.corrupt})
 
     def report(self, outcome: Outcome, seconds: float) -> None:
         """Tell the controller where the attempt resumed from (rank 0) and log it."""
         if self.rank == 0:
-            self.controller.restored.remote(Restored(
+            self.link.controller.restored.remote(Restored(
                 source=outcome.source, step=outcome.step, epoch=outcome.epoch, seconds=seconds,
                 world_size=self.world_size, saved_world_size=outcome.saved_world_size))
         logger.info("cf_ray: rank %d resumes at step %d epoch %d from %s", self.rank, outcome.step, outcome.epoch,
                     outcome.source.value)
 
     def _other_run_checkpoint(self) -> tuple[Storage, str] | None:
-        """``CheckpointConfig.resume_from``, else the checkpoint Ray Train hands this run, if any."""
+        """``CheckpointConfig.resume_from``, else the checkpoint Ray Train hands this run, if any.
+        A final model is followed to the full checkpoint its manifest names.
+
+        Raises:
+            ConfigError: ``resume_from`` holds no cf_ray checkpoint to resume from (naming it).
+        """
+        from cf_ray.load import resumable_checkpoint
+
         source = self.resume_from
-        if source is None and self.ctx.ray_storage is not None:
+        if source is not None:
             try:
-                source = ray.train.get_checkpoint()
-            except Exception:  # noqa: BLE001
-                source = None
+                return resumable_checkpoint(source)
+            except Exception as e:  # noqa: BLE001 - whatever it is, the user's setting is wrong
+                raise ConfigError(f"CheckpointConfig.resume_from={_source_name(source)!r} holds no cf_ray checkpoint to "
+                                  f"resume from ({_describe(e)}); pass a run directory, a checkpoint directory or a "
+                                  "ray.train.Checkpoint of a cf_ray run (e.g. result.checkpoint)") from None
+        if self.ctx.ray_storage is None:
+            return None
+        try:
+            source = ray.train.get_checkpoint()
+        except Exception:  # noqa: BLE001
+            source = None
         if source is None:
             return None
-        from cf_ray.load import open_run
-
         try:
-            run, directory = open_run(source)
-            if directory is None:
-                committed = mf.list_committed(run)
-                directory = committed[-1].path if committed else None
-        except Exception as e:  # noqa: BLE001 - not a cf_ray checkpoint
-            logger.warning("cf_ray: cannot resume from %s: %s", source, e)
+            return resumable_checkpoint(source)
+        except Exception as e:  # noqa: BLE001 - not a cf_ray checkpoint: Ray Train's own, for instance
+            logger.warning("cf_ray: %s is not a committed cf_ray checkpoint (%s); starting fresh", _source_name(source),
+                           e)
             return None
-        if directory is None or not run.exists(f"{directory}/{mf.MANIFEST}"):
-            logger.warning("cf_ray: %s is not a committed cf_ray checkpoint; starting fresh", source)
-            return None
-        return run, directory
 
     def _sections_needed(self, saved_world: int, replicated: bool) -> list[str]:
         needed = [mf.SHARED] if replicated else []
         if saved_world == self.world_size:
             needed.append(mf.rank_section(self.rank))
         else:
-            needed.extend(mf.rank_section(r) for r in range(saved_world))
+            needed.extend(mf.rank_section(r) for r in range(max(saved_world, 0)))
         return needed
 
-    def _fetch(self, source: RestoreSource, cand) -> tuple[dict | None, str | None]:
-        """Read and verify everything this rank needs, without touching any tracked object."""
-        try:
-            if source is RestoreSource.MEMORY:
-                needed = self._sections_needed(int(cand.world_size), bool(cand.replicated))
-                return {sec: self._fetch_memory(cand, sec) for sec in needed}, None
-            storage, directory = cand
-            manifest = mf.read_manifest(storage, directory)
-            if manifest.kind == "final":
-                raise CorruptCheckpointError(f"{storage.uri(directory)} holds only final model weights; load it "
-                                             "with cf_ray.load_into(...) instead of resuming from it")
-            needed = self._sections_needed(manifest.world_size, manifest.replicated)
-            out: dict[str, Any] = {sec: mf.load_section(storage, directory, manifest, sec) for sec in needed}
-            out["__manifest__"] = manifest
-            return out, None
-        except (CorruptCheckpointError, CheckpointNotFoundError, ElasticResumeError, LookupError, OSError,
-                ValueError, ray.exceptions.RayError) as e:
-            return None, f"{type(e).__name__}: {e}"
+    def _fetch(self, source: RestoreSource, cand) -> tuple[dict[str, mf.Section], Any, bool]:
+        """Read and verify everything this rank needs: (sections, saved world size, replicated)."""
+        if source is RestoreSource.MEMORY:
+            saved_world, replicated = cand.world_size, bool(cand.replicated)
+            needed = self._sections_needed(int(saved_world), replicated)
+            return {sec: _read(self._fetch_memory, cand, sec) for sec in needed}, saved_world, replicated
+        storage, directory = cand
+        manifest = _read(mf.read_manifest, storage, directory)
+        if manifest.kind == "final":
+            raise CorruptCheckpointError(f"{storage.uri(directory)} holds only final model weights; load it "
+                                         "with cf_ray.load_into(...) instead of resuming from it")
+        needed = self._sections_needed(manifest.world_size, manifest.replicated)
+        out = {sec: _read(mf.load_section, storage, directory, manifest, sec) for sec in needed}
+        return out, manifest.world_size, manifest.replicated
 
     def _fetch_memory(self, cand: MemorySnapshot, section: str) -> mf.Section:
         holder_name = cand.sections.get(section)
@@ -210,104 +375,24 @@ class Restorer:
         tree, entries = mf.parse_index(index, f"memory:{section}")
         return mf.Section(tree, entries, arena)
 
-    def _apply(self, source: RestoreSource, cand, loaded: dict) -> Outcome:
-        manifest = loaded.pop("__manifest__", None)
-        if source is RestoreSource.MEMORY:
-            saved_world, replicated = int(cand.world_size), bool(cand.replicated)
-            path = None
-        else:
-            saved_world, replicated = manifest.world_size, manifest.replicated
-            path = cand[0].uri(cand[1])
-        if saved_world != self.world_size and not replicated:
-            raise ElasticResumeError(
-                f"the checkpoint was saved by {saved_world} ranks with replicated=False (per-rank model state); "
-                f"it cannot be loaded by {self.world_size} ranks. Resume with {saved_world} workers.")
-        rank_trees = {sec: s.materialize(copy=False) for sec, s in loaded.items() if sec.startswith("rank_")}
-        if replicated:
-            section, where = loaded[mf.SHARED], ("objects",)
-        else:
-            section, where = loaded[mf.rank_section(self.rank)], ("state",)
-        _load_objects(self.state, _materialize_objects(section, where, self.state), "state")
-        if saved_world == self.world_size:
-            mine = rank_trees[mf.rank_section(self.rank)]
-            _load_objects(self.data, mine["objects"], "data")
-            set_rng_state(mine["rng"])
-            data_states = mine["objects"]
-        else:
-            old = [rank_trees[mf.rank_section(r)] for r in range(saved_world)]
-            mine = old[self.rank] if self.rank < saved_world else old[0]
-            for name, obj in self.data.items():
-                states = [o["objects"].get(name) for o in old]
-                if not hasattr(obj, "load_elastic_state"):
-                    raise ElasticResumeError(
-                        f"data object {name!r} ({type(obj).__name__}) was saved by {saved_world} ranks and cannot be "
-                        f"re-split over {self.world_size}: it has no load_elastic_state(states, rank, world_size). "
-                        "Use a cf_ray.data source or resume with the same number of workers.")
-                obj.load_elastic_state(states, self.rank, self.world_size)
-            if self.rank < saved_world:
-                set_rng_state(mine["rng"])
-            data_states = {name: obj.state_dict() for name, obj in self.data.items()}
-        return Outcome(source=source, step=int(mine["counters"]["step"]), epoch=int(mine["counters"]["epoch"]),
-                       path=path, saved_world_size=saved_world, data=data_states)
+
+def _read(fn, *args):
+    """``fn(*args)``, tried again (``READ_TRIES`` in all, with backoff) on a transient I/O error."""
+    delay = READ_BACKOFF_S
+    for attempt in range(READ_TRIES):
+        try:
+            return fn(*args)
+        except (CfRayError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError):
+            raise  # not transient
+        except OSError as e:
+            if attempt == READ_TRIES - 1:
+                raise
+            logger.warning("cf_ray: reading a checkpoint failed (%s); trying again in %.1f s", _describe(e), delay)
+            time.sleep(delay)
+            delay *= 2
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
-# -- RNG states -----------------------------------------------------------------------------------------
-
-def rng_state() -> dict:
-    """This process's RNG states (Python, NumPy, torch, and CUDA when initialised)."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Put back what :func:`rng_state` returned (as a snapshot stores it)."""
-    random.setstate(_tuplify(state["python"]))
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"].clone().contiguous())
-    if "cuda" in state and torch.cuda.is_available():
-        for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(s.clone(), i)
-
-
-def _tuplify(x):
-    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
-# -- tracked objects ------------------------------------------------------------------------------------
-
-def _materialize_objects(section: mf.Section, path: tuple[str, ...], objs: dict) -> dict:
-    """The saved states of tracked objects, with as few copies as is safe.
-
-    ``nn.Module.load_state_dict`` copies into the module's own parameters, so a module gets views
-    straight into the snapshot's buffer (read-only when it is an object-store buffer: restore from
-    memory then costs a single copy). Everything else (optimizers keep the tensors they are given)
-    gets private, writable copies.
-    """
-    tree = section.tree
-    for p in path:
-        tree = tree[p]
-    out = {}
-    for name, sub in tree.items():
-        in_place = isinstance(objs.get(name), torch.nn.Module)
-        out[name] = _codec.unflatten(
-            sub, lambda _i, e, c=not in_place: _codec.view(section.buf, e, copy=c, readonly_ok=not c),
-            section.entries)
-    return out
-
-
-def _load_objects(objs: dict, states: dict, what: str) -> None:
-    missing = [n for n in objs if n not in states]
-    if missing:
-        raise CorruptCheckpointError(
-            f"the checkpoint has no {what} for {missing} (it has {sorted(states)}); track the same names as the run "
-            "that saved it")
-    extra = [n for n in states if n not in objs]
-    if extra:
-        logger.warning("cf_ray: the checkpoint also has %s %s, which this Checkpointer does not track; ignored", what,
-                       extra)
-    for name, obj in objs.items():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            obj.load_state_dict(states[name])
+def _source_name(source: Any) -> str:
+    """A resume source as a user wrote it: a path, or a ``ray.train.Checkpoint``'s path."""
+    return str(getattr(source, "path", source))

@@ -26,9 +26,26 @@ real TorchTrainer on this 2-core machine (200 MiB per rank, rank 1 SIGKILLed): a
 holder that re-puts survived, ~0.2 s on the *background* thread, zero-copy reads at restore.
 ``ray.put(_owner=...)`` raises ``ValueError`` on 2.60. See benchmarks/ for the current figures.
 
+Late state: the tracked objects that are neither modules nor optimizers (LR schedulers, AMP's grad
+scaler, user objects) are small and cannot change the weights, and users step a per-iteration
+scheduler *after* ``ckpt.step(optimizer)``. So their ``state_dict()`` (and the optimizers'
+``param_groups``, where a scheduler writes the learning rate) is taken again at the start
+of the next Checkpointer call (``step()``, ``update()``, ``end_epoch()``, ``save()``, ``wait()``,
+``finish()``, ...; :meth:`Snapshotter.capture_late`), before that call's guard, and written into
+the slots the snapshot reserved for them: a checkpoint then holds the scheduler as it is after the
+scheduler's step of that iteration, and ``resume`` continues bitwise. The model, the optimizer, the
+RNG states and the data positions stay those of the checkpoint's step. The background thread waits
+for that capture (at most ``late_wait_s``) before the hand-off; when the next call does not come in
+time (or the object's layout changed), the state taken at the step is kept, with a warning once.
+A preemption checkpoint captures it at once (its ``wait()`` is the next call).
+
+Fingerprints: after the copy (and the late capture), the background thread records a fingerprint of
+every tracked object in its section's tree (``fingerprint.py``): the restore checks each object
+against it once it is loaded.
+
 Two classes: :class:`Snapshotter`, the copy engine (no Ray; it calls back a ``hand_off``), and
 :class:`Phase1`, what the Checkpointer drives (what a snapshot holds, its metadata, and the
-hand-off to the holder).
+hand-off to the holder, made again with a new holder of this node once when the holder died).
 """
 
 from __future__ import annotations
@@ -44,13 +61,15 @@ from typing import Any
 
 import numpy as np
 import ray
+import ray.exceptions
 import torch
 
 from cf_ray._engine import env as _env
 from cf_ray._engine.driver.messages import CheckpointKind, SnapshotMeta
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.worker.restore import rng_state
+from cf_ray._engine.worker import fingerprint as _fp
+from cf_ray._engine.worker.rng import rng_state
 from cf_ray._engine.worker.timing import Timing
 
 logger = logging.getLogger("cf_ray")
@@ -62,6 +81,25 @@ class StagedSection:
 
     arena: np.ndarray
     index: bytes
+
+
+#: A part of a snapshot taken again at the next Checkpointer call: (its path in the section's tree,
+#: e.g. ``("objects", "scheduler")`` or ``("objects", "optimizer", "param_groups")``, and what
+#: returns its state now, e.g. ``scheduler.state_dict``).
+LateObject = tuple[tuple[str, ...], Callable[[], Any]]
+
+
+@dataclass(slots=True)
+class LateSlot:
+    """Where a late object's state lies in a snapshot: its subtree and its entries in the arena."""
+
+    section: str
+    path: tuple[str, ...]
+    state_fn: Callable[[], Any]
+    first: int
+    """Index of its first tensor entry in the section's table (its entries are contiguous)."""
+    layout: tuple
+    """(name, dtype, shape, kind) of each of its entries: a new state must have the same."""
 
 
 @dataclass(slots=True)
@@ -76,6 +114,14 @@ class SnapshotJob:
     deferred: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     cuda_event: Any = None
     timings: dict[str, float] = field(default_factory=dict)
+    buffers: dict[str, Any] = field(default_factory=dict)
+    """Section -> its ``_Arena`` (where a late capture writes)."""
+    late: list[LateSlot] = field(default_factory=list)
+    late_ready: threading.Event = field(default_factory=threading.Event)
+    """Set once the late objects were captured (or there are none)."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    sealed: bool = False
+    """The background thread stopped waiting for the late capture (what is there is handed off)."""
 
 
 _PAGE = 4096
@@ -107,6 +153,71 @@ class _Arena:
         return raw.view(_codec.torch_dtype(entry.dtype)).view(entry.shape)
 
 
+_REFS = ("__cf_tensor__", "__cf_ndarray__")  # codec's tensor references in an encoded tree
+
+
+def _refs(tree: Any) -> list[int]:
+    """The tensor indices an encoded (sub)tree refers to, in order."""
+    out: list[int] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, list):
+            for x in v:
+                walk(x)
+        elif isinstance(v, dict):
+            if len(v) == 1:
+                (k, x), = v.items()
+                if k in _REFS and isinstance(x, int):
+                    out.append(x)
+                    return
+            for x in v.values():
+                walk(x)
+
+    walk(tree)
+    return out
+
+
+def _shift_refs(tree: Any, by: int) -> Any:
+    """An encoded (sub)tree whose tensor references are moved by ``by``."""
+    if isinstance(tree, list):
+        return [_shift_refs(x, by) for x in tree]
+    if isinstance(tree, dict):
+        if len(tree) == 1:
+            (k, x), = tree.items()
+            if k in _REFS and isinstance(x, int):
+                return {k: x + by}
+        return {k: _shift_refs(x, by) for k, x in tree.items()}
+    return tree
+
+
+def _subtree(tree: Any, path: tuple[str, ...]) -> Any:
+    """The encoded subtree at ``path`` (``None`` when there is none)."""
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def _late_slots(flats: dict[str, _codec.Flat], late: dict[str, list[LateObject]]) -> list[LateSlot]:
+    slots = []
+    for section, objs in late.items():
+        flat = flats.get(section)
+        if flat is None or not isinstance(flat.tree, dict):
+            continue
+        for path, state_fn in objs:
+            sub = _subtree(flat.tree, path)
+            if sub is None or not isinstance(_subtree(flat.tree, path[:-1]), dict):
+                continue
+            refs = _refs(sub)
+            first = min(refs) if refs else 0
+            if refs and refs != list(range(first, first + len(refs))):
+                continue  # not contiguous (cannot happen with codec.flatten): keep the state at the step
+            layout = tuple((e.name, e.dtype, e.shape, e.kind) for e in flat.entries[first: first + len(refs)])
+            slots.append(LateSlot(section=section, path=path, state_fn=state_fn, first=first, layout=layout))
+    return slots
+
+
 class Snapshotter:
     """Phase 1 of one rank: at most one snapshot in flight, host buffers reused.
 
@@ -136,6 +247,10 @@ class Snapshotter:
         self.last_timings: dict[str, float] = {}
         self.last_begin: dict[str, float] = {}
         self.prepare_s: float | None = None  # seconds the background thread spent in prepare()
+        self.late_wait_s = 5.0
+        """How long the background thread waits for :meth:`capture_late` before the hand-off."""
+        self._late_job: SnapshotJob | None = None
+        self._late_warned = False
         self._preparing = False
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"cf_ray-snapshot-r{rank}", daemon=True)
@@ -143,21 +258,27 @@ class Snapshotter:
 
     # -- training thread ---------------------------------------------------------------------
     def begin(self, step: int, sections: dict[str, Any], is_guarded: Callable[[torch.Tensor], bool],
-              meta: Any) -> float:
+              meta: Any, late: dict[str, list[LateObject]] | None = None) -> float:
         """Start a snapshot of ``sections`` (name -> state tree). Returns seconds spent here.
 
         Tensors for which ``is_guarded`` is true (they change only in the optimizer step) and all
         CUDA tensors are copied in the background; everything else is copied now.
+
+        Args:
+            late: per section, the objects whose state :meth:`capture_late` takes again at the next
+                call (their state in ``sections`` reserves the room and is kept if that fails).
         """
         t_wait = time.perf_counter()
+        self.capture_late()  # the previous snapshot's late objects: this is the next call
         self.wait_done()  # at most one snapshot in flight: wait for the previous hand-off
         t0 = time.perf_counter()
         wait_s = t0 - t_wait
-        flats, arenas, deferred = {}, {}, []
+        flats, arenas, deferred, buffers = {}, {}, [], {}
         needs_event = False
         for name, tree in sections.items():
             flat = _codec.flatten(tree)
             arena = self._arena_for(name, flat)
+            buffers[name] = arena
             for entry, leaf in zip(flat.entries, flat.leaves):
                 dst = arena.dst(entry)
                 if entry.kind == "numpy":
@@ -172,7 +293,12 @@ class Snapshotter:
                     dst.copy_(leaf)
             flats[name] = flat
             arenas[name] = arena.numpy()
-        job = SnapshotJob(step=step, meta=meta, flats=flats, arenas=arenas, deferred=deferred)
+        job = SnapshotJob(step=step, meta=meta, flats=flats, arenas=arenas, deferred=deferred, buffers=buffers,
+                          late=_late_slots(flats, late or {}))
+        if job.late:
+            self._late_job = job
+        else:
+            job.late_ready.set()
         if self._stream is not None and (needs_event or any(src.is_cuda for _, src in deferred)):
             job.cuda_event = torch.cuda.Event()
             job.cuda_event.record()  # the side stream starts after the optimizer step's kernels
@@ -209,6 +335,47 @@ class Snapshotter:
         """Whether :meth:`prepare`'s job is still running (the iterations meanwhile compete with it)."""
         return self._preparing
 
+    def capture_late(self) -> float:
+        """At the start of the call after a snapshot's: take the late objects' state again, into the
+        slots the snapshot reserved for them. Returns seconds spent (0 when nothing was waiting)."""
+        job, self._late_job = self._late_job, None
+        if job is None:
+            return 0.0
+        t0 = time.perf_counter()
+        with job.lock:
+            if not job.sealed:
+                for slot in job.late:
+                    self._capture(job, slot)
+        job.late_ready.set()
+        return time.perf_counter() - t0
+
+    def _capture(self, job: SnapshotJob, slot: LateSlot) -> None:
+        try:
+            new = _codec.flatten(slot.state_fn(), prefix=".".join(slot.path))
+        except Exception as e:  # noqa: BLE001 - the state taken at the step is kept
+            self._warn_late(f"state_dict() of {'.'.join(slot.path[1:])!r} failed at the next call ({e!r})")
+            return
+        layout = tuple((e.name, e.dtype, e.shape, e.kind) for e in new.entries)
+        if layout != slot.layout:
+            self._warn_late(f"the state of {'.'.join(slot.path[1:])!r} changed its tensors between the step and the "
+                            "next call")
+            return
+        flat, arena = job.flats[slot.section], job.buffers[slot.section]
+        for k, (entry, leaf) in enumerate(zip(new.entries, new.leaves)):
+            dst = arena.dst(flat.entries[slot.first + k])
+            if entry.kind == "numpy":
+                dst.numpy()[:] = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
+            else:
+                dst.copy_(leaf)
+        _subtree(flat.tree, slot.path[:-1])[slot.path[-1]] = _shift_refs(new.tree, slot.first)
+
+    def _warn_late(self, why: str) -> None:
+        if not self._late_warned:
+            self._late_warned = True
+            logger.warning("cf_ray: rank %d: %s; the checkpoint keeps that object's state as it was at the "
+                           "checkpoint's step (a scheduler stepped after ckpt.step() then resumes one step behind; "
+                           "step it inside `with ckpt.update():` instead)", self.rank, why)
+
     def wait_copy(self) -> float:
         """The weight-update guard: block until the in-flight copy is done. Returns seconds waited."""
         if self._copy_done.is_set():
@@ -235,6 +402,7 @@ class Snapshotter:
         if self._closed:
             return
         self._closed = True
+        self.capture_late()
         self.wait_done(timeout)
         self._queue.put(None)
         self._thread.join(timeout=5)
@@ -267,6 +435,12 @@ class Snapshotter:
                 finally:
                     job.timings["copy_s"] = time.perf_counter() - t0
                     self._copy_done.set()
+                self._seal(job)
+                for name, flat in job.flats.items():
+                    fps = _fp.section_fingerprints(flat.tree, flat.entries, job.arenas[name]) \
+                        if isinstance(flat.tree, dict) else None
+                    if fps:
+                        flat.tree[_fp.KEY] = fps
                 sections = {
                     name: StagedSection(job.arenas[name], mf.encode_index(flat))
                     for name, flat in job.flats.items()
@@ -282,6 +456,17 @@ class Snapshotter:
                 self.last_timings = dict(job.timings, step=job.step)
                 self._copy_done.set()
                 self._job_done.set()
+
+    def _seal(self, job: SnapshotJob) -> None:
+        """Wait (at most ``late_wait_s``) for the late capture; from here on the job is not changed."""
+        if not job.late:
+            return
+        captured = job.late_ready.wait(self.late_wait_s)
+        with job.lock:
+            job.sealed = True
+        if not captured:
+            self._warn_late(f"the next Checkpointer call did not come within {self.late_wait_s:.0f} s of the "
+                            f"checkpoint of step {job.step}")
 
     def _run_prepare(self, job: _Prepare) -> None:
         try:
@@ -316,9 +501,10 @@ class Phase1:
     """Phase 1 of one rank as the :class:`~cf_ray.Checkpointer` drives it: what a snapshot holds,
     the :class:`Snapshotter` that copies it, and the hand-off of the bytes to this node's holder.
 
-    Call order (training thread): :meth:`take` at a checkpoint step, right after the optimizer
-    step; :meth:`prepare_once` at the first step that takes none; :meth:`wait_copy` before every
-    optimizer step (the guard); :meth:`close` at the end.
+    Call order (training thread): :meth:`capture_late` at the start of every Checkpointer call;
+    :meth:`take` at a checkpoint step, right after the optimizer step; :meth:`prepare_once` at the
+    first step that takes none; :meth:`wait_copy` before every optimizer step (the guard);
+    :meth:`close` at the end.
 
     Args:
         rank, world_size: this rank and the number of ranks.
@@ -326,10 +512,12 @@ class Phase1:
         state, data: the tracked objects (replicated and per-rank).
         holder: this node's holder actor.
         timing: where the hand-off's timings go.
+        resolve_holder: returns this node's holder, creating it when it is gone (``None``: the
+            hand-off is not made again when the holder died).
     """
 
     def __init__(self, rank: int, world_size: int, replicated: bool, state: Mapping[str, Any],
-                 data: Mapping[str, Any], holder, timing: Timing):
+                 data: Mapping[str, Any], holder, timing: Timing, resolve_holder: Callable[[], Any] | None = None):
         self.rank = rank
         self.world_size = world_size
         self.replicated = replicated
@@ -339,8 +527,14 @@ class Phase1:
         self.generation = 0
         """This attempt's generation (names the snapshot in the holder)."""
         self._timing = timing
+        self._resolve_holder = resolve_holder
         self._prepared = False
         self._snap = Snapshotter(rank, self._hand_off)
+        # Neither modules nor optimizers: their state is taken again at the next call (module doc);
+        # so is the optimizers' param_groups (the learning rate a scheduler writes there).
+        self._late_names = [n for n, o in state.items()
+                            if not isinstance(o, (torch.nn.Module, torch.optim.Optimizer))]
+        self._optimizers = [n for n, o in state.items() if isinstance(o, torch.optim.Optimizer)]
 
     # -- the training thread ------------------------------------------------------------------------
     def take(self, step: int, epoch: int, kind: CheckpointKind, *, milestone: bool, interval: int | None,
@@ -355,7 +549,35 @@ class Phase1:
                             kind=kind, milestone=milestone, priority=kind is CheckpointKind.PREEMPT,
                             interval=interval, **notice)
         guarded = self._guarded_ptrs()
-        return self._snap.begin(step, sections, lambda t: t.data_ptr() in guarded, meta)
+        return self._snap.begin(step, sections, lambda t: t.data_ptr() in guarded, meta, late=self._late(sections))
+
+    def capture_late(self) -> float:
+        """At the start of a Checkpointer call: the late objects of the last snapshot (module doc)."""
+        return self._snap.capture_late()
+
+    @property
+    def late_wait_s(self) -> float:
+        """How long the background thread waits for :meth:`capture_late`."""
+        return self._snap.late_wait_s
+
+    @late_wait_s.setter
+    def late_wait_s(self, seconds: float) -> None:
+        self._snap.late_wait_s = seconds
+
+    def _late(self, sections: dict[str, Any]) -> dict[str, list]:
+        """Per section, the late objects in it: ``(path, state_dict)``."""
+        if not self._late_names:
+            return {}
+        if self.replicated:
+            section, key = mf.SHARED, "objects"
+        else:
+            section, key = mf.rank_section(self.rank), "state"
+        if section not in sections:
+            return {}
+        late: list = [((key, n), self.state[n].state_dict) for n in self._late_names]
+        late += [((key, n, "param_groups"), lambda o=self.state[n]: o.state_dict()["param_groups"])
+                 for n in self._optimizers]
+        return {section: late}
 
     def prepare_once(self, step: int, epoch: int) -> bool:
         """Fault in the snapshot buffers in the background, the first time only. Returns whether
@@ -402,7 +624,8 @@ class Phase1:
         rank_tree = {
             "objects": {name: obj.state_dict() for name, obj in self.data.items()},
             "rng": rng_state(),
-            "counters": {"step": step, "epoch": epoch},
+            # rank and world_size: a restore checks that a rank's section is that rank's.
+            "counters": {"step": step, "epoch": epoch, "rank": self.rank, "world_size": self.world_size},
         }
         sections: dict[str, Any] = {}
         replicated = {name: obj.state_dict() for name, obj in self.state.items()} \
@@ -429,9 +652,19 @@ class Phase1:
         return ptrs
 
     def _hand_off(self, job: SnapshotJob, sections: dict[str, StagedSection]) -> None:
-        """Background thread: give the bytes to this node's holder (which persists them)."""
+        """Background thread: give the bytes to this node's holder (which persists them). When the
+        holder is gone (a Ray actor error), this node's holder is made again and the snapshot
+        staged with it once; the incident is logged with the rank and the step."""
         meta = dataclasses.replace(job.meta, copy_s=job.timings.get("copy_s"), sync_s=job.timings.get("sync_s"))
         payload = {name: (s.arena, s.index) for name, s in sections.items()}
-        ref = self.holder.stage.remote(self.generation, job.step, payload, meta=meta)
-        ray.get(ref, timeout=_env.get_float(_env.ACTOR_TIMEOUT_S))
+        timeout = _env.get_float(_env.ACTOR_TIMEOUT_S)
+        try:
+            ray.get(self.holder.stage.remote(self.generation, job.step, payload, meta=meta), timeout=timeout)
+        except ray.exceptions.RayActorError as e:
+            if self._resolve_holder is None:
+                raise
+            logger.warning("cf_ray: rank %d: this node's holder is gone at the snapshot of step %d (%s: %s); staging "
+                           "it again with a new holder of this node", self.rank, job.step, type(e).__name__, e)
+            self.holder = self._resolve_holder()
+            ray.get(self.holder.stage.remote(self.generation, job.step, payload, meta=meta), timeout=timeout)
         self._timing.handed_off(job.step, job.timings)

@@ -1,0 +1,329 @@
+"""Everything a restore checks before it touches a tracked object, and the loading itself.
+
+:func:`validate` turns the sections a rank read (and verified against their checksums) into a
+:class:`Prepared` restore, or raises: the checkpoint's world size and its rank sections (each one
+that rank's, every old rank at the same step), the RNG states (parsed by throw-away generators),
+the tracked objects (the same names as the script's; modules: the same keys, shapes and dtypes;
+optimizers: the same parameter groups), and the data objects' states (each source's own checks,
+run on a copy where cf_ray knows how: its samplers, loaders and readers). :func:`apply` then loads
+what was validated, and :func:`verify` checks each loaded object against the fingerprint the
+snapshot recorded (``fingerprint.py``).
+
+What :func:`validate` raises says what kind of refusal it is: :class:`~cf_ray.errors.CorruptCheckpointError`
+(damage: the restore falls back to an older candidate), :class:`~cf_ray.errors.CheckpointMismatchError`
+(the script and the checkpoint disagree on what is tracked: no candidate can do better, every rank
+raises it), anything else (a data source or the elastic re-split refuses the state: the restore
+falls back, and raises when no candidate is left).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cf_ray._engine.format import codec as _codec
+from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.worker import fingerprint as _fp
+from cf_ray._engine.worker.rng import check_rng_state, set_rng_state
+from cf_ray.errors import CheckpointMismatchError, CorruptCheckpointError, ElasticResumeError, RestoreError
+
+logger = logging.getLogger("cf_ray")
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A validated restore of one rank: everything :func:`apply` loads, already decoded."""
+
+    saved_world: int
+    """Number of ranks that saved the checkpoint."""
+    replicated: bool
+    step: int
+    epoch: int
+    state: dict[str, Any]
+    """Tracked ``state`` object -> its saved state (only the objects the checkpoint holds)."""
+    data: dict[str, Any]
+    """Same world size: data object -> its saved state; else data object -> every old rank's state."""
+    rng: dict | None
+    """This rank's RNG states, ``None`` when it has none (a new rank of a grown group)."""
+    fingerprints: dict[str, dict[str, str]] = field(default_factory=dict)
+    """``{"state": {name: fp}, "data": {name: fp}}`` of the objects to verify after loading."""
+    fresh: list[str] = field(default_factory=list)
+    """Tracked objects the checkpoint does not hold (``allow_missing_objects``): left as they are."""
+    elastic: bool = False
+    """Saved by another number of ranks: the data objects are re-split (``load_elastic_state``)."""
+
+
+def validate(loaded: dict[str, mf.Section], *, saved_world: Any, replicated: bool, rank: int, world_size: int,
+             state: dict[str, Any], data: dict[str, Any], allow_missing: bool = False,
+             allow_unexpected: bool = False) -> Prepared:
+    """Check a candidate without touching any tracked object; see the module doc for what raises what.
+
+    Args:
+        loaded: section name -> the section as read (``shared`` and the rank sections needed).
+        saved_world, replicated: the checkpoint's world size and replication (manifest or memory snapshot).
+        rank, world_size: this rank and the number of ranks now.
+        state, data: the tracked objects (not modified).
+        allow_missing, allow_unexpected: ``CheckpointConfig.allow_missing_objects`` / ``allow_unexpected_objects``.
+    """
+    if not isinstance(saved_world, int) or isinstance(saved_world, bool) or saved_world < 1:
+        raise CorruptCheckpointError(f"the checkpoint says it was saved by world_size={saved_world!r} ranks")
+    if saved_world != world_size and not replicated:
+        raise ElasticResumeError(
+            f"the checkpoint was saved by {saved_world} ranks with replicated=False (per-rank model state); "
+            f"it cannot be loaded by {world_size} ranks. Resume with {saved_world} workers.")
+    same_world = saved_world == world_size
+    wanted = [rank] if same_world else list(range(saved_world))
+    trees = {r: _rank_tree(loaded, r, saved_world) for r in wanted}
+    steps = {int(t["counters"]["step"]) for t in trees.values()}
+    if len(steps) != 1:
+        raise CorruptCheckpointError(f"the ranks' sections disagree on the step: {sorted(steps)}")
+    mine = trees[rank] if rank in trees else trees[0]
+    # -- the tracked state (model, optimizer, schedulers, ...) ----------------------------------------
+    if replicated:
+        section, where, fp_tree = _section(loaded, mf.SHARED), ("objects",), _section(loaded, mf.SHARED).tree
+    else:
+        section, where, fp_tree = _section(loaded, mf.rank_section(rank)), ("state",), mine
+    saved_state = _encoded_at(section, where)
+    fresh_state = check_names(state, saved_state, "state", allow_missing, allow_unexpected)
+    states = materialize_objects(section, where, {n: o for n, o in state.items() if n in saved_state})
+    for name, obj in state.items():
+        if name in states:
+            check_layout(name, obj, states[name])
+    # -- RNG --------------------------------------------------------------------------------------------
+    rng = mine["rng"] if (same_world or rank < saved_world) else None
+    if rng is not None:
+        check_rng_state(rng, f"rank {rank if same_world else min(rank, saved_world - 1)}")
+    # -- the data objects -----------------------------------------------------------------------------
+    data_states: dict[str, Any] = {}
+    fresh_data = check_names(data, mine["objects"], "data", allow_missing, allow_unexpected)
+    for name, obj in data.items():
+        if name in fresh_data:
+            continue
+        if same_world:
+            data_states[name] = mine["objects"][name]
+            dry_run(obj, "load_state_dict", data_states[name])
+        else:
+            olds = [trees[r]["objects"].get(name) for r in range(saved_world)]
+            if any(s is None for s in olds):
+                raise CorruptCheckpointError(f"data object {name!r} is missing from some old rank's section")
+            if not hasattr(obj, "load_elastic_state"):
+                raise ElasticResumeError(
+                    f"data object {name!r} ({type(obj).__name__}) was saved by {saved_world} ranks and cannot be "
+                    f"re-split over {world_size}: it has no load_elastic_state(states, rank, world_size). "
+                    "Use a cf_ray.data source or resume with the same number of workers.")
+            data_states[name] = olds
+            dry_run(obj, "load_elastic_state", olds, rank, world_size)
+    fps = _fingerprints(fp_tree, "objects" if replicated else "state")
+    prep = Prepared(saved_world=saved_world, replicated=replicated, step=int(mine["counters"]["step"]),
+                    epoch=int(mine["counters"]["epoch"]), state=states, data=data_states, rng=rng,
+                    fingerprints={"state": {n: f for n, f in fps.items() if n in states},
+                                  "data": {n: f for n, f in _fingerprints(mine, "objects").items()
+                                           if n in data_states} if same_world else {}},
+                    fresh=fresh_state + fresh_data, elastic=not same_world)
+    return prep
+
+
+def apply(prep: Prepared, state: dict[str, Any], data: dict[str, Any], rank: int, world_size: int) -> dict:
+    """Load a validated restore into the tracked objects. Returns this rank's data states by name."""
+    load_objects(state, prep.state)
+    if not prep.elastic:
+        load_objects(data, prep.data)
+        data_states = dict(prep.data)
+    else:
+        for name, olds in prep.data.items():
+            data[name].load_elastic_state(olds, rank, world_size)
+        data_states = {name: obj.state_dict() for name, obj in data.items()}
+    if prep.rng is not None:
+        set_rng_state(prep.rng)
+    if prep.fresh:
+        logger.warning("cf_ray: rank %d: %s not in the checkpoint: kept as built (allow_missing_objects=True)",
+                       rank, ", ".join(repr(n) for n in prep.fresh))
+    return data_states
+
+
+def verify(prep: Prepared, state: dict[str, Any], data: dict[str, Any]) -> list[str]:
+    """Check every loaded object against its fingerprint; returns the names verified.
+
+    Raises:
+        RestoreError: an object whose state after ``load_state_dict`` differs from the checkpoint's
+            (it was not restored, or only in part).
+    """
+    verified = []
+    for kind, objs in (("state", state), ("data", data)):
+        for name, expected in prep.fingerprints.get(kind, {}).items():
+            got = _fp.object_fingerprint(objs[name].state_dict())
+            if got != expected:
+                raise RestoreError(
+                    f"tracked object {name!r} ({type(objs[name]).__name__}) was not restored: its state after "
+                    "load_state_dict() differs from the checkpoint's (keys, shapes or values). Check that its "
+                    "load_state_dict() loads everything its state_dict() returns")
+            verified.append(name)
+    return verified
+
+
+# -- the checks ------------------------------------------------------------------------------------------
+
+def check_names(objs: dict[str, Any], saved: Any, what: str, allow_missing: bool, allow_unexpected: bool) -> list[str]:
+    """The tracked names the checkpoint lacks (allowed); raises for a mismatch that is not allowed."""
+    if not isinstance(saved, dict):
+        raise CorruptCheckpointError(f"the checkpoint's {what} objects are not a mapping")
+    missing = [n for n in objs if n not in saved]
+    unexpected = sorted(n for n in saved if n not in objs)
+    if missing and not allow_missing:
+        raise CheckpointMismatchError(
+            f"this script tracks {what} object(s) {missing} that the checkpoint does not hold (it holds "
+            f"{sorted(saved)}): a new object, or a renamed one? Track the same names as the run that saved it, "
+            "or pass CheckpointConfig(allow_missing_objects=True) to start them fresh")
+    if unexpected and not allow_unexpected:
+        raise CheckpointMismatchError(
+            f"the checkpoint holds {what} object(s) {unexpected} that this script does not track (it tracks "
+            f"{sorted(objs)}): an object removed or renamed? Track them, or pass "
+            "CheckpointConfig(allow_unexpected_objects=True) to ignore them")
+    if unexpected:
+        logger.warning("cf_ray: the checkpoint also has %s %s, which this Checkpointer does not track; ignored "
+                       "(allow_unexpected_objects=True)", what, unexpected)
+    return missing
+
+
+def check_layout(name: str, obj: Any, saved: Any) -> None:
+    """A saved state fits the tracked object: a module's keys, shapes and dtypes, an optimizer's groups."""
+    if isinstance(obj, torch.nn.Module):
+        if not isinstance(saved, dict):
+            raise CorruptCheckpointError(f"the saved state of module {name!r} is not a mapping")
+        live = obj.state_dict()
+        missing, unexpected = [k for k in live if k not in saved], [k for k in saved if k not in live]
+        if missing or unexpected:
+            raise CheckpointMismatchError(
+                f"module {name!r}: the checkpoint lacks keys {missing[:10]} and has keys {unexpected[:10]} the model "
+                "does not have: the model changed since the checkpoint was saved")
+        for k, t in live.items():
+            s = saved[k]
+            if isinstance(t, torch.Tensor) and (not isinstance(s, torch.Tensor) or s.shape != t.shape
+                                                 or s.dtype != t.dtype):
+                got = f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor) else type(s).__name__
+                raise CheckpointMismatchError(f"module {name!r}: {k} is {tuple(t.shape)} {t.dtype} in the model and "
+                                              f"{got} in the checkpoint: the model changed since it was saved")
+    elif isinstance(obj, torch.optim.Optimizer):
+        groups = saved.get("param_groups") if isinstance(saved, dict) else None
+        if not isinstance(groups, list) or not isinstance(saved.get("state"), dict) \
+                or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+            raise CorruptCheckpointError(f"the saved state of optimizer {name!r} is malformed")
+        live = [len(g["params"]) for g in obj.param_groups]
+        got = [len(g["params"]) for g in groups]
+        if live != got:
+            raise CheckpointMismatchError(f"optimizer {name!r}: parameter groups of sizes {got} in the checkpoint, "
+                                          f"{live} in this script: the model or its groups changed")
+        ids = {p for g in groups for p in g["params"]}
+        if not set(saved["state"]) <= ids:
+            raise CorruptCheckpointError(f"optimizer {name!r}: state for parameters the groups do not list")
+
+
+def dry_run(obj: Any, method: str, *args) -> None:
+    """Run a data object's own checks of a state without changing it: its ``validate_state_dict`` /
+    ``validate_elastic_state`` when it has one, else, for cf_ray's sources, ``load_*`` on a copy
+    that does not move; objects cf_ray cannot copy safely are checked when they are loaded."""
+    validator = getattr(obj, method.replace("load_", "validate_"), None)
+    if callable(validator):
+        validator(*args)
+        return
+    probe = _probe(obj)
+    if probe is not None:
+        getattr(probe, method)(*args)
+
+
+def _probe(obj: Any) -> Any:
+    from cf_ray.data._cursor import EpochCursor, SamplerHeldPosition
+
+    if isinstance(obj, EpochCursor):
+        probe = copy.copy(obj)
+        probe._set_position = lambda *_a, **_k: None  # every check runs; nothing is set
+        return probe
+    if isinstance(obj, SamplerHeldPosition):
+        return _probe(obj.sampler)
+    return None
+
+
+# -- reading the trees -------------------------------------------------------------------------------------
+
+def _section(loaded: dict[str, mf.Section], name: str) -> mf.Section:
+    sec = loaded.get(name)
+    if sec is None:
+        raise CorruptCheckpointError(f"the checkpoint has no section {name!r}")
+    return sec
+
+
+def _rank_tree(loaded: dict[str, mf.Section], r: int, saved_world: int) -> dict:
+    name = mf.rank_section(r)
+    try:
+        tree = _section(loaded, name).materialize(copy=False)
+        if not isinstance(tree, dict) or not isinstance(tree.get("objects"), dict) or "rng" not in tree:
+            raise TypeError("expected objects, rng and counters")
+        counters = tree["counters"]
+        step, epoch = counters["step"], counters["epoch"]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (step, epoch)):
+            raise TypeError(f"bad counters {counters!r}")
+    except CorruptCheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"section {name} is malformed: {e}") from None
+    # Written since #16: a section that is not that rank's (its files swapped) is refused here.
+    if counters.get("rank", r) != r or counters.get("world_size", saved_world) != saved_world:
+        raise CorruptCheckpointError(f"section {name} holds the state of rank {counters.get('rank')} of "
+                                     f"{counters.get('world_size')}, not of rank {r} of {saved_world}")
+    return tree
+
+
+def _encoded_at(section: mf.Section, path: tuple[str, ...]) -> dict:
+    tree = section.tree
+    for p in path:
+        if not isinstance(tree, dict) or p not in tree:
+            raise CorruptCheckpointError(f"the checkpoint's section has no {'.'.join(path)!r}")
+        tree = tree[p]
+    if not isinstance(tree, dict):
+        raise CorruptCheckpointError(f"the checkpoint's {'.'.join(path)!r} is not a mapping")
+    return tree
+
+
+def _fingerprints(tree: Any, path: str) -> dict[str, str]:
+    fps = tree.get(_fp.KEY) if isinstance(tree, dict) else None
+    got = fps.get(path) if isinstance(fps, dict) else None
+    return {k: v for k, v in got.items() if isinstance(v, str)} if isinstance(got, dict) else {}
+
+
+def materialize_objects(section: mf.Section, path: tuple[str, ...], objs: dict) -> dict:
+    """The saved states of tracked objects, with as few copies as is safe.
+
+    ``nn.Module.load_state_dict`` copies into the module's own parameters, so a module gets views
+    straight into the snapshot's buffer (read-only when it is an object-store buffer: restore from
+    memory then costs a single copy). Everything else (optimizers keep the tensors they are given)
+    gets private, writable copies.
+    """
+    tree = _encoded_at(section, path)
+    out = {}
+    for name, sub in tree.items():
+        if name not in objs:
+            continue
+        in_place = isinstance(objs.get(name), torch.nn.Module)
+        out[name] = _codec.unflatten(
+            sub, lambda _i, e, c=not in_place: _codec.view(section.buf, e, copy=c, readonly_ok=not c),
+            section.entries)
+    return out
+
+
+def load_objects(objs: dict, states: dict) -> None:
+    """``load_state_dict`` of every object that has a state in ``states``."""
+    for name, obj in objs.items():
+        if name not in states:
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            obj.load_state_dict(states[name])
+
+
+__all__ = ["Prepared", "apply", "check_layout", "check_names", "dry_run", "load_objects", "materialize_objects",
+           "validate", "verify"]

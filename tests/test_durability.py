@@ -1,0 +1,285 @@
+"""Durability (#16): a failed save never fails the job, and is never silent. The watchdog's episodes
+alone (no Ray), the settings, ``wait()`` reporting what is not durable, and a Checkpointer against a
+storage that hangs and one that fails every write for a while (``slow``: Ray actors in this process)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pyarrow.fs as pafs
+import pytest
+import torch
+from durability_fs import FlagHandler
+
+import cf_ray
+from cf_ray._engine.worker.controller_link import ControllerLink
+from cf_ray._engine.worker.scheduler import Scheduler
+from cf_ray._engine.worker.timing import Timing
+from cf_ray._engine.worker.watchdog import DurabilitySettings, DurabilityWatchdog, Knowledge, LostReason
+from cf_ray.errors import DurabilityLostError
+
+# -- the watchdog alone ----------------------------------------------------------------------------------
+
+
+class _Clock:
+    """Steps of 0.1 s, polls answered at once unless told otherwise."""
+
+    def __init__(self, w: DurabilityWatchdog):
+        self.w, self.now, self.step, self.committed = w, 0.0, 0, 0
+        self.info: float | None = 0.0
+        self.changes = []
+
+    def run(self, seconds: float, *, take_every: int | None = None, commit: bool = False, fresh: bool = True,
+            in_flight_s: float = 0.0, failures: int = 0):
+        end = self.now + seconds
+        while self.now < end:
+            self.now += 0.1
+            self.step += 1
+            if take_every and self.step % take_every == 0:
+                self.w.taken(self.step, self.now)
+                if commit:
+                    self.committed = self.step
+            if fresh:
+                self.info = self.now
+            change = self.w.observe(Knowledge(now=self.now, step=self.step, committed_step=self.committed,
+                                              info_time=self.info, in_flight_s=in_flight_s, poll_failures=failures,
+                                              interval_steps=take_every))
+            if change is not None:
+                self.changes.append(change)
+        return self.changes
+
+
+def _watchdog(**kw):
+    w = DurabilityWatchdog(DurabilitySettings(**{"floor_s": 2.0, "factor": 3.0, **kw}))
+    w.start_attempt(0, 0.0)
+    return w, _Clock(w)
+
+
+def test_nothing_taken_nothing_lost():
+    w, c = _watchdog()
+    assert c.run(30.0) == [] and not w.lost
+
+
+def test_one_alarm_per_episode_and_the_episode_ends_with_a_newer_commit():
+    w, c = _watchdog()
+    c.run(5.0, take_every=5, commit=True)  # commits keep coming: no alarm
+    assert c.changes == [] and w.limit_s(5)[0] == pytest.approx(2.0)  # the floor: 3 x (0.5 s + ~0 s) < 2 s
+    c.run(10.0, take_every=5)  # storage stops: nothing commits from here
+    (alarm,) = c.changes  # once, not once per step
+    assert alarm.started and alarm.episode.reason is LostReason.NO_COMMIT and w.lost
+    assert alarm.episode.committed_step == 50 and alarm.episode.since_step == 55
+    assert 2.0 < alarm.episode.waited_s < 2.3 and "no checkpoint has committed since step 50" in alarm.episode.describe()
+    c.committed = 60  # a late commit of a checkpoint older than the alarm: the episode goes on
+    c.run(1.0)
+    assert len(c.changes) == 1 and w.lost
+    c.run(2.0, take_every=5, commit=True)  # storage works again
+    assert [ch.started for ch in c.changes] == [True, False] and not w.lost
+    assert c.changes[1].committed_step >= alarm.episode.start_step
+    c.run(10.0, take_every=5)  # a second episode
+    assert [ch.started for ch in c.changes] == [True, False, True] and w.episodes == 2
+
+
+def test_a_pause_of_the_training_loop_is_not_an_alarm():
+    w, c = _watchdog()
+    c.run(1.0, take_every=5, commit=True)
+    w.taken(c.step + 1, c.now)
+    c.now += 600.0  # an evaluation of ten minutes between two steps: the last reply is from before it
+    c.run(0.1, fresh=False)
+    assert c.changes == []
+
+
+def test_an_unreachable_controller_is_an_episode():
+    w, c = _watchdog()
+    c.run(1.0, failures=3)
+    (alarm,) = c.changes
+    assert alarm.episode.reason is LostReason.CONTROLLER_UNREACHABLE
+    _, c2 = _watchdog()
+    c2.run(1.0, fresh=False, in_flight_s=2.5)  # a poll that never returns
+    assert c2.changes[0].episode.reason is LostReason.CONTROLLER_UNREACHABLE
+    assert "the controller has not answered" in c2.changes[0].episode.describe()
+
+
+def test_the_limit_follows_the_schedule_and_a_fixed_timeout_wins():
+    w, c = _watchdog(floor_s=0.5)
+    c.run(10.0, take_every=20, commit=True)  # 2 s between checkpoints, commits seen at once
+    limit, expected = w.limit_s(20)
+    assert expected == pytest.approx(2.0, abs=0.1) and limit == pytest.approx(3 * expected)
+    w2, _ = _watchdog(timeout_s=42.0)
+    assert w2.limit_s(20)[0] == 42.0
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"on_durability_lost": "crash"}, "on_durability_lost"), ({"durability_timeout_s": 0}, "durability_timeout_s"),
+    ({"durability_factor": 0.5}, "durability_factor"), ({"durability_floor_s": -1}, "durability_floor_s"),
+    ({"allow_missing_objects": "yes"}, "allow_missing_objects"),
+])
+def test_the_settings_are_checked(kwargs, field):
+    with pytest.raises(cf_ray.ConfigError, match=f"CheckpointConfig.{field}"):
+        cf_ray.CheckpointConfig(**kwargs)
+
+
+# -- wait(): every checkpoint taken is settled, or reported --------------------------------------------------
+
+class _Handle:
+    """A controller without ``settled`` (older code): it knows only its pending steps."""
+
+    def __init__(self, pending):
+        self.pending = pending
+
+    def __getattr__(self, name):
+        if name in ("settled", "uploads_pending"):
+            raise AttributeError(name)
+        raise AssertionError(f"unexpected call {name}")
+
+
+def test_wait_treats_a_step_the_controller_has_not_heard_of_as_not_settled_and_reports_a_timeout(monkeypatch):
+    link = ControllerLink(_Handle([]), 0, Timing(), Scheduler(cf_ray.CheckpointConfig()), lambda r: None)
+    monkeypatch.setattr(link, "call", lambda method, *a, **k: [] if method == "pending_steps" else None)
+    monkeypatch.setattr(link, "poll", lambda *a, **k: None)
+    monkeypatch.setattr(link, "poll_blocking", lambda *a, **k: None)
+    link.start_attempt(1, 10)
+    for s in (15, 20, 25):
+        link.track(s)
+    link.known_committed = 15
+    link.failures.append({"step": 20, "section": "rank_00000", "rank": 0, "error": "disk full", "generation": 1})
+    left = link.wait_durable(time.monotonic() + 0.2, 25, {})
+    assert left == [25]  # nothing pending at the controller, yet step 25 is neither committed nor failed
+    assert link.failures[-1] == {"step": 25, "section": "timeout", "rank": 0, "error": "not durable after 0 s",
+                                 "generation": 1}
+    assert link.taken == []
+    link.track(30)
+    link.known_committed = 30
+    assert link.wait_durable(time.monotonic() + 5, 30, {}) == []  # committed: settled at once
+
+
+# -- a Checkpointer against a storage that misbehaves (Ray actors in this process) -----------------------------
+
+def _ckpt(tmp_path, name, mode, **cfg):
+    flag = tmp_path / f"{name}.flag"
+    cfg.setdefault("durability_floor_s", 1.0)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ck = cf_ray.Checkpointer({"model": model, "optimizer": opt}, config=cf_ray.CheckpointConfig(
+        storage_path=str(tmp_path), run_name=name, register_with_ray=False, final_model=None, preemption=False,
+        policy=cf_ray.FixedInterval(every=2),
+        storage_filesystem=pafs.PyFileSystem(FlagHandler(str(flag), mode)), **cfg))
+    ck.restore()
+
+    def step():
+        model(torch.randn(2, 4)).sum().backward()
+        ck.step(opt)
+        opt.zero_grad()
+        time.sleep(0.03)
+    return ck, step, flag
+
+
+def _events(ck, name, n, timeout=10.0):
+    deadline = time.time() + timeout
+    while True:
+        got = [e for e in ck.events() if e["event"] == name]
+        if len(got) >= n or time.time() > deadline:
+            return got
+        time.sleep(0.1)
+
+
+def _lost_logs(caplog):
+    return [r for r in caplog.records if "durability lost" in r.getMessage()]
+
+
+@pytest.mark.slow
+def test_a_storage_that_hangs_is_one_alarm_per_episode(ray_cluster, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="cf_ray")
+    ck, step, flag = _ckpt(tmp_path, "hang", "hang")
+    try:
+        for _ in range(6):
+            step()
+        ck.wait()
+        assert ck._link.known_committed == 6
+        for episode in (1, 2):
+            flag.touch()  # from here the storage never returns
+            t0 = time.time()
+            while ck._watchdog.episodes < episode and time.time() - t0 < 30:
+                step()
+            assert ck._watchdog.episodes == episode, "no alarm"
+            for _ in range(20):  # training goes on; the alarm is not repeated
+                step()
+            assert len(_lost_logs(caplog)) == episode and ck._watchdog.lost
+            flag.unlink()  # the storage is back
+            t0 = time.time()
+            while ck._watchdog.lost and time.time() - t0 < 30:
+                step()
+            assert not ck._watchdog.lost, "the episode did not end"
+        lost, restored = _events(ck, "durability_lost", 2), _events(ck, "durability_restored", 2)
+        assert len(lost) == 2 and len(restored) == 2
+        assert lost[0]["reason"] == "no_commit" and lost[0]["committed_step"] >= 6 and lost[0]["action"] == "warn"
+        assert "failures reported" not in lost[0]
+    finally:
+        flag.unlink(missing_ok=True)
+        ck.finish()
+
+
+@pytest.mark.slow
+def test_a_storage_that_fails_every_write_with_raise_fails_the_attempt_saying_what_happened(ray_cluster, tmp_path):
+    ck, step, flag = _ckpt(tmp_path, "failing", "fail", on_durability_lost="raise")
+    try:
+        for _ in range(4):
+            step()
+        ck.wait()
+        flag.touch()  # every write fails from here
+        t0 = time.time()
+        with pytest.raises(DurabilityLostError) as info:
+            while time.time() - t0 < 30:
+                step()
+        msg = str(info.value)
+        assert "no checkpoint has committed since step 4" in msg
+        assert "injected fault" in msg  # the last failures, as reported
+        assert "durability_timeout_s" in msg and "on_durability_lost" in msg  # what to change
+        (event,) = _events(ck, "durability_lost", 1)
+        assert event["action"] == "raise" and event["failures"]
+        assert cf_ray.list_checkpoints(str(tmp_path / "failing"))[-1].step == 4
+    finally:
+        flag.unlink(missing_ok=True)
+        ck.close()
+
+
+@pytest.mark.slow
+def test_a_dead_holder_is_made_again_and_the_next_snapshot_goes_to_it(ray_cluster, tmp_path, caplog):
+    import ray
+
+    caplog.set_level(logging.WARNING, logger="cf_ray")
+    ck, step, _ = _ckpt(tmp_path, "holder", "fail", durability_floor_s=60.0)
+    for _ in range(2):
+        step()
+    ck.wait()
+    old = ck.holder
+    ray.kill(old, no_restart=True)
+    for _ in range(2):
+        step()
+    assert ck.wait() == []
+    assert ck.holder is not old and "holder is gone at the snapshot of step 4" in caplog.text
+    assert [c.step for c in cf_ray.list_checkpoints(str(tmp_path / "holder"))][-1] == 4
+    ck.finish()
+
+
+@pytest.mark.slow
+def test_a_dead_controller_is_resolved_again_and_training_goes_on(ray_cluster, tmp_path, caplog):
+    import ray
+
+    caplog.set_level(logging.WARNING, logger="cf_ray")
+    ck, step, _ = _ckpt(tmp_path, "ctl", "fail", durability_floor_s=60.0)  # a re-resolve is not an episode
+    for _ in range(2):
+        step()
+    ck.wait()
+    old = ck.controller
+    ray.kill(old, no_restart=True)
+    t0 = time.time()
+    while ck.controller is old and time.time() - t0 < 30:
+        step()  # the polls fail; the link re-resolves the controller on a thread of its own
+    assert ck.controller is not old and "a call to the controller failed" in caplog.text
+    for _ in range(4):
+        step()
+    assert ck.wait() == []  # the new controller commits what is taken from here
+    assert ck._link.known_committed >= 4 and not ck._watchdog.lost
+    ck.finish()
