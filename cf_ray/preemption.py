@@ -71,7 +71,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import ray
 
@@ -136,10 +136,13 @@ def notify_preemption(storage_path: str, run_name: str, *, deadline_s: float | N
             "generation": req.generation}
 
 
-try:  # Ray Train v2's controller callbacks (a DeveloperAPI; RunConfig(callbacks=...) accepts them)
-    from ray.train.v2._internal.execution.callback import ControllerCallback as _ControllerCallback
-except Exception:  # noqa: BLE001 - another Ray version: the callback below is then inert
+if TYPE_CHECKING:
     _ControllerCallback = object
+else:
+    try:  # Ray Train v2's controller callbacks (a DeveloperAPI; RunConfig(callbacks=...) accepts them)
+        from ray.train.v2._internal.execution.callback import ControllerCallback as _ControllerCallback
+    except Exception:  # noqa: BLE001 - another Ray version: the callback below is then inert
+        _ControllerCallback = object
 
 
 class CheckpointBeforeResize(_ControllerCallback):
@@ -187,6 +190,8 @@ class CheckpointBeforeResize(_ControllerCallback):
         t0 = time.time()
         out = {"time": t0, "step": None, "committed": False, "seconds": None}
         try:
+            if self.storage_path is None or self.run_name is None:
+                return out
             ctl = controller_of(self.storage_path, self.run_name, self.storage_filesystem)
             if ctl is None:
                 return out

@@ -27,6 +27,7 @@ import posixpath
 from typing import TYPE_CHECKING, Any
 
 import ray
+import ray.exceptions
 
 from cf_ray._engine import env as _env
 from cf_ray.errors import CfRayError, ConfigError
