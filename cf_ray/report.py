@@ -44,6 +44,10 @@ logger = logging.getLogger(__name__)
 PROFILE_FILE = "profile.parquet"
 #: The per-sample iteration times, next to it.
 ITERATIONS_FILE = "iterations.parquet"
+#: The restarts of the run and what each cost (goodput), next to it.
+RESTARTS_FILE = "restarts.parquet"
+#: Where the controller appends the rows that left its memory (``profile/<lineage>/part-<n>.parquet``).
+PROFILE_PARTS_DIR = "profile"
 #: The folder of a run's cf_ray files under ``<storage_path>/<run_name>``.
 RUN_SUBDIR = "cf_ray"
 #: What ``kind`` a checkpoint row can have.
@@ -71,6 +75,18 @@ ITERATION_COLUMNS: dict[str, Any] = {
     "iter_s": "float64",
     "iters": "Int64",
     "time": "float64",
+}
+RESTART_COLUMNS: dict[str, Any] = {
+    "generation": "Int64",
+    "source": object,
+    "restored_step": "Int64",
+    "restore_s": "float64",
+    "lost_steps": "Int64",
+    "lost_s": "float64",
+    "failure_unix": "float64",
+    "restored_unix": "float64",
+    "resumed_unix": "float64",
+    "recovery_s": "float64",
 }
 # How a per-rank value (a sequence, or a mapping rank -> value) becomes the row's value.
 _PER_RANK = {"stall_s": max, "copy_s": max, "persist_s": max, "bytes": sum}
@@ -114,6 +130,19 @@ def iterations_frame(rows: Iterable[Mapping | Any] | pd.DataFrame) -> pd.DataFra
     else:
         records = [r if isinstance(r, Mapping) else _fields(r) for r in rows]
     return _frame(records, ITERATION_COLUMNS)
+
+
+def restarts_frame(rows: Iterable[Mapping] | pd.DataFrame) -> pd.DataFrame:
+    """The restarts table (goodput): one row per restart of the run, in order.
+
+    Columns: ``generation`` (the attempt that resumed), ``source`` (memory/storage/fresh),
+    ``restored_step``, ``restore_s``, ``lost_steps`` (steps redone), ``lost_s`` (``lost_steps``
+    times the mean iteration time), ``failure_unix`` (the newest sample before the restart: the
+    controller's best estimate of the failure time), ``restored_unix``, ``resumed_unix`` (the end of
+    the first iteration past ``restored_step``) and ``recovery_s`` (``resumed_unix - failure_unix``).
+    """
+    records = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else [dict(r) for r in rows]
+    return _frame(records, RESTART_COLUMNS)
 
 
 def _fields(obj) -> dict:
@@ -216,7 +245,8 @@ def _infer(s: pd.Series) -> pd.Series:
 # -- Parquet through a Storage ------------------------------------------------------------------
 
 def save_profile(storage: Storage, rows: Iterable[Mapping] | pd.DataFrame,
-                 iter_rows: Iterable[Mapping] | pd.DataFrame | None = None) -> dict[str, FileInfo]:
+                 iter_rows: Iterable[Mapping] | pd.DataFrame | None = None, *,
+                 restarts: Iterable[Mapping] | pd.DataFrame | None = None) -> dict[str, FileInfo]:
     """Write the profile (and the iteration times) as Parquet at the storage's root.
 
     Each file is written whole through :meth:`Storage.write_file`, so a reader sees the previous
@@ -226,29 +256,52 @@ def save_profile(storage: Storage, rows: Iterable[Mapping] | pd.DataFrame,
         storage: the run's cf_ray root (e.g. an :class:`~cf_ray.storage.FsStorage`).
         rows: checkpoint rows (see :func:`profile_frame`).
         iter_rows: iteration samples (see :func:`iterations_frame`); ``None`` writes an empty table.
+        restarts: the restarts (see :func:`restarts_frame`), written as ``restarts.parquet`` when given.
 
     Returns:
-        ``{path: FileInfo}`` of the two files written.
+        ``{path: FileInfo}`` of the files written.
     """
     out = {PROFILE_FILE: storage.write_file(PROFILE_FILE, [_parquet_bytes(profile_frame(rows))])}
     out[ITERATIONS_FILE] = storage.write_file(ITERATIONS_FILE, [_parquet_bytes(iterations_frame(iter_rows or []))])
+    if restarts is not None:
+        out[RESTARTS_FILE] = storage.write_file(RESTARTS_FILE, [_parquet_bytes(restarts_frame(restarts))])
     return out
 
 
 def load_profile(storage: Storage) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Read what :func:`save_profile` wrote.
+    """Read what :func:`save_profile` wrote, with the rows the controller had already moved out of
+    memory into ``profile/<lineage>/part-*.parquet``.
+
+    A run that ended cleanly has every row in ``profile.parquet`` (read as it is). One whose
+    controller died for good before its end has only the parts for the rows that left its memory:
+    they are merged in. Rows are keyed by ``(generation, step)``; the parts are merged in the order
+    they were written (a later part's values win, as the controller merges them), and a row of
+    ``profile.parquet`` — the whole table a controller wrote at its end, its parts included —
+    replaces the parts' row of the same key (the newest). Unreadable parts are skipped (logged).
 
     Returns:
         ``(profile, iterations)``; ``iterations`` is empty when its file is missing.
 
     Raises:
-        FileNotFoundError: there is no profile at ``storage`` (the message says where it looked).
-        CorruptCheckpointError: a file exists but is not a readable Parquet table.
+        FileNotFoundError: there is neither a profile nor a profile part at ``storage`` (the message
+            says where it looked).
+        CorruptCheckpointError: ``profile.parquet`` exists but is not a readable Parquet table.
     """
-    if not storage.exists(PROFILE_FILE):
+    parts = _read_profile_parts(storage)
+    if not storage.exists(PROFILE_FILE) and not parts:
         raise FileNotFoundError(f"no cf_ray profile at {storage.uri(PROFILE_FILE)}; it is written when a run "
                                 "finishes (and by Checkpointer.finish()) — check storage_path and run_name")
-    profile = _coerce(_read_parquet(storage, PROFILE_FILE), PROFILE_COLUMNS)
+    if storage.exists(PROFILE_FILE):
+        profile = _coerce(_read_parquet(storage, PROFILE_FILE), PROFILE_COLUMNS)
+    else:
+        profile = profile_frame([])
+    if parts:
+        saved = {_row_key(r): r for r in profile.to_dict("records")}
+        extra = [r for r in parts if _row_key(r) not in saved]
+        if extra:
+            rows = sorted([*saved.values(), *extra], key=lambda r: (_sort_key(r.get("step")),
+                                                                    _sort_key(r.get("generation"))))
+            profile = profile_frame(rows)
     if storage.exists(ITERATIONS_FILE):
         iterations = _coerce(_read_parquet(storage, ITERATIONS_FILE), ITERATION_COLUMNS)
     else:
@@ -256,8 +309,51 @@ def load_profile(storage: Storage) -> tuple[pd.DataFrame, pd.DataFrame]:
     return profile, iterations
 
 
+def _read_profile_parts(storage: Storage) -> list[dict]:
+    """Every row of every lineage's parts (oldest lineage, oldest part first), merged by key."""
+    try:
+        if not storage.exists(PROFILE_PARTS_DIR):
+            return []
+        lineages = sorted(n for n in storage.list_dir(PROFILE_PARTS_DIR) if n.isdigit())
+    except Exception as e:  # noqa: BLE001 - missing parts only mean fewer rows
+        logger.warning("cf_ray: cannot list the profile parts at %s: %s", storage.uri(PROFILE_PARTS_DIR), e)
+        return []
+    merged: dict[tuple, dict] = {}
+    for lineage in lineages:
+        directory = f"{PROFILE_PARTS_DIR}/{lineage}"
+        try:
+            names = sorted(n for n in storage.list_dir(directory) if n.startswith("part-") and n.endswith(".parquet"))
+        except Exception as e:  # noqa: BLE001
+            logger.warning("cf_ray: cannot list the profile parts at %s: %s", storage.uri(directory), e)
+            continue
+        for name in names:
+            path = f"{directory}/{name}"
+            try:
+                rows = _read_parquet(storage, path).to_dict("records")
+            except Exception as e:  # noqa: BLE001
+                logger.warning("cf_ray: skipping the profile part %s: %s", storage.uri(path), e)
+                continue
+            for r in rows:
+                old = merged.get(_row_key(r))
+                if old is None:
+                    merged[_row_key(r)] = dict(r)
+                else:
+                    old.update({k: v for k, v in r.items() if not _missing(v)})
+    return list(merged.values())
+
+
+def _row_key(r: Mapping) -> tuple:
+    return tuple(None if _missing(r.get(k)) else int(r[k]) for k in ("generation", "step"))
+
+
+def _sort_key(v) -> tuple:
+    missing = _missing(v)
+    return (missing, 0 if missing else v)
+
+
 def read_run_profile(storage_path: str, run_name: str, filesystem=None) -> pd.DataFrame:
-    """The profile table of a run: ``<storage_path>/<run_name>/cf_ray/profile.parquet``.
+    """The profile table of a run: ``<storage_path>/<run_name>/cf_ray/profile.parquet``, with the
+    rows of the controller's parts that it lacks (a run whose controller died, see :func:`load_profile`).
 
     Args:
         storage_path: what the run was given as ``storage_path`` (a local path, ``s3://...``,
@@ -274,6 +370,19 @@ def read_run_profile(storage_path: str, run_name: str, filesystem=None) -> pd.Da
 def read_run_iterations(storage_path: str, run_name: str, filesystem=None) -> pd.DataFrame:
     """The iteration-time table of a run (see :func:`read_run_profile` for the arguments)."""
     return load_profile(_run_storage(storage_path, run_name, filesystem))[1]
+
+
+def load_restarts(storage: Storage) -> pd.DataFrame:
+    """The restarts table :func:`save_profile` wrote (:func:`restarts_frame`); empty when there is none."""
+    if not storage.exists(RESTARTS_FILE):
+        return restarts_frame([])
+    return _coerce(_read_parquet(storage, RESTARTS_FILE), RESTART_COLUMNS)
+
+
+def read_run_restarts(storage_path: str, run_name: str, filesystem=None) -> pd.DataFrame:
+    """The restarts table of a run (goodput: work lost, recovery time, restore source and time per
+    restart; see :func:`restarts_frame`), written at the run's end. Arguments as :func:`read_run_profile`."""
+    return load_restarts(_run_storage(storage_path, run_name, filesystem))
 
 
 def _run_storage(storage_path: str, run_name: str, filesystem) -> FsStorage:
@@ -483,15 +592,119 @@ class CheckpointMetrics:
             logger.warning("cf_ray: could not export checkpoint metrics: %s", e)
 
 
+class GoodputMetrics:
+    """Ray metrics (``ray.util.metrics``) of a run's goodput, tagged with ``run`` (and any ``tags``).
+
+    * ``cf_ray_restarts_total`` (counter, tag ``source``): restarts;
+    * ``cf_ray_lost_steps_total`` (counter, steps) and ``cf_ray_lost_seconds_total`` (counter, s):
+      work lost to restarts (redone; a counter only moves by more than 0);
+    * ``cf_ray_restart_lost_steps`` (gauge, steps) and ``cf_ray_restart_lost_seconds`` (gauge, s):
+      the same for the newest restart (0 included);
+    * ``cf_ray_recovery_seconds`` (gauge, s): the newest restart's time from the failure to the
+      first resumed iteration;
+    * ``cf_ray_restore_seconds`` (gauge, s, tag ``source``): the newest restore's duration, by source;
+    * ``cf_ray_effective_training_ratio`` (gauge, 0..1): useful training time / wall time.
+
+    As :class:`CheckpointMetrics`: built on first use, only where Ray is initialised; never raises.
+    Prometheus shows them with Ray's ``ray_`` prefix (``ray_cf_ray_lost_steps_total``).
+    """
+
+    COUNTERS = {
+        "restarts": ("cf_ray_restarts_total", "Restarts of the run (count)", ("source",)),
+        "lost_steps": ("cf_ray_lost_steps_total", "Training steps lost to restarts and redone (steps)", ()),
+        "lost_s": ("cf_ray_lost_seconds_total", "Training time lost to restarts and redone (s)", ()),
+    }
+    GAUGES = {
+        "last_lost_steps": ("cf_ray_restart_lost_steps", "Newest restart: steps lost and redone (steps)", ()),
+        "last_lost_s": ("cf_ray_restart_lost_seconds", "Newest restart: training time lost and redone (s)", ()),
+        "recovery_s": ("cf_ray_recovery_seconds", "Newest restart: failure to first resumed iteration (s)", ()),
+        "restore_s": ("cf_ray_restore_seconds", "Newest restore's duration (s), by source", ("source",)),
+        "ratio": ("cf_ray_effective_training_ratio", "Useful training time / wall time since the first iteration",
+                  ()),
+    }
+
+    def __init__(self, run: str | None = None, tags: Mapping[str, str] | None = None):
+        self._tags = {str(k): str(v) for k, v in (tags or {}).items()}
+        if run is not None:
+            self._tags["run"] = str(run)
+        self._metrics: dict | None = None
+        self.enabled: bool | None = None
+        """``None`` until first used, then whether the metrics exist."""
+
+    def __reduce__(self):
+        tags = dict(self._tags)
+        run = tags.pop("run", None)
+        return (GoodputMetrics, (run, tags))
+
+    def _ensure(self) -> bool:
+        if self._metrics is not None:
+            return True
+        if self.enabled is False:
+            return False
+        try:
+            import ray
+
+            if not ray.is_initialized():
+                return False
+            from ray.util.metrics import Counter, Gauge
+
+            metrics = {}
+            for kinds, cls in ((self.COUNTERS, Counter), (self.GAUGES, Gauge)):
+                for key, (name, description, extra) in kinds.items():
+                    m = cls(name, description=description, tag_keys=tuple(sorted({*self._tags, *extra})))
+                    if self._tags:
+                        m.set_default_tags(self._tags)
+                    metrics[key] = m
+            self._metrics = metrics
+            self.enabled = True
+        except Exception as e:  # noqa: BLE001 - metrics are best effort, never a reason to fail
+            logger.warning("cf_ray: Ray goodput metrics disabled: %s", e)
+            self.enabled = False
+        return bool(self.enabled)
+
+    def _apply(self, updates: list[tuple[str, str, Any, dict | None]]) -> None:
+        if not self._ensure():
+            return
+        metrics = self._metrics
+        assert metrics is not None
+        try:
+            for key, op, v, tags in updates:
+                if v is None or isinstance(v, bool) or _missing(v):
+                    continue
+                getattr(metrics[key], op)(float(v), tags=tags)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("cf_ray: could not export goodput metrics: %s", e)
+
+    def record_restart(self, source: str, lost_steps: int, lost_s: float | None, restore_s: float | None) -> None:
+        """A restart: its source, the work lost and the restore's duration."""
+        src = {"source": str(source)}
+        self._apply([("restarts", "inc", 1, src), ("lost_steps", "inc", lost_steps if lost_steps else None, None),
+                     ("lost_s", "inc", lost_s if lost_s else None, None), ("restore_s", "set", restore_s, src),
+                     ("last_lost_steps", "set", lost_steps, None), ("last_lost_s", "set", lost_s, None)])
+
+    def record_recovery(self, recovery_s: float | None) -> None:
+        """The newest restart's time from the failure to its first resumed iteration."""
+        self._apply([("recovery_s", "set", recovery_s, None)])
+
+    def record_ratio(self, ratio: float | None) -> None:
+        """The run's effective training time ratio."""
+        self._apply([("ratio", "set", ratio, None)])
+
+
 __all__ = [
     "CheckpointMetrics",
+    "GoodputMetrics",
     "ITERATIONS_FILE",
     "PROFILE_FILE",
+    "RESTARTS_FILE",
     "iterations_frame",
     "load_profile",
+    "load_restarts",
     "plot_profile",
     "profile_frame",
     "read_run_iterations",
     "read_run_profile",
+    "read_run_restarts",
+    "restarts_frame",
     "save_profile",
 ]

@@ -21,6 +21,9 @@ Bounded (issue #16): memory and per-commit work stay constant however many check
   keeps counting (workers ask for the failures after the last one they saw).
 * Iterations: the newest 20,000 (as before).
 * The metrics export builds the one row it exports, not the table.
+* Goodput (issue #15): each restart's cost (work lost, recovery time, restore source and time) and
+  the run's effective training time ratio, kept by :class:`Goodput` from the samples and restore
+  events the book already sees, exported as Ray metrics and saved as ``restarts.parquet``.
 
 Not thread-safe on its own: the controller calls it under its lock (the maintenance thread only
 appends events, one ``deque.append`` at a time, and writes the parts without the lock).
@@ -36,6 +39,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 
 from cf_ray._engine import env as _env
 from cf_ray._engine.driver.messages import CheckpointKind, Failure, SectionState, SnapshotMeta
@@ -51,6 +55,8 @@ _RANK_TIMINGS = ("stall_s", "sync_s", "guard_s", "copy_s", "handoff_s")
 PROFILE_PARTS = "profile"
 _PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
 _LINEAGE_RE = re.compile(r"^\d{20}$")
+#: How often (at most) the iteration samples refresh the effective-training-ratio gauge.
+_RATIO_EXPORT_PERIOD_S = 5.0
 
 
 def new_lineage() -> str:
@@ -147,6 +153,145 @@ def _sort_key(v) -> tuple:
     return (v is None, v if v is not None else 0)
 
 
+@dataclass
+class Restart:
+    """One restart of the run (after a failure, a preemption or a resize) and what it cost."""
+
+    generation: int
+    """The attempt that resumed."""
+    source: str
+    """Where it resumed from (``RestoreSource`` value: ``memory``, ``storage``, ``fresh``)."""
+    restored_step: int
+    """The step it resumed from."""
+    restore_s: float
+    """Seconds the restore took (rank 0's measure)."""
+    lost_steps: int
+    """Steps of the previous timeline redone: the newest step any rank reported since the previous
+    restore, minus ``restored_step`` (at least 0)."""
+    lost_s: float | None
+    """``lost_steps`` times the run's mean iteration time (``None`` before any iteration time)."""
+    failure_unix: float | None
+    """The best estimate of the failure time the controller has: when the newest sample of any rank
+    reached it before the restore (a failure happens after it, within one sync period)."""
+    restored_unix: float
+    """When the restore was reported."""
+    resumed_unix: float | None = None
+    """When the first iteration past ``restored_step`` ended (estimated from the first such sample:
+    its arrival less the iterations it covers after the first); ``None`` until then."""
+    recovery_s: float | None = None
+    """``resumed_unix - failure_unix``: from the failure to the first resumed iteration."""
+
+
+class Goodput:
+    """Goodput of one run from the iteration samples and restore events (no Ray, no storage).
+
+    Definitions (also in the README's Metrics section):
+
+    * mean iteration time: the ``iters``-weighted mean of every sample's ``iter_s`` (checkpoint
+      stalls excluded, as the workers measure it);
+    * progress: the newest step reached on the current timeline minus the step the run started from
+      (the first attempt's restored step, or where the first sample's iterations began);
+    * useful seconds: progress times the mean iteration time — each step that survives counts once,
+      steps redone after a restart count once, the stalls, restores and lost work not at all;
+    * wall seconds: from the start of the run's first iteration (the first sample's arrival less
+      the iterations it covers) to the newest sample's arrival;
+    * effective training time ratio: useful seconds / wall seconds, clipped to [0, 1].
+
+    Args:
+        max_restarts: how many restarts are kept (the newest).
+    """
+
+    def __init__(self, max_restarts: int = 1000):
+        self.restarts: collections.deque[Restart] = collections.deque(maxlen=max(1, max_restarts))
+        self._start_step: int | None = None
+        """The step the run started from."""
+        self._reached_step: int | None = None
+        """The newest step reported on the current timeline (since the newest restore)."""
+        self._first_unix: float | None = None
+        """When the run's first iteration started (estimated)."""
+        self._last_unix: float | None = None
+        """When the newest sample arrived."""
+        self._iter_total_s = 0.0
+        self._iters = 0
+        self._pending: Restart | None = None
+        """The newest restart until its first resumed iteration."""
+        self.lost_steps_total = 0
+        self.lost_s_total = 0.0
+
+    def mean_iter_s(self) -> float | None:
+        return self._iter_total_s / self._iters if self._iters else None
+
+    def on_sample(self, step: int, iter_s: float, iters: int, now_unix: float) -> Restart | None:
+        """A rank's sample; returns the pending restart when this sample is its first resumed iteration."""
+        step, iters = int(step), int(iters)
+        timed = iters > 0 and iter_s > 0
+        if self._first_unix is None:
+            self._first_unix = now_unix - (iters * iter_s if timed else 0.0)
+            if self._start_step is None:
+                self._start_step = max(0, step - max(iters, 0))
+        self._last_unix = now_unix if self._last_unix is None else max(self._last_unix, now_unix)
+        self._reached_step = step if self._reached_step is None else max(self._reached_step, step)
+        if timed:
+            self._iter_total_s += iters * iter_s
+            self._iters += iters
+        resumed = self._pending
+        if resumed is None or step <= resumed.restored_step:
+            return None
+        self._pending = None
+        covered = min(iters, step - resumed.restored_step) if timed else 1
+        resumed.resumed_unix = max(resumed.restored_unix, now_unix - max(0, covered - 1) * (iter_s if timed else 0))
+        if resumed.failure_unix is not None:
+            resumed.recovery_s = max(0.0, resumed.resumed_unix - resumed.failure_unix)
+        return resumed
+
+    def on_restore(self, *, generation: int, source: str, step: int, restore_s: float,
+                   now_unix: float) -> Restart | None:
+        """An attempt restored ``step``; returns the restart it makes (``None`` for the run's start:
+        no iteration was reported before it)."""
+        step = int(step)
+        if self._last_unix is None:  # nothing ran yet: where the run starts
+            self._start_step = step
+            self._reached_step = step
+            return None
+        lost = max(0, (self._reached_step if self._reached_step is not None else step) - step)
+        mean = self.mean_iter_s()
+        restart = Restart(generation=int(generation), source=str(source), restored_step=step,
+                          restore_s=float(restore_s or 0.0), lost_steps=lost,
+                          lost_s=None if mean is None else lost * mean, failure_unix=self._last_unix,
+                          restored_unix=now_unix)
+        self.lost_steps_total += lost
+        self.lost_s_total += restart.lost_s or 0.0
+        self._reached_step = step
+        self.restarts.append(restart)
+        self._pending = restart
+        return restart
+
+    def progress_steps(self) -> int | None:
+        if self._start_step is None or self._reached_step is None:
+            return None
+        return max(0, self._reached_step - self._start_step)
+
+    def useful_s(self) -> float | None:
+        progress, mean = self.progress_steps(), self.mean_iter_s()
+        return None if progress is None or mean is None else progress * mean
+
+    def wall_s(self) -> float | None:
+        if self._first_unix is None or self._last_unix is None:
+            return None
+        return max(0.0, self._last_unix - self._first_unix)
+
+    def effective_ratio(self) -> float | None:
+        """Useful seconds / wall seconds, in [0, 1]; ``None`` before there is wall time."""
+        useful, wall = self.useful_s(), self.wall_s()
+        if useful is None or not wall:
+            return None
+        return min(1.0, max(0.0, useful / wall))
+
+    def rows(self) -> list[dict]:
+        """The restarts as the ``restarts`` table has them (``cf_ray.report.restarts_frame``)."""
+        return [asdict(r) for r in self.restarts]
+
+
 class ProfileBook:
     """Profile rows, iteration rows, events, failures and the metrics export of one run.
 
@@ -185,6 +330,9 @@ class ProfileBook:
         self._failures: collections.deque[Failure] = collections.deque(maxlen=events_window)
         self._next_failure_seq = int(seq_base)
         self._metrics = None  # cf_ray.report.CheckpointMetrics, made on first use
+        self.goodput = Goodput(events_window)
+        self._goodput_metrics = None  # cf_ray.report.GoodputMetrics, made on first use
+        self._ratio_exported_unix = 0.0
 
     # -- rows ---------------------------------------------------------------------------------------------
     def row(self, generation: int, step: int) -> dict:
@@ -320,13 +468,36 @@ class ProfileBook:
 
     # -- iterations, events, failures --------------------------------------------------------------------
     def add_iteration(self, rank: int, step: int, iter_s: float, iters: int) -> None:
-        self._iters.append({"time": time.time(), "rank": rank, "step": step, "iter_s": iter_s, "iters": iters})
+        now = time.time()
+        self._iters.append({"time": now, "rank": rank, "step": step, "iter_s": iter_s, "iters": iters})
+        try:
+            resumed = self.goodput.on_sample(step, iter_s, iters, now)
+            if resumed is not None:
+                self._export_goodput(resumed, resumed=True)
+            elif now - self._ratio_exported_unix >= _RATIO_EXPORT_PERIOD_S:
+                self._export_goodput(None)
+        except Exception:  # noqa: BLE001 - goodput is a report, never a reason to fail
+            logger.debug("cf_ray: goodput bookkeeping failed", exc_info=True)
 
     def iteration_rows(self) -> list[dict]:
         return list(self._iters)
 
     def add_event(self, event: dict) -> None:
         self.events.append(event)
+        if event.get("event") == "restore":  # the controller's restored(): a restart's cost, or the run's start
+            try:
+                restart = self.goodput.on_restore(generation=event.get("generation") or 0,
+                                                  source=str(event.get("source")), step=event.get("step") or 0,
+                                                  restore_s=event.get("seconds") or 0.0,
+                                                  now_unix=event.get("time") or time.time())
+                if restart is not None:
+                    self._export_goodput(restart)
+            except Exception:  # noqa: BLE001
+                logger.debug("cf_ray: goodput bookkeeping failed", exc_info=True)
+
+    def restart_rows(self) -> list[dict]:
+        """One dict per restart (the ``restarts`` table, :func:`cf_ray.report.restarts_frame`)."""
+        return self.goodput.rows()
 
     def add_failure(self, *, generation: int, step: int, section: str, rank: int, error: str) -> Failure:
         failure = Failure(seq=self._next_failure_seq, step=step, section=section, rank=rank, error=error,
@@ -359,8 +530,27 @@ class ProfileBook:
 
                 self._metrics = CheckpointMetrics(run=self.key)
             self._metrics.record(self._public(row, _recent_iter_s(self.schedule.samples)))
+            self._export_goodput(None)
         except Exception:  # noqa: BLE001
             logger.debug("cf_ray: metrics export failed", exc_info=True)
+
+    def _export_goodput(self, restart: Restart | None, *, resumed: bool = False) -> None:
+        """Export a restart (when it happens; its recovery time once resumed) and the ratio to Ray metrics."""
+        try:
+            if self._goodput_metrics is None:
+                from cf_ray.report import GoodputMetrics
+
+                self._goodput_metrics = GoodputMetrics(run=self.key)
+            self._ratio_exported_unix = time.time()
+            if restart is not None:
+                if resumed:
+                    self._goodput_metrics.record_recovery(restart.recovery_s)
+                else:
+                    self._goodput_metrics.record_restart(restart.source, restart.lost_steps, restart.lost_s,
+                                                         restart.restore_s)
+            self._goodput_metrics.record_ratio(self.goodput.effective_ratio())
+        except Exception:  # noqa: BLE001
+            logger.debug("cf_ray: goodput metrics export failed", exc_info=True)
 
     def save(self, lock: threading.RLock) -> None:
         """Write the profile table (every row of this lineage) and the iteration rows to storage;
@@ -371,8 +561,9 @@ class ProfileBook:
 
             with lock:
                 iterations = self.iteration_rows()
+                restarts = self.restart_rows()
             rows = self.all_rows(lock)
-            report.save_profile(self.storage, rows, iterations)
+            report.save_profile(self.storage, rows, iterations, restarts=restarts)
         except Exception as e:  # noqa: BLE001 - the profile is a report, never a reason to fail
             logger.warning("cf_ray: could not save the profile table: %s", e)
 

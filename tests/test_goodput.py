@@ -1,0 +1,170 @@
+"""Goodput (issue #15): the arithmetic of the profile book (no Ray), the restarts table and the
+profile parts on read, and one real run whose goodput is read back from Ray's metrics endpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from cf_ray import report
+from cf_ray._engine.driver.profile_book import Goodput, ProfileBook, ProfileParts
+from cf_ray._engine.storage.fs import FsStorage
+
+
+def test_goodput_of_a_run_with_one_restart():
+    g = Goodput()
+    assert g.on_restore(generation=1, source="fresh", step=0, restore_s=0.0, now_unix=100.0) is None  # the start
+    for step in range(5, 35, 5):  # 5 iterations of 0.1 s per sample, one sample a second
+        assert g.on_sample(step, 0.1, 5, 100.0 + step / 5) is None
+    assert g.progress_steps() == 30 and g.mean_iter_s() == pytest.approx(0.1)
+    assert g.wall_s() == pytest.approx(6.0 - 0.5)  # from the first iteration's start to the newest sample
+    r = g.on_restore(generation=2, source="memory", step=20, restore_s=0.4, now_unix=110.0)
+    assert (r.lost_steps, r.source, r.restored_step, r.failure_unix) == (10, "memory", 20, 106.0)
+    assert r.lost_s == pytest.approx(1.0) and g.lost_steps_total == 10
+    assert g.on_sample(20, 0.0, 0, 110.5) is None  # not past the restored step: not resumed yet
+    resumed = g.on_sample(25, 0.1, 5, 111.0)
+    assert resumed is r and r.resumed_unix == pytest.approx(111.0 - 0.4) and r.recovery_s == pytest.approx(4.6)
+    # Useful: 25 steps of 0.1 s (the 10 redone steps count once) over 10.5 s of wall time (100.5 to 111).
+    assert g.progress_steps() == 25 and g.effective_ratio() == pytest.approx(2.5 / 10.5)
+    assert [row["lost_steps"] for row in g.rows()] == [10]
+
+
+def test_goodput_edge_cases():
+    g = Goodput()
+    assert g.effective_ratio() is None and g.rows() == []
+    g.on_sample(10, 0.5, 10, 5.0)  # a run started without a restore event: it started where the samples began
+    assert g.progress_steps() == 10 and g.effective_ratio() == pytest.approx(1.0)  # clipped to [0, 1]
+    r = g.on_restore(generation=3, source="storage", step=15, restore_s=1.0, now_unix=6.0)
+    assert r.lost_steps == 0  # restored past what was reported: nothing lost
+    r2 = g.on_restore(generation=4, source="storage", step=15, restore_s=1.0, now_unix=7.0)
+    assert r2.lost_steps == 0 and r2.failure_unix == 5.0 and g.lost_steps_total == 0
+
+
+def test_profile_book_records_restarts_and_saves_them(tmp_path):
+    from cf_ray._engine.driver.schedule import ScheduleBook
+    from cf_ray.policy import FixedInterval
+
+    storage = FsStorage.from_uri(str(tmp_path))
+    book = ProfileBook("run", storage, ScheduleBook(FixedInterval(every=5), storage))
+    book.add_event({"event": "restore", "source": "fresh", "step": 0, "seconds": 0.0, "generation": 1, "time": 1.0})
+    for step in (5, 10, 15):
+        book.add_iteration(0, step, 0.01, 5)
+    book.add_event({"event": "restore", "source": "memory", "step": 10, "seconds": 0.2, "generation": 2})
+    book.add_iteration(0, 15, 0.01, 5)
+    (row,) = book.restart_rows()
+    assert row["lost_steps"] == 5 and row["source"] == "memory" and row["recovery_s"] >= 0
+    import threading
+
+    book.save(threading.RLock())
+    df = report.load_restarts(storage)
+    assert df["lost_steps"].tolist() == [5] and df["source"].tolist() == ["memory"]
+    assert list(df.columns) == list(report.RESTART_COLUMNS)
+    assert len(report.load_restarts(FsStorage.from_uri(str(tmp_path / "none")))) == 0
+
+
+def _row(gen, step, **kw):
+    return {"step": step, "generation": gen, "committed": True, "where": "x", **kw}
+
+
+def test_load_profile_merges_the_parts_of_a_controller_that_died(tmp_path):
+    storage = FsStorage.from_uri(str(tmp_path))
+    parts = ProfileParts(storage, "00000000000000000001")
+    parts.write([_row(1, 5, persist_s=1.0), _row(1, 10)])
+    parts.write([{"step": 10, "generation": 1, "persist_s": 2.0}])  # a late fragment of a row already in a part
+    # No profile.parquet (the controller never ended): the parts are the profile.
+    df = report.load_profile(storage)[0]
+    assert df["step"].tolist() == [5, 10] and df["persist_s"].tolist() == [1.0, 2.0]
+    assert df["committed"].tolist() == [True, True]
+    # A clean end wrote the whole table: it wins for its rows; rows only in a part are added.
+    report.save_profile(storage, [_row(1, 10, persist_s=3.0), _row(2, 15)])
+    df = report.load_profile(storage)[0]
+    assert list(zip(df["generation"], df["step"], df["persist_s"])) == [(1, 5, 1.0), (1, 10, 3.0), (2, 15, None)] \
+        or (df["step"].tolist() == [5, 10, 15] and df["persist_s"].tolist()[:2] == [1.0, 3.0])
+
+
+def test_load_profile_of_a_clean_run_is_the_saved_table(tmp_path):
+    storage = FsStorage.from_uri(str(tmp_path))
+    ProfileParts(storage, "00000000000000000001").write([_row(1, 5, persist_s=1.0)])
+    report.save_profile(storage, [_row(1, 5, persist_s=1.0), _row(1, 10, sync_s=0.1)], [])
+    saved = report._coerce(report._read_parquet(storage, report.PROFILE_FILE), report.PROFILE_COLUMNS)
+    assert report.load_profile(storage)[0].equals(saved)
+    with pytest.raises(FileNotFoundError):
+        report.load_profile(FsStorage.from_uri(str(tmp_path / "empty")))
+
+
+def test_goodput_metrics_is_a_no_op_outside_ray(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    m = report.GoodputMetrics(run="r")
+    m.record_restart("memory", 3, 0.3, 0.1)
+    m.record_recovery(1.0)
+    m.record_ratio(0.5)
+    assert m.enabled in (None, False)
+
+
+# -- for real: Ray's metrics endpoint -----------------------------------------------------------------
+
+_DRIVER = textwrap.dedent("""
+    import json, sys, time, urllib.request
+    import ray
+    from cf_ray import demo, report
+    port, root, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING",
+             _metrics_export_port=port)
+    cfg = {"samples": 202, "epochs": 2, "batch_size": 8, "hidden": 32, "depth": 1, "interval": 5,
+           "kill_at": 12, "restore_from": "memory", "kill_after_handoff": True}
+    demo.run("goodput", root, cfg)
+    text, deadline = "", time.time() + 60
+    while time.time() < deadline:
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        except OSError as e:
+            text = f"# unreachable: {e}"
+        if "cf_ray_recovery_seconds" in text and "cf_ray_effective_training_ratio" in text:
+            break
+        time.sleep(2)
+    restarts = report.read_run_restarts(f"{root}/storage", "goodput").to_dict("records")
+    json.dump({"metrics": [ln for ln in text.splitlines() if "cf_ray_" in ln or "unreachable" in ln],
+               "restarts": restarts}, open(out, "w"), default=str)
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _values(lines: list[str], name: str) -> list[float]:
+    pat = re.compile(rf"^(?:ray_)?{name}(?:_total)?(?:{{[^}}]*}})? ([0-9.eE+-]+)$")
+    return [float(m.group(1)) for m in map(pat.match, lines) if m]
+
+
+@pytest.mark.slow
+def test_goodput_is_exported_to_rays_metrics_endpoint(tmp_path):
+    """Ray's metrics agent runs in the dashboard agent, which needs ``ray[default]``'s packages."""
+    for mod in ("aiohttp", "prometheus_client", "opencensus"):
+        pytest.importorskip(mod, reason="Ray's Prometheus endpoint needs ray[default] (its metrics agent)")
+    port, out = _free_port(), tmp_path / "goodput.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), os.getcwd()) if p))
+    subprocess.run([sys.executable, "-c", _DRIVER, str(port), str(tmp_path), str(out)], check=True, timeout=400,
+                   env=env)
+    got = json.load(open(out))
+    lines = got["metrics"]
+    (restart,) = got["restarts"]
+    assert restart["source"] == "memory" and restart["restored_step"] == 10
+    lost = _values(lines, "cf_ray_restart_lost_steps")
+    assert lost and lost[0] >= 0 and lost[0] == int(restart["lost_steps"]), lines
+    assert _values(lines, "cf_ray_lost_seconds") == [] or _values(lines, "cf_ray_lost_seconds")[0] >= 0
+    recovery = _values(lines, "cf_ray_recovery_seconds")
+    assert recovery and recovery[0] > 0, lines
+    ratio = _values(lines, "cf_ray_effective_training_ratio")
+    assert ratio and 0 < ratio[0] <= 1, lines
+    assert _values(lines, "cf_ray_restore_seconds") and _values(lines, "cf_ray_restarts"), lines
+    assert any('source="memory"' in ln for ln in lines if "cf_ray_restore_seconds" in ln), lines
