@@ -27,16 +27,19 @@ CF_RAY = [
     "CfRayError",
     "CheckpointConfig",
     "CheckpointInfo",
+    "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "Checkpointer",
     "ConfigError",
     "CorruptCheckpointError",
+    "DurabilityLostError",
     "ElasticResumeError",
     "EpochEnd",
     "FinishSummary",
     "FixedInterval",
     "PersistError",
     "PreemptionConfig",
+    "RestoreError",
     "Resume",
     "Run",
     "RunUnavailableError",
@@ -72,8 +75,22 @@ def test_the_public_surface_is_exactly_this(module, expected):
 
 
 def test_the_front_door_stays_small_and_every_lazy_name_is_public():
-    assert len(cf_ray.__all__) <= 25
+    # 26 since #16 added the errors a user catches (DurabilityLostError, RestoreError,
+    # CheckpointMismatchError); growing it further is a deliberate decision, not a drift.
+    assert len(cf_ray.__all__) <= 26
     assert set(cf_ray._LAZY) == set(cf_ray.__all__)
+
+
+def test_every_error_of_cf_ray_errors_is_at_the_front_door():
+    import inspect
+
+    from cf_ray import errors
+
+    defined = {n for n, c in vars(errors).items() if inspect.isclass(c) and issubclass(c, errors.CfRayError)}
+    assert defined <= set(cf_ray.__all__), sorted(defined - set(cf_ray.__all__))
+    for name in ("DurabilityLostError", "RestoreError", "CheckpointMismatchError"):
+        assert issubclass(getattr(cf_ray, name), cf_ray.CfRayError)
+    assert issubclass(cf_ray.CheckpointMismatchError, cf_ray.ConfigError)  # except ConfigError still catches it
 
 
 @pytest.mark.parametrize("module", [cf_ray, cf_ray.policy, cf_ray.data, cf_ray.preemption],

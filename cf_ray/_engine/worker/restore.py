@@ -10,8 +10,8 @@ so an error on any rank reaches every rank within seconds, never as a hang in a 
 
 * reading failed (damage, a file or a holder gone, an I/O error that three tries with backoff did
   not get past) or validation refused the candidate: every rank falls back to the next one (rank
-  0 records a ``restore_fallback`` event, with ``corrupt: true`` when the cause was damage, which
-  the controller quarantines);
+  0 records a ``restore_fallback`` event, with ``corrupt: true`` when the cause was damage; the
+  damaged checkpoint is not quarantined yet: a later restore tries it again and skips it again);
 * the script and the checkpoint disagree on what is tracked (:class:`~cf_ray.errors.CheckpointMismatchError`),
   a bad ``resume_from`` (:class:`~cf_ray.errors.ConfigError`), no plan, or a load that failed after
   validation (objects may be partly overwritten): every rank raises, naming the rank and the cause
@@ -92,7 +92,7 @@ class _Status:
     damage: bool = False
     """For ``SKIP``: the cause was damage or a missing file, not a refusal of the content."""
     corrupt: bool = False
-    """For ``SKIP``: the cause was a :class:`CorruptCheckpointError` (the controller quarantines it)."""
+    """For ``SKIP``: the cause was a :class:`CorruptCheckpointError` (the event says so; nothing quarantines it yet)."""
 
 
 @dataclass(frozen=True, slots=True)
