@@ -14,6 +14,7 @@ import textwrap
 import pytest
 
 from cf_ray import report
+from cf_ray._engine.driver.messages import CheckpointKind, SnapshotMeta
 from cf_ray._engine.driver.profile_book import Goodput, ProfileBook, ProfileParts
 from cf_ray._engine.storage.fs import FsStorage
 
@@ -44,7 +45,33 @@ def test_goodput_edge_cases():
     r = g.on_restore(generation=3, source="storage", step=15, restore_s=1.0, now_unix=6.0)
     assert r.lost_steps == 0  # restored past what was reported: nothing lost
     r2 = g.on_restore(generation=4, source="storage", step=15, restore_s=1.0, now_unix=7.0)
-    assert r2.lost_steps == 0 and r2.failure_unix == 5.0 and g.lost_steps_total == 0
+    # Nothing came from attempt 3 but its restore (at 6.0): the failure came after that.
+    assert r2.lost_steps == 0 and r2.failure_unix == 6.0 and g.lost_steps_total == 0
+
+
+def test_a_restart_before_the_first_sample_is_counted():
+    """The first attempt fails before its first sync (a short interval, a fast kill): no sample of
+    it ever reaches the controller. Its restart is still one, not the run's start (the cause of the
+    endpoint test's empty restarts table); the staged snapshots say how far it got."""
+    g = Goodput()
+    assert g.on_restore(generation=1, source="fresh", step=0, restore_s=1.0, now_unix=100.0) is None
+    g.on_progress(1, 5, 101.0)
+    g.on_progress(1, 10, 102.0)  # the snapshot of step 10 staged; then the kill, before any sample
+    r = g.on_restore(generation=2, source="memory", step=10, restore_s=0.1, now_unix=110.0)
+    assert r is not None and (r.generation, r.source, r.restored_step, r.lost_steps) == (2, "memory", 10, 0)
+    assert r.failure_unix == 102.0 and r.lost_s is None  # no iteration time known yet
+    g.on_progress(1, 15, 110.5)  # late news of the ended timeline: ignored
+    assert g.progress_steps() == 10
+    assert g.on_sample(10, 0.0, 0, 111.0) is None  # not past the restored step
+    assert g.on_sample(20, 0.5, 10, 115.0) is r and r.recovery_s == pytest.approx(115.0 - 4.5 - 102.0)
+    # Wall time starts at the first attempt's restore (its iterations were never timed).
+    assert g.progress_steps() == 20 and g.wall_s() == pytest.approx(15.0)
+    assert g.effective_ratio() == pytest.approx(20 * 0.5 / 15.0)
+    assert [row["generation"] for row in g.rows()] == [2]
+    # Without any sign of life from an attempt, its restore is the best failure time there is.
+    r3 = g.on_restore(generation=3, source="storage", step=20, restore_s=0.1, now_unix=130.0)
+    r4 = g.on_restore(generation=4, source="storage", step=20, restore_s=0.1, now_unix=140.0)
+    assert r3.failure_unix == 115.0 and r4.failure_unix == 130.0 and len(g.rows()) == 3
 
 
 def test_profile_book_records_restarts_and_saves_them(tmp_path):
@@ -60,11 +87,17 @@ def test_profile_book_records_restarts_and_saves_them(tmp_path):
     book.add_iteration(0, 15, 0.01, 5)
     (row,) = book.restart_rows()
     assert row["lost_steps"] == 5 and row["source"] == "memory" and row["recovery_s"] >= 0
+    # A staged snapshot is progress too (an attempt that fails before it sends a sample).
+    meta = SnapshotMeta(rank=0, world_size=1, replicated=False, epoch=0, kind=CheckpointKind.SCHEDULED)
+    book.note_staged(2, 20, meta)
+    book.add_event({"event": "restore", "source": "storage", "step": 20, "seconds": 0.2, "generation": 3})
+    assert [r["source"] for r in book.restart_rows()] == ["memory", "storage"]
+    assert book.restart_rows()[1]["lost_steps"] == 0 and book.goodput.progress_steps() == 20
     import threading
 
     book.save(threading.RLock())
     df = report.load_restarts(storage)
-    assert df["lost_steps"].tolist() == [5] and df["source"].tolist() == ["memory"]
+    assert df["lost_steps"].tolist() == [5, 0] and df["source"].tolist() == ["memory", "storage"]
     assert list(df.columns) == list(report.RESTART_COLUMNS)
     assert len(report.load_restarts(FsStorage.from_uri(str(tmp_path / "none")))) == 0
 
@@ -111,27 +144,42 @@ def test_goodput_metrics_is_a_no_op_outside_ray(monkeypatch):
 # -- for real: Ray's metrics endpoint -----------------------------------------------------------------
 
 _DRIVER = textwrap.dedent("""
-    import json, sys, time, urllib.request
+    import json, sys, threading, time, urllib.request
     import ray
     from cf_ray import demo, report
     port, root, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING",
              _metrics_export_port=port)
+    # Ray's metrics agent drops a process's series once the process is gone, and the controller
+    # exits after the run (CF_RAY_CONTROLLER_LINGER_S): scrape during the run and after it, and keep
+    # the newest line of every cf_ray series seen.
+    seen, done = {}, threading.Event()
+    wanted = ("cf_ray_recovery_seconds", "cf_ray_effective_training_ratio", "cf_ray_restart_lost_steps",
+              "cf_ray_restore_seconds", "cf_ray_restarts")
+    def scrape():
+        while not done.is_set():
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            except OSError as e:
+                seen["unreachable"] = f"# unreachable: {e}"
+                text = ""
+            for ln in text.splitlines():
+                if "cf_ray_" in ln and not ln.startswith("#"):
+                    seen[ln.rsplit(" ", 1)[0]] = ln
+            done.wait(1.0)
+    thread = threading.Thread(target=scrape, daemon=True)
+    thread.start()
     cfg = {"samples": 202, "epochs": 2, "batch_size": 8, "hidden": 32, "depth": 1, "interval": 5,
            "kill_at": 12, "restore_from": "memory", "kill_after_handoff": True}
     demo.run("goodput", root, cfg)
-    text, deadline = "", time.time() + 60
-    while time.time() < deadline:
-        try:
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        except OSError as e:
-            text = f"# unreachable: {e}"
-        if "cf_ray_recovery_seconds" in text and "cf_ray_effective_training_ratio" in text:
-            break
-        time.sleep(2)
+    deadline = time.time() + 60
+    while time.time() < deadline and not all(any(w in k for k in seen) for w in wanted):
+        time.sleep(1)
+    done.set()
+    thread.join()
     restarts = report.read_run_restarts(f"{root}/storage", "goodput").to_dict("records")
-    json.dump({"metrics": [ln for ln in text.splitlines() if "cf_ray_" in ln or "unreachable" in ln],
-               "restarts": restarts}, open(out, "w"), default=str)
+    json.dump({"metrics": sorted(seen.values()), "restarts": restarts,
+               "events": json.load(open(f"{root}/out/goodput/result.json"))["events"]}, open(out, "w"), default=str)
 """)
 
 
@@ -152,12 +200,17 @@ def test_goodput_is_exported_to_rays_metrics_endpoint(tmp_path):
     for mod in ("aiohttp", "prometheus_client", "opencensus"):
         pytest.importorskip(mod, reason="Ray's Prometheus endpoint needs ray[default] (its metrics agent)")
     port, out = _free_port(), tmp_path / "goodput.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), os.getcwd()) if p))
+    # The controller lingers long enough after the run for Ray to export what it recorded last.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), os.getcwd()) if p),
+               CF_RAY_CONTROLLER_LINGER_S="30")
     subprocess.run([sys.executable, "-c", _DRIVER, str(port), str(tmp_path), str(out)], check=True, timeout=400,
                    env=env)
     got = json.load(open(out))
     lines = got["metrics"]
+    restores = [e for e in got["events"] if e.get("event") == "restore"]
+    assert [e["source"] for e in restores] == ["fresh", "memory"], got["events"]  # the start, then one restart
     (restart,) = got["restarts"]
+    assert restart["generation"] == restores[1]["generation"]
     assert restart["source"] == "memory" and restart["restored_step"] == 10
     lost = _values(lines, "cf_ray_restart_lost_steps")
     assert lost and lost[0] >= 0 and lost[0] == int(restart["lost_steps"]), lines

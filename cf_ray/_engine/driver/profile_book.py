@@ -166,13 +166,14 @@ class Restart:
     restore_s: float
     """Seconds the restore took (rank 0's measure)."""
     lost_steps: int
-    """Steps of the previous timeline redone: the newest step any rank reported since the previous
-    restore, minus ``restored_step`` (at least 0)."""
+    """Steps of the previous timeline redone: the newest step the controller saw reached since the
+    previous restore (a rank's sample or a staged snapshot), minus ``restored_step`` (at least 0)."""
     lost_s: float | None
     """``lost_steps`` times the run's mean iteration time (``None`` before any iteration time)."""
     failure_unix: float | None
-    """The best estimate of the failure time the controller has: when the newest sample of any rank
-    reached it before the restore (a failure happens after it, within one sync period)."""
+    """The best estimate of the failure time the controller has: the newest sign of life of the
+    previous attempt before the restore — a sample or a staged snapshot reaching it, else that
+    attempt's own restore (the failure happened after it)."""
     restored_unix: float
     """When the restore was reported."""
     resumed_unix: float | None = None
@@ -189,13 +190,19 @@ class Goodput:
 
     * mean iteration time: the ``iters``-weighted mean of every sample's ``iter_s`` (checkpoint
       stalls excluded, as the workers measure it);
-    * progress: the newest step reached on the current timeline minus the step the run started from
-      (the first attempt's restored step, or where the first sample's iterations began);
+    * progress: the newest step reached on the current timeline (a sample's step, or a staged
+      snapshot's) minus the step the run started from (the first attempt's restored step, or where
+      the first sample's iterations began);
     * useful seconds: progress times the mean iteration time — each step that survives counts once,
       steps redone after a restart count once, the stalls, restores and lost work not at all;
     * wall seconds: from the start of the run's first iteration (the first sample's arrival less
-      the iterations it covers) to the newest sample's arrival;
+      the iterations it covers; when the first attempt ended before any of its samples arrived,
+      its restore) to the newest sample or staged snapshot;
     * effective training time ratio: useful seconds / wall seconds, clipped to [0, 1].
+
+    The first restore this object sees is the run's start, whatever reached the controller before
+    it; every later one is a restart (an attempt may fail before its first sample is sent: its
+    restart still counts, with the work lost that the controller saw).
 
     Args:
         max_restarts: how many restarts are kept (the newest).
@@ -210,7 +217,15 @@ class Goodput:
         self._first_unix: float | None = None
         """When the run's first iteration started (estimated)."""
         self._last_unix: float | None = None
-        """When the newest sample arrived."""
+        """When the newest sample or staged snapshot arrived."""
+        self._started = False
+        """Whether the run's start (its first restore, or a sample before any) was seen."""
+        self._start_unix: float | None = None
+        """When the run's first attempt restored (its start)."""
+        self._attempt_unix: float | None = None
+        """When the current attempt restored: a sign of life when nothing newer came from it."""
+        self._generation: int | None = None
+        """The generation of the newest restore: staged snapshots of older ones are late news."""
         self._iter_total_s = 0.0
         self._iters = 0
         self._pending: Restart | None = None
@@ -225,12 +240,12 @@ class Goodput:
         """A rank's sample; returns the pending restart when this sample is its first resumed iteration."""
         step, iters = int(step), int(iters)
         timed = iters > 0 and iter_s > 0
+        self._started = True
         if self._first_unix is None:
             self._first_unix = now_unix - (iters * iter_s if timed else 0.0)
             if self._start_step is None:
                 self._start_step = max(0, step - max(iters, 0))
-        self._last_unix = now_unix if self._last_unix is None else max(self._last_unix, now_unix)
-        self._reached_step = step if self._reached_step is None else max(self._reached_step, step)
+        self._seen(step, now_unix)
         if timed:
             self._iter_total_s += iters * iter_s
             self._iters += iters
@@ -244,20 +259,38 @@ class Goodput:
             resumed.recovery_s = max(0.0, resumed.resumed_unix - resumed.failure_unix)
         return resumed
 
+    def on_progress(self, generation: int, step: int, now_unix: float) -> None:
+        """A snapshot of ``step`` was staged: the run reached it (no timing; the samples may not
+        have arrived yet, e.g. when an attempt fails before its first sync). Snapshots of an
+        earlier generation than the newest restore's are late news of an ended timeline: ignored."""
+        if self._generation is not None and int(generation) < self._generation:
+            return
+        self._seen(int(step), now_unix)
+
+    def _seen(self, step: int, now_unix: float) -> None:
+        self._last_unix = now_unix if self._last_unix is None else max(self._last_unix, now_unix)
+        self._reached_step = step if self._reached_step is None else max(self._reached_step, step)
+
     def on_restore(self, *, generation: int, source: str, step: int, restore_s: float,
                    now_unix: float) -> Restart | None:
         """An attempt restored ``step``; returns the restart it makes (``None`` for the run's start:
-        no iteration was reported before it)."""
-        step = int(step)
-        if self._last_unix is None:  # nothing ran yet: where the run starts
-            self._start_step = step
-            self._reached_step = step
+        the first restore, unless samples came before it)."""
+        step, previous_attempt_unix = int(step), self._attempt_unix
+        self._generation = max(int(generation), self._generation or 0)
+        self._attempt_unix = now_unix
+        if not self._started:  # where the run starts
+            self._started = True
+            self._start_step = self._reached_step = step
+            self._start_unix = now_unix
             return None
+        if self._first_unix is None:  # the first attempt ended before its first sample came
+            self._first_unix = self._start_unix if self._start_unix is not None else previous_attempt_unix
         lost = max(0, (self._reached_step if self._reached_step is not None else step) - step)
         mean = self.mean_iter_s()
+        alive = [t for t in (self._last_unix, previous_attempt_unix) if t is not None]
         restart = Restart(generation=int(generation), source=str(source), restored_step=step,
                           restore_s=float(restore_s or 0.0), lost_steps=lost,
-                          lost_s=None if mean is None else lost * mean, failure_unix=self._last_unix,
+                          lost_s=None if mean is None else lost * mean, failure_unix=max(alive, default=None),
                           restored_unix=now_unix)
         self.lost_steps_total += lost
         self.lost_s_total += restart.lost_s or 0.0
@@ -372,6 +405,10 @@ class ProfileBook:
             row.setdefault("_rank_bytes", {})[rank] = stats["nbytes"]
 
     def note_staged(self, generation: int, step: int, meta: SnapshotMeta) -> None:
+        try:
+            self.goodput.on_progress(generation, step, time.time())
+        except Exception:  # noqa: BLE001 - goodput is a report, never a reason to fail
+            logger.debug("cf_ray: goodput bookkeeping failed", exc_info=True)
         row = self.row(generation, step)
         row.update(epoch=meta.epoch, kind=CheckpointKind(meta.kind).value, milestone=meta.milestone,
                    interval=meta.interval, world_size=meta.world_size)

@@ -53,7 +53,7 @@ class ControlPlane:
     def __init__(self, rank: int, world_size: int):
         self.rank = rank
         self.world_size = world_size
-        self._group = None
+        self._group: dist.ProcessGroup | None = None
         self._work = None
         self._buf: torch.Tensor | None = None
         if world_size > 1:
@@ -62,7 +62,10 @@ class ControlPlane:
                     "cf_ray needs torch.distributed initialised when world_size > 1 "
                     "(TorchTrainer does this before train_loop_per_worker runs)")
             # A gloo group of our own: works beside NCCL and keeps our collectives out of DDP's way.
-            self._group = dist.new_group(backend="gloo")
+            group = dist.new_group(backend="gloo")
+            # Every rank is a member of this group, so never the NON_GROUP_MEMBER sentinel (an int).
+            assert not isinstance(group, int)
+            self._group = group
 
     def exchange(self, *, schedule_version: int, save_request: RequestLevel, committed_step: int,
                  register: bool, durability_lost: bool = False) -> Agreement | None:
@@ -77,6 +80,7 @@ class ControlPlane:
         previous = None
         if self._work is not None:
             self._work.wait()
+            assert self._buf is not None  # posted together with self._work
             previous = _agreement(self._decode(self._buf))
         buf = torch.tensor([(-v if i in _NEGATED else v) for i, v in enumerate(local)], dtype=torch.int64)
         self._buf = buf

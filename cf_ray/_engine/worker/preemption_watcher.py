@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+import ray.train
 
 from cf_ray._engine import env as _env
 from cf_ray.config import PreemptionConfig
@@ -242,6 +243,7 @@ class PreemptionWatcher:
         if notice.source == "sigterm" and self.config.sigterm_exit and self._sigterm.mode != "off":
             self._sigterm.redeliver()
             # The process is ending; a step taken now would be lost. Hold until it does (or the deadline).
+            assert notice.deadline_unix is not None  # a SIGTERM notice always carries one (see _on_sigterm)
             self._sleep_until(notice.deadline_unix + self.config.hold_extra_s, outcome)
             return
         if self.config.hold and notice.deadline_unix is not None:
@@ -347,6 +349,7 @@ class _SigtermHook:
         return prev
 
     def _read_wakeups(self) -> None:
+        assert self._pipe is not None  # the reader thread is started only once the pipe exists
         r = self._pipe[0]
         while True:
             try:
@@ -368,12 +371,14 @@ class _SigtermHook:
         if self.mode == "main":
             _main_redeliver(None, self._token)
         elif self.mode == "actor":
+            assert self._actor is not None  # mode "actor" is set only once the actor is known
             self._actor.__ray_call__.remote(_main_redeliver, self._token)
 
     def close(self) -> None:
         if self.mode == "main":
             self._uninstall_on_main()
         elif self.mode == "actor" and self._installed_on_main:
+            assert self._actor is not None  # mode "actor" is set only once the actor is known
             try:
                 ray.get(self._actor.__ray_call__.remote(_main_uninstall, self._token), timeout=10)
             except Exception as e:  # noqa: BLE001

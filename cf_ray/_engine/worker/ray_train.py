@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import ray
+import ray.train
 import torch
 
 from cf_ray._engine import env as _env

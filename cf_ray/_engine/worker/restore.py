@@ -32,6 +32,7 @@ from typing import Any, cast
 import numpy as np
 import ray
 import ray.exceptions
+import ray.train
 
 from cf_ray._engine import env as _env
 from cf_ray._engine.driver.messages import MemorySnapshot, Restored, RestorePlan, RestoreSource

@@ -283,7 +283,9 @@ class Snapshotter:
                 dst = arena.dst(entry)
                 if entry.kind == "numpy":
                     dst.numpy()[:] = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
-                elif is_guarded(leaf):
+                    continue
+                assert isinstance(leaf, torch.Tensor)  # the codec gives torch tensors kind "torch"
+                if is_guarded(leaf):
                     deferred.append((dst, leaf))
                 elif leaf.is_cuda:
                     # Ordered before the next forward on the compute stream, so no race with it.
