@@ -84,28 +84,71 @@ _MiB = 1024 * 1024
 PRESETS: dict[str, dict[str, Any]] = {
     # Must finish in < 4 min on 2 cores: a smaller model, k = 10 for every variant (k = 1 for cf_ray
     # only), one round with the baseline first and last, a reduced second setting.
-    "quick": dict(width=1024, layers=6, batch=32, iters=60, warmup=5, rounds=1, workers=[2, 1],
-                  matrix={"none": [0], "ray_sync": [10], "ray_async": [10], "dcp_async": [10],
-                          "cf_fixed": [1, 10], "cf_auto": [0]},
-                  matrix_w1={"none": [0], "ray_sync": [10], "ray_async": [10], "dcp_async": [10],
-                             "cf_fixed": [10], "cf_auto": [0]},
-                  large_width=2048, large_layers=6, large_batch=8, rec_every=2, rec_kill_step=5,
-                  budget_s=240),
+    "quick": dict(
+        width=1024,
+        layers=6,
+        batch=32,
+        iters=60,
+        warmup=5,
+        rounds=1,
+        workers=[2, 1],
+        matrix={
+            "none": [0],
+            "ray_sync": [10],
+            "ray_async": [10],
+            "dcp_async": [10],
+            "cf_fixed": [1, 10],
+            "cf_auto": [0],
+        },
+        matrix_w1={
+            "none": [0],
+            "ray_sync": [10],
+            "ray_async": [10],
+            "dcp_async": [10],
+            "cf_fixed": [10],
+            "cf_auto": [0],
+        },
+        large_width=2048,
+        large_layers=6,
+        large_batch=8,
+        rec_every=2,
+        rec_kill_step=5,
+        budget_s=240,
+    ),
     # The reference job of the issue: 6 x Linear(2048, 2048) + Adam (~302 MB of state), k in {1, 10, 50}.
     # One round (the baseline opens and closes it, so drift shows) of 100 iterations per segment:
     # ~40 min on 2 cores; --rounds 2 --iters 150 for tighter figures (~1.5 h).
-    "full": dict(width=2048, layers=6, batch=32, iters=100, warmup=5, rounds=1, workers=[2, 1],
-                 matrix={"none": [0], "ray_sync": [1, 10, 50], "ray_async": [1, 10, 50],
-                         "dcp_async": [1, 10, 50], "cf_fixed": [1, 10, 50], "cf_auto": [0]},
-                 matrix_w1=None,
-                 large_width=2048, large_layers=20, large_batch=8, rec_every=5, rec_kill_step=14,
-                 budget_s=None),
+    "full": dict(
+        width=2048,
+        layers=6,
+        batch=32,
+        iters=100,
+        warmup=5,
+        rounds=1,
+        workers=[2, 1],
+        matrix={
+            "none": [0],
+            "ray_sync": [1, 10, 50],
+            "ray_async": [1, 10, 50],
+            "dcp_async": [1, 10, 50],
+            "cf_fixed": [1, 10, 50],
+            "cf_auto": [0],
+        },
+        matrix_w1=None,
+        large_width=2048,
+        large_layers=20,
+        large_batch=8,
+        rec_every=5,
+        rec_kill_step=14,
+        budget_s=None,
+    ),
 }
 
 
 # ================================================================================================
 # Worker side (runs inside TorchTrainer workers)
 # ================================================================================================
+
 
 class _MemMonitor:
     """Samples this process's resident memory on a thread; ``peak`` since the last ``reset``."""
@@ -294,8 +337,12 @@ class _RaySave:
         # Every report carrying a checkpoint is committed once drain() returned. Bytes: the
         # torch.save file in the temporary directory plus Ray's copy of it into storage.
         written = 2 * self.ckpt_bytes * self.n if self.rank == 0 else 0
-        return {"checkpoints_taken": self.n, "checkpoints_committed": self.n, "bytes_written": written,
-                "ckpt_bytes": self.ckpt_bytes if self.rank == 0 else 0}
+        return {
+            "checkpoints_taken": self.n,
+            "checkpoints_committed": self.n,
+            "bytes_written": written,
+            "ckpt_bytes": self.ckpt_bytes if self.rank == 0 else 0,
+        }
 
 
 class _DcpSave:
@@ -345,8 +392,9 @@ class _DcpSave:
         model_sd, optim_sd = get_state_dict(self.model, self.opt)
         path = os.path.join(self.root, f"step_{step:08d}")
         self.pending_dir = path
-        self.future = dcp.async_save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path,
-                                     process_group=self.pg)
+        self.future = dcp.async_save(
+            {"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path, process_group=self.pg
+        )
         self.n += 1
         return time.perf_counter() - t0
 
@@ -357,9 +405,12 @@ class _DcpSave:
         if self.rank == 0:
             for d in self.done_dirs:
                 self._account(d)
-        return {"checkpoints_taken": self.n, "checkpoints_committed": self.committed,
-                "bytes_written": self.bytes_written if self.rank == 0 else 0,
-                "ckpt_bytes": self.ckpt_bytes if self.rank == 0 else 0}
+        return {
+            "checkpoints_taken": self.n,
+            "checkpoints_committed": self.committed,
+            "bytes_written": self.bytes_written if self.rank == 0 else 0,
+            "ckpt_bytes": self.ckpt_bytes if self.rank == 0 else 0,
+        }
 
 
 def _actor_cpu(_actor) -> float:
@@ -377,8 +428,14 @@ class _CfSave:
 
         self.rank = rank
         self.storage_path, self.run_name = storage_path, run_name
-        cfg = cf_ray.CheckpointConfig(policy=policy, keep_last=2, storage_path=storage_path, run_name=run_name,
-                                      final_model=None, register_with_ray=register)
+        cfg = cf_ray.CheckpointConfig(
+            policy=policy,
+            keep_last=2,
+            storage_path=storage_path,
+            run_name=run_name,
+            final_model=None,
+            register_with_ray=register,
+        )
         self.ckpt = cf_ray.Checkpointer({"model": model, "optimizer": opt}, config=cfg)
         self.resume = self.ckpt.restore()
         self.actors_cpu0 = self._actors_cpu() if rank == 0 else None
@@ -416,8 +473,11 @@ class _CfSave:
 
     def finish(self) -> dict:
         c = self.ckpt
-        return {"checkpoints_taken": c.checkpoints_taken, "stall_s_total": c.stall_s_total,
-                "resume_source": self.resume.source}
+        return {
+            "checkpoints_taken": c.checkpoints_taken,
+            "stall_s_total": c.stall_s_total,
+            "resume_source": self.resume.source,
+        }
 
 
 def _bench_loop(cfg: dict) -> None:
@@ -464,8 +524,10 @@ def _run_segments(cfg: dict, ctx, t_loop: float) -> None:
     model = ray.train.torch.prepare_model(_build_model(cfg["width"], cfg["layers"]))
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(cfg["seed"] + 1 + rank)
-    batches = [(torch.randn(cfg["batch"], cfg["width"], generator=gen),
-                torch.randn(cfg["batch"], cfg["width"], generator=gen)) for _ in range(4)]
+    batches = [
+        (torch.randn(cfg["batch"], cfg["width"], generator=gen), torch.randn(cfg["batch"], cfg["width"], generator=gen))
+        for _ in range(4)
+    ]
 
     def forward_backward(i: int) -> None:
         x, y = batches[i % len(batches)]
@@ -476,8 +538,9 @@ def _run_segments(cfg: dict, ctx, t_loop: float) -> None:
         opt.step()
         opt.zero_grad()
     state_bytes = _state_bytes(model, opt)
-    dcp_pg = dist.new_group(backend="gloo") if any(s["variant"] == "dcp_async" for s in cfg["plan"]) \
-        and world > 1 else None
+    dcp_pg = (
+        dist.new_group(backend="gloo") if any(s["variant"] == "dcp_async" for s in cfg["plan"]) and world > 1 else None
+    )
     out_dir = cfg["out_dir"]
     auto_k = None  # the interval Adaptive chose in the latest cf_auto segment (the same on every rank)
     for seg in cfg["plan"]:
@@ -502,8 +565,11 @@ def _run_segments(cfg: dict, ctx, t_loop: float) -> None:
         elif variant == "dcp_async":
             saver = _DcpSave(k, model, opt, rank, os.path.join(exp_path, name, "dcp"), dcp_pg)
         elif variant in ("cf_fixed", "cf_auto"):
-            policy = cf_ray.FixedInterval(every=k) if variant == "cf_fixed" else \
-                cf_ray.Adaptive(budget_pct=cfg.get("budget_pct", 5.0))
+            policy = (
+                cf_ray.FixedInterval(every=k)
+                if variant == "cf_fixed"
+                else cf_ray.Adaptive(budget_pct=cfg.get("budget_pct", 5.0))
+            )
             saver = _CfSave(policy, model, opt, rank, exp_path, name, register=cfg["cf_register"])
         else:
             raise ValueError(f"unknown variant {variant!r}")
@@ -529,14 +595,31 @@ def _run_segments(cfg: dict, ctx, t_loop: float) -> None:
         t_drain = time.perf_counter()
         saver.drain()
         drain_s = time.perf_counter() - t_drain
-        rec: dict[str, Any] = {"segment": name, "variant": variant, "k": k, "round": seg["round"], "rank": rank,
-                               "world_size": world, "probe": seg.get("probe"), "steady_from": steady_from,
-                               "iter_s": times, "stall_s": stalls, "loop_s": loop_s,
-                               "drain_s": drain_s, "setup_s": setup_s, "state_bytes": state_bytes,
-                               "rss_before_model": rss_before_model, "anon_before_model": anon_before_model,
-                               "rss_start": rss_start, "anon_start": anon_start, "shmem_start": shmem_start,
-                               "wall_start": wall_start, "loop_entered": t_loop, "cpu_s": cpu_s,
-                               "train_thread_cpu_s": thread_cpu_s}
+        rec: dict[str, Any] = {
+            "segment": name,
+            "variant": variant,
+            "k": k,
+            "round": seg["round"],
+            "rank": rank,
+            "world_size": world,
+            "probe": seg.get("probe"),
+            "steady_from": steady_from,
+            "iter_s": times,
+            "stall_s": stalls,
+            "loop_s": loop_s,
+            "drain_s": drain_s,
+            "setup_s": setup_s,
+            "state_bytes": state_bytes,
+            "rss_before_model": rss_before_model,
+            "anon_before_model": anon_before_model,
+            "rss_start": rss_start,
+            "anon_start": anon_start,
+            "shmem_start": shmem_start,
+            "wall_start": wall_start,
+            "loop_entered": t_loop,
+            "cpu_s": cpu_s,
+            "train_thread_cpu_s": thread_cpu_s,
+        }
         if saver.uses_checkpointer:
             _barrier()  # every rank's wait() has sent its last timing sample to the controller
             if rank == 0:
@@ -578,15 +661,24 @@ def _recovery(cfg: dict, ctx, t_attempt: float) -> None:
     model = ray.train.torch.prepare_model(_build_model(cfg["width"], cfg["layers"]))
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(cfg["seed"] + 1 + rank)
-    x, y = torch.randn(cfg["batch"], cfg["width"], generator=gen), torch.randn(cfg["batch"], cfg["width"], generator=gen)
+    x, y = (
+        torch.randn(cfg["batch"], cfg["width"], generator=gen),
+        torch.randn(cfg["batch"], cfg["width"], generator=gen),
+    )
     k, kill_step = cfg["every"], cfg["kill_step"]
     for source in ("memory", "storage"):
         info = state.get(source, {})
         if info.get("done"):
             continue
-        conf = cf_ray.CheckpointConfig(policy=cf_ray.FixedInterval(every=k), keep_last=2, storage_path=exp_path,
-                                       run_name=f"recovery-{source}", restore_from=source, final_model=None,
-                                       register_with_ray=False)
+        conf = cf_ray.CheckpointConfig(
+            policy=cf_ray.FixedInterval(every=k),
+            keep_last=2,
+            storage_path=exp_path,
+            run_name=f"recovery-{source}",
+            restore_from=source,
+            final_model=None,
+            register_with_ray=False,
+        )
         t_ckpt = time.time()
         ckpt = cf_ray.Checkpointer({"model": model, "optimizer": opt}, config=conf)
         t_restore = time.time()
@@ -605,17 +697,31 @@ def _recovery(cfg: dict, ctx, t_attempt: float) -> None:
                 ckpt.wait()  # the last interval's checkpoint is durable: memory and storage hold the same step
         if not resumed:
             if rank == world - 1:
-                state[source] = {"killed": True, "kill_time": time.time(), "kill_step": ckpt.step_count,
-                                 "interval": k, "state_bytes": _state_bytes(model, opt), "killed_rank": rank}
+                state[source] = {
+                    "killed": True,
+                    "kill_time": time.time(),
+                    "kill_step": ckpt.step_count,
+                    "interval": k,
+                    "state_bytes": _state_bytes(model, opt),
+                    "killed_rank": rank,
+                }
                 _write_json(state_file, state)
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(600)  # the other ranks: blocked until Ray Train tears the group down
             return
         ckpt.finish()
-        mine = {"attempt_start": t_attempt, "model_start": t_model, "checkpointer_start": t_ckpt,
-                "restore_start": t_restore, "restore_end": t_restored, "first_iteration_end": first_done,
-                "resume_source": resume.source, "resume_step": resume.step, "resume_seconds": resume.seconds,
-                "generation": resume.generation}
+        mine = {
+            "attempt_start": t_attempt,
+            "model_start": t_model,
+            "checkpointer_start": t_ckpt,
+            "restore_start": t_restore,
+            "restore_end": t_restored,
+            "first_iteration_end": first_done,
+            "resume_source": resume.source,
+            "resume_step": resume.step,
+            "resume_seconds": resume.seconds,
+            "generation": resume.generation,
+        }
         _write_json(os.path.join(cfg["out_dir"], f"recovery-{source}.rank{rank}.json"), mine)
         _barrier()
         if rank == 0:
@@ -629,6 +735,7 @@ def _recovery(cfg: dict, ctx, t_attempt: float) -> None:
 # ================================================================================================
 # Driver side
 # ================================================================================================
+
 
 def measure_limits(directory: Path, nbytes: int) -> dict:
     """Host memcpy (one thread), storage write+fsync and CRC-32 bandwidths, in GB/s (1e9 B/s)."""
@@ -676,7 +783,7 @@ def measure_limits(directory: Path, nbytes: int) -> dict:
             while left > 0:
                 mv = memoryview(chunk)[: min(left, chunk.nbytes)]
                 while mv.nbytes:
-                    mv = mv[os.write(fd, mv):]
+                    mv = mv[os.write(fd, mv) :]
                 left -= min(left, chunk.nbytes)
             os.fsync(fd)
         finally:
@@ -684,9 +791,13 @@ def measure_limits(directory: Path, nbytes: int) -> dict:
         write.append(nbytes / (time.perf_counter() - t0) / 1e9)
         path.unlink()
     return {
-        "memcpy_gbps": statistics.median(memcpy), "memcpy_gbps_best": max(memcpy), "memcpy_test_bytes": n,
-        "storage_write_fsync_gbps": statistics.median(write), "storage_write_fsync_gbps_best": max(write),
-        "storage_test_bytes": nbytes, "storage_path": str(directory),
+        "memcpy_gbps": statistics.median(memcpy),
+        "memcpy_gbps_best": max(memcpy),
+        "memcpy_test_bytes": n,
+        "storage_write_fsync_gbps": statistics.median(write),
+        "storage_write_fsync_gbps_best": max(write),
+        "storage_test_bytes": nbytes,
+        "storage_path": str(directory),
         "crc32_gbps": statistics.median(crc),
         "first_touch_gbps": statistics.median(touch),
         "note": "medians of 5 (memcpy), 3 (storage, crc32) runs; GB = 1e9 bytes; one thread",
@@ -712,8 +823,16 @@ def _plan(matrix: dict[str, list[int]], rounds: int, iters: int, setting: str) -
         seq = [("none", 0, None)] + order + [("none", 0, None)] if "none" in matrix else order
         for j, (v, k, probe) in enumerate(seq):
             tag = "" if probe is None else ("-auto" if probe == 0 else "-auto-1")
-            plan.append({"name": f"{setting}-r{r}-{j:02d}-{v}" + (f"-k{k}" if k else "") + tag, "variant": v,
-                         "k": k, "round": r, "iters": iters, "probe": probe})
+            plan.append(
+                {
+                    "name": f"{setting}-r{r}-{j:02d}-{v}" + (f"-k{k}" if k else "") + tag,
+                    "variant": v,
+                    "k": k,
+                    "round": r,
+                    "iters": iters,
+                    "probe": probe,
+                }
+            )
     return plan
 
 
@@ -733,17 +852,20 @@ def _ray_env() -> dict[str, str]:
     }
 
 
-def _fit(loop, cfg: dict, workers: int, name: str, storage: Path, max_failures: int = 0,
-         num_to_keep: int | None = 2):
+def _fit(loop, cfg: dict, workers: int, name: str, storage: Path, max_failures: int = 0, num_to_keep: int | None = 2):
     import ray.train
     from ray.train.torch import TorchTrainer
 
     trainer = TorchTrainer(
-        loop, train_loop_config=cfg,
+        loop,
+        train_loop_config=cfg,
         scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 1}),
-        run_config=ray.train.RunConfig(name=name, storage_path=str(storage),
-                                       checkpoint_config=ray.train.CheckpointConfig(num_to_keep=num_to_keep),
-                                       failure_config=ray.train.FailureConfig(max_failures=max_failures)),
+        run_config=ray.train.RunConfig(
+            name=name,
+            storage_path=str(storage),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=num_to_keep),
+            failure_config=ray.train.FailureConfig(max_failures=max_failures),
+        ),
     )
     return trainer.fit()
 
@@ -771,12 +893,12 @@ def _read_profile_from_storage(storage_path: str, run_name: str) -> list[dict] |
 def _stats(xs: list[float]) -> dict:
     if not xs:
         return {"n": 0}
-    return {"n": len(xs), "median": statistics.median(xs), "min": min(xs), "max": max(xs),
-            "mean": statistics.fmean(xs)}
+    return {"n": len(xs), "median": statistics.median(xs), "min": min(xs), "max": max(xs), "mean": statistics.fmean(xs)}
 
 
-def _aggregate_setting(setting: str, workers: int, desc: str, seg_dir: Path, plan: list[dict],
-                       storage_path: str) -> tuple[list[dict], dict]:
+def _aggregate_setting(
+    setting: str, workers: int, desc: str, seg_dir: Path, plan: list[dict], storage_path: str
+) -> tuple[list[dict], dict]:
     """One object per (variant, k) of this setting, from the segments' per-rank JSON files."""
     recs: dict[str, list[dict]] = {}
     for seg in plan:
@@ -789,8 +911,11 @@ def _aggregate_setting(setting: str, workers: int, desc: str, seg_dir: Path, pla
             recs[seg["name"]] = ranks
     # Probe segments' k is resolved at run time (the interval Adaptive chose); they only measure
     # their steady state: the iterations from their first checkpoint on.
-    plan = [dict(s, k=recs[s["name"]][0]["k"]) if s.get("probe") is not None else s
-            for s in plan if s.get("probe") is None or s["name"] in recs]
+    plan = [
+        dict(s, k=recs[s["name"]][0]["k"]) if s.get("probe") is not None else s
+        for s in plan
+        if s.get("probe") is None or s["name"] in recs
+    ]
     base_segs = [recs[s["name"]] for s in plan if s["variant"] == "none" and s["name"] in recs]
     base_times = [t for ranks in base_segs for t in ranks[0]["iter_s"]]
     base_mean = statistics.fmean(base_times) if base_times else float("nan")
@@ -809,11 +934,14 @@ def _aggregate_setting(setting: str, workers: int, desc: str, seg_dir: Path, pla
             keys.append(key)
 
     def timed(rec: dict) -> list[float]:
-        return rec["iter_s"][rec.get("steady_from") or 0:]
+        return rec["iter_s"][rec.get("steady_from") or 0 :]
 
     for variant, k, probe in keys:
-        segs = [(s, recs[s["name"]]) for s in plan
-                if (s["variant"], s["k"], s.get("probe")) == (variant, k, probe) and s["name"] in recs]
+        segs = [
+            (s, recs[s["name"]])
+            for s in plan
+            if (s["variant"], s["k"], s.get("probe")) == (variant, k, probe) and s["name"] in recs
+        ]
         if not segs:
             continue
         times = [t for _, ranks in segs for t in timed(ranks[0])]
@@ -823,24 +951,35 @@ def _aggregate_setting(setting: str, workers: int, desc: str, seg_dir: Path, pla
         drain = sum(ranks[0]["drain_s"] for _, ranks in segs)
         obj: dict[str, Any] = {
             "id": f"{setting}/{variant}" + (f"/k{k}" if k else "") + ("" if probe is None else _PROBE_TAG[probe]),
-            "setting": setting, "workers": workers, "setting_desc": desc, "variant": variant,
-            "label": LABELS[variant] + ("" if probe is None else _PROBE_LABEL[probe]), "k": k or None,
+            "setting": setting,
+            "workers": workers,
+            "setting_desc": desc,
+            "variant": variant,
+            "label": LABELS[variant] + ("" if probe is None else _PROBE_LABEL[probe]),
+            "k": k or None,
             "probe": probe,
-            "rounds": len(segs), "iterations": n,
-            "iter_median_s": statistics.median(times), "iter_min_s": min(times), "iter_max_s": max(times),
+            "rounds": len(segs),
+            "iterations": n,
+            "iter_median_s": statistics.median(times),
+            "iter_min_s": min(times),
+            "iter_max_s": max(times),
             "iter_mean_s": mean,
             "overhead_pct": 100.0 * (mean / base_mean - 1.0),
             "overhead_incl_drain_pct": 100.0 * ((sum(times) + drain) / n / base_mean - 1.0),
-            "overhead_pct_per_round": [100.0 * (statistics.fmean(timed(ranks[0])) /
-                                                base_round_mean.get(s["round"], base_mean) - 1.0)
-                                       for s, ranks in segs],
+            "overhead_pct_per_round": [
+                100.0 * (statistics.fmean(timed(ranks[0])) / base_round_mean.get(s["round"], base_mean) - 1.0)
+                for s, ranks in segs
+            ],
             "iter_mean_s_per_round": [statistics.fmean(timed(ranks[0])) for _, ranks in segs],
-            "drain_s": drain / len(segs), "setup_s": statistics.fmean(r[0]["setup_s"] for _, r in segs),
+            "drain_s": drain / len(segs),
+            "setup_s": statistics.fmean(r[0]["setup_s"] for _, r in segs),
             # CPU time is far less sensitive than wall time to other jobs on the machine.
-            "worker_cpu_ms_per_iter": [1e3 * sum(r[w]["cpu_s"] for _, r in segs) / n_all
-                                       for w in range(len(segs[0][1]))],
-            "train_thread_cpu_ms_per_iter": [1e3 * sum(r[w]["train_thread_cpu_s"] for _, r in segs) / n_all
-                                             for w in range(len(segs[0][1]))],
+            "worker_cpu_ms_per_iter": [
+                1e3 * sum(r[w]["cpu_s"] for _, r in segs) / n_all for w in range(len(segs[0][1]))
+            ],
+            "train_thread_cpu_ms_per_iter": [
+                1e3 * sum(r[w]["train_thread_cpu_s"] for _, r in segs) / n_all for w in range(len(segs[0][1]))
+            ],
             "state_bytes": state_bytes,
             "segments": [s["name"] for s, _ in segs],
         }
@@ -886,8 +1025,12 @@ def _aggregate_setting(setting: str, workers: int, desc: str, seg_dir: Path, pla
                 obj.setdefault("schedules", []).append(summ.get("schedules"))
                 if variant == "cf_auto":  # why the policy chose each interval (its explain())
                     obj.setdefault("interval_events", []).append(
-                        [{k: e.get(k) for k in ("previous", "interval", "why")} for e in summ.get("events", [])
-                         if e.get("event") == "interval"])
+                        [
+                            {k: e.get(k) for k in ("previous", "interval", "why")}
+                            for e in summ.get("events", [])
+                            if e.get("event") == "interval"
+                        ]
+                    )
             acpu = [(r[0].get("controller_summary") or {}).get("actors_cpu_s") for _, r in segs]
             if all(a is not None for a in acpu):
                 obj["cf_actors_cpu_ms_per_iter"] = 1e3 * sum(acpu) / n_all
@@ -896,12 +1039,15 @@ def _aggregate_setting(setting: str, workers: int, desc: str, seg_dir: Path, pla
             written = sum(int(r.get("bytes") or 0) for r in done)
             persist = [r["persist_s"] for r in done if r.get("persist_s")]
             gbps = [r["bytes"] / r["persist_s"] / 1e9 for r in done if r.get("persist_s") and r.get("bytes")]
-            obj.update(profile_source=src, persist_s_median=statistics.median(persist) if persist else None,
-                       persist_gbps_median=statistics.median(gbps) if gbps else None,
-                       snapshot_bytes=statistics.median([r["bytes"] for r in done]) if done else None,
-                       not_committed=sum(1 for r in rows_all if not r.get("committed")),
-                       copy_s_median=_median_of(rows_all, "copy_s"),
-                       chosen_interval=intervals[-1] if variant == "cf_auto" else k)
+            obj.update(
+                profile_source=src,
+                persist_s_median=statistics.median(persist) if persist else None,
+                persist_gbps_median=statistics.median(gbps) if gbps else None,
+                snapshot_bytes=statistics.median([r["bytes"] for r in done]) if done else None,
+                not_committed=sum(1 for r in rows_all if not r.get("committed")),
+                copy_s_median=_median_of(rows_all, "copy_s"),
+                chosen_interval=intervals[-1] if variant == "cf_auto" else k,
+            )
         else:
             obj["ckpt_bytes"] = max((rec.get("ckpt_bytes", 0) for _, ranks in segs for rec in ranks), default=0)
         obj["checkpoints_committed"] = committed
@@ -911,10 +1057,10 @@ def _aggregate_setting(setting: str, workers: int, desc: str, seg_dir: Path, pla
         # is what the process itself holds, measured above its value before the model was built.
         nranks = len(segs[0][1])
         obj["peak_rss_mb_per_worker"] = [max(r[w]["peak_rss"] for _, r in segs) / _MiB for w in range(nranks)]
-        obj["peak_private_mb_per_worker"] = [max(r[w]["peak_rss_anon"] for _, r in segs) / _MiB
-                                             for w in range(nranks)]
-        obj["peak_private_above_start_mb"] = max(rec["peak_rss_anon"] - rec["anon_before_model"]
-                                                 for _, ranks in segs for rec in ranks) / _MiB
+        obj["peak_private_mb_per_worker"] = [max(r[w]["peak_rss_anon"] for _, r in segs) / _MiB for w in range(nranks)]
+        obj["peak_private_above_start_mb"] = (
+            max(rec["peak_rss_anon"] - rec["anon_before_model"] for _, ranks in segs for rec in ranks) / _MiB
+        )
         obj["peak_rss_shmem_mb"] = max(rec["peak_rss_shmem"] for _, ranks in segs for rec in ranks) / _MiB
         out.append(obj)
     drift = None
@@ -922,8 +1068,13 @@ def _aggregate_setting(setting: str, workers: int, desc: str, seg_dir: Path, pla
         ms = [statistics.fmean(r[0]["iter_s"]) for r in base_segs]
         drift = 100.0 * (max(ms) - min(ms)) / statistics.fmean(ms)
     entered = [ranks[0].get("loop_entered") for ranks in recs.values() if ranks[0].get("loop_entered")]
-    extra = {"loop_entered": min(entered) if entered else None, "baseline_iter_mean_s": base_mean, "baseline_drift_pct": drift, "state_bytes": state_bytes,
-             "baseline_segment_means_s": [statistics.fmean(r[0]["iter_s"]) for r in base_segs]}
+    extra = {
+        "loop_entered": min(entered) if entered else None,
+        "baseline_iter_mean_s": base_mean,
+        "baseline_drift_pct": drift,
+        "state_bytes": state_bytes,
+        "baseline_segment_means_s": [statistics.fmean(r[0]["iter_s"]) for r in base_segs],
+    }
     return out, extra
 
 
@@ -952,9 +1103,11 @@ def _recovery_summary(seg_dir: Path, workers: int) -> dict:
         kill = info["kill_time"]
         first = max(r["first_iteration_end"] for r in ranks if r.get("first_iteration_end"))
         out[source] = {
-            "kill_step": info["kill_step"], "resume_step": r0["resume_step"],
+            "kill_step": info["kill_step"],
+            "resume_step": r0["resume_step"],
             "resume_source": r0["resume_source"],
-            "iterations_lost": info["kill_step"] - r0["resume_step"], "interval": info["interval"],
+            "iterations_lost": info["kill_step"] - r0["resume_step"],
+            "interval": info["interval"],
             "kill_to_first_iteration_s": first - kill,
             "kill_to_restart_s": min(r["attempt_start"] for r in ranks) - kill,
             "restore_s": max(r["resume_seconds"] for r in ranks),
@@ -974,35 +1127,68 @@ def _targets(results: dict) -> list[dict]:
     out = []
 
     def add(tid, setting, text, measured, bound, met, note=""):
-        out.append({"id": tid, "setting": setting, "target": text, "measured": measured, "bound": bound,
-                    "met": met, "note": note})
+        out.append(
+            {
+                "id": tid,
+                "setting": setting,
+                "target": text,
+                "measured": measured,
+                "bound": bound,
+                "met": met,
+                "note": note,
+            }
+        )
 
     by = {v["id"]: v for v in results["variants"]}
     for setting, _desc in sorted({(v["setting"], v["setting_desc"]) for v in results["variants"]}):
         auto = by.get(f"{setting}/cf_auto")
         if auto:
-            add("auto_overhead", setting, "cf_ray Adaptive overhead <= 2 %", auto["overhead_pct"], 2.0,
-                auto["overhead_pct"] <= 2.0, f"interval chosen: {auto.get('chosen_interval')}; whole segment, "
-                                             "profiling included")
+            add(
+                "auto_overhead",
+                setting,
+                "cf_ray Adaptive overhead <= 2 %",
+                auto["overhead_pct"],
+                2.0,
+                auto["overhead_pct"] <= 2.0,
+                f"interval chosen: {auto.get('chosen_interval')}; whole segment, profiling included",
+            )
         budget = results["config"].get("budget_pct")
         for at in (v for v in results["variants"] if v["setting"] == setting and v.get("probe") == 0):
             k = at["k"]
             below = by.get(f"{setting}/cf_fixed/k{k - 1}@auto-1")
-            add("auto_within_budget", setting, f"FixedInterval at Adaptive's k={k}: overhead <= budget",
-                at["overhead_pct"], budget, at["overhead_pct"] <= budget,
-                f"steady state over {at['iterations']} iterations")
+            add(
+                "auto_within_budget",
+                setting,
+                f"FixedInterval at Adaptive's k={k}: overhead <= budget",
+                at["overhead_pct"],
+                budget,
+                at["overhead_pct"] <= budget,
+                f"steady state over {at['iterations']} iterations",
+            )
             if below:
-                add("auto_shortest", setting, f"k={k} is the shortest within budget: overhead at k-1={k - 1} > budget",
-                    below["overhead_pct"], budget, below["overhead_pct"] > budget,
-                    f"steady state over {below['iterations']} iterations")
-        ks = sorted({v["k"] for v in results["variants"]
-                     if v["setting"] == setting and v["variant"] == "cf_fixed" and v.get("probe") is None})
+                add(
+                    "auto_shortest",
+                    setting,
+                    f"k={k} is the shortest within budget: overhead at k-1={k - 1} > budget",
+                    below["overhead_pct"],
+                    budget,
+                    below["overhead_pct"] > budget,
+                    f"steady state over {below['iterations']} iterations",
+                )
+        ks = sorted(
+            {
+                v["k"]
+                for v in results["variants"]
+                if v["setting"] == setting and v["variant"] == "cf_fixed" and v.get("probe") is None
+            }
+        )
         for k in ks:
             cf = by[f"{setting}/cf_fixed/k{k}"]["overhead_pct"]
             for other, text, fn in (
-                    ("ray_sync", f"k={k}: cf_ray overhead <= 1/5 of Ray SYNC", lambda c, o: (c <= o / 5.0, o / 5.0)),
-                    ("ray_async", f"k={k}: cf_ray overhead < Ray ASYNC", lambda c, o: (c < o, o)),
-                    ("dcp_async", f"k={k}: cf_ray overhead < DCP async_save", lambda c, o: (c < o, o))):
+                ("ray_sync", f"k={k}: cf_ray overhead <= 1/5 of Ray SYNC", lambda c, o: (c <= o / 5.0, o / 5.0)),
+                ("ray_async", f"k={k}: cf_ray overhead < Ray ASYNC", lambda c, o: (c < o, o)),
+                ("dcp_async", f"k={k}: cf_ray overhead < DCP async_save", lambda c, o: (c < o, o)),
+            ):
                 o = by.get(f"{setting}/{other}/k{k}")
                 if o is None:
                     continue
@@ -1010,40 +1196,75 @@ def _targets(results: dict) -> list[dict]:
                 add(f"vs_{other}", setting, text, cf, bound, met, f"{other}: {o['overhead_pct']:.1f} %")
         cfs = [v for v in results["variants"] if v["setting"] == setting and v["variant"].startswith("cf_")]
         if cfs and lim.get("memcpy_gbps"):
-            worst = max((v for v in cfs if v.get("stall_per_ckpt_s") is not None),
-                        key=lambda v: v["stall_per_ckpt_s"], default=None)
+            worst = max(
+                (v for v in cfs if v.get("stall_per_ckpt_s") is not None),
+                key=lambda v: v["stall_per_ckpt_s"],
+                default=None,
+            )
             if worst:
                 ideal = worst["state_bytes"] / (lim["memcpy_gbps"] * 1e9)
-                add("stall", setting, "stall per checkpoint <= 1.5 x state / memcpy bandwidth",
-                    worst["stall_per_ckpt_s"], 1.5 * ideal, worst["stall_per_ckpt_s"] <= 1.5 * ideal,
-                    f"worst: {worst['id']}; state/memcpy = {ideal * 1e3:.1f} ms")
+                add(
+                    "stall",
+                    setting,
+                    "stall per checkpoint <= 1.5 x state / memcpy bandwidth",
+                    worst["stall_per_ckpt_s"],
+                    1.5 * ideal,
+                    worst["stall_per_ckpt_s"] <= 1.5 * ideal,
+                    f"worst: {worst['id']}; state/memcpy = {ideal * 1e3:.1f} ms",
+                )
             gb = [v["persist_gbps_median"] for v in cfs if v.get("persist_gbps_median")]
             if gb:
                 bw = statistics.median(gb)
                 need = 0.7 * lim["storage_write_fsync_gbps"]
-                add("persist_bw", setting, "persist at >= 70 % of storage write+fsync bandwidth", bw, need,
-                    bw >= need, f"median over cf_ray checkpoints; storage {lim['storage_write_fsync_gbps']:.2f} GB/s")
+                add(
+                    "persist_bw",
+                    setting,
+                    "persist at >= 70 % of storage write+fsync bandwidth",
+                    bw,
+                    need,
+                    bw >= need,
+                    f"median over cf_ray checkpoints; storage {lim['storage_write_fsync_gbps']:.2f} GB/s",
+                )
             worst_mem = max(cfs, key=lambda v: v["peak_private_above_start_mb"])
             cap = 3 * worst_mem["state_bytes"] / _MiB
             base = by.get(f"{setting}/none")
-            add("memory", setting, "peak host memory per worker <= 3 x model+optimizer state",
-                worst_mem["peak_private_above_start_mb"], cap, worst_mem["peak_private_above_start_mb"] <= cap,
+            add(
+                "memory",
+                setting,
+                "peak host memory per worker <= 3 x model+optimizer state",
+                worst_mem["peak_private_above_start_mb"],
+                cap,
+                worst_mem["peak_private_above_start_mb"] <= cap,
                 f"worst: {worst_mem['id']}; private RSS above the worker's RSS before the model was built, MB"
-                + (f"; no checkpointing: {base['peak_private_above_start_mb']:.0f}" if base else ""))
+                + (f"; no checkpointing: {base['peak_private_above_start_mb']:.0f}" if base else ""),
+            )
     rec = results.get("recovery") or {}
     if rec.get("restore_speedup"):
-        add("restore_speedup", "recovery", "restore from memory >= 3 x faster than from storage",
-            rec["restore_speedup"], 3.0, rec["restore_speedup"] >= 3.0,
-            f"state {rec.get('state_bytes', 0) / 1e9:.2f} GB")
+        add(
+            "restore_speedup",
+            "recovery",
+            "restore from memory >= 3 x faster than from storage",
+            rec["restore_speedup"],
+            3.0,
+            rec["restore_speedup"] >= 3.0,
+            f"state {rec.get('state_bytes', 0) / 1e9:.2f} GB",
+        )
     for source in ("memory", "storage"):
         r = rec.get(source) or {}
         if "iterations_lost" in r:
-            add(f"lost_{source}", "recovery", f"iterations lost <= interval (restore from {source})",
-                r["iterations_lost"], r["interval"], r["iterations_lost"] <= r["interval"])
+            add(
+                f"lost_{source}",
+                "recovery",
+                f"iterations lost <= interval (restore from {source})",
+                r["iterations_lost"],
+                r["interval"],
+                r["iterations_lost"] <= r["interval"],
+            )
     return out
 
 
 # -- output -----------------------------------------------------------------------------------
+
 
 def _fmt(x, spec=".3f", none="–"):
     if x is None or (isinstance(x, float) and math.isnan(x)):
@@ -1055,13 +1276,17 @@ def render_markdown(results: dict, *, heading: str = "##") -> str:
     meta, lim, cfg = results["meta"], results["limits"], results["config"]
     lines = []
     m = cfg["model"]
-    lines.append(f"Model: {m['layers']} x Linear({m['width']}, {m['width']}) + Adam, {m['params'] / 1e6:.1f} M "
-                 f"parameters, {m['state_bytes'] / 1e6:.0f} MB of state, batch {m['batch']}, "
-                 f"{cfg['iters']} iterations per segment, {cfg['rounds']} round(s). "
-                 f"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S={meta['env'].get('RAY_TRAIN_HEALTH_CHECK_INTERVAL_S')} "
-                 "for every variant (Ray's default 2 s would throttle its own report).")
-    lines.append(f"Load average at start {meta['loadavg_start'][0]:.2f}, at end {meta['loadavg_end'][0]:.2f} "
-                 "(other jobs share this machine: timings are noisy; compare variants within one run).")
+    lines.append(
+        f"Model: {m['layers']} x Linear({m['width']}, {m['width']}) + Adam, {m['params'] / 1e6:.1f} M "
+        f"parameters, {m['state_bytes'] / 1e6:.0f} MB of state, batch {m['batch']}, "
+        f"{cfg['iters']} iterations per segment, {cfg['rounds']} round(s). "
+        f"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S={meta['env'].get('RAY_TRAIN_HEALTH_CHECK_INTERVAL_S')} "
+        "for every variant (Ray's default 2 s would throttle its own report)."
+    )
+    lines.append(
+        f"Load average at start {meta['loadavg_start'][0]:.2f}, at end {meta['loadavg_end'][0]:.2f} "
+        "(other jobs share this machine: timings are noisy; compare variants within one run)."
+    )
     lines.append("")
     for setting in results["settings"]:
         sid = setting["setting"]
@@ -1071,11 +1296,15 @@ def render_markdown(results: dict, *, heading: str = "##") -> str:
         drift = setting.get("baseline_drift_pct")
         lines.append(f"{heading}# {setting['desc']}")
         lines.append("")
-        lines.append(f"Baseline {setting['baseline_iter_mean_s']:.3f} s/iteration (mean); drift between baseline "
-                     f"segments {_fmt(drift, '.1f')} %.")
+        lines.append(
+            f"Baseline {setting['baseline_iter_mean_s']:.3f} s/iteration (mean); drift between baseline "
+            f"segments {_fmt(drift, '.1f')} %."
+        )
         lines.append("")
-        lines.append("| variant | k | iteration median (min–max) s | overhead % | incl. drain % | stall/ckpt s "
-                     "| CPU ms/iter (worker 0 + cf_ray actors) | ckpts taken/committed | peak private RSS/worker MB | written GB |")
+        lines.append(
+            "| variant | k | iteration median (min–max) s | overhead % | incl. drain % | stall/ckpt s "
+            "| CPU ms/iter (worker 0 + cf_ray actors) | ckpts taken/committed | peak private RSS/worker MB | written GB |"
+        )
         lines.append("|---|---|---|---|---|---|---|---|---|---|")
         for v in vs:
             k = v["k"] if v["k"] else (f"auto→{v.get('chosen_interval')}" if v["variant"] == "cf_auto" else "–")
@@ -1090,49 +1319,63 @@ def render_markdown(results: dict, *, heading: str = "##") -> str:
                 f"{' + ' + _fmt(v['cf_actors_cpu_ms_per_iter'], '.0f') if v.get('cf_actors_cpu_ms_per_iter') else ''} "
                 f"| {v['checkpoints_taken']}/{v['checkpoints_committed']} "
                 f"| {' / '.join(f'{x:.0f}' for x in v['peak_private_mb_per_worker'])} "
-                f"| {v['bytes_written'] / 1e9:.2f} |")
+                f"| {v['bytes_written'] / 1e9:.2f} |"
+            )
         lines.append("")
     skipped = [s for s in results.get("skipped", [])]
     if skipped:
-        lines.append("Not run: " + "; ".join(f"{s['setting']} {s['variant']} k={s['k']} ({s['reason']})"
-                                             for s in skipped) + ".")
+        lines.append(
+            "Not run: " + "; ".join(f"{s['setting']} {s['variant']} k={s['k']} ({s['reason']})" for s in skipped) + "."
+        )
         lines.append("")
     lines.append(f"{heading}# Machine limits (same run)")
     lines.append("")
     lines.append("| figure | value |")
     lines.append("|---|---|")
     lines.append(f"| host memcpy, one thread | {lim['memcpy_gbps']:.2f} GB/s |")
-    lines.append(f"| storage write + fsync ({lim['storage_test_bytes'] / 1e9:.2f} GB, 16 MiB chunks) "
-                 f"| {lim['storage_write_fsync_gbps']:.2f} GB/s |")
+    lines.append(
+        f"| storage write + fsync ({lim['storage_test_bytes'] / 1e9:.2f} GB, 16 MiB chunks) "
+        f"| {lim['storage_write_fsync_gbps']:.2f} GB/s |"
+    )
     lines.append(f"| CRC-32 as cf_ray computes it (ISA-L), one thread | {lim['crc32_gbps']:.2f} GB/s |")
     if lim.get("first_touch_gbps"):
         lines.append(f"| first touch of newly allocated memory (page faults) | {lim['first_touch_gbps']:.2f} GB/s |")
     for v in results["variants"]:
         if v["variant"].startswith("cf_") and v.get("stall_per_ckpt_s") is not None:
             ideal = v["state_bytes"] / (lim["memcpy_gbps"] * 1e9)
-            lines.append(f"| {v['id']}: stall {v['stall_per_ckpt_s'] * 1e3:.1f} ms vs state/memcpy "
-                         f"{ideal * 1e3:.1f} ms | {v['stall_per_ckpt_s'] / ideal:.2f}x |")
+            lines.append(
+                f"| {v['id']}: stall {v['stall_per_ckpt_s'] * 1e3:.1f} ms vs state/memcpy "
+                f"{ideal * 1e3:.1f} ms | {v['stall_per_ckpt_s'] / ideal:.2f}x |"
+            )
         if v["variant"].startswith("cf_") and v.get("persist_s_median"):
             ideal = (v.get("snapshot_bytes") or v["state_bytes"]) / (lim["storage_write_fsync_gbps"] * 1e9)
-            lines.append(f"| {v['id']}: persist {v['persist_s_median']:.2f} s vs bytes/storage "
-                         f"{ideal:.2f} s | {100 * ideal / v['persist_s_median']:.0f} % of storage bandwidth |")
+            lines.append(
+                f"| {v['id']}: persist {v['persist_s_median']:.2f} s vs bytes/storage "
+                f"{ideal:.2f} s | {100 * ideal / v['persist_s_median']:.0f} % of storage bandwidth |"
+            )
     lines.append("")
     rec = results.get("recovery")
     if rec:
-        lines.append(f"{heading}# Recovery (rank 1 SIGKILLed mid-interval, "
-                     f"{(rec.get('state_bytes') or 0) / 1e9:.2f} GB of state)")
+        lines.append(
+            f"{heading}# Recovery (rank 1 SIGKILLed mid-interval, "
+            f"{(rec.get('state_bytes') or 0) / 1e9:.2f} GB of state)"
+        )
         lines.append("")
-        lines.append("| restore from | kill → first resumed iteration s | kill → restart s | restore s "
-                     "| iterations lost (interval) |")
+        lines.append(
+            "| restore from | kill → first resumed iteration s | kill → restart s | restore s "
+            "| iterations lost (interval) |"
+        )
         lines.append("|---|---|---|---|---|")
         for source in ("memory", "storage"):
             r = rec.get(source) or {}
             if "restore_s" not in r:
                 lines.append(f"| {source} | {r.get('error', 'not run')} | | | |")
                 continue
-            lines.append(f"| {source} (got: {r['resume_source']}) | {r['kill_to_first_iteration_s']:.2f} "
-                         f"| {r['kill_to_restart_s']:.2f} | {r['restore_s']:.2f} "
-                         f"| {r['iterations_lost']} ({r['interval']}) |")
+            lines.append(
+                f"| {source} (got: {r['resume_source']}) | {r['kill_to_first_iteration_s']:.2f} "
+                f"| {r['kill_to_restart_s']:.2f} | {r['restore_s']:.2f} "
+                f"| {r['iterations_lost']} ({r['interval']}) |"
+            )
         lines.append("")
     lines.append(f"{heading}# Targets")
     lines.append("")
@@ -1144,8 +1387,10 @@ def render_markdown(results: dict, *, heading: str = "##") -> str:
         spec = ".0f" if t["id"] in ("memory",) else (".3f" if t["id"] in ("stall",) else ".2f")
         if t["id"].startswith("lost"):
             spec = "d"
-        lines.append(f"| {t['setting']} | {t['target']} | {_fmt(meas, spec)} | {_fmt(bound, spec)} "
-                     f"| {met}{' — ' + t['note'] if t['note'] else ''} |")
+        lines.append(
+            f"| {t['setting']} | {t['target']} | {_fmt(meas, spec)} | {_fmt(bound, spec)} "
+            f"| {met}{' — ' + t['note'] if t['note'] else ''} |"
+        )
     lines.append("")
     return "\n".join(lines)
 
@@ -1154,11 +1399,15 @@ def render_readme(results: dict) -> str:
     """The README's performance section, generated from a results JSON."""
     meta = results["meta"]
     host = meta["host"]
-    head = ["## Performance", "",
-            f"Measured {meta['date']} on {host['cpu']} ({host['cores']} cores, {host['mem_gb']:.0f} GB RAM, "
-            f"{host['platform']}) with `{meta['command']}` — cf_ray {meta['versions']['cf_ray']}, "
-            f"Ray {meta['versions']['ray']}, torch {meta['versions']['torch']}, preset `{meta['preset']}`, "
-            f"{meta['wall_s'] / 60:.1f} min.", ""]
+    head = [
+        "## Performance",
+        "",
+        f"Measured {meta['date']} on {host['cpu']} ({host['cores']} cores, {host['mem_gb']:.0f} GB RAM, "
+        f"{host['platform']}) with `{meta['command']}` — cf_ray {meta['versions']['cf_ray']}, "
+        f"Ray {meta['versions']['ray']}, torch {meta['versions']['torch']}, preset `{meta['preset']}`, "
+        f"{meta['wall_s'] / 60:.1f} min.",
+        "",
+    ]
     body = render_markdown(results, heading="##")
     plot = "" if not meta.get("plot") else f"\n![overhead against k](benchmarks/{Path(meta['plot']).name})\n"
     return "\n".join(head) + body + plot
@@ -1178,17 +1427,32 @@ def plot(results: dict, path: Path) -> Path | None:
     for ax, setting in zip(axes[0], settings):
         vs = [v for v in results["variants"] if v["setting"] == setting["setting"]]
         for variant in VARIANTS[1:]:
-            pts = sorted((v["k"] or v.get("chosen_interval") or 1, v["overhead_pct"]) for v in vs
-                         if v["variant"] == variant and v.get("probe") is None)
+            pts = sorted(
+                (v["k"] or v.get("chosen_interval") or 1, v["overhead_pct"])
+                for v in vs
+                if v["variant"] == variant and v.get("probe") is None
+            )
             if not pts:
                 continue
             xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker=markers[variant], ms=12 if variant == "cf_auto" else 6,
-                    linestyle="" if variant == "cf_auto" else "-", label=LABELS[variant])
+            ax.plot(
+                xs,
+                ys,
+                marker=markers[variant],
+                ms=12 if variant == "cf_auto" else 6,
+                linestyle="" if variant == "cf_auto" else "-",
+                label=LABELS[variant],
+            )
         probes = sorted((v["k"], v["overhead_pct"]) for v in vs if v.get("probe") is not None)
         if probes:
-            ax.plot(*zip(*probes), marker="x", ms=8, linestyle="", color="black",
-                    label="FixedInterval at Adaptive's k and k−1 (steady state)")
+            ax.plot(
+                *zip(*probes),
+                marker="x",
+                ms=8,
+                linestyle="",
+                color="black",
+                label="FixedInterval at Adaptive's k and k−1 (steady state)",
+            )
         budget = results["config"].get("budget_pct")
         if budget:
             ax.axhline(budget, color="red", lw=0.8, ls="--", label=f"budget {budget:g} %")
@@ -1218,11 +1482,18 @@ def _host() -> dict:
         import psutil
 
         mem = psutil.virtual_memory().total / 1e9
-    return {"hostname": socket.gethostname(), "cpu": cpu or "unknown CPU", "cores": os.cpu_count(),
-            "mem_gb": mem, "platform": platform.platform(terse=True), "python": platform.python_version()}
+    return {
+        "hostname": socket.gethostname(),
+        "cpu": cpu or "unknown CPU",
+        "cores": os.cpu_count(),
+        "mem_gb": mem,
+        "platform": platform.platform(terse=True),
+        "python": platform.python_version(),
+    }
 
 
 # -- the run ------------------------------------------------------------------------------------
+
 
 def _parse_ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
@@ -1232,12 +1503,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="cf-ray bench",
         description="Benchmark cf_ray against Ray Train's own checkpointing (SYNC, ASYNC) and DCP async_save, "
-                    "in one invocation, against the machine's measured memcpy and storage bandwidth.")
+        "in one invocation, against the machine's measured memcpy and storage bandwidth.",
+    )
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--quick", dest="preset", action="store_const", const="quick",
-                   help="small model, k=10 (and k=1 for cf_ray), one round: < 4 min on an idle 2-core machine")
-    g.add_argument("--full", dest="preset", action="store_const", const="full",
-                   help="6 x Linear(2048) + Adam (~302 MB), k in {1,10,50}, one round, ~40 min on 2 cores (default)")
+    g.add_argument(
+        "--quick",
+        dest="preset",
+        action="store_const",
+        const="quick",
+        help="small model, k=10 (and k=1 for cf_ray), one round: < 4 min on an idle 2-core machine",
+    )
+    g.add_argument(
+        "--full",
+        dest="preset",
+        action="store_const",
+        const="full",
+        help="6 x Linear(2048) + Adam (~302 MB), k in {1,10,50}, one round, ~40 min on 2 cores (default)",
+    )
     p.set_defaults(preset="full")
     p.add_argument("--out", default="results/bench", help="output directory (default: %(default)s)")
     p.add_argument("--json", default=None, help="results JSON path (default: OUT/results.json)")
@@ -1250,22 +1532,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, help="rounds over all variants (order alternates)")
     p.add_argument("--ks", type=_parse_ints, help="checkpoint intervals for every variant, e.g. 1,10,50")
     p.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS)}")
-    p.add_argument("--budget-pct", type=float, default=2.0,
-                   help="cf_auto's Adaptive(budget_pct=...): the overhead budget in percent (default: %(default)s, "
-                        "the benchmark's target; the library's default is 5)")
+    p.add_argument(
+        "--budget-pct",
+        type=float,
+        default=2.0,
+        help="cf_auto's Adaptive(budget_pct=...): the overhead budget in percent (default: %(default)s, "
+        "the benchmark's target; the library's default is 5)",
+    )
     p.add_argument("--large-width", type=int, help="Linear width of the recovery model")
     p.add_argument("--large-layers", type=int, help="number of Linear layers of the recovery model (~1 GB: 20)")
     p.add_argument("--no-recovery", action="store_true", help="skip the SIGKILL/restore measurement")
-    p.add_argument("--cf-register", action="store_true",
-                   help="let cf_ray register its checkpoints with Ray Train (off by default: with Ray's "
-                        "num_to_keep, Ray then deletes directories cf_ray's keep_last already deleted and the "
-                        "run fails with 'Path not found')")
+    p.add_argument(
+        "--cf-register",
+        action="store_true",
+        help="let cf_ray register its checkpoints with Ray Train (off by default: with Ray's "
+        "num_to_keep, Ray then deletes directories cf_ray's keep_last already deleted and the "
+        "run fails with 'Path not found')",
+    )
     p.add_argument("--storage", default=None, help="checkpoint storage directory (default: OUT/work)")
     p.add_argument("--keep-storage", action="store_true", help="keep the checkpoints written (default: delete)")
     p.add_argument("--object-store-gb", type=float, default=None, help="Ray object store size in GB")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--render-readme", metavar="RESULTS_JSON",
-                   help="print the README performance section generated from RESULTS_JSON and exit")
+    p.add_argument(
+        "--render-readme",
+        metavar="RESULTS_JSON",
+        help="print the README performance section generated from RESULTS_JSON and exit",
+    )
     return p
 
 
@@ -1276,7 +1568,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results = run(args, argv if argv is not None else sys.argv[1:])
     print(render_markdown(results))
-    print(f"JSON: {results['meta']['json']}" + (f"   plot: {results['meta']['plot']}" if results['meta']['plot'] else ""))
+    print(
+        f"JSON: {results['meta']['json']}" + (f"   plot: {results['meta']['plot']}" if results["meta"]["plot"] else "")
+    )
     return 0
 
 
@@ -1316,21 +1610,35 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     import torch
 
     if ray.is_initialized():
-        raise SystemExit("cf-ray bench starts its own local Ray (2 CPUs, its own settings); "
-                         "call it without Ray initialised in this process")
+        raise SystemExit(
+            "cf-ray bench starts its own local Ray (2 CPUs, its own settings); "
+            "call it without Ray initialised in this process"
+        )
     env = _ray_env()
     os.environ.update(env)
     large_params = preset["large_layers"] * (preset["large_width"] ** 2 + preset["large_width"])
     store = args.object_store_gb or max(2.0, 3.5 * large_params * 12 / 1e9)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             object_store_memory=int(store * 1e9), runtime_env={"env_vars": env})
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=int(store * 1e9),
+        runtime_env={"env_vars": env},
+    )
     mod = sys.modules.get("benchmarks.bench") or __import__("benchmarks.bench", fromlist=["_bench_loop"])
     settings_out, variants_out = [], []
     rcfg = None
     if not args.no_recovery:
-        rcfg = {"width": preset["large_width"], "layers": preset["large_layers"], "batch": preset["large_batch"],
-                "seed": args.seed, "every": preset["rec_every"], "kill_step": preset["rec_kill_step"],
-                "after_resume": 2}
+        rcfg = {
+            "width": preset["large_width"],
+            "layers": preset["large_layers"],
+            "batch": preset["large_batch"],
+            "seed": args.seed,
+            "every": preset["rec_every"],
+            "kill_step": preset["rec_kill_step"],
+            "after_resume": 2,
+        }
     # The recovery job rides on the first 2-worker setting (its restarts skip the finished segments),
     # which saves one TorchTrainer start-up; without a 2-worker setting it gets its own fit.
     runs = [(w, True) for w in preset["workers"]]
@@ -1344,34 +1652,64 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             sid, desc = SETTINGS.get(workers, (f"w{workers}", f"{workers} workers x 1 thread"))
             plan = _plan(matrix_for(workers), preset["rounds"], preset["iters"], sid) if has_segments else []
             with_recovery = rcfg is not None and i == rec_host
-            cfg = {"setting": sid if has_segments else "recovery", "width": preset["width"],
-                   "layers": preset["layers"], "batch": preset["batch"], "warmup": preset["warmup"],
-                   "iters": preset["iters"], "seed": args.seed, "plan": plan, "out_dir": str(seg_dir),
-                   "cf_register": args.cf_register, "budget_pct": args.budget_pct, "recovery": rcfg if with_recovery else None}
+            cfg = {
+                "setting": sid if has_segments else "recovery",
+                "width": preset["width"],
+                "layers": preset["layers"],
+                "batch": preset["batch"],
+                "warmup": preset["warmup"],
+                "iters": preset["iters"],
+                "seed": args.seed,
+                "plan": plan,
+                "out_dir": str(seg_dir),
+                "cf_register": args.cf_register,
+                "budget_pct": args.budget_pct,
+                "recovery": rcfg if with_recovery else None,
+            }
             t0 = time.time()
             error = None
             try:
                 # Ray keeps its last 2 checkpoints; with cf_ray registering into the same run, Ray's
                 # clean-up trips over cf_ray's own keep-last deletions (see --cf-register).
-                _fit(mod._bench_loop, cfg, workers, f"bench-{sid}" if has_segments else "bench-recovery", storage,
-                     max_failures=2 if with_recovery else 0, num_to_keep=2)
+                _fit(
+                    mod._bench_loop,
+                    cfg,
+                    workers,
+                    f"bench-{sid}" if has_segments else "bench-recovery",
+                    storage,
+                    max_failures=2 if with_recovery else 0,
+                    num_to_keep=2,
+                )
             except Exception as e:  # noqa: BLE001 - report what was measured, and the failure
                 error = f"{type(e).__name__}: {e}"
                 print(f"cf-ray bench: {sid} failed: {error}", file=sys.stderr)
             if with_recovery:
                 recovery = dict(_recovery_summary(seg_dir, 2), error=error)
-                recovery.update(params=large_params, interval=rcfg["every"],
-                                model=f"{preset['large_layers']} x Linear({preset['large_width']})",
-                                note="storage reads may be served from the page cache (no cache drop); "
-                                     "kill -> restart is Ray Train's failure detection and worker-group restart")
+                recovery.update(
+                    params=large_params,
+                    interval=rcfg["every"],
+                    model=f"{preset['large_layers']} x Linear({preset['large_width']})",
+                    note="storage reads may be served from the page cache (no cache drop); "
+                    "kill -> restart is Ray Train's failure detection and worker-group restart",
+                )
             if not has_segments:
                 continue
             vs, extra = _aggregate_setting(sid, workers, desc, seg_dir, plan, str(storage / f"bench-{sid}"))
             variants_out += vs
             entered = extra.pop("loop_entered")
-            settings_out.append(dict(extra, setting=sid, workers=workers, desc=desc, wall_s=time.time() - t0,
-                                     startup_s=entered - t0 if entered else None, error=error,
-                                     includes_recovery=with_recovery, segments=[s["name"] for s in plan]))
+            settings_out.append(
+                dict(
+                    extra,
+                    setting=sid,
+                    workers=workers,
+                    desc=desc,
+                    wall_s=time.time() - t0,
+                    startup_s=entered - t0 if entered else None,
+                    error=error,
+                    includes_recovery=with_recovery,
+                    segments=[s["name"] for s in plan],
+                )
+            )
     finally:
         ray.shutdown()
     skipped = _skipped(preset, matrix_for, variants, variants_out, args)
@@ -1381,23 +1719,44 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         "meta": {
             "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
             "command": "cf-ray bench " + " ".join(shlex.quote(a) for a in argv),
-            "preset": args.preset, "host": _host(),
-            "versions": {"cf_ray": cf_ray.__version__, "ray": ray.__version__, "torch": torch.__version__,
-                         "python": platform.python_version()},
-            "env": env, "loadavg_start": list(load_start), "loadavg_end": list(os.getloadavg()),
-            "wall_s": time.time() - t_start, "json": str(json_path), "plot": None,
+            "preset": args.preset,
+            "host": _host(),
+            "versions": {
+                "cf_ray": cf_ray.__version__,
+                "ray": ray.__version__,
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+            },
+            "env": env,
+            "loadavg_start": list(load_start),
+            "loadavg_end": list(os.getloadavg()),
+            "wall_s": time.time() - t_start,
+            "json": str(json_path),
+            "plot": None,
             "noise": "other jobs may share this machine; see loadavg_* and each setting's baseline_drift_pct",
         },
         "config": {
-            "model": {"width": preset["width"], "layers": preset["layers"], "batch": preset["batch"],
-                      "params": params,
-                      "state_bytes": settings_out[0]["state_bytes"] if settings_out else state_guess},
-            "recovery_model": {"width": preset["large_width"], "layers": preset["large_layers"],
-                               "batch": preset["large_batch"], "params": large_params,
-                               "interval": preset["rec_every"], "kill_step": preset["rec_kill_step"]},
+            "model": {
+                "width": preset["width"],
+                "layers": preset["layers"],
+                "batch": preset["batch"],
+                "params": params,
+                "state_bytes": settings_out[0]["state_bytes"] if settings_out else state_guess,
+            },
+            "recovery_model": {
+                "width": preset["large_width"],
+                "layers": preset["large_layers"],
+                "batch": preset["large_batch"],
+                "params": large_params,
+                "interval": preset["rec_every"],
+                "kill_step": preset["rec_kill_step"],
+            },
             "budget_pct": args.budget_pct,
-            "iters": preset["iters"], "warmup": preset["warmup"], "rounds": preset["rounds"],
-            "workers": preset["workers"], "matrix": {str(w): matrix_for(w) for w in preset["workers"]},
+            "iters": preset["iters"],
+            "warmup": preset["warmup"],
+            "rounds": preset["rounds"],
+            "workers": preset["workers"],
+            "matrix": {str(w): matrix_for(w) for w in preset["workers"]},
             "seed": args.seed,
         },
         "limits": limits,
@@ -1435,7 +1794,9 @@ def _skipped(preset, matrix_for, variants, variants_out, args) -> list[dict]:
                 if k in have.get(v, []):
                     continue
                 reason = f"{args.preset} preset"
-                at10 = next((s for s in variants_out if s["setting"] == sid and s["variant"] == v and s["k"] == 10), None)
+                at10 = next(
+                    (s for s in variants_out if s["setting"] == sid and s["variant"] == v and s["k"] == 10), None
+                )
                 if base and at10 and at10.get("stall_per_ckpt_s") is not None:
                     est = preset["iters"] * (base["iter_mean_s"] + at10["stall_per_ckpt_s"] / max(k, 1))
                     reason += f"; would take ~{est:.0f} s (estimate from k=10's stall per checkpoint)"

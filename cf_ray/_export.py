@@ -60,13 +60,15 @@ def choose(storage: FsStorage, directory: str | None, step: int | None, obj: str
     committed = [c for c in mf.list_committed(storage, kinds=kinds) if step is None or c.step == step]
     if not committed:
         at = "" if step is None else f" at step {step}"
-        raise CheckpointNotFoundError(f"no committed checkpoint{at} under {storage.uri()}"
-                                      + ("" if obj == "model" else f" that holds {obj!r}"))
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint{at} under {storage.uri()}" + ("" if obj == "model" else f" that holds {obj!r}")
+        )
     return max(committed, key=lambda c: (c.step, c.kind == "final")).path
 
 
-def export_model(storage: FsStorage, directory: str | None, out_dir: str, *, to: str, step: int | None = None,
-                 obj: str = "model") -> Exported:
+def export_model(
+    storage: FsStorage, directory: str | None, out_dir: str, *, to: str, step: int | None = None, obj: str = "model"
+) -> Exported:
     """Write the state of the tracked object ``obj`` (default ``model``) of a checkpoint to ``out_dir``.
 
     Args:
@@ -88,22 +90,35 @@ def export_model(storage: FsStorage, directory: str | None, out_dir: str, *, to:
     path = choose(storage, directory, step, obj)
     manifest = mf.read_manifest(storage, path)
     if not manifest.replicated and manifest.world_size > 1:
-        raise CfRayError(f"{storage.uri(path)} holds per-rank shards of the state (replicated=False, "
-                         f"{manifest.world_size} ranks): export needs one consolidated state; export the final "
-                         "model (written at the end of a run) or a checkpoint of a replicated (DDP) run")
+        raise CfRayError(
+            f"{storage.uri(path)} holds per-rank shards of the state (replicated=False, "
+            f"{manifest.world_size} ranks): export needs one consolidated state; export the final "
+            "model (written at the end of a run) or a checkpoint of a replicated (DDP) run"
+        )
     state = load_state(posixpath.join(storage.root, path), objects=[obj], filesystem=storage.fs)[obj]
     os.makedirs(out_dir, exist_ok=True)
     target = os.path.join(out_dir, obj + _SUFFIX[to])
     if to == "safetensors":
         tensors = flatten(state)
-        metadata = {"format": "pt", "cf_ray_step": str(manifest.step), "cf_ray_epoch": str(manifest.epoch),
-                    "cf_ray_kind": manifest.kind, "cf_ray_source": storage.uri(path)}
+        metadata = {
+            "format": "pt",
+            "cf_ray_step": str(manifest.step),
+            "cf_ray_epoch": str(manifest.epoch),
+            "cf_ray_kind": manifest.kind,
+            "cf_ray_source": storage.uri(path),
+        }
         _atomic_write(target, lambda f: write_safetensors(f, tensors, metadata))
     else:
         tensors = {k: v for k, v in flatten(state, strict=False).items() if isinstance(v, torch.Tensor)}
         _atomic_write(target, lambda f: torch.save(state, f))
-    return Exported(path=target, source=storage.uri(path), step=manifest.step, kind=manifest.kind,
-                    tensors=len(tensors), size_bytes=sum(t.numel() * t.element_size() for t in tensors.values()))
+    return Exported(
+        path=target,
+        source=storage.uri(path),
+        step=manifest.step,
+        kind=manifest.kind,
+        tensors=len(tensors),
+        size_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+    )
 
 
 def flatten(state: Any, *, strict: bool = True, prefix: str = "") -> dict[str, Any]:
@@ -113,8 +128,10 @@ def flatten(state: Any, *, strict: bool = True, prefix: str = "") -> dict[str, A
     items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, (list, tuple)) else None
     if items is None:
         if strict and not isinstance(state, torch.Tensor):
-            raise CfRayError(f"{prefix or 'the state'} is a {type(state).__name__}, not a tensor: safetensors stores "
-                             "tensors only; export with --to torch")
+            raise CfRayError(
+                f"{prefix or 'the state'} is a {type(state).__name__}, not a tensor: safetensors stores "
+                "tensors only; export with --to torch"
+            )
         return {prefix: state}
     for k, v in items:
         out.update(flatten(v, strict=strict, prefix=f"{prefix}.{k}" if prefix else str(k)))
@@ -134,9 +151,15 @@ def write_safetensors(f, tensors: dict[str, torch.Tensor], metadata: dict[str, s
     offset = 0
     for name, t in tensors.items():
         if t.dtype not in _SAFETENSORS_DTYPES:
-            raise CfRayError(f"tensor {name} has dtype {t.dtype}, which safetensors cannot store; export with --to torch")
+            raise CfRayError(
+                f"tensor {name} has dtype {t.dtype}, which safetensors cannot store; export with --to torch"
+            )
         n = t.numel() * t.element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)

@@ -78,7 +78,9 @@ def verify_run(storage: Storage, directory: str | None = None, *, step: int | No
             found.append(CheckpointCheck(name, int(m.group(2)), "?", problems=(f"cannot be examined: {e}",)))
             continue
         if unsafe:
-            found.append(CheckpointCheck(name, int(m.group(2)), "?", problems=("is or holds a symbolic link: refused",)))
+            found.append(
+                CheckpointCheck(name, int(m.group(2)), "?", problems=("is or holds a symbolic link: refused",))
+            )
         elif committed:  # a directory without a manifest is a checkpoint being written, or one abandoned
             found.append(_check(storage, path, name, int(m.group(2))))
     if not found:
@@ -114,10 +116,15 @@ def _check(storage: Storage, path: str, name: str, step: int) -> CheckpointCheck
             problems.extend(_check_safetensors(buf, file_name))
         del buf
     vanished = bool(problems) and not _still_there(storage, path)
-    return CheckpointCheck(name, step, manifest.kind, files=len(manifest.files),
-                           size_bytes=sum(i.size for i in manifest.files.values()),
-                           problems=("deleted while it was checked",) if vanished else tuple(problems),
-                           vanished=vanished)
+    return CheckpointCheck(
+        name,
+        step,
+        manifest.kind,
+        files=len(manifest.files),
+        size_bytes=sum(i.size for i in manifest.files.values()),
+        problems=("deleted while it was checked",) if vanished else tuple(problems),
+        vanished=vanished,
+    )
 
 
 def _still_there(storage: Storage, path: str) -> bool:
@@ -133,8 +140,11 @@ def _check_index(buf: np.ndarray, name: str, data_size: int) -> list[str]:
         _, entries = mf.parse_index(buf, name)
     except CorruptCheckpointError as e:
         return [str(e)]
-    return [f"{name}: tensor {e.name} lies beyond the end of its data file ({e.offset} + {e.nbytes} > {data_size})"
-            for e in entries if e.offset < 0 or e.nbytes < 0 or e.offset + e.nbytes > data_size][:1]
+    return [
+        f"{name}: tensor {e.name} lies beyond the end of its data file ({e.offset} + {e.nbytes} > {data_size})"
+        for e in entries
+        if e.offset < 0 or e.nbytes < 0 or e.offset + e.nbytes > data_size
+    ][:1]
 
 
 def _check_safetensors(buf: np.ndarray, name: str) -> list[str]:
@@ -143,7 +153,7 @@ def _check_safetensors(buf: np.ndarray, name: str) -> list[str]:
         n = int.from_bytes(bytes(buf[:8]), "little")
         if buf.nbytes < 8 or n <= 0 or 8 + n > buf.nbytes:
             raise ValueError("bad header length")
-        header: dict[str, Any] = json.loads(bytes(buf[8: 8 + n]))
+        header: dict[str, Any] = json.loads(bytes(buf[8 : 8 + n]))
         spans = sorted(tuple(int(x) for x in spec["data_offsets"]) for k, spec in header.items() if k != "__metadata__")
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
         return [f"{name}: malformed safetensors header: {type(e).__name__}: {e}"]

@@ -57,12 +57,16 @@ def check_ray_version(version: str | None = None) -> None:
     if os.environ.get(ALLOW_UNTESTED_RAY, "").strip().lower() in ("1", "true", "yes"):
         return
     version = installed_ray_version() if version is None else version
-    how = (f"install a supported one (pip install 'ray[train]{RAY_SUPPORTED}'), or set {ALLOW_UNTESTED_RAY}=1 "
-           "to use this one anyway, untested")
+    how = (
+        f"install a supported one (pip install 'ray[train]{RAY_SUPPORTED}'), or set {ALLOW_UNTESTED_RAY}=1 "
+        "to use this one anyway, untested"
+    )
     if version is None:
         raise ImportError(f"cf_ray needs Ray (ray[train]{RAY_SUPPORTED}), and none is installed: {how}")
     m = _RELEASE.match(version)
     release = (int(m.group(1)), int(m.group(2))) if m else None
     if release is None or not RAY_LOWEST <= release < RAY_BELOW:
-        raise ImportError(f"cf_ray {__version__} was tested with Ray {RAY_SUPPORTED}, and Ray {version} is installed: "
-                          f"cf_ray relies on Ray Train internals that change between Ray versions. {how[0].upper()}{how[1:]}")
+        raise ImportError(
+            f"cf_ray {__version__} was tested with Ray {RAY_SUPPORTED}, and Ray {version} is installed: "
+            f"cf_ray relies on Ray Train internals that change between Ray versions. {how[0].upper()}{how[1:]}"
+        )

@@ -66,6 +66,7 @@ logger = logging.getLogger("cf_ray")
 
 def _controller_resolver(key: str, storage, settings: ControllerSettings):
     """What a rank calls when the controller is gone: a live handle, made again if needed."""
+
     def resolve():
         # SEAM (#16, driver side): resolve_controller() waits for a live controller and makes it
         # again when it is gone for good; without it, the same get-or-create as at the start.
@@ -73,6 +74,7 @@ def _controller_resolver(key: str, storage, settings: ControllerSettings):
         if resolve_controller is not None:
             return resolve_controller(key, storage, settings)
         return get_or_create_controller(key, storage, settings)
+
     return resolve
 
 
@@ -146,8 +148,9 @@ class Checkpointer:
     they are at the checkpoint's step (``cf_ray/_engine/worker/snapshot.py``).
     """
 
-    def __init__(self, state: Mapping[str, Any], *, data: Mapping[str, Any] | None = None,
-                 config: CheckpointConfig | None = None):
+    def __init__(
+        self, state: Mapping[str, Any], *, data: Mapping[str, Any] | None = None, config: CheckpointConfig | None = None
+    ):
         self.config = config or CheckpointConfig()
         # DDP wrappers are tracked through the module they wrap (same parameters), so a checkpoint's
         # keys do not depend on the wrapper: Ray's prepare_model() does not wrap with one worker, and
@@ -157,21 +160,44 @@ class Checkpointer:
         ctx = self._ctx = WorkerContext.resolve(self.config)
         if not ray.is_initialized():
             ray.init(ignore_reinit_error=True)
-        settings = ControllerSettings(policy=self.config.policy, keep_last=self.config.keep_last,
-                                      tiers=list(ctx.tiers), upload_milestones_only=self.config.upload == "milestones")
+        settings = ControllerSettings(
+            policy=self.config.policy,
+            keep_last=self.config.keep_last,
+            tiers=list(ctx.tiers),
+            upload_milestones_only=self.config.upload == "milestones",
+        )
         controller = get_or_create_controller(ctx.key, ctx.storage, settings)
         holder = get_or_create_holder(ctx.key, ctx.storage, controller_name(ctx.key), _env.namespace())
         self._control = ControlPlane(ctx.rank, ctx.world_size)
         self._timing = Timing()
         self._scheduler = Scheduler(self.config)
-        self._phase1 = Phase1(ctx.rank, ctx.world_size, self.config.replicated, self.state, self.data, holder,
-                              self._timing, resolve_holder=lambda: get_or_create_holder(
-                                  ctx.key, ctx.storage, controller_name(ctx.key), _env.namespace()))
-        self._link = ControllerLink(controller, ctx.rank, self._timing, self._scheduler, self._heard_from_driver,
-                                    resolve=_controller_resolver(ctx.key, ctx.storage, settings))
-        self._watchdog = DurabilityWatchdog(DurabilitySettings(
-            timeout_s=self.config.durability_timeout_s, factor=self.config.durability_factor,
-            floor_s=self.config.durability_floor_s))
+        self._phase1 = Phase1(
+            ctx.rank,
+            ctx.world_size,
+            self.config.replicated,
+            self.state,
+            self.data,
+            holder,
+            self._timing,
+            resolve_holder=lambda: get_or_create_holder(
+                ctx.key, ctx.storage, controller_name(ctx.key), _env.namespace()
+            ),
+        )
+        self._link = ControllerLink(
+            controller,
+            ctx.rank,
+            self._timing,
+            self._scheduler,
+            self._heard_from_driver,
+            resolve=_controller_resolver(ctx.key, ctx.storage, settings),
+        )
+        self._watchdog = DurabilityWatchdog(
+            DurabilitySettings(
+                timeout_s=self.config.durability_timeout_s,
+                factor=self.config.durability_factor,
+                floor_s=self.config.durability_floor_s,
+            )
+        )
         self._lost_reported = False  # rank 0 recorded the episode in progress with the controller
         final_module = self.state.get(self.config.final_model) if self.config.final_model else None
         self._ray_train = RayTrainLink(ctx, self.config.register_with_ray, final_module)
@@ -183,8 +209,9 @@ class Checkpointer:
         self.preemption: PreemptionWatcher | None = None
         """This rank's preemption watcher (its ``notices`` and ``outcomes``), ``None`` when disabled."""
         if self.config.preemption:
-            pcfg = self.config.preemption if isinstance(self.config.preemption, PreemptionConfig) \
-                else PreemptionConfig()
+            pcfg = (
+                self.config.preemption if isinstance(self.config.preemption, PreemptionConfig) else PreemptionConfig()
+            )
             self.preemption = PreemptionWatcher(pcfg, ctx.rank, lambda: self._scheduler.want(RequestLevel.PREEMPT))
             self.preemption.install()
 
@@ -218,10 +245,10 @@ class Checkpointer:
     @contextlib.contextmanager
     def update(self) -> Iterator[None]:
         """Guard a custom weight update: ``with ckpt.update(): my_update()``; counts as one step."""
-        self._phase1.capture_late()                             # the last snapshot's schedulers, ...
-        guard_s = self._phase1.wait_copy()                      # guard
+        self._phase1.capture_late()  # the last snapshot's schedulers, ...
+        guard_s = self._phase1.wait_copy()  # guard
         self._timing.guarded(guard_s)
-        yield                                                   # update
+        yield  # update
         self._after_update(guard_s)
 
     def _after_update(self, guard_s: float) -> None:
@@ -229,36 +256,41 @@ class Checkpointer:
         self.step_count += 1
         if self.preemption is not None:
             self.preemption.poll(self.step_count)
-        agreement = self._agree()                               # agree
+        agreement = self._agree()  # agree
         if agreement is not None and agreement.durability_lost:
             self._raise_durability_lost()
         self._ray_train.on_agreement(agreement, self.epoch)
         kind, milestone = self._scheduler.decide(self.step_count, self.epoch, agreement)  # decide
         if kind is not None:
-            self._snapshot(kind, milestone=milestone)           # snapshot
+            self._snapshot(kind, milestone=milestone)  # snapshot
             if kind is CheckpointKind.PREEMPT and self.preemption is not None:
                 # Wait until it is committed (bounded by the deadline), then hold or pass SIGTERM on.
                 self.preemption.after_checkpoint(self.step_count, self._wait_quiet, self._link.committed)
         elif self._phase1.prepare_once(self.step_count, self.epoch):
             self._timing.prepare_overlap = True
         self._link.poll(self.step_count, self._phase1.last_timings)  # report
-        self._watch()                                           # durability
+        self._watch()  # durability
         self._timing.step_end()
 
     def _agree(self) -> Agreement | None:
         """Post this rank's inputs; the agreement of the previous step (``control.py``)."""
         committed = self._link.known_committed
-        return self._control.exchange(schedule_version=self._scheduler.received,
-                                      save_request=self._scheduler.local_request, committed_step=committed,
-                                      register=self.rank == 0 and self._ray_train.due(committed),
-                                      durability_lost=self._watchdog.lost and self.config.on_durability_lost == "raise")
+        return self._control.exchange(
+            schedule_version=self._scheduler.received,
+            save_request=self._scheduler.local_request,
+            committed_step=committed,
+            register=self.rank == 0 and self._ray_train.due(committed),
+            durability_lost=self._watchdog.lost and self.config.on_durability_lost == "raise",
+        )
 
     def _snapshot(self, kind: CheckpointKind, *, milestone: bool = False) -> None:
         t0 = time.perf_counter()
-        notice = self.preemption.snapshot_meta() \
-            if kind is CheckpointKind.PREEMPT and self.preemption is not None else {}
-        sync_s = self._phase1.take(self.step_count, self.epoch, kind, milestone=milestone,
-                                   interval=self._scheduler.interval, notice=notice)
+        notice = (
+            self.preemption.snapshot_meta() if kind is CheckpointKind.PREEMPT and self.preemption is not None else {}
+        )
+        sync_s = self._phase1.take(
+            self.step_count, self.epoch, kind, milestone=milestone, interval=self._scheduler.interval, notice=notice
+        )
         self._scheduler.saved(self.step_count)
         self._link.track(self.step_count)
         self._watchdog.taken(self.step_count, time.monotonic())
@@ -268,10 +300,17 @@ class Checkpointer:
     def _watch(self) -> None:
         """Feed the watchdog what this rank knows; say so when an episode starts or ends."""
         now = time.monotonic()
-        change = self._watchdog.observe(Knowledge(
-            now=now, step=self.step_count, committed_step=self._link.known_committed, info_time=self._link.info_time,
-            in_flight_s=self._link.in_flight_s(now), poll_failures=self._link.poll_failures,
-            interval_steps=self._scheduler.interval))
+        change = self._watchdog.observe(
+            Knowledge(
+                now=now,
+                step=self.step_count,
+                committed_step=self._link.known_committed,
+                info_time=self._link.info_time,
+                in_flight_s=self._link.in_flight_s(now),
+                poll_failures=self._link.poll_failures,
+                interval_steps=self._scheduler.interval,
+            )
+        )
         iter_s = self._watchdog.iter_s
         self._phase1.late_wait_s = max(5.0, 4 * iter_s) if iter_s else 5.0
         if change is None:
@@ -281,12 +320,26 @@ class Checkpointer:
             self._record_lost()
         else:
             ep = change.episode
-            logger.warning("cf_ray: rank %d: durability restored at step %d: step %d committed, %.0f s after the alarm "
-                           "(%s)", self.rank, self.step_count, change.committed_step, change.lost_s, ep.reason.value)
+            logger.warning(
+                "cf_ray: rank %d: durability restored at step %d: step %d committed, %.0f s after the alarm (%s)",
+                self.rank,
+                self.step_count,
+                change.committed_step,
+                change.lost_s,
+                ep.reason.value,
+            )
             if self.rank == 0 and self._lost_reported:
-                self._link.record_event({"event": "durability_restored", "rank": self.rank, "step": self.step_count,
-                                         "committed_step": change.committed_step, "lost_s": change.lost_s,
-                                         "reason": ep.reason.value, "generation": self.generation})
+                self._link.record_event(
+                    {
+                        "event": "durability_restored",
+                        "rank": self.rank,
+                        "step": self.step_count,
+                        "committed_step": change.committed_step,
+                        "lost_s": change.lost_s,
+                        "reason": ep.reason.value,
+                        "generation": self.generation,
+                    }
+                )
             self._lost_reported = False
 
     def _record_lost(self) -> None:
@@ -295,11 +348,15 @@ class Checkpointer:
             return
         self._lost_reported = True
         ep = self._watchdog.episode
-        event: dict[str, Any] = {"event": "durability_lost", "rank": self.rank, "step": self.step_count,
-                                 "committed_step": self._link.known_committed, "generation": self.generation,
-                                 "action": self.config.on_durability_lost,
-                                 "failures": [f"step {f['step']} ({f['section']}): {f['error']}"
-                                              for f in self._link.failures[-3:]]}
+        event: dict[str, Any] = {
+            "event": "durability_lost",
+            "rank": self.rank,
+            "step": self.step_count,
+            "committed_step": self._link.known_committed,
+            "generation": self.generation,
+            "action": self.config.on_durability_lost,
+            "failures": [f"step {f['step']} ({f['section']}): {f['error']}" for f in self._link.failures[-3:]],
+        }
         if ep is not None:
             event.update(reason=ep.reason.value, since_step=ep.since_step, waited_s=ep.waited_s, limit_s=ep.limit_s)
         else:
@@ -312,29 +369,41 @@ class Checkpointer:
         if ep is not None:
             what = f"cf_ray: rank {self.rank}: durability lost at step {self.step_count}: {ep.describe()}"
             if self.config.durability_timeout_s is None:
-                what += (f" ({self.config.durability_factor:g} x the expected {ep.expected_s:.1f} s to a commit, "
-                         f"at least durability_floor_s={self.config.durability_floor_s:g})")
+                what += (
+                    f" ({self.config.durability_factor:g} x the expected {ep.expected_s:.1f} s to a commit, "
+                    f"at least durability_floor_s={self.config.durability_floor_s:g})"
+                )
         else:
-            what = (f"cf_ray: rank {self.rank}: durability lost on another rank at step {self.step_count} (this rank "
-                    f"knows of no commit since step {self._link.known_committed})")
+            what = (
+                f"cf_ray: rank {self.rank}: durability lost on another rank at step {self.step_count} (this rank "
+                f"knows of no commit since step {self._link.known_committed})"
+            )
         failures = self._link.failures[-3:]
-        what += ". Last failures: " + ("; ".join(f"step {f['step']} ({f['section']}): {f['error']}" for f in failures)
-                                       if failures else "none reported (a storage that hangs, or the controller)")
-        what += (f". Checkpoints go to {self.storage.uri()}: check that it is reachable and writable, and that the "
-                 "cf_ray controller actor is alive")
+        what += ". Last failures: " + (
+            "; ".join(f"step {f['step']} ({f['section']}): {f['error']}" for f in failures)
+            if failures
+            else "none reported (a storage that hangs, or the controller)"
+        )
+        what += (
+            f". Checkpoints go to {self.storage.uri()}: check that it is reachable and writable, and that the "
+            "cf_ray controller actor is alive"
+        )
         if not action:
             return what
         if self.config.on_durability_lost == "raise":
             return what + "; the attempt fails (CheckpointConfig(on_durability_lost='raise'))"
-        return (what + "; training goes on, the newest committed checkpoint stays the one a restart would use "
-                "(warned once per episode; on_durability_lost='raise' fails the attempt instead)")
+        return (
+            what + "; training goes on, the newest committed checkpoint stays the one a restart would use "
+            "(warned once per episode; on_durability_lost='raise' fails the attempt instead)"
+        )
 
     def _raise_durability_lost(self) -> None:
         self._record_lost()
         raise DurabilityLostError(
             self._lost_message(action=False) + ". The attempt fails because CheckpointConfig(on_durability_lost="
             "'raise'); to tolerate longer stalls set CheckpointConfig(durability_timeout_s=...), or "
-            "on_durability_lost='warn' to train on without durable checkpoints")
+            "on_durability_lost='warn' to train on without durable checkpoints"
+        )
 
     def end_epoch(self) -> bool:
         """Mark the end of an epoch; takes the checkpoint that ``EpochEnd`` asks for."""
@@ -355,8 +424,14 @@ class Checkpointer:
         self._phase1.capture_late()
         return self._phase1.wait_done(timeout)
 
-    def request_checkpoint(self, *, preemption: bool = False, deadline_s: float | None = None,
-                           deadline_unix: float | None = None, detail: str = "") -> None:
+    def request_checkpoint(
+        self,
+        *,
+        preemption: bool = False,
+        deadline_s: float | None = None,
+        deadline_unix: float | None = None,
+        detail: str = "",
+    ) -> None:
         """Ask for a checkpoint at the next step all ranks reach; safe to call from any thread and
         from one rank only (a signal handler, a metadata-endpoint poller).
 
@@ -375,8 +450,7 @@ class Checkpointer:
     def _heard_from_driver(self, req: CheckpointRequest) -> None:
         """A checkpoint request from ``cf_ray.preemption.notify_preemption`` (via a controller poll)."""
         if self.preemption is not None:  # every rank keeps the deadline; rank 0 asks (ranks poll apart)
-            self.preemption.notify("driver", deadline_unix=req.deadline_unix, detail=req.detail,
-                                   request=self.rank == 0)
+            self.preemption.notify("driver", deadline_unix=req.deadline_unix, detail=req.detail, request=self.rank == 0)
         elif self.rank == 0:
             self._scheduler.want(RequestLevel.PREEMPT)
 
@@ -421,8 +495,16 @@ class Checkpointer:
         if outcome.source is not RestoreSource.FRESH:
             self.step_count, self.epoch = outcome.step, outcome.epoch
         self._scheduler.saved(outcome.step)
-        return Resume(source=outcome.source.value, step=outcome.step, epoch=outcome.epoch, generation=self.generation,
-                      path=outcome.path, saved_world_size=outcome.saved_world_size, data=outcome.data, seconds=seconds)
+        return Resume(
+            source=outcome.source.value,
+            step=outcome.step,
+            epoch=outcome.epoch,
+            generation=self.generation,
+            path=outcome.path,
+            saved_world_size=outcome.saved_world_size,
+            data=outcome.data,
+            seconds=seconds,
+        )
 
     # -- what happened ------------------------------------------------------------------------------------
     def profile_rows(self) -> list[dict]:
@@ -483,8 +565,11 @@ class Checkpointer:
         deleted by keep-last), so ``CheckpointConfig(resume_from=result.checkpoint)`` continues the
         run: model, optimizer, schedulers, RNG and data positions."""
         if self._lifecycle is not _Lifecycle.OPEN:
-            raise RuntimeError("Checkpointer.finish() was already called" if self._lifecycle is _Lifecycle.FINISHED
-                               else "Checkpointer.finish() after close()")
+            raise RuntimeError(
+                "Checkpointer.finish() was already called"
+                if self._lifecycle is _Lifecycle.FINISHED
+                else "Checkpointer.finish() after close()"
+            )
         self._phase1.capture_late()
         if self.step_count > 0 and self._scheduler.last_save_step != self.step_count:  # agreed: same on every rank
             self._snapshot(CheckpointKind.MANUAL, milestone=True)  # every rank, at the same step (like save())
@@ -493,19 +578,25 @@ class Checkpointer:
         self._control.drain()
         resume = mf.step_dir(self._link.known_committed) if self._link.known_committed > 0 else None
         if self.rank == 0 and self._link.known_committed < self.step_count:
-            logger.warning("cf_ray: the final state (step %d) is not committed; the final model names %s for "
-                           "resume_from", self.step_count,
-                           f"the newest committed checkpoint, {resume}" if resume else "no checkpoint")
-        final_path, final_failures = self._ray_train.final_model(self.step_count, self.epoch, self._control,
-                                                                 resume=resume)
+            logger.warning(
+                "cf_ray: the final state (step %d) is not committed; the final model names %s for resume_from",
+                self.step_count,
+                f"the newest committed checkpoint, {resume}" if resume else "no checkpoint",
+            )
+        final_path, final_failures = self._ray_train.final_model(
+            self.step_count, self.epoch, self._control, resume=resume
+        )
         if self.rank == 0 and self._ctx.tiers:
             self._link.wait_maintenance(self.step_count)  # uploads to the tiers finish before fit() returns
         self._control.broadcast(None)  # every rank leaves together, after the uploads
         summary = self._link.finish(self.rank, self.world_size)
         self.close()
         self._lifecycle = _Lifecycle.FINISHED
-        return FinishSummary(final_path=final_path, committed_steps=summary["committed_steps"],
-                             failures=self._link.failures or failures + final_failures)
+        return FinishSummary(
+            final_path=final_path,
+            committed_steps=summary["committed_steps"],
+            failures=self._link.failures or failures + final_failures,
+        )
 
     def close(self) -> None:
         """Release what this rank holds: the SIGTERM handler, the snapshot thread and its buffers, the

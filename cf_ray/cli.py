@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-_RUN_HELP = ("the run: its directory <storage_path>/<name> (as RunConfig(storage_path, name) made it), its cf_ray "
-             "folder, or a URI such as s3://bucket/runs/my-run")
+_RUN_HELP = (
+    "the run: its directory <storage_path>/<name> (as RunConfig(storage_path, name) made it), its cf_ray "
+    "folder, or a URI such as s3://bucket/runs/my-run"
+)
 
 COMMANDS = {
     "demo": "run the main job: a TorchTrainer run with a worker SIGKILLed part-way",
@@ -32,9 +34,13 @@ COMMANDS = {
 
 
 def _parser(cmd: str, example: str, usage: str | None = None) -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(prog=f"cf-ray {cmd}", description=COMMANDS[cmd][0].upper() + COMMANDS[cmd][1:] + ".",
-                                   usage=usage, epilog="example:\n" + example,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    return argparse.ArgumentParser(
+        prog=f"cf-ray {cmd}",
+        description=COMMANDS[cmd][0].upper() + COMMANDS[cmd][1:] + ".",
+        usage=usage,
+        epilog="example:\n" + example,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def ls_parser() -> argparse.ArgumentParser:
@@ -57,10 +63,13 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def profile_parser() -> argparse.ArgumentParser:
-    p = _parser("profile", "  cf-ray profile cf_ray_runs/my-run\n"
-                           "  cf-ray profile cf_ray_runs/my-run > profile.txt\n\n"
-                           "(cf-ray profile STORAGE_PATH NAME, the older form, still works and is deprecated)",
-                usage="cf-ray profile [-h] RUN")
+    p = _parser(
+        "profile",
+        "  cf-ray profile cf_ray_runs/my-run\n"
+        "  cf-ray profile cf_ray_runs/my-run > profile.txt\n\n"
+        "(cf-ray profile STORAGE_PATH NAME, the older form, still works and is deprecated)",
+        usage="cf-ray profile [-h] RUN",
+    )
     p.add_argument("where", nargs="+", metavar="RUN", help=_RUN_HELP)
     return p
 
@@ -71,8 +80,11 @@ def _profile(args: argparse.Namespace) -> int:
     from cf_ray.run import Run
 
     if len(args.where) == 2:
-        print(f"cf-ray profile STORAGE_PATH NAME is deprecated: give the run as one argument, "
-              f"cf-ray profile {args.where[0].rstrip('/')}/{args.where[1]}", file=sys.stderr)
+        print(
+            f"cf-ray profile STORAGE_PATH NAME is deprecated: give the run as one argument, "
+            f"cf-ray profile {args.where[0].rstrip('/')}/{args.where[1]}",
+            file=sys.stderr,
+        )
         run = Run(*args.where)
     else:
         run = Run.from_path(args.where[0])
@@ -90,15 +102,18 @@ def _size(n_bytes: int) -> str:
 
 
 def verify_parser() -> argparse.ArgumentParser:
-    p = _parser("verify", "  cf-ray verify cf_ray_runs/my-run\n"
-                          "  cf-ray verify cf_ray_runs/my-run --step 1200\n"
-                          "  cf-ray verify s3://bucket/runs/my-run && echo intact\n\n"
-                          "One line per committed checkpoint: its step, its kind, and OK or DAMAGED with the file\n"
-                          "and what is wrong with it. Every file the manifest lists is read and checked against\n"
-                          "its size and CRC-32, the manifest against its own checksum, the tensor tables against\n"
-                          "their data files; no tensor is loaded into a model and nothing is unpickled.\n"
-                          "Exit status: 0 all intact, 1 damage found, 2 nothing to check (no committed\n"
-                          "checkpoint, or none at --step).")
+    p = _parser(
+        "verify",
+        "  cf-ray verify cf_ray_runs/my-run\n"
+        "  cf-ray verify cf_ray_runs/my-run --step 1200\n"
+        "  cf-ray verify s3://bucket/runs/my-run && echo intact\n\n"
+        "One line per committed checkpoint: its step, its kind, and OK or DAMAGED with the file\n"
+        "and what is wrong with it. Every file the manifest lists is read and checked against\n"
+        "its size and CRC-32, the manifest against its own checksum, the tensor tables against\n"
+        "their data files; no tensor is loaded into a model and nothing is unpickled.\n"
+        "Exit status: 0 all intact, 1 damage found, 2 nothing to check (no committed\n"
+        "checkpoint, or none at --step).",
+    )
     p.add_argument("run", metavar="RUN", help=_RUN_HELP + "; or one checkpoint's directory")
     p.add_argument("--step", type=int, default=None, metavar="N", help="check only the checkpoints of this step")
     return p
@@ -125,27 +140,36 @@ def _verify(args: argparse.Namespace) -> int:
             status = "DAMAGED: " + "; ".join(c.problems)
         print(f"{c.step:>10}  {c.kind:<10} {status}")
     damaged = [c for c in checks if not c.ok]
-    print(f"{len(checks)} checkpoint{'s' if len(checks) != 1 else ''} under {storage.uri()}: "
-          f"{len(checks) - len(damaged)} intact, {len(damaged)} damaged")
+    print(
+        f"{len(checks)} checkpoint{'s' if len(checks) != 1 else ''} under {storage.uri()}: "
+        f"{len(checks) - len(damaged)} intact, {len(damaged)} damaged"
+    )
     return 1 if damaged else 0
 
 
 def export_parser() -> argparse.ArgumentParser:
-    p = _parser("export", "  cf-ray export cf_ray_runs/my-run --step 1200 --to safetensors exported/\n"
-                          "  cf-ray export cf_ray_runs/my-run --to torch exported/\n\n"
-                          "then, in Python:\n"
-                          "  safetensors.torch.load_file('exported/model.safetensors')\n"
-                          "  torch.load('exported/model.pt', weights_only=True)\n\n"
-                          "The model is the object tracked as 'model' (Checkpointer({'model': model, ...}));\n"
-                          "without --step, the newest checkpoint (the final model when the run finished).\n"
-                          "Every file is verified against the manifest before it is read.",
-                usage="cf-ray export [-h] RUN [--step N] --to {safetensors,torch} DIR")
+    p = _parser(
+        "export",
+        "  cf-ray export cf_ray_runs/my-run --step 1200 --to safetensors exported/\n"
+        "  cf-ray export cf_ray_runs/my-run --to torch exported/\n\n"
+        "then, in Python:\n"
+        "  safetensors.torch.load_file('exported/model.safetensors')\n"
+        "  torch.load('exported/model.pt', weights_only=True)\n\n"
+        "The model is the object tracked as 'model' (Checkpointer({'model': model, ...}));\n"
+        "without --step, the newest checkpoint (the final model when the run finished).\n"
+        "Every file is verified against the manifest before it is read.",
+        usage="cf-ray export [-h] RUN [--step N] --to {safetensors,torch} DIR",
+    )
     p.add_argument("run", metavar="RUN", help=_RUN_HELP + "; or one checkpoint's directory")
     p.add_argument("out_dir", metavar="DIR", help="local directory to write <object>.safetensors or <object>.pt to")
     p.add_argument("--to", required=True, choices=("safetensors", "torch"), help="the file format")
     p.add_argument("--step", type=int, default=None, metavar="N", help="the checkpoint's step (default: the newest)")
-    p.add_argument("--object", default="model", dest="obj",
-                   help="the tracked object to export, as named in Checkpointer({...}) (default: model)")
+    p.add_argument(
+        "--object",
+        default="model",
+        dest="obj",
+        help="the tracked object to export, as named in Checkpointer({...}) (default: model)",
+    )
     return p
 
 
@@ -160,8 +184,10 @@ def _export(args: argparse.Namespace) -> int:
     except CfRayError as e:  # no such checkpoint, damaged, sharded, not storable: said in one line
         print(f"cf-ray export: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {done.path}: {done.tensors} tensors, {_size(done.size_bytes)}, from {done.kind} checkpoint of step "
-          f"{done.step} ({done.source})")
+    print(
+        f"wrote {done.path}: {done.tensors} tensors, {_size(done.size_bytes)}, from {done.kind} checkpoint of step "
+        f"{done.step} ({done.source})"
+    )
     return 0
 
 
@@ -180,8 +206,11 @@ def _bench(argv: list[str]) -> int:
 
         root = pathlib.Path(__file__).resolve().parents[1]
         if not (root / "benchmarks" / "bench.py").exists():
-            print("cf-ray bench runs from a clone of the cf_ray repository (it is not part of the installed "
-                  "package): git clone it, `pip install -e .` there and run `cf-ray bench` again", file=sys.stderr)
+            print(
+                "cf-ray bench runs from a clone of the cf_ray repository (it is not part of the installed "
+                "package): git clone it, `pip install -e .` there and run `cf-ray bench` again",
+                file=sys.stderr,
+            )
             return 2
         sys.path.insert(0, str(root))
         from benchmarks.bench import main as bench_main
@@ -191,9 +220,12 @@ def _bench(argv: list[str]) -> int:
 def _usage() -> str:
     lines = ["usage: cf-ray {" + ",".join(COMMANDS) + "} [options]", ""]
     lines += [f"  {k:<8} {v}" for k, v in COMMANDS.items()]
-    lines += ["", "RUN, for every command that reads a run: " + _RUN_HELP + ".",
-              "cf-ray COMMAND --help shows the command's options and an example, e.g.:",
-              "  cf-ray verify cf_ray_runs/my-run"]
+    lines += [
+        "",
+        "RUN, for every command that reads a run: " + _RUN_HELP + ".",
+        "cf-ray COMMAND --help shows the command's options and an example, e.g.:",
+        "  cf-ray verify cf_ray_runs/my-run",
+    ]
     return "\n".join(lines)
 
 
@@ -201,8 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         known = not argv or argv[0] in ("-h", "--help")
-        print(_usage() if known else f"cf-ray: unknown command {argv[0]!r}\n\n{_usage()}",
-              file=sys.stdout if known else sys.stderr)
+        print(
+            _usage() if known else f"cf-ray: unknown command {argv[0]!r}\n\n{_usage()}",
+            file=sys.stdout if known else sys.stderr,
+        )
         return 0 if known else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":

@@ -50,8 +50,10 @@ class PreemptionConfig:
         if self.ray_signal not in _RAY_SIGNAL:
             raise ConfigError(f"PreemptionConfig.ray_signal={self.ray_signal!r} must be one of {_RAY_SIGNAL}")
         if isinstance(self.ray_poll_every, bool) or not isinstance(self.ray_poll_every, int) or self.ray_poll_every < 1:
-            raise ConfigError(f"PreemptionConfig.ray_poll_every={self.ray_poll_every!r} must be an int >= 1 "
-                              "(steps between two calls of ray.train.get_preemption_info())")
+            raise ConfigError(
+                f"PreemptionConfig.ray_poll_every={self.ray_poll_every!r} must be an int >= 1 "
+                "(steps between two calls of ray.train.get_preemption_info())"
+            )
         for name in ("sigterm_deadline_s", "hold_extra_s", "max_wait_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
@@ -131,14 +133,20 @@ class CheckpointConfig:
 
     def __post_init__(self):
         if not isinstance(self.preemption, (bool, PreemptionConfig)):
-            raise ConfigError(f"CheckpointConfig.preemption={self.preemption!r} must be True, False or a "
-                              "cf_ray.preemption.PreemptionConfig")
+            raise ConfigError(
+                f"CheckpointConfig.preemption={self.preemption!r} must be True, False or a "
+                "cf_ray.preemption.PreemptionConfig"
+            )
         if isinstance(self.policy, type):  # the class passes the Protocol check and fails at the first call
-            raise ConfigError(f"CheckpointConfig.policy={self.policy.__name__} is a class; pass an instance, "
-                              f"e.g. policy={self.policy.__name__}()")
+            raise ConfigError(
+                f"CheckpointConfig.policy={self.policy.__name__} is a class; pass an instance, "
+                f"e.g. policy={self.policy.__name__}()"
+            )
         if not isinstance(self.policy, FrequencyPolicy):
-            raise ConfigError(f"CheckpointConfig.policy={self.policy!r} is not a policy; use "
-                              "cf_ray.FixedInterval(every=k), cf_ray.EpochEnd() or cf_ray.Adaptive()")
+            raise ConfigError(
+                f"CheckpointConfig.policy={self.policy!r} is not a policy; use "
+                "cf_ray.FixedInterval(every=k), cf_ray.EpochEnd() or cf_ray.Adaptive()"
+            )
         if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
             raise ConfigError(f"CheckpointConfig.keep_last={self.keep_last!r} must be an int >= 1 or None (keep all)")
         if self.milestone_every is not None and (not isinstance(self.milestone_every, int) or self.milestone_every < 1):
@@ -148,22 +156,29 @@ class CheckpointConfig:
         if self.upload not in _UPLOAD:
             raise ConfigError(f"CheckpointConfig.upload={self.upload!r} must be one of {_UPLOAD}")
         if self.on_durability_lost not in _ON_DURABILITY_LOST:
-            raise ConfigError(f"CheckpointConfig.on_durability_lost={self.on_durability_lost!r} must be one of "
-                              f"{_ON_DURABILITY_LOST}")
+            raise ConfigError(
+                f"CheckpointConfig.on_durability_lost={self.on_durability_lost!r} must be one of {_ON_DURABILITY_LOST}"
+            )
         if self.durability_timeout_s is not None and not _positive(self.durability_timeout_s):
-            raise ConfigError(f"CheckpointConfig.durability_timeout_s={self.durability_timeout_s!r} must be a number "
-                              "of seconds > 0, or None (automatic)")
+            raise ConfigError(
+                f"CheckpointConfig.durability_timeout_s={self.durability_timeout_s!r} must be a number "
+                "of seconds > 0, or None (automatic)"
+            )
         if not _positive(self.durability_factor) or self.durability_factor < 1:
             raise ConfigError(f"CheckpointConfig.durability_factor={self.durability_factor!r} must be a number >= 1")
         if not _positive(self.durability_floor_s):
-            raise ConfigError(f"CheckpointConfig.durability_floor_s={self.durability_floor_s!r} must be a number of "
-                              "seconds > 0")
+            raise ConfigError(
+                f"CheckpointConfig.durability_floor_s={self.durability_floor_s!r} must be a number of seconds > 0"
+            )
         for name in ("allow_missing_objects", "allow_unexpected_objects"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"CheckpointConfig.{name}={getattr(self, name)!r} must be True or False")
         if self.upload == "milestones" and self.upload_path and self.milestone_every is None:
-            warnings.warn("CheckpointConfig.upload='milestones' without milestone_every: only checkpoints saved "
-                          "with save(milestone=True) will be uploaded", stacklevel=3)
+            warnings.warn(
+                "CheckpointConfig.upload='milestones' without milestone_every: only checkpoints saved "
+                "with save(milestone=True) will be uploaded",
+                stacklevel=3,
+            )
 
 
 def _positive(v: Any) -> bool:

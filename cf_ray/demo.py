@@ -105,30 +105,48 @@ def train_loop_per_worker(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     dataset = SyntheticDataset(cfg["samples"], cfg["dim"], cfg["seed"])
     # pad=False: every sample exactly once per epoch (torch's DistributedSampler pads with repeats).
-    sampler = ResumableDistributedSampler(dataset, rank=rank, world_size=world, shuffle=True, seed=cfg["seed"],
-                                          pad=False)
+    sampler = ResumableDistributedSampler(
+        dataset, rank=rank, world_size=world, shuffle=True, seed=cfg["seed"], pad=False
+    )
     # A generator of its own keeps iter(loader) from drawing from the global torch RNG, which the
     # checkpoint restores: otherwise a mid-epoch resume would draw once more than an uninterrupted run.
-    loader = torch.utils.data.DataLoader(dataset, batch_size=cfg["batch_size"], sampler=sampler,
-                                         generator=torch.Generator().manual_seed(cfg["seed"]))
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=cfg["batch_size"], sampler=sampler, generator=torch.Generator().manual_seed(cfg["seed"])
+    )
     model = ray.train.torch.prepare_model(build_model(cfg))
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
     ckpt = cf_ray.Checkpointer(
         {"model": model, "optimizer": optimizer},
         data={"sampler": sampler},
         config=cf_ray.CheckpointConfig(
-            policy=_policy(cfg), keep_last=cfg["keep_last"], milestone_every=cfg["milestone_every"],
-            restore_from=cfg["restore_from"], storage_path=cfg["storage_path"],
-            storage_filesystem=cfg["storage_filesystem"], upload_path=cfg["upload_path"],
-            upload_filesystem=cfg["upload_filesystem"], resume_from=cfg["resume_from"]),
+            policy=_policy(cfg),
+            keep_last=cfg["keep_last"],
+            milestone_every=cfg["milestone_every"],
+            restore_from=cfg["restore_from"],
+            storage_path=cfg["storage_path"],
+            storage_filesystem=cfg["storage_filesystem"],
+            upload_path=cfg["upload_path"],
+            upload_filesystem=cfg["upload_filesystem"],
+            resume_from=cfg["resume_from"],
+        ),
     )
     resume = ckpt.restore()
     out = cfg["out_dir"]
     os.makedirs(out, exist_ok=True)
     gen = resume.generation
     with open(f"{out}/resume_rank{rank}_gen{gen}.json", "w") as f:
-        json.dump({"source": resume.source, "step": resume.step, "epoch": resume.epoch, "seconds": resume.seconds,
-                   "world_size": world, "saved_world_size": resume.saved_world_size, "time": time.time()}, f)
+        json.dump(
+            {
+                "source": resume.source,
+                "step": resume.step,
+                "epoch": resume.epoch,
+                "seconds": resume.seconds,
+                "world_size": world,
+                "saved_world_size": resume.saved_world_size,
+                "time": time.time(),
+            },
+            f,
+        )
     ids_log = open(f"{out}/ids_rank{rank}_gen{gen}.jsonl", "w", buffering=1)  # a line per step, even if killed
     loss = torch.tensor(0.0)
     for epoch in range(resume.epoch, cfg["epochs"]):
@@ -141,8 +159,12 @@ def train_loop_per_worker(config: dict) -> None:
             ids_log.write(json.dumps({"step": ckpt.step_count, "epoch": epoch, "ids": ids.tolist()}) + "\n")
             if cfg["step_sleep"]:
                 time.sleep(cfg["step_sleep"])
-            if (cfg["kill_at"] is not None and rank == cfg["kill_rank"] and ckpt.step_count == cfg["kill_at"]
-                    and not os.path.exists(f"{out}/killed")):
+            if (
+                cfg["kill_at"] is not None
+                and rank == cfg["kill_rank"]
+                and ckpt.step_count == cfg["kill_at"]
+                and not os.path.exists(f"{out}/killed")
+            ):
                 ids_log.flush()
                 if cfg["kill_after_handoff"]:
                     ckpt.wait_snapshot()
@@ -154,17 +176,40 @@ def train_loop_per_worker(config: dict) -> None:
     ckpt.metrics["loss"] = float(loss.detach())
     summary = ckpt.finish()
     if rank == 0:
-        torch.save({"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                    "optimizer": optimizer.state_dict()}, f"{out}/final_state.pt")
+        torch.save(
+            {
+                "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                "optimizer": optimizer.state_dict(),
+            },
+            f"{out}/final_state.pt",
+        )
         with open(f"{out}/result.json", "w") as f:
-            json.dump({"final_path": summary.final_path, "committed_steps": summary.committed_steps,
-                       "failures": summary.failures, "checkpoints_taken": ckpt.checkpoints_taken,
-                       "stall_s_total": ckpt.stall_s_total, "steps": ckpt.step_count,
-                       "profile": ckpt.profile_rows(), "events": ckpt.events()}, f, default=str)
+            json.dump(
+                {
+                    "final_path": summary.final_path,
+                    "committed_steps": summary.committed_steps,
+                    "failures": summary.failures,
+                    "checkpoints_taken": ckpt.checkpoints_taken,
+                    "stall_s_total": ckpt.stall_s_total,
+                    "steps": ckpt.step_count,
+                    "profile": ckpt.profile_rows(),
+                    "events": ckpt.events(),
+                },
+                f,
+                default=str,
+            )
 
 
-def run(name: str, root: str, config: dict, *, workers: int = 2, max_failures: int = 3, storage_path: str | None = None,
-        storage_filesystem=None):
+def run(
+    name: str,
+    root: str,
+    config: dict,
+    *,
+    workers: int = 2,
+    max_failures: int = 3,
+    storage_path: str | None = None,
+    storage_filesystem=None,
+):
     """One ``TorchTrainer.fit()`` of :func:`train_loop_per_worker`; returns Ray's Result."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -173,9 +218,12 @@ def run(name: str, root: str, config: dict, *, workers: int = 2, max_failures: i
         train_loop_per_worker,
         train_loop_config=dict(config, out_dir=os.path.join(root, "out", name)),
         scaling_config=ScalingConfig(num_workers=workers),
-        run_config=RunConfig(name=name, storage_path=storage_path or os.path.join(root, "storage"),
-                             storage_filesystem=storage_filesystem,
-                             failure_config=FailureConfig(max_failures=max_failures)),
+        run_config=RunConfig(
+            name=name,
+            storage_path=storage_path or os.path.join(root, "storage"),
+            storage_filesystem=storage_filesystem,
+            failure_config=FailureConfig(max_failures=max_failures),
+        ),
     )
     return trainer.fit()
 
@@ -198,12 +246,17 @@ def _equal(a, b) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cf-ray demo", description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--dir", default=os.path.join(os.getcwd(), "cf_ray_runs", "demo"),
-                   help="everything is written under this directory (default: ./cf_ray_runs/demo)")
+    p.add_argument(
+        "--dir",
+        default=os.path.join(os.getcwd(), "cf_ray_runs", "demo"),
+        help="everything is written under this directory (default: ./cf_ray_runs/demo)",
+    )
     p.add_argument("--interval", type=int, default=5, help="checkpoint every this many steps (default 5)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--samples", type=int, default=1003)
-    p.add_argument("--kill-at", type=int, default=None, help="step at which rank 1 is SIGKILLed (default: 60%% of the run)")
+    p.add_argument(
+        "--kill-at", type=int, default=None, help="step at which rank 1 is SIGKILLed (default: 60%% of the run)"
+    )
     p.add_argument("--hidden", type=int, default=256)
     args = p.parse_args(argv)
     import ray
@@ -220,8 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
     try:
-        print(f"cf_ray demo: 2 workers, {total} steps, checkpoint every {args.interval} steps; "
-              f"rank 1 is SIGKILLed at step {kill_at}. Writing under {root}")
+        print(
+            f"cf_ray demo: 2 workers, {total} steps, checkpoint every {args.interval} steps; "
+            f"rank 1 is SIGKILLed at step {kill_at}. Writing under {root}"
+        )
         t1 = time.time()
         print("  1/2 uninterrupted reference run ...", end=" ", flush=True)
         run("reference", root, cfg)
@@ -234,8 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     out = os.path.join(root, "out", "interrupted")
     with open(os.path.join(out, "result.json")) as f:
         result = json.load(f)
-    resumes = sorted((json.load(open(os.path.join(out, n))) for n in os.listdir(out)
-                      if n.startswith("resume_rank0_")), key=lambda r: r["time"])
+    resumes = sorted(
+        (json.load(open(os.path.join(out, n))) for n in os.listdir(out) if n.startswith("resume_rank0_")),
+        key=lambda r: r["time"],
+    )
     killed = json.load(open(os.path.join(out, "killed")))
     restart = resumes[-1]
     committed = [r for r in result["profile"] if r.get("committed")]

@@ -94,13 +94,20 @@ def _full_checkpoint_of_final(run: FsStorage, directory: str, m: mf.Manifest) ->
     if target is None:
         raise CheckpointNotFoundError(
             f"{run.uri(directory)} holds only the final model weights and names no full checkpoint of its run; "
-            "resume from the run directory or a registered checkpoint instead")
+            "resume from the run directory or a registered checkpoint instead"
+        )
     name = target.removeprefix(f"{mf.CHECKPOINTS}/") if isinstance(target, str) else ""
     match = mf._DIR_RE.match(name)
-    if not isinstance(target, str) or not target.startswith(f"{mf.CHECKPOINTS}/") or not match \
-            or match.group(1) != "step":
-        raise CorruptCheckpointError(f"the final model's manifest {run.uri(directory)} names {target!r} as its full "
-                                     "checkpoint, which is not a checkpoint of this run")
+    if (
+        not isinstance(target, str)
+        or not target.startswith(f"{mf.CHECKPOINTS}/")
+        or not match
+        or match.group(1) != "step"
+    ):
+        raise CorruptCheckpointError(
+            f"the final model's manifest {run.uri(directory)} names {target!r} as its full "
+            "checkpoint, which is not a checkpoint of this run"
+        )
     return target
 
 
@@ -113,14 +120,28 @@ def list_checkpoints(source: Any, filesystem: pafs.FileSystem | None = None) -> 
             m = mf.read_manifest(run, c.path)
         except CorruptCheckpointError:
             continue
-        out.append(CheckpointInfo(step=m.step, epoch=m.epoch, kind=m.kind, milestone=m.milestone,
-                                  world_size=m.world_size, path=run.uri(c.path)))
+        out.append(
+            CheckpointInfo(
+                step=m.step,
+                epoch=m.epoch,
+                kind=m.kind,
+                milestone=m.milestone,
+                world_size=m.world_size,
+                path=run.uri(c.path),
+            )
+        )
     return out
 
 
-def load_state(source: Any, *, step: int | None = None, objects: Iterable[str] | None = None,
-               keys: Iterable[str] | None = None, filesystem: pafs.FileSystem | None = None,
-               rank: int = 0) -> dict[str, Any]:
+def load_state(
+    source: Any,
+    *,
+    step: int | None = None,
+    objects: Iterable[str] | None = None,
+    keys: Iterable[str] | None = None,
+    filesystem: pafs.FileSystem | None = None,
+    rank: int = 0,
+) -> dict[str, Any]:
     """Chosen entries of a chosen checkpoint, as state dicts with CPU tensors.
 
     Args:
@@ -142,7 +163,8 @@ def load_state(source: Any, *, step: int | None = None, objects: Iterable[str] |
             committed = [c for c in committed if c.step == step]
         if not committed:
             raise CheckpointNotFoundError(
-                f"no committed checkpoint{'' if step is None else f' at step {step}'} under {run.uri()}")
+                f"no committed checkpoint{'' if step is None else f' at step {step}'} under {run.uri()}"
+            )
         directory = committed[-1].path
     elif step is not None and not directory.endswith(f"{step:012d}"):
         raise CheckpointNotFoundError(f"{run.uri(directory)} is not the checkpoint of step {step}")
@@ -158,8 +180,9 @@ def load_state(source: Any, *, step: int | None = None, objects: Iterable[str] |
         state = {"model": read_safetensors(buf, keyset)}
         missing = (wanted or set()) - set(state)
         if missing:
-            raise CheckpointNotFoundError(f"checkpoint {run.uri(directory)} holds only the final model, not "
-                                          f"{sorted(missing)}")
+            raise CheckpointNotFoundError(
+                f"checkpoint {run.uri(directory)} holds only the final model, not {sorted(missing)}"
+            )
         return {k: v for k, v in state.items() if wanted is None or k in wanted}
     out: dict[str, Any] = {}
     if m.replicated:
@@ -178,8 +201,14 @@ def load_state(source: Any, *, step: int | None = None, objects: Iterable[str] |
     return out
 
 
-def load_into(source: Any, objects: Mapping[str, Any], *, step: int | None = None, strict: bool = True,
-              filesystem: pafs.FileSystem | None = None) -> bool:
+def load_into(
+    source: Any,
+    objects: Mapping[str, Any],
+    *,
+    step: int | None = None,
+    strict: bool = True,
+    filesystem: pafs.FileSystem | None = None,
+) -> bool:
     """Load the named objects (e.g. ``{"model": model}``) from a checkpoint.
 
     Returns:
@@ -190,7 +219,9 @@ def load_into(source: Any, objects: Mapping[str, Any], *, step: int | None = Non
     except CheckpointNotFoundError:
         return False
     for name, obj in objects.items():
-        target = obj.module if hasattr(obj, "module") and isinstance(obj, torch.nn.parallel.DistributedDataParallel) else obj
+        target = (
+            obj.module if hasattr(obj, "module") and isinstance(obj, torch.nn.parallel.DistributedDataParallel) else obj
+        )
         if isinstance(target, torch.nn.Module):
             target.load_state_dict(states[name], strict=strict)
         else:
@@ -202,7 +233,9 @@ def _select(section: mf.Section, path: tuple[str, ...], wanted, keyset) -> dict:
     tree = section.tree
     for p in path:
         if not isinstance(tree, dict) or p not in tree:
-            raise CorruptCheckpointError(f"a section of the checkpoint has no {'.'.join(path)!r} (malformed state tree)")
+            raise CorruptCheckpointError(
+                f"a section of the checkpoint has no {'.'.join(path)!r} (malformed state tree)"
+            )
         tree = tree[p]
     if not isinstance(tree, dict):
         raise CorruptCheckpointError(f"the checkpoint's {'.'.join(path)!r} is not a mapping (malformed state tree)")

@@ -85,6 +85,7 @@ logger = logging.getLogger("cf_ray")
 
 # -- from the driver (or any process of the cluster) ------------------------------------------------------
 
+
 def controller_of(storage_path: str, run_name: str, storage_filesystem=None):
     """The live cf_ray controller of a run, or ``None``.
 
@@ -102,8 +103,15 @@ def controller_of(storage_path: str, run_name: str, storage_filesystem=None):
     return get_controller(run_key(storage.uri(), run_name))
 
 
-def notify_preemption(storage_path: str, run_name: str, *, deadline_s: float | None = None,
-                      deadline_unix: float | None = None, detail: str = "", storage_filesystem=None) -> dict:
+def notify_preemption(
+    storage_path: str,
+    run_name: str,
+    *,
+    deadline_s: float | None = None,
+    deadline_unix: float | None = None,
+    detail: str = "",
+    storage_filesystem=None,
+) -> dict:
     """Tell every rank of a running job that it is about to be preempted (or resized).
 
     For clusters that learn of preemption outside the workers (a cloud provider's event, a
@@ -126,14 +134,23 @@ def notify_preemption(storage_path: str, run_name: str, *, deadline_s: float | N
     """
     ctl = controller_of(storage_path, run_name, storage_filesystem)
     if ctl is None:
-        raise CfRayError(f"no running cf_ray job named {run_name!r} under {storage_path!r}; give the same "
-                         "storage_path and name as the job's RunConfig")
+        raise CfRayError(
+            f"no running cf_ray job named {run_name!r} under {storage_path!r}; give the same "
+            "storage_path and name as the job's RunConfig"
+        )
     if deadline_unix is None and deadline_s is not None:
         deadline_unix = time.time() + float(deadline_s)
-    req = cast(CheckpointRequest, ray.get(ctl.request_checkpoint.remote(deadline_unix, detail),
-                                          timeout=_env.get_float(_env.ACTOR_TIMEOUT_S)))
-    return {"seq": req.seq, "deadline_unix": req.deadline_unix, "detail": req.detail, "time": req.time_unix,
-            "generation": req.generation}
+    req = cast(
+        CheckpointRequest,
+        ray.get(ctl.request_checkpoint.remote(deadline_unix, detail), timeout=_env.get_float(_env.ACTOR_TIMEOUT_S)),
+    )
+    return {
+        "seq": req.seq,
+        "deadline_unix": req.deadline_unix,
+        "detail": req.detail,
+        "time": req.time_unix,
+        "generation": req.generation,
+    }
 
 
 if TYPE_CHECKING:
@@ -163,8 +180,14 @@ class CheckpointBeforeResize(_ControllerCallback):
             its own ``storage_path``/``run_name``; by default the run's ``RunConfig``.
     """
 
-    def __init__(self, *, timeout_s: float = 30.0, storage_path: str | None = None, run_name: str | None = None,
-                 storage_filesystem=None):
+    def __init__(
+        self,
+        *,
+        timeout_s: float = 30.0,
+        storage_path: str | None = None,
+        run_name: str | None = None,
+        storage_filesystem=None,
+    ):
         self.timeout_s = float(timeout_s)
         self.storage_path = storage_path
         self.run_name = run_name
@@ -182,8 +205,9 @@ class CheckpointBeforeResize(_ControllerCallback):
     def after_controller_state_update(self, previous_state, current_state) -> None:
         if type(current_state).__name__ != "ResizingState" or self.storage_path is None or self.run_name is None:
             return
-        self.outcomes.append(self.checkpoint_now(detail=f"Ray Train resizes the group "
-                                                         f"({type(previous_state).__name__} -> RESIZING)"))
+        self.outcomes.append(
+            self.checkpoint_now(detail=f"Ray Train resizes the group ({type(previous_state).__name__} -> RESIZING)")
+        )
 
     def checkpoint_now(self, detail: str = "resize") -> dict:
         """Ask for a just-in-time checkpoint and wait until it is committed (or ``timeout_s``)."""
@@ -198,8 +222,17 @@ class CheckpointBeforeResize(_ControllerCallback):
             ray.get(ctl.request_checkpoint.remote(t0 + self.timeout_s, detail), timeout=10)
             while time.time() - t0 < self.timeout_s:
                 rows = ray.get(ctl.profile_rows.remote(), timeout=10)
-                row = next((r for r in rows if r.get("kind") == "preempt" and r.get("notice_source") == "driver"
-                            and (r.get("notice_unix") or 0) >= t0 - 1e-3 and r.get("committed")), None)
+                row = next(
+                    (
+                        r
+                        for r in rows
+                        if r.get("kind") == "preempt"
+                        and r.get("notice_source") == "driver"
+                        and (r.get("notice_unix") or 0) >= t0 - 1e-3
+                        and r.get("committed")
+                    ),
+                    None,
+                )
                 if row is not None:
                     out.update(step=row["step"], committed=True, seconds=time.time() - t0)
                     break
@@ -207,10 +240,12 @@ class CheckpointBeforeResize(_ControllerCallback):
         except Exception as e:  # noqa: BLE001 - never block a resize for cf_ray's sake
             logger.warning("cf_ray: checkpoint before resize failed: %r", e)
         if not out["committed"]:
-            logger.warning("cf_ray: no just-in-time checkpoint committed within %.0f s before the resize; the "
-                           "new group resumes from the latest one", self.timeout_s)
+            logger.warning(
+                "cf_ray: no just-in-time checkpoint committed within %.0f s before the resize; the "
+                "new group resumes from the latest one",
+                self.timeout_s,
+            )
         return out
 
 
 __all__ = ["CheckpointBeforeResize", "PreemptionConfig", "controller_of", "notify_preemption"]
-

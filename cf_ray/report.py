@@ -94,6 +94,7 @@ _PER_RANK = {"stall_s": max, "copy_s": max, "persist_s": max, "bytes": sum}
 
 # -- frames -------------------------------------------------------------------------------------
 
+
 def profile_frame(rows: Iterable[Mapping] | pd.DataFrame) -> pd.DataFrame:
     """The profile table: one row per checkpoint, in the order given.
 
@@ -177,8 +178,7 @@ def _frame(records: Sequence[Mapping], schema: Mapping[str, Any]) -> pd.DataFram
                 seen.add(k)
                 extras.append(k)
     data = {col: [r.get(col) for r in records] for col in list(schema) + extras}
-    df = pd.DataFrame({col: pd.Series(vals, dtype=object) for col, vals in data.items()},
-                      columns=list(schema) + extras)
+    df = pd.DataFrame({col: pd.Series(vals, dtype=object) for col, vals in data.items()}, columns=list(schema) + extras)
     return _coerce(df, schema)
 
 
@@ -208,8 +208,7 @@ def _as_dtype(s: pd.Series, dtype, col: str) -> pd.Series:
         return pd.Series([None if v is None else bool(v) for v in vals], dtype="boolean", index=s.index)
     if dtype == "Int64":
         try:
-            return pd.Series(pd.array([None if v is None else _as_int(v) for v in vals], dtype="Int64"),
-                             index=s.index)
+            return pd.Series(pd.array([None if v is None else _as_int(v) for v in vals], dtype="Int64"), index=s.index)
         except (TypeError, ValueError):
             logger.warning("cf_ray profile: column %r has non-integer values; keeping them as numbers", col)
             dtype = "float64"
@@ -236,17 +235,23 @@ def _infer(s: pd.Series) -> pd.Series:
         return pd.Series(vals, dtype="boolean", index=s.index)
     if present and all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in present):
         return pd.Series(pd.array(vals, dtype="Int64"), index=s.index)
-    if present and all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
-                       for v in present):
+    if present and all(
+        isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)) for v in present
+    ):
         return pd.Series([np.nan if v is None else float(v) for v in vals], dtype="float64", index=s.index)
     return pd.Series(vals, dtype=object, index=s.index)
 
 
 # -- Parquet through a Storage ------------------------------------------------------------------
 
-def save_profile(storage: Storage, rows: Iterable[Mapping] | pd.DataFrame,
-                 iter_rows: Iterable[Mapping] | pd.DataFrame | None = None, *,
-                 restarts: Iterable[Mapping] | pd.DataFrame | None = None) -> dict[str, FileInfo]:
+
+def save_profile(
+    storage: Storage,
+    rows: Iterable[Mapping] | pd.DataFrame,
+    iter_rows: Iterable[Mapping] | pd.DataFrame | None = None,
+    *,
+    restarts: Iterable[Mapping] | pd.DataFrame | None = None,
+) -> dict[str, FileInfo]:
     """Write the profile (and the iteration times) as Parquet at the storage's root.
 
     Each file is written whole through :meth:`Storage.write_file`, so a reader sees the previous
@@ -289,8 +294,10 @@ def load_profile(storage: Storage) -> tuple[pd.DataFrame, pd.DataFrame]:
     """
     parts = _read_profile_parts(storage)
     if not storage.exists(PROFILE_FILE) and not parts:
-        raise FileNotFoundError(f"no cf_ray profile at {storage.uri(PROFILE_FILE)}; it is written when a run "
-                                "finishes (and by Checkpointer.finish()) — check storage_path and run_name")
+        raise FileNotFoundError(
+            f"no cf_ray profile at {storage.uri(PROFILE_FILE)}; it is written when a run "
+            "finishes (and by Checkpointer.finish()) — check storage_path and run_name"
+        )
     if storage.exists(PROFILE_FILE):
         profile = _coerce(_read_parquet(storage, PROFILE_FILE), PROFILE_COLUMNS)
     else:
@@ -299,8 +306,9 @@ def load_profile(storage: Storage) -> tuple[pd.DataFrame, pd.DataFrame]:
         saved = {_row_key(r): r for r in profile.to_dict("records")}
         extra = [r for r in parts if _row_key(r) not in saved]
         if extra:
-            rows = sorted([*saved.values(), *extra], key=lambda r: (_sort_key(r.get("step")),
-                                                                    _sort_key(r.get("generation"))))
+            rows = sorted(
+                [*saved.values(), *extra], key=lambda r: (_sort_key(r.get("step")), _sort_key(r.get("generation")))
+            )
             profile = profile_frame(rows)
     if storage.exists(ITERATIONS_FILE):
         iterations = _coerce(_read_parquet(storage, ITERATIONS_FILE), ITERATION_COLUMNS)
@@ -410,8 +418,11 @@ def _arrow_ready(df: pd.DataFrame) -> pd.DataFrame:
                 raise TypeError("structured")
             pa.array(vals, from_pandas=True)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError):
-            df[col] = pd.Series([None if v is None else json.dumps(v, default=str, sort_keys=True) for v in vals],
-                                dtype=object, index=df.index)
+            df[col] = pd.Series(
+                [None if v is None else json.dumps(v, default=str, sort_keys=True) for v in vals],
+                dtype=object,
+                index=df.index,
+            )
     return df
 
 
@@ -420,8 +431,10 @@ def _read_parquet(storage: Storage, path: str) -> pd.DataFrame:
     try:
         table = pq.read_table(pa.BufferReader(pa.py_buffer(data)))
     except (pa.ArrowInvalid, OSError) as e:
-        raise CorruptCheckpointError(f"{storage.uri(path)} is not a readable Parquet table ({e}); "
-                                     "delete it, the next save_profile() writes it again") from e
+        raise CorruptCheckpointError(
+            f"{storage.uri(path)} is not a readable Parquet table ({e}); "
+            "delete it, the next save_profile() writes it again"
+        ) from e
     df = table.to_pandas()
     return df.astype(object).where(df.notna(), None) if len(df) else df.astype(object)
 
@@ -431,8 +444,9 @@ def _read_parquet(storage: Storage, path: str) -> pd.DataFrame:
 _KIND_STYLE = {"scheduled": "-", "epoch": "--", "manual": ":", "preempt": "-.", "final": "-"}
 
 
-def plot_profile(df: pd.DataFrame, iterations_df: pd.DataFrame | None = None, ax=None, *,
-                 budget_pct: float | None = None):
+def plot_profile(
+    df: pd.DataFrame, iterations_df: pd.DataFrame | None = None, ax=None, *, budget_pct: float | None = None
+):
     """Draw a run's profile: iteration time over steps, checkpoints as vertical lines (green:
     committed, grey: in memory only / pending, red: failed; line style by kind) and the measured
     overhead on a second axis.
@@ -466,8 +480,13 @@ def plot_profile(df: pd.DataFrame, iterations_df: pd.DataFrame | None = None, ax
         it = it[it["iter_s"] > 0]
         if len(it):
             slowest = cast("pd.Series", it.groupby("step")["iter_s"].max()).sort_index()
-            handles += ax.plot(slowest.index.astype(float), slowest.to_numpy(dtype=float), color="tab:blue",
-                               linewidth=1.0, label="iteration time (slowest rank)")
+            handles += ax.plot(
+                slowest.index.astype(float),
+                slowest.to_numpy(dtype=float),
+                color="tab:blue",
+                linewidth=1.0,
+                label="iteration time (slowest rank)",
+            )
     ax.set_xlabel("step")
     ax.set_ylabel("iteration time (s)")
     ckpts = df.dropna(subset=["step"])
@@ -482,11 +501,21 @@ def plot_profile(df: pd.DataFrame, iterations_df: pd.DataFrame | None = None, ax
     if len(over) or budget_pct is not None:
         ax2 = ax.twinx()
         if len(over):
-            handles += ax2.plot(over["step"].astype(float), over["overhead_pct"].astype(float), color="tab:orange",
-                                marker="o", markersize=3, linewidth=1.0, label="overhead (%)")
+            handles += ax2.plot(
+                over["step"].astype(float),
+                over["overhead_pct"].astype(float),
+                color="tab:orange",
+                marker="o",
+                markersize=3,
+                linewidth=1.0,
+                label="overhead (%)",
+            )
         if budget_pct is not None:
-            handles.append(ax2.axhline(budget_pct, color="tab:orange", linestyle="--", linewidth=0.8,
-                                       label=f"budget ({budget_pct:g} %)"))
+            handles.append(
+                ax2.axhline(
+                    budget_pct, color="tab:orange", linestyle="--", linewidth=0.8, label=f"budget ({budget_pct:g} %)"
+                )
+            )
         ax2.set_ylabel("checkpoint overhead (%)")
         ax2.set_ylim(bottom=0)
     if not len(ckpts) and (iterations_df is None or not len(iterations_df)):
@@ -505,6 +534,7 @@ def _state(row) -> str:
 
 
 # -- Ray metrics ------------------------------------------------------------------------------------
+
 
 class CheckpointMetrics:
     """Ray metrics (``ray.util.metrics`` gauges) for the latest checkpoint of a run.
@@ -619,8 +649,7 @@ class GoodputMetrics:
         "last_lost_s": ("cf_ray_restart_lost_seconds", "Newest restart: training time lost and redone (s)", ()),
         "recovery_s": ("cf_ray_recovery_seconds", "Newest restart: failure to first resumed iteration (s)", ()),
         "restore_s": ("cf_ray_restore_seconds", "Newest restore's duration (s), by source", ("source",)),
-        "ratio": ("cf_ray_effective_training_ratio", "Useful training time / wall time since the first iteration",
-                  ()),
+        "ratio": ("cf_ray_effective_training_ratio", "Useful training time / wall time since the first iteration", ()),
     }
 
     def __init__(self, run: str | None = None, tags: Mapping[str, str] | None = None):
@@ -678,9 +707,16 @@ class GoodputMetrics:
     def record_restart(self, source: str, lost_steps: int, lost_s: float | None, restore_s: float | None) -> None:
         """A restart: its source, the work lost and the restore's duration."""
         src = {"source": str(source)}
-        self._apply([("restarts", "inc", 1, src), ("lost_steps", "inc", lost_steps if lost_steps else None, None),
-                     ("lost_s", "inc", lost_s if lost_s else None, None), ("restore_s", "set", restore_s, src),
-                     ("last_lost_steps", "set", lost_steps, None), ("last_lost_s", "set", lost_s, None)])
+        self._apply(
+            [
+                ("restarts", "inc", 1, src),
+                ("lost_steps", "inc", lost_steps if lost_steps else None, None),
+                ("lost_s", "inc", lost_s if lost_s else None, None),
+                ("restore_s", "set", restore_s, src),
+                ("last_lost_steps", "set", lost_steps, None),
+                ("last_lost_s", "set", lost_s, None),
+            ]
+        )
 
     def record_recovery(self, recovery_s: float | None) -> None:
         """The newest restart's time from the failure to its first resumed iteration."""

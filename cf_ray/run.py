@@ -76,8 +76,10 @@ class Run:
     def __init__(self, storage_path: str, name: str, *, storage_filesystem: pafs.FileSystem | None = None):
         name = str(name).strip("/")
         if not name or "/" in name or name in (".", ".."):
-            raise ConfigError(f"run name {name!r} must be a plain directory name (RunConfig(name=...)); for a "
-                              "run directory <storage_path>/<name>, use cf_ray.Run.from_path(...)")
+            raise ConfigError(
+                f"run name {name!r} must be a plain directory name (RunConfig(name=...)); for a "
+                "run directory <storage_path>/<name>, use cf_ray.Run.from_path(...)"
+            )
         self.storage_path = str(storage_path)
         """Where the run's directory is (``RunConfig(storage_path=...)``)."""
         self.name = name
@@ -109,8 +111,10 @@ class Run:
             raw = posixpath.dirname(raw)
         storage_path, _, name = raw.rpartition("/")
         if not name or not storage_path or storage_path.endswith(":/"):
-            raise ConfigError(f"{path!r} is not a run directory <storage_path>/<name>; give the directory that "
-                              "RunConfig(storage_path, name) created, or use cf_ray.Run(storage_path, name)")
+            raise ConfigError(
+                f"{path!r} is not a run directory <storage_path>/<name>; give the directory that "
+                "RunConfig(storage_path, name) created, or use cf_ray.Run(storage_path, name)"
+            )
         return cls(storage_path, name, storage_filesystem=storage_filesystem)
 
     def __repr__(self) -> str:
@@ -151,7 +155,8 @@ class Run:
         except ray.exceptions.GetTimeoutError:
             raise RunUnavailableError(
                 f"the controller of {self!r} did not answer {what} within {timeout_s:.0f} s: it is busy or its node "
-                f"is unreachable; retry, or raise {_env.ACTOR_TIMEOUT_S}") from None
+                f"is unreachable; retry, or raise {_env.ACTOR_TIMEOUT_S}"
+            ) from None
         except ray.exceptions.RayActorError:
             return False, None  # it exited between the look-up and the call: the run is over
 
@@ -162,7 +167,8 @@ class Run:
                 f"no controller of {self!r} is alive"
                 f"{'' if ray.is_initialized() else ' (this process is not connected to Ray)'}, and only it knows "
                 f"{what}: ask during the run or within {_env.LINGER_S} seconds after it, from the driver or "
-                "from another process of the cluster connected with ray.init(address='auto')")
+                "from another process of the cluster connected with ray.init(address='auto')"
+            )
         return answer
 
     # -- reads ---------------------------------------------------------------------------------------
@@ -281,8 +287,11 @@ class Run:
             rows = self.profile_rows()
         except FileNotFoundError:
             return out
-        out["failures"] = [{"step": r.get("step"), "generation": r.get("generation"), "error": r.get("error")}
-                           for r in rows if r.get("where") == "failed"]
+        out["failures"] = [
+            {"step": r.get("step"), "generation": r.get("generation"), "error": r.get("error")}
+            for r in rows
+            if r.get("where") == "failed"
+        ]
         if rows:
             out["generation"] = max((r["generation"] for r in rows if r.get("generation") is not None), default=None)
             out["interval"] = rows[-1].get("interval")
@@ -304,8 +313,9 @@ class Run:
         return list_checkpoints(posixpath.join(self.storage_path.rstrip("/"), self.name), self.storage_filesystem)
 
     # -- actions -------------------------------------------------------------------------------------
-    def notify_preemption(self, deadline_s: float | None = None, deadline_unix: float | None = None,
-                          detail: str = "") -> Any:
+    def notify_preemption(
+        self, deadline_s: float | None = None, deadline_unix: float | None = None, detail: str = ""
+    ) -> Any:
         """Tell every rank of the running job that it is about to be preempted (or resized).
 
         Every rank hears of it at its next controller poll, takes a just-in-time checkpoint with
@@ -334,14 +344,22 @@ class Run:
                 f"no running cf_ray job {self!r}"
                 f"{'' if ray.is_initialized() else ' (this process is not connected to Ray)'}: give the same "
                 "storage_path and name as the job's RunConfig, and connect to its cluster with "
-                "ray.init(address='auto')")
+                "ray.init(address='auto')"
+            )
         try:
-            return notify_preemption(self.storage_path, self.name, deadline_s=deadline_s, deadline_unix=deadline_unix,
-                                     detail=detail, storage_filesystem=self.storage_filesystem)
+            return notify_preemption(
+                self.storage_path,
+                self.name,
+                deadline_s=deadline_s,
+                deadline_unix=deadline_unix,
+                detail=detail,
+                storage_filesystem=self.storage_filesystem,
+            )
         except ray.exceptions.GetTimeoutError:
             raise RunUnavailableError(
                 f"the controller of {self!r} did not take the notice within {_env.get_float(_env.ACTOR_TIMEOUT_S):.0f}"
-                f" s: retry, or raise {_env.ACTOR_TIMEOUT_S}") from None
+                f" s: retry, or raise {_env.ACTOR_TIMEOUT_S}"
+            ) from None
         except ray.exceptions.RayActorError:
             raise RunUnavailableError(f"the controller of {self!r} exited: the job is no longer running") from None
 

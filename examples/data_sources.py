@@ -30,9 +30,15 @@ import tempfile
 import numpy as np
 import torch
 
-from cf_ray.data import (DALIExternalSource, ResumableDALIIterator, ResumableDataLoader,
-                         ResumableDistributedSampler, ResumableParquetReader,
-                         ResumableRayDataIterator, ShardedDataset)
+from cf_ray.data import (
+    DALIExternalSource,
+    ResumableDALIIterator,
+    ResumableDataLoader,
+    ResumableDistributedSampler,
+    ResumableParquetReader,
+    ResumableRayDataIterator,
+    ShardedDataset,
+)
 
 
 def checkpoint(state: dict) -> dict:
@@ -59,19 +65,20 @@ def sampler_example():
     dataset = Ids(100)
 
     def build():
-        sampler = ResumableDistributedSampler(dataset, rank=0, world_size=2, shuffle=True, seed=0,
-                                              pad=False)  # pad=False: every item exactly once
+        sampler = ResumableDistributedSampler(
+            dataset, rank=0, world_size=2, shuffle=True, seed=0, pad=False
+        )  # pad=False: every item exactly once
         return sampler, torch.utils.data.DataLoader(dataset, batch_size=8, sampler=sampler)
 
     sampler, loader = build()
     sampler.set_epoch(3)
     it = iter(loader)
     seen = [next(it).tolist() for _ in range(2)]
-    state = checkpoint(sampler.state_dict())            # {"epoch": 3, "consumed": 16, ...}
+    state = checkpoint(sampler.state_dict())  # {"epoch": 3, "consumed": 16, ...}
 
-    sampler, loader = build()                           # a restarted worker
+    sampler, loader = build()  # a restarted worker
     sampler.load_state_dict(state)
-    sampler.set_epoch(3)                                # keeps the restored position
+    sampler.set_epoch(3)  # keeps the restored position
     seen += [b.tolist() for b in loader]
 
     reference, ref_loader = build()
@@ -87,14 +94,15 @@ def loader_example():
 
     def build():
         sampler = ResumableDistributedSampler(dataset, rank=0, world_size=1, seed=1)
-        return ResumableDataLoader(dataset, batch_size=10, sampler=sampler, num_workers=2,
-                                   prefetch_factor=2, persistent_workers=True)
+        return ResumableDataLoader(
+            dataset, batch_size=10, sampler=sampler, num_workers=2, prefetch_factor=2, persistent_workers=True
+        )
 
     loader = build()
     it = iter(loader)
     seen = [next(it).tolist() for _ in range(3)]
     state = checkpoint(loader.state_dict())
-    assert state["consumed"] == 30                      # the workers had read further ahead
+    assert state["consumed"] == 30  # the workers had read further ahead
     del it, loader
 
     loader = build()
@@ -107,7 +115,8 @@ def loader_example():
 # --------------------------------------------------------------------------------------------------
 def sharded_example():
     """A dataset too large for one worker: each rank loads only its shard; elastic 2 -> 3 ranks."""
-    def load(ids):                                      # e.g. read these records from storage
+
+    def load(ids):  # e.g. read these records from storage
         return [{"id": i, "x": float(i)} for i in ids]
 
     old = [ShardedDataset(60, load, rank=r, world_size=2, seed=0) for r in range(2)]
@@ -118,14 +127,13 @@ def sharded_example():
         seen += [i for _ in range(3) for i in next(it)["id"].tolist()]
     states = [checkpoint(ds.state_dict()) for ds in old]
 
-    for r in range(3):                                  # the run comes back with 3 workers
+    for r in range(3):  # the run comes back with 3 workers
         ds = ShardedDataset(60, load, rank=r, world_size=3, seed=0)
-        ds.load_elastic_state(states, r, 3)             # the engine calls this for you
+        ds.load_elastic_state(states, r, 3)  # the engine calls this for you
         loader = ResumableDataLoader(ds, batch_size=5, sampler=ds.sampler)
         seen += [i for b in loader for i in b["id"].tolist()]
     assert sorted(seen) == list(range(60))
-    print(f"sharded:    ranks held {[len(d) for d in old]} items each; 2 -> 3 workers mid-epoch, "
-          "every item once")
+    print(f"sharded:    ranks held {[len(d) for d in old]} items each; 2 -> 3 workers mid-epoch, every item once")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -137,12 +145,10 @@ def parquet_example():
     root = tempfile.mkdtemp()
     for f in range(3):
         ids = list(range(f * 40, (f + 1) * 40))
-        pq.write_table(pa.table({"id": ids, "x": [i / 10 for i in ids]}), f"{root}/part-{f}.parquet",
-                       row_group_size=16)
+        pq.write_table(pa.table({"id": ids, "x": [i / 10 for i in ids]}), f"{root}/part-{f}.parquet", row_group_size=16)
 
     def build():
-        return ResumableParquetReader(root, batch_size=25, columns=["id", "x"], shuffle=True,
-                                      seed=0)
+        return ResumableParquetReader(root, batch_size=25, columns=["id", "x"], shuffle=True, seed=0)
 
     reader = build()
     reader.set_epoch(1)
@@ -164,12 +170,10 @@ def ray_data_example():
     """Ray Data shards (here a whole dataset; in Train: ray.train.get_dataset_shard("train"))."""
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         ray.data.DataContext.get_current().enable_progress_bars = False
-        ds = ray.data.range(200, override_num_blocks=4).map_batches(
-            lambda b: {"id": b["id"], "y": b["id"] % 7})
+        ds = ray.data.range(200, override_num_blocks=4).map_batches(lambda b: {"id": b["id"], "y": b["id"] % 7})
         # Deterministic order is what makes skip-on-resume exact. In a TorchTrainer use
         # TorchTrainer(..., dataset_config=cf_ray.data.ordered_data_config()).
         ds.context.execution_options.preserve_order = True
@@ -180,12 +184,12 @@ def ray_data_example():
         it = build()
         gen = iter(it)
         seen = [next(gen)["id"].tolist() for _ in range(3)]
-        state = checkpoint(it.state_dict())             # rows consumed + a digest of their ids
-        gen.close()                                     # the "failure"
+        state = checkpoint(it.state_dict())  # rows consumed + a digest of their ids
+        gen.close()  # the "failure"
 
         it = build()
         it.load_state_dict(state)
-        seen += [b["id"].tolist() for b in it]          # the digest is checked on resume
+        seen += [b["id"].tolist() for b in it]  # the digest is checked on resume
         assert sum(seen, []) == list(range(200))
         print(f"ray data:   resumed after {state['consumed']} rows, order verified by id digest")
     finally:
@@ -216,7 +220,7 @@ def dali_example():
     it = build()
     gen = iter(it)
     seen = [next(gen)[0]["id"].flatten().tolist() for _ in range(2)]
-    state = checkpoint(it.state_dict())                 # 16, although DALI prefetched more
+    state = checkpoint(it.state_dict())  # 16, although DALI prefetched more
 
     it = build()
     it.load_state_dict(state)
@@ -225,8 +229,14 @@ def dali_example():
     print(f"dali:       resumed at sample {state['consumed']}; DALI's prefetch was not counted")
 
 
-EXAMPLES = {"sampler": sampler_example, "loader": loader_example, "sharded": sharded_example,
-            "parquet": parquet_example, "ray_data": ray_data_example, "dali": dali_example}
+EXAMPLES = {
+    "sampler": sampler_example,
+    "loader": loader_example,
+    "sharded": sharded_example,
+    "parquet": parquet_example,
+    "ray_data": ray_data_example,
+    "dali": dali_example,
+}
 
 if __name__ == "__main__":
     names = sys.argv[1:] or list(EXAMPLES)

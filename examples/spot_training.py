@@ -71,21 +71,36 @@ def train_loop_per_worker(cfg: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     dataset = SyntheticDataset(cfg["samples"], cfg["dim"])
     sampler = ResumableDistributedSampler(dataset, rank=rank, world_size=world, shuffle=True, seed=0, pad=False)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=cfg["batch_size"], sampler=sampler,
-                                         generator=torch.Generator().manual_seed(0))
-    model = ray.train.torch.prepare_model(torch.nn.Sequential(
-        torch.nn.Linear(cfg["dim"], cfg["hidden"]), torch.nn.ReLU(), torch.nn.Linear(cfg["hidden"], 1)))
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=cfg["batch_size"], sampler=sampler, generator=torch.Generator().manual_seed(0)
+    )
+    model = ray.train.torch.prepare_model(
+        torch.nn.Sequential(
+            torch.nn.Linear(cfg["dim"], cfg["hidden"]), torch.nn.ReLU(), torch.nn.Linear(cfg["hidden"], 1)
+        )
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     ckpt = cf_ray.Checkpointer(
-        {"model": model, "optimizer": optimizer}, data={"sampler": sampler},
-        config=cf_ray.CheckpointConfig(policy=cf_ray.FixedInterval(every=cfg["interval"]),
-                                       storage_path=cfg["storage"], run_name=cfg["run"], register_with_ray=False))
+        {"model": model, "optimizer": optimizer},
+        data={"sampler": sampler},
+        config=cf_ray.CheckpointConfig(
+            policy=cf_ray.FixedInterval(every=cfg["interval"]),
+            storage_path=cfg["storage"],
+            run_name=cfg["run"],
+            register_with_ray=False,
+        ),
+    )
     resume = ckpt.restore()
 
     # The simulation's only hook: tell the "cloud" who we are and how far we got.
     cloud = ray.get_actor("spot-cloud")
-    cloud.register.remote(rank, world, os.getpid(), ray.get_runtime_context().current_actor,
-                          {"step": resume.step, "source": resume.source, "saved_world_size": resume.saved_world_size})
+    cloud.register.remote(
+        rank,
+        world,
+        os.getpid(),
+        ray.get_runtime_context().current_actor,
+        {"step": resume.step, "source": resume.source, "saved_world_size": resume.saved_world_size},
+    )
     for epoch in range(resume.epoch, cfg["epochs"]):
         sampler.set_epoch(epoch)
         for _, x, y in loader:
@@ -99,6 +114,7 @@ def train_loop_per_worker(cfg: dict) -> None:
 
 
 # -- the simulated cloud and scheduler ----------------------------------------------------------------------
+
 
 class Cloud:
     """Who runs where and how far they got (a named actor the workers report to)."""
@@ -118,8 +134,11 @@ class Cloud:
         self.steps[rank] = max(self.steps.get(rank, 0), step)
 
     def state(self):
-        return {"workers": {r: {k: w[k] for k in ("pid", "world")} for r, w in self.workers.items()},
-                "steps": dict(self.steps), "resumes": list(self.resumes)}
+        return {
+            "workers": {r: {k: w[k] for k in ("pid", "world")} for r, w in self.workers.items()},
+            "steps": dict(self.steps),
+            "resumes": list(self.resumes),
+        }
 
     def send_ray_preemption(self, deadline_ms, preempted_ranks):
         """What Ray Train's PreemptionWatcher does when Ray Core reports a node draining."""
@@ -141,9 +160,15 @@ def _fit(args, world: int, name: str):
     cfg = {k: getattr(args, k) for k in ("samples", "dim", "hidden", "batch_size", "epochs", "interval", "step_s")}
     cfg.update(storage=os.path.join(args.dir, "checkpoints"), run="spot")
     trainer = TorchTrainer(
-        train_loop_per_worker, train_loop_config=cfg, scaling_config=ScalingConfig(num_workers=world),
-        run_config=RunConfig(name=name, storage_path=os.path.join(args.dir, "ray"),
-                             failure_config=FailureConfig(max_failures=0, max_preemption_failures=0)))
+        train_loop_per_worker,
+        train_loop_config=cfg,
+        scaling_config=ScalingConfig(num_workers=world),
+        run_config=RunConfig(
+            name=name,
+            storage_path=os.path.join(args.dir, "ray"),
+            failure_config=FailureConfig(max_failures=0, max_preemption_failures=0),
+        ),
+    )
     try:
         trainer.fit()
         return "finished"
@@ -171,16 +196,36 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=int(env("CF_RAY_SPOT_HIDDEN", 256)))
     p.add_argument("--batch-size", type=int, default=int(env("CF_RAY_SPOT_BATCH", 16)))
     p.add_argument("--epochs", type=int, default=int(env("CF_RAY_SPOT_EPOCHS", 1)))
-    p.add_argument("--interval", type=int, default=int(env("CF_RAY_SPOT_INTERVAL", 10)),
-                   help="scheduled checkpoint every this many steps")
-    p.add_argument("--step-s", type=float, default=float(env("CF_RAY_SPOT_STEP_S", 0.05)),
-                   help="extra seconds per step (stands in for a bigger model)")
-    p.add_argument("--grace", type=float, default=float(env("CF_RAY_SPOT_GRACE_S", 2.0)),
-                   help="seconds between a notice and the kill (spot: 120 on AWS, 30 on GCP)")
-    p.add_argument("--notice-at", type=int, default=int(env("CF_RAY_SPOT_NOTICE_AT", 13)),
-                   help="step at which the node of rank 1 is reclaimed")
-    p.add_argument("--grow-after", type=int, default=int(env("CF_RAY_SPOT_GROW_AFTER", 12)),
-                   help="steps with 1 worker before a node joins again")
+    p.add_argument(
+        "--interval",
+        type=int,
+        default=int(env("CF_RAY_SPOT_INTERVAL", 10)),
+        help="scheduled checkpoint every this many steps",
+    )
+    p.add_argument(
+        "--step-s",
+        type=float,
+        default=float(env("CF_RAY_SPOT_STEP_S", 0.05)),
+        help="extra seconds per step (stands in for a bigger model)",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=float(env("CF_RAY_SPOT_GRACE_S", 2.0)),
+        help="seconds between a notice and the kill (spot: 120 on AWS, 30 on GCP)",
+    )
+    p.add_argument(
+        "--notice-at",
+        type=int,
+        default=int(env("CF_RAY_SPOT_NOTICE_AT", 13)),
+        help="step at which the node of rank 1 is reclaimed",
+    )
+    p.add_argument(
+        "--grow-after",
+        type=int,
+        default=int(env("CF_RAY_SPOT_GROW_AFTER", 12)),
+        help="steps with 1 worker before a node joins again",
+    )
     args = p.parse_args(argv)
     b = args.batch_size  # samples per step: 2b with 2 workers, b with 1; a few steps of slack after each event
     if (args.notice_at + 2) * 2 * b + (args.grow_after + 2) * b + 4 * 2 * b > args.samples * args.epochs:
@@ -224,8 +269,16 @@ def main(argv=None) -> int:
     def record(kind, notice_unix, deadline_unix, world_before, world_after):
         time.sleep(0.5)  # progress reports still in flight
         done = max(state()["steps"].values())  # steps completed when the workers were killed
-        events.append({"event": kind, "notice_unix": notice_unix, "deadline_unix": deadline_unix, "done": done,
-                       "world_before": world_before, "world_after": world_after})
+        events.append(
+            {
+                "event": kind,
+                "notice_unix": notice_unix,
+                "deadline_unix": deadline_unix,
+                "done": done,
+                "world_before": world_before,
+                "world_after": world_after,
+            }
+        )
 
     def kill_all_at(deadline_unix, ranks, attempt):
         time.sleep(max(deadline_unix - time.time(), 0.0))
@@ -239,8 +292,11 @@ def main(argv=None) -> int:
                 pass
 
     def reclaim_node_of_rank_1(attempt):
-        _wait_for(lambda: len(state()["workers"]) == 2 and min(state()["steps"].values()) >= args.notice_at,
-                  "2 workers at the notice step", attempt)
+        _wait_for(
+            lambda: len(state()["workers"]) == 2 and min(state()["steps"].values()) >= args.notice_at,
+            "2 workers at the notice step",
+            attempt,
+        )
         notice = time.time()
         deadline = notice + args.grace
         ray.get(cloud.send_ray_preemption.remote(int(deadline * 1000), [1]))
@@ -264,26 +320,43 @@ def main(argv=None) -> int:
         row = jit_row(ev["notice_unix"]) or {}
         # The just-in-time step itself is done even though its ranks held inside it until the kill.
         done = max(ev["done"], row.get("step") or 0)
-        ev.update(step=row.get("step"), made=row.get("made_deadline"), resumed=nxt["step"], source=nxt["source"],
-                  done=done, lost=done - nxt["step"], restart_s=nxt["time"] - ev["deadline_unix"],
-                  durable_s=(row.get("durable_unix") or 0) - ev["notice_unix"])
+        ev.update(
+            step=row.get("step"),
+            made=row.get("made_deadline"),
+            resumed=nxt["step"],
+            source=nxt["source"],
+            done=done,
+            lost=done - nxt["step"],
+            restart_s=nxt["time"] - ev["deadline_unix"],
+            durable_s=(row.get("durable_unix") or 0) - ev["notice_unix"],
+        )
     final = run.summary()
     reprofiles = [e for e in final.get("events", []) if e["event"] == "reprofile"]  # live summaries only
     ray.shutdown()
 
-    print("\n| event | notice at | deadline | JIT checkpoint step | durable before the deadline | "
-          "iterations lost | restart | world size |")
+    print(
+        "\n| event | notice at | deadline | JIT checkpoint step | durable before the deadline | "
+        "iterations lost | restart | world size |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for ev in events:
         made = {True: f"yes, {ev['durable_s']:.2f} s after the notice", False: "no", None: "n/a"}[ev.get("made")]
-        print(f"| {ev['event']} | {ev['notice_unix'] - t0:.1f} s | +{ev['deadline_unix'] - ev['notice_unix']:.1f} s | "
-              f"{ev.get('step')} | {made} | {ev.get('lost')} (done {ev['done']}, resumed at {ev.get('resumed')} "
-              f"from {ev.get('source')}) | {ev.get('restart_s', 0):.1f} s | {ev['world_before']} -> "
-              f"{ev['world_after']} |")
-    print(f"\nattempts: {', '.join(ends)}; re-profiled for world sizes {[e['world_size'] for e in reprofiles]}; "
-          f"committed steps {final['committed_steps']}; wall time {time.time() - t0:.0f} s")
-    ok = (ends[-1] == "finished" and len(events) == 2 and all(ev.get("made") for ev in events)
-          and all(0 <= ev["lost"] <= 1 for ev in events))
+        print(
+            f"| {ev['event']} | {ev['notice_unix'] - t0:.1f} s | +{ev['deadline_unix'] - ev['notice_unix']:.1f} s | "
+            f"{ev.get('step')} | {made} | {ev.get('lost')} (done {ev['done']}, resumed at {ev.get('resumed')} "
+            f"from {ev.get('source')}) | {ev.get('restart_s', 0):.1f} s | {ev['world_before']} -> "
+            f"{ev['world_after']} |"
+        )
+    print(
+        f"\nattempts: {', '.join(ends)}; re-profiled for world sizes {[e['world_size'] for e in reprofiles]}; "
+        f"committed steps {final['committed_steps']}; wall time {time.time() - t0:.0f} s"
+    )
+    ok = (
+        ends[-1] == "finished"
+        and len(events) == 2
+        and all(ev.get("made") for ev in events)
+        and all(0 <= ev["lost"] <= 1 for ev in events)
+    )
     print("OK" if ok else "UNEXPECTED: see the table above")
     return 0 if ok else 1
 

@@ -25,10 +25,14 @@ def train_loop_per_worker(config):
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(config["samples"], 64), torch.randn(config["samples"], 1))
     sampler = ResumableDistributedSampler(data, shuffle=True, seed=0)
-    loader = torch.utils.data.DataLoader(data, batch_size=32, sampler=sampler,
-                                         generator=torch.Generator().manual_seed(0))
-    model = ray.train.torch.prepare_model(torch.nn.Sequential(
-        torch.nn.Linear(64, config["hidden"]), torch.nn.ReLU(), torch.nn.Linear(config["hidden"], 1)))
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=32, sampler=sampler, generator=torch.Generator().manual_seed(0)
+    )
+    model = ray.train.torch.prepare_model(
+        torch.nn.Sequential(
+            torch.nn.Linear(64, config["hidden"]), torch.nn.ReLU(), torch.nn.Linear(config["hidden"], 1)
+        )
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config["epochs"])
 
@@ -69,8 +73,9 @@ def main():
         train_loop_per_worker,
         train_loop_config={"epochs": args.epochs, "samples": args.samples, "hidden": args.hidden},
         scaling_config=ScalingConfig(num_workers=args.workers),
-        run_config=RunConfig(name=args.name, storage_path=args.storage_path,
-                             failure_config=FailureConfig(max_failures=3)),
+        run_config=RunConfig(
+            name=args.name, storage_path=args.storage_path, failure_config=FailureConfig(max_failures=3)
+        ),
     )
     result = trainer.fit()
     print("final model:", result.checkpoint.path)

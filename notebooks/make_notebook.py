@@ -24,7 +24,9 @@ DETERMINISTIC = "deterministic"
 
 #: (kind, source[, tag]) of every cell, in order.
 CELLS = [
-    ("md", """# Automatic checkpoint frequency with cf_ray
+    (
+        "md",
+        """# Automatic checkpoint frequency with cf_ray
 
 A small `TorchTrainer` job on a local Ray cluster (2 CPU workers, about a minute and a half on a
 laptop), written the way you would write your own:
@@ -39,8 +41,11 @@ laptop), written the way you would write your own:
 4. **an interrupted kernel**: the same job with a tighter budget, interrupted mid-run and started
    again, resumes;
 5. **the effect of the budget**, and the run's checkpoints checked and exported with the `cf-ray`
-   command."""),
-    ("code", """%matplotlib inline
+   command.""",
+    ),
+    (
+        "code",
+        """%matplotlib inline
 import json, os, signal, tempfile, threading, time
 
 import pandas as pd
@@ -54,8 +59,12 @@ from cf_ray import report
 
 root = tempfile.mkdtemp(prefix="cf_ray_notebook_")
 storage_path = os.path.join(root, "runs")  # RunConfig(storage_path=...) of every run below
-_ = ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)""", DETERMINISTIC),
-    ("md", """## 1. Your training loop
+_ = ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)""",
+        DETERMINISTIC,
+    ),
+    (
+        "md",
+        """## 1. Your training loop
 
 This is the function you write. cf_ray adds three things to an ordinary DDP loop: a
 `Checkpointer` that tracks the model, the optimizer and the sampler's position; `restore()` at the
@@ -64,8 +73,11 @@ place of `optimizer.step()`. `finish()` at the end writes the consolidated model
 
 Two lines are there for this notebook only: rank 0 appends where each attempt started to a file
 (the workers' output is not shown here), and rank 1 SIGKILLs itself at step `fail_at` in the
-first attempt: the failure."""),
-    ("code", """def train_loop_per_worker(config):
+first attempt: the failure.""",
+    ),
+    (
+        "code",
+        """def train_loop_per_worker(config):
     import ray.train
     import ray.train.torch
     import torch
@@ -106,11 +118,18 @@ first attempt: the failure."""),
             if rank == 1 and ckpt.step_count == config["fail_at"] and resume.generation == 1:
                 os.kill(os.getpid(), signal.SIGKILL)  # for this notebook: the failure
         ckpt.end_epoch()
-    ckpt.finish()""", DETERMINISTIC),
-    ("md", """`fit` below is the usual `TorchTrainer` boilerplate: 2 workers, `RunConfig(storage_path, name)`
+    ckpt.finish()""",
+        DETERMINISTIC,
+    ),
+    (
+        "md",
+        """`fit` below is the usual `TorchTrainer` boilerplate: 2 workers, `RunConfig(storage_path, name)`
 names the run (and where its checkpoints go), `FailureConfig(max_failures=2)` lets Ray Train
-restart the workers after a failure. `attempts(name)` reads the file the loop appends to."""),
-    ("code", """def fit(name, **config):
+restart the workers after a failure. `attempts(name)` reads the file the loop appends to.""",
+    ),
+    (
+        "code",
+        """def fit(name, **config):
     config = {"samples": 12800, "epochs": 1, "budget_pct": 5.0, "fail_at": None,
               "attempts_log": os.path.join(root, f"{name}.attempts.jsonl"), **config}
     trainer = TorchTrainer(
@@ -123,37 +142,60 @@ restart the workers after a failure. `attempts(name)` reads the file the loop ap
 
 
 def attempts(name):
-    return pd.read_json(os.path.join(root, f"{name}.attempts.jsonl"), lines=True)""", DETERMINISTIC),
-    ("md", """## 2. A failure, and the resume
+    return pd.read_json(os.path.join(root, f"{name}.attempts.jsonl"), lines=True)""",
+        DETERMINISTIC,
+    ),
+    (
+        "md",
+        """## 2. A failure, and the resume
 
 400 steps per worker with the default budget (5 % of training time); rank 1 is killed at step
 `fail_at`. Ray Train restarts both workers, and `ckpt.restore()` in the second attempt returns the
-newest checkpoint: from a holder's memory when its snapshot is at least as new as storage's."""),
-    ("code", """fail_at = 250
+newest checkpoint: from a holder's memory when its snapshot is at least as new as storage's.""",
+    ),
+    (
+        "code",
+        """fail_at = 250
 result = fit("budget5", budget_pct=5.0, fail_at=fail_at)
-attempts("budget5")"""),
-    ("code", """a = attempts("budget5")
+attempts("budget5")""",
+    ),
+    (
+        "code",
+        """a = attempts("budget5")
 print("attempts:", len(a))
 print("the second resumed from a checkpoint taken before the failure:", 0 < a["step"].iloc[1] <= fail_at)
-print("it ran to the end:", result.error is None)""", DETERMINISTIC),
-    ("md", """## 3. The profile table and the plot
+print("it ran to the end:", result.error is None)""",
+        DETERMINISTIC,
+    ),
+    (
+        "md",
+        """## 3. The profile table and the plot
 
 `cf_ray.Run(storage_path, name)` is the run's handle on the driver: while the job runs (and a while
 after) it asks the run's controller; later it reads the table the run saved next to its
 checkpoints, so the same call works in another session. One row per checkpoint: the interval in
 force when it was taken, the training-thread stall, the background copy, the persist (phase 2, in
-the holder actor), the overhead the policy measured, and whether it committed."""),
-    ("code", """run5 = cf_ray.Run(storage_path, "budget5")
+the holder actor), the overhead the policy measured, and whether it committed.""",
+    ),
+    (
+        "code",
+        """run5 = cf_ray.Run(storage_path, "budget5")
 profile5 = run5.profile()
 profile5[["step", "kind", "generation", "interval", "stall_s", "copy_s", "persist_s", "bytes", "overhead_pct",
-          "committed"]]"""),
-    ("md", """The first checkpoint comes at step 5, before anything is known; then the interval is tuned from
+          "committed"]]""",
+    ),
+    (
+        "md",
+        """The first checkpoint comes at step 5, before anything is known; then the interval is tuned from
 measurements (the workers send their timings every quarter of a second, so the first tuned
 interval comes a few dozen steps in). Generation 2 is the attempt after the failure. In the plot:
 the slowest rank's iteration time, every checkpoint as a vertical line (green: committed), and the
-measured overhead against the budget."""),
+measured overhead against the budget.""",
+    ),
     ("code", """fig = report.plot_profile(profile5, run5.iterations(), budget_pct=5.0)"""),
-    ("md", """## 4. Interrupt the kernel, run the cell again: it resumes
+    (
+        "md",
+        """## 4. Interrupt the kernel, run the cell again: it resumes
 
 The same job with a 1 % budget. **Interrupt the kernel** while the next cell runs
 (the ■ button, or `I, I`): Ray Train aborts the fit and stops the workers, and the cell ends with
@@ -164,8 +206,11 @@ step is in the `attempts` table below.
 
 Here a thread presses the button for you, once a checkpoint past step 40 has committed (it sends
 SIGINT to this process, as Jupyter's interrupt does), and the cell after it is the same cell, run
-again."""),
-    ("code", """def interrupt_after_commit(name, step):  # for this notebook: what the interrupt button does
+again.""",
+    ),
+    (
+        "code",
+        """def interrupt_after_commit(name, step):  # for this notebook: what the interrupt button does
     run = cf_ray.Run(storage_path, name)
     while not [c for c in run.checkpoints() if c.step >= step]:
         time.sleep(0.2)
@@ -176,20 +221,33 @@ threading.Thread(target=interrupt_after_commit, args=("budget1", 40), daemon=Tru
 try:
     fit("budget1", budget_pct=1.0)
 except (KeyboardInterrupt, SystemExit, ray.exceptions.RayActorError) as e:  # without the try: shown as an error
-    print(f"interrupted ({type(e).__name__})")"""),
-    ("code", """result = fit("budget1", budget_pct=1.0)  # the same cell, run again
-attempts("budget1")"""),
-    ("code", """a = attempts("budget1")
+    print(f"interrupted ({type(e).__name__})")""",
+    ),
+    (
+        "code",
+        """result = fit("budget1", budget_pct=1.0)  # the same cell, run again
+attempts("budget1")""",
+    ),
+    (
+        "code",
+        """a = attempts("budget1")
 print("attempts:", len(a))
 print("the second resumed where the interrupted one left off:", a["step"].iloc[1] >= 40)
-print("it ran to the end:", result.error is None)""", DETERMINISTIC),
-    ("md", """## 5. The effect of the budget
+print("it ran to the end:", result.error is None)""",
+        DETERMINISTIC,
+    ),
+    (
+        "md",
+        """## 5. The effect of the budget
 
 A tighter budget means a longer interval: fewer checkpoints, each costing about the same, until
 the measured overhead fits. Both runs start at an interval of 5 steps, before anything is measured;
 the mean interval once tuned counts the steps between scheduled checkpoints from the policy's first
-decision on."""),
-    ("code", """profile1 = cf_ray.Run(storage_path, "budget1").profile()
+decision on.""",
+    ),
+    (
+        "code",
+        """profile1 = cf_ray.Run(storage_path, "budget1").profile()
 
 
 def summary(df):
@@ -203,24 +261,42 @@ def summary(df):
 
 
 comparison = pd.DataFrame.from_dict({"budget 5 %": summary(profile5), "budget 1 %": summary(profile1)}, orient="index")
-comparison"""),
-    ("code", """ok = comparison.loc["budget 1 %", "mean interval once tuned"] > comparison.loc["budget 5 %", "mean interval once tuned"]
-print("a 1 % budget makes the policy choose a longer interval than a 5 % one:", ok)""", DETERMINISTIC),
-    ("md", """## 6. The run from the shell: `cf-ray verify` and `cf-ray export`
+comparison""",
+    ),
+    (
+        "code",
+        """ok = comparison.loc["budget 1 %", "mean interval once tuned"] > comparison.loc["budget 5 %", "mean interval once tuned"]
+print("a 1 % budget makes the policy choose a longer interval than a 5 % one:", ok)""",
+        DETERMINISTIC,
+    ),
+    (
+        "md",
+        """## 6. The run from the shell: `cf-ray verify` and `cf-ray export`
 
 `cf-ray verify RUN` reads every file of every committed checkpoint and checks it against the
 manifest (size and CRC-32, and the manifest's own checksum) without loading a tensor: one line per
 checkpoint, exit status 1 if anything is damaged. `cf-ray export RUN --to torch DIR` writes the
 model (here the final one) for other tools; `--to safetensors` writes `model.safetensors`.
-`cli.main([...])` is the same as the command in a shell."""),
-    ("code", """from cf_ray import cli
+`cli.main([...])` is the same as the command in a shell.""",
+    ),
+    (
+        "code",
+        """from cf_ray import cli
 
-cli.main(["verify", os.path.join(storage_path, "budget5")])"""),
-    ("code", """exported = os.path.join(root, "exported")
-cli.main(["export", os.path.join(storage_path, "budget5"), "--to", "torch", exported])"""),
-    ("code", """model = torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
+cli.main(["verify", os.path.join(storage_path, "budget5")])""",
+    ),
+    (
+        "code",
+        """exported = os.path.join(root, "exported")
+cli.main(["export", os.path.join(storage_path, "budget5"), "--to", "torch", exported])""",
+    ),
+    (
+        "code",
+        """model = torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
                             torch.nn.Linear(512, 1))
-model.load_state_dict(torch.load(os.path.join(exported, "model.pt"), weights_only=True))""", DETERMINISTIC),
+model.load_state_dict(torch.load(os.path.join(exported, "model.pt"), weights_only=True))""",
+        DETERMINISTIC,
+    ),
     ("code", """ray.shutdown()""", DETERMINISTIC),
 ]
 
@@ -245,8 +321,9 @@ def execute(nb: nbf.NotebookNode, workdir: str | None = None) -> nbf.NotebookNod
     import nbclient
 
     workdir = workdir or tempfile.mkdtemp(prefix="cf_ray_nb_")
-    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", record_timing=False,
-                            resources={"metadata": {"path": workdir}}).execute()
+    nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", record_timing=False, resources={"metadata": {"path": workdir}}
+    ).execute()
     return nb
 
 

@@ -60,8 +60,11 @@ def s3_endpoint():
     """A real S3 endpoint (moto's server mode) on 127.0.0.1, for the whole session."""
     pytest.importorskip("moto")
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     endpoint = f"127.0.0.1:{port}"
     deadline = time.time() + 30
     while time.time() < deadline:
@@ -73,8 +76,12 @@ def s3_endpoint():
     else:
         proc.kill()
         raise RuntimeError("moto server did not start")
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }.items():
         os.environ.setdefault(k, v)
     yield endpoint
     proc.terminate()
@@ -88,8 +95,19 @@ def s3_bucket(s3_endpoint, request):
     import pyarrow.fs as pafs
 
     name = "b" + str(abs(hash(request.node.nodeid)) % 10**10) + str(int(time.time() * 1000) % 10**6)
-    boto3.client("s3", endpoint_url=f"http://{s3_endpoint}", region_name="us-east-1",
-                 aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket=name)
-    fs = pafs.S3FileSystem(endpoint_override=s3_endpoint, scheme="http", access_key="testing",
-                           secret_key="testing", region="us-east-1", allow_bucket_creation=False)
+    boto3.client(
+        "s3",
+        endpoint_url=f"http://{s3_endpoint}",
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    ).create_bucket(Bucket=name)
+    fs = pafs.S3FileSystem(
+        endpoint_override=s3_endpoint,
+        scheme="http",
+        access_key="testing",
+        secret_key="testing",
+        region="us-east-1",
+        allow_bucket_creation=False,
+    )
     return fs, name

@@ -96,7 +96,10 @@ class SlowHandler(FaultyHandler):
 
     def equals(self, other):
         return isinstance(other, SlowHandler) and (other.slow_from, other.slow_to, other.delay_s) == (
-            self.slow_from, self.slow_to, self.delay_s)
+            self.slow_from,
+            self.slow_to,
+            self.delay_s,
+        )
 
     def open_output_stream(self, path, metadata):
         import time

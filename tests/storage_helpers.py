@@ -13,7 +13,7 @@ def arena_of(tree) -> tuple[np.ndarray, bytes]:
     flat = _codec.flatten(tree)
     buf = np.zeros(flat.nbytes, dtype=np.uint8)
     for e, leaf in zip(flat.entries, flat.leaves):
-        raw = buf[e.offset: e.offset + e.nbytes]
+        raw = buf[e.offset : e.offset + e.nbytes]
         if e.kind == "numpy":
             raw[:] = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
         elif leaf.numel():
@@ -21,8 +21,16 @@ def arena_of(tree) -> tuple[np.ndarray, bytes]:
     return buf, mf.encode_index(flat)
 
 
-def write_checkpoint(storage, step: int, model: torch.nn.Module, *, generation: int = 1, commit: bool = True,
-                     milestone: bool = False, world_size: int = 1) -> mf.Manifest:
+def write_checkpoint(
+    storage,
+    step: int,
+    model: torch.nn.Module,
+    *,
+    generation: int = 1,
+    commit: bool = True,
+    milestone: bool = False,
+    world_size: int = 1,
+) -> mf.Manifest:
     """A replicated checkpoint of ``model`` at ``step``, written like the holder + controller do:
     one rank by default; with ``world_size`` > 1 every rank's section also holds a per-rank object
     ``data`` = ``{"rank": r, "position": 1000 * r + step}`` (what a data loader's position looks like)."""
@@ -38,8 +46,16 @@ def write_checkpoint(storage, step: int, model: torch.nn.Module, *, generation: 
         files.update(mf.write_section(storage, directory, generation, sec, arena, index))
         data, idx = mf.section_files(generation, sec)
         sections[sec] = {"data": data, "index": idx}
-    m = mf.Manifest(step=step, epoch=0, world_size=world_size, generation=generation, replicated=True,
-                    sections=sections, files=files, milestone=milestone)
+    m = mf.Manifest(
+        step=step,
+        epoch=0,
+        world_size=world_size,
+        generation=generation,
+        replicated=True,
+        sections=sections,
+        files=files,
+        milestone=milestone,
+    )
     if commit:
         mf.commit(storage, directory, m)
     return m

@@ -25,8 +25,19 @@ def test_interval_widens_while_storage_is_slow_and_shortens_after(ray_cluster, t
 
     fs = pafs.PyFileSystem(SlowHandler(SLOW_FROM, SLOW_TO, DELAY_S))
     # 4000 samples, 2 ranks, batches of 8: 250 steps per epoch, 500 in all, ~35 ms each.
-    cfg = dict(samples=4000, epochs=2, batch_size=8, hidden=64, depth=2, policy="adaptive", budget_pct=5.0,
-               step_sleep=0.03, keep_last=2, storage_path=str(tmp_path / "ckpts"), storage_filesystem=fs)
+    cfg = dict(
+        samples=4000,
+        epochs=2,
+        batch_size=8,
+        hidden=64,
+        depth=2,
+        policy="adaptive",
+        budget_pct=5.0,
+        step_sleep=0.03,
+        keep_last=2,
+        storage_path=str(tmp_path / "ckpts"),
+        storage_filesystem=fs,
+    )
     demo.run("adaptive", str(tmp_path), cfg)
     result = json.load(open(tmp_path / "out" / "adaptive" / "result.json"))
     changes = [(e["previous"], e["interval"]) for e in result["events"] if e["event"] == "interval"]

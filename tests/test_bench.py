@@ -15,9 +15,30 @@ def test_bench_smoke(tmp_path, capsys):
     if ray.is_initialized():  # the bench starts its own local Ray with its own settings
         ray.shutdown()
     out = tmp_path / "bench"
-    rc = bench.main(["--quick", "--width", "64", "--layers", "2", "--batch", "4", "--iters", "6", "--warmup", "1",
-                     "--ks", "3", "--workers", "1", "--variants", "none,ray_sync,cf_fixed,cf_auto", "--no-recovery",
-                     "--out", str(out)])
+    rc = bench.main(
+        [
+            "--quick",
+            "--width",
+            "64",
+            "--layers",
+            "2",
+            "--batch",
+            "4",
+            "--iters",
+            "6",
+            "--warmup",
+            "1",
+            "--ks",
+            "3",
+            "--workers",
+            "1",
+            "--variants",
+            "none,ray_sync,cf_fixed,cf_auto",
+            "--no-recovery",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     assert "| variant | k |" in printed and "Machine limits" in printed and "Targets" in printed
@@ -39,8 +60,17 @@ def test_bench_smoke(tmp_path, capsys):
     ids = {v["id"] for v in results["variants"] if v.get("probe") is None}
     assert ids == {"w1/none", "w1/ray_sync/k3", "w1/cf_fixed/k3", "w1/cf_auto"}, ids
     for v in results["variants"]:
-        for key in ("iter_median_s", "iter_min_s", "iter_max_s", "overhead_pct", "stall_per_ckpt_s",
-                    "checkpoints_taken", "checkpoints_committed", "peak_rss_mb_per_worker", "bytes_written"):
+        for key in (
+            "iter_median_s",
+            "iter_min_s",
+            "iter_max_s",
+            "overhead_pct",
+            "stall_per_ckpt_s",
+            "checkpoints_taken",
+            "checkpoints_committed",
+            "peak_rss_mb_per_worker",
+            "bytes_written",
+        ):
             assert key in v, (v["id"], key)
         if v.get("probe") is None:
             assert v["iterations"] == 6 * v["rounds"]

@@ -22,6 +22,7 @@ from cf_ray.config import PreemptionConfig
 
 # -- the parts alone (no Ray) ----------------------------------------------------------------------------
 
+
 def _agreement(version=0, request=RequestLevel.NONE, committed=0, register=False):
     return Agreement(schedule_version=version, save_request=request, committed_step=committed, register=register)
 
@@ -75,20 +76,26 @@ def test_timing_reports_each_checkpoint_once_and_skips_iterations_that_prepared_
 
 # -- the lifecycle (Ray actors, no TorchTrainer) -------------------------------------------------------
 
+
 def _tiny(tmp_path, run_name, **cfg):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg.setdefault("policy", cf_ray.FixedInterval(every=2))
     cfg.setdefault("preemption", PreemptionConfig(ray_signal="off", sigterm=True))
-    ck = cf_ray.Checkpointer({"model": model, "optimizer": opt}, config=cf_ray.CheckpointConfig(
-        storage_path=str(tmp_path), run_name=run_name, register_with_ray=False, final_model=None, **cfg))
+    ck = cf_ray.Checkpointer(
+        {"model": model, "optimizer": opt},
+        config=cf_ray.CheckpointConfig(
+            storage_path=str(tmp_path), run_name=run_name, register_with_ray=False, final_model=None, **cfg
+        ),
+    )
     ck.restore()
 
     def step():
         model(torch.randn(2, 4)).sum().backward()
         ck.step(opt)
         opt.zero_grad()
+
     return ck, step
 
 

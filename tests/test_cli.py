@@ -60,6 +60,7 @@ def _lines(out: str) -> dict[int, str]:
 
 # -- verify -----------------------------------------------------------------------------------------------------
 
+
 def test_verify_reports_every_committed_checkpoint_intact(run_dir, capsys):
     run, _ = run_dir
     rc, out, _ = _cli(capsys, "verify", run)
@@ -125,10 +126,11 @@ def test_verify_of_one_checkpoint_directory_and_of_nothing(run_dir, tmp_path, ca
 
 # -- export -----------------------------------------------------------------------------------------------------
 
+
 def _read_safetensors(path) -> tuple[dict, dict]:
     buf = np.fromfile(path, dtype=np.uint8)
     n = int.from_bytes(bytes(buf[:8]), "little")
-    header = json.loads(bytes(buf[8: 8 + n]))
+    header = json.loads(bytes(buf[8 : 8 + n]))
     return read_safetensors(buf, None), header["__metadata__"]
 
 
@@ -168,15 +170,29 @@ def _write_full(storage, step: int, objects: dict, *, world_size: int = 1, repli
     directory, files, sections = mf.step_dir(step), {}, {}
     trees = {mf.SHARED: {"objects": objects}} if replicated else {}
     for r in range(world_size):
-        trees[mf.rank_section(r)] = ({"objects": {}, "counters": {"step": step, "epoch": 0}} if replicated else
-                                     {"state": objects, "objects": {}, "counters": {"step": step, "epoch": 0}})
+        trees[mf.rank_section(r)] = (
+            {"objects": {}, "counters": {"step": step, "epoch": 0}}
+            if replicated
+            else {"state": objects, "objects": {}, "counters": {"step": step, "epoch": 0}}
+        )
     for sec, tree in trees.items():
         arena, index = arena_of(tree)
         files.update(mf.write_section(storage, directory, 1, sec, arena, index))
         data, idx = mf.section_files(1, sec)
         sections[sec] = {"data": data, "index": idx}
-    mf.commit(storage, directory, mf.Manifest(step=step, epoch=0, world_size=world_size, generation=1,
-                                              replicated=replicated, sections=sections, files=files))
+    mf.commit(
+        storage,
+        directory,
+        mf.Manifest(
+            step=step,
+            epoch=0,
+            world_size=world_size,
+            generation=1,
+            replicated=replicated,
+            sections=sections,
+            files=files,
+        ),
+    )
 
 
 def test_export_of_another_object_and_what_safetensors_cannot_hold(tmp_path, capsys):
@@ -211,6 +227,7 @@ def test_export_of_a_missing_step(run_dir, tmp_path, capsys):
 
 
 # -- the command ------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_has_help_with_an_example(command, capsys):

@@ -5,10 +5,11 @@ import random
 import numpy as np
 import pytest
 import torch
-from storage_helpers import arena_of
 
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format.manifest import parse_index
+
+from storage_helpers import arena_of
 
 
 def _roundtrip(tree):
@@ -42,8 +43,12 @@ def test_optimizer_scheduler_and_rng_states_roundtrip():
     model(torch.randn(5, 4)).sum().backward()
     opt.step()
     sched.step()
-    tree = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}}
+    tree = {
+        "model": model.state_dict(),
+        "opt": opt.state_dict(),
+        "sched": sched.state_dict(),
+        "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+    }
     out = _roundtrip(tree)
     _assert_same(tree["model"], out["model"])
     assert out["model"]._metadata == tree["model"]._metadata  # module versions kept for load_state_dict
@@ -67,9 +72,17 @@ def test_dtypes_roundtrip(dtype):
 
 
 def test_special_values_roundtrip():
-    tree = {"nan": float("nan"), "inf": float("-inf"), "tuple": (1, "a", None), "bytes": b"\x00\xff",
-            "np": np.float32(1.5), "dtype": torch.float16, "dev": torch.device("cpu"),
-            "mixed_keys": {1: "a", (2, 3): "b"}, "__cf_tensor__": "a user key that looks like a tag"}
+    tree = {
+        "nan": float("nan"),
+        "inf": float("-inf"),
+        "tuple": (1, "a", None),
+        "bytes": b"\x00\xff",
+        "np": np.float32(1.5),
+        "dtype": torch.float16,
+        "dev": torch.device("cpu"),
+        "mixed_keys": {1: "a", (2, 3): "b"},
+        "__cf_tensor__": "a user key that looks like a tag",
+    }
     out = _roundtrip(tree)
     assert out["inf"] == float("-inf") and out["nan"] != out["nan"]
     assert out["tuple"] == (1, "a", None) and out["bytes"] == b"\x00\xff"
@@ -91,11 +104,13 @@ def test_unsupported_value_is_refused_with_its_path():
 
 def test_index_from_a_file_cannot_name_arbitrary_dtypes():
     with pytest.raises(ValueError, match="unsupported tensor dtype"):
-        _codec.TensorEntry.from_json({"name": "x", "dtype": "load", "shape": [1], "offset": 0, "nbytes": 1,
-                                      "kind": "torch"})
+        _codec.TensorEntry.from_json(
+            {"name": "x", "dtype": "load", "shape": [1], "offset": 0, "nbytes": 1, "kind": "torch"}
+        )
     with pytest.raises(ValueError, match="needs 16 bytes"):
-        _codec.TensorEntry.from_json({"name": "x", "dtype": "float32", "shape": [4], "offset": 0, "nbytes": 8,
-                                      "kind": "torch"})
+        _codec.TensorEntry.from_json(
+            {"name": "x", "dtype": "float32", "shape": [4], "offset": 0, "nbytes": 8, "kind": "torch"}
+        )
 
 
 def test_a_damaged_state_tree_raises_corrupt_checkpoint_error():
@@ -107,14 +122,28 @@ def test_a_damaged_state_tree_raises_corrupt_checkpoint_error():
     def get(i, e):
         return _codec.view(buf, e, copy=True)
 
-    for tree in ({"__cf_tensor__": 1}, {"__cf_tensor__": True}, {"__cf_tensor__": "0"}, {"__cf_tuple__": 5},
-                 {"__cf_dict__": [[{"a": 1}, 2]]}, {"__cf_dict__": [[1]]}, {"__cf_dict__": 3},
-                 {"__cf_bytes__": "!!not base64"}, {"__cf_bytes__": 5}, {"__cf_device__": "warp-drive:9"},
-                 {"__cf_dtype__": ["float32"]}, {"__cf_dtype__": "object"}, {"__cf_float__": "1e400"},
-                 {"__cf_npscalar__": "<f8"}, {"__cf_npscalar__": ["<f8"], "v": 1},
-                 {"__cf_npscalar__": "|i1", "v": 1000},
-                 {"__cf_npscalar__": "<f8", "v": "x"}, {"__cf_state_dict__": 5, "meta": {}},
-                 {"__cf_state_dict__": {}, "meta": 5}, [{"ok": {"__cf_tuple__": None}}]):
+    for tree in (
+        {"__cf_tensor__": 1},
+        {"__cf_tensor__": True},
+        {"__cf_tensor__": "0"},
+        {"__cf_tuple__": 5},
+        {"__cf_dict__": [[{"a": 1}, 2]]},
+        {"__cf_dict__": [[1]]},
+        {"__cf_dict__": 3},
+        {"__cf_bytes__": "!!not base64"},
+        {"__cf_bytes__": 5},
+        {"__cf_device__": "warp-drive:9"},
+        {"__cf_dtype__": ["float32"]},
+        {"__cf_dtype__": "object"},
+        {"__cf_float__": "1e400"},
+        {"__cf_npscalar__": "<f8"},
+        {"__cf_npscalar__": ["<f8"], "v": 1},
+        {"__cf_npscalar__": "|i1", "v": 1000},
+        {"__cf_npscalar__": "<f8", "v": "x"},
+        {"__cf_state_dict__": 5, "meta": {}},
+        {"__cf_state_dict__": {}, "meta": 5},
+        [{"ok": {"__cf_tuple__": None}}],
+    ):
         with pytest.raises(CorruptCheckpointError, match="malformed state tree"):
             _codec.unflatten(tree, get, entries)
     assert torch.equal(_codec.unflatten({"__cf_tensor__": 0}, get, entries), torch.zeros(2))
@@ -122,5 +151,6 @@ def test_a_damaged_state_tree_raises_corrupt_checkpoint_error():
 
 def test_an_index_cannot_name_a_negative_shape():
     with pytest.raises(ValueError, match="malformed tensor entry"):
-        _codec.TensorEntry.from_json({"name": "x", "dtype": "float32", "shape": [-1, -2], "offset": 0, "nbytes": 8,
-                                      "kind": "torch"})
+        _codec.TensorEntry.from_json(
+            {"name": "x", "dtype": "float32", "shape": [-1, -2], "offset": 0, "nbytes": 8, "kind": "torch"}
+        )

@@ -24,8 +24,9 @@ def test_no_tracked_objects(tmp_path):
 
 def test_object_without_state_dict(tmp_path):
     with pytest.raises(ConfigError, match=r"'weights'.*no state_dict"):
-        cf_ray.Checkpointer({"weights": [1.0, 2.0]}, config=cf_ray.CheckpointConfig(storage_path=str(tmp_path),
-                                                                                   run_name="r"))
+        cf_ray.Checkpointer(
+            {"weights": [1.0, 2.0]}, config=cf_ray.CheckpointConfig(storage_path=str(tmp_path), run_name="r")
+        )
 
 
 def test_not_a_mapping(tmp_path):
@@ -39,11 +40,18 @@ def test_bad_interval(every):
         cf_ray.FixedInterval(every=every)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"keep_last": 0}, "keep_last"), ({"restore_from": "disk"}, "restore_from"),
-    ({"milestone_every": -1}, "milestone_every"), ({"policy": 10}, "policy"), ({"upload": "some"}, "upload"),
-    ({"policy": cf_ray.Adaptive}, "policy"), ({"policy": cf_ray.FixedInterval}, "policy"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"keep_last": 0}, "keep_last"),
+        ({"restore_from": "disk"}, "restore_from"),
+        ({"milestone_every": -1}, "milestone_every"),
+        ({"policy": 10}, "policy"),
+        ({"upload": "some"}, "upload"),
+        ({"policy": cf_ray.Adaptive}, "policy"),
+        ({"policy": cf_ray.FixedInterval}, "policy"),
+    ],
+)
 def test_bad_config_fields(kwargs, field):
     with pytest.raises(ConfigError, match=f"CheckpointConfig.{field}"):
         cf_ray.CheckpointConfig(**kwargs)

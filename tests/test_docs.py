@@ -45,10 +45,23 @@ def test_readme_snippets_are_taken_from_files_that_run(path, lang, body):
 
 @pytest.mark.slow
 def test_example_train_ddp_runs_and_resumes(tmp_path):
-    env = dict(os.environ, CF_RAY_EXAMPLE_EPOCHS="2", CF_RAY_EXAMPLE_SAMPLES="256", RAY_ADDRESS="local",
-               CF_RAY_CONTROLLER_LINGER_S="2")
-    cmd = [sys.executable, os.path.join(ROOT, "examples", "train_ddp.py"), "--storage-path", str(tmp_path),
-           "--hidden", "32", "--name", "ex"]
+    env = dict(
+        os.environ,
+        CF_RAY_EXAMPLE_EPOCHS="2",
+        CF_RAY_EXAMPLE_SAMPLES="256",
+        RAY_ADDRESS="local",
+        CF_RAY_CONTROLLER_LINGER_S="2",
+    )
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "examples", "train_ddp.py"),
+        "--storage-path",
+        str(tmp_path),
+        "--hidden",
+        "32",
+        "--name",
+        "ex",
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "final model:" in out.stdout and "final_" in out.stdout

@@ -30,8 +30,16 @@ class _Clock:
         self.info: float | None = 0.0
         self.changes = []
 
-    def run(self, seconds: float, *, take_every: int | None = None, commit: bool = False, fresh: bool = True,
-            in_flight_s: float = 0.0, failures: int = 0):
+    def run(
+        self,
+        seconds: float,
+        *,
+        take_every: int | None = None,
+        commit: bool = False,
+        fresh: bool = True,
+        in_flight_s: float = 0.0,
+        failures: int = 0,
+    ):
         end = self.now + seconds
         while self.now < end:
             self.now += 0.1
@@ -42,9 +50,17 @@ class _Clock:
                     self.committed = self.step
             if fresh:
                 self.info = self.now
-            change = self.w.observe(Knowledge(now=self.now, step=self.step, committed_step=self.committed,
-                                              info_time=self.info, in_flight_s=in_flight_s, poll_failures=failures,
-                                              interval_steps=take_every))
+            change = self.w.observe(
+                Knowledge(
+                    now=self.now,
+                    step=self.step,
+                    committed_step=self.committed,
+                    info_time=self.info,
+                    in_flight_s=in_flight_s,
+                    poll_failures=failures,
+                    interval_steps=take_every,
+                )
+            )
             if change is not None:
                 self.changes.append(change)
         return self.changes
@@ -69,7 +85,9 @@ def test_one_alarm_per_episode_and_the_episode_ends_with_a_newer_commit():
     (alarm,) = c.changes  # once, not once per step
     assert alarm.started and alarm.episode.reason is LostReason.NO_COMMIT and w.lost
     assert alarm.episode.committed_step == 50 and alarm.episode.since_step == 55
-    assert 2.0 < alarm.episode.waited_s < 2.3 and "no checkpoint has committed since step 50" in alarm.episode.describe()
+    assert (
+        2.0 < alarm.episode.waited_s < 2.3 and "no checkpoint has committed since step 50" in alarm.episode.describe()
+    )
     c.committed = 60  # a late commit of a checkpoint older than the alarm: the episode goes on
     c.run(1.0)
     assert len(c.changes) == 1 and w.lost
@@ -109,17 +127,23 @@ def test_the_limit_follows_the_schedule_and_a_fixed_timeout_wins():
     assert w2.limit_s(20)[0] == 42.0
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"on_durability_lost": "crash"}, "on_durability_lost"), ({"durability_timeout_s": 0}, "durability_timeout_s"),
-    ({"durability_factor": 0.5}, "durability_factor"), ({"durability_floor_s": -1}, "durability_floor_s"),
-    ({"allow_missing_objects": "yes"}, "allow_missing_objects"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"on_durability_lost": "crash"}, "on_durability_lost"),
+        ({"durability_timeout_s": 0}, "durability_timeout_s"),
+        ({"durability_factor": 0.5}, "durability_factor"),
+        ({"durability_floor_s": -1}, "durability_floor_s"),
+        ({"allow_missing_objects": "yes"}, "allow_missing_objects"),
+    ],
+)
 def test_the_settings_are_checked(kwargs, field):
     with pytest.raises(cf_ray.ConfigError, match=f"CheckpointConfig.{field}"):
         cf_ray.CheckpointConfig(**kwargs)
 
 
 # -- wait(): every checkpoint taken is settled, or reported --------------------------------------------------
+
 
 class _Handle:
     """A controller without ``settled`` (older code): it knows only its pending steps."""
@@ -145,8 +169,13 @@ def test_wait_treats_a_step_the_controller_has_not_heard_of_as_not_settled_and_r
     link.failures.append({"step": 20, "section": "rank_00000", "rank": 0, "error": "disk full", "generation": 1})
     left = link.wait_durable(time.monotonic() + 0.2, 25, {})
     assert left == [25]  # nothing pending at the controller, yet step 25 is neither committed nor failed
-    assert link.failures[-1] == {"step": 25, "section": "timeout", "rank": 0, "error": "not durable after 0 s",
-                                 "generation": 1}
+    assert link.failures[-1] == {
+        "step": 25,
+        "section": "timeout",
+        "rank": 0,
+        "error": "not durable after 0 s",
+        "generation": 1,
+    }
     assert link.taken == []
     link.track(30)
     link.known_committed = 30
@@ -155,16 +184,26 @@ def test_wait_treats_a_step_the_controller_has_not_heard_of_as_not_settled_and_r
 
 # -- a Checkpointer against a storage that misbehaves (Ray actors in this process) -----------------------------
 
+
 def _ckpt(tmp_path, name, mode, **cfg):
     flag = tmp_path / f"{name}.flag"
     cfg.setdefault("durability_floor_s", 1.0)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ck = cf_ray.Checkpointer({"model": model, "optimizer": opt}, config=cf_ray.CheckpointConfig(
-        storage_path=str(tmp_path), run_name=name, register_with_ray=False, final_model=None, preemption=False,
-        policy=cf_ray.FixedInterval(every=2),
-        storage_filesystem=pafs.PyFileSystem(FlagHandler(str(flag), mode)), **cfg))
+    ck = cf_ray.Checkpointer(
+        {"model": model, "optimizer": opt},
+        config=cf_ray.CheckpointConfig(
+            storage_path=str(tmp_path),
+            run_name=name,
+            register_with_ray=False,
+            final_model=None,
+            preemption=False,
+            policy=cf_ray.FixedInterval(every=2),
+            storage_filesystem=pafs.PyFileSystem(FlagHandler(str(flag), mode)),
+            **cfg,
+        ),
+    )
     ck.restore()
 
     def step():
@@ -172,6 +211,7 @@ def _ckpt(tmp_path, name, mode, **cfg):
         ck.step(opt)
         opt.zero_grad()
         time.sleep(0.03)
+
     return ck, step, flag
 
 

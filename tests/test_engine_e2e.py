@@ -71,8 +71,9 @@ def reference(_ray_session, tmp_path_factory):
 # Restore from storage is run on S3 (the same FsStorage code as local disk, whose commit and load
 # round trip tests/test_storage.py covers on both; a third TorchTrainer run here cost ~35 s of CI).
 @pytest.mark.parametrize("where, restore_from", [("local", "memory"), ("s3", "storage")])
-def test_worker_sigkilled_at_a_random_step_resumes_bitwise_identical(ray_cluster, reference, tmp_path, request, where,
-                                                                    restore_from):
+def test_worker_sigkilled_at_a_random_step_resumes_bitwise_identical(
+    ray_cluster, reference, tmp_path, request, where, restore_from
+):
     kill_at = random.randint(6, 2 * STEPS_PER_EPOCH - 2)
     kwargs = {}
     if where == "s3":
@@ -214,7 +215,8 @@ def test_upload_tier_serves_the_restore_when_the_primary_is_lost(ray_cluster, tm
 
 
 def test_resume_from_the_result_checkpoint_continues_bitwise_and_a_bad_one_raises_before_training(
-        ray_cluster, reference, tmp_path):
+    ray_cluster, reference, tmp_path
+):
     first = demo.run("first", str(tmp_path), dict(SMALL, epochs=1))
     assert first.checkpoint.path.endswith(f"final_{STEPS_PER_EPOCH:012d}")  # the final model ...
     _, directory = resumable_checkpoint(first.checkpoint)  # ... names the full checkpoint

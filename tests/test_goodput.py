@@ -118,8 +118,9 @@ def test_load_profile_merges_the_parts_of_a_controller_that_died(tmp_path):
     # A clean end wrote the whole table: it wins for its rows; rows only in a part are added.
     report.save_profile(storage, [_row(1, 10, persist_s=3.0), _row(2, 15)])
     df = report.load_profile(storage)[0]
-    assert list(zip(df["generation"], df["step"], df["persist_s"])) == [(1, 5, 1.0), (1, 10, 3.0), (2, 15, None)] \
-        or (df["step"].tolist() == [5, 10, 15] and df["persist_s"].tolist()[:2] == [1.0, 3.0])
+    assert list(zip(df["generation"], df["step"], df["persist_s"])) == [(1, 5, 1.0), (1, 10, 3.0), (2, 15, None)] or (
+        df["step"].tolist() == [5, 10, 15] and df["persist_s"].tolist()[:2] == [1.0, 3.0]
+    )
 
 
 def test_load_profile_of_a_clean_run_is_the_saved_table(tmp_path):
@@ -201,10 +202,14 @@ def test_goodput_is_exported_to_rays_metrics_endpoint(tmp_path):
         pytest.importorskip(mod, reason="Ray's Prometheus endpoint needs ray[default] (its metrics agent)")
     port, out = _free_port(), tmp_path / "goodput.json"
     # The controller lingers long enough after the run for Ray to export what it recorded last.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), os.getcwd()) if p),
-               CF_RAY_CONTROLLER_LINGER_S="30")
-    subprocess.run([sys.executable, "-c", _DRIVER, str(port), str(tmp_path), str(out)], check=True, timeout=400,
-                   env=env)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), os.getcwd()) if p),
+        CF_RAY_CONTROLLER_LINGER_S="30",
+    )
+    subprocess.run(
+        [sys.executable, "-c", _DRIVER, str(port), str(tmp_path), str(out)], check=True, timeout=400, env=env
+    )
     got = json.load(open(out))
     lines = got["metrics"]
     restores = [e for e in got["events"] if e.get("event") == "restore"]

@@ -13,25 +13,31 @@ ACTOR_ROOMS = ("_engine/node", "_engine/driver")
 
 
 def test_actor_modules_do_not_import_torch_or_pandas():
-    code = ("import sys, cf_ray._engine.driver.controller, cf_ray._engine.node.holder, cf_ray.report, "
-            "cf_ray._engine.format.manifest; "
-            "print(sorted(m for m in ('torch', 'pandas', 'pyarrow.parquet') if m in sys.modules))")
+    code = (
+        "import sys, cf_ray._engine.driver.controller, cf_ray._engine.node.holder, cf_ray.report, "
+        "cf_ray._engine.format.manifest; "
+        "print(sorted(m for m in ('torch', 'pandas', 'pyarrow.parquet') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
 def _modules_under(folder: str) -> list[str]:
     root = pathlib.Path(cf_ray.__file__).parent
-    return sorted(".".join(("cf_ray", *p.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
-                  for p in (root / folder).rglob("*.py"))
+    return sorted(
+        ".".join(("cf_ray", *p.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+        for p in (root / folder).rglob("*.py")
+    )
 
 
 def test_no_module_of_the_node_and_driver_rooms_imports_torch_or_pandas():
     modules = [m for folder in ACTOR_ROOMS for m in _modules_under(folder)]
     assert "cf_ray._engine.driver.controller" in modules and "cf_ray._engine.node.holder" in modules
-    code = ("import importlib, sys\n"
-            f"for m in {modules!r}: importlib.import_module(m)\n"
-            "print(sorted(m for m in ('torch', 'pandas') if m in sys.modules))")
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "print(sorted(m for m in ('torch', 'pandas') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -13,7 +13,6 @@ import time
 import numpy as np
 import pytest
 import torch
-from storage_helpers import write_checkpoint
 
 import cf_ray
 from cf_ray._engine.format import layout
@@ -21,6 +20,8 @@ from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.storage.base import FileInfo
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
+
+from storage_helpers import write_checkpoint
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -56,6 +57,7 @@ def _flip(raw: bytes, bit: int) -> bytes:
 
 # -- the manifest's own checksum ------------------------------------------------------------------
 
+
 def test_every_single_bit_flip_of_a_manifest_is_detected(storage):
     write_checkpoint(storage, 10, _model(1), world_size=2)
     raw = _raw_manifest(storage, 10)
@@ -73,7 +75,7 @@ def test_every_single_bit_flip_of_a_manifest_is_detected(storage):
             identical += 1
         else:
             silently_different.append(bit)
-    assert silently_different == [], [(b // 8, raw[b // 8: b // 8 + 1]) for b in silently_different]
+    assert silently_different == [], [(b // 8, raw[b // 8 : b // 8 + 1]) for b in silently_different]
     assert identical == 0
     assert time.perf_counter() - t0 < 10
 
@@ -86,7 +88,7 @@ def test_a_rank_00000_to_rank_00001_flip_is_refused_and_load_state_does_not_retu
     raw = _raw_manifest(storage, 10)
     at = raw.index(b'"data":"g0001.rank_00000.bin"') + len(b'"data":"g0001.rank_0000')
     damaged = _flip(raw, at * 8)  # '0' (0x30) -> '1' (0x31)
-    assert b'"data":"g0001.rank_00001.bin"' in damaged[at - 30: at + 10]
+    assert b'"data":"g0001.rank_00001.bin"' in damaged[at - 30 : at + 10]
     with pytest.raises(CorruptCheckpointError, match="checksum"):
         mf.Manifest.from_bytes(damaged, "test")
     storage.write_file(f"{mf.step_dir(10)}/{mf.MANIFEST}", [damaged])
@@ -130,14 +132,18 @@ def test_the_final_models_manifest_shape_is_accepted(tmp_path):
     assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
     # Any other shape for "final" is refused.
     d = _as_dict(m)
-    for bad in ({"sections": {"model": {"data": "model.safetensors", "index": "x.json"}}},
-                {"sections": {"shared": {"data": "model.safetensors"}}},
-                {"world_size": 2}, {"files": {}}):
+    for bad in (
+        {"sections": {"model": {"data": "model.safetensors", "index": "x.json"}}},
+        {"sections": {"shared": {"data": "model.safetensors"}}},
+        {"world_size": 2},
+        {"files": {}},
+    ):
         with pytest.raises(CorruptCheckpointError):
             mf.Manifest.from_bytes(_signed({**d, **bad}), "test")
 
 
 # -- the strict schema ---------------------------------------------------------------------------------
+
 
 def _mutations(d: dict) -> dict[str, dict]:
     """Manifests with a valid checksum and one schema violation each: field -> manifest."""
@@ -177,7 +183,7 @@ def _mutations(d: dict) -> dict[str, dict]:
         "files": {**d, "files": files_without_first},
         "files ": {**d, "files": {**d["files"], "g0001.extra.bin": {"size": 1, "crc32": 0}}},
         "files  ": {**d, "files": {**d["files"], first: {"size": -1, "crc32": 0}}},
-        "files   ": {**d, "files": {**d["files"], first: {"size": 1, "crc32": 2 ** 32}}},
+        "files   ": {**d, "files": {**d["files"], first: {"size": 1, "crc32": 2**32}}},
         "files    ": {**d, "files": {**d["files"], first: {"size": 1, "crc32": -1}}},
         "files     ": {**d, "files": {**d["files"], first: {"size": True, "crc32": 0}}},
         "files      ": {**d, "files": {**d["files"], first: {"size": 1}}},
@@ -204,21 +210,48 @@ def test_swapped_section_file_names_are_refused_even_with_a_valid_checksum(stora
     m = write_checkpoint(storage, 10, _model(1), world_size=2)
     swapped = dict(m.sections)
     swapped["rank_00000"], swapped["rank_00001"] = m.sections["rank_00001"], m.sections["rank_00000"]
-    bad = mf.Manifest(step=m.step, epoch=m.epoch, world_size=2, generation=m.generation, replicated=True,
-                      kind=m.kind, sections=swapped, files=m.files)
+    bad = mf.Manifest(
+        step=m.step,
+        epoch=m.epoch,
+        world_size=2,
+        generation=m.generation,
+        replicated=True,
+        kind=m.kind,
+        sections=swapped,
+        files=m.files,
+    )
     with pytest.raises(CorruptCheckpointError, match="sections.rank_0000"):
         mf.Manifest.from_bytes(bad.to_bytes(), "test")
-    zero = mf.Manifest(step=1, epoch=0, world_size=0, generation=1, replicated=True,
-                       sections={"shared": m.sections["shared"]}, files={})
+    zero = mf.Manifest(
+        step=1,
+        epoch=0,
+        world_size=0,
+        generation=1,
+        replicated=True,
+        sections={"shared": m.sections["shared"]},
+        files={},
+    )
     with pytest.raises(CorruptCheckpointError, match="world_size"):
         mf.Manifest.from_bytes(zero.to_bytes(), "test")
 
 
 def test_garbage_never_raises_a_bare_error():
-    cases = [b"", b"\xff\xfe\x00", b"[]", b"null", b"{", b"{}", b'{"format":"cf_ray"}',
-             b'{"format":"cf_ray","version":2}', b'{"format":"cf_ray","version":2,"checksum":5}',
-             b"[" * 100_000, b'{"format":"cf_ray","version":1,"a":1,"a":2}', b'{"format":"cf_ray","version":1e400}',
-             b'{"format":"cf_ray","version":' + b"9" * 5000 + b"}", np.frombuffer(b"{}", dtype=np.uint8)]
+    cases = [
+        b"",
+        b"\xff\xfe\x00",
+        b"[]",
+        b"null",
+        b"{",
+        b"{}",
+        b'{"format":"cf_ray"}',
+        b'{"format":"cf_ray","version":2}',
+        b'{"format":"cf_ray","version":2,"checksum":5}',
+        b"[" * 100_000,
+        b'{"format":"cf_ray","version":1,"a":1,"a":2}',
+        b'{"format":"cf_ray","version":1e400}',
+        b'{"format":"cf_ray","version":' + b"9" * 5000 + b"}",
+        np.frombuffer(b"{}", dtype=np.uint8),
+    ]
     for raw in cases:
         with pytest.raises(CorruptCheckpointError):
             mf.Manifest.from_bytes(raw, "test")
@@ -251,6 +284,7 @@ def test_kinds_are_the_checkpoint_kinds_of_the_messages():
 
 # -- listings skip one bad entry ----------------------------------------------------------------------
 
+
 def _skipped_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "cf_ray" and "skipped" in r.getMessage()]
 
@@ -267,8 +301,10 @@ def test_a_symlinked_entry_under_checkpoints_is_skipped_with_one_warning(tmp_pat
     os.symlink(tmp_path / "elsewhere" / "checkpoints" / "step_000000000030", root / "checkpoints" / "step_000000000030")
     os.symlink(root / "checkpoints" / "step_000000000010", root / "checkpoints" / "step_000000000040")
     os.makedirs(root / "checkpoints" / "step_000000000050")
-    os.symlink(root / "checkpoints" / "step_000000000010" / mf.MANIFEST,
-               root / "checkpoints" / "step_000000000050" / mf.MANIFEST)
+    os.symlink(
+        root / "checkpoints" / "step_000000000010" / mf.MANIFEST,
+        root / "checkpoints" / "step_000000000050" / mf.MANIFEST,
+    )
     with caplog.at_level(logging.WARNING, logger="cf_ray"):
         assert [c.step for c in mf.list_committed(storage)] == [10]
         assert mf.list_uncommitted(storage) == []  # never deleted through a link either
@@ -310,6 +346,7 @@ def test_an_entry_that_cannot_be_examined_is_skipped(storage, caplog):
 
 # -- other damaged files ---------------------------------------------------------------------------------
 
+
 def test_every_single_bit_flip_of_a_pointer_is_detected(storage):
     directory = mf.write_pointer(storage, 120)
     raw = bytes(storage.read_file(f"{directory}/{mf.POINTER}"))
@@ -324,11 +361,18 @@ def test_every_single_bit_flip_of_a_pointer_is_detected(storage):
 
 def test_a_damaged_pointer_raises_corrupt_checkpoint_error():
     good = {"format": "cf_ray-pointer", "version": 1, "checkpoint": "checkpoints/step_000000000120", "step": 120}
-    for raw in (b"\xff\xfe", b"not json", b"[1]", b"null", b"[" * 100_000,
-                json.dumps({**good, "checkpoint": 5}).encode(),
-                json.dumps({k: v for k, v in good.items() if k != "checkpoint"}).encode(),
-                json.dumps({**good, "step": 121}).encode(), json.dumps({**good, "step": "120"}).encode(),
-                json.dumps({**good, "version": 7}).encode()):
+    for raw in (
+        b"\xff\xfe",
+        b"not json",
+        b"[1]",
+        b"null",
+        b"[" * 100_000,
+        json.dumps({**good, "checkpoint": 5}).encode(),
+        json.dumps({k: v for k, v in good.items() if k != "checkpoint"}).encode(),
+        json.dumps({**good, "step": 121}).encode(),
+        json.dumps({**good, "step": "120"}).encode(),
+        json.dumps({**good, "version": 7}).encode(),
+    ):
         with pytest.raises(CorruptCheckpointError):
             mf.read_pointer(raw)
     with pytest.raises(UnsafePathError):
@@ -338,10 +382,19 @@ def test_a_damaged_pointer_raises_corrupt_checkpoint_error():
 
 def test_a_damaged_index_raises_corrupt_checkpoint_error():
     entry = {"name": "x", "dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8, "kind": "torch"}
-    for raw in (b"\xff\xfe", b"{", b"[]", b"null", b'{"tree":{}}', b'{"entries":5,"tree":{}}', b'{"entries":[]}',
-                b'{"entries":[1],"tree":{}}', b"[" * 100_000,
-                json.dumps({"entries": [{**entry, "shape": [-1, -2]}], "tree": {}}).encode(),
-                json.dumps({"entries": [{**entry, "shape": "ab"}], "tree": {}}).encode()):
+    for raw in (
+        b"\xff\xfe",
+        b"{",
+        b"[]",
+        b"null",
+        b'{"tree":{}}',
+        b'{"entries":5,"tree":{}}',
+        b'{"entries":[]}',
+        b'{"entries":[1],"tree":{}}',
+        b"[" * 100_000,
+        json.dumps({"entries": [{**entry, "shape": [-1, -2]}], "tree": {}}).encode(),
+        json.dumps({"entries": [{**entry, "shape": "ab"}], "tree": {}}).encode(),
+    ):
         with pytest.raises(CorruptCheckpointError, match="index here"):
             mf.parse_index(raw, "here")
     good = json.dumps({"entries": [entry], "tree": {"t": {"__cf_tensor__": 0}}}).encode()
@@ -368,10 +421,18 @@ def test_a_damaged_data_file_of_a_section_is_refused_before_parsing(storage):
 
 
 def test_extra_with_int_keys_and_non_ascii_text_round_trips():
-    m = mf.Manifest(step=3, epoch=1, world_size=1, generation=2, replicated=False, kind="manual",
-                    sections={"rank_00000": {"data": "g0002.rank_00000.bin", "index": "g0002.rank_00000.json"}},
-                    files={"g0002.rank_00000.bin": FileInfo(0, 0), "g0002.rank_00000.json": FileInfo(10, 2 ** 32 - 1)},
-                    created_unix=1.5, extra={10: "b", 9: "c", "note": "épreuve ✓", "nan": float("nan")})
+    m = mf.Manifest(
+        step=3,
+        epoch=1,
+        world_size=1,
+        generation=2,
+        replicated=False,
+        kind="manual",
+        sections={"rank_00000": {"data": "g0002.rank_00000.bin", "index": "g0002.rank_00000.json"}},
+        files={"g0002.rank_00000.bin": FileInfo(0, 0), "g0002.rank_00000.json": FileInfo(10, 2**32 - 1)},
+        created_unix=1.5,
+        extra={10: "b", 9: "c", "note": "épreuve ✓", "nan": float("nan")},
+    )
     got = mf.Manifest.from_bytes(m.to_bytes(), "test")
     assert got.extra["10"] == "b" and got.extra["9"] == "c" and got.extra["note"] == "épreuve ✓"
     assert (got.sections, got.files, got.created_unix, got.kind) == (m.sections, m.files, 1.5, "manual")

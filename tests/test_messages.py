@@ -41,37 +41,84 @@ from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.errors import CfRayError
 from cf_ray.policy import FixedInterval
 
-META = SnapshotMeta(rank=0, world_size=2, replicated=True, epoch=1, kind=CheckpointKind.SCHEDULED, interval=5,
-                    deadline_unix=123.0, notice_unix=100.0, notice_source="user")
-MEMORY = MemorySnapshot(generation=2, step=10, sections={mf.SHARED: "cf_ray.holder.k.n1"}, world_size=2, epoch=1,
-                        replicated=True)
+META = SnapshotMeta(
+    rank=0,
+    world_size=2,
+    replicated=True,
+    epoch=1,
+    kind=CheckpointKind.SCHEDULED,
+    interval=5,
+    deadline_unix=123.0,
+    notice_unix=100.0,
+    notice_source="user",
+)
+MEMORY = MemorySnapshot(
+    generation=2, step=10, sections={mf.SHARED: "cf_ray.holder.k.n1"}, world_size=2, epoch=1, replicated=True
+)
 EXAMPLES: list[Message] = [
     META,
-    PartStaged(generation=2, step=10, section=mf.SHARED, holder="cf_ray.holder.k.n1", nbytes=64, meta=META,
-               holder_put_s=0.01, node_id="n1"),
-    PartDurable(generation=2, step=10, section=mf.rank_section(1), files={"a.bin": {"size": 64, "crc32": 7}},
-                persist_s=0.5),
+    PartStaged(
+        generation=2,
+        step=10,
+        section=mf.SHARED,
+        holder="cf_ray.holder.k.n1",
+        nbytes=64,
+        meta=META,
+        holder_put_s=0.01,
+        node_id="n1",
+    ),
+    PartDurable(
+        generation=2, step=10, section=mf.rank_section(1), files={"a.bin": {"size": 64, "crc32": 7}}, persist_s=0.5
+    ),
     PartFailed(generation=2, step=10, section=mf.rank_section(0), error="OSError: disk full"),
     PartSuperseded(generation=2, step=10, section=mf.rank_section(0)),
     Schedule(schedule_version=3, interval=None),
     Failure(seq=0, step=10, section=mf.rank_section(0), rank=0, error="OSError: disk full", generation=2),
     CheckpointRequest(seq=1, deadline_unix=200.0, detail="resize", time_unix=100.0, generation=2),
-    SyncRequest(rank=1, generation=2, samples=({"rank": 1, "step": 9, "iter_s": 0.1, "iters": 4},),
-                ckpt_stats=({"step": 10, "stall_s": 0.01},), adopted_version=0, seen_failures=-1, seen_requests=0),
-    SyncReply(schedules=(Schedule(schedule_version=1, interval=4),), committed_step=8,
-              failures=(Failure(seq=0, step=9, section="manifest", rank=0, error="x", generation=2),),
-              requests=(CheckpointRequest(seq=1, deadline_unix=None),)),
+    SyncRequest(
+        rank=1,
+        generation=2,
+        samples=({"rank": 1, "step": 9, "iter_s": 0.1, "iters": 4},),
+        ckpt_stats=({"step": 10, "stall_s": 0.01},),
+        adopted_version=0,
+        seen_failures=-1,
+        seen_requests=0,
+    ),
+    SyncReply(
+        schedules=(Schedule(schedule_version=1, interval=4),),
+        committed_step=8,
+        failures=(Failure(seq=0, step=9, section="manifest", rank=0, error="x", generation=2),),
+        requests=(CheckpointRequest(seq=1, deadline_unix=None),),
+    ),
     MEMORY,
-    RestorePlan(generation=3, memory=MEMORY, storage=(8, 4), tiers=((8,), ()), schedules=(Schedule(
-        schedule_version=0, interval=5),)),
-    Restored(source=RestoreSource.MEMORY, step=10, epoch=1, seconds=0.2, world_size=2, saved_world_size=2,
-             extra={"note": 1}),
-    HolderState(holder="cf_ray.holder.k.n1", node_id="n1", generation=2,
-                staged=(PartStaged(generation=2, step=10, section=mf.SHARED, holder="cf_ray.holder.k.n1", nbytes=64,
-                                   meta=META),),
-                outcomes=(PartDurable(generation=2, step=10, section=mf.SHARED,
-                                      files={"a.bin": {"size": 64, "crc32": 7}}, persist_s=0.5,
-                                      holder="cf_ray.holder.k.n1"),)),
+    RestorePlan(
+        generation=3,
+        memory=MEMORY,
+        storage=(8, 4),
+        tiers=((8,), ()),
+        schedules=(Schedule(schedule_version=0, interval=5),),
+    ),
+    Restored(
+        source=RestoreSource.MEMORY, step=10, epoch=1, seconds=0.2, world_size=2, saved_world_size=2, extra={"note": 1}
+    ),
+    HolderState(
+        holder="cf_ray.holder.k.n1",
+        node_id="n1",
+        generation=2,
+        staged=(
+            PartStaged(generation=2, step=10, section=mf.SHARED, holder="cf_ray.holder.k.n1", nbytes=64, meta=META),
+        ),
+        outcomes=(
+            PartDurable(
+                generation=2,
+                step=10,
+                section=mf.SHARED,
+                files={"a.bin": {"size": 64, "crc32": 7}},
+                persist_s=0.5,
+                holder="cf_ray.holder.k.n1",
+            ),
+        ),
+    ),
 ]
 
 
@@ -120,8 +167,17 @@ def test_a_message_of_another_version_is_refused():
     # when the message has fields this version does not know.
     class _FromAnotherVersion:
         def __reduce__(self):
-            return msgs._rebuild, (PartFailed, {"version": PROTOCOL_VERSION + 1, "generation": 1, "step": 2,
-                                                "section": "rank_0000", "error": "x", "retries": 3})
+            return msgs._rebuild, (
+                PartFailed,
+                {
+                    "version": PROTOCOL_VERSION + 1,
+                    "generation": 1,
+                    "step": 2,
+                    "section": "rank_0000",
+                    "error": "x",
+                    "retries": 3,
+                },
+            )
 
     with pytest.raises(ProtocolError):
         pickle.loads(pickle.dumps(_FromAnotherVersion()))
@@ -148,19 +204,39 @@ SECTIONS = [mf.SHARED, mf.rank_section(0), mf.rank_section(1)]
 
 def _controller(root) -> Controller:
     storage = FsStorage(pafs.LocalFileSystem(), str(root))
-    return Controller("test", storage, ControllerSettings(policy=FixedInterval(every=1), keep_last=None, tiers=[],
-                                                          upload_milestones_only=False))
+    return Controller(
+        "test",
+        storage,
+        ControllerSettings(policy=FixedInterval(every=1), keep_last=None, tiers=[], upload_milestones_only=False),
+    )
 
 
 def _stage_and_write(ctl: Controller, step: int, kind: CheckpointKind, sections=SECTIONS, **meta) -> None:
     for sec in sections:
-        files = mf.write_section(ctl.storage, mf.step_dir(step), ctl.generation, sec, np.arange(8, dtype=np.uint8),
-                                 b"{}")
-        ctl.part_staged(PartStaged(generation=ctl.generation, step=step, section=sec, holder="h", nbytes=8,
-                                   meta=SnapshotMeta(rank=mf.section_rank(sec), world_size=WORLD, replicated=True,
-                                                     epoch=0, kind=kind, **meta)))
-        ctl.part_durable(PartDurable(generation=ctl.generation, step=step, section=sec,
-                                     files={k: v.to_json() for k, v in files.items()}, persist_s=0.01))
+        files = mf.write_section(
+            ctl.storage, mf.step_dir(step), ctl.generation, sec, np.arange(8, dtype=np.uint8), b"{}"
+        )
+        ctl.part_staged(
+            PartStaged(
+                generation=ctl.generation,
+                step=step,
+                section=sec,
+                holder="h",
+                nbytes=8,
+                meta=SnapshotMeta(
+                    rank=mf.section_rank(sec), world_size=WORLD, replicated=True, epoch=0, kind=kind, **meta
+                ),
+            )
+        )
+        ctl.part_durable(
+            PartDurable(
+                generation=ctl.generation,
+                step=step,
+                section=sec,
+                files={k: v.to_json() for k, v in files.items()},
+                persist_s=0.01,
+            )
+        )
 
 
 def test_enum_members_reach_storage_and_the_profile_table_as_plain_strings(tmp_path):
@@ -182,8 +258,9 @@ def test_enum_members_reach_storage_and_the_profile_table_as_plain_strings(tmp_p
     reply = ctl.sync(SyncRequest(rank=0, generation=ctl.generation))
     assert isinstance(reply, SyncReply) and reply.committed_step == 3
     assert [(f.step, f.section) for f in reply.failures] == [(4, SECTIONS[2])]
-    assert ctl.summary()["failures"] == [{"seq": 0, "step": 4, "section": SECTIONS[2], "rank": 1,
-                                          "error": "OSError: gone", "generation": ctl.generation}]
+    assert ctl.summary()["failures"] == [
+        {"seq": 0, "step": 4, "section": SECTIONS[2], "rank": 1, "error": "OSError: gone", "generation": ctl.generation}
+    ]
 
     req = ctl.request_checkpoint(2e12, "resize")
     assert isinstance(req, CheckpointRequest) and req.detail == "resize" and req.generation == ctl.generation

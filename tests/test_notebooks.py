@@ -93,9 +93,9 @@ def test_every_notebook_is_generated_and_checked_here():
 def test_the_committed_notebook_is_the_generated_one_with_its_outputs():
     committed = nbformat.read(COMMITTED, as_version=4)
     built = MAKER.build()
-    assert [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in committed.cells] == \
-           [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in built.cells], \
-        "notebooks/make_notebook.py changed: run it to regenerate the notebook with its outputs"
+    assert [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in committed.cells] == [
+        (c.cell_type, c.source, c.metadata.get("tags", [])) for c in built.cells
+    ], "notebooks/make_notebook.py changed: run it to regenerate the notebook with its outputs"
     code = _code_cells(committed)
     assert all(c.execution_count is not None for c in code), "committed without outputs: run make_notebook.py"
     assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), "executed top to bottom, once"
@@ -105,9 +105,17 @@ def test_the_committed_notebook_is_the_generated_one_with_its_outputs():
     assert ("display_data", "image/png") in kinds, "the plot"
     assert ("execute_result", "text/html") in kinds, "the tables"
     assert os.path.getsize(COMMITTED) < 1_000_000
-    for needle in ("def train_loop_per_worker", "cf_ray.Checkpointer(", "cf_ray.Adaptive(", "FailureConfig(max_failures",
-                   "os.kill(os.getpid(), signal.SIGKILL)", "ckpt.restore()", ".profile()", "report.plot_profile(",
-                   "signal.SIGINT"):
+    for needle in (
+        "def train_loop_per_worker",
+        "cf_ray.Checkpointer(",
+        "cf_ray.Adaptive(",
+        "FailureConfig(max_failures",
+        "os.kill(os.getpid(), signal.SIGKILL)",
+        "ckpt.restore()",
+        ".profile()",
+        "report.plot_profile(",
+        "signal.SIGINT",
+    ):
         assert any(needle in c.source for c in code), needle
 
 

@@ -88,7 +88,7 @@ class Run:
         """True overhead of steps lo..hi: extra wall time over the same steps without checkpoints."""
         lo = max(lo - self.start, 1)
         hi = len(self.wall) if hi is None else hi - self.start
-        w, c = sum(self.wall[lo - 1:hi]), sum(self.clean[lo - 1:hi])
+        w, c = sum(self.wall[lo - 1 : hi]), sum(self.clean[lo - 1 : hi])
         return 100.0 * (w - c) / c
 
     def interval_at(self, step: int) -> int:
@@ -101,8 +101,19 @@ class Run:
         return [k for _, k, phase in self.changes if phase == "tuned"]
 
 
-def simulate(policy, trace: Trace, steps: int, *, persist_via_controller=False, with_ckpt_step=True,
-             report_wait=True, report_persist=True, history=256, start_step=0, samples_out=None) -> Run:
+def simulate(
+    policy,
+    trace: Trace,
+    steps: int,
+    *,
+    persist_via_controller=False,
+    with_ckpt_step=True,
+    report_wait=True,
+    report_persist=True,
+    history=256,
+    start_step=0,
+    samples_out=None,
+) -> Run:
     """Train ``steps`` steps under ``policy`` the way cf_ray's engine and controller drive it."""
     rng = random.Random(trace.seed)
     R = trace.ranks
@@ -160,8 +171,16 @@ def simulate(policy, trace: Trace, steps: int, *, persist_via_controller=False, 
                 prev = last[r]
                 if prev is not None and not persist_via_controller and not prev["reported"]:
                     persist_pending.append((prev["done"], r, prev["ckpt_step"], prev["persist_s"]))
-                last[r] = {"reported": False, "ckpt_step": step, "stall_s": stall, "wait_s": wait, "copy_s": copy,
-                           "persist_s": persist, "nbytes": int(c["nbytes"]), "done": bg_done[r]}
+                last[r] = {
+                    "reported": False,
+                    "ckpt_step": step,
+                    "stall_s": stall,
+                    "wait_s": wait,
+                    "copy_s": copy,
+                    "persist_s": persist,
+                    "nbytes": int(c["nbytes"]),
+                    "done": bg_done[r],
+                }
                 if persist_via_controller:
                     persist_pending.append((bg_done[r], r, step, persist))
                 stalls.append(stall)
@@ -252,18 +271,30 @@ def test_anyof_forwards_the_adaptive_member():
         q.load_state_dict({"members": []})
 
 
-@pytest.mark.parametrize("kwargs, field_name", [
-    ({"budget_pct": 0}, "budget_pct"), ({"budget_pct": 100}, "budget_pct"), ({"budget_pct": -5}, "budget_pct"),
-    ({"budget_pct": 150}, "budget_pct"), ({"budget_pct": float("nan")}, "budget_pct"),
-    ({"budget_pct": True}, "budget_pct"), ({"budget_pct": "5"}, "budget_pct"),
-    ({"min_interval": 50, "max_interval": 10}, "min_interval=50 is above max_interval=10"),
-    ({"min_interval": 0}, "min_interval"), ({"max_interval": 2.5}, "max_interval"),
-    ({"first_checkpoint_step": 0}, "first_checkpoint_step"),
-    ({"max_lost_s": 0}, "max_lost_s"), ({"max_lost_s": -1.0}, "max_lost_s"),
-    ({"max_lost_s": float("inf")}, "max_lost_s"), ({"window": 0}, "window"), ({"headroom": 1.0}, "headroom"),
-    ({"shrink_ratio": 1.0}, "shrink_ratio"), ({"drift_ratio": 1.0}, "drift_ratio"),
-    ({"warmup_steps": -1}, "warmup_steps"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field_name",
+    [
+        ({"budget_pct": 0}, "budget_pct"),
+        ({"budget_pct": 100}, "budget_pct"),
+        ({"budget_pct": -5}, "budget_pct"),
+        ({"budget_pct": 150}, "budget_pct"),
+        ({"budget_pct": float("nan")}, "budget_pct"),
+        ({"budget_pct": True}, "budget_pct"),
+        ({"budget_pct": "5"}, "budget_pct"),
+        ({"min_interval": 50, "max_interval": 10}, "min_interval=50 is above max_interval=10"),
+        ({"min_interval": 0}, "min_interval"),
+        ({"max_interval": 2.5}, "max_interval"),
+        ({"first_checkpoint_step": 0}, "first_checkpoint_step"),
+        ({"max_lost_s": 0}, "max_lost_s"),
+        ({"max_lost_s": -1.0}, "max_lost_s"),
+        ({"max_lost_s": float("inf")}, "max_lost_s"),
+        ({"window": 0}, "window"),
+        ({"headroom": 1.0}, "headroom"),
+        ({"shrink_ratio": 1.0}, "shrink_ratio"),
+        ({"drift_ratio": 1.0}, "drift_ratio"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+    ],
+)
 def test_bad_configuration_is_refused_with_the_field_named(kwargs, field_name):
     with pytest.raises(ConfigError, match=field_name.replace("[", r"\[")) as e:
         Adaptive(**kwargs)
@@ -396,8 +427,11 @@ def test_one_straggler_rank_governs():
 
 def test_interference_widens_then_shortens_again():
     # Another job shares the node from step 1000 to 2500: slower stalls, copies and disk.
-    trace = (Trace().at(1000, stall_s=0.4, copy_s=0.2, bw=3e8, iter_s=0.055)
-                    .at(2500, stall_s=0.1, copy_s=0.05, bw=1e9, iter_s=0.05))
+    trace = (
+        Trace()
+        .at(1000, stall_s=0.4, copy_s=0.2, bw=3e8, iter_s=0.055)
+        .at(2500, stall_s=0.1, copy_s=0.05, bw=1e9, iter_s=0.05)
+    )
     p = Adaptive()
     run = simulate(p, trace, 4000)
     k0 = run.interval_at(999)
@@ -553,7 +587,7 @@ def test_whole_history_and_new_samples_give_the_same_decisions():
     cur_b = cur_c = 5
     out_b, out_c = [], []
     for i in range(0, len(feed), 4):
-        batch = feed[i:i + 4]
+        batch = feed[i : i + 4]
         history.extend(batch)
         kb = b.plan(history, cur_b)  # the whole history, growing
         kc = c.plan(batch, cur_c)  # only the new samples
@@ -569,17 +603,31 @@ def test_plan_cost_does_not_grow_with_the_history():
     p.plan(history, 5)
     t0 = time.process_time()
     for i in range(500):
-        history.append(Sample(rank=i % 4, step=15_000 + i, iter_s=0.05, iters=5, ckpt_step=15_000,
-                              stall_s=0.1, copy_s=0.05, persist_s=0.1))
+        history.append(
+            Sample(
+                rank=i % 4,
+                step=15_000 + i,
+                iter_s=0.05,
+                iters=5,
+                ckpt_step=15_000,
+                stall_s=0.1,
+                copy_s=0.05,
+                persist_s=0.1,
+            )
+        )
         p.plan(history, 5)
     assert time.process_time() - t0 < 1.0  # 12k-long history: O(n) per call would take far longer
 
 
 def test_messy_samples_and_a_restart_inside_the_run_do_not_break_it():
     p = Adaptive()
-    junk = [Sample(rank=0, step=3, iter_s=float("nan"), iters=3), Sample(rank=1, step=3, iter_s=-1.0, iters=2),
-            Sample(rank=0, step=4, iter_s=0.1, iters=0), Sample(rank=2, step=4, stall_s=float("inf")),
-            Sample(rank=3, step=4, ckpt_step=4, persist_s=-2.0, nbytes=-1)]
+    junk = [
+        Sample(rank=0, step=3, iter_s=float("nan"), iters=3),
+        Sample(rank=1, step=3, iter_s=-1.0, iters=2),
+        Sample(rank=0, step=4, iter_s=0.1, iters=0),
+        Sample(rank=2, step=4, stall_s=float("inf")),
+        Sample(rank=3, step=4, ckpt_step=4, persist_s=-2.0, nbytes=-1),
+    ]
     assert p.plan(junk, None) is None
     trace = Trace()
     simulate(p, trace, 800)
@@ -593,10 +641,12 @@ def test_messy_samples_and_a_restart_inside_the_run_do_not_break_it():
 
 @pytest.mark.parametrize("mode", ["persist_from_controller", "no_ckpt_step", "no_wait_s", "stall_and_copy_only"])
 def test_engine_variants_still_tune(mode):
-    kw = {"persist_from_controller": {"persist_via_controller": True},
-          "no_ckpt_step": {"with_ckpt_step": False, "persist_via_controller": True},
-          "no_wait_s": {"report_wait": False},
-          "stall_and_copy_only": {"with_ckpt_step": False, "report_wait": False, "report_persist": False}}[mode]
+    kw = {
+        "persist_from_controller": {"persist_via_controller": True},
+        "no_ckpt_step": {"with_ckpt_step": False, "persist_via_controller": True},
+        "no_wait_s": {"report_wait": False},
+        "stall_and_copy_only": {"with_ckpt_step": False, "report_wait": False, "report_persist": False},
+    }[mode]
     trace = Trace(nbytes=500_000_000, bw=1e9)
     p = Adaptive()
     run = simulate(p, trace, 1500, **kw)
@@ -611,9 +661,23 @@ def test_explain_and_checkpoint_stats_are_json_and_truthful():
     trace = Trace(nbytes=300_000_000, bw=1e9)
     run = simulate(p, trace, 1000)
     e = json.loads(json.dumps(p.explain()))
-    for key in ("phase", "interval", "target", "binding", "reason", "conflicts", "budget_pct", "iter_s",
-                "cost_s", "background_s", "predicted_overhead_pct", "measured_overhead_pct", "lost_work_s",
-                "checkfreq_interval", "last_change"):
+    for key in (
+        "phase",
+        "interval",
+        "target",
+        "binding",
+        "reason",
+        "conflicts",
+        "budget_pct",
+        "iter_s",
+        "cost_s",
+        "background_s",
+        "predicted_overhead_pct",
+        "measured_overhead_pct",
+        "lost_work_s",
+        "checkfreq_interval",
+        "last_change",
+    ):
         assert key in e, key
     assert e["iter_s"] == pytest.approx(trace.iter_s, rel=0.02)
     assert e["background_s"] == pytest.approx(trace.bg_s(1, 0), rel=0.02)
@@ -673,7 +737,9 @@ def _coalescing_run(policy, steps: int, slow_from: int, slow_to: int, fast_s=0.0
         if t >= next_poll:
             next_poll = t + POLL_S
             for r in acc:
-                samples.append(Sample(rank=r, step=step, iter_s=acc[r][1] / acc[r][0], iters=acc[r][0], **newest.get(r, {})))
+                samples.append(
+                    Sample(rank=r, step=step, iter_s=acc[r][1] / acc[r][0], iters=acc[r][0], **newest.get(r, {}))
+                )
                 acc[r] = [0, 0.0]
             k = policy.plan(samples[-256:], cur)
             if k is not None and k != cur:

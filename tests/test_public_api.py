@@ -49,8 +49,7 @@ CF_RAY = [
     "load_state",
     "notify_preemption",
 ]
-POLICY = ["Adaptive", "AnyOf", "EpochEnd", "FixedInterval", "FrequencyPolicy", "PolicyWarning", "Sample",
-          "SaveContext"]
+POLICY = ["Adaptive", "AnyOf", "EpochEnd", "FixedInterval", "FrequencyPolicy", "PolicyWarning", "Sample", "SaveContext"]
 DATA = [
     "DALIExternalSource",
     "DataOrderError",
@@ -67,8 +66,11 @@ DATA = [
 ]
 
 
-@pytest.mark.parametrize("module, expected", [(cf_ray, CF_RAY), (cf_ray.policy, POLICY), (cf_ray.data, DATA)],
-                         ids=["cf_ray", "cf_ray.policy", "cf_ray.data"])
+@pytest.mark.parametrize(
+    "module, expected",
+    [(cf_ray, CF_RAY), (cf_ray.policy, POLICY), (cf_ray.data, DATA)],
+    ids=["cf_ray", "cf_ray.policy", "cf_ray.data"],
+)
 def test_the_public_surface_is_exactly_this(module, expected):
     assert sorted(module.__all__) == expected
     assert len(module.__all__) == len(set(module.__all__)), "a name listed twice"
@@ -93,8 +95,11 @@ def test_every_error_of_cf_ray_errors_is_at_the_front_door():
     assert issubclass(cf_ray.CheckpointMismatchError, cf_ray.ConfigError)  # except ConfigError still catches it
 
 
-@pytest.mark.parametrize("module", [cf_ray, cf_ray.policy, cf_ray.data, cf_ray.preemption],
-                         ids=["cf_ray", "cf_ray.policy", "cf_ray.data", "cf_ray.preemption"])
+@pytest.mark.parametrize(
+    "module",
+    [cf_ray, cf_ray.policy, cf_ray.data, cf_ray.preemption],
+    ids=["cf_ray", "cf_ray.policy", "cf_ray.data", "cf_ray.preemption"],
+)
 def test_every_public_name_is_the_object_of_its_defining_module(module):
     for name in module.__all__:
         obj = getattr(module, name)
@@ -112,14 +117,43 @@ def test_preemption_exports_no_internals():
 
 # -- Run ----------------------------------------------------------------------------------------------------
 
+
 def _rows():
     return [
-        {"step": 5, "epoch": 0, "kind": "scheduled", "generation": 1, "stall_s": 0.01, "persist_s": 0.2,
-         "bytes": 1000, "interval": 5, "committed": True, "where": "/x/step_000000000005", "error": None},
-        {"step": 10, "epoch": 0, "kind": "scheduled", "generation": 1, "stall_s": 0.02, "interval": 5,
-         "committed": True, "where": "/x/step_000000000010", "error": None},
-        {"step": 15, "epoch": 0, "kind": "preempt", "generation": 2, "interval": 7, "committed": False,
-         "where": "failed", "error": "rank_00001: PersistError: disk full"},
+        {
+            "step": 5,
+            "epoch": 0,
+            "kind": "scheduled",
+            "generation": 1,
+            "stall_s": 0.01,
+            "persist_s": 0.2,
+            "bytes": 1000,
+            "interval": 5,
+            "committed": True,
+            "where": "/x/step_000000000005",
+            "error": None,
+        },
+        {
+            "step": 10,
+            "epoch": 0,
+            "kind": "scheduled",
+            "generation": 1,
+            "stall_s": 0.02,
+            "interval": 5,
+            "committed": True,
+            "where": "/x/step_000000000010",
+            "error": None,
+        },
+        {
+            "step": 15,
+            "epoch": 0,
+            "kind": "preempt",
+            "generation": 2,
+            "interval": 7,
+            "committed": False,
+            "where": "failed",
+            "error": "rank_00001: PersistError: disk full",
+        },
     ]
 
 
@@ -178,8 +212,13 @@ def test_run_without_a_profile_says_where_it_looked(tmp_path):
     run = cf_ray.Run(str(tmp_path), "r2")
     with pytest.raises(FileNotFoundError, match="profile"):
         run.profile()
-    assert run.summary() == {"source": "storage", "committed_steps": [3], "failures": [], "generation": None,
-                             "interval": None}
+    assert run.summary() == {
+        "source": "storage",
+        "committed_steps": [3],
+        "failures": [],
+        "generation": None,
+        "interval": None,
+    }
 
 
 def test_run_asks_the_live_controller_and_falls_back_to_storage_when_it_is_gone(run_on_disk, ray_cluster):
@@ -187,8 +226,9 @@ def test_run_asks_the_live_controller_and_falls_back_to_storage_when_it_is_gone(
 
     ray = ray_cluster
     root, storage = run_on_disk
-    settings = ControllerSettings(policy=cf_ray.FixedInterval(every=5), keep_last=None, tiers=[],
-                                  upload_milestones_only=False)
+    settings = ControllerSettings(
+        policy=cf_ray.FixedInterval(every=5), keep_last=None, tiers=[], upload_milestones_only=False
+    )
     # The key as a Checkpointer of CheckpointConfig(storage_path=root, run_name="r1") derives it.
     ctl = get_or_create_controller(run_key(storage.uri(), "r1"), storage, settings)
     try:
@@ -226,13 +266,16 @@ def test_the_run_handle_loads_no_torch_or_pandas():
     import subprocess
     import sys
 
-    code = ("import sys, cf_ray; cf_ray.Run('/nowhere', 'r').alive; "
-            "print(sorted(m for m in ('torch', 'pandas', 'pyarrow.parquet') if m in sys.modules))")
+    code = (
+        "import sys, cf_ray; cf_ray.Run('/nowhere', 'r').alive; "
+        "print(sorted(m for m in ('torch', 'pandas', 'pyarrow.parquet') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
 # -- what cf_ray was tested with --------------------------------------------------------------------------------
+
 
 def _pins() -> dict[str, str]:
     import pathlib
@@ -275,8 +318,10 @@ def test_importing_cf_ray_with_an_untested_ray_fails_clearly():
     import subprocess
     import sys
 
-    code = ("import importlib.metadata as m; real = m.version; "
-            "m.version = lambda n: '2.99.0' if n == 'ray' else real(n); import cf_ray")
+    code = (
+        "import importlib.metadata as m; real = m.version; "
+        "m.version = lambda n: '2.99.0' if n == 'ray' else real(n); import cf_ray"
+    )
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "CF_RAY_ALLOW_UNTESTED_RAY"}
@@ -284,8 +329,9 @@ def test_importing_cf_ray_with_an_untested_ray_fails_clearly():
     assert out.returncode != 0
     assert "ImportError: cf_ray" in out.stderr and "Ray 2.99.0 is installed" in out.stderr
     assert "ray[train]>=2.60,<2.61" in out.stderr
-    ok = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                        env=dict(env, CF_RAY_ALLOW_UNTESTED_RAY="1"))
+    ok = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=dict(env, CF_RAY_ALLOW_UNTESTED_RAY="1")
+    )
     assert ok.returncode == 0, ok.stderr
 
 

@@ -18,25 +18,70 @@ from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.errors import CorruptCheckpointError, UnsafePathError
 from cf_ray.policy import Sample
 
-FIXED = ["step", "epoch", "kind", "generation", "stall_s", "copy_s", "persist_s", "bytes", "interval",
-         "overhead_pct", "committed", "where", "error"]
+FIXED = [
+    "step",
+    "epoch",
+    "kind",
+    "generation",
+    "stall_s",
+    "copy_s",
+    "persist_s",
+    "bytes",
+    "interval",
+    "overhead_pct",
+    "committed",
+    "where",
+    "error",
+]
 
 
 def _rows():
     return [
-        {"step": 10, "epoch": 0, "kind": "scheduled", "generation": 1, "stall_s": {0: 0.1, 1: 0.25},
-         "copy_s": [0.2, 0.3], "persist_s": 1.5, "bytes": {0: 100, 1: 150}, "interval": 10, "overhead_pct": 4.5,
-         "committed": True, "where": "/runs/r/cf_ray/step_10", "error": None, "sync_s": 0.05},
-        {"step": 20, "kind": "epoch", "generation": 1, "stall_s": 0.3, "committed": False, "where": "memory-only",
-         "milestone": True},
-        {"step": 30, "epoch": 1, "kind": "manual", "generation": 2, "committed": False, "where": "failed",
-         "error": "PersistError: disk full", "persist_s": float("nan"), "detail": {"rank": 1}},
+        {
+            "step": 10,
+            "epoch": 0,
+            "kind": "scheduled",
+            "generation": 1,
+            "stall_s": {0: 0.1, 1: 0.25},
+            "copy_s": [0.2, 0.3],
+            "persist_s": 1.5,
+            "bytes": {0: 100, 1: 150},
+            "interval": 10,
+            "overhead_pct": 4.5,
+            "committed": True,
+            "where": "/runs/r/cf_ray/step_10",
+            "error": None,
+            "sync_s": 0.05,
+        },
+        {
+            "step": 20,
+            "kind": "epoch",
+            "generation": 1,
+            "stall_s": 0.3,
+            "committed": False,
+            "where": "memory-only",
+            "milestone": True,
+        },
+        {
+            "step": 30,
+            "epoch": 1,
+            "kind": "manual",
+            "generation": 2,
+            "committed": False,
+            "where": "failed",
+            "error": "PersistError: disk full",
+            "persist_s": float("nan"),
+            "detail": {"rank": 1},
+        },
     ]
 
 
 def _iters():
-    return [{"time": 1.0 + i, "rank": r, "step": 5 * i, "iter_s": 0.05 + 0.01 * r, "iters": 5}
-            for i in range(1, 8) for r in range(2)]
+    return [
+        {"time": 1.0 + i, "rank": r, "step": 5 * i, "iter_s": 0.05 + 0.01 * r, "iters": 5}
+        for i in range(1, 8)
+        for r in range(2)
+    ]
 
 
 def test_profile_frame_has_fixed_columns_and_tolerates_missing_keys():
@@ -53,8 +98,9 @@ def test_profile_frame_has_fixed_columns_and_tolerates_missing_keys():
     assert list(empty.columns) == FIXED and len(empty) == 0
     assert report.profile_frame(df).equals(df)  # idempotent
     it = report.iterations_frame([Sample(rank=1, step=5, iter_s=0.1, iters=5)])
-    assert it.loc[0, "rank"] == 1 and it.loc[0, "iter_s"] == 0.1 and list(it.columns)[:5] == list(
-        report.ITERATION_COLUMNS)
+    assert (
+        it.loc[0, "rank"] == 1 and it.loc[0, "iter_s"] == 0.1 and list(it.columns)[:5] == list(report.ITERATION_COLUMNS)
+    )
 
 
 def test_save_and_load_round_trip(tmp_path):

@@ -69,8 +69,11 @@ def _with_fingerprints(tree: dict) -> dict:
 
 def _trees(state, data, step, *, rng=None, rank=0, world=1, fingerprints=True):
     shared = {"objects": {n: o.state_dict() for n, o in state.items()}}
-    mine = {"objects": {n: o.state_dict() for n, o in data.items()}, "rng": rng or rng_state(),
-            "counters": {"step": step, "epoch": 0, "rank": rank, "world_size": world}}
+    mine = {
+        "objects": {n: o.state_dict() for n, o in data.items()},
+        "rng": rng or rng_state(),
+        "counters": {"step": step, "epoch": 0, "rank": rank, "world_size": world},
+    }
     if fingerprints:
         shared, mine = _with_fingerprints(shared), _with_fingerprints(mine)
     return {mf.SHARED: shared, mf.rank_section(rank): mine}
@@ -92,8 +95,19 @@ def _write(storage, step, trees, *, world=1, replicated=True, generation=1):
         files.update(mf.write_section(storage, directory, generation, sec, arena, index))
         d, i = mf.section_files(generation, sec)
         sections[sec] = {"data": d, "index": i}
-    mf.commit(storage, directory, mf.Manifest(step=step, epoch=0, world_size=world, generation=generation,
-                                              replicated=replicated, sections=sections, files=files))
+    mf.commit(
+        storage,
+        directory,
+        mf.Manifest(
+            step=step,
+            epoch=0,
+            world_size=world,
+            generation=generation,
+            replicated=replicated,
+            sections=sections,
+            files=files,
+        ),
+    )
 
 
 def _forged_rng():
@@ -104,6 +118,7 @@ def _forged_rng():
 
 def _snapshot(objs):
     """A comparable picture of the objects' states (tensors as lists)."""
+
     def plain(v):
         if isinstance(v, torch.Tensor):
             return v.tolist()
@@ -112,6 +127,7 @@ def _snapshot(objs):
         if isinstance(v, (list, tuple)):
             return [plain(x) for x in v]
         return v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
+
     return {n: json.dumps(plain(o.state_dict()), sort_keys=True) for n, o in objs.items()}
 
 
@@ -140,13 +156,21 @@ def _plan(*steps):
 
 # -- validation: nothing is touched before everything is checked ---------------------------------------------
 
+
 def test_a_forged_rng_state_is_refused_before_anything_is_loaded(tmp_path):
     saved, saved_data = _objects(seed=1)
     state, data = _objects(seed=2)
     before, rng_before = _snapshot(state), torch.get_rng_state()
     with pytest.raises(CorruptCheckpointError, match="RNG state.*does not parse.*mt19937"):
-        restore_checks.validate(_sections(_trees(saved, saved_data, 7, rng=_forged_rng())), saved_world=1,
-                                replicated=True, rank=0, world_size=1, state=state, data=data)
+        restore_checks.validate(
+            _sections(_trees(saved, saved_data, 7, rng=_forged_rng())),
+            saved_world=1,
+            replicated=True,
+            rank=0,
+            world_size=1,
+            state=state,
+            data=data,
+        )
     restorer, storage, link = _restorer(tmp_path, state, data)
     _write(storage, 7, _trees(saved, saved_data, 7, rng=_forged_rng()))
     out = restorer.load(_plan(7))
@@ -170,18 +194,29 @@ def test_the_newest_candidate_refused_falls_back_to_the_next_one(tmp_path):
     assert sorted(restorer.verified) == ["model", "optimizer", "sampler", "scheduler"]
 
 
-@pytest.mark.parametrize("saved_world, replicated, error, match", [
-    (0, True, CorruptCheckpointError, "world_size=0"),
-    (2, False, ElasticResumeError, "Resume with 2 workers"),
-])
-def test_a_world_size_that_cannot_be_applied_is_refused_before_anything_is_loaded(saved_world, replicated, error,
-                                                                                   match):
+@pytest.mark.parametrize(
+    "saved_world, replicated, error, match",
+    [
+        (0, True, CorruptCheckpointError, "world_size=0"),
+        (2, False, ElasticResumeError, "Resume with 2 workers"),
+    ],
+)
+def test_a_world_size_that_cannot_be_applied_is_refused_before_anything_is_loaded(
+    saved_world, replicated, error, match
+):
     saved, saved_data = _objects(seed=1)
     state, data = _objects(seed=2)
     before = _snapshot(state)
     with pytest.raises(error, match=match):
-        restore_checks.validate(_sections(_trees(saved, saved_data, 3)), saved_world=saved_world,
-                                replicated=replicated, rank=0, world_size=1, state=state, data=data)
+        restore_checks.validate(
+            _sections(_trees(saved, saved_data, 3)),
+            saved_world=saved_world,
+            replicated=replicated,
+            rank=0,
+            world_size=1,
+            state=state,
+            data=data,
+        )
     assert _snapshot(state) == before
 
 
@@ -193,8 +228,13 @@ def test_a_checkpoint_no_candidate_of_which_this_script_can_use_raises_instead_o
     trees[mf.rank_section(1)] = trees[mf.rank_section(0)]
     trees[mf.rank_section(1)]["counters"] = dict(trees[mf.rank_section(0)]["counters"], rank=1, world_size=2)
     trees[mf.rank_section(0)]["counters"] = dict(trees[mf.rank_section(1)]["counters"], rank=0)
-    _write(storage, 3, {mf.rank_section(0): trees[mf.rank_section(0)], mf.rank_section(1): trees[mf.rank_section(1)]},
-           world=2, replicated=False)
+    _write(
+        storage,
+        3,
+        {mf.rank_section(0): trees[mf.rank_section(0)], mf.rank_section(1): trees[mf.rank_section(1)]},
+        world=2,
+        replicated=False,
+    )
     before = _snapshot(state)
     with pytest.raises(RestoreError, match="could not be used by this script.*Resume with 2 workers"):
         restorer.load(_plan(3))
@@ -205,7 +245,9 @@ def test_swapped_rank_sections_are_refused():
     saved, saved_data = _objects(seed=1)
     state, data = _objects(seed=2)
     trees = _trees(saved, saved_data, 3, rank=1, world=2)  # rank 1's section ...
-    sections = _sections({mf.SHARED: trees[mf.SHARED], mf.rank_section(0): trees[mf.rank_section(1)]})  # ... as rank 0's
+    sections = _sections(
+        {mf.SHARED: trees[mf.SHARED], mf.rank_section(0): trees[mf.rank_section(1)]}
+    )  # ... as rank 0's
     with pytest.raises(CorruptCheckpointError, match="holds the state of rank 1"):
         restore_checks.validate(sections, saved_world=2, replicated=True, rank=0, world_size=2, state=state, data=data)
 
@@ -216,8 +258,15 @@ def test_a_data_state_the_source_refuses_is_refused_before_it_is_loaded():
     data["sampler"] = ResumableDistributedSampler(list(range(41)), rank=0, world_size=1, shuffle=True, seed=0)
     before = data["sampler"].state_dict()
     with pytest.raises(ConfigError, match="dataset_len"):
-        restore_checks.validate(_sections(_trees(saved, saved_data, 3)), saved_world=1, replicated=True, rank=0,
-                                world_size=1, state=state, data=data)
+        restore_checks.validate(
+            _sections(_trees(saved, saved_data, 3)),
+            saved_world=1,
+            replicated=True,
+            rank=0,
+            world_size=1,
+            state=state,
+            data=data,
+        )
     assert data["sampler"].state_dict() == before
 
 
@@ -226,18 +275,28 @@ def test_a_model_whose_shapes_changed_is_a_mismatch_naming_the_key():
     state, data = _objects(seed=2)
     state["model"] = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     with pytest.raises(CheckpointMismatchError, match=r"module 'model': 0.weight is \(16, 4\)"):
-        restore_checks.validate(_sections(_trees(saved, saved_data, 3)), saved_world=1, replicated=True, rank=0,
-                                world_size=1, state=dict(state, optimizer=saved["optimizer"]), data=data)
+        restore_checks.validate(
+            _sections(_trees(saved, saved_data, 3)),
+            saved_world=1,
+            replicated=True,
+            rank=0,
+            world_size=1,
+            state=dict(state, optimizer=saved["optimizer"]),
+            data=data,
+        )
 
 
 # -- the script and the checkpoint track the same objects --------------------------------------------------
+
 
 def test_an_object_the_checkpoint_does_not_hold_is_a_clear_error_unless_allowed(tmp_path):
     saved, saved_data = _objects(seed=1, scheduler=False)
     state, data = _objects(seed=2)
     restorer, storage, _ = _restorer(tmp_path, state, data)
     _write(storage, 4, _trees(saved, saved_data, 4))
-    with pytest.raises(CheckpointMismatchError, match=r"tracks state object\(s\) \['scheduler'\].*allow_missing_objects"):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"tracks state object\(s\) \['scheduler'\].*allow_missing_objects"
+    ):
         restorer.load(_plan(4))
     restorer, _, _ = _restorer(tmp_path, state, data, allow_missing_objects=True)
     out = restorer.load(_plan(4))
@@ -250,13 +309,16 @@ def test_an_object_the_script_no_longer_tracks_is_a_clear_error_unless_allowed(t
     state, data = _objects(seed=2, scheduler=False)
     restorer, storage, _ = _restorer(tmp_path, state, data)
     _write(storage, 4, _trees(saved, saved_data, 4))
-    with pytest.raises(CheckpointMismatchError, match=r"holds state object\(s\) \['scheduler'\].*allow_unexpected_objects"):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"holds state object\(s\) \['scheduler'\].*allow_unexpected_objects"
+    ):
         restorer.load(_plan(4))
     restorer, _, _ = _restorer(tmp_path, state, data, allow_unexpected_objects=True)
     assert restorer.load(_plan(4)).step == 4
 
 
 # -- after the load: every object checked -------------------------------------------------------------------
+
 
 class _Counter:
     """A user object; ``ignore_load`` makes its load_state_dict a no-op (a bug in user code)."""
@@ -299,7 +361,9 @@ def test_fingerprints_of_the_snapshot_match_the_live_objects_and_catch_a_fresh_o
     trees = _trees(state, data, 3)
     for name, obj in state.items():
         assert trees[mf.SHARED][fp.KEY]["objects"][name] == fp.object_fingerprint(obj.state_dict())
-    assert trees[mf.rank_section(0)][fp.KEY]["objects"]["sampler"] == fp.object_fingerprint(data["sampler"].state_dict())
+    assert trees[mf.rank_section(0)][fp.KEY]["objects"]["sampler"] == fp.object_fingerprint(
+        data["sampler"].state_dict()
+    )
     fresh = torch.optim.Adam(state["model"].parameters(), lr=0.1)
     assert fp.object_fingerprint(fresh.state_dict()) != trees[mf.SHARED][fp.KEY]["objects"]["optimizer"]
     assert fp.windows(10_000) == [(0, 1024), (2992, 4016), (5984, 7008), (8976, 10000)]
@@ -341,12 +405,12 @@ def test_transient_read_errors_are_tried_again(tmp_path, monkeypatch):
 
 # -- resume_from ----------------------------------------------------------------------------------------------
 
+
 def test_a_final_model_names_the_full_checkpoint_and_resume_from_follows_it(tmp_path):
     saved, saved_data = _objects(seed=1)
     storage = FsStorage(pafs.LocalFileSystem(), str(tmp_path / "first" / "cf_ray"))
     _write(storage, 6, _trees(saved, saved_data, 6))
-    write_final_model(storage, mf.step_dir(6, kind="final"), saved["model"], step=6, epoch=0,
-                      resume=mf.step_dir(6))
+    write_final_model(storage, mf.step_dir(6, kind="final"), saved["model"], step=6, epoch=0, resume=mf.step_dir(6))
     final = str(tmp_path / "first" / "cf_ray" / mf.step_dir(6, kind="final"))
     run, directory = resumable_checkpoint(final)
     assert directory == mf.step_dir(6)
@@ -373,9 +437,14 @@ def test_a_resume_from_that_holds_no_checkpoint_is_a_config_error_naming_it(tmp_
 
 # -- untyped errors -------------------------------------------------------------------------------------------
 
+
 def test_a_safetensors_header_that_is_not_json_is_a_corrupt_checkpoint(tmp_path):
-    for header in (b"\xff\xfe\x00garbage", b"[1, 2]", b'{"w": {"dtype": "F32"}}',
-                   b'{"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 4]}}'):
+    for header in (
+        b"\xff\xfe\x00garbage",
+        b"[1, 2]",
+        b'{"w": {"dtype": "F32"}}',
+        b'{"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 4]}}',
+    ):
         buf = np.frombuffer(len(header).to_bytes(8, "little") + header + bytes(16), dtype=np.uint8)
         with pytest.raises(CorruptCheckpointError, match="model.safetensors"):
             read_safetensors(buf, None)
@@ -384,8 +453,17 @@ def test_a_safetensors_header_that_is_not_json_is_a_corrupt_checkpoint(tmp_path)
     directory = mf.step_dir(2, kind="final")
     header = b"\x80\x81 not json"
     info = storage.write_file(f"{directory}/model.safetensors", [len(header).to_bytes(8, "little") + header])
-    m = mf.Manifest(step=2, epoch=0, world_size=1, generation=0, replicated=True, kind="final", milestone=True,
-                    sections={"model": {"data": "model.safetensors"}}, files={"model.safetensors": info})
+    m = mf.Manifest(
+        step=2,
+        epoch=0,
+        world_size=1,
+        generation=0,
+        replicated=True,
+        kind="final",
+        milestone=True,
+        sections={"model": {"data": "model.safetensors"}},
+        files={"model.safetensors": info},
+    )
     storage.write_file(f"{directory}/{mf.MANIFEST}", [m.to_bytes()])
     path = str(tmp_path / "r" / "cf_ray" / directory)
     with pytest.raises(CorruptCheckpointError, match="not JSON"):
@@ -403,13 +481,16 @@ def test_load_state_of_a_section_without_objects_is_a_corrupt_checkpoint(tmp_pat
 
 # -- a scheduler stepped right after ckpt.step() ------------------------------------------------------------
 
+
 class _Received:
     def __init__(self):
         self.trees = {}
 
     def __call__(self, job, sections):
-        self.trees[job.step] = {n: mf.Section(*mf.parse_index(s.index, n), s.arena.copy()).materialize(copy=True)
-                                for n, s in sections.items()}
+        self.trees[job.step] = {
+            n: mf.Section(*mf.parse_index(s.index, n), s.arena.copy()).materialize(copy=True)
+            for n, s in sections.items()
+        }
 
 
 def _phase1(state):
@@ -423,7 +504,7 @@ def test_a_scheduler_stepped_after_the_checkpoint_step_is_saved_as_of_that_step(
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 ** i)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5**i)
     p, rec = _phase1({"model": model, "optimizer": opt, "scheduler": sched})
     try:
         for step in range(1, 5):  # the pattern users write: ckpt.step(optimizer); scheduler.step()
@@ -467,6 +548,7 @@ def test_without_a_next_call_in_time_the_state_at_the_step_is_kept_with_a_warnin
 
 # -- with Ray: the natural scheduler pattern resumes bitwise ---------------------------------------------
 
+
 def _train(ck, model, opt, sched, steps, seed):
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -480,10 +562,19 @@ def _scheduled(tmp_path, name):
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.9 ** i)
-    ck = cf_ray.Checkpointer({"model": model, "optimizer": opt, "scheduler": sched}, config=cf_ray.CheckpointConfig(
-        storage_path=str(tmp_path), run_name=name, register_with_ray=False, final_model=None,
-        policy=cf_ray.FixedInterval(every=5), restore_from="storage", preemption=False))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.9**i)
+    ck = cf_ray.Checkpointer(
+        {"model": model, "optimizer": opt, "scheduler": sched},
+        config=cf_ray.CheckpointConfig(
+            storage_path=str(tmp_path),
+            run_name=name,
+            register_with_ray=False,
+            final_model=None,
+            policy=cf_ray.FixedInterval(every=5),
+            restore_from="storage",
+            preemption=False,
+        ),
+    )
     return ck, model, opt, sched
 
 
@@ -512,6 +603,7 @@ def test_a_scheduler_stepped_after_ckpt_step_resumes_bitwise(ray_cluster, tmp_pa
 
 # -- with TorchTrainer: one rank's restore error reaches every rank within seconds ------------------------------
 
+
 def _forced_error_loop(cfg):
     import ray.train
 
@@ -521,9 +613,17 @@ def _forced_error_loop(cfg):
     rank = ray.train.get_context().get_world_rank()
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ck = cf_ray.Checkpointer({"model": model, "optimizer": opt}, config=cf_ray.CheckpointConfig(
-        storage_path=cfg["storage"], run_name="forced", register_with_ray=False, final_model=None,
-        policy=cf_ray.FixedInterval(every=2), preemption=False))
+    ck = cf_ray.Checkpointer(
+        {"model": model, "optimizer": opt},
+        config=cf_ray.CheckpointConfig(
+            storage_path=cfg["storage"],
+            run_name="forced",
+            register_with_ray=False,
+            final_model=None,
+            policy=cf_ray.FixedInterval(every=2),
+            preemption=False,
+        ),
+    )
     if cfg["phase"] == "train":
         ck.restore()
         for _ in range(4):
@@ -533,9 +633,11 @@ def _forced_error_loop(cfg):
         ck.finish()
         return
     if rank == 1:  # a bug on one rank while loading a validated checkpoint
+
         def broken(*_a, **_k):
             time.sleep(1.0)
             raise RuntimeError("forced restore error on rank 1")
+
         checks.apply = broken
     t0 = time.time()
     try:
@@ -555,11 +657,14 @@ def test_a_restore_error_on_one_rank_fails_every_rank_within_seconds(ray_cluster
     out.mkdir()
 
     def fit(phase):
-        trainer = TorchTrainer(_forced_error_loop,
-                               train_loop_config={"storage": str(tmp_path / "ckpt"), "out": str(out), "phase": phase},
-                               scaling_config=ScalingConfig(num_workers=2),
-                               run_config=RunConfig(name=f"forced_{phase}", storage_path=str(tmp_path / "ray"),
-                                                    failure_config=FailureConfig(max_failures=0)))
+        trainer = TorchTrainer(
+            _forced_error_loop,
+            train_loop_config={"storage": str(tmp_path / "ckpt"), "out": str(out), "phase": phase},
+            scaling_config=ScalingConfig(num_workers=2),
+            run_config=RunConfig(
+                name=f"forced_{phase}", storage_path=str(tmp_path / "ray"), failure_config=FailureConfig(max_failures=0)
+            ),
+        )
         return trainer.fit()
 
     fit("train")
@@ -582,9 +687,23 @@ def test_tracked_objects_must_match_the_checkpoint_unless_allowed(ray_cluster, t
         state = {"model": model, "optimizer": opt}
         if cfg.pop("scheduler", False):
             state["scheduler"] = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
-        return cf_ray.Checkpointer(state, config=cf_ray.CheckpointConfig(
-            storage_path=str(tmp_path), run_name=name, register_with_ray=False, final_model=None,
-            policy=cf_ray.FixedInterval(every=2), preemption=False, restore_from="storage", **cfg)), model, opt
+        return (
+            cf_ray.Checkpointer(
+                state,
+                config=cf_ray.CheckpointConfig(
+                    storage_path=str(tmp_path),
+                    run_name=name,
+                    register_with_ray=False,
+                    final_model=None,
+                    policy=cf_ray.FixedInterval(every=2),
+                    preemption=False,
+                    restore_from="storage",
+                    **cfg,
+                ),
+            ),
+            model,
+            opt,
+        )
 
     ck, model, opt = build("v1")
     ck.restore()

@@ -126,4 +126,3 @@ def test_a_layout_that_changed_after_prepare_gets_new_buffers_and_a_correct_snap
     snap.close()
     assert snap._arenas["s"][1].nbytes > small
     assert _equal_trees(got.tree(1), expected)
-

@@ -33,6 +33,7 @@ from faulty_fs import FaultyHandler  # tests/ is on the workers' PYTHONPATH too 
 
 # -- the watcher alone ----------------------------------------------------------------------------------
 
+
 def _watcher(rank=0, **kw):
     requests = []
     kw.setdefault("ray_signal", "off")
@@ -151,19 +152,25 @@ def test_earliest_deadline_wins_and_late_passive_notices_expire():
 
 # -- a Checkpointer in this process (Ray actors, no TorchTrainer) -------------------------------------------
 
+
 def _tiny(tmp_path, run_name, **cfg):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg.setdefault("policy", cf_ray.FixedInterval(every=100))
-    ck = cf_ray.Checkpointer({"model": model, "optimizer": opt}, config=cf_ray.CheckpointConfig(
-        storage_path=str(tmp_path), run_name=run_name, register_with_ray=False, final_model=None, **cfg))
+    ck = cf_ray.Checkpointer(
+        {"model": model, "optimizer": opt},
+        config=cf_ray.CheckpointConfig(
+            storage_path=str(tmp_path), run_name=run_name, register_with_ray=False, final_model=None, **cfg
+        ),
+    )
     ck.restore()
 
     def step():
         model(torch.randn(2, 4)).sum().backward()
         ck.step(opt)
         opt.zero_grad()
+
     return ck, step
 
 
@@ -212,15 +219,18 @@ def test_checkpoint_before_an_elastic_resize(ray_cluster, tmp_path):
         while not stop.is_set():
             step()
             time.sleep(0.02)
+
     th = threading.Thread(target=train, daemon=True)
     th.start()
     cb = preemption.CheckpointBeforeResize(timeout_s=5.0)
-    cb.after_controller_start(SimpleNamespace(run_config=SimpleNamespace(
-        storage_path=str(tmp_path), name="resize", storage_filesystem=None)))
+    cb.after_controller_start(
+        SimpleNamespace(run_config=SimpleNamespace(storage_path=str(tmp_path), name="resize", storage_filesystem=None))
+    )
     cb.after_controller_state_update(RunningState(), RunningState())
     assert cb.outcomes == []  # not a resize
     cb.after_controller_state_update(
-        RunningState(), ResizingState(ResizeDecision(num_workers=2, resources_per_worker={"CPU": 1})))
+        RunningState(), ResizingState(ResizeDecision(num_workers=2, resources_per_worker={"CPU": 1}))
+    )
     (out,) = cb.outcomes
     assert out["committed"] and out["seconds"] < 5.0  # Ray tears the group down only after this returns
     stop.set()
@@ -278,8 +288,9 @@ def build_optimizer(model):
 
 
 def make_loader(dataset, sampler):
-    return torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=sampler,
-                                       generator=torch.Generator().manual_seed(0))
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=BATCH, sampler=sampler, generator=torch.Generator().manual_seed(0)
+    )
 
 
 class StallingHandler(FaultyHandler):
@@ -324,29 +335,46 @@ def spot_loop(cfg: dict) -> None:
     opt = build_optimizer(model)
     fs = pafs.PyFileSystem(StallingHandler(f"{out}/stall")) if cfg["scenario"] == "short_deadline" else None
     config = cf_ray.CheckpointConfig(
-        policy=cf_ray.FixedInterval(every=cfg.get("every", 100)), storage_path=cfg["storage"], run_name=cfg["run"],
-        storage_filesystem=fs, register_with_ray=False, restore_from=cfg.get("restore_from", "auto"), final_model=None,
-        preemption=PreemptionConfig(sigterm_deadline_s=20.0, hold_extra_s=0.0))
+        policy=cf_ray.FixedInterval(every=cfg.get("every", 100)),
+        storage_path=cfg["storage"],
+        run_name=cfg["run"],
+        storage_filesystem=fs,
+        register_with_ray=False,
+        restore_from=cfg.get("restore_from", "auto"),
+        final_model=None,
+        preemption=PreemptionConfig(sigterm_deadline_s=20.0, hold_extra_s=0.0),
+    )
     ck = cf_ray.Checkpointer({"model": model, "optimizer": opt}, data={"sampler": sampler}, config=config)
     resume = ck.restore()
     gen = resume.generation
     if rank == 0:
         storage = FsStorage(pafs.LocalFileSystem(), f"{cfg['storage']}/{cfg['run']}/cf_ray")
         with open(f"{out}/resume_gen{gen}.json", "w") as f:
-            json.dump({"generation": gen, "world_size": world, "step": resume.step, "epoch": resume.epoch,
-                       "source": resume.source, "saved_world_size": resume.saved_world_size, "time": time.time(),
-                       "segment": cfg.get("segment"), "visible": [c.step for c in mf.list_committed(storage)],
-                       "uncommitted": [s for _, s in mf.list_uncommitted(storage)],
-                       "latest": bytes(storage.read_file(mf.LATEST)).decode() if storage.exists(mf.LATEST) else None},
-                      f)
+            json.dump(
+                {
+                    "generation": gen,
+                    "world_size": world,
+                    "step": resume.step,
+                    "epoch": resume.epoch,
+                    "source": resume.source,
+                    "saved_world_size": resume.saved_world_size,
+                    "time": time.time(),
+                    "segment": cfg.get("segment"),
+                    "visible": [c.step for c in mf.list_committed(storage)],
+                    "uncommitted": [s for _, s in mf.list_uncommitted(storage)],
+                    "latest": bytes(storage.read_file(mf.LATEST)).decode() if storage.exists(mf.LATEST) else None,
+                },
+                f,
+            )
     ids_log = open(f"{out}/ids_seg{cfg.get('segment', 0)}_gen{gen}_rank{rank}.jsonl", "w")
     for epoch in range(resume.epoch, cfg["epochs"]):
         sampler.set_epoch(epoch)
         for ids, x, y in loader:
             torch.nn.functional.mse_loss(model(x), y).backward()
             # Logged before the step: a rank may end inside it (held at a just-in-time checkpoint).
-            ids_log.write(json.dumps({"step": ck.step_count + 1, "epoch": epoch, "ids": ids.tolist(),
-                                      "time": time.time()}) + "\n")
+            ids_log.write(
+                json.dumps({"step": ck.step_count + 1, "epoch": epoch, "ids": ids.tolist(), "time": time.time()}) + "\n"
+            )
             ids_log.flush()
             ck.step(opt)
             opt.zero_grad()
@@ -389,6 +417,7 @@ def _scenario(cfg, ck, rank, gen):
                 json.dump({"step": ck.step_count, "time": time.time()}, f)
             ray.kill(ck.holder)
             os.kill(os.getpid(), signal.SIGKILL)
+
         threading.Thread(target=node_goes_away, daemon=True).start()
     elif s == "elastic":  # this node (or a new one) changes the group: checkpoint, then resize
         ck.request_checkpoint(preemption=True, deadline_s=cfg["deadline_s"], detail="resize")
@@ -404,8 +433,10 @@ def _fit(tmp_path, name, cfg, *, workers=2, max_failures=0):
         spot_loop,
         train_loop_config=dict(cfg, out=str(out), storage=str(tmp_path / "ckpt"), run=cfg.get("run", "spot")),
         scaling_config=ScalingConfig(num_workers=workers),
-        run_config=RunConfig(name=name, storage_path=str(tmp_path / "ray"),
-                             failure_config=FailureConfig(max_failures=max_failures)))
+        run_config=RunConfig(
+            name=name, storage_path=str(tmp_path / "ray"), failure_config=FailureConfig(max_failures=max_failures)
+        ),
+    )
     return trainer.fit()
 
 
@@ -526,8 +557,15 @@ def replay(schedule: list[tuple[int, int]], epochs: int) -> dict:
 
 @pytest.mark.slow
 def test_two_one_two_workers_within_an_epoch_exactly_once_and_same_weights(ray_cluster, tmp_path):
-    base = {"scenario": "elastic", "epochs": 2, "every": 100, "end_at_jit": True, "deadline_s": 1.0,
-            "notice_rank": 0, "run": "elastic"}
+    base = {
+        "scenario": "elastic",
+        "epochs": 2,
+        "every": 100,
+        "end_at_jit": True,
+        "deadline_s": 1.0,
+        "notice_rank": 0,
+        "run": "elastic",
+    }
     # 96 samples, 4 per rank and step: with 2 workers an epoch is 12 steps.
     assert _fit(tmp_path, "seg1", dict(base, segment=1, notice_at=3), workers=2).error is None
     assert _fit(tmp_path, "seg2", dict(base, segment=2, notice_at=9), workers=1).error is None

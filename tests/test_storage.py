@@ -12,13 +12,14 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from storage_helpers import write_checkpoint
 
 import cf_ray
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.storage.base import FileInfo, Storage, safe_relpath
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.errors import CorruptCheckpointError, UnsafePathError
+
+from storage_helpers import write_checkpoint
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -85,8 +86,11 @@ def test_commit_makes_a_checkpoint_visible_and_loadable(storage):
     model = _model(1)
     write_checkpoint(storage, 10, model)
     assert [c.step for c in mf.list_committed(storage)] == [10]
-    got = cf_ray.load_state(storage.uri() if storage.fs.type_name == "local" else storage.root,
-                            objects=["model"], filesystem=None if storage.fs.type_name == "local" else storage.fs)
+    got = cf_ray.load_state(
+        storage.uri() if storage.fs.type_name == "local" else storage.root,
+        objects=["model"],
+        filesystem=None if storage.fs.type_name == "local" else storage.fs,
+    )
     assert _weights_equal(got["model"], model)
 
 

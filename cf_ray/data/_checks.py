@@ -29,8 +29,10 @@ def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     check_int("world_size", world_size, minimum=1)
     check_int("rank", rank, minimum=0)
     if rank >= world_size:
-        raise ConfigError(f"rank={rank} must be smaller than world_size={world_size}; pass the "
-                          "rank of this worker (ray.train.get_context().get_world_rank())")
+        raise ConfigError(
+            f"rank={rank} must be smaller than world_size={world_size}; pass the "
+            "rank of this worker (ray.train.get_context().get_world_rank())"
+        )
     return rank, world_size
 
 
@@ -44,17 +46,19 @@ def check_int(name: str, value: Any, *, minimum: int) -> int:
 def check_format(state: Mapping[str, Any], fmt: str, owner: str) -> None:
     """Raise ConfigError unless ``state`` is a mapping saved by a source of format ``fmt``."""
     if not isinstance(state, Mapping):
-        raise ConfigError(f"{owner}.load_state_dict() expects a dict saved by {owner}.state_dict(), "
-                          f"got {type(state).__name__}")
+        raise ConfigError(
+            f"{owner}.load_state_dict() expects a dict saved by {owner}.state_dict(), got {type(state).__name__}"
+        )
     got = state.get(FORMAT_KEY)
     if got != fmt:
-        raise ConfigError(f"{owner} cannot load a state of format {got!r} (expected {fmt!r}); "
-                          f"register the same kind of data source in the resumed run as in the run "
-                          "that saved the checkpoint")
+        raise ConfigError(
+            f"{owner} cannot load a state of format {got!r} (expected {fmt!r}); "
+            f"register the same kind of data source in the resumed run as in the run "
+            "that saved the checkpoint"
+        )
 
 
-def check_same(owner: str, state: Mapping[str, Any], expected: Mapping[str, Any],
-               hints: Mapping[str, str]) -> None:
+def check_same(owner: str, state: Mapping[str, Any], expected: Mapping[str, Any], hints: Mapping[str, str]) -> None:
     """Raise ConfigError if a saved setting differs from this object's.
 
     Args:
@@ -70,11 +74,11 @@ def check_same(owner: str, state: Mapping[str, Any], expected: Mapping[str, Any]
             raise ConfigError(
                 f"{owner}: the checkpoint was saved with {key}={saved!r} but this {owner} has "
                 f"{key}={value!r}; resuming would not give the saved order, so items would be "
-                f"repeated or skipped. {hint}, or start a fresh run")
+                f"repeated or skipped. {hint}, or start a fresh run"
+            )
 
 
-def check_elastic_states(owner: str, states: Sequence[Mapping[str, Any]], fmt: str,
-                         same_keys: Sequence[str]) -> int:
+def check_elastic_states(owner: str, states: Sequence[Mapping[str, Any]], fmt: str, same_keys: Sequence[str]) -> int:
     """Check that ``states`` are the states of every rank of one old run; return its world size.
 
     Raises:
@@ -83,22 +87,28 @@ def check_elastic_states(owner: str, states: Sequence[Mapping[str, Any]], fmt: s
             ranks disagree on a setting or on the epoch.
     """
     if not isinstance(states, Sequence) or isinstance(states, (str, bytes)) or not states:
-        raise ElasticResumeError(f"{owner}.load_elastic_state() needs the list of every old "
-                                 f"rank's state (index = old rank), got {states!r:.80}")
+        raise ElasticResumeError(
+            f"{owner}.load_elastic_state() needs the list of every old "
+            f"rank's state (index = old rank), got {states!r:.80}"
+        )
     for s in states:
         check_format(s, fmt, owner)
     old_world = states[0].get("world_size")
     if old_world != len(states):
         raise ElasticResumeError(
             f"{owner}: the saved states say world_size={old_world} but {len(states)} states were "
-            "given; pass the state of every old rank, in rank order")
+            "given; pass the state of every old rank, in rank order"
+        )
     for i, s in enumerate(states):
         if s.get("rank") != i or s.get("world_size") != old_world:
-            raise ElasticResumeError(f"{owner}: state #{i} belongs to rank {s.get('rank')} of "
-                                     f"{s.get('world_size')}; pass states in old-rank order")
+            raise ElasticResumeError(
+                f"{owner}: state #{i} belongs to rank {s.get('rank')} of "
+                f"{s.get('world_size')}; pass states in old-rank order"
+            )
         for key in same_keys:
             if s.get(key) != states[0].get(key):
                 raise ElasticResumeError(
                     f"{owner}: old ranks 0 and {i} disagree on {key!r} ({states[0].get(key)!r} vs "
-                    f"{s.get(key)!r}); they do not come from the same checkpoint step")
+                    f"{s.get(key)!r}); they do not come from the same checkpoint step"
+                )
     return len(states)  # == old_world, checked above

@@ -99,9 +99,12 @@ class EpochCursor:
             return
         if self._resumed and 0 < self._position < self._plan_len(self._plan()):
             # Abandoning a restored mid-epoch position may be deliberate, but it skips data.
-            warnings.warn(f"{type(self).__name__}.set_epoch({epoch}) abandons the restored "
-                          f"position {self._position} of epoch {self.epoch}; the rest of epoch "
-                          f"{self.epoch} is skipped", stacklevel=2)
+            warnings.warn(
+                f"{type(self).__name__}.set_epoch({epoch}) abandons the restored "
+                f"position {self._position} of epoch {self.epoch}; the rest of epoch "
+                f"{self.epoch} is skipped",
+                stacklevel=2,
+            )
         self.epoch = epoch
         self._position = 0
         self._history = []
@@ -145,17 +148,19 @@ class EpochCursor:
                 f"{owner}: the state was saved by a run with world_size="
                 f"{state_dict.get('world_size')} but this one has world_size={self.world_size}; "
                 "call load_elastic_state() with the states of every old rank (cf_ray's "
-                "Checkpointer does this on restore)")
+                "Checkpointer does this on restore)"
+            )
         if state_dict.get("rank") != self.rank:
-            raise ConfigError(f"{owner}: the state belongs to rank {state_dict.get('rank')} but this "
-                              f"is rank {self.rank}; load each rank's own state")
+            raise ConfigError(
+                f"{owner}: the state belongs to rank {state_dict.get('rank')} but this "
+                f"is rank {self.rank}; load each rank's own state"
+            )
         epoch, history, consumed = self._parse_position(state_dict)
         plan = self._lists(epoch, history, self.world_size)[self.rank]
         self._check_consumed(state_dict, consumed, self._plan_len(plan))
         self._set_position(epoch, history, consumed)
 
-    def load_elastic_state(self, states: Sequence[Mapping[str, Any]], rank: int,
-                           world_size: int) -> None:
+    def load_elastic_state(self, states: Sequence[Mapping[str, Any]], rank: int, world_size: int) -> None:
         """Resume on ``world_size`` workers from the states of every old rank.
 
         The items of the current epoch that no old rank had consumed are split over the new
@@ -174,12 +179,13 @@ class EpochCursor:
         """
         owner = type(self).__name__
         if (rank, world_size) != (self.rank, self.world_size):
-            raise ConfigError(f"{owner} was built for rank {self.rank} of {self.world_size} but "
-                              f"load_elastic_state() was called for rank {rank} of {world_size}; "
-                              "build it with the new rank= and world_size=")
+            raise ConfigError(
+                f"{owner} was built for rank {self.rank} of {self.world_size} but "
+                f"load_elastic_state() was called for rank {rank} of {world_size}; "
+                "build it with the new rank= and world_size="
+            )
         settings = self._settings()
-        old_world = check_elastic_states(owner, states, self.FORMAT,
-                                         [*settings, "epoch", "history"])
+        old_world = check_elastic_states(owner, states, self.FORMAT, [*settings, "epoch", "history"])
         check_same(owner, states[0], settings, self._setting_hints())
         if old_world == world_size:
             self.load_state_dict(states[rank])
@@ -200,8 +206,10 @@ class EpochCursor:
     def _attach_consumer(self, name: str) -> None:
         """Let ``name`` (a loader or iterator) count consumption instead of this object."""
         if self._consumer is not None and self._consumer != name:
-            raise ConfigError(f"{type(self).__name__} is already driven by {self._consumer}; "
-                              f"build one per loader (got a second one: {name})")
+            raise ConfigError(
+                f"{type(self).__name__} is already driven by {self._consumer}; "
+                f"build one per loader (got a second one: {name})"
+            )
         self._consumer = name
 
     def _begin_pass(self) -> int:
@@ -215,8 +223,9 @@ class EpochCursor:
         """Record that the loop received ``n`` more items of the plan."""
         total = self._plan_len(self._plan())
         if self._position + n > total:
-            raise RuntimeError(f"{type(self).__name__}: consumed {self._position}+{n} items, more "
-                               f"than the {total} of this epoch")
+            raise RuntimeError(
+                f"{type(self).__name__}: consumed {self._position}+{n} items, more than the {total} of this epoch"
+            )
         self._position += n
 
     def _finish_pass(self) -> None:
@@ -245,13 +254,11 @@ class EpochCursor:
                     raise ConfigError(f"history entry {seg!r} has {len(cons)} counts for {w} ranks")
                 history.append({"world_size": w, "consumed": cons})
         except (KeyError, TypeError, ConfigError) as e:
-            raise ConfigError(f"{owner}: malformed state ({e}); pass a dict saved by "
-                              f"{owner}.state_dict()") from None
+            raise ConfigError(f"{owner}: malformed state ({e}); pass a dict saved by {owner}.state_dict()") from None
         for i, seg in enumerate(history):
             w_next = history[i + 1]["world_size"] if i + 1 < len(history) else state.get("world_size")
             if seg["world_size"] == w_next:
-                raise ConfigError(f"{owner}: malformed state: history entry {i} does not change the "
-                                  "world size")
+                raise ConfigError(f"{owner}: malformed state: history entry {i} does not change the world size")
         return epoch, history, consumed
 
     def _check_consumed(self, state: Mapping[str, Any], consumed: int, plan_len: int) -> None:
@@ -260,7 +267,8 @@ class EpochCursor:
                 f"{type(self).__name__}: the state of rank {state.get('rank')} says "
                 f"{consumed}/{state.get('epoch_len')} items of epoch {state.get('epoch')} but this "
                 f"object computes {plan_len} for that epoch; the state does not match these "
-                "settings (was it saved by another version or for other data?)")
+                "settings (was it saved by another version or for other data?)"
+            )
 
     def _set_position(self, epoch: int, history: list[dict[str, Any]], consumed: int) -> None:
         self.epoch = epoch

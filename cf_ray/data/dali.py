@@ -30,8 +30,7 @@ from cf_ray.data.sampler import ResumableSampler
 from cf_ray.errors import ConfigError
 
 #: Arguments of DALIGenericIterator that ResumableDALIIterator sets itself.
-_OWNED = ("size", "reader_name", "auto_reset", "last_batch_policy", "last_batch_padded",
-          "prepare_first_batch")
+_OWNED = ("size", "reader_name", "auto_reset", "last_batch_policy", "last_batch_padded", "prepare_first_batch")
 
 
 class DALIExternalSource:
@@ -59,11 +58,12 @@ class DALIExternalSource:
         ConfigError: an argument is invalid.
     """
 
-    def __init__(self, sampler: ResumableSampler, read_fn: Callable[[int], Any], *,
-                 batch_size: int) -> None:
+    def __init__(self, sampler: ResumableSampler, read_fn: Callable[[int], Any], *, batch_size: int) -> None:
         if not isinstance(sampler, ResumableSampler):
-            raise ConfigError(f"sampler={type(sampler).__name__} is not a ResumableSampler; use "
-                              "ResumableDistributedSampler (or ShardedDataset.sampler)")
+            raise ConfigError(
+                f"sampler={type(sampler).__name__} is not a ResumableSampler; use "
+                "ResumableDistributedSampler (or ShardedDataset.sampler)"
+            )
         if not callable(read_fn):
             raise ConfigError(f"read_fn={read_fn!r} must be a callable: index -> array(s)")
         check_int("batch_size", batch_size, minimum=1)
@@ -85,7 +85,7 @@ class DALIExternalSource:
     def __call__(self) -> Any:
         if self._stop or self._cursor >= len(self._plan):
             raise StopIteration  # ends DALI's epoch
-        ids = self._plan[self._cursor:self._cursor + self.batch_size]
+        ids = self._plan[self._cursor : self._cursor + self.batch_size]
         self._cursor += len(ids)
         samples = [self.read_fn(int(i)) for i in ids]
         # Recorded when DALI asks, popped when the loop receives: DALI keeps batch order.
@@ -123,18 +123,20 @@ class ResumableDALIIterator:
         ConfigError: an argument is invalid.
     """
 
-    def __init__(self, pipeline: Any, source: DALIExternalSource, output_map: Sequence[str],
-                 **kwargs: Any) -> None:
+    def __init__(self, pipeline: Any, source: DALIExternalSource, output_map: Sequence[str], **kwargs: Any) -> None:
         if not isinstance(source, DALIExternalSource):
             raise ConfigError(f"source={type(source).__name__} must be a DALIExternalSource")
         taken = [k for k in kwargs if k in _OWNED]
         if taken:
-            raise ConfigError(f"ResumableDALIIterator sets {taken} itself (the source ends each "
-                              "epoch and the iterator resets on the next pass); remove them")
+            raise ConfigError(
+                f"ResumableDALIIterator sets {taken} itself (the source ends each "
+                "epoch and the iterator resets on the next pass); remove them"
+            )
         max_batch = getattr(pipeline, "max_batch_size", None)
         if isinstance(max_batch, int) and source.batch_size > max_batch:
-            raise ConfigError(f"source batch_size={source.batch_size} exceeds the pipeline's "
-                              f"batch_size={max_batch}; make them equal")
+            raise ConfigError(
+                f"source batch_size={source.batch_size} exceeds the pipeline's batch_size={max_batch}; make them equal"
+            )
         self.pipeline = pipeline
         self.source = source
         self.sampler = source.sampler
@@ -156,8 +158,13 @@ class ResumableDALIIterator:
             from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
             self._dali = DALIGenericIterator(
-                [self.pipeline], self.output_map, auto_reset=False, prepare_first_batch=False,
-                last_batch_policy=LastBatchPolicy.PARTIAL, **self.kwargs)
+                [self.pipeline],
+                self.output_map,
+                auto_reset=False,
+                prepare_first_batch=False,
+                last_batch_policy=LastBatchPolicy.PARTIAL,
+                **self.kwargs,
+            )
         else:
             # Reset here, not at the end of the previous epoch: DALI starts prefetching on reset,
             # and the source must already point at the epoch set by set_epoch().
@@ -196,14 +203,15 @@ class ResumableDALIIterator:
         self._check_fresh()
         self.sampler.load_state_dict(state_dict)
 
-    def load_elastic_state(self, states: Sequence[Mapping[str, Any]], rank: int,
-                           world_size: int) -> None:
+    def load_elastic_state(self, states: Sequence[Mapping[str, Any]], rank: int, world_size: int) -> None:
         """Forward to the sampler's :meth:`~ResumableSampler.load_elastic_state`."""
         self._check_fresh()
         self.sampler.load_elastic_state(states, rank, world_size)
 
     def _check_fresh(self) -> None:
         if self._running:
-            raise RuntimeError("ResumableDALIIterator: load a state before iterating, or after a "
-                               "pass has finished; the pipeline has prefetched batches of the "
-                               "current position")
+            raise RuntimeError(
+                "ResumableDALIIterator: load a state before iterating, or after a "
+                "pass has finished; the pipeline has prefetched batches of the "
+                "current position"
+            )

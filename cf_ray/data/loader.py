@@ -53,35 +53,54 @@ class ResumableDataLoader(SamplerHeldPosition, DataLoader):
         ConfigError: an argument cannot keep the position exact (see the messages).
     """
 
-    def __init__(self, dataset: Dataset, batch_size: int = 1, *,
-                 sampler: ResumableSampler | None = None, shuffle: bool | None = None,
-                 seed: int | None = None, drop_last: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int = 1,
+        *,
+        sampler: ResumableSampler | None = None,
+        shuffle: bool | None = None,
+        seed: int | None = None,
+        drop_last: bool = False,
+        **kwargs: Any,
+    ) -> None:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ConfigError(f"batch_size={batch_size!r} must be an int >= 1 (ResumableDataLoader "
-                              "counts consumption in batches of the sampler's indices)")
+            raise ConfigError(
+                f"batch_size={batch_size!r} must be an int >= 1 (ResumableDataLoader "
+                "counts consumption in batches of the sampler's indices)"
+            )
         if isinstance(dataset, IterableDataset):
-            raise ConfigError("ResumableDataLoader needs a map-style dataset, got an IterableDataset;"
-                              " use ResumableParquetReader or ResumableRayDataIterator for streams")
+            raise ConfigError(
+                "ResumableDataLoader needs a map-style dataset, got an IterableDataset;"
+                " use ResumableParquetReader or ResumableRayDataIterator for streams"
+            )
         if "batch_sampler" in kwargs:
-            raise ConfigError("ResumableDataLoader does not take batch_sampler=; pass a "
-                              "ResumableSampler as sampler= and batch_size=")
+            raise ConfigError(
+                "ResumableDataLoader does not take batch_sampler=; pass a ResumableSampler as sampler= and batch_size="
+            )
         if kwargs.get("in_order", True) is not True:
-            raise ConfigError(f"in_order={kwargs['in_order']!r}: ResumableDataLoader needs batches "
-                              "in sampler order to know which ones the loop consumed; remove it")
+            raise ConfigError(
+                f"in_order={kwargs['in_order']!r}: ResumableDataLoader needs batches "
+                "in sampler order to know which ones the loop consumed; remove it"
+            )
         if sampler is None:
             # A map-style Dataset has a len() (torch does not declare it); the sampler raises
             # ConfigError when it has none.
             sampler = ResumableDistributedSampler(
-                cast(Sized, dataset), shuffle=True if shuffle is None else shuffle, seed=seed or 0)
+                cast(Sized, dataset), shuffle=True if shuffle is None else shuffle, seed=seed or 0
+            )
         elif shuffle is not None or seed is not None:
-            raise ConfigError("shuffle= and seed= belong to the sampler when sampler= is given; "
-                              "set them on the ResumableSampler instead")
+            raise ConfigError(
+                "shuffle= and seed= belong to the sampler when sampler= is given; "
+                "set them on the ResumableSampler instead"
+            )
         if not isinstance(sampler, ResumableSampler):
-            raise ConfigError(f"sampler={type(sampler).__name__} is not a ResumableSampler; use "
-                              "ResumableDistributedSampler (or ShardedDataset.sampler)")
+            raise ConfigError(
+                f"sampler={type(sampler).__name__} is not a ResumableSampler; use "
+                "ResumableDistributedSampler (or ShardedDataset.sampler)"
+            )
         sampler._attach_consumer(f"ResumableDataLoader@{id(self):#x}")
-        super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
-                         **kwargs)
+        super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **kwargs)
         self._recorder = _RecordingBatchSampler(self.batch_sampler)
         # DataLoader forbids reassigning batch_sampler after __init__ (to protect its iterators,
         # none of which exists yet); the recorder is a transparent wrapper, so bypass the guard.

@@ -72,11 +72,20 @@ class ResumableParquetReader(EpochCursor):
 
     FORMAT = "cf_ray.ResumableParquetReader/1"
 
-    def __init__(self, paths: str | Sequence[str], *, batch_size: int,
-                 columns: Sequence[str] | None = None, rank: int | None = None,
-                 world_size: int | None = None, shuffle: bool = False, seed: int = 0,
-                 drop_last: bool = False, batch_format: str = "pyarrow",
-                 filesystem: pafs.FileSystem | None = None) -> None:
+    def __init__(
+        self,
+        paths: str | Sequence[str],
+        *,
+        batch_size: int,
+        columns: Sequence[str] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        batch_format: str = "pyarrow",
+        filesystem: pafs.FileSystem | None = None,
+    ) -> None:
         super().__init__(rank=rank, world_size=world_size)
         check_int("batch_size", batch_size, minimum=1)
         check_int("seed", seed, minimum=0)
@@ -113,19 +122,30 @@ class ResumableParquetReader(EpochCursor):
     # EpochCursor hooks
 
     def _settings(self) -> dict[str, Any]:
-        return {"files": self._digest, "num_rows": self.num_rows, "seed": self.seed,
-                "shuffle": self.shuffle, "drop_last": self.drop_last}
+        return {
+            "files": self._digest,
+            "num_rows": self.num_rows,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
 
     def _setting_hints(self) -> dict[str, str]:
-        hint = ("Pass the same Parquet files, in the same order, as the run that saved the "
-                "checkpoint (files are identified by name and row-group sizes)")
+        hint = (
+            "Pass the same Parquet files, in the same order, as the run that saved the "
+            "checkpoint (files are identified by name and row-group sizes)"
+        )
         return {"files": hint, "num_rows": hint}
 
     def _plan_len(self, plan: list[Interval]) -> int:
         return sum(b - a for a, b in plan)
 
-    def _lists(self, epoch: int, history: list[dict[str, Any]],  # noqa: ARG002 (hook signature; the epoch's order is in _set_layout)
-               world_size: int) -> list[list[Interval]]:
+    def _lists(
+        self,
+        epoch: int,  # noqa: ARG002 (hook signature; the epoch's order is in _set_layout)
+        history: list[dict[str, Any]],
+        world_size: int,
+    ) -> list[list[Interval]]:
         w0 = history[0]["world_size"] if history else world_size
         n = self.num_rows
         if self.drop_last:
@@ -207,8 +227,10 @@ class ResumableParquetReader(EpochCursor):
             self._open = (f, handle, pq.ParquetFile(handle))
         table = self._open[2].read_row_group(g, columns=self.columns)
         if table.num_rows != n:
-            raise ConfigError(f"{self.paths[f]} row group {g} has {table.num_rows} rows, its footer "
-                              f"said {n}: the file changed while the reader was open")
+            raise ConfigError(
+                f"{self.paths[f]} row group {g} has {table.num_rows} rows, its footer "
+                f"said {n}: the file changed while the reader was open"
+            )
         if self.shuffle:
             assert self._layout_epoch is not None, "__iter__ sets the layout before it reads a unit"
             perm = np.random.default_rng([self.seed, self._layout_epoch, unit]).permutation(n)
@@ -217,16 +239,16 @@ class ResumableParquetReader(EpochCursor):
         return table
 
 
-def _resolve(paths: str | Sequence[str],
-             filesystem: pafs.FileSystem | None) -> tuple[pafs.FileSystem, list[str]]:
+def _resolve(paths: str | Sequence[str], filesystem: pafs.FileSystem | None) -> tuple[pafs.FileSystem, list[str]]:
     if isinstance(paths, str):
         paths = [paths]
     paths = list(paths)
     if not paths or not all(isinstance(p, str) for p in paths):
         raise ConfigError(f"paths={paths!r} must be a path or a non-empty list of paths")
     if filesystem is None:
-        filesystem, first = pafs.FileSystem.from_uri(paths[0]) if "://" in paths[0] else (
-            pafs.LocalFileSystem(), paths[0])
+        filesystem, first = (
+            pafs.FileSystem.from_uri(paths[0]) if "://" in paths[0] else (pafs.LocalFileSystem(), paths[0])
+        )
         paths = [first] + [pafs.FileSystem.from_uri(p)[1] if "://" in p else p for p in paths[1:]]
     assert filesystem is not None  # both branches above give one
     out: list[str] = []

@@ -68,9 +68,7 @@ class ElasticStateful(Stateful, Protocol):
     implementation must not assume equal consumption.
     """
 
-    def load_elastic_state(
-        self, states: Sequence[Mapping[str, Any]], rank: int, world_size: int
-    ) -> None:
+    def load_elastic_state(self, states: Sequence[Mapping[str, Any]], rank: int, world_size: int) -> None:
         """Restore from the states of every old rank (index = old rank) as new ``rank`` of
         ``world_size``.
 

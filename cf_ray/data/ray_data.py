@@ -140,13 +140,24 @@ class ResumableRayDataIterator:
 
     FORMAT = "cf_ray.ResumableRayDataIterator/1"
 
-    def __init__(self, shard: Any, *, batch_size: int, rank: int | None = None,
-                 world_size: int | None = None, id_column: str | None = None, seed: int = 0,
-                 local_shuffle_buffer_size: int | None = None, torch_batches: bool = False,
-                 **iter_kwargs: Any) -> None:
+    def __init__(
+        self,
+        shard: Any,
+        *,
+        batch_size: int,
+        rank: int | None = None,
+        world_size: int | None = None,
+        id_column: str | None = None,
+        seed: int = 0,
+        local_shuffle_buffer_size: int | None = None,
+        torch_batches: bool = False,
+        **iter_kwargs: Any,
+    ) -> None:
         if not hasattr(shard, "iter_batches"):
-            raise ConfigError(f"shard={type(shard).__name__} is neither a ray.data.DataIterator "
-                              "nor a Dataset; pass ray.train.get_dataset_shard(name)")
+            raise ConfigError(
+                f"shard={type(shard).__name__} is neither a ray.data.DataIterator "
+                "nor a Dataset; pass ray.train.get_dataset_shard(name)"
+            )
         check_int("batch_size", batch_size, minimum=1)
         check_int("seed", seed, minimum=0)
         if local_shuffle_buffer_size is not None:
@@ -155,8 +166,7 @@ class ResumableRayDataIterator:
             raise ConfigError(f"id_column={id_column!r} must be a column name or None")
         for key in ("batch_size", "local_shuffle_seed"):
             if key in iter_kwargs:
-                raise ConfigError(f"{key}= is set by ResumableRayDataIterator; use batch_size= and "
-                                  "seed=")
+                raise ConfigError(f"{key}= is set by ResumableRayDataIterator; use batch_size= and seed=")
         self.rank, self.world_size = resolve_world(rank, world_size)
         self.shard = shard
         self.batch_size = batch_size
@@ -200,8 +210,9 @@ class ResumableRayDataIterator:
         self._rows, self._digest = 0, 0
         kwargs = dict(self.iter_kwargs, batch_size=self.batch_size)
         if self.local_shuffle_buffer_size is not None:
-            kwargs.update(local_shuffle_buffer_size=self.local_shuffle_buffer_size,
-                          local_shuffle_seed=self.seed + self.epoch)
+            kwargs.update(
+                local_shuffle_buffer_size=self.local_shuffle_buffer_size, local_shuffle_seed=self.seed + self.epoch
+            )
         method = self.shard.iter_torch_batches if self.torch_batches else self.shard.iter_batches
         for batch in method(**kwargs):
             n = _num_rows(batch)
@@ -212,7 +223,8 @@ class ResumableRayDataIterator:
                     raise DataOrderError(
                         f"ResumableRayDataIterator: the restored position ({skip} rows) is not at a "
                         f"batch boundary of this run ({self._rows} rows after this batch); keep "
-                        "batch_size and drop_last as in the run that saved the checkpoint")
+                        "batch_size and drop_last as in the run that saved the checkpoint"
+                    )
                 if self._rows == skip:
                     self._check_digest(want, skip)
                 continue
@@ -222,7 +234,8 @@ class ResumableRayDataIterator:
             raise DataOrderError(
                 f"ResumableRayDataIterator: the shard of rank {self.rank} ended after {self._rows} "
                 f"rows but the checkpoint had consumed {skip}; the data or its split changed. "
-                "Use the same dataset, world size and ordered_data_config()")
+                "Use the same dataset, world size and ordered_data_config()"
+            )
         self._complete = True
 
     def _count(self, batch: Any, n: int) -> None:
@@ -237,7 +250,8 @@ class ResumableRayDataIterator:
                 f"{self.rank} are not the rows consumed before the restart (ids differ), so the "
                 "order is not deterministic and resuming would repeat or skip rows. Use "
                 "TorchTrainer(dataset_config=cf_ray.data.ordered_data_config()) and only "
-                "deterministic transformations (see cf_ray.data.ray_data)")
+                "deterministic transformations (see cf_ray.data.ray_data)"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """Return ``{epoch, rows consumed, complete, id digest, settings}`` (JSON-able)."""
@@ -254,8 +268,12 @@ class ResumableRayDataIterator:
         }
 
     def _settings(self) -> dict[str, Any]:
-        return {"batch_size": self.batch_size, "id_column": self.id_column, "seed": self.seed,
-                "local_shuffle_buffer_size": self.local_shuffle_buffer_size}
+        return {
+            "batch_size": self.batch_size,
+            "id_column": self.id_column,
+            "seed": self.seed,
+            "local_shuffle_buffer_size": self.local_shuffle_buffer_size,
+        }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a position saved by :meth:`state_dict` on the same world size.
@@ -266,16 +284,25 @@ class ResumableRayDataIterator:
         """
         owner = type(self).__name__
         check_format(state_dict, self.FORMAT, owner)
-        check_same(owner, state_dict, self._settings(), {
-            "batch_size": "Use the batch_size of the run that saved the checkpoint, so the "
-                          "consumed rows end on a batch boundary"})
+        check_same(
+            owner,
+            state_dict,
+            self._settings(),
+            {
+                "batch_size": "Use the batch_size of the run that saved the checkpoint, so the "
+                "consumed rows end on a batch boundary"
+            },
+        )
         if state_dict.get("world_size") != self.world_size:
             raise ElasticResumeError(
                 f"{owner}: the state was saved with world_size={state_dict.get('world_size')}, this "
-                f"run has {self.world_size}; call load_elastic_state() with every old rank's state")
+                f"run has {self.world_size}; call load_elastic_state() with every old rank's state"
+            )
         if state_dict.get("rank") != self.rank:
-            raise ConfigError(f"{owner}: the state belongs to rank {state_dict.get('rank')}, this is "
-                              f"rank {self.rank}; load each rank's own state")
+            raise ConfigError(
+                f"{owner}: the state belongs to rank {state_dict.get('rank')}, this is "
+                f"rank {self.rank}; load each rank's own state"
+            )
         try:
             epoch = check_int("epoch", state_dict["epoch"], minimum=0)
             rows = check_int("consumed", state_dict["consumed"], minimum=0)
@@ -285,13 +312,11 @@ class ResumableRayDataIterator:
             if not isinstance(complete, bool):
                 raise TypeError("complete must be a bool")
         except (KeyError, TypeError, ValueError, ConfigError) as e:
-            raise ConfigError(f"{owner}: malformed state ({e}); pass a dict saved by "
-                              f"{owner}.state_dict()") from None
+            raise ConfigError(f"{owner}: malformed state ({e}); pass a dict saved by {owner}.state_dict()") from None
         self.epoch, self._rows, self._complete, self._digest = epoch, rows, complete, digest
         self._resumed = True
 
-    def load_elastic_state(self, states: Sequence[Mapping[str, Any]], rank: int,
-                           world_size: int) -> None:
+    def load_elastic_state(self, states: Sequence[Mapping[str, Any]], rank: int, world_size: int) -> None:
         """Resume on another world size; possible only at an epoch boundary.
 
         Raises:
@@ -299,8 +324,10 @@ class ResumableRayDataIterator:
         """
         owner = type(self).__name__
         if (rank, world_size) != (self.rank, self.world_size):
-            raise ConfigError(f"{owner} was built for rank {self.rank} of {self.world_size} but "
-                              f"load_elastic_state() was called for rank {rank} of {world_size}")
+            raise ConfigError(
+                f"{owner} was built for rank {self.rank} of {self.world_size} but "
+                f"load_elastic_state() was called for rank {rank} of {world_size}"
+            )
         old_world = check_elastic_states(owner, states, self.FORMAT, [*self._settings(), "epoch"])
         if old_world == world_size:
             self.load_state_dict(states[rank])
@@ -318,7 +345,8 @@ class ResumableRayDataIterator:
                 f"the epoch (old ranks had consumed {consumed} rows): Ray Data re-splits the "
                 "dataset when the number of workers changes, so the consumed rows cannot be told "
                 f"apart. Resume with {old_world} workers, or checkpoint at epoch ends only "
-                "(cf_ray.EpochEnd), or read the data with ResumableParquetReader, which is elastic")
+                "(cf_ray.EpochEnd), or read the data with ResumableParquetReader, which is elastic"
+            )
         self._resumed = True
 
 

@@ -68,7 +68,7 @@ class ResumableSampler(EpochCursor, Sampler[int]):
         counting = self._consumer is None
         # Python ints in chunks: fast like a list, without a list of the whole epoch in memory.
         for lo in range(start, len(plan), 4096):
-            for i, index in enumerate(plan[lo:lo + 4096].tolist(), lo + 1):
+            for i, index in enumerate(plan[lo : lo + 4096].tolist(), lo + 1):
                 if counting:
                     # Count before handing the index out: when the loop holds a batch, its
                     # indices are already counted, which is what a state taken after its step
@@ -118,24 +118,33 @@ class ResumableDistributedSampler(ResumableSampler):
 
     FORMAT = "cf_ray.ResumableDistributedSampler/1"
 
-    def __init__(self, dataset: Sized, *, rank: int | None = None, world_size: int | None = None,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-                 pad: bool | None = None) -> None:
+    def __init__(
+        self,
+        dataset: Sized,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        pad: bool | None = None,
+    ) -> None:
         super().__init__(rank=rank, world_size=world_size)
         try:
             n = len(dataset)
         except TypeError:
-            raise ConfigError(f"dataset={type(dataset).__name__} has no len(); pass a map-style "
-                              "dataset, or use ResumableRayDataIterator / ResumableParquetReader "
-                              "for streams") from None
+            raise ConfigError(
+                f"dataset={type(dataset).__name__} has no len(); pass a map-style "
+                "dataset, or use ResumableRayDataIterator / ResumableParquetReader "
+                "for streams"
+            ) from None
         for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
             if not isinstance(value, bool):
                 raise ConfigError(f"{name}={value!r} must be True or False")
         if pad is not None and not isinstance(pad, bool):
             raise ConfigError(f"pad={pad!r} must be True, False or None (torch's behaviour)")
         if pad is not None and drop_last:
-            warnings.warn("pad is ignored when drop_last=True (the tail is dropped, not padded)",
-                          stacklevel=2)
+            warnings.warn("pad is ignored when drop_last=True (the tail is dropped, not padded)", stacklevel=2)
         # torch seeds a torch.Generator with seed + epoch, which must fit in 64 bits.
         check_int("seed", seed, minimum=0)
         self.dataset_len = n
@@ -145,12 +154,18 @@ class ResumableDistributedSampler(ResumableSampler):
         self.pad = (not drop_last) if pad is None else (pad and not drop_last)
 
     def _settings(self) -> dict[str, Any]:
-        return {"dataset_len": self.dataset_len, "seed": self.seed, "shuffle": self.shuffle,
-                "drop_last": self.drop_last, "pad": self.pad}
+        return {
+            "dataset_len": self.dataset_len,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "pad": self.pad,
+        }
 
     def _setting_hints(self) -> dict[str, str]:
-        return {"dataset_len": "Build the sampler over the same dataset as the run that saved the "
-                               "checkpoint (same length)"}
+        return {
+            "dataset_len": "Build the sampler over the same dataset as the run that saved the checkpoint (same length)"
+        }
 
     def _pad_to_even(self) -> bool:
         return self.pad
@@ -184,8 +199,9 @@ def _remaining_in_order(lists: Sequence[np.ndarray], consumed: Sequence[int]) ->
     tails, keys = [], []
     for r, (lst, c) in enumerate(zip(lists, consumed)):
         if c > len(lst):
-            raise ElasticResumeError(f"rank {r} consumed {c} of {len(lst)} indices; the state does "
-                                     "not match this sampler")
+            raise ElasticResumeError(
+                f"rank {r} consumed {c} of {len(lst)} indices; the state does not match this sampler"
+            )
         tails.append(lst[c:])
         keys.append(np.arange(c, len(lst), dtype=np.int64) * world + r)
     if not tails:

@@ -67,8 +67,16 @@ class ShardedDataset(SamplerHeldPosition, Dataset):
     sampler: ShardSampler
     """The sampler over this dataset's shards; it holds the position."""
 
-    def __init__(self, num_items: int, load_fn: LoadFn, *, rank: int | None = None,
-                 world_size: int | None = None, shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(
+        self,
+        num_items: int,
+        load_fn: LoadFn,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
         check_int("num_items", num_items, minimum=0)
         check_int("seed", seed, minimum=0)
         if not callable(load_fn):
@@ -77,8 +85,7 @@ class ShardedDataset(SamplerHeldPosition, Dataset):
             raise ConfigError(f"shuffle={shuffle!r} must be True or False")
         self.num_items = num_items
         self.load_fn = load_fn
-        self.sampler = ShardSampler(self, rank=rank, world_size=world_size, shuffle=shuffle,
-                                    seed=seed)
+        self.sampler = ShardSampler(self, rank=rank, world_size=world_size, shuffle=shuffle, seed=seed)
         self._items: dict[int, Any] = {}
         self._load(self.shard_ids())
 
@@ -104,8 +111,9 @@ class ShardedDataset(SamplerHeldPosition, Dataset):
         try:
             return self._items[int(index)]
         except KeyError:
-            raise IndexError(f"item {index} is not held by rank {self.rank}; iterate the ids "
-                             "of ShardedDataset.sampler") from None
+            raise IndexError(
+                f"item {index} is not held by rank {self.rank}; iterate the ids of ShardedDataset.sampler"
+            ) from None
 
     def __len__(self) -> int:
         """Number of items this rank holds."""
@@ -121,8 +129,10 @@ class ShardedDataset(SamplerHeldPosition, Dataset):
             return
         items = self.load_fn(missing)
         if len(items) != len(missing):
-            raise ConfigError(f"load_fn returned {len(items)} items for {len(missing)} ids; it must "
-                              "return one item per id, in the order given")
+            raise ConfigError(
+                f"load_fn returned {len(items)} items for {len(missing)} ids; it must "
+                "return one item per id, in the order given"
+            )
         self._items.update(zip(missing, items))
 
     def _drop_all_but(self, keep: np.ndarray) -> None:
@@ -136,8 +146,9 @@ class ShardSampler(ResumableSampler):
 
     FORMAT = "cf_ray.ShardedDataset/1"
 
-    def __init__(self, dataset: ShardedDataset, *, rank: int | None, world_size: int | None,
-                 shuffle: bool, seed: int) -> None:
+    def __init__(
+        self, dataset: ShardedDataset, *, rank: int | None, world_size: int | None, shuffle: bool, seed: int
+    ) -> None:
         super().__init__(rank=rank, world_size=world_size)
         self.dataset = dataset
         self.shuffle = shuffle
@@ -155,8 +166,7 @@ class ShardSampler(ResumableSampler):
         if key not in self._shards:
             n = self.dataset.num_items
             if not self.shuffle:
-                shard = np.arange(rank * n // world_size, (rank + 1) * n // world_size,
-                                  dtype=np.int64)
+                shard = np.arange(rank * n // world_size, (rank + 1) * n // world_size, dtype=np.int64)
             else:
                 # The deal does not depend on the epoch: a rank keeps its shard for the whole run.
                 dealt = np.random.default_rng(self.seed).permutation(n)
@@ -179,8 +189,12 @@ class ShardSampler(ResumableSampler):
         before = len(self.dataset)
         self.dataset._load(self._plan())
         if len(self.dataset) != before:
-            logger.info("rank %d: loaded %d items of other shards for the rest of epoch %d",
-                        self.rank, len(self.dataset) - before, self.epoch)
+            logger.info(
+                "rank %d: loaded %d items of other shards for the rest of epoch %d",
+                self.rank,
+                len(self.dataset) - before,
+                self.epoch,
+            )
 
     def _on_epoch_changed(self) -> None:
         # Items taken over for an interrupted epoch are not part of this rank's shard: free them.

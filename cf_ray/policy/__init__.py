@@ -8,5 +8,13 @@
 from cf_ray.policy.adaptive import Adaptive
 from cf_ray.policy.base import AnyOf, EpochEnd, FixedInterval, FrequencyPolicy, PolicyWarning, Sample, SaveContext
 
-__all__ = ["Adaptive", "AnyOf", "EpochEnd", "FixedInterval", "FrequencyPolicy", "PolicyWarning", "Sample",
-           "SaveContext"]
+__all__ = [
+    "Adaptive",
+    "AnyOf",
+    "EpochEnd",
+    "FixedInterval",
+    "FrequencyPolicy",
+    "PolicyWarning",
+    "Sample",
+    "SaveContext",
+]

@@ -75,8 +75,12 @@ class Estimator:
 
     # -- ingestion ------------------------------------------------------------------------------
     def _ingest(self, s: Sample, current: int, profiling: bool) -> None:
-        if not (isinstance(s, Sample) and isinstance(s.rank, numbers.Integral) and isinstance(s.step, numbers.Integral)
-                and (s.ckpt_step is None or isinstance(s.ckpt_step, numbers.Integral))):
+        if not (
+            isinstance(s, Sample)
+            and isinstance(s.rank, numbers.Integral)
+            and isinstance(s.step, numbers.Integral)
+            and (s.ckpt_step is None or isinstance(s.ckpt_step, numbers.Integral))
+        ):
             return  # not a sample: ignored rather than fatal to the controller
         self.clock += 1
         r = self.ranks.get(s.rank)
@@ -86,8 +90,10 @@ class Estimator:
         iters = int(s.iters) if isinstance(s.iters, numbers.Integral) and s.iters > 0 else 0
         if iters and s.step < r.last_step:
             self._rollback(s.rank, r, s.step - iters)
-        if any(v is not None for v in (s.stall_s, s.wait_s, s.copy_s, s.persist_s, s.nbytes)) \
-                or s.ckpt_step is not None:
+        if (
+            any(v is not None for v in (s.stall_s, s.wait_s, s.copy_s, s.persist_s, s.nbytes))
+            or s.ckpt_step is not None
+        ):
             self._ingest_ckpt(s.rank, r, s, current, profiling)
         if iters and _pos(s.iter_s) is not None:
             r.last_step = max(r.last_step, s.step)
@@ -120,8 +126,9 @@ class Estimator:
             values = (s.stall_s, s.copy_s, s.nbytes)
             persist_only = all(v is None for v in values)
             gap = s.step - cur.step if cur is not None else 0
-            if cur is not None and (persist_only or (cur.approx and gap < current and (
-                    values == cur.values or gap < max(2, current // 2)))):
+            if cur is not None and (
+                persist_only or (cur.approx and gap < current and (values == cur.values or gap < max(2, current // 2)))
+            ):
                 c = cur.step
             else:
                 c, approx = max(s.step - max(s.iters, 1), 0), True
@@ -249,8 +256,12 @@ class Estimator:
         est = Estimate(t=t, slowest=slowest, t_clean=t_clean)
         if summary is None:
             assert prior  # no summary and no prior returned above
-            est.cost, est.stall, est.bg, est.source = prior["cost_s"], prior["stall_s"], prior["background_s"], \
-                "saved profile"
+            est.cost, est.stall, est.bg, est.source = (
+                prior["cost_s"],
+                prior["stall_s"],
+                prior["background_s"],
+                "saved profile",
+            )
             est.detail.nbytes = prior.get("bytes")
             return est
         for name, value in summary.items():
@@ -294,19 +305,28 @@ class Estimator:
         out["n_level"] = min(out["n_level"], n_bg) if bgs else out["n_level"]
         copies = [v for rec in recs if (v := _max_or_none(rec.copy)) is not None]
         persists = [v for rec in recs if (v := _max_or_none(rec.persist)) is not None]
-        out["copy"] = _median(copies[-self.window:]) if copies else None
-        out["persist"] = _median(persists[-self.window:]) if persists else None
+        out["copy"] = _median(copies[-self.window :]) if copies else None
+        out["persist"] = _median(persists[-self.window :]) if persists else None
         out["has_persist"] = bool(persists)
         out["settled"] = bool(settled)
         with_bytes = [rec for rec in recs if rec.nbytes]
         out["nbytes"] = sum(with_bytes[-1].nbytes.values()) if with_bytes else None
-        rates = [sum(rec.nbytes.values()) / max(rec.persist.values()) for rec in recs
-                 if rec.nbytes and rec.persist and max(rec.persist.values()) > 0]
-        out["rate"] = _median(rates[-self.window:]) if rates else None
-        out["wait_gaps"] = [(rec.step - prev.step, max(rec.wait.values())) for prev, rec in zip(recs[-4:], recs[-3:])
-                            if rec.wait and max(rec.wait.values()) > 0 and rec.step > prev.step]
-        measured = [(c, sum(rec.base_s.values()) / len(rec.base_s)) for rec in recs[-self.window:]
-                    if rec.base_s and (c := rec.cost()) is not None]
+        rates = [
+            sum(rec.nbytes.values()) / max(rec.persist.values())
+            for rec in recs
+            if rec.nbytes and rec.persist and max(rec.persist.values()) > 0
+        ]
+        out["rate"] = _median(rates[-self.window :]) if rates else None
+        out["wait_gaps"] = [
+            (rec.step - prev.step, max(rec.wait.values()))
+            for prev, rec in zip(recs[-4:], recs[-3:])
+            if rec.wait and max(rec.wait.values()) > 0 and rec.step > prev.step
+        ]
+        measured = [
+            (c, sum(rec.base_s.values()) / len(rec.base_s))
+            for rec in recs[-self.window :]
+            if rec.base_s and (c := rec.cost()) is not None
+        ]
         den = sum(b for _, b in measured)
         out["measured_pct"] = 100.0 * sum(c for c, _ in measured) / den if den > 0 else None
         self.summary = out
@@ -321,12 +341,12 @@ class Estimator:
         typical scatter (median absolute deviation of the logarithms), so noisy storage does not
         look like drift — in the same direction.
         """
-        series = series[-2 * self.window - 2:]  # a change of level older than this is in the mean anyway
+        series = series[-2 * self.window - 2 :]  # a change of level older than this is in the mean anyway
         vals = [max(v, 1e-9) for _, v in series]
         logs = [math.log(v) for v in vals]
         start, base_thr = 0, math.log(self.drift_ratio)
         for i in range(3, len(vals)):
-            ref = logs[max(start, i - 1 - self.window):i - 1]
+            ref = logs[max(start, i - 1 - self.window) : i - 1]
             if len(ref) < 2:
                 continue
             m = _median(ref)
@@ -334,9 +354,9 @@ class Estimator:
             thr = max(base_thr, 4.0 * mad)
             a, b = logs[i - 1] - m, logs[i] - m
             if (a > thr and b > thr) or (a < -thr and b < -thr):
-                drift[name] = {"at_step": series[i - 1][0], "from": math.exp(m), "to": _median(vals[i - 1:i + 1])}
+                drift[name] = {"at_step": series[i - 1][0], "from": math.exp(m), "to": _median(vals[i - 1 : i + 1])}
                 start = i - 1
-        recent = vals[max(start, len(vals) - self.window):]
+        recent = vals[max(start, len(vals) - self.window) :]
         mean = _robust_mean(recent)
         if len(recent) < 2:
             return mean, 0.0, len(recent)
@@ -350,6 +370,7 @@ class Estimator:
 
 
 # -- per-rank and per-checkpoint bookkeeping ------------------------------------------------------
+
 
 class _Rank:
     __slots__ = ("clean", "dirty", "_base", "last_step", "warm_until", "seen", "cur")
@@ -415,8 +436,12 @@ class _Ckpt:
             if v is not None and d.get(rank) != v:
                 d[rank] = v
                 changed = True
-        if isinstance(nbytes, (int, float)) and not isinstance(nbytes, bool) and nbytes >= 0 \
-                and self.nbytes.get(rank) != int(nbytes):
+        if (
+            isinstance(nbytes, (int, float))
+            and not isinstance(nbytes, bool)
+            and nbytes >= 0
+            and self.nbytes.get(rank) != int(nbytes)
+        ):
             self.nbytes[rank] = int(nbytes)
             changed = True
         return changed
@@ -521,6 +546,7 @@ class Estimate:
 
 
 # -- numeric helpers ----------------------------------------------------------------------------
+
 
 def _ceil(x: float) -> int:
     return math.ceil(x - 1e-9)

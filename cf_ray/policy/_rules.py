@@ -68,19 +68,28 @@ class RuleState:
 
     def published(self, decision: int, current: int, info: dict, ckpt_clock: int, at_step: int) -> None:
         """Record that ``decision`` replaces ``current`` (and say so in ``info``)."""
-        self.last_change = {"from": current, "to": decision, "reason": info.get("reason"),
-                            "ckpt": ckpt_clock, "at_step": at_step}
+        self.last_change = {
+            "from": current,
+            "to": decision,
+            "reason": info.get("reason"),
+            "ckpt": ckpt_clock,
+            "at_step": at_step,
+        }
         self.changed_at = ckpt_clock
         self.shrink_since = self.widen_since = None
         info.update(interval=decision, previous=current)
         info["lost_work_s"] = decision * info["iter_s"] if info.get("iter_s") else None
-        info["predicted_overhead_pct"] = 100.0 * info["cost_s"] / (decision * info["iter_s"]) \
-            if info.get("iter_s") and info.get("cost_s") is not None else None
+        info["predicted_overhead_pct"] = (
+            100.0 * info["cost_s"] / (decision * info["iter_s"])
+            if info.get("iter_s") and info.get("cost_s") is not None
+            else None
+        )
         self.current = decision
 
 
-def target(cfg: Adaptive, est: Estimate, cost: float | None = None,
-           bg: float | None = None) -> tuple[int, str, list[tuple[str, str]]]:
+def target(
+    cfg: Adaptive, est: Estimate, cost: float | None = None, bg: float | None = None
+) -> tuple[int, str, list[tuple[str, str]]]:
     """The shortest interval that meets the rules, in their order of precedence, the rule that
     binds, and the ``(kind, message)`` of every rule that gave way (see :class:`Adaptive`)."""
     t = est.t
@@ -100,38 +109,74 @@ def target(cfg: Adaptive, est: Estimate, cost: float | None = None,
         if k > k_lost:
             if k_lost < 1:
                 k, binding = max(k_flight_strict, 1), "max_lost_s" if k_flight_strict <= 1 else "persist_in_flight"
-                conflicts.append(("lost_below_iter", (
-                    f"max_lost_s={cfg.max_lost_s:g} is shorter than one iteration ({t:.3g} s): checkpointing "
-                    f"every {k} step(s); raise max_lost_s above the iteration time")))
+                conflicts.append(
+                    (
+                        "lost_below_iter",
+                        (
+                            f"max_lost_s={cfg.max_lost_s:g} is shorter than one iteration ({t:.3g} s): checkpointing "
+                            f"every {k} step(s); raise max_lost_s above the iteration time"
+                        ),
+                    )
+                )
             elif k_flight_strict > k_lost:
                 k, binding = k_flight_strict, "persist_in_flight"
-                conflicts.append(("lost_vs_persist", (
-                    f"max_lost_s={cfg.max_lost_s:g} cannot be met: one checkpoint takes {bg:.3g} s to copy and "
-                    f"persist ({k_flight_strict} steps of {t:.3g} s) and checkpoints cannot be taken faster than "
-                    "storage persists them; the persist time wins (use faster storage or raise max_lost_s)")))
+                conflicts.append(
+                    (
+                        "lost_vs_persist",
+                        (
+                            f"max_lost_s={cfg.max_lost_s:g} cannot be met: one checkpoint takes {bg:.3g} s to copy and "
+                            f"persist ({k_flight_strict} steps of {t:.3g} s) and checkpoints cannot be taken faster than "
+                            "storage persists them; the persist time wins (use faster storage or raise max_lost_s)"
+                        ),
+                    )
+                )
             else:
                 k, binding = k_lost, "max_lost_s"
                 if cost / (k * t) > budget:
-                    conflicts.append(("lost_vs_budget", (
-                        f"max_lost_s={cfg.max_lost_s:g} wins over budget_pct={cfg.budget_pct:g}: checkpointing "
-                        f"every {k} steps costs about {100 * cost / (k * t):.3g}% of training time; raise "
-                        "max_lost_s or budget_pct to stay within the budget")))
+                    conflicts.append(
+                        (
+                            "lost_vs_budget",
+                            (
+                                f"max_lost_s={cfg.max_lost_s:g} wins over budget_pct={cfg.budget_pct:g}: checkpointing "
+                                f"every {k} steps costs about {100 * cost / (k * t):.3g}% of training time; raise "
+                                "max_lost_s or budget_pct to stay within the budget"
+                            ),
+                        )
+                    )
     if k < cfg.min_interval:
         if binding == "max_lost_s":
-            conflicts.append(("min_vs_lost", (
-                f"min_interval={cfg.min_interval} wins over max_lost_s={cfg.max_lost_s:g}: up to "
-                f"{cfg.min_interval * t:.3g} s of work can be lost")))
+            conflicts.append(
+                (
+                    "min_vs_lost",
+                    (
+                        f"min_interval={cfg.min_interval} wins over max_lost_s={cfg.max_lost_s:g}: up to "
+                        f"{cfg.min_interval * t:.3g} s of work can be lost"
+                    ),
+                )
+            )
         k, binding = cfg.min_interval, "min_interval"
     if k > cfg.max_interval:
         k, binding = cfg.max_interval, "max_interval"
         if k < k_flight_strict:
-            conflicts.append(("max_vs_persist", (
-                f"max_interval={cfg.max_interval} wins over the persist time: one checkpoint takes "
-                f"{bg:.3g} s ({k_flight_strict} steps) to persist, so training will wait for storage")))
+            conflicts.append(
+                (
+                    "max_vs_persist",
+                    (
+                        f"max_interval={cfg.max_interval} wins over the persist time: one checkpoint takes "
+                        f"{bg:.3g} s ({k_flight_strict} steps) to persist, so training will wait for storage"
+                    ),
+                )
+            )
         elif cost / (k * t) > budget:
-            conflicts.append(("max_vs_budget", (
-                f"max_interval={cfg.max_interval} wins over budget_pct={cfg.budget_pct:g}: overhead about "
-                f"{100 * cost / (k * t):.3g}%")))
+            conflicts.append(
+                (
+                    "max_vs_budget",
+                    (
+                        f"max_interval={cfg.max_interval} wins over budget_pct={cfg.budget_pct:g}: overhead about "
+                        f"{100 * cost / (k * t):.3g}%"
+                    ),
+                )
+            )
     return k, binding, conflicts
 
 
@@ -154,16 +199,28 @@ def info(cfg: Adaptive, est: Estimate, k: int, binding: str, conflicts, current:
     d = est.detail
     cf = max(_ceil(((d.copy or 0.0) + (d.persist or 0.0)) / t), 1)
     return {
-        "interval": current, "target": k, "binding": binding, "conflicts": [m for _, m in conflicts],
+        "interval": current,
+        "target": k,
+        "binding": binding,
+        "conflicts": [m for _, m in conflicts],
         "budget_pct": cfg.budget_pct,
         "predicted_overhead_pct": 100.0 * est.cost / (current * t) if current else None,
         "measured_overhead_pct": d.measured_pct,
-        "lost_work_s": current * t if current else None, "max_lost_s": cfg.max_lost_s,
-        "iter_s": t, "slowest_rank": est.slowest, "stall_s": est.stall,
-        "slowdown_s": max(est.cost - est.stall, 0.0), "cost_s": est.cost, "copy_s": d.copy,
-        "persist_s": d.persist, "background_s": est.bg, "bytes": d.nbytes,
-        "persist_bytes_per_s": d.rate, "background_from_waits": est.bg_from_waits,
-        "checkfreq_interval": cf, "source": est.source,
+        "lost_work_s": current * t if current else None,
+        "max_lost_s": cfg.max_lost_s,
+        "iter_s": t,
+        "slowest_rank": est.slowest,
+        "stall_s": est.stall,
+        "slowdown_s": max(est.cost - est.stall, 0.0),
+        "cost_s": est.cost,
+        "copy_s": d.copy,
+        "persist_s": d.persist,
+        "background_s": est.bg,
+        "bytes": d.nbytes,
+        "persist_bytes_per_s": d.rate,
+        "background_from_waits": est.bg_from_waits,
+        "checkfreq_interval": cf,
+        "source": est.source,
         "drift": dict(d.drift),
     }
 
@@ -180,28 +237,33 @@ def phase_of(est: Estimate, prior: dict | None) -> Phase:
     return Phase.PROVISIONAL if ready else Phase.PROFILING
 
 
-def decide(cfg: Adaptive, state: RuleState, est: Estimate | None, prior: dict | None, ckpt_clock: int,
-           current: int) -> Verdict:
+def decide(
+    cfg: Adaptive, state: RuleState, est: Estimate | None, prior: dict | None, ckpt_clock: int, current: int
+) -> Verdict:
     """The interval to publish (``None``: keep ``current``) and why, from the estimates ``est``.
 
     ``prior`` is the saved profile (if any), ``ckpt_clock`` the number of checkpoints seen so far
     (the clock of the hysteresis). Updates ``state``.
     """
     if est is None:
-        return None, {"phase": Phase.PROFILING.value, "interval": current, "target": None, "binding": "profiling",
-                      "reason": f"profiling: waiting for the first checkpoint (step {cfg.initial_interval()}) "
-                                "and iteration times", "budget_pct": cfg.budget_pct}
+        return None, {
+            "phase": Phase.PROFILING.value,
+            "interval": current,
+            "target": None,
+            "binding": "profiling",
+            "reason": f"profiling: waiting for the first checkpoint (step {cfg.initial_interval()}) "
+            "and iteration times",
+            "budget_pct": cfg.budget_pct,
+        }
     return _Ladder(cfg, state, est, prior, ckpt_clock, current).run()
 
 
 class _Ladder:
     """One decision: the rungs in order; the first that returns a :data:`Verdict` decides."""
 
-    __slots__ = ("cfg", "st", "est", "prior", "ckpt_clock", "current", "k", "binding", "conflicts", "info",
-                 "phase")
+    __slots__ = ("cfg", "st", "est", "prior", "ckpt_clock", "current", "k", "binding", "conflicts", "info", "phase")
 
-    def __init__(self, cfg: Adaptive, st: RuleState, est: Estimate, prior: dict | None, ckpt_clock: int,
-                 current: int):
+    def __init__(self, cfg: Adaptive, st: RuleState, est: Estimate, prior: dict | None, ckpt_clock: int, current: int):
         self.cfg, self.st, self.est, self.prior = cfg, st, est, prior
         self.ckpt_clock, self.current = ckpt_clock, current
         self.k, self.binding, self.conflicts = target(cfg, est)
@@ -210,9 +272,18 @@ class _Ladder:
         self.info["phase"] = self.phase.value
 
     def run(self) -> Verdict:
-        for rung in (self._profiling, self._provisional, self._warn_conflicts, self._restored,
-                     self._first_measured, self._outside_bounds, self._too_much_lost_work,
-                     self._persist_does_not_fit, self._over_budget, self._room_to_shorten):
+        for rung in (
+            self._profiling,
+            self._provisional,
+            self._warn_conflicts,
+            self._restored,
+            self._first_measured,
+            self._outside_bounds,
+            self._too_much_lost_work,
+            self._persist_does_not_fit,
+            self._over_budget,
+            self._room_to_shorten,
+        ):
             verdict = rung()
             if verdict is not None:
                 return verdict
@@ -297,8 +368,10 @@ class _Ladder:
     def _persist_does_not_fit(self) -> Verdict | None:
         est, t, k, current = self.est, self.est.t, self.k, self.current
         if k > current and current * t < est.bg - est.bg_se:
-            self.info["reason"] = (f"persist in flight: {est.bg:.3g} s of copy+persist do not fit in {current} steps "
-                                   f"of {t:.3g} s: widening to {k}")
+            self.info["reason"] = (
+                f"persist in flight: {est.bg:.3g} s of copy+persist do not fit in {current} steps "
+                f"of {t:.3g} s: widening to {k}"
+            )
             return k, self.info
         return None
 
@@ -309,14 +382,17 @@ class _Ladder:
         if k > current and over > budget:
             # A clear overrun widens at once; a marginal one must still be there at the next checkpoint.
             if over > budget * (1.0 + 2.0 * self.cfg.headroom) or (
-                    st.widen_since is not None and self.ckpt_clock > st.widen_since):
-                self.info["reason"] = (f"over budget: {100 * over:.3g}% > {self.cfg.budget_pct:g}% at "
-                                       f"{current} steps: widening to {k}")
+                st.widen_since is not None and self.ckpt_clock > st.widen_since
+            ):
+                self.info["reason"] = (
+                    f"over budget: {100 * over:.3g}% > {self.cfg.budget_pct:g}% at {current} steps: widening to {k}"
+                )
                 return k, self.info
             if st.widen_since is None:
                 st.widen_since = self.ckpt_clock
-            self.info["reason"] = (f"keeping {current}: {100 * over:.3g}% is over the budget, confirming at the "
-                                   "next checkpoint")
+            self.info["reason"] = (
+                f"keeping {current}: {100 * over:.3g}% is over the budget, confirming at the next checkpoint"
+            )
             return None, self.info
         st.widen_since = None
         return None
@@ -331,11 +407,14 @@ class _Ladder:
             if st.shrink_since is None:
                 st.shrink_since = self.ckpt_clock
             elif self.ckpt_clock > st.shrink_since and self.ckpt_clock > st.changed_at:
-                self.info["reason"] = (f"headroom: {k_safe} steps meet every rule (predicted overhead "
-                                       f"{100 * est.cost / (k_safe * t):.3g}%): shortening from {current}")
+                self.info["reason"] = (
+                    f"headroom: {k_safe} steps meet every rule (predicted overhead "
+                    f"{100 * est.cost / (k_safe * t):.3g}%): shortening from {current}"
+                )
                 return k_safe, self.info
-            self.info["reason"] = (f"keeping {current}: shorter interval {k_safe} possible, confirming at the "
-                                   "next checkpoint")
+            self.info["reason"] = (
+                f"keeping {current}: shorter interval {k_safe} possible, confirming at the next checkpoint"
+            )
             return None, self.info
         st.shrink_since = None
         return None

@@ -129,21 +129,27 @@ class Adaptive:
     def __post_init__(self):
         b = self.budget_pct
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or not 0 < b < 100:
-            raise ConfigError(f"Adaptive.budget_pct={b!r} must be a number > 0 and < 100 (percent of training "
-                              "time spent checkpointing); 5 is a good default, use FixedInterval for a fixed cadence")
+            raise ConfigError(
+                f"Adaptive.budget_pct={b!r} must be a number > 0 and < 100 (percent of training "
+                "time spent checkpointing); 5 is a good default, use FixedInterval for a fixed cadence"
+            )
         for name in ("min_interval", "max_interval", "first_checkpoint_step", "window"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"Adaptive.{name}={v!r} must be an int >= 1")
         if self.min_interval > self.max_interval:
-            raise ConfigError(f"Adaptive.min_interval={self.min_interval} is above max_interval={self.max_interval}; "
-                              "lower min_interval or raise max_interval")
+            raise ConfigError(
+                f"Adaptive.min_interval={self.min_interval} is above max_interval={self.max_interval}; "
+                "lower min_interval or raise max_interval"
+            )
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ConfigError(f"Adaptive.warmup_steps={self.warmup_steps!r} must be an int >= 0")
         m = self.max_lost_s
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or m <= 0):
-            raise ConfigError(f"Adaptive.max_lost_s={m!r} must be a number of seconds > 0, or None for no bound "
-                              "on the work lost by a failure")
+            raise ConfigError(
+                f"Adaptive.max_lost_s={m!r} must be a number of seconds > 0, or None for no bound "
+                "on the work lost by a failure"
+            )
         if not (isinstance(self.headroom, (int, float)) and 0 <= self.headroom < 1):
             raise ConfigError(f"Adaptive.headroom={self.headroom!r} must be >= 0 and < 1 (e.g. 0.1)")
         if not (isinstance(self.shrink_ratio, (int, float)) and 0 < self.shrink_ratio < 1):
@@ -185,8 +191,9 @@ class Adaptive:
             current = self.initial_interval()
         estimator.ingest(samples, current, profiling=not rules.decided)
         rules.current = current
-        decision, info = _rules.decide(self, rules, estimator.estimate(), estimator.prior, estimator.ckpt_clock,
-                                       current)
+        decision, info = _rules.decide(
+            self, rules, estimator.estimate(), estimator.prior, estimator.ckpt_clock, current
+        )
         rules.info = info
         if decision is not None and decision != current:
             rules.published(decision, current, info, estimator.ckpt_clock, estimator.max_step)
@@ -207,8 +214,11 @@ class Adaptive:
         (CheckFreq's formula on the same measurements), ``drift`` and ``last_change``.
         """
         st = self._rule_state
-        out = dict(st.info) if st.info else {"phase": _rules.Phase.PROFILING.value, "interval": st.current,
-                                             "reason": "no measurements yet"}
+        out = (
+            dict(st.info)
+            if st.info
+            else {"phase": _rules.Phase.PROFILING.value, "interval": st.current, "reason": "no measurements yet"}
+        )
         out["policy"] = "Adaptive"
         out["last_change"] = dict(st.last_change) if st.last_change else None
         return out
@@ -228,11 +238,17 @@ class Adaptive:
             return None
         cost = rec.cost()
         own = rec.own_stall_max()
-        return {"stall_s": rec.stall_max(), "wait_s": _max_or_none(rec.wait),
-                "slowdown_s": None if cost is None or own is None else max(cost - own, 0.0),
-                "cost_s": cost, "copy_s": _max_or_none(rec.copy), "persist_s": _max_or_none(rec.persist),
-                "background_s": rec.bg(False), "bytes": sum(rec.nbytes.values()) if rec.nbytes else None,
-                "overhead_pct": rec.overhead_pct()}
+        return {
+            "stall_s": rec.stall_max(),
+            "wait_s": _max_or_none(rec.wait),
+            "slowdown_s": None if cost is None or own is None else max(cost - own, 0.0),
+            "cost_s": cost,
+            "copy_s": _max_or_none(rec.copy),
+            "persist_s": _max_or_none(rec.persist),
+            "background_s": rec.bg(False),
+            "bytes": sum(rec.nbytes.values()) if rec.nbytes else None,
+            "overhead_pct": rec.overhead_pct(),
+        }
 
     def state_dict(self) -> dict:
         """The profile to keep with the run (JSON-able): the estimates and the interval in force.
@@ -259,12 +275,19 @@ class Adaptive:
             ConfigError: ``state`` is not a profile of a version this cf_ray can read.
         """
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-            raise ConfigError(f"Adaptive.load_state_dict: not a version-{_STATE_VERSION} policy profile: {state!r}; "
-                              "delete the saved policy state to profile again")
+            raise ConfigError(
+                f"Adaptive.load_state_dict: not a version-{_STATE_VERSION} policy profile: {state!r}; "
+                "delete the saved policy state to profile again"
+            )
         t, cost = _pos(state.get("iter_s")), _nonneg(state.get("cost_s"))
         if t is None or cost is None:
             self._est.prior = None  # nothing measured in the saved run: profile as usual
             return
-        self._est.prior = {"iter_s": t, "cost_s": cost, "stall_s": _nonneg(state.get("stall_s")) or cost,
-                          "background_s": _nonneg(state.get("background_s")) or 0.0,
-                          "bytes": state.get("bytes"), "interval": state.get("interval")}
+        self._est.prior = {
+            "iter_s": t,
+            "cost_s": cost,
+            "stall_s": _nonneg(state.get("stall_s")) or cost,
+            "background_s": _nonneg(state.get("background_s")) or 0.0,
+            "bytes": state.get("bytes"),
+            "interval": state.get("interval"),
+        }

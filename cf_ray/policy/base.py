@@ -113,8 +113,10 @@ class FixedInterval:
 
     def __post_init__(self):
         if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
-            raise ConfigError(f"FixedInterval.every={self.every!r} must be an int >= 1; "
-                              "use EpochEnd() to checkpoint only at epoch boundaries")
+            raise ConfigError(
+                f"FixedInterval.every={self.every!r} must be an int >= 1; "
+                "use EpochEnd() to checkpoint only at epoch boundaries"
+            )
 
     def should_save(self, step: int, ctx: SaveContext) -> bool:
         return not ctx.epoch_end and step > 0 and step % self.every == 0
@@ -127,8 +129,12 @@ class FixedInterval:
 
     def explain(self) -> dict:
         """Why the interval is what it is (see :meth:`Adaptive.explain`)."""
-        return {"policy": "FixedInterval", "interval": self.every, "binding": "manual",
-                "reason": f"a fixed interval of {self.every} steps was configured"}
+        return {
+            "policy": "FixedInterval",
+            "interval": self.every,
+            "binding": "manual",
+            "reason": f"a fixed interval of {self.every} steps was configured",
+        }
 
 
 @dataclass(kw_only=True, slots=True)
@@ -153,8 +159,12 @@ class EpochEnd:
 
     def explain(self) -> dict:
         """Why the interval is what it is (see :meth:`Adaptive.explain`)."""
-        return {"policy": "EpochEnd", "interval": None, "binding": "epoch",
-                "reason": f"checkpoints at the end of every {self.every} epoch(s)"}
+        return {
+            "policy": "EpochEnd",
+            "interval": None,
+            "binding": "epoch",
+            "reason": f"checkpoints at the end of every {self.every} epoch(s)",
+        }
 
 
 @dataclass(kw_only=True, slots=True)

@@ -24,9 +24,9 @@ IdsOf = Callable[[Any], list]
 
 @dataclass
 class Event:
-    kind: str          # "step" (after a batch was trained) or "end" (after end_epoch)
-    epoch: int         # the epoch the engine would resume at if it saved here
-    ids: list          # ids of the batch ("step"), [] for "end"
+    kind: str  # "step" (after a batch was trained) or "end" (after end_epoch)
+    epoch: int  # the epoch the engine would resume at if it saved here
+    ids: list  # ids of the batch ("step"), [] for "end"
 
 
 def roundtrip(state: dict) -> dict:
@@ -47,8 +47,9 @@ def reference(make: Make, ids_of: IdsOf, epochs: int) -> list[Event]:
     return list(loop(make(), ids_of, 0, epochs))
 
 
-def run_segments(make: Make, ids_of: IdsOf, epochs: int, stops: list[int],
-                 end_resume_same_epoch: bool = False) -> list[list]:
+def run_segments(
+    make: Make, ids_of: IdsOf, epochs: int, stops: list[int], end_resume_same_epoch: bool = False
+) -> list[list]:
     """Run ``stops[0]`` events, save, rebuild and load, run ``stops[1]`` more, ... then to the end.
 
     Returns the ids of every step trained, in order, across all segments. With
@@ -75,8 +76,7 @@ def run_segments(make: Make, ids_of: IdsOf, epochs: int, stops: list[int],
     return trained
 
 
-def check_every_interrupt_point(make: Make, ids_of: IdsOf, epochs: int = 2, *,
-                                single: bool = True) -> int:
+def check_every_interrupt_point(make: Make, ids_of: IdsOf, epochs: int = 2, *, single: bool = True) -> int:
     """Resume from every checkpoint point (each step and each epoch end, both ways an engine may
     report the epoch) and from chains of several interrupts; compare with an uninterrupted run.
     ``single=False`` runs the chains only (for sources that are slow to rebuild).
@@ -94,11 +94,11 @@ def check_every_interrupt_point(make: Make, ids_of: IdsOf, epochs: int = 2, *,
             assert got == expected, f"resume at the finished epoch after event {i} differs"
     per_epoch = len(ref) // epochs
     chains = [
-        [1, 1, 1],                          # several interrupts in one epoch, one step apart
+        [1, 1, 1],  # several interrupts in one epoch, one step apart
         [2, 1],
-        [per_epoch - 1, 1, 1],              # last step of epoch 0, then its end, then epoch 1
-        [per_epoch, 1],                     # right after the boundary, then first step
-        [1, per_epoch - 1, 2],              # across the boundary
+        [per_epoch - 1, 1, 1],  # last step of epoch 0, then its end, then epoch 1
+        [per_epoch, 1],  # right after the boundary, then first step
+        [1, per_epoch - 1, 2],  # across the boundary
     ]
     for stops in chains:
         if sum(stops) < len(ref):

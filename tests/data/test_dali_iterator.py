@@ -7,6 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from conftest import IdDataset
+
 from data_harness import check_every_interrupt_point, roundtrip
 
 pytest.importorskip("nvidia.dali")
@@ -105,10 +106,15 @@ def test_elastic_two_to_one_to_two():
 def test_bad_arguments():
     it = _build()
     with pytest.raises(ConfigError, match="auto_reset"):
-        ResumableDALIIterator(it.pipeline, DALIExternalSource(
-            ResumableDistributedSampler(IdDataset(3), rank=0, world_size=1), _read, batch_size=1),
-            ["x", "id"], auto_reset=True)
+        ResumableDALIIterator(
+            it.pipeline,
+            DALIExternalSource(ResumableDistributedSampler(IdDataset(3), rank=0, world_size=1), _read, batch_size=1),
+            ["x", "id"],
+            auto_reset=True,
+        )
     with pytest.raises(ConfigError, match="exceeds the pipeline's batch_size"):
-        ResumableDALIIterator(it.pipeline, DALIExternalSource(
-            ResumableDistributedSampler(IdDataset(3), rank=0, world_size=1), _read, batch_size=9),
-            ["x", "id"])
+        ResumableDALIIterator(
+            it.pipeline,
+            DALIExternalSource(ResumableDistributedSampler(IdDataset(3), rank=0, world_size=1), _read, batch_size=9),
+            ["x", "id"],
+        )

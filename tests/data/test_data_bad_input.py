@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 from conftest import IdDataset
-from data_harness import roundtrip
 
 import cf_ray.data as cfd
 from cf_ray.data import ResumableDistributedSampler, ShardedDataset
 from cf_ray.errors import ConfigError
+
+from data_harness import roundtrip
 
 
 def _saved(**kw):
@@ -37,13 +38,13 @@ def test_state_of_another_dataset_length():
 
 def test_state_of_another_seed_or_shuffle():
     state = _saved(seed=1)
-    with pytest.raises(ConfigError, match="seed=1 but this ResumableDistributedSampler has seed=2; "
-                                          ".*Build ResumableDistributedSampler with seed=1"):
-        ResumableDistributedSampler(IdDataset(10), rank=0, world_size=1,
-                                    seed=2).load_state_dict(state)
+    with pytest.raises(
+        ConfigError,
+        match="seed=1 but this ResumableDistributedSampler has seed=2; .*Build ResumableDistributedSampler with seed=1",
+    ):
+        ResumableDistributedSampler(IdDataset(10), rank=0, world_size=1, seed=2).load_state_dict(state)
     with pytest.raises(ConfigError, match="shuffle=True but .* shuffle=False"):
-        ResumableDistributedSampler(IdDataset(10), rank=0, world_size=1, seed=1,
-                                    shuffle=False).load_state_dict(state)
+        ResumableDistributedSampler(IdDataset(10), rank=0, world_size=1, seed=1, shuffle=False).load_state_dict(state)
 
 
 def test_state_of_another_source_rank_or_malformed():
@@ -65,13 +66,16 @@ def test_state_of_another_source_rank_or_malformed():
     assert s.state_dict()["consumed"] == 0 and s.epoch == 0
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"rank": 2, "world_size": 2}, "rank=2 must be smaller than world_size=2"),
-    ({"rank": 0, "world_size": 0}, "world_size=0 must be an int >= 1"),
-    ({"rank": 0, "world_size": 1, "seed": -1}, "seed=-1 must be an int >= 0"),
-    ({"rank": 0, "world_size": 1, "shuffle": "yes"}, "shuffle='yes' must be True or False"),
-    ({"rank": 0, "world_size": 1, "pad": 1}, "pad=1 must be True, False or None"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"rank": 2, "world_size": 2}, "rank=2 must be smaller than world_size=2"),
+        ({"rank": 0, "world_size": 0}, "world_size=0 must be an int >= 1"),
+        ({"rank": 0, "world_size": 1, "seed": -1}, "seed=-1 must be an int >= 0"),
+        ({"rank": 0, "world_size": 1, "shuffle": "yes"}, "shuffle='yes' must be True or False"),
+        ({"rank": 0, "world_size": 1, "pad": 1}, "pad=1 must be True, False or None"),
+    ],
+)
 def test_constructor_arguments_are_checked(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         ResumableDistributedSampler(IdDataset(5), **kwargs)
@@ -107,13 +111,17 @@ def test_every_source_meets_the_engine_protocols(tmp_path):
 
     pq.write_table(pa.table({"id": [1, 2]}), str(tmp_path / "a.parquet"))
     sampler = ResumableDistributedSampler(IdDataset(4), rank=0, world_size=1)
-    objects = [sampler, ResumableDataLoader(IdDataset(4), sampler=sampler),
-               ShardedDataset(4, lambda ids: list(ids), rank=0, world_size=1),
-               ResumableParquetReader(str(tmp_path / "a.parquet"), batch_size=1)]
+    objects = [
+        sampler,
+        ResumableDataLoader(IdDataset(4), sampler=sampler),
+        ShardedDataset(4, lambda ids: list(ids), rank=0, world_size=1),
+        ResumableParquetReader(str(tmp_path / "a.parquet"), batch_size=1),
+    ]
     for obj in objects:
         assert isinstance(obj, Stateful) and isinstance(obj, ElasticStateful)
         assert callable(obj.set_epoch)
     for cls in (ResumableRayDataIterator, ResumableDALIIterator):
-        assert all(callable(getattr(cls, m)) for m in
-                   ("state_dict", "load_state_dict", "load_elastic_state", "set_epoch"))
+        assert all(
+            callable(getattr(cls, m)) for m in ("state_dict", "load_state_dict", "load_elastic_state", "set_epoch")
+        )
     assert not isinstance(object(), Stateful)

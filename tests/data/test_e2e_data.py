@@ -43,13 +43,21 @@ def train_loop(config):
     sampler = ResumableDistributedSampler(dataset, rank=rank, world_size=world, seed=7, pad=False)
     # A worker process and prefetching: the sampler's saved position must still be what the loop
     # consumed. The sampler (not the loader) is registered, as in the engine's contract.
-    loader = ResumableDataLoader(dataset, batch_size=BATCH, sampler=sampler, num_workers=1,
-                                 prefetch_factor=4, generator=torch.Generator().manual_seed(0))
+    loader = ResumableDataLoader(
+        dataset,
+        batch_size=BATCH,
+        sampler=sampler,
+        num_workers=1,
+        prefetch_factor=4,
+        generator=torch.Generator().manual_seed(0),
+    )
     model = ray.train.torch.prepare_model(torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ckpt = cf_ray.Checkpointer({"model": model, "optimizer": opt}, data={"sampler": sampler},
-                               config=cf_ray.CheckpointConfig(
-                                   policy=cf_ray.FixedInterval(every=config["every"])))
+    ckpt = cf_ray.Checkpointer(
+        {"model": model, "optimizer": opt},
+        data={"sampler": sampler},
+        config=cf_ray.CheckpointConfig(policy=cf_ray.FixedInterval(every=config["every"])),
+    )
     resume = ckpt.restore()
     out = config["out"]
     gen = resume.generation
@@ -62,8 +70,7 @@ def train_loop(config):
             model(x).sum().backward()
             ckpt.step(opt)
             opt.zero_grad()
-            log.write(json.dumps({"step": ckpt.step_count, "epoch": epoch,
-                                  "ids": batch_ids.tolist()}) + "\n")
+            log.write(json.dumps({"step": ckpt.step_count, "epoch": epoch, "ids": batch_ids.tolist()}) + "\n")
             log.flush()
             for i, (fail_step, fail_rank) in enumerate(config["failures"]):
                 marker = f"{out}/failed_{i}"
@@ -87,8 +94,11 @@ def _fit(root, name, failures, every=7):
         train_loop,
         train_loop_config={"out": out, "failures": failures, "every": every},
         scaling_config=ScalingConfig(num_workers=WORKERS),
-        run_config=RunConfig(name=name, storage_path=os.path.join(root, "storage"),
-                             failure_config=FailureConfig(max_failures=len(failures) + 1)),
+        run_config=RunConfig(
+            name=name,
+            storage_path=os.path.join(root, "storage"),
+            failure_config=FailureConfig(max_failures=len(failures) + 1),
+        ),
     ).fit()
     return out
 
@@ -97,8 +107,7 @@ def _effective(out, rank):
     """Per step, the ids of the last attempt that trained it: replayed steps replace rolled-back
     ones, as the restored weights do."""
     by_step = {}
-    gens = sorted(int(n.split("_g")[1].split(".")[0]) for n in os.listdir(out)
-                  if n.startswith(f"ids_r{rank}_"))
+    gens = sorted(int(n.split("_g")[1].split(".")[0]) for n in os.listdir(out) if n.startswith(f"ids_r{rank}_"))
     for g in gens:
         with open(f"{out}/ids_r{rank}_g{g}.jsonl") as f:
             for line in f:
@@ -134,8 +143,7 @@ def test_exactly_once_per_epoch_across_injected_failures(ray_cluster, tmp_path):
     interrupted = _fit(str(tmp_path), "interrupted", failures)
 
     assert all(os.path.exists(f"{interrupted}/failed_{i}") for i in range(len(failures)))
-    resumes = [json.load(open(f"{interrupted}/{n}")) for n in os.listdir(interrupted)
-               if n.startswith("resume_r0_")]
+    resumes = [json.load(open(f"{interrupted}/{n}")) for n in os.listdir(interrupted) if n.startswith("resume_r0_")]
     assert sum(r["source"] != "fresh" for r in resumes) == len(failures)
     for rank in range(WORKERS):
         got, gens = _effective(interrupted, rank)
@@ -143,8 +151,9 @@ def test_exactly_once_per_epoch_across_injected_failures(ray_cluster, tmp_path):
         assert len(got) == total
         assert got == _failure_free(rank)  # same ids, same order, same epochs as a failure-free run
     for epoch in range(EPOCHS):
-        ids = [i for rank in range(WORKERS) for e, batch in _effective(interrupted, rank)[0]
-               if e == epoch for i in batch]
+        ids = [
+            i for rank in range(WORKERS) for e, batch in _effective(interrupted, rank)[0] if e == epoch for i in batch
+        ]
         assert Counter(ids) == Counter(range(N))  # every id exactly once per epoch
 
 
@@ -159,13 +168,20 @@ def ray_data_loop(config):
     torch.manual_seed(0)
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
-    it = ResumableRayDataIterator(ray.train.get_dataset_shard("train"), batch_size=BATCH,
-                                  rank=rank, world_size=ctx.get_world_size(), id_column="id")
+    it = ResumableRayDataIterator(
+        ray.train.get_dataset_shard("train"),
+        batch_size=BATCH,
+        rank=rank,
+        world_size=ctx.get_world_size(),
+        id_column="id",
+    )
     model = ray.train.torch.prepare_model(torch.nn.Linear(1, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ckpt = cf_ray.Checkpointer({"model": model, "optimizer": opt}, data={"train": it},
-                               config=cf_ray.CheckpointConfig(
-                                   policy=cf_ray.FixedInterval(every=config["every"])))
+    ckpt = cf_ray.Checkpointer(
+        {"model": model, "optimizer": opt},
+        data={"train": it},
+        config=cf_ray.CheckpointConfig(policy=cf_ray.FixedInterval(every=config["every"])),
+    )
     resume = ckpt.restore()
     out = config["out"]
     log = open(f"{out}/ids_r{rank}_g{resume.generation}.jsonl", "w")
@@ -175,8 +191,7 @@ def ray_data_loop(config):
             model(torch.as_tensor(batch["id"], dtype=torch.float32)[:, None]).sum().backward()
             ckpt.step(opt)
             opt.zero_grad()
-            log.write(json.dumps({"step": ckpt.step_count, "epoch": epoch,
-                                  "ids": batch["id"].tolist()}) + "\n")
+            log.write(json.dumps({"step": ckpt.step_count, "epoch": epoch, "ids": batch["id"].tolist()}) + "\n")
             log.flush()
             fail_step, fail_rank = config["failure"]
             marker = f"{out}/failed"
@@ -207,8 +222,9 @@ def test_ray_data_shards_exactly_once_across_a_failure(ray_cluster, tmp_path):
         dataset_config=ordered_data_config(),
         # Half a CPU per worker leaves one of the cluster's two CPUs to Ray Data's read tasks.
         scaling_config=ScalingConfig(num_workers=WORKERS, resources_per_worker={"CPU": 0.5}),
-        run_config=RunConfig(name="ray_data", storage_path=str(tmp_path / "storage"),
-                             failure_config=FailureConfig(max_failures=2)),
+        run_config=RunConfig(
+            name="ray_data", storage_path=str(tmp_path / "storage"), failure_config=FailureConfig(max_failures=2)
+        ),
     ).fit()
     assert os.path.exists(f"{out}/failed")
     per_epoch = [[] for _ in range(EPOCHS)]

@@ -11,10 +11,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import IdDataset
-from data_harness import roundtrip
 
 from cf_ray.data import ResumableDistributedSampler, ResumableParquetReader
 from cf_ray.errors import ElasticResumeError
+
+from data_harness import roundtrip
 
 
 def run_schedule(make, ids_of, schedule, epoch=0):
@@ -48,8 +49,7 @@ class SamplerSource:
     """A rank's sampler iterated in batches (as a DataLoader with num_workers=0 would)."""
 
     def __init__(self, rank, world, n=23, batch=3, **kw):
-        self.sampler = ResumableDistributedSampler(IdDataset(n), rank=rank, world_size=world,
-                                                   seed=11, **kw)
+        self.sampler = ResumableDistributedSampler(IdDataset(n), rank=rank, world_size=world, seed=11, **kw)
         self.batch = batch
 
     def __iter__(self):
@@ -87,8 +87,7 @@ def test_sampler_exactly_once_across_world_size_changes(name):
     world = len(last)
     for r, src in enumerate(last):
         src.set_epoch(5)
-        fresh = ResumableDistributedSampler(IdDataset(23), rank=r, world_size=world, seed=11,
-                                            pad=False)
+        fresh = ResumableDistributedSampler(IdDataset(23), rank=r, world_size=world, seed=11, pad=False)
         fresh.set_epoch(5)
         assert list(src.sampler) == list(fresh)
 
@@ -112,8 +111,7 @@ def test_sampler_elastic_at_epoch_boundaries():
     # Saved before anything was consumed: the epoch runs as a fresh epoch of the new size.
     seen, last = run_schedule(make, _list, [(2, 0), (3, 0)])
     for r, src in enumerate(last):
-        fresh = ResumableDistributedSampler(IdDataset(23), rank=r, world_size=3, seed=11,
-                                            pad=False)
+        fresh = ResumableDistributedSampler(IdDataset(23), rank=r, world_size=3, seed=11, pad=False)
         assert list(src.sampler) == list(fresh)
     # Saved at the end of the epoch: nothing of it is replayed on the new size.
     seen, last = run_schedule(make, _list, [(2, None), (3, None)])
@@ -153,8 +151,7 @@ def parquet_files(tmp_path_factory):
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_parquet_exactly_once_across_world_size_changes(parquet_files, name, shuffle):
     def make(r, w):
-        return ResumableParquetReader(parquet_files, batch_size=3, rank=r, world_size=w,
-                                      shuffle=shuffle, seed=2)
+        return ResumableParquetReader(parquet_files, batch_size=3, rank=r, world_size=w, shuffle=shuffle, seed=2)
 
     ids = lambda t: t["id"].to_pylist()  # noqa: E731
     seen, last = run_schedule(make, ids, SCHEDULES[name], epoch=1)

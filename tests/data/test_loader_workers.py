@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 from conftest import IdDataset, tensor_ids
-from data_harness import check_every_interrupt_point, roundtrip
 from torch.utils.data import DataLoader
 
 from cf_ray.data import ResumableDataLoader, ResumableDistributedSampler
 from cf_ray.errors import ConfigError
+
+from data_harness import check_every_interrupt_point, roundtrip
 
 
 def _sampler(n=10, **kw):
@@ -20,8 +21,9 @@ def _sampler(n=10, **kw):
 
 def test_saved_position_equals_consumed_with_two_workers_and_prefetch():
     ds = IdDataset(40)
-    loader = ResumableDataLoader(ds, batch_size=3, sampler=_sampler(40, shuffle=False),
-                                 num_workers=2, prefetch_factor=2)
+    loader = ResumableDataLoader(
+        ds, batch_size=3, sampler=_sampler(40, shuffle=False), num_workers=2, prefetch_factor=2
+    )
     it = iter(loader)
     got = [next(it).tolist() for _ in range(2)]
     assert got == [[0, 1, 2], [3, 4, 5]]
@@ -37,8 +39,7 @@ def test_saved_position_equals_consumed_with_two_workers_and_prefetch():
 
     # A plain DataLoader over the same sampler would have saved the prefetched position.
     plain_sampler = _sampler(40, shuffle=False)
-    plain = iter(DataLoader(ds, batch_size=3, sampler=plain_sampler, num_workers=2,
-                            prefetch_factor=2))
+    plain = iter(DataLoader(ds, batch_size=3, sampler=plain_sampler, num_workers=2, prefetch_factor=2))
     next(plain), next(plain)
     assert plain_sampler.state_dict()["consumed"] > 6
 
@@ -46,24 +47,37 @@ def test_saved_position_equals_consumed_with_two_workers_and_prefetch():
 @pytest.mark.parametrize("persistent", [False, True])
 def test_resume_at_every_interrupt_point_with_workers(persistent):
     def make():
-        return ResumableDataLoader(IdDataset(7), batch_size=2, sampler=_sampler(7, seed=4),
-                                   num_workers=2, prefetch_factor=2, persistent_workers=persistent)
+        return ResumableDataLoader(
+            IdDataset(7),
+            batch_size=2,
+            sampler=_sampler(7, seed=4),
+            num_workers=2,
+            prefetch_factor=2,
+            persistent_workers=persistent,
+        )
 
     # Every point once; with persistent workers (same counting code) the chains of interrupts.
     check_every_interrupt_point(make, tensor_ids, epochs=2, single=not persistent)
 
 
 def test_batch_drop_last_tail_counts_as_consumed():
-    loader = ResumableDataLoader(IdDataset(10), batch_size=4, sampler=_sampler(shuffle=False),
-                                 drop_last=True, num_workers=1)
+    loader = ResumableDataLoader(
+        IdDataset(10), batch_size=4, sampler=_sampler(shuffle=False), drop_last=True, num_workers=1
+    )
     assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     state = loader.state_dict()
     assert state["consumed"] == state["epoch_len"] == 10  # complete: the next epoch starts fresh
 
 
 def test_persistent_workers_across_epochs_and_early_break():
-    loader = ResumableDataLoader(IdDataset(12), batch_size=2, sampler=_sampler(12, shuffle=False),
-                                 num_workers=2, persistent_workers=True, prefetch_factor=3)
+    loader = ResumableDataLoader(
+        IdDataset(12),
+        batch_size=2,
+        sampler=_sampler(12, shuffle=False),
+        num_workers=2,
+        persistent_workers=True,
+        prefetch_factor=3,
+    )
     loader.set_epoch(0)
     for i, _ in enumerate(loader):
         if i == 1:

@@ -10,10 +10,11 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
-from data_harness import check_every_interrupt_point, roundtrip
 
 from cf_ray.data import ResumableParquetReader
 from cf_ray.errors import ConfigError
+
+from data_harness import check_every_interrupt_point, roundtrip
 
 
 def _ids(table):
@@ -27,8 +28,11 @@ def files(tmp_path_factory):
     paths, lo = [], 0
     for f, n in enumerate([9, 13, 7]):
         ids = list(range(lo, lo + n))
-        pq.write_table(pa.table({"id": ids, "x": [10 * i for i in ids], "s": [str(i) for i in ids]}),
-                       str(root / f"part-{f}.parquet"), row_group_size=4)
+        pq.write_table(
+            pa.table({"id": ids, "x": [10 * i for i in ids], "s": [str(i) for i in ids]}),
+            str(root / f"part-{f}.parquet"),
+            row_group_size=4,
+        )
         paths.append(str(root / f"part-{f}.parquet"))
         lo += n
     return paths
@@ -50,7 +54,7 @@ def test_reads_every_row_once_per_epoch_split_over_ranks(files):
 def test_unshuffled_order_and_batch_formats(files):
     reader = ResumableParquetReader(files, batch_size=5, columns=["id", "x"])
     tables = list(reader)
-    assert [t.num_rows for t in tables] == [5, 5, 5, 5, 5, 4]     # batches span files
+    assert [t.num_rows for t in tables] == [5, 5, 5, 5, 5, 4]  # batches span files
     assert sum((_ids(t) for t in tables), []) == list(range(29))
     assert tables[0].column_names == ["id", "x"]
     np_batch = next(iter(ResumableParquetReader(files, batch_size=3, batch_format="numpy")))
@@ -74,8 +78,7 @@ def test_shuffle_is_a_pure_function_of_seed_and_epoch(files):
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_resume_at_every_interrupt_point(files, world, rank, shuffle):
     def make():
-        return ResumableParquetReader(files, batch_size=4, rank=rank, world_size=world,
-                                      shuffle=shuffle, seed=3)
+        return ResumableParquetReader(files, batch_size=4, rank=rank, world_size=world, shuffle=shuffle, seed=3)
 
     check_every_interrupt_point(make, _ids, epochs=2)
 
@@ -152,8 +155,9 @@ class _SpyHandler(pafs.FileSystemHandler):
     def create_dir(self, *a):
         raise NotImplementedError
 
-    delete_dir = delete_dir_contents = delete_root_dir_contents = delete_file = move = copy_file = \
-        open_output_stream = open_append_stream = create_dir
+    delete_dir = delete_dir_contents = delete_root_dir_contents = delete_file = move = copy_file = (
+        open_output_stream
+    ) = open_append_stream = create_dir
 
 
 def _row_group_ranges(path):
@@ -161,8 +165,10 @@ def _row_group_ranges(path):
     out = []
     for g in range(meta.num_row_groups):
         rg = meta.row_group(g)
-        starts = [min(c for c in (rg.column(i).dictionary_page_offset, rg.column(i).data_page_offset)
-                      if c is not None) for i in range(rg.num_columns)]
+        starts = [
+            min(c for c in (rg.column(i).dictionary_page_offset, rg.column(i).data_page_offset) if c is not None)
+            for i in range(rg.num_columns)
+        ]
         end = max(s + rg.column(i).total_compressed_size for i, s in enumerate(starts))
         out.append((min(starts), end))
     return out
@@ -172,9 +178,12 @@ def test_resume_reads_only_the_row_groups_it_needs(tmp_path):
     # Row groups larger than pyarrow's footer read-ahead (64 KiB), so that reads can be told apart.
     rng = np.random.default_rng(0)
     path = str(tmp_path / "big.parquet")
-    pq.write_table(pa.table({"id": list(range(12)),
-                             "blob": [rng.bytes(40_000) for _ in range(12)]}),
-                   path, row_group_size=3, compression="none")
+    pq.write_table(
+        pa.table({"id": list(range(12)), "blob": [rng.bytes(40_000) for _ in range(12)]}),
+        path,
+        row_group_size=3,
+        compression="none",
+    )
     ranges = _row_group_ranges(path)
     assert len(ranges) == 4 and all(hi - lo > 100_000 for lo, hi in ranges)
 
@@ -185,8 +194,7 @@ def test_resume_reads_only_the_row_groups_it_needs(tmp_path):
     state = roundtrip(reader.state_dict())
 
     handler = _SpyHandler()
-    resumed = ResumableParquetReader(path, batch_size=2, columns=["id", "blob"],
-                                     filesystem=pafs.PyFileSystem(handler))
+    resumed = ResumableParquetReader(path, batch_size=2, columns=["id", "blob"], filesystem=pafs.PyFileSystem(handler))
     resumed.load_state_dict(state)
     handler.reads.clear()  # the constructor read the footer only
     assert sum((_ids(t) for t in resumed), []) == list(range(8, 12))
@@ -204,8 +212,7 @@ def test_another_dataset_or_seed_is_refused(files, tmp_path):
     with pytest.raises(ConfigError, match="seed=1 but this ResumableParquetReader has seed=2"):
         ResumableParquetReader(files, batch_size=4, shuffle=True, seed=2).load_state_dict(state)
     with pytest.raises(ConfigError, match="same Parquet files, in the same order"):
-        ResumableParquetReader(files[::-1], batch_size=4, shuffle=True,
-                               seed=1).load_state_dict(state)
+        ResumableParquetReader(files[::-1], batch_size=4, shuffle=True, seed=1).load_state_dict(state)
     with pytest.raises(ConfigError, match="does not exist"):
         ResumableParquetReader(str(tmp_path / "missing.parquet"), batch_size=4)
     with pytest.raises(ConfigError, match="batch_size=0"):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import threading
 
 import pytest
-from data_harness import check_every_interrupt_point, roundtrip, run_segments
 
 from cf_ray.data import DataOrderError, ResumableRayDataIterator, ordered_data_config
 from cf_ray.errors import ConfigError, ElasticResumeError
+
+from data_harness import check_every_interrupt_point, roundtrip, run_segments
 
 
 def _ordered(ds):
@@ -27,17 +28,19 @@ def test_resume_at_every_interrupt_point(ray_local):
 
 
 def test_resume_inside_a_locally_shuffled_epoch(ray_local):
-    ds = _ordered(ray_local.data.range(40, override_num_blocks=4).map_batches(
-        lambda b: {"id": b["id"], "y": b["id"] * 2}))
+    ds = _ordered(
+        ray_local.data.range(40, override_num_blocks=4).map_batches(lambda b: {"id": b["id"], "y": b["id"] * 2})
+    )
 
     def make():
-        return ResumableRayDataIterator(ds.iterator(), batch_size=6, id_column="id", seed=3,
-                                        local_shuffle_buffer_size=12)
+        return ResumableRayDataIterator(
+            ds.iterator(), batch_size=6, id_column="id", seed=3, local_shuffle_buffer_size=12
+        )
 
     expected = run_segments(make, _ids, 2, [])
     assert sorted(sum(expected[:7], [])) == list(range(40))
-    assert sum(expected[:7], []) != list(range(40))                     # it did shuffle
-    assert sum(expected[:7], []) != sum(expected[7:], [])               # differently per epoch
+    assert sum(expected[:7], []) != list(range(40))  # it did shuffle
+    assert sum(expected[:7], []) != sum(expected[7:], [])  # differently per epoch
     assert run_segments(make, _ids, 2, [3, 6]) == expected
 
 
@@ -65,8 +68,10 @@ def test_two_rank_streaming_split_resumes_exactly(ray_local):
     ds = _ordered(ray_local.data.range(43, override_num_blocks=5))
 
     def split():
-        return [ResumableRayDataIterator(s, batch_size=5, rank=r, world_size=2, id_column="id")
-                for r, s in enumerate(ds.streaming_split(2, equal=True))]
+        return [
+            ResumableRayDataIterator(s, batch_size=5, rank=r, world_size=2, id_column="id")
+            for r, s in enumerate(ds.streaming_split(2, equal=True))
+        ]
 
     full = _consume_split(split(), None, None)
     its = split()
@@ -97,20 +102,32 @@ def test_elastic_only_at_epoch_boundaries(ray_local):
     ds = _ordered(ray_local.data.range(12, override_num_blocks=2))
 
     def states(consumed, complete):
-        return [{"format": ResumableRayDataIterator.FORMAT, "batch_size": 4, "id_column": None,
-                 "seed": 0, "local_shuffle_buffer_size": None, "epoch": 3, "world_size": 2,
-                 "rank": r, "consumed": c, "complete": complete, "ids_digest": None}
-                for r, c in enumerate(consumed)]
+        return [
+            {
+                "format": ResumableRayDataIterator.FORMAT,
+                "batch_size": 4,
+                "id_column": None,
+                "seed": 0,
+                "local_shuffle_buffer_size": None,
+                "epoch": 3,
+                "world_size": 2,
+                "rank": r,
+                "consumed": c,
+                "complete": complete,
+                "ids_digest": None,
+            }
+            for r, c in enumerate(consumed)
+        ]
 
     fresh = lambda: ResumableRayDataIterator(ds.iterator(), batch_size=4, rank=0, world_size=1)  # noqa
     it = fresh()
-    it.load_elastic_state(states([6, 6], True), 0, 1)     # the epoch had ended on both ranks
+    it.load_elastic_state(states([6, 6], True), 0, 1)  # the epoch had ended on both ranks
     it.set_epoch(3)
     assert list(it) == []
     it.set_epoch(4)
     assert sum((_ids(b) for b in it), []) == list(range(12))
     it = fresh()
-    it.load_elastic_state(states([0, 0], False), 0, 1)    # nothing consumed yet
+    it.load_elastic_state(states([0, 0], False), 0, 1)  # nothing consumed yet
     assert sum((_ids(b) for b in it), []) == list(range(12))
     with pytest.raises(ElasticResumeError, match="middle of the epoch"):
         fresh().load_elastic_state(states([4, 4], False), 0, 1)
@@ -121,8 +138,7 @@ def test_bad_input(ray_local):
     it = ResumableRayDataIterator(ds.iterator(), batch_size=4)
     next(iter(it))
     state = roundtrip(it.state_dict())
-    with pytest.raises(ConfigError, match="batch_size=4 but this ResumableRayDataIterator has "
-                                          "batch_size=3"):
+    with pytest.raises(ConfigError, match="batch_size=4 but this ResumableRayDataIterator has batch_size=3"):
         ResumableRayDataIterator(ds.iterator(), batch_size=3).load_state_dict(state)
     with pytest.raises(ConfigError, match="neither a ray.data.DataIterator"):
         ResumableRayDataIterator([1, 2], batch_size=3)

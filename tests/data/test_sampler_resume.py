@@ -6,10 +6,11 @@ import json
 
 import pytest
 from conftest import IdDataset, tensor_ids
-from data_harness import check_every_interrupt_point, roundtrip
 from torch.utils.data import DataLoader, DistributedSampler
 
 from cf_ray.data import ResumableDistributedSampler
+
+from data_harness import check_every_interrupt_point, roundtrip
 
 
 class SamplerAndLoader:
@@ -17,8 +18,9 @@ class SamplerAndLoader:
 
     def __init__(self, sampler, batch_size, drop_last=False):
         self.sampler = sampler
-        self.loader = DataLoader(IdDataset(sampler.dataset_len), batch_size=batch_size,
-                                 sampler=sampler, drop_last=drop_last)
+        self.loader = DataLoader(
+            IdDataset(sampler.dataset_len), batch_size=batch_size, sampler=sampler, drop_last=drop_last
+        )
 
     def __iter__(self):
         return iter(self.loader)
@@ -40,10 +42,12 @@ def test_same_order_as_torch_distributed_sampler(world_size, shuffle, drop_last)
     ds = IdDataset(23)
     for epoch in (0, 1, 5):
         for rank in range(world_size):
-            theirs = DistributedSampler(ds, num_replicas=world_size, rank=rank, shuffle=shuffle,
-                                        seed=7, drop_last=drop_last)
-            ours = ResumableDistributedSampler(ds, rank=rank, world_size=world_size,
-                                               shuffle=shuffle, seed=7, drop_last=drop_last)
+            theirs = DistributedSampler(
+                ds, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=7, drop_last=drop_last
+            )
+            ours = ResumableDistributedSampler(
+                ds, rank=rank, world_size=world_size, shuffle=shuffle, seed=7, drop_last=drop_last
+            )
             theirs.set_epoch(epoch)
             ours.set_epoch(epoch)
             assert list(ours) == list(theirs)
@@ -63,17 +67,20 @@ def test_order_is_a_pure_function_of_seed_and_epoch():
 
 
 @pytest.mark.parametrize("world_size,rank", [(1, 0), (2, 0), (2, 1)])
-@pytest.mark.parametrize("shuffle,drop_last,pad", [
-    (True, False, None),    # torch's default: pads uneven shards
-    (True, False, False),   # uneven shards, exactly once
-    (False, True, None),    # drops the tail
-])
+@pytest.mark.parametrize(
+    "shuffle,drop_last,pad",
+    [
+        (True, False, None),  # torch's default: pads uneven shards
+        (True, False, False),  # uneven shards, exactly once
+        (False, True, None),  # drops the tail
+    ],
+)
 @pytest.mark.parametrize("batch_drop_last", [False, True])
-def test_resume_at_every_interrupt_point(world_size, rank, shuffle, drop_last, pad,
-                                         batch_drop_last):
+def test_resume_at_every_interrupt_point(world_size, rank, shuffle, drop_last, pad, batch_drop_last):
     def make():
-        sampler = ResumableDistributedSampler(IdDataset(11), rank=rank, world_size=world_size,
-                                              shuffle=shuffle, seed=1, drop_last=drop_last, pad=pad)
+        sampler = ResumableDistributedSampler(
+            IdDataset(11), rank=rank, world_size=world_size, shuffle=shuffle, seed=1, drop_last=drop_last, pad=pad
+        )
         return SamplerAndLoader(sampler, batch_size=2, drop_last=batch_drop_last)
 
     assert check_every_interrupt_point(make, tensor_ids, epochs=2) >= 6
@@ -106,7 +113,7 @@ def test_epoch_boundary_states():
     same = ResumableDistributedSampler(ds, rank=0, world_size=1, seed=2)
     same.load_state_dict(end_state)
     same.set_epoch(4)
-    assert list(same) == []          # epoch 4 was finished: nothing replayed
+    assert list(same) == []  # epoch 4 was finished: nothing replayed
     same.set_epoch(5)
     expected = ResumableDistributedSampler(ds, rank=0, world_size=1, seed=2)
     expected.set_epoch(5)

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from data_harness import check_every_interrupt_point, roundtrip
 
 from cf_ray.data import ResumableDataLoader, ShardedDataset
 from cf_ray.errors import ConfigError
+
+from data_harness import check_every_interrupt_point, roundtrip
 
 
 class Loader:
@@ -29,17 +30,16 @@ def _ids(batch):
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_each_rank_holds_only_its_part(shuffle):
     loaders = [Loader() for _ in range(3)]
-    shards = [ShardedDataset(20, loaders[r], rank=r, world_size=3, shuffle=shuffle, seed=5)
-              for r in range(3)]
+    shards = [ShardedDataset(20, loaders[r], rank=r, world_size=3, shuffle=shuffle, seed=5) for r in range(3)]
     held = [set(ds.held_ids()) for ds in shards]
     assert set().union(*held) == set(range(20))
-    assert sum(len(h) for h in held) == 20                     # disjoint
+    assert sum(len(h) for h in held) == 20  # disjoint
     for r in range(3):
-        assert loaders[r].calls == [sorted(held[r])]           # loaded once, only its shard
+        assert loaders[r].calls == [sorted(held[r])]  # loaded once, only its shard
         shards[r].set_epoch(0)
         assert sorted(shards[r].sampler) == sorted(held[r])
     if not shuffle:
-        assert shards[0].held_ids() == list(range(0, 6))       # contiguous blocks
+        assert shards[0].held_ids() == list(range(0, 6))  # contiguous blocks
 
 
 def test_epochs_reshuffle_within_the_shard():
@@ -68,22 +68,22 @@ def test_elastic_resume_loads_only_what_the_new_rank_needs():
     for _ in range(5):
         for it in its:
             seen.append(next(it))
-    seen.append(next(its[0]))                                 # rank 0 is one item ahead
+    seen.append(next(its[0]))  # rank 0 is one item ahead
     states = [roundtrip(ds.state_dict()) for ds in old]
-    assert [s["consumed"] for s in states] == [6, 5]          # uneven consumption
+    assert [s["consumed"] for s in states] == [6, 5]  # uneven consumption
 
     new_loaders = [Loader() for _ in range(3)]
     new = [ShardedDataset(n, new_loaders[r], rank=r, world_size=3, seed=1) for r in range(3)]
     for r, ds in enumerate(new):
         ds.load_elastic_state(states, r, 3)
         seen += list(ds.sampler)
-    assert Counter(seen) == Counter(range(n))                 # the epoch: exactly once
+    assert Counter(seen) == Counter(range(n))  # the epoch: exactly once
     for r, ds in enumerate(new):
         own = set(ds.shard_ids().tolist())
         extra = [i for call in new_loaders[r].calls[1:] for i in call]
-        assert not own & set(extra)                           # only missing items were loaded
+        assert not own & set(extra)  # only missing items were loaded
         assert all(call == sorted(call) for call in new_loaders[r].calls)
-        ds.set_epoch(1)                                       # next epoch: the new shards only
+        ds.set_epoch(1)  # next epoch: the new shards only
         assert ds.held_ids() == sorted(own)
         assert sorted(ds.sampler) == sorted(own)
 

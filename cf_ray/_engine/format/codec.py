@@ -42,9 +42,18 @@ _TAGS = (_TENSOR, _NDARRAY, _TUPLE, _DICT, _NPSCALAR, _DTYPE, _DEVICE, _BYTES, _
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     str(dt).removeprefix("torch."): dt
     for dt in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-        torch.complex64, torch.complex128,
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
     )
 }
 for _name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
@@ -69,18 +78,34 @@ class TensorEntry:
     kind: str  # "torch" or "numpy"
 
     def to_json(self) -> dict:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
-                "offset": self.offset, "nbytes": self.nbytes, "kind": self.kind}
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "kind": self.kind,
+        }
 
     @staticmethod
     def from_json(d: dict) -> TensorEntry:
         try:
-            entry = TensorEntry(str(d["name"]), str(d["dtype"]), tuple(int(s) for s in d["shape"]),
-                                int(d["offset"]), int(d["nbytes"]), str(d["kind"]))
+            entry = TensorEntry(
+                str(d["name"]),
+                str(d["dtype"]),
+                tuple(int(s) for s in d["shape"]),
+                int(d["offset"]),
+                int(d["nbytes"]),
+                str(d["kind"]),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed tensor entry {d!r}: {e}") from None
-        if entry.kind not in ("torch", "numpy") or entry.offset < 0 or entry.nbytes < 0 \
-                or any(s < 0 for s in entry.shape):
+        if (
+            entry.kind not in ("torch", "numpy")
+            or entry.offset < 0
+            or entry.nbytes < 0
+            or any(s < 0 for s in entry.shape)
+        ):
             raise ValueError(f"malformed tensor entry {d!r}")
         if entry.kind == "torch" and entry.dtype not in _TORCH_DTYPES:
             raise ValueError(f"unsupported tensor dtype {entry.dtype!r} in entry {entry.name!r}")
@@ -88,7 +113,9 @@ class TensorEntry:
             raise ValueError(f"unsupported array dtype {entry.dtype!r} in entry {entry.name!r}")
         expected = math.prod(entry.shape) * element_size(entry)
         if expected != entry.nbytes:
-            raise ValueError(f"entry {entry.name!r}: shape {entry.shape} needs {expected} bytes, table says {entry.nbytes}")
+            raise ValueError(
+                f"entry {entry.name!r}: shape {entry.shape} needs {expected} bytes, table says {entry.nbytes}"
+            )
         return entry
 
 
@@ -132,8 +159,10 @@ def flatten(tree: Any, *, offset: int = 0, prefix: str = "") -> Flat:
     def leaf(value, path: str, kind: str) -> dict:
         if kind == "torch":
             if value.is_sparse or value.layout != torch.strided:
-                raise TypeError(f"cannot checkpoint {path}: sparse or non-strided tensors are not supported; "
-                                "convert it with .to_dense() in state_dict()")
+                raise TypeError(
+                    f"cannot checkpoint {path}: sparse or non-strided tensors are not supported; "
+                    "convert it with .to_dense() in state_dict()"
+                )
             dtype = str(value.dtype).removeprefix("torch.")
             if dtype not in _TORCH_DTYPES:
                 raise TypeError(f"cannot checkpoint {path}: dtype {value.dtype} is not supported")
@@ -141,8 +170,9 @@ def flatten(tree: Any, *, offset: int = 0, prefix: str = "") -> Flat:
             shape = tuple(value.shape)
         else:
             if value.dtype.str not in _NUMPY_DTYPES:
-                raise TypeError(f"cannot checkpoint {path}: numpy dtype {value.dtype} is not supported; "
-                                "store numbers, not objects")
+                raise TypeError(
+                    f"cannot checkpoint {path}: numpy dtype {value.dtype} is not supported; store numbers, not objects"
+                )
             dtype, nbytes, shape = value.dtype.str, value.nbytes, tuple(value.shape)
         entry = TensorEntry(path, dtype, shape, cursor[0], nbytes, kind)
         cursor[0] = _align(cursor[0] + nbytes)
@@ -218,7 +248,7 @@ def _decode(tree: Any, get: Callable[[int, TensorEntry], Any], entries: list[Ten
         if not isinstance(v, dict):
             return v
         if len(v) == 1:
-            (k, x), = v.items()
+            ((k, x),) = v.items()
             if k in (_TENSOR, _NDARRAY):
                 if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < len(entries):
                     raise ValueError(f"tensor reference {x!r} is out of range")
@@ -270,7 +300,7 @@ def view(buf: np.ndarray, entry: TensorEntry, *, copy: bool, readonly_ok: bool =
     """
     if entry.offset + entry.nbytes > buf.nbytes:
         raise ValueError(f"entry {entry.name!r} ends at {entry.offset + entry.nbytes}, buffer has {buf.nbytes} bytes")
-    raw = buf[entry.offset: entry.offset + entry.nbytes]
+    raw = buf[entry.offset : entry.offset + entry.nbytes]
     if entry.kind == "numpy":
         arr = raw.view(_NUMPY_DTYPES[entry.dtype]).reshape(entry.shape)
         return arr.copy() if copy else arr

@@ -95,11 +95,19 @@ class Manifest:
         """Compact, key-sorted JSON carrying ``checksum``: the SHA-256 of the canonical JSON of every
         other field, so that one flipped bit anywhere in the file is detected when it is read."""
         d = {
-            "format": FORMAT, "version": VERSION, "step": self.step, "epoch": self.epoch,
-            "world_size": self.world_size, "generation": self.generation, "replicated": self.replicated,
-            "kind": self.kind, "milestone": self.milestone, "sections": self.sections,
+            "format": FORMAT,
+            "version": VERSION,
+            "step": self.step,
+            "epoch": self.epoch,
+            "world_size": self.world_size,
+            "generation": self.generation,
+            "replicated": self.replicated,
+            "kind": self.kind,
+            "milestone": self.milestone,
+            "sections": self.sections,
             "files": {k: v.to_json() for k, v in self.files.items()},
-            "created_unix": self.created_unix or time.time(), "extra": self.extra,
+            "created_unix": self.created_unix or time.time(),
+            "extra": self.extra,
         }
         d = json.loads(json.dumps(d))  # as a reader will see it: int keys of ``extra`` become strings, ...
         d[_CHECKSUM] = _checksum_of(d)
@@ -132,8 +140,23 @@ class Manifest:
 _CHECKSUM = "checksum"
 _CHECKSUM_PREFIX = "sha256:"
 #: The fields of a version-1 manifest; version 2 adds ``checksum``.
-_FIELDS_V1 = frozenset({"format", "version", "step", "epoch", "world_size", "generation", "replicated", "kind",
-                        "milestone", "sections", "files", "created_unix", "extra"})
+_FIELDS_V1 = frozenset(
+    {
+        "format",
+        "version",
+        "step",
+        "epoch",
+        "world_size",
+        "generation",
+        "replicated",
+        "kind",
+        "milestone",
+        "sections",
+        "files",
+        "created_unix",
+        "extra",
+    }
+)
 _FIELDS_V2 = _FIELDS_V1 | {_CHECKSUM}
 
 
@@ -214,8 +237,7 @@ def _parse_manifest(raw: bytes | np.ndarray) -> Manifest:
     if not _is_int(version) or version < 1:
         raise _Malformed("version", f"expected an integer >= 1, found {version!r}")
     if version > VERSION:
-        raise _Malformed("version", f"manifest version {version} is newer than this cf_ray ({VERSION}); "
-                                    "upgrade cf_ray")
+        raise _Malformed("version", f"manifest version {version} is newer than this cf_ray ({VERSION}); upgrade cf_ray")
     _check_names_are_plain(d)
     if version == 1:
         # Version 1 manifests carry no checksum of their own: accepted for checkpoints written before
@@ -229,8 +251,11 @@ def _parse_manifest(raw: bytes | np.ndarray) -> Manifest:
             raise _Malformed(_CHECKSUM, f"expected a string, found {stored!r}")
         actual = _checksum_of(d)
         if stored != actual:
-            raise _Malformed(_CHECKSUM, f"the manifest fails its own checksum ({stored!r} != {actual!r}): "
-                                        "it was altered or damaged after it was written")
+            raise _Malformed(
+                _CHECKSUM,
+                f"the manifest fails its own checksum ({stored!r} != {actual!r}): "
+                "it was altered or damaged after it was written",
+            )
         if _canonical(d).encode() != raw:
             # Every byte counts: e.g. a damaged 17th digit of created_unix that parses to the same float.
             raise _Malformed("<encoding>", "not the canonical JSON that cf_ray writes: altered after it was written")
@@ -258,11 +283,24 @@ def _parse_manifest(raw: bytes | np.ndarray) -> Manifest:
         sections = _step_sections(raw_sections, world_size, replicated, generation)
     named = {f for names in sections.values() for f in names.values()}
     if set(files) != named:
-        raise _Malformed("files", f"lists {sorted(set(files) - named)} that no section names "
-                                  f"and misses {sorted(named - set(files))} that a section names")
-    return Manifest(step=step, epoch=epoch, world_size=world_size, generation=generation, replicated=replicated,
-                    kind=kind, milestone=milestone, sections=sections, files=files,
-                    created_unix=float(created_unix), extra=extra)
+        raise _Malformed(
+            "files",
+            f"lists {sorted(set(files) - named)} that no section names "
+            f"and misses {sorted(named - set(files))} that a section names",
+        )
+    return Manifest(
+        step=step,
+        epoch=epoch,
+        world_size=world_size,
+        generation=generation,
+        replicated=replicated,
+        kind=kind,
+        milestone=milestone,
+        sections=sections,
+        files=files,
+        created_unix=float(created_unix),
+        extra=extra,
+    )
 
 
 def _parse_files(raw: dict) -> dict[str, FileInfo]:
@@ -272,7 +310,7 @@ def _parse_files(raw: dict) -> dict[str, FileInfo]:
         if not isinstance(info, dict) or set(info) != {"size", "crc32"}:
             raise _Malformed(label, f"expected {{'size': int, 'crc32': int}}, found {info!r}")
         size = _int_field(info, "size", 0, label=f"{label}.size")
-        crc = _int_field(info, "crc32", 0, 2 ** 32 - 1, label=f"{label}.crc32")
+        crc = _int_field(info, "crc32", 0, 2**32 - 1, label=f"{label}.crc32")
         files[name] = FileInfo(size, crc)
     return files
 
@@ -296,18 +334,27 @@ def _step_sections(raw: dict, world_size: int, replicated: bool, generation: int
         if not _SECTION_RE.match(sec):
             raise _Malformed("sections", f"bad section name {sec!r}")
     if len(raw) != world_size + int(replicated):
-        raise _Malformed("sections", f"world_size {world_size} (replicated={replicated}) implies "
-                                     f"{world_size + int(replicated)} sections, found {len(raw)}: {sorted(raw)}")
+        raise _Malformed(
+            "sections",
+            f"world_size {world_size} (replicated={replicated}) implies "
+            f"{world_size + int(replicated)} sections, found {len(raw)}: {sorted(raw)}",
+        )
     expected = {rank_section(r) for r in range(world_size)} | ({SHARED} if replicated else set())
     if set(raw) != expected:
-        raise _Malformed("sections", f"world_size {world_size} (replicated={replicated}) implies sections "
-                                     f"{sorted(expected)}, found {sorted(raw)}")
+        raise _Malformed(
+            "sections",
+            f"world_size {world_size} (replicated={replicated}) implies sections "
+            f"{sorted(expected)}, found {sorted(raw)}",
+        )
     sections = {}
     for sec, names in raw.items():
         data, index = section_files(generation, sec)
         if names != {"data": data, "index": index}:
-            raise _Malformed(f"sections.{sec}", f"expected {{'data': {data!r}, 'index': {index!r}}} "
-                                                f"(section {sec}, generation {generation}), found {names!r}")
+            raise _Malformed(
+                f"sections.{sec}",
+                f"expected {{'data': {data!r}, 'index': {index!r}}} "
+                f"(section {sec}, generation {generation}), found {names!r}",
+            )
         sections[sec] = {"data": data, "index": index}
     return sections
 
@@ -319,13 +366,16 @@ def _check_file_name(name: str) -> None:
 
 # -- writing ------------------------------------------------------------------------------------
 
+
 def encode_index(flat: _codec.Flat) -> bytes:
-    return json.dumps({"entries": [e.to_json() for e in flat.entries], "tree": flat.tree},
-                      separators=(",", ":")).encode()
+    return json.dumps(
+        {"entries": [e.to_json() for e in flat.entries], "tree": flat.tree}, separators=(",", ":")
+    ).encode()
 
 
-def write_section(storage: Storage, directory: str, generation: int, section: str,
-                  arena: np.ndarray, index: bytes) -> dict[str, FileInfo]:
+def write_section(
+    storage: Storage, directory: str, generation: int, section: str, arena: np.ndarray, index: bytes
+) -> dict[str, FileInfo]:
     """Phase 2 of one section: stream the arena, then its index. Returns what the manifest needs."""
     data_name, index_name = section_files(generation, section)
     info_data = storage.write_file(f"{directory}/{data_name}", chunked(arena))
@@ -350,8 +400,9 @@ def write_pointer(storage: Storage, step: int) -> str:
     """A directory ``registered/step_<step>`` holding only a pointer to ``checkpoints/step_<step>``:
     what is registered with Ray Train, so that cf_ray's keep-last never deletes what Ray remembers."""
     directory = f"{REGISTERED}/step_{step:012d}"
-    body = json.dumps({"format": "cf_ray-pointer", "version": POINTER_VERSION, "checkpoint": step_dir(step),
-                       "step": step})
+    body = json.dumps(
+        {"format": "cf_ray-pointer", "version": POINTER_VERSION, "checkpoint": step_dir(step), "step": step}
+    )
     storage.write_file(f"{directory}/{POINTER}", [body.encode()])
     return directory
 
@@ -369,11 +420,15 @@ def read_pointer(raw: bytes | np.ndarray) -> str:
     except (ValueError, TypeError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError included
         raise CorruptCheckpointError(f"malformed checkpoint pointer: {type(e).__name__}: {e}") from None
     if not isinstance(d, dict) or not isinstance(d.get("checkpoint"), str):
-        raise CorruptCheckpointError(f"malformed checkpoint pointer: expected an object with a 'checkpoint' string, "
-                                     f"found {str(d)[:200]!r}")
+        raise CorruptCheckpointError(
+            f"malformed checkpoint pointer: expected an object with a 'checkpoint' string, found {str(d)[:200]!r}"
+        )
     target = d["checkpoint"]
-    if d.get("format") != "cf_ray-pointer" or not _DIR_RE.match(target.removeprefix(f"{CHECKPOINTS}/")) \
-            or not target.startswith(f"{CHECKPOINTS}/"):
+    if (
+        d.get("format") != "cf_ray-pointer"
+        or not _DIR_RE.match(target.removeprefix(f"{CHECKPOINTS}/"))
+        or not target.startswith(f"{CHECKPOINTS}/")
+    ):
         raise UnsafeCheckpointError(f"checkpoint pointer names {target!r}, which is not a checkpoint of this run")
     version, step = d.get("version"), d.get("step")
     if not _is_int(version) or not 1 <= version <= VERSION:
@@ -384,6 +439,7 @@ def read_pointer(raw: bytes | np.ndarray) -> str:
 
 
 # -- reading ------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class CommittedCheckpoint:
@@ -454,8 +510,14 @@ def _warn_skipped(storage: Storage, name: str, error: Exception) -> None:
     if len(_WARNED) > 10_000:
         _WARNED.clear()
     _WARNED.add((where, name))
-    logger.warning("cf_ray: skipped the entry %s/%s of the checkpoint listing, which is unsafe or unreadable "
-                   "(%s: %s); it is not used as a checkpoint and not deleted", where, name, type(error).__name__, error)
+    logger.warning(
+        "cf_ray: skipped the entry %s/%s of the checkpoint listing, which is unsafe or unreadable "
+        "(%s: %s); it is not used as a checkpoint and not deleted",
+        where,
+        name,
+        type(error).__name__,
+        error,
+    )
 
 
 def _uri(storage: Storage, path: str) -> str:
@@ -494,8 +556,10 @@ def read_manifest(storage: Storage, directory: str) -> Manifest:
     m = Manifest.from_bytes(raw, where)
     dm = _DIR_RE.match(posixpath.basename(directory.rstrip("/")))
     if dm and (int(dm.group(2)) != m.step or (dm.group(1) == "final") != (m.kind == "final")):
-        raise CorruptCheckpointError(f"manifest {where} is malformed: field 'step'/'kind': it says step {m.step} "
-                                     f"kind {m.kind!r}, but lies in {dm.group(0)}")
+        raise CorruptCheckpointError(
+            f"manifest {where} is malformed: field 'step'/'kind': it says step {m.step} "
+            f"kind {m.kind!r}, but lies in {dm.group(0)}"
+        )
     return m
 
 
@@ -520,10 +584,13 @@ def read_verified(storage: Storage, directory: str, manifest: Manifest, name: st
         raise CorruptCheckpointError(f"{storage.uri(directory)}/{name} is not a file: {e}") from None
     if buf.nbytes != info.size:
         raise CorruptCheckpointError(
-            f"{storage.uri(directory)}/{name} has {buf.nbytes} bytes, the manifest says {info.size} (truncated or altered)")
+            f"{storage.uri(directory)}/{name} has {buf.nbytes} bytes, the manifest says {info.size} (truncated or altered)"
+        )
     crc = crc32_of(buf)
     if crc != info.crc32:
-        raise CorruptCheckpointError(f"{storage.uri(directory)}/{name} fails its checksum (crc32 {crc:#x} != {info.crc32:#x})")
+        raise CorruptCheckpointError(
+            f"{storage.uri(directory)}/{name} fails its checksum (crc32 {crc:#x} != {info.crc32:#x})"
+        )
     return buf
 
 
@@ -579,6 +646,7 @@ def verify_all(storage: Storage, directory: str, manifest: Manifest) -> None:
 
 
 # -- retention ------------------------------------------------------------------------------------
+
 
 def to_delete(committed: list[tuple[int, bool]], keep_last: int | None) -> list[int]:
     """Steps to delete under keep-last-N; milestones and the newest are never chosen.

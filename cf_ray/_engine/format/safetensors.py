@@ -17,8 +17,15 @@ from cf_ray.errors import CorruptCheckpointError
 
 #: torch dtype -> the dtype name safetensors stores in its header.
 _SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
     torch.bool: "BOOL",
 }
 #: The other way round, for reading.
@@ -30,8 +37,9 @@ _ST_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
 RESUME_KEY = "resume"
 
 
-def write_final_model(storage: Storage, directory: str, module: torch.nn.Module, *, step: int, epoch: int,
-                      resume: str | None = None) -> None:
+def write_final_model(
+    storage: Storage, directory: str, module: torch.nn.Module, *, step: int, epoch: int, resume: str | None = None
+) -> None:
     """Write ``module``'s weights as ``model.safetensors`` + a manifest, one tensor at a time.
 
     Each tensor is brought to the host and written in turn, so rank 0 never holds a second full
@@ -52,7 +60,11 @@ def write_final_model(storage: Storage, directory: str, module: torch.nn.Module,
         if t.dtype not in _SAFETENSORS_DTYPES:
             raise TypeError(f"final model tensor {name} has dtype {t.dtype}, which safetensors cannot store")
         n = t.numel() * t.element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
         items.append(t)
         offset += n
     hbytes = json.dumps(header, separators=(",", ":")).encode()
@@ -64,15 +76,29 @@ def write_final_model(storage: Storage, directory: str, module: torch.nn.Module,
         for t in items:
             host = t.detach().to("cpu").contiguous()
             if host.numel():
-                yield host.view(torch.uint8).reshape(-1).numpy() if host.dtype != torch.bool else host.numpy().view(np.uint8)
+                yield (
+                    host.view(torch.uint8).reshape(-1).numpy()
+                    if host.dtype != torch.bool
+                    else host.numpy().view(np.uint8)
+                )
 
     info = storage.write_file(f"{directory}/model.safetensors", chunks())
     extra: dict[str, Any] = {}
     if resume is not None:
         extra = {RESUME_KEY: resume, "resume_step": int(resume.rsplit("_", 1)[1])}
-    m = mf.Manifest(step=step, epoch=epoch, world_size=1, generation=0, replicated=True, kind="final", milestone=True,
-                    sections={"model": {"data": "model.safetensors"}}, files={"model.safetensors": info},
-                    created_unix=time.time(), extra=extra)
+    m = mf.Manifest(
+        step=step,
+        epoch=epoch,
+        world_size=1,
+        generation=0,
+        replicated=True,
+        kind="final",
+        milestone=True,
+        sections={"model": {"data": "model.safetensors"}},
+        files={"model.safetensors": info},
+        created_unix=time.time(),
+        extra=extra,
+    )
     storage.write_file(f"{directory}/{mf.MANIFEST}", [m.to_bytes()])
 
 
@@ -90,10 +116,11 @@ def read_safetensors(buf: np.ndarray, keyset) -> dict[str, torch.Tensor]:
     if n <= 0 or 8 + n > buf.nbytes:
         raise CorruptCheckpointError("model.safetensors has a bad header length")
     try:
-        header = json.loads(bytes(buf[8: 8 + n]))
+        header = json.loads(bytes(buf[8 : 8 + n]))
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise CorruptCheckpointError(f"model.safetensors has a header that is not JSON: {type(e).__name__}: {e}") \
-            from None
+        raise CorruptCheckpointError(
+            f"model.safetensors has a header that is not JSON: {type(e).__name__}: {e}"
+        ) from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"model.safetensors has a header that is a {type(header).__name__}, not an object")
     base = 8 + n
@@ -106,8 +133,9 @@ def read_safetensors(buf: np.ndarray, keyset) -> dict[str, torch.Tensor]:
         except CorruptCheckpointError:
             raise
         except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as e:
-            raise CorruptCheckpointError(f"tensor {name!r} of model.safetensors is malformed: "
-                                         f"{type(e).__name__}: {e}") from None
+            raise CorruptCheckpointError(
+                f"tensor {name!r} of model.safetensors is malformed: {type(e).__name__}: {e}"
+            ) from None
     return out
 
 
@@ -123,6 +151,6 @@ def _tensor(buf: np.ndarray, base: int, name: str, spec: Any) -> torch.Tensor:
     shape = [int(d) for d in spec["shape"]]
     if any(d < 0 for d in shape):
         raise ValueError(f"negative dimension in shape {shape}")
-    raw = buf[base + begin: base + end].copy()
+    raw = buf[base + begin : base + end].copy()
     t = torch.from_numpy(raw).view(dtype) if end > begin else torch.empty(0, dtype=dtype)
     return t.reshape(shape)

@@ -60,8 +60,7 @@ class Storage(Protocol):
         """Names (not paths) of the entries directly under ``path``; empty if it does not exist."""
         ...
 
-    def exists(self, path: str) -> bool:
-        ...
+    def exists(self, path: str) -> bool: ...
 
     def delete_dir(self, path: str) -> None:
         """Delete ``path`` and everything under it; no error if it does not exist."""
@@ -113,7 +112,7 @@ def chunked(buf: np.ndarray | memoryview | bytes, chunk: int | None = None) -> I
     size = chunk or _env.get_int(_env.WRITE_CHUNK_BYTES)
     mv = _byte_view(buf)
     for i in range(0, mv.nbytes, size):
-        yield mv[i: i + size]
+        yield mv[i : i + size]
     if mv.nbytes == 0:
         yield mv
 

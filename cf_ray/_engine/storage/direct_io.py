@@ -70,7 +70,7 @@ class _DirectWriter:
         cap = self.buf.nbytes
         while mv.nbytes:
             take = min(cap - self.fill, mv.nbytes)
-            self.buf[self.fill:self.fill + take] = mv[:take]
+            self.buf[self.fill : self.fill + take] = mv[:take]
             self.fill += take
             mv = mv[take:]
             if self.fill == cap:
@@ -110,7 +110,7 @@ class _DirectWriter:
         if self.direct:
             self._set_direct(False)
         if self.fill:
-            _write_all(self.fd, self.buf[:self.fill])
+            _write_all(self.fd, self.buf[: self.fill])
             self.fill = 0
 
 

@@ -50,11 +50,13 @@ class WorkerContext:
         tiers = []
         if config.upload_path:
             tier = FsStorage.from_uri(config.upload_path, config.upload_filesystem).child(
-                f"{_safe_name(run_name)}/cf_ray")
+                f"{_safe_name(run_name)}/cf_ray"
+            )
             tier.check_writable()
             tiers.append(tier)
-        return cls(rank=rank, world_size=world, run_name=run_name, storage=storage, ray_storage=ray_storage,
-                   tiers=tuple(tiers))
+        return cls(
+            rank=rank, world_size=world, run_name=run_name, storage=storage, ray_storage=ray_storage, tiers=tuple(tiers)
+        )
 
 
 def unwrap_ddp(obj):
@@ -67,17 +69,23 @@ def unwrap_ddp(obj):
 def check_tracked(objs, what: str, allow_empty: bool = False) -> dict:
     """``objs`` as a dict, once every entry is a named object with ``state_dict``/``load_state_dict``."""
     if not isinstance(objs, Mapping):
-        raise ConfigError(f"Checkpointer({what}=...) must be a mapping of name -> object with state_dict(), "
-                          f"got {type(objs).__name__}; e.g. {{'model': model, 'optimizer': optimizer}}")
+        raise ConfigError(
+            f"Checkpointer({what}=...) must be a mapping of name -> object with state_dict(), "
+            f"got {type(objs).__name__}; e.g. {{'model': model, 'optimizer': optimizer}}"
+        )
     if not objs and not allow_empty:
-        raise ConfigError("Checkpointer needs at least one tracked object, e.g. "
-                          "Checkpointer({'model': model, 'optimizer': optimizer})")
+        raise ConfigError(
+            "Checkpointer needs at least one tracked object, e.g. "
+            "Checkpointer({'model': model, 'optimizer': optimizer})"
+        )
     for name, obj in objs.items():
         if not isinstance(name, str) or not name or "/" in name:
             raise ConfigError(f"tracked object name {name!r} must be a non-empty string without '/'")
         if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
-            raise ConfigError(f"tracked object {name!r} ({type(obj).__name__}) has no state_dict()/load_state_dict(); "
-                              "track the object that owns the state (a module, an optimizer, a sampler) or wrap it")
+            raise ConfigError(
+                f"tracked object {name!r} ({type(obj).__name__}) has no state_dict()/load_state_dict(); "
+                "track the object that owns the state (a module, an optimizer, a sampler) or wrap it"
+            )
     return dict(objs)
 
 
@@ -116,11 +124,16 @@ def _context(config: CheckpointConfig):
     run_name = _safe_name(run_name)
     if config.storage_path is not None:
         storage = FsStorage.from_uri(config.storage_path, config.storage_filesystem).child(f"{run_name}/cf_ray")
-        if ray_storage is not None and not (storage.fs_path().startswith(ray_storage.experiment_fs_path + "/")
-                                            and storage.fs.equals(ray_storage.storage_filesystem)):
+        if ray_storage is not None and not (
+            storage.fs_path().startswith(ray_storage.experiment_fs_path + "/")
+            and storage.fs.equals(ray_storage.storage_filesystem)
+        ):
             if config.register_with_ray:
-                warnings.warn("CheckpointConfig.storage_path is outside Ray Train's run directory, so checkpoints "
-                              "are not registered with Ray Train (register_with_ray is ignored)", stacklevel=4)
+                warnings.warn(
+                    "CheckpointConfig.storage_path is outside Ray Train's run directory, so checkpoints "
+                    "are not registered with Ray Train (register_with_ray is ignored)",
+                    stacklevel=4,
+                )
             ray_storage = None
     elif ray_storage is not None:
         storage = FsStorage(ray_storage.storage_filesystem, f"{ray_storage.experiment_fs_path}/cf_ray")

@@ -60,15 +60,23 @@ class ControlPlane:
             if not (dist.is_available() and dist.is_initialized()):
                 raise RuntimeError(
                     "cf_ray needs torch.distributed initialised when world_size > 1 "
-                    "(TorchTrainer does this before train_loop_per_worker runs)")
+                    "(TorchTrainer does this before train_loop_per_worker runs)"
+                )
             # A gloo group of our own: works beside NCCL and keeps our collectives out of DDP's way.
             group = dist.new_group(backend="gloo")
             # Every rank is a member of this group, so never the NON_GROUP_MEMBER sentinel (an int).
             assert not isinstance(group, int)
             self._group = group
 
-    def exchange(self, *, schedule_version: int, save_request: RequestLevel, committed_step: int,
-                 register: bool, durability_lost: bool = False) -> Agreement | None:
+    def exchange(
+        self,
+        *,
+        schedule_version: int,
+        save_request: RequestLevel,
+        committed_step: int,
+        register: bool,
+        durability_lost: bool = False,
+    ) -> Agreement | None:
         local = [0] * _N
         local[SCHEDULE_VERSION] = schedule_version
         local[SAVE_REQUEST] = int(save_request)
@@ -130,6 +138,10 @@ class ControlPlane:
 
 
 def _agreement(v: list[int]) -> Agreement:
-    return Agreement(schedule_version=v[SCHEDULE_VERSION], save_request=RequestLevel(v[SAVE_REQUEST]),
-                     committed_step=v[COMMITTED_STEP], register=bool(v[REGISTER]),
-                     durability_lost=bool(v[DURABILITY_LOST]))
+    return Agreement(
+        schedule_version=v[SCHEDULE_VERSION],
+        save_request=RequestLevel(v[SAVE_REQUEST]),
+        committed_step=v[COMMITTED_STEP],
+        register=bool(v[REGISTER]),
+        durability_lost=bool(v[DURABILITY_LOST]),
+    )

@@ -58,8 +58,15 @@ class ControllerLink:
             block); ``None``: never re-resolved.
     """
 
-    def __init__(self, controller, rank: int, timing: Timing, scheduler: Scheduler,
-                 on_request: Callable[[CheckpointRequest], None], resolve: Callable[[], Any] | None = None):
+    def __init__(
+        self,
+        controller,
+        rank: int,
+        timing: Timing,
+        scheduler: Scheduler,
+        on_request: Callable[[CheckpointRequest], None],
+        resolve: Callable[[], Any] | None = None,
+    ):
         self.controller = controller
         self.rank = rank
         self.generation = 0
@@ -141,9 +148,15 @@ class ControllerLink:
         now = time.monotonic()
         if force or now - self._last_poll >= _env.get_float(_env.POLL_INTERVAL_S):
             samples, stats = self._timing.drain(self.rank, step, copy_timings)
-            req = SyncRequest(rank=self.rank, generation=self.generation, samples=tuple(samples),
-                              ckpt_stats=tuple(stats), adopted_version=self._scheduler.received,
-                              seen_failures=self._seen_failures, seen_requests=self._seen_requests)
+            req = SyncRequest(
+                rank=self.rank,
+                generation=self.generation,
+                samples=tuple(samples),
+                ckpt_stats=tuple(stats),
+                adopted_version=self._scheduler.received,
+                seen_failures=self._seen_failures,
+                seen_requests=self._seen_requests,
+            )
             self._poll_ref = self.controller.sync.remote(req)
             self._poll_sent_at = now
             self._last_poll = now
@@ -181,8 +194,14 @@ class ControllerLink:
             self._seen_failures = max(self._seen_failures, f.seq)
             if f.generation == self.generation:
                 self.failures.append(_failure_dict(f))
-                logger.warning("cf_ray: rank %d: checkpoint of step %d failed (%s): %s; the previous committed "
-                               "checkpoint stays the latest", self.rank, f.step, f.section, f.error)
+                logger.warning(
+                    "cf_ray: rank %d: checkpoint of step %d failed (%s): %s; the previous committed "
+                    "checkpoint stays the latest",
+                    self.rank,
+                    f.step,
+                    f.section,
+                    f.error,
+                )
         for r in reply.requests:  # cf_ray.preemption.notify_preemption() from the driver
             self._seen_requests = max(self._seen_requests, r.seq)
             self._on_request(r)
@@ -212,10 +231,19 @@ class ControllerLink:
         if not self._incident:
             self._incident = True
             self._incident_since = time.monotonic()
-            what = "re-resolving it" if (reresolve or self._resolve is not None) and isinstance(
-                error, ray.exceptions.RayActorError) else "training goes on"
-            logger.warning("cf_ray: rank %d: a call to the controller failed at step %s (%s: %s); %s", self.rank,
-                           step if step is not None else "-", type(error).__name__, error, what)
+            what = (
+                "re-resolving it"
+                if (reresolve or self._resolve is not None) and isinstance(error, ray.exceptions.RayActorError)
+                else "training goes on"
+            )
+            logger.warning(
+                "cf_ray: rank %d: a call to the controller failed at step %s (%s: %s); %s",
+                self.rank,
+                step if step is not None else "-",
+                type(error).__name__,
+                error,
+                what,
+            )
         if reresolve:
             self._resolve_async()
 
@@ -224,8 +252,9 @@ class ControllerLink:
         self._incident_since = None
         if self._incident:
             self._incident = False
-            logger.warning("cf_ray: rank %d: the controller answers again (step %s)", self.rank,
-                           step if step is not None else "-")
+            logger.warning(
+                "cf_ray: rank %d: the controller answers again (step %s)", self.rank, step if step is not None else "-"
+            )
 
     def _resolve_async(self) -> None:
         """Re-resolve the controller on a thread of its own (a poll never blocks the training thread)."""
@@ -251,11 +280,19 @@ class ControllerLink:
     def add_local_failures(self, errors: list[tuple[int, BaseException]]) -> None:
         """Snapshots of this rank that never reached its holder (``Snapshotter.take_errors``)."""
         for step, err in errors:
-            self.failures.append({"step": step, "section": mf.rank_section(self.rank), "rank": self.rank,
-                                  "error": f"{type(err).__name__}: {err}", "generation": self.generation})
+            self.failures.append(
+                {
+                    "step": step,
+                    "section": mf.rank_section(self.rank),
+                    "rank": self.rank,
+                    "error": f"{type(err).__name__}: {err}",
+                    "generation": self.generation,
+                }
+            )
 
-    def wait_durable(self, deadline: float, step: int, copy_timings: dict[str, float], *,
-                     report_timeout: bool = True) -> list[int]:
+    def wait_durable(
+        self, deadline: float, step: int, copy_timings: dict[str, float], *, report_timeout: bool = True
+    ) -> list[int]:
         """Block until every checkpoint this rank took in this attempt is settled (committed, failed,
         superseded or abandoned) or ``deadline`` (``time.monotonic()``) passed, then poll once (the
         failures and the newest committed step).
@@ -275,16 +312,21 @@ class ControllerLink:
             try:
                 unsettled = self._unsettled(list(self.taken), step)
             except Exception as e:  # noqa: BLE001 - an unreachable controller: what is known locally
-                logger.warning("cf_ray: rank %d: cannot ask the controller which checkpoints are settled: %r",
-                               self.rank, e)
+                logger.warning(
+                    "cf_ray: rank %d: cannot ask the controller which checkpoints are settled: %r", self.rank, e
+                )
                 unsettled = self._unsettled_locally(list(self.taken), set())
                 break
             self.taken = [s for s in self.taken if s in unsettled]
             if not unsettled or time.monotonic() >= deadline:
                 break
             if time.monotonic() > warn_at:
-                logger.warning("cf_ray: rank %d still waiting for steps %s to become durable; raise "
-                               "CF_RAY_ACTOR_TIMEOUT_S to wait longer", self.rank, unsettled)
+                logger.warning(
+                    "cf_ray: rank %d still waiting for steps %s to become durable; raise "
+                    "CF_RAY_ACTOR_TIMEOUT_S to wait longer",
+                    self.rank,
+                    unsettled,
+                )
                 warn_at = time.monotonic() + _env.get_float(_env.WARN_INTERVAL_S)
             time.sleep(0.05)
         try:
@@ -296,11 +338,23 @@ class ControllerLink:
         if unsettled and report_timeout:
             waited = time.monotonic() - t0
             for s in unsettled:
-                self.failures.append({"step": s, "section": "timeout", "rank": self.rank,
-                                      "error": f"not durable after {waited:.0f} s", "generation": self.generation})
-            logger.warning("cf_ray: rank %d: checkpoints of steps %s were neither committed nor failed after %.0f s; "
-                           "reported as failed (timeout). Raise CF_RAY_ACTOR_TIMEOUT_S or pass wait(timeout=...) "
-                           "to wait longer", self.rank, unsettled, waited)
+                self.failures.append(
+                    {
+                        "step": s,
+                        "section": "timeout",
+                        "rank": self.rank,
+                        "error": f"not durable after {waited:.0f} s",
+                        "generation": self.generation,
+                    }
+                )
+            logger.warning(
+                "cf_ray: rank %d: checkpoints of steps %s were neither committed nor failed after %.0f s; "
+                "reported as failed (timeout). Raise CF_RAY_ACTOR_TIMEOUT_S or pass wait(timeout=...) "
+                "to wait longer",
+                self.rank,
+                unsettled,
+                waited,
+            )
             self.taken = [s for s in self.taken if s not in unsettled]
         return unsettled
 
@@ -328,8 +382,9 @@ class ControllerLink:
         not have heard of it yet; one superseded by a newer failed one is settled)."""
         failed = {f["step"] for f in self.failures}
         newest_failed = max(failed, default=-1)
-        return [s for s in steps if s not in failed
-                and (s in pending or (s > self.known_committed and s > newest_failed))]
+        return [
+            s for s in steps if s not in failed and (s in pending or (s > self.known_committed and s > newest_failed))
+        ]
 
     def new_failures(self, raise_on_error: bool) -> list[dict]:
         """The failures not yet reported (each is reported once).
@@ -337,7 +392,7 @@ class ControllerLink:
         Raises:
             PersistError: when ``raise_on_error`` and there is one.
         """
-        new = self.failures[self._reported_failures:]
+        new = self.failures[self._reported_failures :]
         self._reported_failures = len(self.failures)
         if new and raise_on_error:
             raise PersistError("; ".join(f"step {f['step']} ({f['section']}): {f['error']}" for f in new))
@@ -371,9 +426,13 @@ class ControllerLink:
             elif self.call("maintenance_idle", step=step):
                 return []
             time.sleep(0.1)
-        logger.warning("cf_ray: rank %d: uploads to the upload tiers not finished after %.0f s%s; they go on in "
-                       "the background while the controller lives", self.rank, _env.get_float(_env.ACTOR_TIMEOUT_S),
-                       f" (steps {left})" if left else "")
+        logger.warning(
+            "cf_ray: rank %d: uploads to the upload tiers not finished after %.0f s%s; they go on in "
+            "the background while the controller lives",
+            self.rank,
+            _env.get_float(_env.ACTOR_TIMEOUT_S),
+            f" (steps {left})" if left else "",
+        )
         return left
 
     def record_event(self, event: dict) -> None:
@@ -411,5 +470,11 @@ def _has_method(handle, name: str) -> bool:
 
 def _failure_dict(f: Failure) -> dict:
     """A failure as users see it (``FinishSummary.failures``, ``Checkpointer.wait()``)."""
-    return {"seq": f.seq, "step": f.step, "section": f.section, "rank": f.rank, "error": f.error,
-            "generation": f.generation}
+    return {
+        "seq": f.seq,
+        "step": f.step,
+        "section": f.section,
+        "rank": f.rank,
+        "error": f.error,
+        "generation": f.generation,
+    }

@@ -66,7 +66,7 @@ def _fingerprint(tree: Any, entries: list[_codec.TensorEntry], sample: Callable[
         if not isinstance(v, dict):
             return v
         if len(v) == 1:
-            (k, x), = v.items()
+            ((k, x),) = v.items()
             if k in _REFS and isinstance(x, int) and not isinstance(x, bool) and 0 <= x < len(entries):
                 e = entries[x]
                 return ["T", e.kind, e.dtype, list(e.shape), sample(x)]
@@ -87,13 +87,15 @@ def _crc_windows(raw: np.ndarray) -> int:
     return crc
 
 
-def section_fingerprints(tree: Mapping[str, Any], entries: list[_codec.TensorEntry],
-                         arena: np.ndarray) -> dict[str, dict[str, str]]:
+def section_fingerprints(
+    tree: Mapping[str, Any], entries: list[_codec.TensorEntry], arena: np.ndarray
+) -> dict[str, dict[str, str]]:
     """The fingerprints of the objects of one snapshot section, from its encoded tree and the
     bytes in its arena: ``{path: {object name: fingerprint}}`` for each of :data:`PATHS` present."""
+
     def sample(i: int) -> int:
         e = entries[i]
-        return _crc_windows(arena[e.offset: e.offset + e.nbytes])
+        return _crc_windows(arena[e.offset : e.offset + e.nbytes])
 
     out: dict[str, dict[str, str]] = {}
     for path in PATHS:
@@ -128,5 +130,13 @@ def object_fingerprint(state: Any) -> str:
     return _fingerprint(flat.tree, flat.entries, sample)
 
 
-__all__ = ["FULL_BYTES", "KEY", "PATHS", "WINDOWS", "WINDOW_BYTES", "object_fingerprint", "section_fingerprints",
-           "windows"]
+__all__ = [
+    "FULL_BYTES",
+    "KEY",
+    "PATHS",
+    "WINDOWS",
+    "WINDOW_BYTES",
+    "object_fingerprint",
+    "section_fingerprints",
+    "windows",
+]

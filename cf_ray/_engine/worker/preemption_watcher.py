@@ -118,8 +118,9 @@ class PreemptionWatcher:
             self._ray_mode = _ray_mode(self.config.ray_signal)
         if self.config.sigterm:
             self._sigterm.install()
-        logger.debug("cf_ray: rank %d watches preemption: ray=%s sigterm=%s", self.rank, self._ray_mode,
-                     self._sigterm.mode)
+        logger.debug(
+            "cf_ray: rank %d watches preemption: ray=%s sigterm=%s", self.rank, self._ray_mode, self._sigterm.mode
+        )
 
     @property
     def sources(self) -> dict[str, str]:
@@ -132,30 +133,50 @@ class PreemptionWatcher:
             if self._sigterm_notice is not None:
                 return
             now = time.time()
-            self._sigterm_notice = self.notify("sigterm", deadline_unix=now + self.config.sigterm_deadline_s,
-                                               detail="SIGTERM to the worker process")
+            self._sigterm_notice = self.notify(
+                "sigterm", deadline_unix=now + self.config.sigterm_deadline_s, detail="SIGTERM to the worker process"
+            )
 
     # -- notices -------------------------------------------------------------------------------------
-    def notify(self, source: str, *, deadline_unix: float | None = None, deadline_s: float | None = None,
-               detail: str = "", request: bool = True) -> PreemptionNotice:
+    def notify(
+        self,
+        source: str,
+        *,
+        deadline_unix: float | None = None,
+        deadline_s: float | None = None,
+        detail: str = "",
+        request: bool = True,
+    ) -> PreemptionNotice:
         """Record a notice and (``request``) ask for a just-in-time checkpoint. Any thread; several
         sources may report the same event (the earliest deadline wins)."""
         now = time.time()
         if deadline_unix is None and deadline_s is not None:
             deadline_unix = now + float(deadline_s)
-        notice = PreemptionNotice(source=source, received_unix=now, deadline_unix=deadline_unix, rank=self.rank,
-                                  detail=detail, requested=request)
+        notice = PreemptionNotice(
+            source=source,
+            received_unix=now,
+            deadline_unix=deadline_unix,
+            rank=self.rank,
+            detail=detail,
+            requested=request,
+        )
         with self._lock:
             self.notices.append(notice)
             act = self._active
-            if act is None or (notice.deadline_unix is not None
-                               and (act.deadline_unix is None or notice.deadline_unix < act.deadline_unix)):
+            if act is None or (
+                notice.deadline_unix is not None
+                and (act.deadline_unix is None or notice.deadline_unix < act.deadline_unix)
+            ):
                 self._active = notice
         left = notice.seconds_left(now)
-        logger.warning("cf_ray: rank %d: preemption notice from %s%s%s%s", self.rank, source,
-                       f", deadline in {left:.1f} s" if left is not None else ", no deadline",
-                       f" ({detail})" if detail else "",
-                       "; checkpointing at the next step" if request else "; rank 0 asks for the checkpoint")
+        logger.warning(
+            "cf_ray: rank %d: preemption notice from %s%s%s%s",
+            self.rank,
+            source,
+            f", deadline in {left:.1f} s" if left is not None else ", no deadline",
+            f" ({detail})" if detail else "",
+            "; checkpointing at the next step" if request else "; rank 0 asks for the checkpoint",
+        )
         if request:
             self._request()
         return notice
@@ -168,8 +189,12 @@ class PreemptionWatcher:
     def poll(self, step: int) -> None:
         """After every optimizer step, on the training thread: look at Ray Train's signal."""
         act = self._active
-        if act is not None and not act.requested and act.deadline_unix is not None \
-                and time.time() > act.deadline_unix + 1.0:
+        if (
+            act is not None
+            and not act.requested
+            and act.deadline_unix is not None
+            and time.time() > act.deadline_unix + 1.0
+        ):
             self._active = None  # heard of after its checkpoint, and long past: forget it
         if self._ray_mode == "mailbox":
             info = _read_mailbox()
@@ -177,8 +202,9 @@ class PreemptionWatcher:
             try:
                 info = ray.train.get_preemption_info()
             except Exception as e:  # noqa: BLE001
-                logger.warning("cf_ray: rank %d: ray.train.get_preemption_info() failed (%r); not polled again",
-                               self.rank, e)
+                logger.warning(
+                    "cf_ray: rank %d: ray.train.get_preemption_info() failed (%r); not polled again", self.rank, e
+                )
                 self._ray_mode = "off"
                 return
         else:
@@ -196,9 +222,13 @@ class PreemptionWatcher:
         ranks = info.preempted_ranks
         # Every rank gets Ray's signal; from the mailbox they may see it a step apart, so only rank 0
         # asks (the public call returns the same value on every rank at the same step).
-        self.notify("ray", deadline_unix=deadline, request=self._ray_mode == "api" or self.rank == 0,
-                    detail=f"Ray Train: preempted ranks {ranks}, nodes {[n[:8] for n in info.preempted_node_ids]}"
-                           f"{' (this rank)' if self.rank in ranks else ''}")
+        self.notify(
+            "ray",
+            deadline_unix=deadline,
+            request=self._ray_mode == "api" or self.rank == 0,
+            detail=f"Ray Train: preempted ranks {ranks}, nodes {[n[:8] for n in info.preempted_node_ids]}"
+            f"{' (this rank)' if self.rank in ranks else ''}",
+        )
 
     def snapshot_meta(self) -> dict:
         """What the ``preempt`` checkpoint's metadata records of this rank's notice (may be empty)."""
@@ -232,14 +262,22 @@ class PreemptionWatcher:
         durable = committed(step)
         now = time.time()
         made = None if notice.deadline_unix is None else (durable and now <= notice.deadline_unix)
-        outcome = PreemptionOutcome(notice=notice, step=step, durable=durable, durable_before_deadline=made,
-                                    waited_s=now - t0)
+        outcome = PreemptionOutcome(
+            notice=notice, step=step, durable=durable, durable_before_deadline=made, waited_s=now - t0
+        )
         self.outcomes.append(outcome)
         left = notice.seconds_left(now)
-        logger.warning("cf_ray: rank %d: just-in-time checkpoint of step %d %s%s", self.rank, step,
-                       "committed" if durable else "NOT committed yet",
-                       "" if left is None else f", {left:.1f} s before the deadline" if left >= 0
-                       else f", {-left:.1f} s after the deadline")
+        logger.warning(
+            "cf_ray: rank %d: just-in-time checkpoint of step %d %s%s",
+            self.rank,
+            step,
+            "committed" if durable else "NOT committed yet",
+            ""
+            if left is None
+            else f", {left:.1f} s before the deadline"
+            if left >= 0
+            else f", {-left:.1f} s after the deadline",
+        )
         if notice.source == "sigterm" and self.config.sigterm_exit and self._sigterm.mode != "off":
             self._sigterm.redeliver()
             # The process is ending; a step taken now would be lost. Hold until it does (or the deadline).
@@ -253,8 +291,9 @@ class PreemptionWatcher:
         t0 = time.time()
         if until is None or until <= t0:
             return
-        logger.warning("cf_ray: rank %d: holding %.1f s until the deadline (a step taken now would be lost)",
-                       self.rank, until - t0)
+        logger.warning(
+            "cf_ray: rank %d: holding %.1f s until the deadline (a step taken now would be lost)", self.rank, until - t0
+        )
         while not self._closed and time.time() < until:
             time.sleep(min(0.1, max(until - time.time(), 0.0)))
         outcome.held_s = time.time() - t0
@@ -300,23 +339,28 @@ class _SigtermHook:
             return
         actor = _current_actor()
         if actor is None:
-            logger.warning("cf_ray: rank %d: SIGTERM is not watched (not the main thread and not inside a "
-                           "Ray actor); Ray Train's preemption signal and request_checkpoint() still are",
-                           self.rank)
+            logger.warning(
+                "cf_ray: rank %d: SIGTERM is not watched (not the main thread and not inside a "
+                "Ray actor); Ray Train's preemption signal and request_checkpoint() still are",
+                self.rank,
+            )
             return
         r, w = os.pipe()
         os.set_blocking(w, False)
         self._pipe = (r, w)
         self._actor = actor
         try:
-            ok = ray.get(actor.__ray_call__.remote(_main_install, self._token),
-                         timeout=_env.get_float(_env.ACTOR_TIMEOUT_S))
+            ok = ray.get(
+                actor.__ray_call__.remote(_main_install, self._token), timeout=_env.get_float(_env.ACTOR_TIMEOUT_S)
+            )
         except Exception as e:  # noqa: BLE001 - never fail training for the watcher
             ok = False
             logger.warning("cf_ray: rank %d: could not install the SIGTERM handler: %r", self.rank, e)
         if not ok:
-            logger.warning("cf_ray: rank %d: SIGTERM is not watched (the worker actor does not run "
-                           "calls on its main thread)", self.rank)
+            logger.warning(
+                "cf_ray: rank %d: SIGTERM is not watched (the worker actor does not run calls on its main thread)",
+                self.rank,
+            )
         if ok:
             self.mode = "actor"
             self._reader = threading.Thread(target=self._read_wakeups, name="cf_ray-sigterm", daemon=True)
@@ -401,6 +445,7 @@ class _SigtermHook:
 
 # -- run on the main thread (directly, or as a task of the worker actor) ----------------------------
 
+
 def _python_sigterm(signum, frame) -> None:  # noqa: ARG001 - the signal module's signature
     with _REGISTRY_LOCK:
         hooks = list(_REGISTRY.values())
@@ -436,6 +481,7 @@ def _main_redeliver(_actor_self, token: int) -> None:
 
 
 # -- Ray Train's signal ---------------------------------------------------------------------------------
+
 
 def _ray_mode(wanted: str) -> str:
     if wanted == "auto":

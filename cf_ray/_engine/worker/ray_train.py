@@ -54,9 +54,12 @@ class RayTrainLink:
     # -- checkpoints as they commit -------------------------------------------------------------------
     def due(self, known_committed: int) -> bool:
         """Whether rank 0 should ask every rank to register ``known_committed`` now."""
-        return (self.register_with_ray and self.ray_storage is not None
-                and known_committed > self._registered
-                and time.monotonic() - self._last_register >= _env.get_float(_env.REGISTER_INTERVAL_S))
+        return (
+            self.register_with_ray
+            and self.ray_storage is not None
+            and known_committed > self._registered
+            and time.monotonic() - self._last_register >= _env.get_float(_env.REGISTER_INTERVAL_S)
+        )
 
     def on_agreement(self, agreement: Agreement | None, epoch: int) -> None:
         """Register the agreed committed step when the ranks agreed to."""
@@ -85,8 +88,9 @@ class RayTrainLink:
         ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
 
     # -- the end of training --------------------------------------------------------------------------
-    def final_model(self, step: int, epoch: int, control: ControlPlane,
-                    resume: str | None = None) -> tuple[str | None, list[dict]]:
+    def final_model(
+        self, step: int, epoch: int, control: ControlPlane, resume: str | None = None
+    ) -> tuple[str | None, list[dict]]:
         """Rank 0 writes the consolidated model; every rank registers it as the run's result.
 
         Args:
@@ -114,7 +118,9 @@ class RayTrainLink:
             from ray.train import Checkpoint, CheckpointUploadMode
 
             ckpt = Checkpoint(path=self.storage.fs_path(final_dir), filesystem=self.storage.fs)
-            ray.train.report(dict(self.metrics, cf_ray_step=step, cf_ray_final=True),
-                             checkpoint=ckpt if self.rank == 0 else None,
-                             checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+            ray.train.report(
+                dict(self.metrics, cf_ray_step=step, cf_ray_final=True),
+                checkpoint=ckpt if self.rank == 0 else None,
+                checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
+            )
         return self.storage.uri(final_dir), failures

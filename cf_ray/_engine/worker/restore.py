@@ -128,8 +128,15 @@ class Restorer:
         state, data: the tracked objects to load into.
     """
 
-    def __init__(self, ctx: WorkerContext, config: CheckpointConfig, link: ControllerLink, control: ControlPlane,
-                 state: dict[str, Any], data: dict[str, Any]):
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        config: CheckpointConfig,
+        link: ControllerLink,
+        control: ControlPlane,
+        state: dict[str, Any],
+        data: dict[str, Any],
+    ):
         self.ctx = ctx
         self.restore_from = config.restore_from
         self.resume_from = config.resume_from
@@ -165,8 +172,9 @@ class Restorer:
                 plan = _PlanFailed(_describe(e))
         plan = self.control.broadcast(plan)
         if isinstance(plan, _PlanFailed):
-            raise RestoreError(f"cf_ray: rank 0 could not get a restore plan from the controller ({plan.error}); "
-                               "every rank stops here")
+            raise RestoreError(
+                f"cf_ray: rank 0 could not get a restore plan from the controller ({plan.error}); every rank stops here"
+            )
         return cast(RestorePlan, plan)
 
     def _candidates(self, plan: RestorePlan) -> list[tuple[RestoreSource, Any]]:
@@ -174,8 +182,11 @@ class Restorer:
         candidates: list[tuple[RestoreSource, Any]] = []
         newest_storage = _newest_stored(plan)
         mem = plan.memory
-        if mem and self.restore_from in ("auto", "memory") and (
-                self.restore_from == "memory" or mem.step >= newest_storage):
+        if (
+            mem
+            and self.restore_from in ("auto", "memory")
+            and (self.restore_from == "memory" or mem.step >= newest_storage)
+        ):
             candidates.append((RestoreSource.MEMORY, mem))
         if self.restore_from in ("auto", "storage"):
             # Newest step first; for the same step, the primary storage before the upload tiers
@@ -183,8 +194,9 @@ class Restorer:
             found = [(s, 0, self.ctx.storage) for s in plan.storage]
             for i, steps in enumerate(plan.tiers):
                 found.extend((s, i + 1, self.ctx.tiers[i]) for s in steps)
-            candidates.extend((RestoreSource.STORAGE, (st, mf.step_dir(s)))
-                              for s, _, st in sorted(found, key=lambda x: (-x[0], x[1])))
+            candidates.extend(
+                (RestoreSource.STORAGE, (st, mf.step_dir(s))) for s, _, st in sorted(found, key=lambda x: (-x[0], x[1]))
+            )
             if not found:
                 # A new run started from another run's checkpoint.
                 other = self._other_run_checkpoint()
@@ -222,9 +234,11 @@ class Restorer:
         config_like = [(w, s) for w, s in refused if not s.damage]
         if config_like:
             reasons = "; ".join(f"{w}: rank {s.rank}: {s.error}" for w, s in config_like)
-            raise RestoreError(f"cf_ray: no checkpoint could be restored, and {len(config_like)} could not be used by "
-                               f"this script ({reasons}). Starting fresh would throw the run's progress away; fix the "
-                               "cause, or set CheckpointConfig(restore_from='none') to start fresh on purpose")
+            raise RestoreError(
+                f"cf_ray: no checkpoint could be restored, and {len(config_like)} could not be used by "
+                f"this script ({reasons}). Starting fresh would throw the run's progress away; fix the "
+                "cause, or set CheckpointConfig(restore_from='none') to start fresh on purpose"
+            )
         return Outcome(source=RestoreSource.FRESH)
 
     def _prepare(self, source: RestoreSource, cand) -> tuple[_checks.Prepared | None, _Status]:
@@ -232,14 +246,24 @@ class Restorer:
         try:
             loaded, saved_world, replicated = self._fetch(source, cand)
         except Exception as e:  # noqa: BLE001 - reading failed: fall back
-            damage = isinstance(e, (CorruptCheckpointError, FileNotFoundError, LookupError, OSError,
-                                    ray.exceptions.RayError))
-            return None, _Status(_Verdict.SKIP, self.rank, _describe(e), damage=damage,
-                                 corrupt=isinstance(e, CorruptCheckpointError))
+            damage = isinstance(
+                e, (CorruptCheckpointError, FileNotFoundError, LookupError, OSError, ray.exceptions.RayError)
+            )
+            return None, _Status(
+                _Verdict.SKIP, self.rank, _describe(e), damage=damage, corrupt=isinstance(e, CorruptCheckpointError)
+            )
         try:
-            prepared = _checks.validate(loaded, saved_world=saved_world, replicated=replicated, rank=self.rank,
-                                        world_size=self.world_size, state=self.state, data=self.data,
-                                        allow_missing=self.allow_missing, allow_unexpected=self.allow_unexpected)
+            prepared = _checks.validate(
+                loaded,
+                saved_world=saved_world,
+                replicated=replicated,
+                rank=self.rank,
+                world_size=self.world_size,
+                state=self.state,
+                data=self.data,
+                allow_missing=self.allow_missing,
+                allow_unexpected=self.allow_unexpected,
+            )
         except CheckpointMismatchError as e:
             return None, self._fail(e)
         except Exception as e:  # noqa: BLE001 - a checkpoint that cannot be applied is skipped like a corrupt one
@@ -254,17 +278,31 @@ class Restorer:
             self.verified = _checks.verify(prepared, self.state, self.data)
             status = _Status(_Verdict.OK, self.rank)
         except Exception as e:  # noqa: BLE001 - objects may be partly overwritten: every rank stops
-            status = _Status(_Verdict.FAIL, self.rank, _describe(e),
-                             error_type=type(e) if isinstance(e, RestoreError) else None)
+            status = _Status(
+                _Verdict.FAIL, self.rank, _describe(e), error_type=type(e) if isinstance(e, RestoreError) else None
+            )
         self._decide(self._agree(status), where)
         if self.rank == 0:
             fresh = f"; kept as built: {', '.join(prepared.fresh)}" if prepared.fresh else ""
-            logger.warning("cf_ray: restored step %d (epoch %d) from %s (%s); %d objects verified against their "
-                           "fingerprints%s%s", prepared.step, prepared.epoch, source.value, where, len(self.verified),
-                           f" ({', '.join(self.verified)})" if self.verified else " (the checkpoint has none)", fresh)
+            logger.warning(
+                "cf_ray: restored step %d (epoch %d) from %s (%s); %d objects verified against their fingerprints%s%s",
+                prepared.step,
+                prepared.epoch,
+                source.value,
+                where,
+                len(self.verified),
+                f" ({', '.join(self.verified)})" if self.verified else " (the checkpoint has none)",
+                fresh,
+            )
         path = None if source is RestoreSource.MEMORY else cand[0].uri(cand[1])
-        return Outcome(source=source, step=prepared.step, epoch=prepared.epoch, path=path,
-                       saved_world_size=prepared.saved_world, data=data_states)
+        return Outcome(
+            source=source,
+            step=prepared.step,
+            epoch=prepared.epoch,
+            path=path,
+            saved_world_size=prepared.saved_world,
+            data=data_states,
+        )
 
     # -- the shared decision ----------------------------------------------------------------------------
     def _fail(self, e: BaseException) -> _Status:
@@ -282,8 +320,11 @@ class Restorer:
             return
         at = f" restoring {where}" if where else ""
         msg = failed.error.split(": ", 1)[1] if ": " in failed.error else failed.error
-        text = (f"{msg} (rank {failed.rank}{at}; raised on every rank)" if failed.error_type is not None
-                else f"cf_ray: restore failed on rank {failed.rank}{at}: {failed.error}; every rank stops here")
+        text = (
+            f"{msg} (rank {failed.rank}{at}; raised on every rank)"
+            if failed.error_type is not None
+            else f"cf_ray: restore failed on rank {failed.rank}{at}: {failed.error}; every rank stops here"
+        )
         cls = failed.error_type if failed.error_type is not None else RestoreError
         try:
             err = cls(text)
@@ -295,17 +336,37 @@ class Restorer:
         why = mine.error if mine.verdict is _Verdict.SKIP else f"rank {first.rank}: {first.error}"
         logger.warning("cf_ray: rank %d: cannot restore %s (%s); falling back", self.rank, where, why)
         if self.rank == 0:
-            self.link.record_event({"event": "restore_fallback", "source": source.value, "where": where,
-                                    "error": first.error, "rank": first.rank, "corrupt": first.corrupt})
+            self.link.record_event(
+                {
+                    "event": "restore_fallback",
+                    "source": source.value,
+                    "where": where,
+                    "error": first.error,
+                    "rank": first.rank,
+                    "corrupt": first.corrupt,
+                }
+            )
 
     def report(self, outcome: Outcome, seconds: float) -> None:
         """Tell the controller where the attempt resumed from (rank 0) and log it."""
         if self.rank == 0:
-            self.link.controller.restored.remote(Restored(
-                source=outcome.source, step=outcome.step, epoch=outcome.epoch, seconds=seconds,
-                world_size=self.world_size, saved_world_size=outcome.saved_world_size))
-        logger.info("cf_ray: rank %d resumes at step %d epoch %d from %s", self.rank, outcome.step, outcome.epoch,
-                    outcome.source.value)
+            self.link.controller.restored.remote(
+                Restored(
+                    source=outcome.source,
+                    step=outcome.step,
+                    epoch=outcome.epoch,
+                    seconds=seconds,
+                    world_size=self.world_size,
+                    saved_world_size=outcome.saved_world_size,
+                )
+            )
+        logger.info(
+            "cf_ray: rank %d resumes at step %d epoch %d from %s",
+            self.rank,
+            outcome.step,
+            outcome.epoch,
+            outcome.source.value,
+        )
 
     def _other_run_checkpoint(self) -> tuple[Storage, str] | None:
         """``CheckpointConfig.resume_from``, else the checkpoint Ray Train hands this run, if any.
@@ -321,9 +382,11 @@ class Restorer:
             try:
                 return resumable_checkpoint(source)
             except Exception as e:  # noqa: BLE001 - whatever it is, the user's setting is wrong
-                raise ConfigError(f"CheckpointConfig.resume_from={_source_name(source)!r} holds no cf_ray checkpoint to "
-                                  f"resume from ({_describe(e)}); pass a run directory, a checkpoint directory or a "
-                                  "ray.train.Checkpoint of a cf_ray run (e.g. result.checkpoint)") from None
+                raise ConfigError(
+                    f"CheckpointConfig.resume_from={_source_name(source)!r} holds no cf_ray checkpoint to "
+                    f"resume from ({_describe(e)}); pass a run directory, a checkpoint directory or a "
+                    "ray.train.Checkpoint of a cf_ray run (e.g. result.checkpoint)"
+                ) from None
         if self.ctx.ray_storage is None:
             return None
         try:
@@ -335,8 +398,9 @@ class Restorer:
         try:
             return resumable_checkpoint(source)
         except Exception as e:  # noqa: BLE001 - not a cf_ray checkpoint: Ray Train's own, for instance
-            logger.warning("cf_ray: %s is not a committed cf_ray checkpoint (%s); starting fresh", _source_name(source),
-                           e)
+            logger.warning(
+                "cf_ray: %s is not a committed cf_ray checkpoint (%s); starting fresh", _source_name(source), e
+            )
             return None
 
     def _sections_needed(self, saved_world: int, replicated: bool) -> list[str]:
@@ -356,8 +420,10 @@ class Restorer:
         storage, directory = cand
         manifest = _read(mf.read_manifest, storage, directory)
         if manifest.kind == "final":
-            raise CorruptCheckpointError(f"{storage.uri(directory)} holds only final model weights; load it "
-                                         "with cf_ray.load_into(...) instead of resuming from it")
+            raise CorruptCheckpointError(
+                f"{storage.uri(directory)} holds only final model weights; load it "
+                "with cf_ray.load_into(...) instead of resuming from it"
+            )
         needed = self._sections_needed(manifest.world_size, manifest.replicated)
         out = {sec: _read(mf.load_section, storage, directory, manifest, sec) for sec in needed}
         return out, manifest.world_size, manifest.replicated
@@ -367,8 +433,9 @@ class Restorer:
         if holder_name is None:
             raise LookupError(f"no holder has section {section}")
         holder = ray.get_actor(holder_name, namespace=_env.namespace())
-        got = ray.get(holder.get_section.remote(cand.generation, cand.step, section),
-                      timeout=_env.get_float(_env.ACTOR_TIMEOUT_S))
+        got = ray.get(
+            holder.get_section.remote(cand.generation, cand.step, section), timeout=_env.get_float(_env.ACTOR_TIMEOUT_S)
+        )
         if got is None:
             raise LookupError(f"holder {holder_name} no longer has section {section} of step {cand.step}")
         ref, index = got

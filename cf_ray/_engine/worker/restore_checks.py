@@ -58,9 +58,18 @@ class Prepared:
     """Saved by another number of ranks: the data objects are re-split (``load_elastic_state``)."""
 
 
-def validate(loaded: dict[str, mf.Section], *, saved_world: Any, replicated: bool, rank: int, world_size: int,
-             state: dict[str, Any], data: dict[str, Any], allow_missing: bool = False,
-             allow_unexpected: bool = False) -> Prepared:
+def validate(
+    loaded: dict[str, mf.Section],
+    *,
+    saved_world: Any,
+    replicated: bool,
+    rank: int,
+    world_size: int,
+    state: dict[str, Any],
+    data: dict[str, Any],
+    allow_missing: bool = False,
+    allow_unexpected: bool = False,
+) -> Prepared:
     """Check a candidate without touching any tracked object; see the module doc for what raises what.
 
     Args:
@@ -75,7 +84,8 @@ def validate(loaded: dict[str, mf.Section], *, saved_world: Any, replicated: boo
     if saved_world != world_size and not replicated:
         raise ElasticResumeError(
             f"the checkpoint was saved by {saved_world} ranks with replicated=False (per-rank model state); "
-            f"it cannot be loaded by {world_size} ranks. Resume with {saved_world} workers.")
+            f"it cannot be loaded by {world_size} ranks. Resume with {saved_world} workers."
+        )
     same_world = saved_world == world_size
     wanted = [rank] if same_world else list(range(saved_world))
     trees = {r: _rank_tree(loaded, r, saved_world) for r in wanted}
@@ -115,16 +125,26 @@ def validate(loaded: dict[str, mf.Section], *, saved_world: Any, replicated: boo
                 raise ElasticResumeError(
                     f"data object {name!r} ({type(obj).__name__}) was saved by {saved_world} ranks and cannot be "
                     f"re-split over {world_size}: it has no load_elastic_state(states, rank, world_size). "
-                    "Use a cf_ray.data source or resume with the same number of workers.")
+                    "Use a cf_ray.data source or resume with the same number of workers."
+                )
             data_states[name] = olds
             dry_run(obj, "load_elastic_state", olds, rank, world_size)
     fps = _fingerprints(fp_tree, "objects" if replicated else "state")
-    prep = Prepared(saved_world=saved_world, replicated=replicated, step=int(mine["counters"]["step"]),
-                    epoch=int(mine["counters"]["epoch"]), state=states, data=data_states, rng=rng,
-                    fingerprints={"state": {n: f for n, f in fps.items() if n in states},
-                                  "data": {n: f for n, f in _fingerprints(mine, "objects").items()
-                                           if n in data_states} if same_world else {}},
-                    fresh=fresh_state + fresh_data, elastic=not same_world)
+    prep = Prepared(
+        saved_world=saved_world,
+        replicated=replicated,
+        step=int(mine["counters"]["step"]),
+        epoch=int(mine["counters"]["epoch"]),
+        state=states,
+        data=data_states,
+        rng=rng,
+        fingerprints={
+            "state": {n: f for n, f in fps.items() if n in states},
+            "data": {n: f for n, f in _fingerprints(mine, "objects").items() if n in data_states} if same_world else {},
+        },
+        fresh=fresh_state + fresh_data,
+        elastic=not same_world,
+    )
     return prep
 
 
@@ -141,8 +161,11 @@ def apply(prep: Prepared, state: dict[str, Any], data: dict[str, Any], rank: int
     if prep.rng is not None:
         set_rng_state(prep.rng)
     if prep.fresh:
-        logger.warning("cf_ray: rank %d: %s not in the checkpoint: kept as built (allow_missing_objects=True)",
-                       rank, ", ".join(repr(n) for n in prep.fresh))
+        logger.warning(
+            "cf_ray: rank %d: %s not in the checkpoint: kept as built (allow_missing_objects=True)",
+            rank,
+            ", ".join(repr(n) for n in prep.fresh),
+        )
     return data_states
 
 
@@ -161,12 +184,14 @@ def verify(prep: Prepared, state: dict[str, Any], data: dict[str, Any]) -> list[
                 raise RestoreError(
                     f"tracked object {name!r} ({type(objs[name]).__name__}) was not restored: its state after "
                     "load_state_dict() differs from the checkpoint's (keys, shapes or values). Check that its "
-                    "load_state_dict() loads everything its state_dict() returns")
+                    "load_state_dict() loads everything its state_dict() returns"
+                )
             verified.append(name)
     return verified
 
 
 # -- the checks ------------------------------------------------------------------------------------------
+
 
 def check_names(objs: dict[str, Any], saved: Any, what: str, allow_missing: bool, allow_unexpected: bool) -> list[str]:
     """The tracked names the checkpoint lacks (allowed); raises for a mismatch that is not allowed."""
@@ -178,15 +203,21 @@ def check_names(objs: dict[str, Any], saved: Any, what: str, allow_missing: bool
         raise CheckpointMismatchError(
             f"this script tracks {what} object(s) {missing} that the checkpoint does not hold (it holds "
             f"{sorted(saved)}): a new object, or a renamed one? Track the same names as the run that saved it, "
-            "or pass CheckpointConfig(allow_missing_objects=True) to start them fresh")
+            "or pass CheckpointConfig(allow_missing_objects=True) to start them fresh"
+        )
     if unexpected and not allow_unexpected:
         raise CheckpointMismatchError(
             f"the checkpoint holds {what} object(s) {unexpected} that this script does not track (it tracks "
             f"{sorted(objs)}): an object removed or renamed? Track them, or pass "
-            "CheckpointConfig(allow_unexpected_objects=True) to ignore them")
+            "CheckpointConfig(allow_unexpected_objects=True) to ignore them"
+        )
     if unexpected:
-        logger.warning("cf_ray: the checkpoint also has %s %s, which this Checkpointer does not track; ignored "
-                       "(allow_unexpected_objects=True)", what, unexpected)
+        logger.warning(
+            "cf_ray: the checkpoint also has %s %s, which this Checkpointer does not track; ignored "
+            "(allow_unexpected_objects=True)",
+            what,
+            unexpected,
+        )
     return missing
 
 
@@ -200,24 +231,33 @@ def check_layout(name: str, obj: Any, saved: Any) -> None:
         if missing or unexpected:
             raise CheckpointMismatchError(
                 f"module {name!r}: the checkpoint lacks keys {missing[:10]} and has keys {unexpected[:10]} the model "
-                "does not have: the model changed since the checkpoint was saved")
+                "does not have: the model changed since the checkpoint was saved"
+            )
         for k, t in live.items():
             s = saved[k]
-            if isinstance(t, torch.Tensor) and (not isinstance(s, torch.Tensor) or s.shape != t.shape
-                                                 or s.dtype != t.dtype):
+            if isinstance(t, torch.Tensor) and (
+                not isinstance(s, torch.Tensor) or s.shape != t.shape or s.dtype != t.dtype
+            ):
                 got = f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor) else type(s).__name__
-                raise CheckpointMismatchError(f"module {name!r}: {k} is {tuple(t.shape)} {t.dtype} in the model and "
-                                              f"{got} in the checkpoint: the model changed since it was saved")
+                raise CheckpointMismatchError(
+                    f"module {name!r}: {k} is {tuple(t.shape)} {t.dtype} in the model and "
+                    f"{got} in the checkpoint: the model changed since it was saved"
+                )
     elif isinstance(obj, torch.optim.Optimizer):
         groups = saved.get("param_groups") if isinstance(saved, dict) else None
-        if not isinstance(groups, list) or not isinstance(saved.get("state"), dict) \
-                or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        if (
+            not isinstance(groups, list)
+            or not isinstance(saved.get("state"), dict)
+            or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+        ):
             raise CorruptCheckpointError(f"the saved state of optimizer {name!r} is malformed")
         live = [len(g["params"]) for g in obj.param_groups]
         got = [len(g["params"]) for g in groups]
         if live != got:
-            raise CheckpointMismatchError(f"optimizer {name!r}: parameter groups of sizes {got} in the checkpoint, "
-                                          f"{live} in this script: the model or its groups changed")
+            raise CheckpointMismatchError(
+                f"optimizer {name!r}: parameter groups of sizes {got} in the checkpoint, "
+                f"{live} in this script: the model or its groups changed"
+            )
         ids = {p for g in groups for p in g["params"]}
         if not set(saved["state"]) <= ids:
             raise CorruptCheckpointError(f"optimizer {name!r}: state for parameters the groups do not list")
@@ -250,6 +290,7 @@ def _probe(obj: Any) -> Any:
 
 # -- reading the trees -------------------------------------------------------------------------------------
 
+
 def _section(loaded: dict[str, mf.Section], name: str) -> mf.Section:
     sec = loaded.get(name)
     if sec is None:
@@ -273,8 +314,10 @@ def _rank_tree(loaded: dict[str, mf.Section], r: int, saved_world: int) -> dict:
         raise CorruptCheckpointError(f"section {name} is malformed: {e}") from None
     # Written since #16: a section that is not that rank's (its files swapped) is refused here.
     if counters.get("rank", r) != r or counters.get("world_size", saved_world) != saved_world:
-        raise CorruptCheckpointError(f"section {name} holds the state of rank {counters.get('rank')} of "
-                                     f"{counters.get('world_size')}, not of rank {r} of {saved_world}")
+        raise CorruptCheckpointError(
+            f"section {name} holds the state of rank {counters.get('rank')} of "
+            f"{counters.get('world_size')}, not of rank {r} of {saved_world}"
+        )
     return tree
 
 
@@ -310,8 +353,8 @@ def materialize_objects(section: mf.Section, path: tuple[str, ...], objs: dict) 
             continue
         in_place = isinstance(objs.get(name), torch.nn.Module)
         out[name] = _codec.unflatten(
-            sub, lambda _i, e, c=not in_place: _codec.view(section.buf, e, copy=c, readonly_ok=not c),
-            section.entries)
+            sub, lambda _i, e, c=not in_place: _codec.view(section.buf, e, copy=c, readonly_ok=not c), section.entries
+        )
     return out
 
 
@@ -325,5 +368,14 @@ def load_objects(objs: dict, states: dict) -> None:
             obj.load_state_dict(states[name])
 
 
-__all__ = ["Prepared", "apply", "check_layout", "check_names", "dry_run", "load_objects", "materialize_objects",
-           "validate", "verify"]
+__all__ = [
+    "Prepared",
+    "apply",
+    "check_layout",
+    "check_names",
+    "dry_run",
+    "load_objects",
+    "materialize_objects",
+    "validate",
+    "verify",
+]

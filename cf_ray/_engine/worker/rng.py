@@ -48,8 +48,7 @@ def check_rng_state(state: object, where: str = "") -> None:
             raise TypeError(f"the torch state is a {type(t).__name__}, not a uint8 tensor")
         torch.Generator().set_state(t.clone().contiguous())
         cuda = state.get("cuda", [])
-        if not isinstance(cuda, list) or not all(isinstance(c, torch.Tensor) and c.dtype == torch.uint8
-                                                 for c in cuda):
+        if not isinstance(cuda, list) or not all(isinstance(c, torch.Tensor) and c.dtype == torch.uint8 for c in cuda):
             raise TypeError("the CUDA states are not a list of uint8 tensors")
         if cuda and torch.cuda.is_available() and torch.cuda.device_count():
             expected = torch.cuda.get_rng_state(0).numel()

@@ -67,8 +67,9 @@ class Scheduler:
                 self._adopted = agreement.schedule_version
                 self.interval = self._schedules[self._adopted]
             if agreement.save_request:
-                kind = CheckpointKind.PREEMPT if agreement.save_request >= RequestLevel.PREEMPT \
-                    else CheckpointKind.MANUAL
+                kind = (
+                    CheckpointKind.PREEMPT if agreement.save_request >= RequestLevel.PREEMPT else CheckpointKind.MANUAL
+                )
                 if self.local_request <= agreement.save_request:
                     self.local_request = RequestLevel.NONE
         ctx = SaveContext(step=step, epoch=epoch, last_save_step=self.last_save_step, interval=self.interval)
@@ -79,8 +80,9 @@ class Scheduler:
 
     def epoch_end_due(self, step: int, epoch: int) -> bool:
         """Whether the policy takes a checkpoint at the end of an epoch (``EpochEnd``)."""
-        ctx = SaveContext(step=step, epoch=epoch, last_save_step=self.last_save_step, interval=self.interval,
-                          epoch_end=True)
+        ctx = SaveContext(
+            step=step, epoch=epoch, last_save_step=self.last_save_step, interval=self.interval, epoch_end=True
+        )
         return bool(self.policy.should_save(step, ctx))
 
     def saved(self, step: int) -> None:

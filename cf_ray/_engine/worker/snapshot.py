@@ -145,7 +145,7 @@ class _Arena:
         return self.tensor.numpy()[: self.nbytes]
 
     def dst(self, entry: _codec.TensorEntry) -> torch.Tensor:
-        raw = self.tensor[entry.offset: entry.offset + entry.nbytes]
+        raw = self.tensor[entry.offset : entry.offset + entry.nbytes]
         if entry.kind == "numpy":
             return raw
         if entry.nbytes == 0:
@@ -166,7 +166,7 @@ def _refs(tree: Any) -> list[int]:
                 walk(x)
         elif isinstance(v, dict):
             if len(v) == 1:
-                (k, x), = v.items()
+                ((k, x),) = v.items()
                 if k in _REFS and isinstance(x, int):
                     out.append(x)
                     return
@@ -183,7 +183,7 @@ def _shift_refs(tree: Any, by: int) -> Any:
         return [_shift_refs(x, by) for x in tree]
     if isinstance(tree, dict):
         if len(tree) == 1:
-            (k, x), = tree.items()
+            ((k, x),) = tree.items()
             if k in _REFS and isinstance(x, int):
                 return {k: x + by}
         return {k: _shift_refs(x, by) for k, x in tree.items()}
@@ -213,7 +213,7 @@ def _late_slots(flats: dict[str, _codec.Flat], late: dict[str, list[LateObject]]
             first = min(refs) if refs else 0
             if refs and refs != list(range(first, first + len(refs))):
                 continue  # not contiguous (cannot happen with codec.flatten): keep the state at the step
-            layout = tuple((e.name, e.dtype, e.shape, e.kind) for e in flat.entries[first: first + len(refs)])
+            layout = tuple((e.name, e.dtype, e.shape, e.kind) for e in flat.entries[first : first + len(refs)])
             slots.append(LateSlot(section=section, path=path, state_fn=state_fn, first=first, layout=layout))
     return slots
 
@@ -257,8 +257,14 @@ class Snapshotter:
         self._thread.start()
 
     # -- training thread ---------------------------------------------------------------------
-    def begin(self, step: int, sections: dict[str, Any], is_guarded: Callable[[torch.Tensor], bool],
-              meta: Any, late: dict[str, list[LateObject]] | None = None) -> float:
+    def begin(
+        self,
+        step: int,
+        sections: dict[str, Any],
+        is_guarded: Callable[[torch.Tensor], bool],
+        meta: Any,
+        late: dict[str, list[LateObject]] | None = None,
+    ) -> float:
         """Start a snapshot of ``sections`` (name -> state tree). Returns seconds spent here.
 
         Tensors for which ``is_guarded`` is true (they change only in the optimizer step) and all
@@ -295,8 +301,15 @@ class Snapshotter:
                     dst.copy_(leaf)
             flats[name] = flat
             arenas[name] = arena.numpy()
-        job = SnapshotJob(step=step, meta=meta, flats=flats, arenas=arenas, deferred=deferred, buffers=buffers,
-                          late=_late_slots(flats, late or {}))
+        job = SnapshotJob(
+            step=step,
+            meta=meta,
+            flats=flats,
+            arenas=arenas,
+            deferred=deferred,
+            buffers=buffers,
+            late=_late_slots(flats, late or {}),
+        )
         if job.late:
             self._late_job = job
         else:
@@ -359,8 +372,9 @@ class Snapshotter:
             return
         layout = tuple((e.name, e.dtype, e.shape, e.kind) for e in new.entries)
         if layout != slot.layout:
-            self._warn_late(f"the state of {'.'.join(slot.path[1:])!r} changed its tensors between the step and the "
-                            "next call")
+            self._warn_late(
+                f"the state of {'.'.join(slot.path[1:])!r} changed its tensors between the step and the next call"
+            )
             return
         flat, arena = job.flats[slot.section], job.buffers[slot.section]
         for k, (entry, leaf) in enumerate(zip(new.entries, new.leaves)):
@@ -374,9 +388,13 @@ class Snapshotter:
     def _warn_late(self, why: str) -> None:
         if not self._late_warned:
             self._late_warned = True
-            logger.warning("cf_ray: rank %d: %s; the checkpoint keeps that object's state as it was at the "
-                           "checkpoint's step (a scheduler stepped after ckpt.step() then resumes one step behind; "
-                           "step it inside `with ckpt.update():` instead)", self.rank, why)
+            logger.warning(
+                "cf_ray: rank %d: %s; the checkpoint keeps that object's state as it was at the "
+                "checkpoint's step (a scheduler stepped after ckpt.step() then resumes one step behind; "
+                "step it inside `with ckpt.update():` instead)",
+                self.rank,
+                why,
+            )
 
     def wait_copy(self) -> float:
         """The weight-update guard: block until the in-flight copy is done. Returns seconds waited."""
@@ -439,13 +457,15 @@ class Snapshotter:
                     self._copy_done.set()
                 self._seal(job)
                 for name, flat in job.flats.items():
-                    fps = _fp.section_fingerprints(flat.tree, flat.entries, job.arenas[name]) \
-                        if isinstance(flat.tree, dict) else None
+                    fps = (
+                        _fp.section_fingerprints(flat.tree, flat.entries, job.arenas[name])
+                        if isinstance(flat.tree, dict)
+                        else None
+                    )
                     if fps:
                         flat.tree[_fp.KEY] = fps
                 sections = {
-                    name: StagedSection(job.arenas[name], mf.encode_index(flat))
-                    for name, flat in job.flats.items()
+                    name: StagedSection(job.arenas[name], mf.encode_index(flat)) for name, flat in job.flats.items()
                 }
                 t1 = time.perf_counter()
                 self._hand_off(job, sections)
@@ -467,8 +487,10 @@ class Snapshotter:
         with job.lock:
             job.sealed = True
         if not captured:
-            self._warn_late(f"the next Checkpointer call did not come within {self.late_wait_s:.0f} s of the "
-                            f"checkpoint of step {job.step}")
+            self._warn_late(
+                f"the next Checkpointer call did not come within {self.late_wait_s:.0f} s of the "
+                f"checkpoint of step {job.step}"
+            )
 
     def _run_prepare(self, job: _Prepare) -> None:
         try:
@@ -518,8 +540,17 @@ class Phase1:
             hand-off is not made again when the holder died).
     """
 
-    def __init__(self, rank: int, world_size: int, replicated: bool, state: Mapping[str, Any],
-                 data: Mapping[str, Any], holder, timing: Timing, resolve_holder: Callable[[], Any] | None = None):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        replicated: bool,
+        state: Mapping[str, Any],
+        data: Mapping[str, Any],
+        holder,
+        timing: Timing,
+        resolve_holder: Callable[[], Any] | None = None,
+    ):
         self.rank = rank
         self.world_size = world_size
         self.replicated = replicated
@@ -534,22 +565,30 @@ class Phase1:
         self._snap = Snapshotter(rank, self._hand_off)
         # Neither modules nor optimizers: their state is taken again at the next call (module doc);
         # so is the optimizers' param_groups (the learning rate a scheduler writes there).
-        self._late_names = [n for n, o in state.items()
-                            if not isinstance(o, (torch.nn.Module, torch.optim.Optimizer))]
+        self._late_names = [n for n, o in state.items() if not isinstance(o, (torch.nn.Module, torch.optim.Optimizer))]
         self._optimizers = [n for n, o in state.items() if isinstance(o, torch.optim.Optimizer)]
 
     # -- the training thread ------------------------------------------------------------------------
-    def take(self, step: int, epoch: int, kind: CheckpointKind, *, milestone: bool, interval: int | None,
-             notice: dict) -> float:
+    def take(
+        self, step: int, epoch: int, kind: CheckpointKind, *, milestone: bool, interval: int | None, notice: dict
+    ) -> float:
         """Start the snapshot of ``step``; returns the seconds the snapshotter spent on this thread.
 
         Args:
             notice: a preemption notice's deadline fields for the profile row (may be empty).
         """
         sections = self._sections(step, epoch)
-        meta = SnapshotMeta(rank=self.rank, world_size=self.world_size, replicated=self.replicated, epoch=epoch,
-                            kind=kind, milestone=milestone, priority=kind is CheckpointKind.PREEMPT,
-                            interval=interval, **notice)
+        meta = SnapshotMeta(
+            rank=self.rank,
+            world_size=self.world_size,
+            replicated=self.replicated,
+            epoch=epoch,
+            kind=kind,
+            milestone=milestone,
+            priority=kind is CheckpointKind.PREEMPT,
+            interval=interval,
+            **notice,
+        )
         guarded = self._guarded_ptrs()
         return self._snap.begin(step, sections, lambda t: t.data_ptr() in guarded, meta, late=self._late(sections))
 
@@ -577,8 +616,9 @@ class Phase1:
         if section not in sections:
             return {}
         late: list = [((key, n), self.state[n].state_dict) for n in self._late_names]
-        late += [((key, n, "param_groups"), lambda o=self.state[n]: o.state_dict()["param_groups"])
-                 for n in self._optimizers]
+        late += [
+            ((key, n, "param_groups"), lambda o=self.state[n]: o.state_dict()["param_groups"]) for n in self._optimizers
+        ]
         return {section: late}
 
     def prepare_once(self, step: int, epoch: int) -> bool:
@@ -630,8 +670,11 @@ class Phase1:
             "counters": {"step": step, "epoch": epoch, "rank": self.rank, "world_size": self.world_size},
         }
         sections: dict[str, Any] = {}
-        replicated = {name: obj.state_dict() for name, obj in self.state.items()} \
-            if (self.rank == 0 or not self.replicated) else None
+        replicated = (
+            {name: obj.state_dict() for name, obj in self.state.items()}
+            if (self.rank == 0 or not self.replicated)
+            else None
+        )
         if self.replicated:
             if self.rank == 0:
                 sections[mf.SHARED] = {"objects": replicated}
@@ -665,8 +708,14 @@ class Phase1:
         except ray.exceptions.RayActorError as e:
             if self._resolve_holder is None:
                 raise
-            logger.warning("cf_ray: rank %d: this node's holder is gone at the snapshot of step %d (%s: %s); staging "
-                           "it again with a new holder of this node", self.rank, job.step, type(e).__name__, e)
+            logger.warning(
+                "cf_ray: rank %d: this node's holder is gone at the snapshot of step %d (%s: %s); staging "
+                "it again with a new holder of this node",
+                self.rank,
+                job.step,
+                type(e).__name__,
+                e,
+            )
             self.holder = self._resolve_holder()
             ray.get(self.holder.stage.remote(self.generation, job.step, payload, meta=meta), timeout=timeout)
         self._timing.handed_off(job.step, job.timings)

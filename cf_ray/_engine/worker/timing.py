@@ -62,8 +62,12 @@ class Timing:
         self._pending_guard_step = step
         self._ckpt_stats.append({"step": step, "sync_s": sync_s, "stall_s": stall_s})
         wait = last_begin.get("wait_s", 0.0)
-        self._last_ckpt = {"ckpt_step": step, "stall_s": stall_s, "wait_s": wait if wait > 1e-4 else None,
-                           "nbytes": int(last_begin.get("nbytes", 0))}
+        self._last_ckpt = {
+            "ckpt_step": step,
+            "stall_s": stall_s,
+            "wait_s": wait if wait > 1e-4 else None,
+            "nbytes": int(last_begin.get("nbytes", 0)),
+        }
 
     def step_end(self) -> None:
         self._last_step_end = time.perf_counter()
@@ -71,9 +75,14 @@ class Timing:
     # -- the background thread ------------------------------------------------------------------------
     def handed_off(self, step: int, timings: dict[str, float]) -> None:
         """The snapshot of ``step`` is held by the holder; ``timings`` are the snapshotter's."""
-        self._ckpt_stats.append({"step": step, "copy_s": timings.get("copy_s", 0.0),
-                                 "handoff_s": timings.get("handoff_s", 0.0),
-                                 "nbytes": int(timings.get("nbytes", 0))})
+        self._ckpt_stats.append(
+            {
+                "step": step,
+                "copy_s": timings.get("copy_s", 0.0),
+                "handoff_s": timings.get("handoff_s", 0.0),
+                "nbytes": int(timings.get("nbytes", 0)),
+            }
+        )
 
     # -- out to the controller -------------------------------------------------------------------------
     def drain(self, rank: int, step: int, copy_timings: dict[str, float]) -> tuple[list[dict], list[dict]]:
@@ -85,8 +94,15 @@ class Timing:
         """
         samples = []
         if self._iter_n:
-            samples.append({"rank": rank, "step": step, "iter_s": self._iter_sum_s / self._iter_n,
-                            "iters": self._iter_n, **self._last_ckpt_sample(copy_timings)})
+            samples.append(
+                {
+                    "rank": rank,
+                    "step": step,
+                    "iter_s": self._iter_sum_s / self._iter_n,
+                    "iters": self._iter_n,
+                    **self._last_ckpt_sample(copy_timings),
+                }
+            )
             self._iter_sum_s, self._iter_n = 0.0, 0
         stats = []
         while self._ckpt_stats:

@@ -98,9 +98,11 @@ class Episode:
         if self.reason is LostReason.CONTROLLER_UNREACHABLE:
             what = f"the controller has not answered for {self.waited_s:.0f} s"
         else:
-            what = (f"no checkpoint has committed since step {self.committed_step} "
-                    f"({self.taken_since} taken since, the oldest at step {self.since_step}, "
-                    f"{self.waited_s:.0f} s ago)")
+            what = (
+                f"no checkpoint has committed since step {self.committed_step} "
+                f"({self.taken_since} taken since, the oldest at step {self.since_step}, "
+                f"{self.waited_s:.0f} s ago)"
+            )
         return f"{what}; the limit is {self.limit_s:.0f} s"
 
 
@@ -183,8 +185,9 @@ class DurabilityWatchdog:
         if self.episode is not None:
             if self._committed >= self.episode.start_step:
                 ended, self.episode = self.episode, None
-                return Change(started=False, episode=ended, committed_step=self._committed,
-                              lost_s=k.now - ended.started_at)
+                return Change(
+                    started=False, episode=ended, committed_step=self._committed, lost_s=k.now - ended.started_at
+                )
             return None
         limit, expected = self.limit_s(k.interval_steps)
         reason, waited = None, 0.0
@@ -194,9 +197,17 @@ class DurabilityWatchdog:
             reason, waited = LostReason.NO_COMMIT, k.now - self._pending[0][1]
         if reason is None:
             return None
-        self.episode = Episode(reason=reason, start_step=k.step, started_at=k.now, committed_step=self._committed,
-                               since_step=self._pending[0][0] if self._pending else None, waited_s=waited,
-                               limit_s=limit, expected_s=expected, taken_since=self._taken_since)
+        self.episode = Episode(
+            reason=reason,
+            start_step=k.step,
+            started_at=k.now,
+            committed_step=self._committed,
+            since_step=self._pending[0][0] if self._pending else None,
+            waited_s=waited,
+            limit_s=limit,
+            expected_s=expected,
+            taken_since=self._taken_since,
+        )
         self.episodes += 1
         return Change(started=True, episode=self.episode, committed_step=self._committed)
 
@@ -231,5 +242,12 @@ def _ema(old: float | None, new: float, alpha: float = 0.2) -> float:
     return new if old is None else (1 - alpha) * old + alpha * new
 
 
-__all__ = ["Change", "DurabilitySettings", "DurabilityWatchdog", "Episode", "Knowledge", "LostReason",
-           "UNREACHABLE_AFTER_FAILURES"]
+__all__ = [
+    "Change",
+    "DurabilitySettings",
+    "DurabilityWatchdog",
+    "Episode",
+    "Knowledge",
+    "LostReason",
+    "UNREACHABLE_AFTER_FAILURES",
+]
