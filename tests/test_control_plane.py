@@ -67,8 +67,14 @@ def _staged(gen: int, step: int, holder: str = "h", meta: SnapshotMeta = META, s
 def _write(storage, gen: int, step: int, section: str = SEC, holder: str = "h", size: int = 8) -> PartDurable:
     """Phase 2 of one section for real (its files on storage) and the message that says so."""
     files = mf.write_section(storage, mf.step_dir(step), gen, section, np.arange(size, dtype=np.uint8) % 251, b"{}")
-    return PartDurable(generation=gen, step=step, section=section, files={k: v.to_json() for k, v in files.items()},
-                       persist_s=0.01, holder=holder)
+    return PartDurable(
+        generation=gen,
+        step=step,
+        section=section,
+        files={k: v.to_json() for k, v in files.items()},
+        persist_s=0.01,
+        holder=holder,
+    )
 
 
 def _fake_files(gen: int, section: str = SEC) -> dict:
@@ -114,6 +120,7 @@ class FakeLink:
 
 # -- bounded: 10,000 commits ----------------------------------------------------------------------
 
+
 def _fast_root(tmp_path):
     """tmpfs when there is one: the test measures the controller, not the disk (10,000 fsync'd
     manifests take 20-280 s on this CI's shared disk, 2 ms each on tmpfs, where the writes are as real)."""
@@ -155,10 +162,17 @@ def test_the_controller_stays_flat_through_10000_commits(tmp_path, trace):
         for step in range(1, n + 1):
             t0 = time.perf_counter()
             ctl.part_staged(_staged(gen, step))
-            ctl.part_durable(PartDurable(generation=gen, step=step, section=SEC, files=files, persist_s=0.01,
-                                         holder="h"))
-            ctl.sync(SyncRequest(rank=0, generation=gen, adopted_version=0,
-                                 ckpt_stats=({"step": step, "stall_s": 0.001, "copy_s": 0.002},)))
+            ctl.part_durable(
+                PartDurable(generation=gen, step=step, section=SEC, files=files, persist_s=0.01, holder="h")
+            )
+            ctl.sync(
+                SyncRequest(
+                    rank=0,
+                    generation=gen,
+                    adopted_version=0,
+                    ckpt_stats=({"step": step, "stall_s": 0.001, "copy_s": 0.002},),
+                )
+            )
             times[step - 1] = time.perf_counter() - t0
             if step in (block, n):
                 mem[step] = measure()
@@ -167,9 +181,11 @@ def test_the_controller_stays_flat_through_10000_commits(tmp_path, trace):
             tracemalloc.stop()
 
         first, last = np.median(times[:block]), np.median(times[-block:])
-        print(f"10,000 commits in {elapsed:.1f} s; median per commit {first * 1e3:.2f} ms (first 2,000), "
-              f"{last * 1e3:.2f} ms (last 2,000); memory {mem[block]} -> {mem[n]} "
-              f"({'bytes' if trace else 'blocks'})")
+        print(
+            f"10,000 commits in {elapsed:.1f} s; median per commit {first * 1e3:.2f} ms (first 2,000), "
+            f"{last * 1e3:.2f} ms (last 2,000); memory {mem[block]} -> {mem[n]} "
+            f"({'bytes' if trace else 'blocks'})"
+        )
         assert last <= 3 * first + 0.5e-3, f"time per commit grew: {first * 1e3:.2f} ms -> {last * 1e3:.2f} ms"
         growth = mem[n] - mem[block]
         # A leak of one small object per commit would be 8,000 blocks (or >= 400 KB) here.
@@ -187,6 +203,7 @@ def test_the_controller_stays_flat_through_10000_commits(tmp_path, trace):
 
 
 # -- idempotent messages --------------------------------------------------------------------------
+
 
 def _count_manifest_writes(monkeypatch, storage) -> list[str]:
     writes: list[str] = []
@@ -244,12 +261,21 @@ def test_a_resynced_step_whose_files_are_gone_is_not_committed_again(tmp_path):
     durable = _write(storage, gen, 4)
     storage.delete_dir(mf.step_dir(4))  # what keep-last did before the controller died
     ok = _write(storage, gen, 5)
-    ctl.apply_holder_state(HolderState(holder="h", generation=gen, staged=(_staged(gen, 4), _staged(gen, 5)),
-                                       outcomes=(durable, ok)))
+    ctl.apply_holder_state(
+        HolderState(holder="h", generation=gen, staged=(_staged(gen, 4), _staged(gen, 5)), outcomes=(durable, ok))
+    )
     assert [c.step for c in mf.list_committed(storage)] == [5]
     assert ctl.settled(gen, [4, 5]) | {"resynced": None} == {
-        "generation": gen, "committed": [5], "failed": {}, "superseded": [], "abandoned": [4], "pending": [],
-        "unknown": [], "newest_committed": 5, "resynced": None}
+        "generation": gen,
+        "committed": [5],
+        "failed": {},
+        "superseded": [],
+        "abandoned": [4],
+        "pending": [],
+        "unknown": [],
+        "newest_committed": 5,
+        "resynced": None,
+    }
     assert ctl.generation >= gen
 
 
@@ -266,9 +292,17 @@ def test_settled_says_which_steps_nothing_more_will_happen_to(tmp_path):
     ctl.part_staged(_staged(gen, 4))  # staged, not durable yet
     ctl.part_durable(_write(storage, gen, 5))  # durable, its part_staged not here yet: not settled
     out = ctl.settled(gen, [1, 2, 3, 4, 5, 6])
-    assert out == {"generation": gen, "committed": [1], "failed": {2: f"{SEC}: OSError: disk full"},
-                   "superseded": [3], "abandoned": [], "pending": [4, 5], "unknown": [6], "newest_committed": 1,
-                   "resynced": True}
+    assert out == {
+        "generation": gen,
+        "committed": [1],
+        "failed": {2: f"{SEC}: OSError: disk full"},
+        "superseded": [3],
+        "abandoned": [],
+        "pending": [4, 5],
+        "unknown": [6],
+        "newest_committed": 1,
+        "resynced": True,
+    }
     # The next attempt restores at step 1: the old attempt's steps past it are abandoned, even when
     # their messages come late.
     gen2 = ctl.prepare_restore(1).generation
@@ -281,6 +315,7 @@ def test_settled_says_which_steps_nothing_more_will_happen_to(tmp_path):
 
 
 # -- a controller that starts again ---------------------------------------------------------------
+
 
 def test_a_controller_that_starts_again_rebuilds_from_storage_and_the_holders(tmp_path):
     storage = _storage(tmp_path)
@@ -314,8 +349,11 @@ def test_a_controller_that_starts_again_rebuilds_from_storage_and_the_holders(tm
     assert reply.schedules[-1].interval == again.summary()["interval"]
     again.part_staged(_staged(gen, 6))
     again.part_failed(PartFailed(generation=gen, step=6, section=SEC, error="OSError: gone"))
-    reply = again.sync(SyncRequest(rank=0, generation=gen, adopted_version=reply.schedules[-1].schedule_version,
-                                   seen_failures=seen_failures))
+    reply = again.sync(
+        SyncRequest(
+            rank=0, generation=gen, adopted_version=reply.schedules[-1].schedule_version, seen_failures=seen_failures
+        )
+    )
     assert [f.step for f in reply.failures] == [6] and reply.failures[0].seq > seen_failures
     assert again.prepare_restore(1).generation == gen + 1
 
@@ -330,6 +368,7 @@ def test_a_worker_that_adopted_a_version_the_controller_never_published_gets_one
 
 # -- the watch ------------------------------------------------------------------------------------
 
+
 def test_the_watch_recovers_lost_messages_and_fails_what_a_dead_holder_had(tmp_path):
     storage = _storage(tmp_path)
     link = FakeLink()
@@ -340,8 +379,11 @@ def test_the_watch_recovers_lost_messages_and_fails_what_a_dead_holder_had(tmp_p
         ctl.part_staged(_staged(gen, step, holder=holder))
     ctl.part_failed(PartFailed(generation=gen, step=5, section=SEC, error="OSError: disk full", holder="alive"))
     lost_durable = _write(storage, gen, 1, holder="alive")  # its part_durable never arrived
-    link.holders = {"alive": lambda key: ("done", _staged(gen, 1, holder="alive"), lost_durable),
-                    "dead": None, "restarted": lambda key: ("unknown", None, None)}
+    link.holders = {
+        "alive": lambda key: ("done", _staged(gen, 1, holder="alive"), lost_durable),
+        "dead": None,
+        "restarted": lambda key: ("unknown", None, None),
+    }
     ctl.watch_once(min_age_s=0)
     out = ctl.settled(gen, [1, 2, 3])
     assert out["committed"] == [1] and sorted(out["failed"]) == [2, 3]
@@ -377,6 +419,7 @@ def test_a_step_whose_section_no_holder_ever_had_is_abandoned_once_its_attempt_i
 
 # -- no storage I/O under the lock ----------------------------------------------------------------
 
+
 def test_no_storage_write_happens_under_the_controllers_lock(tmp_path, monkeypatch):
     storage = _storage(tmp_path)
     monkeypatch.setenv("CF_RAY_PROFILE_WINDOW_ROWS", "8")
@@ -404,6 +447,7 @@ def test_no_storage_write_happens_under_the_controllers_lock(tmp_path, monkeypat
 
 
 # -- uploads --------------------------------------------------------------------------------------
+
 
 class _FlakyHandler(pafs.FileSystemHandler):
     """Local disk that refuses the first ``fail`` output streams with a transient OSError, and
@@ -519,8 +563,9 @@ def test_the_upload_queue_is_bounded_and_drops_the_oldest_ordinary_upload(tmp_pa
     ctl = Controller("queue", storage, _settings(tiers=[tier]))
     gen = ctl.prepare_restore(1).generation
     for step in range(1, 7):
-        meta = SnapshotMeta(rank=0, world_size=1, replicated=False, epoch=0, kind=CheckpointKind.SCHEDULED,
-                            milestone=step == 2)
+        meta = SnapshotMeta(
+            rank=0, world_size=1, replicated=False, epoch=0, kind=CheckpointKind.SCHEDULED, milestone=step == 2
+        )
         ctl.part_staged(_staged(gen, step, meta=meta))
         ctl.part_durable(_write(storage, gen, step))
         deadline = time.monotonic() + 10
@@ -537,6 +582,7 @@ def test_the_upload_queue_is_bounded_and_drops_the_oldest_ordinary_upload(tmp_pa
 
 
 # -- the profile beyond the window ------------------------------------------------------------------
+
 
 def test_profile_rows_beyond_the_window_go_to_parquet_parts_and_the_saved_table_has_them_all(tmp_path, monkeypatch):
     from cf_ray import report
@@ -573,6 +619,7 @@ def test_profile_rows_beyond_the_window_go_to_parquet_parts_and_the_saved_table_
 
 # -- the end of a run -------------------------------------------------------------------------------
 
+
 def test_shutdown_drains_the_holders_before_it_kills_them(tmp_path):
     link = FakeLink()
     link.holders = {"a": lambda key: ("held", None, None)}
@@ -586,6 +633,7 @@ def test_shutdown_drains_the_holders_before_it_kills_them(tmp_path):
 
 
 # -- real actors ------------------------------------------------------------------------------------
+
 
 def _actor_run(tmp_path, handler=None):
     from cf_ray._engine import env as _env
@@ -620,8 +668,7 @@ def _wait_for(fn, timeout_s: float, what: str):
 
 def _stage(ray, holder, gen, step):
     arena = np.arange(4096, dtype=np.uint8)
-    return ray.get(holder.stage.remote(gen, step, {SEC: (arena, b'{"entries":[],"tree":null}')}, meta=META),
-                   timeout=60)
+    return ray.get(holder.stage.remote(gen, step, {SEC: (arena, b'{"entries":[],"tree":null}')}, meta=META), timeout=60)
 
 
 def test_a_holder_killed_mid_write_never_commits_that_step_and_later_steps_commit(ray_cluster, tmp_path):
@@ -643,15 +690,22 @@ def test_a_holder_killed_mid_write_never_commits_that_step_and_later_steps_commi
         holders.append(holder)
         assert ray.get(holder.ping.remote(), timeout=30).startswith(f"cf_ray.holder.{key}.")  # its messages carry it
         _stage(ray, holder, gen, 5)
-        _wait_for(lambda: ray.get(holder.drain.remote(0), timeout=30)["writing"] == [gen, 5, SEC], 60,
-                  "the holder to write step 5")
+        _wait_for(
+            lambda: ray.get(holder.drain.remote(0), timeout=30)["writing"] == [gen, 5, SEC],
+            60,
+            "the holder to write step 5",
+        )
         ray.kill(holder, no_restart=True)
-        new = _wait_for(lambda: _try(lambda: resolve_holder(key, storage, cname, ns, timeout_s=10)), 60,
-                        "a new holder")
+        new = _wait_for(lambda: _try(lambda: resolve_holder(key, storage, cname, ns, timeout_s=10)), 60, "a new holder")
         holders.append(new)
         _stage(ray, new, gen, 6)
-        out = _wait_for(lambda: (lambda o: o if 5 in o["failed"] and 6 in o["committed"] else None)(
-            ray.get(ctl.settled.remote(gen, [5, 6]), timeout=30)), 90, "step 5 to fail and step 6 to commit")
+        out = _wait_for(
+            lambda: (lambda o: o if 5 in o["failed"] and 6 in o["committed"] else None)(
+                ray.get(ctl.settled.remote(gen, [5, 6]), timeout=30)
+            ),
+            90,
+            "step 5 to fail and step 6 to commit",
+        )
         assert "lost" in out["failed"][5]
         assert [c.step for c in mf.list_committed(storage)] == [6]
         time.sleep(1)
@@ -684,18 +738,23 @@ def test_a_controller_restarted_mid_write_rebuilds_from_the_holder_and_commits(r
         ray.get(ctl.restored.remote(_Restored(source=RestoreSource.FRESH, step=0, epoch=0)), timeout=60)
         holder = resolve_holder(key, storage, cname, ns)
         _stage(ray, holder, gen, 5)
-        _wait_for(lambda: ray.get(holder.drain.remote(0), timeout=30)["writing"] == [gen, 5, SEC], 60,
-                  "the holder to write step 5")
+        _wait_for(
+            lambda: ray.get(holder.drain.remote(0), timeout=30)["writing"] == [gen, 5, SEC],
+            60,
+            "the holder to write step 5",
+        )
         ray.kill(ctl, no_restart=False)  # the process dies; max_restarts=-1: Ray starts it again
-        _wait_for(lambda: _try(lambda: ray.get(ctl.settled.remote(gen, [5]), timeout=30)["committed"] == [5]), 120,
-                  "step 5 to commit through the restarted controller")
+        _wait_for(
+            lambda: _try(lambda: ray.get(ctl.settled.remote(gen, [5]), timeout=30)["committed"] == [5]),
+            120,
+            "step 5 to commit through the restarted controller",
+        )
         assert [c.step for c in mf.list_committed(storage)] == [5]
         assert ray.get(ctl.ping.remote(), timeout=30)["generation"] >= gen
         reply = ray.get(ctl.sync.remote(SyncRequest(rank=0, generation=gen, adopted_version=3)), timeout=30)
         assert reply.schedules and all(s.schedule_version > 3 for s in reply.schedules)
         _stage(ray, holder, gen, 6)
-        _wait_for(lambda: ray.get(ctl.settled.remote(gen, [6]), timeout=30)["committed"] == [6], 60,
-                  "step 6 to commit")
+        _wait_for(lambda: ray.get(ctl.settled.remote(gen, [6]), timeout=30)["committed"] == [6], 60, "step 6 to commit")
     finally:
         _cleanup(ray, ctl, *([holder] if holder is not None else []))
 

@@ -39,8 +39,11 @@ SECTIONS = [mf.SHARED, mf.rank_section(0), mf.rank_section(1)]
 
 def _controller(root) -> Controller:
     storage = FsStorage(pafs.LocalFileSystem(), str(root))
-    return Controller("test", storage, ControllerSettings(policy=FixedInterval(every=1), keep_last=None, tiers=[],
-                                                          upload_milestones_only=False))
+    return Controller(
+        "test",
+        storage,
+        ControllerSettings(policy=FixedInterval(every=1), keep_last=None, tiers=[], upload_milestones_only=False),
+    )
 
 
 def _write(ctl: Controller, step: int, section: str) -> tuple[dict, torch.Tensor]:
@@ -49,8 +52,9 @@ def _write(ctl: Controller, step: int, section: str) -> tuple[dict, torch.Tensor
     flat = _codec.flatten({"w": value})
     arena = _Arena(flat.nbytes, pin=False)
     arena.dst(flat.entries[0]).copy_(value)
-    files = mf.write_section(ctl.storage, mf.step_dir(step), ctl.generation, section, arena.numpy(),
-                             mf.encode_index(flat))
+    files = mf.write_section(
+        ctl.storage, mf.step_dir(step), ctl.generation, section, arena.numpy(), mf.encode_index(flat)
+    )
     return {k: v.to_json() for k, v in files.items()}, value
 
 
@@ -75,11 +79,20 @@ def test_commits_whatever_order_the_holder_messages_run_in(tmp_path, order):
     for i in order:
         kind, sec = msgs[i]
         if kind == "staged":
-            ctl.part_staged(PartStaged(generation=ctl.generation, step=step, section=sec, holder="holder", nbytes=32,
-                                       meta=SnapshotMeta(**meta, rank=mf.section_rank(sec))))
+            ctl.part_staged(
+                PartStaged(
+                    generation=ctl.generation,
+                    step=step,
+                    section=sec,
+                    holder="holder",
+                    nbytes=32,
+                    meta=SnapshotMeta(**meta, rank=mf.section_rank(sec)),
+                )
+            )
         else:
-            ctl.part_durable(PartDurable(generation=ctl.generation, step=step, section=sec, files=written[sec][0],
-                                         persist_s=0.01))
+            ctl.part_durable(
+                PartDurable(generation=ctl.generation, step=step, section=sec, files=written[sec][0], persist_s=0.01)
+            )
     assert ctl.pending_steps(ctl.generation) == []
     assert [c.step for c in mf.list_committed(ctl.storage)] == [step]
     m = mf.read_manifest(ctl.storage, mf.step_dir(step))
@@ -94,8 +107,16 @@ def test_a_step_missing_a_section_stays_pending_and_uncommitted(tmp_path):
     meta = {"world_size": WORLD, "replicated": True, "epoch": 0, "kind": CheckpointKind.SCHEDULED}
     for sec in SECTIONS[:2]:
         files, _ = _write(ctl, 3, sec)
-        ctl.part_staged(PartStaged(generation=ctl.generation, step=3, section=sec, holder="holder", nbytes=32,
-                                   meta=SnapshotMeta(**meta, rank=mf.section_rank(sec))))
+        ctl.part_staged(
+            PartStaged(
+                generation=ctl.generation,
+                step=3,
+                section=sec,
+                holder="holder",
+                nbytes=32,
+                meta=SnapshotMeta(**meta, rank=mf.section_rank(sec)),
+            )
+        )
         ctl.part_durable(PartDurable(generation=ctl.generation, step=3, section=sec, files=files, persist_s=0.01))
     assert ctl.pending_steps(ctl.generation) == [3]
     assert mf.list_committed(ctl.storage) == []
@@ -108,19 +129,31 @@ def test_a_superseded_step_is_not_waited_for_nor_committed(tmp_path):
     ctl.part_durable(PartDurable(generation=ctl.generation, step=4, section=SECTIONS[0], files=files, persist_s=0.01))
     ctl.part_superseded(PartSuperseded(generation=ctl.generation, step=4, section=SECTIONS[1]))
     for sec in SECTIONS:
-        ctl.part_staged(PartStaged(generation=ctl.generation, step=4, section=sec, holder="holder", nbytes=32,
-                                   meta=SnapshotMeta(**meta, rank=mf.section_rank(sec))))
+        ctl.part_staged(
+            PartStaged(
+                generation=ctl.generation,
+                step=4,
+                section=sec,
+                holder="holder",
+                nbytes=32,
+                meta=SnapshotMeta(**meta, rank=mf.section_rank(sec)),
+            )
+        )
     for sec in SECTIONS[1:]:
-        ctl.part_durable(PartDurable(generation=ctl.generation, step=4, section=sec, files=_write(ctl, 4, sec)[0],
-                                     persist_s=0.01))
+        ctl.part_durable(
+            PartDurable(generation=ctl.generation, step=4, section=sec, files=_write(ctl, 4, sec)[0], persist_s=0.01)
+        )
     assert ctl.pending_steps(ctl.generation) == []
     assert mf.list_committed(ctl.storage) == []
 
 
 def _retaining_controller(root, keep_last: int) -> Controller:
     storage = FsStorage(pafs.LocalFileSystem(), str(root))
-    return Controller("test", storage, ControllerSettings(policy=FixedInterval(every=1), keep_last=keep_last,
-                                                          tiers=[], upload_milestones_only=False))
+    return Controller(
+        "test",
+        storage,
+        ControllerSettings(policy=FixedInterval(every=1), keep_last=keep_last, tiers=[], upload_milestones_only=False),
+    )
 
 
 def _wait_maintenance(ctl: Controller) -> None:
@@ -143,13 +176,22 @@ def test_a_checkpoint_committed_during_the_clean_up_of_older_directories_is_kept
     for step, milestone in ((10, True), (11, False)):
         for sec in SECTIONS:
             files, value = _write(ctl, step, sec)
-            ctl.part_staged(PartStaged(generation=ctl.generation, step=step, section=sec, holder="holder", nbytes=32,
-                                       meta=SnapshotMeta(**meta, rank=mf.section_rank(sec), milestone=milestone)))
+            ctl.part_staged(
+                PartStaged(
+                    generation=ctl.generation,
+                    step=step,
+                    section=sec,
+                    holder="holder",
+                    nbytes=32,
+                    meta=SnapshotMeta(**meta, rank=mf.section_rank(sec), milestone=milestone),
+                )
+            )
             if sec == SECTIONS[-1]:
                 last[step] = (files, value)
             else:
-                ctl.part_durable(PartDurable(generation=ctl.generation, step=step, section=sec, files=files,
-                                             persist_s=0.01))
+                ctl.part_durable(
+                    PartDurable(generation=ctl.generation, step=step, section=sec, files=files, persist_s=0.01)
+                )
     assert ctl.pending_steps(ctl.generation) == [10, 11]
 
     real_list = mf.list_uncommitted
@@ -159,13 +201,15 @@ def test_a_checkpoint_committed_during_the_clean_up_of_older_directories_is_kept
         out = real_list(storage)
         files = late.pop("files", None)
         if files is not None:  # the holder's message runs now, on another thread
-            ctl.part_durable(PartDurable(generation=ctl.generation, step=10, section=SECTIONS[-1], files=files,
-                                         persist_s=0.01))
+            ctl.part_durable(
+                PartDurable(generation=ctl.generation, step=10, section=SECTIONS[-1], files=files, persist_s=0.01)
+            )
         return out
 
     monkeypatch.setattr(mf, "list_uncommitted", listing_then_the_late_section)
-    ctl.part_durable(PartDurable(generation=ctl.generation, step=11, section=SECTIONS[-1], files=last[11][0],
-                                 persist_s=0.01))  # 11 commits before 10
+    ctl.part_durable(
+        PartDurable(generation=ctl.generation, step=11, section=SECTIONS[-1], files=last[11][0], persist_s=0.01)
+    )  # 11 commits before 10
     _wait_maintenance(ctl)
     assert "files" not in late, "the interleaving under test did not happen"
     assert [c.step for c in mf.list_committed(ctl.storage)] == [10, 11]
@@ -179,8 +223,16 @@ def _commit(ctl: Controller, step: int) -> None:
     meta = {"world_size": WORLD, "replicated": True, "epoch": 0, "kind": CheckpointKind.SCHEDULED}
     for sec in SECTIONS:
         files, _ = _write(ctl, step, sec)
-        ctl.part_staged(PartStaged(generation=ctl.generation, step=step, section=sec, holder="holder", nbytes=32,
-                                   meta=SnapshotMeta(**meta, rank=mf.section_rank(sec))))
+        ctl.part_staged(
+            PartStaged(
+                generation=ctl.generation,
+                step=step,
+                section=sec,
+                holder="holder",
+                nbytes=32,
+                meta=SnapshotMeta(**meta, rank=mf.section_rank(sec)),
+            )
+        )
         ctl.part_durable(PartDurable(generation=ctl.generation, step=step, section=sec, files=files, persist_s=0.01))
     _wait_maintenance(ctl)
 

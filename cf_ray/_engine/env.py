@@ -51,6 +51,9 @@ EVENTS_WINDOW = "CF_RAY_EVENTS_WINDOW"
 #: Seconds between two saves of the policy's learnt state during a run (so that a restarted
 #: controller does not profile again from scratch).
 POLICY_SAVE_INTERVAL_S = "CF_RAY_POLICY_SAVE_INTERVAL_S"
+#: Seconds between two checks by the controller's reaper that the run's driver (its Ray job) and its
+#: Ray Train run are still there; when they are gone the run's actors end (``driver/lifetime.py``).
+REAPER_INTERVAL_S = "CF_RAY_REAPER_INTERVAL_S"
 
 _DEFAULTS = {
     POLL_INTERVAL_S: 0.25,
@@ -70,6 +73,7 @@ _DEFAULTS = {
     PROFILE_WINDOW_ROWS: 1000,
     EVENTS_WINDOW: 1000,
     POLICY_SAVE_INTERVAL_S: 60.0,
+    REAPER_INTERVAL_S: 5.0,
 }
 
 

@@ -159,9 +159,16 @@ class CommitBook:
             older generations' steps past it are abandoned.
     """
 
-    def __init__(self, storage: Storage, committed: dict[int, Committed], *, book: ProfileBook,
-                 schedule: ScheduleBook, on_commit: Callable[[int, mf.Manifest], None],
-                 restores: dict[int, int] | None = None):
+    def __init__(
+        self,
+        storage: Storage,
+        committed: dict[int, Committed],
+        *,
+        book: ProfileBook,
+        schedule: ScheduleBook,
+        on_commit: Callable[[int, mf.Manifest], None],
+        restores: dict[int, int] | None = None,
+    ):
         self.storage = storage
         self.committed = committed
         """step -> :class:`Committed`, the checkpoints a restore may read (change it through
@@ -169,8 +176,9 @@ class CommitBook:
         self._newest: int | None = max(committed) if committed else None
         self.pending: dict[tuple[int, int], _Pending] = {}
         """(generation, step) -> :class:`_Pending`."""
-        self._settled: collections.OrderedDict[tuple[int, int], tuple[SectionState, str | None]] = \
+        self._settled: collections.OrderedDict[tuple[int, int], tuple[SectionState, str | None]] = (
             collections.OrderedDict()
+        )
         """Settled steps that left the pending table: (state, error), the newest :data:`MAX_SETTLED`."""
         self.restores: dict[int, int] = dict(restores or {})
         self.settled_out: list[tuple[int, int, SectionState, tuple[str, ...]]] = []
@@ -207,8 +215,11 @@ class CommitBook:
     def awaited_steps(self, generation: int) -> list[int]:
         """Steps (sorted) of ``generation`` still pending, none of whose sections is superseded
         (what ``Checkpointer.wait`` waits for)."""
-        return sorted(k[1] for k, p in self.pending.items() if k[0] == generation and p.state == SectionState.PENDING
-                      and not p.superseded)
+        return sorted(
+            k[1]
+            for k, p in self.pending.items()
+            if k[0] == generation and p.state == SectionState.PENDING and not p.superseded
+        )
 
     def states_by_step(self) -> dict[int, set[SectionState]]:
         """step -> the states of its entries (of every generation); a committing one is pending."""
@@ -225,9 +236,14 @@ class CommitBook:
         """The newest snapshot every section of which some holder has (a memory restore)."""
         for (gen, step), p in sorted(self.pending.items(), key=lambda kv: (kv[0][1], kv[0][0]), reverse=True):
             if p.expected and p.expected <= set(p.staged) and p.meta is not None:
-                return MemorySnapshot(generation=gen, step=step, sections=dict(p.staged),
-                                      world_size=p.meta.world_size, epoch=p.meta.epoch,
-                                      replicated=p.meta.replicated)
+                return MemorySnapshot(
+                    generation=gen,
+                    step=step,
+                    sections=dict(p.staged),
+                    world_size=p.meta.world_size,
+                    epoch=p.meta.epoch,
+                    replicated=p.meta.replicated,
+                )
         return None
 
     def state_of(self, generation: int, step: int) -> SectionState | None:
@@ -245,8 +261,15 @@ class CommitBook:
 
     def settled_report(self, generation: int, steps: list[int]) -> dict:
         """Which of ``steps`` (of ``generation``) are settled, and how (the ``settled`` RPC)."""
-        out: dict = {"generation": generation, "committed": [], "failed": {}, "superseded": [], "abandoned": [],
-                     "pending": [], "unknown": []}
+        out: dict = {
+            "generation": generation,
+            "committed": [],
+            "failed": {},
+            "superseded": [],
+            "abandoned": [],
+            "pending": [],
+            "unknown": [],
+        }
         for step in steps:
             step = int(step)
             p = self.pending.get((generation, step))
@@ -313,8 +336,17 @@ class CommitBook:
             self._settle(p, SectionState.SUPERSEDED)
             self._book.note_superseded(generation, step)
 
-    def durable(self, generation: int, step: int, section: str, files: dict[str, dict[str, int]],
-                persist_s: float, *, holder: str = "", resync: bool = False) -> CommitJob | None:
+    def durable(
+        self,
+        generation: int,
+        step: int,
+        section: str,
+        files: dict[str, dict[str, int]],
+        persist_s: float,
+        *,
+        holder: str = "",
+        resync: bool = False,
+    ) -> CommitJob | None:
         p = self._entry(generation, step, resync=resync)
         if p is None:
             return None
@@ -325,8 +357,17 @@ class CommitBook:
         self._report_persist(p)
         return self._try_commit(p)
 
-    def failed(self, generation: int, step: int, section: str, error: str, *, holder: str = "",
-               resync: bool = False, lost: bool = False) -> None:
+    def failed(
+        self,
+        generation: int,
+        step: int,
+        section: str,
+        error: str,
+        *,
+        holder: str = "",
+        resync: bool = False,
+        lost: bool = False,
+    ) -> None:
         """A section could not be written (``lost``: its holder died before writing it)."""
         p = self._entry(generation, step, resync=resync)
         if p is None or p.committing or p.state == SectionState.COMMITTED:
@@ -338,8 +379,9 @@ class CommitBook:
         p.failed[section] = error
         p.lost = lost and (p.state != SectionState.FAILED or p.lost)
         self._settle(p, SectionState.FAILED)
-        self._book.add_failure(generation=generation, step=step, section=section, rank=mf.section_rank(section),
-                               error=error)
+        self._book.add_failure(
+            generation=generation, step=step, section=section, rank=mf.section_rank(section), error=error
+        )
         self._book.note_failed(generation, step, section, error)
         logger.warning("cf_ray: checkpoint of step %d not committed: %s failed: %s", step, section, error)
         self._book.record_metrics(generation, step)
@@ -394,8 +436,10 @@ class CommitBook:
                 old = self.pending[k]
                 if old.state != SectionState.PENDING:
                     del self.pending[k]
-                    self._settled[k] = (old.state, "; ".join(f"{s}: {e}" for s, e in sorted(old.failed.items()))
-                                        or None)
+                    self._settled[k] = (
+                        old.state,
+                        "; ".join(f"{s}: {e}" for s, e in sorted(old.failed.items())) or None,
+                    )
                     while len(self._settled) > MAX_SETTLED:
                         self._settled.popitem(last=False)
         return p
@@ -414,13 +458,19 @@ class CommitBook:
             rank = mf.section_rank(sec)
             if sec == mf.SHARED and mf.rank_section(0) in p.persist_s:
                 continue  # rank 0's sample comes with its own section (same holder)
-            self._schedule.add_sample(Sample(rank=rank, step=p.step, ckpt_step=p.step,
-                                             persist_s=per_holder[p.staged.get(sec, "")]))
+            self._schedule.add_sample(
+                Sample(rank=rank, step=p.step, ckpt_step=p.step, persist_s=per_holder[p.staged.get(sec, "")])
+            )
 
     def _try_commit(self, p: _Pending) -> CommitJob | None:
         """The decision, under the lock: a complete step becomes *committing* (once)."""
-        if p.state != SectionState.PENDING or p.committing or p.expected is None or p.meta is None \
-                or not p.expected <= set(p.durable):
+        if (
+            p.state != SectionState.PENDING
+            or p.committing
+            or p.expected is None
+            or p.meta is None
+            or not p.expected <= set(p.durable)
+        ):
             return None
         files: dict[str, FileInfo] = {}
         sections = {}
@@ -429,14 +479,23 @@ class CommitBook:
             data, index = mf.section_files(p.generation, sec)
             sections[sec] = {"data": data, "index": index}
         meta = p.meta
-        m = mf.Manifest(step=p.step, epoch=int(meta.epoch), world_size=int(meta.world_size),
-                        generation=p.generation, replicated=bool(meta.replicated),
-                        kind=CheckpointKind(meta.kind).value, milestone=bool(meta.milestone),
-                        sections=sections, files=files, created_unix=time.time(),
-                        extra={"data_world_size": meta.world_size})
+        m = mf.Manifest(
+            step=p.step,
+            epoch=int(meta.epoch),
+            world_size=int(meta.world_size),
+            generation=p.generation,
+            replicated=bool(meta.replicated),
+            kind=CheckpointKind(meta.kind).value,
+            milestone=bool(meta.milestone),
+            sections=sections,
+            files=files,
+            created_unix=time.time(),
+            extra={"data_world_size": meta.world_size},
+        )
         p.committing = True
-        return CommitJob(generation=p.generation, step=p.step, manifest=m, directory=mf.step_dir(p.step),
-                         verify_files=p.verify_files)
+        return CommitJob(
+            generation=p.generation, step=p.step, manifest=m, directory=mf.step_dir(p.step), verify_files=p.verify_files
+        )
 
     # -- the commit itself ------------------------------------------------------------------------------
     def write(self, job: CommitJob) -> CommitResult:
@@ -462,8 +521,12 @@ class CommitBook:
         p = self.pending[(job.generation, job.step)]  # a committing entry is pending: never pruned
         p.committing = False
         if result.missing:
-            logger.info("cf_ray: step %d (generation %d), re-learnt after a restart, is no longer on storage "
-                        "(deleted by keep-last): not committed again", job.step, job.generation)
+            logger.info(
+                "cf_ray: step %d (generation %d), re-learnt after a restart, is no longer on storage "
+                "(deleted by keep-last): not committed again",
+                job.step,
+                job.generation,
+            )
             self._settle(p, SectionState.ABANDONED)
             return
         if result.error is not None:
@@ -471,19 +534,28 @@ class CommitBook:
             return
         m = job.manifest
         self._settle(p, SectionState.COMMITTED)
-        self.add_committed(p.step, Committed(path=job.directory, milestone=m.milestone, generation=p.generation,
-                                             epoch=m.epoch))
-        row = self._book.note_committed(p.generation, p.step, where=self.storage.uri(job.directory),
-                                        commit_s=result.commit_s, persist_s=max(_per_holder_persist(p).values()),
-                                        total_bytes=sum(p.section_bytes.values()), epoch=m.epoch, kind=m.kind,
-                                        milestone=m.milestone)
+        self.add_committed(
+            p.step, Committed(path=job.directory, milestone=m.milestone, generation=p.generation, epoch=m.epoch)
+        )
+        row = self._book.note_committed(
+            p.generation,
+            p.step,
+            where=self.storage.uri(job.directory),
+            commit_s=result.commit_s,
+            persist_s=max(_per_holder_persist(p).values()),
+            total_bytes=sum(p.section_bytes.values()),
+            epoch=m.epoch,
+            kind=m.kind,
+            milestone=m.milestone,
+        )
         logger.info("cf_ray: committed step %d (%d bytes) at %s", p.step, row["bytes"], row["where"])
         self._book.record_metrics(p.generation, p.step)
         self._on_commit(p.step, m)
 
     # -- the watch (see recovery.py) ------------------------------------------------------------------
-    def watch_targets(self, min_age_s: float) -> tuple[dict[str, list[tuple[int, int, str]]],
-                                                       list[tuple[int, int, str]]]:
+    def watch_targets(
+        self, min_age_s: float
+    ) -> tuple[dict[str, list[tuple[int, int, str]]], list[tuple[int, int, str]]]:
         """What to ask the holders about: sections of steps pending for at least ``min_age_s``
         that some holder has or wrote and whose outcome this controller has not heard (by holder),
         and sections expected that no holder was heard of (orphans)."""

@@ -9,11 +9,21 @@ in-memory snapshots intact. It uses ``num_cpus=0`` and never blocks a worker: wo
 with non-blocking calls and read the answers when they are ready.
 
 When the driver restarts (a new ``trainer.fit()`` with the same ``RunConfig(name, storage_path)``),
-a controller that is still alive (a long-lived cluster) is reused; otherwise a new one is created
-and rebuilds what matters from storage: the committed checkpoints, the generation counter and the
-saved profile (so the interval does not have to be profiled again from scratch). It exits on its
-own ``CF_RAY_CONTROLLER_LINGER_S`` seconds after every rank has called ``Checkpointer.finish()``,
-after asking every holder to finish what it is writing and writing the profile table to storage.
+a new controller is created and rebuilds what matters from storage: the committed checkpoints, the
+generation counter and the saved profile (so the interval does not have to be profiled again from
+scratch). It exits on its own ``CF_RAY_CONTROLLER_LINGER_S`` seconds after every rank has called
+``Checkpointer.finish()``, after asking every holder to finish what it is writing and writing the
+profile table to storage.
+
+Lifetime (issue #16, :mod:`.lifetime`): the controller records its owner — the driver's Ray job and
+the Ray Train run (``fit()``) — and its reaper thread ends the run's actors (holders drained first)
+when the job is dead, or when the Ray Train run ended while no rank had called ``finish()``. A
+controller of the same run key whose owner is gone is never reused: :func:`get_or_create_controller`
+shuts it down (its holders drained and killed) and creates a new one, with the new config, that
+starts from storage only and says so. A controller of the same run (Ray Train restarting workers)
+is reused. It is placed on the head node with a *hard* affinity (``num_cpus=0`` fits a 0-CPU head):
+the README draws it on the driver side, and a soft affinity requested from a worker lands it on the
+worker's node, which may be lost.
 
 Liveness and recovery (issue #16): the controller is created detached (the creating worker does
 not own it) with ``max_restarts=-1``: when its process dies (OOM, a bug), Ray runs the constructor
@@ -65,6 +75,7 @@ import ray.exceptions
 
 from cf_ray._engine import env as _env
 from cf_ray._engine.driver.commits import CommitBook, CommitJob, load_committed
+from cf_ray._engine.driver.lifetime import Owner, current_owner, head_node_id, owner_gone, run_name_of
 from cf_ray._engine.driver.maintenance import Maintenance, tier_steps
 from cf_ray._engine.driver.messages import (
     CheckpointRequest,
@@ -114,6 +125,12 @@ class ControllerSettings:
     """This controller replaces one that died while workers ran (set by :func:`resolve_controller`):
     it numbers schedule versions, failures and requests above anything the earlier one handed out,
     and continues its profile."""
+    owner: Owner | None = None
+    """The run this controller belongs to: its driver's job and Ray Train run (set by
+    :func:`get_or_create_controller`; ``None``: unknown, no reaper)."""
+    replaces_dead_run: bool = False
+    """An earlier controller of this run key belonged to a driver that is gone: it was shut down,
+    and this one starts from storage only (never from that run's holders) and says so."""
 
 
 class Controller:
@@ -133,8 +150,9 @@ class Controller:
         self.storage = storage
         self._lock = threading.RLock()
         resumed = was_reconstructed() or settings.recreated
-        self._link: HolderLink | None = (HolderLink(key, _env.namespace()) if in_ray_actor() else None) \
-            if holders is _AUTO else holders
+        self._link: HolderLink | None = (
+            (HolderLink(key, _env.namespace()) if in_ray_actor() else None) if holders is _AUTO else holders
+        )
         committed, newest_generation = load_committed(storage)
         self._control = ControlState(storage)
         saved_generation, restores = self._control.load()
@@ -143,15 +161,27 @@ class Controller:
         base = int(time.time() * 1000) if resumed else 0  # numbers above a predecessor's (see .schedule)
         self._schedule = ScheduleBook(settings.policy, storage, version_base=base)
         lineage = newest_lineage(storage) if resumed else None
-        self._book = ProfileBook(key, storage, self._schedule, lineage=lineage, seq_base=base,
-                                 on_batch=self._on_profile_batch)
-        self._commits = CommitBook(storage, committed, book=self._book, schedule=self._schedule,
-                                   on_commit=self._after_commit, restores=restores)
-        self._maintenance = Maintenance(storage, tiers=settings.tiers, keep_last=settings.keep_last,
-                                        upload_milestones_only=settings.upload_milestones_only, lock=self._lock,
-                                        commits=self._commits, book=self._book,
-                                        periodic=(_env.get_float(_env.POLICY_SAVE_INTERVAL_S),
-                                                  self._save_policy_state))
+        self._book = ProfileBook(
+            key, storage, self._schedule, lineage=lineage, seq_base=base, on_batch=self._on_profile_batch
+        )
+        self._commits = CommitBook(
+            storage,
+            committed,
+            book=self._book,
+            schedule=self._schedule,
+            on_commit=self._after_commit,
+            restores=restores,
+        )
+        self._maintenance = Maintenance(
+            storage,
+            tiers=settings.tiers,
+            keep_last=settings.keep_last,
+            upload_milestones_only=settings.upload_milestones_only,
+            lock=self._lock,
+            commits=self._commits,
+            book=self._book,
+            periodic=(_env.get_float(_env.POLICY_SAVE_INTERVAL_S), self._save_policy_state),
+        )
         if lineage is None:
             keep = self._book.parts.lineage
             self._maintenance.run_soon(lambda: delete_other_lineages(storage, keep))
@@ -164,12 +194,25 @@ class Controller:
         self._resynced = threading.Event()
         """Set once the holders alive at the start were asked what they hold."""
         self._stopping = threading.Event()
+        self._shutdown_lock = threading.Lock()
+        self._owner = settings.owner
+        self._replaced_dead_run = settings.replaces_dead_run
+        if settings.replaces_dead_run:
+            newest = self._commits.newest_step()
+            logger.warning(
+                "cf_ray: %s; the previous driver is gone",
+                f"resuming run {run_name_of(key)} from storage (step {newest})"
+                if newest is not None
+                else f"starting run {run_name_of(key)} clean (nothing committed on storage)",
+            )
         if self._link is not None:
             threading.Thread(target=self._rebuild_from_holders, name="cf_ray-resync", daemon=True).start()
         else:
             self._resynced.set()
         if self._link is not None and in_ray_actor():  # in process, tests call watch_once() themselves
             threading.Thread(target=self._watch_loop, name="cf_ray-watch", daemon=True).start()
+        if in_ray_actor() and self._owner is not None and self._owner.job_id:
+            threading.Thread(target=self._reaper_loop, name="cf_ray-reaper", daemon=True).start()
 
     # -- generations and restore --------------------------------------------------------------
     def prepare_restore(self, world_size: int) -> RestorePlan:
@@ -191,8 +234,13 @@ class Controller:
             generation, schedules = self.generation, self._schedule.all()
             state = self._control_state()
         self._control.write(*state)
-        return RestorePlan(generation=generation, memory=memory, storage=storage_steps,
-                           tiers=tier_steps(self._maintenance.tiers), schedules=schedules)
+        return RestorePlan(
+            generation=generation,
+            memory=memory,
+            storage=storage_steps,
+            tiers=tier_steps(self._maintenance.tiers),
+            schedules=schedules,
+        )
 
     def restored(self, info: Restored) -> None:
         """Rank 0 reports where the attempt resumed from.
@@ -205,10 +253,20 @@ class Controller:
         """
         with self._lock:
             self._maintenance.resume_deletions()  # what was deferred during the restore
-            self._book.add_event({"source": RestoreSource(info.source).value, "step": info.step, "epoch": info.epoch,
-                                  "seconds": info.seconds, "world_size": info.world_size,
-                                  "saved_world_size": info.saved_world_size, **info.extra,
-                                  "event": "restore", "generation": self.generation, "time": time.time()})
+            self._book.add_event(
+                {
+                    "source": RestoreSource(info.source).value,
+                    "step": info.step,
+                    "epoch": info.epoch,
+                    "seconds": info.seconds,
+                    "world_size": info.world_size,
+                    "saved_world_size": info.saved_world_size,
+                    **info.extra,
+                    "event": "restore",
+                    "generation": self.generation,
+                    "time": time.time(),
+                }
+            )
             for gen, step in self._commits.abandon_after(self.generation, info.step):
                 self._book.note_abandoned(gen, step)
             state = self._control_state()
@@ -236,21 +294,36 @@ class Controller:
             for stats in req.ckpt_stats:
                 self._book.add_rank_timings(req.generation, req.rank, stats)
             self._event(self._schedule.replan())
-            return SyncReply(schedules=self._schedule.since(req.adopted_version),
-                             committed_step=self._commits.newest_step() or 0,
-                             failures=self._book.failures_since(req.seen_failures),
-                             requests=tuple(r for r in self._requests if r.seq > req.seen_requests))
+            return SyncReply(
+                schedules=self._schedule.since(req.adopted_version),
+                committed_step=self._commits.newest_step() or 0,
+                failures=self._book.failures_since(req.seen_failures),
+                requests=tuple(r for r in self._requests if r.seq > req.seen_requests),
+            )
 
     def request_checkpoint(self, deadline_unix: float | None, detail: str = "") -> CheckpointRequest:
         """A preemption (or resize) notice from outside the workers, for every rank of this attempt
         (``cf_ray.preemption.notify_preemption``)."""
         with self._lock:
             self._request_seq += 1
-            req = CheckpointRequest(seq=self._request_seq, deadline_unix=deadline_unix, detail=str(detail),
-                                    time_unix=time.time(), generation=self.generation)
+            req = CheckpointRequest(
+                seq=self._request_seq,
+                deadline_unix=deadline_unix,
+                detail=str(detail),
+                time_unix=time.time(),
+                generation=self.generation,
+            )
             self._requests.append(req)
-            self._book.add_event({"seq": req.seq, "deadline_unix": req.deadline_unix, "detail": req.detail,
-                                  "time": req.time_unix, "generation": req.generation, "event": "notice"})
+            self._book.add_event(
+                {
+                    "seq": req.seq,
+                    "deadline_unix": req.deadline_unix,
+                    "detail": req.detail,
+                    "time": req.time_unix,
+                    "generation": req.generation,
+                    "event": "notice",
+                }
+            )
             return req
 
     def settled(self, generation: int, steps: list[int]) -> dict:
@@ -281,6 +354,19 @@ class Controller:
         """A cheap liveness check: ``{"generation": int, "resynced": bool}``."""
         return {"generation": self.generation, "resynced": self._resynced.is_set()}
 
+    def owner(self) -> Owner | None:
+        """The run this controller belongs to (:mod:`.lifetime`)."""
+        return self._owner
+
+    def lifetime(self) -> dict:
+        """``{"owner_job": str, "train_run": str | None, "replaced_dead_run": bool}``: whose run this
+        is, and whether it replaced the controller of a run whose driver was gone."""
+        return {
+            "owner_job": self._owner.job_id if self._owner is not None else "",
+            "train_run": self._owner.train_run if self._owner is not None else None,
+            "replaced_dead_run": self._replaced_dead_run,
+        }
+
     # -- holders -----------------------------------------------------------------------------------
     # Each returns the step's state after the message (a SectionState, or None when this controller
     # knows nothing of it); every one is idempotent (a holder re-sends what it is unsure arrived).
@@ -306,8 +392,9 @@ class Controller:
     def part_durable(self, msg: PartDurable) -> SectionState | None:
         with self._lock:
             new = self._note_holder(msg.holder)
-            job = self._commits.durable(msg.generation, msg.step, msg.section, msg.files, msg.persist_s,
-                                        holder=msg.holder)
+            job = self._commits.durable(
+                msg.generation, msg.step, msg.section, msg.files, msg.persist_s, holder=msg.holder
+            )
             state, settled = self._commits.state_of(msg.generation, msg.step), self._commits.take_settled()
         state = self._complete([job], settled, msg.generation, msg.step) or state
         self._resync_if_new(msg.holder, new)
@@ -342,16 +429,20 @@ class Controller:
         jobs = [self._staged(m, resync=True) for m in staged]
         for o in outcomes:
             if isinstance(o, PartDurable):
-                jobs.append(self._commits.durable(o.generation, o.step, o.section, o.files, o.persist_s,
-                                                  holder=o.holder, resync=True))
+                jobs.append(
+                    self._commits.durable(
+                        o.generation, o.step, o.section, o.files, o.persist_s, holder=o.holder, resync=True
+                    )
+                )
             elif isinstance(o, PartFailed):
                 self._commits.failed(o.generation, o.step, o.section, o.error, holder=o.holder, resync=True)
             elif isinstance(o, PartSuperseded):
                 self._commits.superseded(o.generation, o.step, o.section, resync=True)
         return jobs
 
-    def _complete(self, jobs: list[CommitJob | None], settled: list, generation: int | None = None,
-                  step: int | None = None) -> SectionState | None:
+    def _complete(
+        self, jobs: list[CommitJob | None], settled: list, generation: int | None = None, step: int | None = None
+    ) -> SectionState | None:
         """Write the manifests of the steps that became complete (outside the lock), record the
         results (under it), then tell the holders which steps settled. Returns the state of
         ``(generation, step)`` afterwards when given."""
@@ -422,16 +513,62 @@ class Controller:
         link = self._link
         try:
             names = link.names_on_alive_nodes() if link is not None else []
-            found = [n for n in names if link is not None and link.exists(n)]
+            found = [n for n in names if link is not None and link.exists(n) and self._holder_of_this_run(n)]
             for name in found:
                 self._resync_one(name)
             if found:
-                logger.info("cf_ray: controller %s re-learnt the state of %d holder(s); generation %d",
-                            self.key, len(found), self.generation)
+                logger.info(
+                    "cf_ray: controller %s re-learnt the state of %d holder(s); generation %d",
+                    self.key,
+                    len(found),
+                    self.generation,
+                )
         except Exception:  # noqa: BLE001
             logger.exception("cf_ray: could not resync the holders")
         finally:
             self._resynced.set()
+
+    def _holder_of_this_run(self, name: str) -> bool:
+        """Whether holder ``name`` belongs to this run. One left by a run whose driver is gone is
+        drained and killed: its snapshots are that run's, never this one's (storage is the truth)."""
+        if self._link is None or self._owner is None:
+            return True
+        theirs = self._link.owner(name, timeout_s=_env.get_float(_env.ACTOR_TIMEOUT_S))
+        if self._owner.same_run(theirs):
+            return True
+        if owner_gone(theirs) is not None:
+            logger.warning(
+                "cf_ray: holder %s belongs to a run whose driver is gone (job %s); draining and "
+                "killing it, its snapshots are not used",
+                name,
+                theirs.job_id if theirs else "?",
+            )
+            self._link.drain_all([name], _env.get_float(_env.DRAIN_TIMEOUT_S))
+            self._link.kill(name)
+        return False
+
+    # -- the reaper ------------------------------------------------------------------------------------
+    def _reaper_loop(self) -> None:
+        """End the run's actors when the run is over without ``finish()`` (see :mod:`.lifetime`)."""
+        while not self._stopping.wait(max(0.1, _env.get_float(_env.REAPER_INTERVAL_S))):
+            try:
+                why = owner_gone(self._owner)
+                if why is None:
+                    continue
+                with self._lock:
+                    finished = bool(self._finished) and len(self._finished) >= (self._world_size or 1)
+                if why == "train_run" and finished:
+                    continue  # finished: the linger ends it, and the driver may still read it
+                logger.warning(
+                    "cf_ray: run %s is over (%s) and its ranks did not all call finish(): draining "
+                    "the holders, saving the profile and ending the run's actors",
+                    run_name_of(self.key),
+                    "its driver's Ray job ended" if why == "job" else "its Ray Train run ended",
+                )
+                self.shutdown()
+                return
+            except Exception:  # noqa: BLE001 - the reaper never dies
+                logger.exception("cf_ray: the controller's reaper failed")
 
     # -- the watch -------------------------------------------------------------------------------------
     def _watch_loop(self) -> None:
@@ -490,13 +627,23 @@ class Controller:
         with self._lock:
             jobs = self._apply_locked(staged, outcomes)
             for (gen, step, sec), name in lost:
-                self._commits.failed(gen, step, sec, f"lost: holder {name} died or was restarted before it had "
-                                                     "written this section", holder=name, lost=True)
+                self._commits.failed(
+                    gen,
+                    step,
+                    sec,
+                    f"lost: holder {name} died or was restarted before it had written this section",
+                    holder=name,
+                    lost=True,
+                )
             for gen, step in sorted({(g, s) for g, s, _ in unfound}):
                 if gen < self.generation and self._commits.abandon(gen, step):
                     self._book.note_abandoned(gen, step)
-                    logger.info("cf_ray: step %d of generation %d abandoned: a section was never handed to a "
-                                "holder and its attempt is over", step, gen)
+                    logger.info(
+                        "cf_ray: step %d of generation %d abandoned: a section was never handed to a "
+                        "holder and its attempt is over",
+                        step,
+                        gen,
+                    )
             self._holders -= gone
             settled = self._commits.take_settled()
         self._complete(jobs, settled)
@@ -549,10 +696,15 @@ class Controller:
 
     def summary(self) -> dict:
         with self._lock:
-            return {"generation": self.generation, "committed_steps": self._commits.committed_steps(),
-                    "interval": self._schedule.current_interval, "schedules": self._schedule.as_dicts(),
-                    "failures": self._book.failure_dicts(), "events": list(self._book.events),
-                    "pending": self._commits.pending_steps()}
+            return {
+                "generation": self.generation,
+                "committed_steps": self._commits.committed_steps(),
+                "interval": self._schedule.current_interval,
+                "schedules": self._schedule.as_dicts(),
+                "failures": self._book.failure_dicts(),
+                "events": list(self._book.events),
+                "pending": self._commits.pending_steps(),
+            }
 
     # -- the end of a run ------------------------------------------------------------------------------
     def finish(self, rank: int, world_size: int) -> None:
@@ -583,23 +735,43 @@ class Controller:
     def shutdown(self) -> None:
         """Ask this run's holders to finish what they are writing (at most ``CF_RAY_DRAIN_TIMEOUT_S``,
         logged when they do not), let the queued uploads finish (as long again), write the profile,
-        then kill the holders and exit (used at the end of a run and by tests)."""
+        then kill the holders and exit (used at the end of a run, by the reaper, and by tests).
+        A second call while one runs waits for it."""
+        with self._shutdown_lock:
+            self._shutdown_locked()
+
+    def _shutdown_locked(self) -> None:
         self._stopping.set()
         timeout_s = _env.get_float(_env.DRAIN_TIMEOUT_S)
         names: list[str] = []
         if self._link is not None:
             with self._lock:
-                names = sorted(self._holders | set(n for n in self._link.names_on_alive_nodes()
-                                                   if n not in self._holders and self._link.exists(n)))
+                names = sorted(
+                    self._holders
+                    | set(
+                        n for n in self._link.names_on_alive_nodes() if n not in self._holders and self._link.exists(n)
+                    )
+                )
             for name, answer in self._link.drain_all(names, timeout_s).items():
                 if answer is not None and not answer.get("drained"):
-                    logger.warning("cf_ray: holder %s had not finished within %s=%.0f s when the run ended "
-                                   "(writing %s, waiting %s, %s messages unsent); what it did not write is lost, "
-                                   "the committed checkpoints stand", name, _env.DRAIN_TIMEOUT_S, timeout_s,
-                                   answer.get("writing"), answer.get("waiting"), answer.get("unsent"))
+                    logger.warning(
+                        "cf_ray: holder %s had not finished within %s=%.0f s when the run ended "
+                        "(writing %s, waiting %s, %s messages unsent); what it did not write is lost, "
+                        "the committed checkpoints stand",
+                        name,
+                        _env.DRAIN_TIMEOUT_S,
+                        timeout_s,
+                        answer.get("writing"),
+                        answer.get("waiting"),
+                        answer.get("unsent"),
+                    )
         if not self._maintenance.wait_idle(timeout_s):
-            logger.warning("cf_ray: uploads of steps %s not finished within %s=%.0f s at the end of the run",
-                           self._maintenance.uploads_pending(), _env.DRAIN_TIMEOUT_S, timeout_s)
+            logger.warning(
+                "cf_ray: uploads of steps %s not finished within %s=%.0f s at the end of the run",
+                self._maintenance.uploads_pending(),
+                _env.DRAIN_TIMEOUT_S,
+                timeout_s,
+            )
         self.save_profile()
         if self._link is not None:
             for name in names:
@@ -611,23 +783,101 @@ class Controller:
 
 # max_restarts=-1: Ray runs the constructor again after the process died; it rebuilds from storage
 # and from the holders (see the module doc). Calls in flight when it died fail; callers retry.
-ControllerActor = ray.remote(num_cpus=0, max_concurrency=32, max_restarts=-1)(Controller)
+ControllerActor = ray.remote(num_cpus=0, max_concurrency=32, max_restarts=-1)(Controller)  # pyright: ignore[reportCallIssue] - ray.remote's overloads do not list max_concurrency with a class
 
 
 def get_or_create_controller(key: str, storage: Storage, settings: ControllerSettings):
     """The run's controller, created (detached: the creating process does not own it) if there is
-    none. The arguments are used only when it is created."""
-    # On the head node when there is one: the worker that creates it may be on a spot node that is
-    # about to go, and the controller must outlive it (soft: anywhere if the head cannot take it).
-    head = _head_node_id()
+    none. The arguments are used only when it is created.
+
+    An existing controller of this run key is reused when it belongs to this run (the same driver
+    job and Ray Train run: workers restarted by Ray Train) or when its owner is still alive. One whose
+    owner is gone (the previous driver died, or its ``fit()`` ended) is shut down — its holders
+    drained and killed — and a new one is created with ``settings`` (the new config), starting from
+    storage only (:mod:`.lifetime`).
+    """
+    owner = settings.owner or current_owner()
+    settings = dataclasses.replace(settings, owner=owner)
+    existing = get_controller(key)
+    if existing is not None:
+        theirs, reachable = _owner_of(existing)
+        if not reachable or owner.same_run(theirs):
+            return existing
+        if owner_gone(theirs) is None:
+            logger.warning(
+                "cf_ray: the controller of run %s belongs to another live run (job %s); reusing it",
+                run_name_of(key),
+                theirs.job_id if theirs else "?",
+            )
+            return existing
+        _retire(key, existing, theirs)
+        settings = dataclasses.replace(settings, replaces_dead_run=True, recreated=False)
+    return _create(key, storage, settings)
+
+
+def _create(key: str, storage: Storage, settings: ControllerSettings):
+    # On the head node, hard: the worker that creates it may be on a spot node that is about to go,
+    # and the controller must outlive it (the README draws it on the driver side). Ray does not honour
+    # a soft affinity requested from a worker node; num_cpus=0 fits a head with no CPUs.
+    head = head_node_id()
     extra = {}
     if head is not None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        extra["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=head, soft=True)
+        extra["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=head, soft=False)
+    else:
+        logger.warning(
+            "cf_ray: no head node found in ray.nodes(); the controller of run %s is placed anywhere "
+            "(it may land on a node that is lost)",
+            run_name_of(key),
+        )
     return ControllerActor.options(
-        name=controller_name(key), namespace=_env.namespace(), lifetime="detached", get_if_exists=True, **extra,
+        name=controller_name(key),
+        namespace=_env.namespace(),
+        lifetime="detached",
+        get_if_exists=True,
+        **extra,
     ).remote(key, storage, settings)
+
+
+def _owner_of(handle) -> tuple[Owner | None, bool]:
+    """``(owner, reachable)`` of an existing controller; an unreachable one (dying, or restarting
+    past the timeout) is left to Ray and to :func:`resolve_controller`."""
+    try:
+        return ray.get(handle.owner.remote(), timeout=_env.get_float(_env.ACTOR_TIMEOUT_S)), True
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None, False
+    except AttributeError:  # a controller from before owners were recorded
+        return None, True
+
+
+def _retire(key: str, handle, theirs: Owner | None) -> None:
+    """Shut down a controller whose run is over (holders drained and killed), then wait until its
+    name is free or taken by another actor (a rank of the new run may have been quicker)."""
+    logger.warning(
+        "cf_ray: the controller of run %s belongs to a run whose driver is gone (job %s); shutting it "
+        "down and starting from storage",
+        run_name_of(key),
+        theirs.job_id if theirs else "?",
+    )
+    timeout_s = 2 * _env.get_float(_env.DRAIN_TIMEOUT_S) + 60
+    try:
+        ray.get(handle.shutdown.remote(), timeout=timeout_s)
+    except ray.exceptions.RayActorError:
+        pass  # it killed itself at the end of its shutdown
+    except Exception as e:  # noqa: BLE001 - stuck: killed; the new controller retires its holders
+        logger.warning("cf_ray: the old controller of run %s did not shut down (%r); killing it", run_name_of(key), e)
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # noqa: BLE001
+        pass
+    old = handle._actor_id
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        now = get_controller(key)
+        if now is None or now._actor_id != old:
+            return
+        time.sleep(0.1)
 
 
 def resolve_controller(key: str, storage: Storage, settings: ControllerSettings, timeout_s: float | None = None):
@@ -658,16 +908,6 @@ def resolve_controller(key: str, storage: Storage, settings: ControllerSettings,
         delay = min(delay * 2, 2.0)
 
 
-def _head_node_id() -> str | None:
-    try:
-        for n in ray.nodes():
-            if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {}):
-                return n["NodeID"]
-    except Exception:  # noqa: BLE001 - placement is a preference only
-        pass
-    return None
-
-
 def get_controller(key: str):
     """The live controller of a run, or ``None``."""
     try:
@@ -676,5 +916,13 @@ def get_controller(key: str):
         return None
 
 
-__all__ = ["Controller", "ControllerActor", "ControllerSettings", "controller_name", "get_controller",
-           "get_or_create_controller", "resolve_controller", "run_key"]
+__all__ = [
+    "Controller",
+    "ControllerActor",
+    "ControllerSettings",
+    "controller_name",
+    "get_controller",
+    "get_or_create_controller",
+    "resolve_controller",
+    "run_key",
+]

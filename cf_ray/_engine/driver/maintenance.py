@@ -75,9 +75,18 @@ class Maintenance:
             seconds, after a commit (the policy's state).
     """
 
-    def __init__(self, storage: Storage, *, tiers: list, keep_last: int | None, upload_milestones_only: bool,
-                 lock: threading.RLock, commits: CommitBook, book: ProfileBook,
-                 periodic: tuple[float, Callable[[], None]] | None = None):
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        tiers: list,
+        keep_last: int | None,
+        upload_milestones_only: bool,
+        lock: threading.RLock,
+        commits: CommitBook,
+        book: ProfileBook,
+        periodic: tuple[float, Callable[[], None]] | None = None,
+    ):
         self.storage = storage
         self.tiers: list[Storage] = list(tiers)
         self.keep_last = keep_last
@@ -126,11 +135,17 @@ class Maintenance:
             if victim is not None:
                 if victim is not up:
                     self._uploads.remove(victim)
-                logger.warning("cf_ray: the upload queue is full (%d, %s): step %d is not uploaded; storage is "
-                               "the truth (raise %s, or upload milestones only)", limit, _env.UPLOAD_QUEUE,
-                               victim.step, _env.UPLOAD_QUEUE)
-                self._book.add_event({"event": "upload_dropped", "step": victim.step, "reason": "upload queue full",
-                                      "time": time.time()})
+                logger.warning(
+                    "cf_ray: the upload queue is full (%d, %s): step %d is not uploaded; storage is "
+                    "the truth (raise %s, or upload milestones only)",
+                    limit,
+                    _env.UPLOAD_QUEUE,
+                    victim.step,
+                    _env.UPLOAD_QUEUE,
+                )
+                self._book.add_event(
+                    {"event": "upload_dropped", "step": victim.step, "reason": "upload queue full", "time": time.time()}
+                )
                 if victim is up:
                     return
         self._uploads.append(up)
@@ -188,16 +203,20 @@ class Maintenance:
             self._uploads.clear()
             self._cond.notify_all()
         if left:
-            logger.warning("cf_ray: the controller stops with uploads of steps %s not done; they are committed on "
-                           "the primary storage", left)
+            logger.warning(
+                "cf_ray: the controller stops with uploads of steps %s not done; they are committed on "
+                "the primary storage",
+                left,
+            )
 
     # -- the thread ---------------------------------------------------------------------------------------
     def _has_work(self) -> bool:
         return bool(self._retain_due or self._parts_due or self._uploads or self._once or self._retain_tiers_due)
 
     def _periodic_due(self) -> bool:
-        return self._periodic is not None and self._dirty and \
-            time.monotonic() - self._last_periodic >= self._periodic[0]
+        return (
+            self._periodic is not None and self._dirty and time.monotonic() - self._last_periodic >= self._periodic[0]
+        )
 
     def _next_task(self) -> Callable[[], None] | None:
         """The next thing to do (under ``_cond``); ``None`` when the thread should end."""
@@ -271,29 +290,51 @@ class Maintenance:
                     if got != info:
                         raise _Permanent(f"upload of {name} to {tier.uri()} wrote {got}, the manifest says {info}")
                 mf.commit(tier, directory, m)  # the tier's own commit marker, written last
-            except (_Permanent, CorruptCheckpointError, UnsafePathError, FileNotFoundError, IsADirectoryError,
-                    NotADirectoryError, PermissionError) as e:
+            except (
+                _Permanent,
+                CorruptCheckpointError,
+                UnsafePathError,
+                FileNotFoundError,
+                IsADirectoryError,
+                NotADirectoryError,
+                PermissionError,
+            ) as e:
                 return self._upload_failed(step, tier, e)
             except OSError as e:  # transient: a network error, a throttled bucket, a full disk being cleaned
                 if attempt >= tries or self._stopping.is_set():
                     return self._upload_failed(step, tier, e)
-                logger.warning("cf_ray: upload of step %d to %s failed (try %d of %d), again in %.1f s: %s",
-                               step, tier.uri(), attempt, tries, delay, e)
+                logger.warning(
+                    "cf_ray: upload of step %d to %s failed (try %d of %d), again in %.1f s: %s",
+                    step,
+                    tier.uri(),
+                    attempt,
+                    tries,
+                    delay,
+                    e,
+                )
                 if self._stopping.wait(delay):
                     return self._upload_failed(step, tier, e)
                 delay = min(MAX_BACKOFF_S, max(delay * 2, 0.05))
                 continue
             except Exception as e:  # noqa: BLE001
                 return self._upload_failed(step, tier, e)
-            self._book.add_event({"event": "upload", "step": step, "tier": tier.uri(directory),
-                                  "seconds": time.perf_counter() - t0, "time": time.time()})
+            self._book.add_event(
+                {
+                    "event": "upload",
+                    "step": step,
+                    "tier": tier.uri(directory),
+                    "seconds": time.perf_counter() - t0,
+                    "time": time.time(),
+                }
+            )
             return True
         return False
 
     def _upload_failed(self, step: int, tier: Storage, e: BaseException) -> bool:
         logger.warning("cf_ray: upload of step %d to %s failed: %s", step, tier.uri(), e)
-        self._book.add_event({"event": "upload_failed", "step": step, "tier": tier.uri(), "error": str(e),
-                              "time": time.time()})
+        self._book.add_event(
+            {"event": "upload_failed", "step": step, "tier": tier.uri(), "error": str(e), "time": time.time()}
+        )
         return False
 
     # -- clean-up -----------------------------------------------------------------------------------------
@@ -337,8 +378,13 @@ class Maintenance:
             self._last_listing = len(leftovers) + len(committed_index)
             states = self._commits.states_by_step()
             unknown = {step for _, step in leftovers if step not in states and step not in committed_index}
-            dead = [name for name, step in leftovers if step < newest and step not in committed_index and (
-                step in self._unknown_seen if step in unknown else SectionState.PENDING not in states[step])]
+            dead = [
+                name
+                for name, step in leftovers
+                if step < newest
+                and step not in committed_index
+                and (step in self._unknown_seen if step in unknown else SectionState.PENDING not in states[step])
+            ]
             self._unknown_seen = unknown
         for name in dead:
             _delete(self.storage, f"{mf.CHECKPOINTS}/{name}")

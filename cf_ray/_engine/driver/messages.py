@@ -71,7 +71,8 @@ def _check_version(cls: type, version: Any) -> None:
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
             f"{cls.__name__} of protocol version {version}, this process speaks {PROTOCOL_VERSION}: "
-            "the driver, the workers and cf_ray's actors must run the same cf_ray version")
+            "the driver, the workers and cf_ray's actors must run the same cf_ray version"
+        )
 
 
 def _rebuild(cls: type, values: dict[str, Any]) -> Message:
@@ -98,6 +99,7 @@ class Message:
 
 # -- worker -> holder -------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SnapshotMeta(Message):
     """What a rank says of its snapshot when it hands it to its node's holder."""
@@ -121,6 +123,7 @@ class SnapshotMeta(Message):
 
 
 # -- holder -> controller ----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PartStaged(Message):
@@ -188,6 +191,7 @@ class HolderState(Message):
 
 
 # -- worker <-> controller -------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Schedule(Message):
@@ -283,7 +287,25 @@ class Restored(Message):
 
 
 __all__ = [
-    "PROTOCOL_VERSION", "CheckpointKind", "CheckpointRequest", "Failure", "HolderState", "MemorySnapshot", "Message",
-    "PartDurable", "PartFailed", "PartStaged", "PartSuperseded", "ProtocolError", "RequestLevel", "RestorePlan",
-    "RestoreSource", "Restored", "Schedule", "SectionState", "SnapshotMeta", "SyncReply", "SyncRequest",
+    "PROTOCOL_VERSION",
+    "CheckpointKind",
+    "CheckpointRequest",
+    "Failure",
+    "HolderState",
+    "MemorySnapshot",
+    "Message",
+    "PartDurable",
+    "PartFailed",
+    "PartStaged",
+    "PartSuperseded",
+    "ProtocolError",
+    "RequestLevel",
+    "RestorePlan",
+    "RestoreSource",
+    "Restored",
+    "Schedule",
+    "SectionState",
+    "SnapshotMeta",
+    "SyncReply",
+    "SyncRequest",
 ]

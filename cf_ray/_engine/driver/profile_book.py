@@ -271,8 +271,9 @@ class Goodput:
         self._last_unix = now_unix if self._last_unix is None else max(self._last_unix, now_unix)
         self._reached_step = step if self._reached_step is None else max(self._reached_step, step)
 
-    def on_restore(self, *, generation: int, source: str, step: int, restore_s: float,
-                   now_unix: float) -> Restart | None:
+    def on_restore(
+        self, *, generation: int, source: str, step: int, restore_s: float, now_unix: float
+    ) -> Restart | None:
         """An attempt restored ``step``; returns the restart it makes (``None`` for the run's start:
         the first restore, unless samples came before it)."""
         step, previous_attempt_unix = int(step), self._attempt_unix
@@ -288,10 +289,16 @@ class Goodput:
         lost = max(0, (self._reached_step if self._reached_step is not None else step) - step)
         mean = self.mean_iter_s()
         alive = [t for t in (self._last_unix, previous_attempt_unix) if t is not None]
-        restart = Restart(generation=int(generation), source=str(source), restored_step=step,
-                          restore_s=float(restore_s or 0.0), lost_steps=lost,
-                          lost_s=None if mean is None else lost * mean, failure_unix=max(alive, default=None),
-                          restored_unix=now_unix)
+        restart = Restart(
+            generation=int(generation),
+            source=str(source),
+            restored_step=step,
+            restore_s=float(restore_s or 0.0),
+            lost_steps=lost,
+            lost_s=None if mean is None else lost * mean,
+            failure_unix=max(alive, default=None),
+            restored_unix=now_unix,
+        )
         self.lost_steps_total += lost
         self.lost_s_total += restart.lost_s or 0.0
         self._reached_step = step
@@ -341,8 +348,16 @@ class ProfileBook:
             to be written (:meth:`write_parts`, by the maintenance thread).
     """
 
-    def __init__(self, key: str, storage: Storage, schedule: ScheduleBook, *, lineage: str | None = None,
-                 seq_base: int = 0, on_batch: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        key: str,
+        storage: Storage,
+        schedule: ScheduleBook,
+        *,
+        lineage: str | None = None,
+        seq_base: int = 0,
+        on_batch: Callable[[], None] | None = None,
+    ):
         self.key = key
         self.storage = storage
         self.schedule = schedule
@@ -375,9 +390,14 @@ class ProfileBook:
             if (generation, step) in self._evicted:  # late news of a row already on its way to storage
                 row = self._rows[(generation, step)] = {"step": step, "generation": generation}
             else:
-                row = self._rows[(generation, step)] = {"step": step, "generation": generation, "committed": False,
-                                                        "where": SectionState.PENDING.value, "error": None,
-                                                        "interval": self.schedule.current_interval}
+                row = self._rows[(generation, step)] = {
+                    "step": step,
+                    "generation": generation,
+                    "committed": False,
+                    "where": SectionState.PENDING.value,
+                    "error": None,
+                    "interval": self.schedule.current_interval,
+                }
             if len(self._rows) > self._window:
                 self._evict()
         return row
@@ -410,15 +430,21 @@ class ProfileBook:
         except Exception:  # noqa: BLE001 - goodput is a report, never a reason to fail
             logger.debug("cf_ray: goodput bookkeeping failed", exc_info=True)
         row = self.row(generation, step)
-        row.update(epoch=meta.epoch, kind=CheckpointKind(meta.kind).value, milestone=meta.milestone,
-                   interval=meta.interval, world_size=meta.world_size)
+        row.update(
+            epoch=meta.epoch,
+            kind=CheckpointKind(meta.kind).value,
+            milestone=meta.milestone,
+            interval=meta.interval,
+            world_size=meta.world_size,
+        )
         d = meta.deadline_unix  # a just-in-time checkpoint: the earliest deadline any rank knows
         if d is not None and (row.get("deadline_unix") is None or d < row["deadline_unix"]):
             row.update(deadline_unix=d, notice_unix=meta.notice_unix, notice_source=meta.notice_source)
 
     def note_superseded(self, generation: int, step: int) -> None:
-        self.row(generation, step).update(committed=False, where="memory-only",
-                                          error="superseded by a newer snapshot before it was persisted")
+        self.row(generation, step).update(
+            committed=False, where="memory-only", error="superseded by a newer snapshot before it was persisted"
+        )
 
     def note_failed(self, generation: int, step: int, section: str, error: str) -> None:
         row = self.row(generation, step)
@@ -430,14 +456,35 @@ class ProfileBook:
         """A just-in-time checkpoint of an attempt that ended before it was durable."""
         row = self._rows.get((generation, step))
         if row is not None and row.get("deadline_unix") is not None:
-            row.update(made_deadline=False, where=SectionState.ABANDONED.value,
-                       error="not durable when its attempt ended")
+            row.update(
+                made_deadline=False, where=SectionState.ABANDONED.value, error="not durable when its attempt ended"
+            )
 
-    def note_committed(self, generation: int, step: int, *, where: str, commit_s: float, persist_s: float,
-                       total_bytes: int, epoch: int, kind: str, milestone: bool) -> dict:
+    def note_committed(
+        self,
+        generation: int,
+        step: int,
+        *,
+        where: str,
+        commit_s: float,
+        persist_s: float,
+        total_bytes: int,
+        epoch: int,
+        kind: str,
+        milestone: bool,
+    ) -> dict:
         row = self.row(generation, step)
-        row.update(committed=True, where=where, error=None, commit_s=commit_s, persist_s=persist_s, bytes=total_bytes,
-                   epoch=epoch, kind=kind, milestone=milestone)
+        row.update(
+            committed=True,
+            where=where,
+            error=None,
+            commit_s=commit_s,
+            persist_s=persist_s,
+            bytes=total_bytes,
+            epoch=epoch,
+            kind=kind,
+            milestone=milestone,
+        )
         row["durable_unix"] = time.time()
         if row.get("deadline_unix") is not None:
             row["made_deadline"] = row["durable_unix"] <= row["deadline_unix"]
@@ -446,8 +493,9 @@ class ProfileBook:
     def memory_rows(self) -> list[dict]:
         """The rows still in memory (the window, and batches not yet in a part), in step order."""
         iter_s = _recent_iter_s(self.schedule.samples)
-        window = [self._public(row, iter_s) for _, row in sorted(self._rows.items(),
-                                                                   key=lambda kv: (kv[0][1], kv[0][0]))]
+        window = [
+            self._public(row, iter_s) for _, row in sorted(self._rows.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+        ]
         return merge_rows(*self._unwritten, window) if self._unwritten else window
 
     def profile_rows(self) -> list[dict]:
@@ -495,8 +543,12 @@ class ProfileBook:
             try:
                 self.parts.write(batch)
             except Exception as e:  # noqa: BLE001 - the profile is a report, never a reason to fail
-                logger.warning("cf_ray: could not write %d profile rows to %s (dropped): %s", len(batch),
-                               self.storage.uri(self.parts.directory), e)
+                logger.warning(
+                    "cf_ray: could not write %d profile rows to %s (dropped): %s",
+                    len(batch),
+                    self.storage.uri(self.parts.directory),
+                    e,
+                )
             with lock:
                 self._unwritten = [b for b in self._unwritten if b is not batch]
 
@@ -523,10 +575,13 @@ class ProfileBook:
         self.events.append(event)
         if event.get("event") == "restore":  # the controller's restored(): a restart's cost, or the run's start
             try:
-                restart = self.goodput.on_restore(generation=event.get("generation") or 0,
-                                                  source=str(event.get("source")), step=event.get("step") or 0,
-                                                  restore_s=event.get("seconds") or 0.0,
-                                                  now_unix=event.get("time") or time.time())
+                restart = self.goodput.on_restore(
+                    generation=event.get("generation") or 0,
+                    source=str(event.get("source")),
+                    step=event.get("step") or 0,
+                    restore_s=event.get("seconds") or 0.0,
+                    now_unix=event.get("time") or time.time(),
+                )
                 if restart is not None:
                     self._export_goodput(restart)
             except Exception:  # noqa: BLE001
@@ -537,8 +592,9 @@ class ProfileBook:
         return self.goodput.rows()
 
     def add_failure(self, *, generation: int, step: int, section: str, rank: int, error: str) -> Failure:
-        failure = Failure(seq=self._next_failure_seq, step=step, section=section, rank=rank, error=error,
-                          generation=generation)
+        failure = Failure(
+            seq=self._next_failure_seq, step=step, section=section, rank=rank, error=error, generation=generation
+        )
         self._next_failure_seq += 1
         self._failures.append(failure)
         return failure
@@ -552,8 +608,17 @@ class ProfileBook:
 
     def failure_dicts(self) -> list[dict]:
         """The failures as the controller's summary has them."""
-        return [{"seq": f.seq, "step": f.step, "section": f.section, "rank": f.rank, "error": f.error,
-                 "generation": f.generation} for f in self._failures]
+        return [
+            {
+                "seq": f.seq,
+                "step": f.step,
+                "section": f.section,
+                "rank": f.rank,
+                "error": f.error,
+                "generation": f.generation,
+            }
+            for f in self._failures
+        ]
 
     # -- export -------------------------------------------------------------------------------------------
     def record_metrics(self, generation: int, step: int) -> None:
@@ -583,8 +648,9 @@ class ProfileBook:
                 if resumed:
                     self._goodput_metrics.record_recovery(restart.recovery_s)
                 else:
-                    self._goodput_metrics.record_restart(restart.source, restart.lost_steps, restart.lost_s,
-                                                         restart.restore_s)
+                    self._goodput_metrics.record_restart(
+                        restart.source, restart.lost_steps, restart.lost_s, restart.restore_s
+                    )
             self._goodput_metrics.record_ratio(self.goodput.effective_ratio())
         except Exception:  # noqa: BLE001
             logger.debug("cf_ray: goodput metrics export failed", exc_info=True)

@@ -3,7 +3,7 @@
 * :class:`HolderLink`: the controller's calls to the run's holders, found by name on every alive
   node (``naming.holder_name``): ``resync`` (what a holder holds and has done lately, when the
   controller starts or first hears of a holder), ``lookup`` (the controller's watch: what became
-  of sections pending too long), ``forget`` (steps that settled: the holder stops keeping their
+  of sections pending too long), ``owner`` (which run it belongs to, :mod:`.lifetime`), ``forget`` (steps that settled: the holder stops keeping their
   record), ``drain`` and kill (the controller's shutdown).
 * :class:`ControlState`: the controller's own small state on storage, ``control_state.json`` — the
   newest generation handed out and the step each recent attempt restored — so that a controller
@@ -23,6 +23,7 @@ from typing import Any
 import ray
 import ray.exceptions
 
+from cf_ray._engine.driver.lifetime import Owner
 from cf_ray._engine.driver.messages import HolderState
 from cf_ray._engine.driver.naming import holder_name
 from cf_ray._engine.storage.fs import Storage
@@ -113,6 +114,13 @@ class HolderLink:
                 self._drop(name)
         return None
 
+    def owner(self, name: str, timeout_s: float) -> Owner | None:
+        """The run holder ``name`` belongs to (``None``: gone, busy, or made before owners were recorded)."""
+        try:
+            return self._call(name, "owner", timeout_s=timeout_s)
+        except (HolderBusy, AttributeError):
+            return None
+
     def exists(self, name: str) -> bool:
         return self._handle(name, fresh=True) is not None
 
@@ -196,8 +204,9 @@ class ControlState:
                 self.storage.write_file(CONTROL_STATE, [body.encode()])
                 self._written = seq
             except Exception as e:  # noqa: BLE001
-                logger.warning("cf_ray: could not save the controller's state to %s: %s",
-                               self.storage.uri(CONTROL_STATE), e)
+                logger.warning(
+                    "cf_ray: could not save the controller's state to %s: %s", self.storage.uri(CONTROL_STATE), e
+                )
 
 
 __all__ = ["CONTROL_STATE", "ControlState", "HolderBusy", "HolderLink", "in_ray_actor", "was_reconstructed"]

@@ -52,8 +52,9 @@ class ScheduleBook:
         self.samples: collections.deque[Sample] = collections.deque(maxlen=256)
         """The newest timing samples, the policy's input."""
         self._base = int(version_base)
-        self._schedules: list[Schedule] = [Schedule(schedule_version=self._base,
-                                                    interval=self.policy.initial_interval())]
+        self._schedules: list[Schedule] = [
+            Schedule(schedule_version=self._base, interval=self.policy.initial_interval())
+        ]
         self.load_state()
 
     # -- versions ---------------------------------------------------------------------------------
@@ -79,8 +80,9 @@ class ScheduleBook:
         return self._schedules[-1].schedule_version + 1
 
     def _publish(self, interval: int | None, version: int | None = None) -> None:
-        self._schedules.append(Schedule(schedule_version=self.next_version if version is None else version,
-                                        interval=interval))
+        self._schedules.append(
+            Schedule(schedule_version=self.next_version if version is None else version, interval=interval)
+        )
         del self._schedules[:-MAX_VERSIONS]
 
     def continue_above(self, adopted_version: int) -> dict | None:
@@ -91,8 +93,13 @@ class ScheduleBook:
             return None
         current = self.current_interval
         self._publish(current, version=int(adopted_version) + 1)
-        return {"event": "interval", "interval": current, "previous": None, "time": time.time(),
-                "why": "published again above the version the workers had from an earlier controller"}
+        return {
+            "event": "interval",
+            "interval": current,
+            "previous": None,
+            "time": time.time(),
+            "why": "published again above the version the workers had from an earlier controller",
+        }
 
     # -- planning -----------------------------------------------------------------------------------
     def add_sample(self, sample: Sample) -> None:
@@ -109,8 +116,13 @@ class ScheduleBook:
             return None
         if k is not None and k != current:
             self._publish(int(k))
-            return {"event": "interval", "interval": int(k), "previous": current, "time": time.time(),
-                    "why": explain(self.policy)}
+            return {
+                "event": "interval",
+                "interval": int(k),
+                "previous": current,
+                "time": time.time(),
+                "why": explain(self.policy),
+            }
         return None
 
     def reprofile_if_resized(self, previous_world_size: int | None, world_size: int) -> dict | None:
@@ -126,8 +138,13 @@ class ScheduleBook:
         first = self.policy.initial_interval()
         if first != self.current_interval:
             self._publish(first)
-        return {"event": "reprofile", "world_size": world_size, "previous_world_size": previous_world_size,
-                "interval": first, "time": time.time()}
+        return {
+            "event": "reprofile",
+            "world_size": world_size,
+            "previous_world_size": previous_world_size,
+            "interval": first,
+            "time": time.time(),
+        }
 
     # -- the policy's state on storage ------------------------------------------------------------------
     def save_state(self) -> None:
@@ -139,7 +156,7 @@ class ScheduleBook:
         if not hasattr(self.policy, "state_dict"):
             return None
         try:
-            return json.dumps(self.policy.state_dict()).encode()
+            return json.dumps(self.policy.state_dict()).encode()  # pyright: ignore[reportAttributeAccessIssue] - hasattr above
         except Exception as e:  # noqa: BLE001
             logger.warning("cf_ray: could not save the policy state: %s", e)
             return None
@@ -157,7 +174,7 @@ class ScheduleBook:
         if not hasattr(self.policy, "load_state_dict") or not self.storage.exists(POLICY_STATE):
             return
         try:
-            self.policy.load_state_dict(json.loads(bytes(self.storage.read_file(POLICY_STATE))))
+            self.policy.load_state_dict(json.loads(bytes(self.storage.read_file(POLICY_STATE))))  # pyright: ignore[reportAttributeAccessIssue] - hasattr above
             first = self.policy.initial_interval()
             self._schedules = [Schedule(schedule_version=self._base, interval=first)]
         except Exception as e:  # noqa: BLE001 - a stale or damaged profile means: profile again

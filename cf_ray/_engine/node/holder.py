@@ -36,6 +36,11 @@ the holder when a step settled (:meth:`Holder.forget`). A holder that dies is re
 (``max_restarts=-1``) or made again by the next ``get_or_create_holder`` on its node; what it held is
 gone, storage is the truth. At the end of a run the controller asks it to finish what it is writing
 (:meth:`Holder.drain`) before it kills it.
+
+Lifetime (issue #16, ``driver/lifetime.py``): a holder records the run it belongs to (the driver's
+Ray job and Ray Train run); the controller's reaper ends it with the run. :func:`get_or_create_holder`
+never reuses a holder whose run's driver is gone: it is drained and killed, and a new, empty one is
+made (the dead run's snapshots are never restored by a new run).
 """
 
 from __future__ import annotations
@@ -45,12 +50,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import ray
 import ray.exceptions
 
+from cf_ray._engine.driver.lifetime import Owner, current_owner, owner_gone
 from cf_ray._engine.driver.messages import (
     HolderState,
     Message,
@@ -100,8 +106,9 @@ class _Entry:
 class Holder:
     """The holder's logic (the Ray actor class is :data:`HolderActor`)."""
 
-    def __init__(self, storage: Storage, controller_name: str, namespace: str):
+    def __init__(self, storage: Storage, controller_name: str, namespace: str, owner: Owner | None = None):
         self.storage = storage
+        self._owner = owner
         self.controller_name = controller_name
         self.namespace = namespace
         self._name = _actor_name()
@@ -127,8 +134,9 @@ class Holder:
         self._thread.start()
 
     # -- called by workers -------------------------------------------------------------------
-    def stage(self, generation: int, step: int, sections: dict[str, tuple[np.ndarray, bytes]],
-              meta: SnapshotMeta) -> dict:
+    def stage(
+        self, generation: int, step: int, sections: dict[str, tuple[np.ndarray, bytes]], meta: SnapshotMeta
+    ) -> dict:
         """Take ownership of a snapshot's sections and queue them for persisting. Returns
         ``{"put_s": seconds to own the bytes, "acked": whether the controller acknowledged it}``
         once the controller has acknowledged ``part_staged`` (at most :data:`STAGE_ACK_WAIT_S`)."""
@@ -142,8 +150,19 @@ class Holder:
         put_s = time.perf_counter() - t0
         superseded = []
         key = (generation, step)
-        staged = [PartStaged(generation=e.generation, step=e.step, section=e.section, holder=self._name,
-                             nbytes=e.size_bytes, meta=meta, holder_put_s=put_s, node_id=self._node) for e in entries]
+        staged = [
+            PartStaged(
+                generation=e.generation,
+                step=e.step,
+                section=e.section,
+                holder=self._name,
+                nbytes=e.size_bytes,
+                meta=meta,
+                holder_put_s=put_s,
+                node_id=self._node,
+            )
+            for e in entries
+        ]
         with self._lock:
             self._generation = max(self._generation, generation)
             for e in entries:
@@ -158,12 +177,14 @@ class Holder:
                 else:
                     self._waiting.setdefault(key, {}).update({e.section: e for e in entries})
                     for older in [k for k in self._waiting if k < key]:
-                        if older in self._started or any(e.meta.milestone or e.meta.priority
-                                                         for e in self._waiting[older].values()):
+                        if older in self._started or any(
+                            e.meta.milestone or e.meta.priority for e in self._waiting[older].values()
+                        ):
                             continue  # never skipped
                         for e in self._waiting.pop(older).values():
-                            msg = PartSuperseded(generation=e.generation, step=e.step, section=e.section,
-                                                 holder=self._name)
+                            msg = PartSuperseded(
+                                generation=e.generation, step=e.step, section=e.section, holder=self._name
+                            )
                             self._record_outcome(msg)
                             superseded.append(msg)
             self._lock.notify_all()
@@ -191,8 +212,9 @@ class Holder:
         with self._lock:
             staged = tuple(v[0] for secs in self._record.values() for v in secs.values())
             outcomes = tuple(v[1] for secs in self._record.values() for v in secs.values() if v[1] is not None)
-            return HolderState(holder=self._name, node_id=self._node, generation=self._generation, staged=staged,
-                               outcomes=outcomes)
+            return HolderState(
+                holder=self._name, node_id=self._node, generation=self._generation, staged=staged, outcomes=outcomes
+            )
 
     def lookup(self, keys: list[tuple[int, int, str]]) -> list[tuple[str, PartStaged | None, Message | None]]:
         """What became of each ``(generation, step, section)``: ``("done", staged, outcome)`` when
@@ -201,9 +223,15 @@ class Holder:
         empty, or never had it): the controller then fails it instead of waiting for ever."""
         out = []
         with self._lock:
-            live = {(e.generation, e.step, e.section) for e in (
-                *(e for secs in self._waiting.values() for e in secs.values()), *self._current_left.values(),
-                self._writing) if e is not None}
+            live = {
+                (e.generation, e.step, e.section)
+                for e in (
+                    *(e for secs in self._waiting.values() for e in secs.values()),
+                    *self._current_left.values(),
+                    self._writing,
+                )
+                if e is not None
+            }
             for gen, step, sec in keys:
                 rec = self._record.get((gen, step), {}).get(sec)
                 if rec is not None and rec[1] is not None:
@@ -232,18 +260,29 @@ class Holder:
                 if left <= 0:
                     break
                 self._lock.wait(timeout=min(left, 0.5))
-            waiting = sorted([list(k) for k in self._waiting]
-                             + ([list(self._current)] if self._current_left and self._current is not None else []))
-            writing = None if self._writing is None else [self._writing.generation, self._writing.step,
-                                                           self._writing.section]
+            waiting = sorted(
+                [list(k) for k in self._waiting]
+                + ([list(self._current)] if self._current_left and self._current is not None else [])
+            )
+            writing = (
+                None if self._writing is None else [self._writing.generation, self._writing.step, self._writing.section]
+            )
         sent = self._sender.wait_idle(max(0.0, deadline - time.monotonic()))
         unsent = self._sender.pending()
-        return {"drained": not waiting and writing is None and sent, "waiting": waiting, "writing": writing,
-                "unsent": unsent}
+        return {
+            "drained": not waiting and writing is None and sent,
+            "waiting": waiting,
+            "writing": writing,
+            "unsent": unsent,
+        }
 
     def ping(self) -> str:
         """This holder's name (a cheap liveness check)."""
         return self._name
+
+    def owner(self) -> Owner | None:
+        """The run this holder belongs to (``None``: unknown)."""
+        return self._owner
 
     # -- the record --------------------------------------------------------------------------------
     def _record_staged(self, msg: PartStaged) -> None:
@@ -269,8 +308,14 @@ class Holder:
             if not self._current_left:
                 # Finish started steps first, then priority (preemption), then the oldest step, so
                 # commits happen in step order.
-                self._current = min(self._waiting, key=lambda k: (
-                    k not in self._started, not any(e.meta.priority for e in self._waiting[k].values()), k))
+                self._current = min(
+                    self._waiting,
+                    key=lambda k: (
+                        k not in self._started,
+                        not any(e.meta.priority for e in self._waiting[k].values()),
+                        k,
+                    ),
+                )
                 self._current_left = self._waiting.pop(self._current)
                 if self._current not in self._started:
                     self._started.append(self._current)
@@ -285,17 +330,27 @@ class Holder:
             t0 = time.perf_counter()
             outcome: PartDurable | PartFailed
             try:
-                arena = ray.get(entry.ref)
+                arena = cast(np.ndarray, ray.get(entry.ref))
                 directory = mf.step_dir(entry.step)
                 files = mf.write_section(self.storage, directory, entry.generation, entry.section, arena, entry.index)
                 del arena
-                outcome = PartDurable(generation=entry.generation, step=entry.step, section=entry.section,
-                                      files={k: v.to_json() for k, v in files.items()},
-                                      persist_s=time.perf_counter() - t0, holder=self._name)
+                outcome = PartDurable(
+                    generation=entry.generation,
+                    step=entry.step,
+                    section=entry.section,
+                    files={k: v.to_json() for k, v in files.items()},
+                    persist_s=time.perf_counter() - t0,
+                    holder=self._name,
+                )
             except Exception as e:  # noqa: BLE001 - never kill the thread; the controller reports it
                 logger.warning("cf_ray: persisting %s of step %d failed: %r", entry.section, entry.step, e)
-                outcome = PartFailed(generation=entry.generation, step=entry.step, section=entry.section,
-                                     error=f"{type(e).__name__}: {e}", holder=self._name)
+                outcome = PartFailed(
+                    generation=entry.generation,
+                    step=entry.step,
+                    section=entry.section,
+                    error=f"{type(e).__name__}: {e}",
+                    holder=self._name,
+                )
             with self._lock:
                 # The outcome is in the record before the entry stops being "being written": a
                 # lookup in between never finds the section unknown.
@@ -321,26 +376,67 @@ def _node_id() -> str:
 
 # max_restarts=-1: a holder that crashes (OOM) is started again on its node by Ray, empty; the
 # workers' handles keep working and their next snapshot goes to it.
-HolderActor = ray.remote(num_cpus=0, max_concurrency=16, max_restarts=-1)(Holder)
+HolderActor = ray.remote(num_cpus=0, max_concurrency=16, max_restarts=-1)(Holder)  # pyright: ignore[reportCallIssue] - see ControllerActor
 
 
 def get_or_create_holder(run_key: str, storage: Storage, controller_name: str, namespace: str):
     """The holder of this node for this run (created on first use, pinned to this node; made again
-    when the previous one died for good — Ray restarts one that crashed)."""
+    when the previous one died for good — Ray restarts one that crashed). One left by a run whose
+    driver is gone is drained and killed first, never reused."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node_id = ray.get_runtime_context().get_node_id()
+    name = holder_name(run_key, node_id)
+    owner = current_owner()
+    _retire_if_dead_run(name, namespace, owner)
     return HolderActor.options(
-        name=holder_name(run_key, node_id),
+        name=name,
         namespace=namespace,
         lifetime="detached",
         get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-    ).remote(storage, controller_name, namespace)
+    ).remote(storage, controller_name, namespace, owner)
 
 
-def resolve_holder(run_key: str, storage: Storage, controller_name: str, namespace: str,
-                   timeout_s: float | None = None):
+def _retire_if_dead_run(name: str, namespace: str, owner: Owner) -> None:
+    """Drain and kill holder ``name`` when it belongs to another run whose driver is gone."""
+    from cf_ray._engine import env as _env
+
+    try:
+        h = ray.get_actor(name, namespace=namespace)
+        theirs = cast("Owner | None", ray.get(h.owner.remote(), timeout=_env.get_float(_env.ACTOR_TIMEOUT_S)))
+    except (ValueError, AttributeError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return  # none, gone, busy or from before owners were recorded: left as it is
+    if owner.same_run(theirs) or owner_gone(theirs) is None:
+        return
+    logger.warning(
+        "cf_ray: holder %s belongs to a run whose driver is gone (job %s); draining and killing it, "
+        "its snapshots are not used",
+        name,
+        theirs.job_id if theirs else "?",
+    )
+    timeout_s = _env.get_float(_env.DRAIN_TIMEOUT_S)
+    try:
+        ray.get(h.drain.remote(timeout_s), timeout=timeout_s + 30)
+    except Exception:  # noqa: BLE001 - killed anyway
+        pass
+    try:
+        ray.kill(h, no_restart=True)
+    except Exception:  # noqa: BLE001
+        pass
+    old, deadline = h._actor_id, time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if ray.get_actor(name, namespace=namespace)._actor_id != old:
+                return
+        except ValueError:
+            return
+        time.sleep(0.1)
+
+
+def resolve_holder(
+    run_key: str, storage: Storage, controller_name: str, namespace: str, timeout_s: float | None = None
+):
     """A live handle of this node's holder: :func:`get_or_create_holder`, then a ``ping`` that
     must answer; a dead one (killed, its name not yet released) is looked up again with backoff
     until one answers, for at most ``timeout_s`` (``CF_RAY_ACTOR_TIMEOUT_S``). Safe to call from

@@ -34,8 +34,16 @@ from cf_ray._engine import env as _env
 logger = logging.getLogger("cf_ray")
 
 #: What a failed call to the controller can raise when the controller is gone or unreachable.
-_RETRY = tuple(e for e in (ray.exceptions.RayActorError, getattr(ray.exceptions, "ActorUnavailableError", None),
-                           ray.exceptions.GetTimeoutError, ValueError) if e is not None)
+_RETRY = tuple(
+    e
+    for e in (
+        ray.exceptions.RayActorError,
+        getattr(ray.exceptions, "ActorUnavailableError", None),
+        ray.exceptions.GetTimeoutError,
+        ValueError,
+    )
+    if e is not None
+)
 #: Seconds one call may take before it is sent again (the controller answers in milliseconds).
 CALL_TIMEOUT_S = 30.0
 
@@ -86,9 +94,13 @@ class Sender:
                 dropped = self._queue.popleft()
                 dropped[2].done.set()
                 self.given_up += 1
-                logger.warning("cf_ray: the holder's queue to the controller is full (%d, %s); dropping the oldest "
-                               "message (%s); the controller recovers it from the holder's record", limit,
-                               _env.SEND_QUEUE, dropped[0])
+                logger.warning(
+                    "cf_ray: the holder's queue to the controller is full (%d, %s); dropping the oldest "
+                    "message (%s); the controller recovers it from the holder's record",
+                    limit,
+                    _env.SEND_QUEUE,
+                    dropped[0],
+                )
             self._queue.append((method, msg, done))
             self._cond.notify_all()
         return done
@@ -143,8 +155,10 @@ class Sender:
         while True:
             try:
                 handle = self._resolve()
-                ray.get(getattr(handle, method).remote(msg),
-                        timeout=min(CALL_TIMEOUT_S, max(1.0, deadline - time.monotonic())))
+                ray.get(
+                    getattr(handle, method).remote(msg),
+                    timeout=min(CALL_TIMEOUT_S, max(1.0, deadline - time.monotonic())),
+                )
                 self.sent += 1
                 return True
             except ray.exceptions.RayTaskError as e:  # the controller's method raised: a resend would too
@@ -155,10 +169,16 @@ class Sender:
                 self._handle = None
                 if time.monotonic() + delay > deadline:
                     self.given_up += 1
-                    logger.warning("cf_ray: could not deliver %s (step %s) to the controller %s within %s=%.0f s "
-                                   "(%s); the controller recovers it from the holder's record when it is back",
-                                   method, getattr(msg, "step", "?"), self.controller_name, _env.ACTOR_TIMEOUT_S,
-                                   _env.get_float(_env.ACTOR_TIMEOUT_S), type(e).__name__)
+                    logger.warning(
+                        "cf_ray: could not deliver %s (step %s) to the controller %s within %s=%.0f s "
+                        "(%s); the controller recovers it from the holder's record when it is back",
+                        method,
+                        getattr(msg, "step", "?"),
+                        self.controller_name,
+                        _env.ACTOR_TIMEOUT_S,
+                        _env.get_float(_env.ACTOR_TIMEOUT_S),
+                        type(e).__name__,
+                    )
                     return False
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)

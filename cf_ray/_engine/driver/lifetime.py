@@ -1,0 +1,143 @@
+"""A run's actors live as long as the run (issue #16).
+
+The controller and the holders are *detached* (a worker that Ray Train restarts must find them
+again, and a non-detached actor dies with the worker that created it), so Ray does not end them
+when the run ends. What does:
+
+* every actor records its :class:`Owner`: the Ray job of the driver that runs the training (a Ray
+  Train worker's job id is its driver's) and, under Ray Train v2, the id of the run's
+  ``TrainController`` actor (one per ``fit()``; gone when ``fit()`` returned or the driver died);
+* the controller's reaper (:meth:`Controller._reaper_loop`) checks every ``CF_RAY_REAPER_INTERVAL_S``
+  whether its owner is still there; when the job is dead (driver killed, Ctrl-C, ``fit()`` returned
+  after ``max_failures`` and the script exited) — or the Ray Train run ended while no rank called
+  ``finish()`` (a notebook whose job stays alive) — it drains the holders, saves the profile, kills
+  the holders and exits;
+* a new run with the same run key never reuses the actors of a dead one (:func:`get_or_create_controller`
+  and ``get_or_create_holder`` ask an existing actor for its owner): they are drained and killed,
+  and the new controller starts from storage only — the dead run's in-memory snapshots are not
+  taken (storage is the truth), and the new run's ``CheckpointConfig`` applies.
+
+Checks read the GCS directly (the job table filtered to one job, one actor's entry): no dashboard
+needed, about a millisecond each. When a check cannot tell (GCS unreachable), the owner counts as
+alive: nothing is ever ended on a guess. No torch here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import ray
+
+logger = logging.getLogger("cf_ray")
+
+#: The resource only the head node has.
+HEAD_RESOURCE = "node:__internal_head__"
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Who a run's actors belong to."""
+
+    job_id: str = ""
+    """Hex id of the Ray job of the driver that runs the training (``""``: unknown)."""
+    train_run: str | None = None
+    """Hex id of the Ray Train v2 ``TrainController`` actor of this ``fit()`` (``None``: not under
+    Ray Train v2, e.g. an actor made by a test or a script)."""
+
+    def same_run(self, other: Owner | None) -> bool:
+        """Whether ``other`` is this run (same job and same ``fit()``); an unknown owner matches
+        anything (it cannot be told apart)."""
+        if other is None or not other.job_id or not self.job_id:
+            return True
+        return other.job_id == self.job_id and other.train_run == self.train_run
+
+
+def current_owner() -> Owner:
+    """The owner of what this process creates: its job, and the Ray Train run it belongs to."""
+    try:
+        job_id = ray.get_runtime_context().get_job_id() if ray.is_initialized() else ""
+    except Exception:  # noqa: BLE001
+        job_id = ""
+    return Owner(job_id=job_id or "", train_run=_train_controller_id())
+
+
+def _train_controller_id() -> str | None:
+    """The ``TrainController`` actor of the Ray Train v2 run this worker belongs to, if any."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        handle = get_train_context().controller_actor
+        return handle._actor_id.hex() if handle is not None else None
+    except Exception:  # noqa: BLE001 - not in a Ray Train v2 worker
+        return None
+
+
+def job_alive(job_id: str) -> bool | None:
+    """Whether the Ray job ``job_id`` (hex) is alive; ``None`` when it cannot be told."""
+    if not job_id:
+        return None
+    try:
+        gcs = ray._private.worker.global_worker.gcs_client  # pyright: ignore[reportPrivateImportUsage, reportAttributeAccessIssue] - no public per-job query in Ray 2.60
+        jobs = gcs.get_all_job_info(
+            job_or_submission_id=job_id, skip_submission_job_info_field=True, skip_is_running_tasks_field=True
+        )
+        for info in jobs.values():
+            if info.job_id.hex() == job_id:
+                return not info.is_dead
+        return False  # the GCS does not know it (any more)
+    except Exception as e:  # noqa: BLE001
+        logger.debug("cf_ray: cannot read the state of job %s: %r", job_id, e)
+        return None
+
+
+def actor_alive(actor_id: str) -> bool | None:
+    """Whether the actor ``actor_id`` (hex) is alive or restarting; ``None`` when it cannot be told."""
+    try:
+        from ray._private import state
+
+        info = state.actors(actor_id=actor_id)
+        return bool(info) and info.get("State") != "DEAD"
+    except Exception as e:  # noqa: BLE001
+        logger.debug("cf_ray: cannot read the state of actor %s: %r", actor_id, e)
+        return None
+
+
+def owner_gone(owner: Owner | None) -> str | None:
+    """Why ``owner``'s run is over (``"job"``: its driver's job ended; ``"train_run"``: its Ray
+    Train run ended), or ``None`` while it is alive or when that cannot be told."""
+    if owner is None or not owner.job_id:
+        return None
+    if job_alive(owner.job_id) is False:
+        return "job"
+    if owner.train_run and actor_alive(owner.train_run) is False:
+        return "train_run"
+    return None
+
+
+def head_node_id() -> str | None:
+    """The id of the cluster's head node (alive), or ``None``."""
+    try:
+        for n in ray.nodes():
+            if n.get("Alive") and HEAD_RESOURCE in n.get("Resources", {}):
+                return n["NodeID"]
+    except Exception:  # noqa: BLE001
+        pass
+    return None
+
+
+def run_name_of(key: str) -> str:
+    """The run's name as it appears in its key (``naming.run_key``: ``<name>-<digest>``)."""
+    return key.rsplit("-", 1)[0] if "-" in key else key
+
+
+__all__ = [
+    "HEAD_RESOURCE",
+    "Owner",
+    "actor_alive",
+    "current_owner",
+    "head_node_id",
+    "job_alive",
+    "owner_gone",
+    "run_name_of",
+]
