@@ -1,0 +1,203 @@
+"""Faults of cf_ray's own processes, end to end (issue #16): a local Ray cluster, TorchTrainer with 2
+CPU workers, the demo's training loop (``cf_ray.demo``), its final state compared bitwise with an
+uninterrupted run (the reference of ``tests/test_engine_e2e.py``)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import threading
+import time
+
+import pyarrow.fs as pafs
+import pytest
+import test_engine_e2e as e2e
+
+from cf_ray import demo
+from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.storage.fs import FsStorage
+
+pytestmark = pytest.mark.slow
+
+STEPS = 2 * e2e.STEPS_PER_EPOCH  # 26; a checkpoint every 5 steps, and the final state's at 26
+reference = e2e.reference  # the uninterrupted run (module-scoped fixture), shared rather than copied
+
+
+def _newest_step(out_dir, rank: int = 0) -> int:
+    """The newest step rank ``rank`` logged (0: none yet)."""
+    newest = 0
+    for f in glob.glob(os.path.join(out_dir, f"ids_rank{rank}_gen*.jsonl")):
+        for line in open(f):
+            try:
+                newest = max(newest, json.loads(line)["step"])
+            except ValueError:  # a line being written
+                pass
+    return newest
+
+
+def _controllers_of(ray, run_name: str) -> list[tuple[str, str]]:
+    """(name, namespace) of the controller actors of run ``run_name`` (``naming.controller_name``)."""
+    prefix = f"cf_ray.controller.{run_name}-"
+    return [
+        (a["name"], a["namespace"])
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(prefix)
+    ]
+
+
+@pytest.mark.parametrize("no_restart", [True, False], ids=["gone_for_good", "restarted_by_ray"])
+def test_controller_killed_mid_run_later_checkpoints_commit_and_the_result_is_bitwise_equal(
+    ray_cluster, reference, tmp_path, no_restart
+):
+    ray = ray_cluster
+    name = "ctlkill"
+    out = tmp_path / "out" / name
+    kill_after = 8  # step 5 taken, so its commit (or its resync from the holder) straddles the kill
+    killed: dict = {}
+    done = threading.Event()
+
+    def kill_the_controller():
+        while not done.is_set() and _newest_step(out) < kill_after:
+            time.sleep(0.02)
+        if done.is_set():
+            return
+        ((actor_name, namespace),) = _controllers_of(ray, name)
+        handle = ray.get_actor(actor_name, namespace=namespace)
+        ray.kill(handle, no_restart=no_restart)
+        killed.update(step=_newest_step(out), old_id=handle._actor_id.hex())
+        deadline = time.time() + 60
+        while time.time() < deadline and not done.is_set():  # a live controller again (a new one, or restarted)
+            try:
+                again = ray.get_actor(actor_name, namespace=namespace)
+                ray.get(again.ping.remote(), timeout=5)
+                killed["new_id"] = again._actor_id.hex()
+                return
+            except Exception:  # noqa: BLE001 - not back yet
+                time.sleep(0.05)
+
+    watcher = threading.Thread(target=kill_the_controller, daemon=True)
+    watcher.start()
+    try:
+        # step_sleep: the kill lands mid-run, with checkpoints before and after it.
+        demo.run(name, str(tmp_path), dict(e2e.SMALL, keep_last=None, step_sleep=0.1), max_failures=0)
+    finally:
+        done.set()
+        watcher.join(timeout=70)
+
+    assert killed, "the controller was never killed"
+    assert kill_after <= killed["step"] < 15, killed  # mid-run: checkpoints 15, 20, 25 and 26 come after it
+    assert "new_id" in killed, "no live controller after the kill"
+    assert (killed["new_id"] != killed["old_id"]) == no_restart  # created again by a worker / restarted by Ray
+    result = e2e.result_of(out)
+    assert result["steps"] == STEPS  # training finished, in the same attempt (max_failures=0)
+    (resumed,) = e2e.resumes(out)
+    assert resumed["source"] == "fresh"
+    # Every checkpoint taken after the kill is committed on storage; the final state's too.
+    storage = FsStorage(pafs.LocalFileSystem(), str(tmp_path / "storage" / name / "cf_ray"))
+    on_storage = [c.step for c in mf.list_committed(storage)]
+    after = [s for s in range(5, STEPS, 5) if s > killed["step"]] + [STEPS]
+    assert set(after) <= set(on_storage), (killed, on_storage)
+    assert bytes(storage.read_file(mf.LATEST)).decode() == mf.step_dir(STEPS).split("/")[-1]
+    # No silent gap: every checkpoint of the run is committed or reported as a failure.
+    reported = set(result["committed_steps"]) | {f["step"] for f in result["failures"]}
+    assert set(range(5, STEPS, 5)) | {STEPS} <= reported, result
+    assert set(after) <= set(result["committed_steps"])
+    assert result["committed_steps"] == on_storage
+    # Bitwise: model and optimizer equal those of the uninterrupted run; the same samples at every step.
+    assert demo.states_equal(reference / "final_state.pt", out / "final_state.pt")
+    assert e2e.lineage(out) == e2e.lineage(reference)
+
+
+# -- the driver SIGKILLed, the same script run again -------------------------------------------------------
+
+DRIVER = r"""
+import json, sys, threading, time
+import ray
+
+address, root, name, storage_path, cfg = sys.argv[1:6]
+ray.init(address=address, logging_level="WARNING", _node_ip_address="127.0.0.1")  # the keeper's nodes are on loopback
+from cf_ray import demo
+
+
+def tell_the_controller():  # the run's controller, once a worker made it: "CONTROLLER <actor id>"
+    prefix = f"cf_ray.controller.{name}-"
+    while True:
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            if a["name"].startswith(prefix):
+                handle = ray.get_actor(a["name"], namespace=a["namespace"])
+                print("CONTROLLER", handle._actor_id.hex(), flush=True)
+                return
+        time.sleep(0.1)
+
+
+threading.Thread(target=tell_the_controller, daemon=True).start()
+demo.run(name, root, json.loads(cfg), max_failures=0, storage_path=storage_path)
+print("DONE", flush=True)
+"""
+
+
+def test_driver_sigkilled_mid_run_then_run_again_resumes_from_storage_exactly_once_and_bitwise(
+    _ray_session, reference, tmp_path
+):
+    import sys
+
+    import test_lifetime as lt
+
+    name = "drvkill"
+    storage_path = str(tmp_path / "storage")
+    ckpt_root = FsStorage(pafs.LocalFileSystem(), f"{storage_path}/{name}/cf_ray")
+    env = lt.loopback_env(CF_RAY_CONTROLLER_LINGER_S="2", RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.5")
+    (tmp_path / "driver.py").write_text(DRIVER)
+    keeper, address = lt.start_cluster(tmp_path, env)  # a cluster of its own: a head with no CPUs, a node with 2
+    drivers: list[lt.Proc] = []
+    try:
+
+        def driver(attempt: str, **cfg):
+            p = lt.Proc(
+                [
+                    sys.executable,
+                    str(tmp_path / "driver.py"),
+                    address,
+                    str(tmp_path / attempt),
+                    name,
+                    storage_path,
+                    json.dumps(dict(e2e.SMALL, keep_last=None, **cfg)),
+                ],
+                env,
+                str(tmp_path),
+            )
+            drivers.append(p)
+            return p
+
+        first = driver("first", step_sleep=0.25)
+        first_controller = first.line("CONTROLLER", 240)
+        deadline = time.time() + 240
+        while time.time() < deadline and len(mf.list_committed(ckpt_root)) < 2:  # steps 5 and 10 committed
+            time.sleep(0.05)
+        first.kill()  # SIGKILL
+        first_out = tmp_path / "first" / "out" / name
+        last_step = _newest_step(first_out)
+        assert 10 <= last_step < STEPS, last_step  # killed mid-run
+        second = driver("second")
+        second_controller = second.line("CONTROLLER", 240)
+        second.line("DONE", 400)
+        second.wait(60)
+    finally:
+        for p in drivers:
+            p.kill()
+        keeper.stop_keeper()
+    assert second_controller != first_controller  # the dead run's controller was not reused
+    second_out = tmp_path / "second" / "out" / name
+    (resumed,) = e2e.resumes(second_out)
+    committed = [c.step for c in mf.list_committed(ckpt_root)]
+    # From storage, at the newest step the first run committed (what its holder still wrote counts).
+    assert resumed["source"] == "storage"
+    assert resumed["step"] == max(s for s in committed if s <= last_step), (resumed, committed, last_step)
+    # No sample twice or never: the first run's steps up to the resume, then the second run's.
+    rec = {k: v for k, v in e2e.lineage(first_out).items() if k[1] <= resumed["step"]}
+    rec.update(e2e.lineage(second_out))
+    e2e.assert_exactly_once(rec, e2e.SMALL["samples"], e2e.SMALL["epochs"])
+    assert rec == e2e.lineage(reference)
+    assert demo.states_equal(reference / "final_state.pt", second_out / "final_state.pt")
+    assert e2e.result_of(second_out)["steps"] == STEPS
