@@ -633,7 +633,10 @@ class GoodputMetrics:
     * ``cf_ray_recovery_seconds`` (gauge, s): the newest restart's time from the failure to the
       first resumed iteration;
     * ``cf_ray_restore_seconds`` (gauge, s, tag ``source``): the newest restore's duration, by source;
-    * ``cf_ray_effective_training_ratio`` (gauge, 0..1): useful training time / wall time.
+    * ``cf_ray_effective_training_ratio`` (gauge, 0..1): useful training time / wall time;
+    * ``cf_ray_durability_lost`` (gauge, 0 or 1) and ``cf_ray_durability_lost_episodes_total``
+      (counter): the durability watchdog's state and its episodes (nothing committed for much
+      longer than the schedule implies, or the controller unreachable).
 
     As :class:`CheckpointMetrics`: built on first use, only where Ray is initialised; never raises.
     Prometheus shows them with Ray's ``ray_`` prefix (``ray_cf_ray_lost_steps_total``).
@@ -643,6 +646,11 @@ class GoodputMetrics:
         "restarts": ("cf_ray_restarts_total", "Restarts of the run (count)", ("source",)),
         "lost_steps": ("cf_ray_lost_steps_total", "Training steps lost to restarts and redone (steps)", ()),
         "lost_s": ("cf_ray_lost_seconds_total", "Training time lost to restarts and redone (s)", ()),
+        "durability_episodes": (
+            "cf_ray_durability_lost_episodes_total",
+            "Episodes in which nothing became durable for much longer than the schedule implies (count)",
+            (),
+        ),
     }
     GAUGES = {
         "last_lost_steps": ("cf_ray_restart_lost_steps", "Newest restart: steps lost and redone (steps)", ()),
@@ -650,6 +658,7 @@ class GoodputMetrics:
         "recovery_s": ("cf_ray_recovery_seconds", "Newest restart: failure to first resumed iteration (s)", ()),
         "restore_s": ("cf_ray_restore_seconds", "Newest restore's duration (s), by source", ("source",)),
         "ratio": ("cf_ray_effective_training_ratio", "Useful training time / wall time since the first iteration", ()),
+        "durability_lost": ("cf_ray_durability_lost", "1 while checkpoints are not becoming durable, else 0", ()),
     }
 
     def __init__(self, run: str | None = None, tags: Mapping[str, str] | None = None):
@@ -725,6 +734,13 @@ class GoodputMetrics:
     def record_ratio(self, ratio: float | None) -> None:
         """The run's effective training time ratio."""
         self._apply([("ratio", "set", ratio, None)])
+
+    def record_durability(self, lost: bool) -> None:
+        """The durability watchdog's state: an episode starts (``True``) or ends (``False``)."""
+        updates: list[tuple[str, str, Any, dict | None]] = [("durability_lost", "set", 1 if lost else 0, None)]
+        if lost:
+            updates.append(("durability_episodes", "inc", 1, None))
+        self._apply(updates)
 
 
 __all__ = [

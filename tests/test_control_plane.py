@@ -40,6 +40,8 @@ from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.policy import FixedInterval
 
+from faulty_fs import FaultyHandler
+
 SEC = mf.rank_section(0)
 META = SnapshotMeta(rank=0, world_size=1, replicated=False, epoch=0, kind=CheckpointKind.SCHEDULED, interval=1)
 
@@ -449,13 +451,13 @@ def test_no_storage_write_happens_under_the_controllers_lock(tmp_path, monkeypat
 # -- uploads --------------------------------------------------------------------------------------
 
 
-class _FlakyHandler(pafs.FileSystemHandler):
+class _FlakyHandler(FaultyHandler):
     """Local disk that refuses the first ``fail`` output streams with a transient OSError, and
-    whose writes can be held (``gate``)."""
+    whose writes can be held (``gate``). In-process only (not pickled)."""
 
     def __init__(self, fail: int = 0):
-        self.fail = fail
-        self.fs = pafs.LocalFileSystem()
+        super().__init__(fail=r"$^")  # FaultyHandler's own path faults: none
+        self.failures_left = fail
         self.gate = threading.Event()
         self.gate.set()
 
@@ -465,51 +467,12 @@ class _FlakyHandler(pafs.FileSystemHandler):
     def equals(self, other):
         return other is self
 
-    def normalize_path(self, path):
-        return path
-
-    def get_file_info(self, paths):
-        return self.fs.get_file_info(paths)
-
-    def get_file_info_selector(self, selector):
-        return self.fs.get_file_info(selector)
-
-    def create_dir(self, path, recursive):
-        self.fs.create_dir(path, recursive=recursive)
-
-    def delete_dir(self, path):
-        self.fs.delete_dir(path)
-
-    def delete_dir_contents(self, path, missing_dir_ok=False):
-        self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
-
-    def delete_root_dir_contents(self):
-        raise OSError("no")
-
-    def delete_file(self, path):
-        self.fs.delete_file(path)
-
-    def move(self, src, dest):
-        self.fs.move(src, dest)
-
-    def copy_file(self, src, dest):
-        self.fs.copy_file(src, dest)
-
-    def open_input_stream(self, path):
-        return self.fs.open_input_stream(path)
-
-    def open_input_file(self, path):
-        return self.fs.open_input_file(path)
-
     def open_output_stream(self, path, metadata):
         self.gate.wait(60)
-        if self.fail > 0:
-            self.fail -= 1
+        if self.failures_left > 0:
+            self.failures_left -= 1
             raise ConnectionError(f"injected transient fault writing {path}")
         return self.fs.open_output_stream(path, metadata=metadata)
-
-    def open_append_stream(self, path, metadata):
-        return self.fs.open_append_stream(path, metadata=metadata)
 
 
 class _ChunkRecorder:

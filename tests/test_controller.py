@@ -270,3 +270,37 @@ def test_keep_last_deletes_nothing_a_restore_plan_names_until_the_restore_is_don
     ctl.restored(Restored(source=RestoreSource.STORAGE, step=4, epoch=0))
     _wait_maintenance(ctl)
     assert [c.step for c in mf.list_committed(ctl.storage)] == [6]  # deferred, not forgotten
+
+
+def test_a_checkpoint_a_restore_found_corrupt_is_quarantined_and_never_counts_toward_keep_last(tmp_path):
+    """keep_last=2 with the newest checkpoint corrupt: without quarantine, the next two commits would
+    push out the good step 6 while the corrupt step 8 still counted as one of the two kept."""
+    ctl = _retaining_controller(tmp_path, keep_last=2)
+    for step in (4, 6, 8):
+        _commit(ctl, step)
+    assert ctl.prepare_restore(WORLD).storage == (8, 6)
+    # Rank 0's restore found step 8 damaged on this run's own storage and fell back to step 6.
+    ctl.record_event(
+        {
+            "event": "restore_fallback",
+            "source": "storage",
+            "step": 8,
+            "corrupt": True,
+            "where": ctl.storage.uri(mf.step_dir(8)),
+            "error": "CorruptCheckpointError: crc mismatch",
+        }
+    )
+    ctl.restored(Restored(source=RestoreSource.STORAGE, step=6, epoch=0))
+    _wait_maintenance(ctl)
+    _commit(ctl, 9)
+    steps = [c.step for c in mf.list_committed(ctl.storage)]
+    assert 6 in steps and 9 in steps, steps  # the good one is kept: 8 does not count
+    assert 8 in steps  # quarantined, not deleted: kept for inspection
+    assert ctl.summary()["committed_steps"] == [6, 9]
+    assert any(e.get("event") == "quarantined" and e.get("step") == 8 for e in ctl.events())
+    # A controller that starts again (a new driver) never names it either.
+    again = _retaining_controller(tmp_path, keep_last=2)
+    assert again.prepare_restore(WORLD).storage == (9, 6)
+    # A fallback that is not damage (a refusal of the content) quarantines nothing.
+    again.record_event({"event": "restore_fallback", "source": "storage", "step": 9, "corrupt": False})
+    assert again.summary()["committed_steps"] == [6, 9]

@@ -137,9 +137,13 @@ print("DONE", flush=True)
 """
 
 
+@pytest.mark.parametrize("lost", ["driver", "cluster"])
 def test_driver_sigkilled_mid_run_then_run_again_resumes_from_storage_exactly_once_and_bitwise(
-    _ray_session, reference, tmp_path
+    _ray_session, reference, tmp_path, lost
 ):
+    """``driver``: the driver alone is SIGKILLed; the cluster (and, until the reaper ends them, the
+    run's actors) stays. ``cluster``: the driver is SIGKILLed and the whole local cluster goes too
+    (head included); the script runs again on a new cluster. Either way: storage is the truth."""
     import sys
 
     import test_lifetime as lt
@@ -179,6 +183,9 @@ def test_driver_sigkilled_mid_run_then_run_again_resumes_from_storage_exactly_on
         first_out = tmp_path / "first" / "out" / name
         last_step = _newest_step(first_out)
         assert 10 <= last_step < STEPS, last_step  # killed mid-run
+        if lost == "cluster":  # the head and every node go too: nothing of the run survives but storage
+            keeper.stop_keeper()
+            keeper, address = lt.start_cluster(tmp_path, env)
         second = driver("second")
         second_controller = second.line("CONTROLLER", 240)
         second.line("DONE", 400)

@@ -26,6 +26,7 @@ thread, for the committed index and the states of the steps in flight), except :
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import threading
 import time
@@ -121,12 +122,40 @@ class CommitResult:
     """A resync-derived step whose files are gone (deleted by keep-last): abandoned, not failed."""
 
 
+#: Committed checkpoints that a restore found corrupt: ``{"version": 1, "steps": {"<step>": "<why>"}}``
+#: at the run's root. They stay on storage for inspection, are never restored from again, never
+#: count toward keep-last, and are never deleted by it.
+QUARANTINE = "quarantine.json"
+
+
+def load_quarantine(storage: Storage) -> dict[int, str]:
+    """The quarantined steps and why (empty when there is no file; a damaged file is reported)."""
+    try:
+        if not storage.exists(QUARANTINE):
+            return {}
+        raw = json.loads(bytes(storage.read_file(QUARANTINE)))
+        return {int(k): str(v) for k, v in raw["steps"].items()}
+    except Exception as e:  # noqa: BLE001 - a damaged list quarantines nothing; say so
+        logger.warning("cf_ray: cannot read %s (%s); no checkpoint is quarantined", storage.uri(QUARANTINE), e)
+        return {}
+
+
+def write_quarantine(storage: Storage, steps: dict[int, str]) -> None:
+    """Write the quarantine list (storage I/O: never under the controller's lock)."""
+    raw = json.dumps({"version": 1, "steps": {str(k): v for k, v in sorted(steps.items())}}).encode()
+    storage.write_file(QUARANTINE, [raw])
+
+
 def load_committed(storage: Storage) -> tuple[dict[int, Committed], int]:
     """The committed checkpoints on storage (step -> entry) and the newest generation among them
-    (0 when there is none): what a controller that starts again rebuilds from storage."""
+    (0 when there is none): what a controller that starts again rebuilds from storage. Quarantined
+    steps (:data:`QUARANTINE`) are left out."""
     committed: dict[int, Committed] = {}
     gens = [0]
+    quarantined = load_quarantine(storage)
     for c in mf.list_committed(storage):
+        if c.step in quarantined:
+            continue
         try:
             m = mf.read_manifest(storage, c.path)
         except Exception as e:  # noqa: BLE001 - a bad manifest is skipped, readers verify again
@@ -195,6 +224,17 @@ class CommitBook:
         self.committed[step] = entry
         if self._newest is None or step > self._newest:
             self._newest = step
+
+    def quarantine(self, step: int, why: str) -> bool:
+        """Take a committed step that a restore found corrupt out of the index (keep-last no longer
+        counts it, restore plans no longer name it) and answer late messages about it as failed,
+        so it is never committed again; ``True`` when it was in the index."""
+        c = self.committed.get(step)
+        if c is None:
+            return False
+        self.remove_committed(step)
+        self._settled[(c.generation, step)] = (SectionState.FAILED, f"quarantined: {why}")
+        return True
 
     def remove_committed(self, step: int) -> None:
         self.committed.pop(step, None)

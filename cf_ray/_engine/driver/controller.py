@@ -74,7 +74,15 @@ import ray
 import ray.exceptions
 
 from cf_ray._engine import env as _env
-from cf_ray._engine.driver.commits import CommitBook, CommitJob, load_committed
+from cf_ray._engine.actors import resolve_live
+from cf_ray._engine.driver.commits import (
+    QUARANTINE,
+    CommitBook,
+    CommitJob,
+    load_committed,
+    load_quarantine,
+    write_quarantine,
+)
 from cf_ray._engine.driver.lifetime import Owner, current_owner, head_node_id, owner_gone, run_name_of
 from cf_ray._engine.driver.maintenance import Maintenance, tier_steps
 from cf_ray._engine.driver.messages import (
@@ -154,6 +162,7 @@ class Controller:
             (HolderLink(key, _env.namespace()) if in_ray_actor() else None) if holders is _AUTO else holders
         )
         committed, newest_generation = load_committed(storage)
+        self._quarantine: dict[int, str] = load_quarantine(storage)
         self._control = ControlState(storage)
         saved_generation, restores = self._control.load()
         self.generation = max(newest_generation, saved_generation)
@@ -687,8 +696,27 @@ class Controller:
             return explain_policy(self._schedule.policy)
 
     def record_event(self, event: dict) -> None:
+        quarantined, why = None, ""
         with self._lock:
             self._book.add_event(dict(event, time=event.get("time", time.time())))
+            step = event.get("step")
+            if event.get("event") == "restore_fallback" and event.get("corrupt") and isinstance(step, int):
+                why = str(event.get("error", "corrupt"))[:500]
+                if self._commits.quarantine(step, why):
+                    self._quarantine[step] = why
+                    quarantined = dict(self._quarantine)
+                    self._book.add_event({"event": "quarantined", "step": step, "error": why, "time": time.time()})
+        if quarantined is not None:  # storage I/O outside the lock
+            try:
+                write_quarantine(self.storage, quarantined)
+                logger.warning(
+                    "cf_ray: checkpoint step %s is corrupt: quarantined (kept on storage, never "
+                    "restored from again, not counted by keep-last): %s",
+                    step,
+                    why,
+                )
+            except Exception as e:  # noqa: BLE001 - the index is already right; the file only outlives us
+                logger.warning("cf_ray: could not write %s: %s", QUARANTINE, e)
 
     def _event(self, event: dict | None) -> None:
         if event is not None:
@@ -892,20 +920,10 @@ def resolve_controller(key: str, storage: Storage, settings: ControllerSettings,
     Raises:
         TimeoutError: no live controller within the timeout (the last error is chained).
     """
-    deadline = time.monotonic() + (_env.get_float(_env.ACTOR_TIMEOUT_S) if timeout_s is None else timeout_s)
     settings = dataclasses.replace(settings, recreated=True)
-    delay, last = 0.05, None
-    while True:
-        try:
-            handle = get_or_create_controller(key, storage, settings)
-            ray.get(handle.ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
-            return handle
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError) as e:
-            last = e
-        if time.monotonic() + delay > deadline:
-            raise TimeoutError(f"no live cf_ray controller for run {key} within the timeout") from last
-        time.sleep(delay)
-        delay = min(delay * 2, 2.0)
+    return resolve_live(
+        lambda: get_or_create_controller(key, storage, settings), f"cf_ray controller for run {key}", timeout_s
+    )
 
 
 def get_controller(key: str):

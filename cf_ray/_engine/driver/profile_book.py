@@ -573,6 +573,18 @@ class ProfileBook:
 
     def add_event(self, event: dict) -> None:
         self.events.append(event)
+        if event.get("event") in ("durability_lost", "durability_restored"):  # the workers' watchdog
+            lost = event["event"] == "durability_lost"
+            if lost:
+                logger.warning("cf_ray: run %s: checkpoints are not becoming durable: %s", self.key, event)
+            try:
+                if self._goodput_metrics is None:
+                    from cf_ray.report import GoodputMetrics
+
+                    self._goodput_metrics = GoodputMetrics(run=self.key)
+                self._goodput_metrics.record_durability(lost)
+            except Exception:  # noqa: BLE001 - metrics are a report, never a reason to fail
+                logger.debug("cf_ray: durability metric export failed", exc_info=True)
         if event.get("event") == "restore":  # the controller's restored(): a restart's cost, or the run's start
             try:
                 restart = self.goodput.on_restore(

@@ -58,6 +58,12 @@ def step_dir(step: int, kind: str = "step") -> str:
     return f"{CHECKPOINTS}/{kind}_{step:012d}"
 
 
+def parse_step_dir(directory: str) -> int | None:
+    """The step of ``checkpoints/step_NNNNNNNNNNNN`` (the inverse of :func:`step_dir`), else ``None``."""
+    m = _DIR_RE.match(directory.rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(2)) if m and m.group(1) == "step" else None
+
+
 def section_files(generation: int, section: str) -> tuple[str, str]:
     """(data file, index file) names of one section."""
     return f"g{generation:04d}.{section}.bin", f"g{generation:04d}.{section}.json"

@@ -42,6 +42,7 @@ from cf_ray._engine.format.layout import (  # noqa: F401 - re-exported: callers 
     REGISTERED,
     SHARED,
     VERSION,
+    parse_step_dir,
     rank_section,
     section_files,
     section_rank,

@@ -56,6 +56,7 @@ import numpy as np
 import ray
 import ray.exceptions
 
+from cf_ray._engine.actors import resolve_live
 from cf_ray._engine.driver.lifetime import Owner, current_owner, owner_gone
 from cf_ray._engine.driver.messages import (
     HolderState,
@@ -445,21 +446,11 @@ def resolve_holder(
     Raises:
         TimeoutError: no live holder within the timeout (the last error is chained).
     """
-    from cf_ray._engine import env as _env
-
-    deadline = time.monotonic() + (_env.get_float(_env.ACTOR_TIMEOUT_S) if timeout_s is None else timeout_s)
-    delay, last = 0.05, None
-    while True:
-        try:
-            h = get_or_create_holder(run_key, storage, controller_name, namespace)
-            ray.get(h.ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
-            return h
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError) as e:
-            last = e
-        if time.monotonic() + delay > deadline:
-            raise TimeoutError(f"no live cf_ray holder for run {run_key} on this node") from last
-        time.sleep(delay)
-        delay = min(delay * 2, 2.0)
+    return resolve_live(
+        lambda: get_or_create_holder(run_key, storage, controller_name, namespace),
+        f"cf_ray holder for run {run_key} on this node",
+        timeout_s,
+    )
 
 
 __all__ = ["Holder", "HolderActor", "get_or_create_holder", "resolve_holder"]

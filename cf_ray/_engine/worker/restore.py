@@ -11,7 +11,7 @@ so an error on any rank reaches every rank within seconds, never as a hang in a 
 * reading failed (damage, a file or a holder gone, an I/O error that three tries with backoff did
   not get past) or validation refused the candidate: every rank falls back to the next one (rank
   0 records a ``restore_fallback`` event, with ``corrupt: true`` when the cause was damage; the
-  damaged checkpoint is not quarantined yet: a later restore tries it again and skips it again);
+  the step of a damaged checkpoint of this run's own storage, which the controller then quarantines);
 * the script and the checkpoint disagree on what is tracked (:class:`~cf_ray.errors.CheckpointMismatchError`),
   a bad ``resume_from`` (:class:`~cf_ray.errors.ConfigError`), no plan, or a load that failed after
   validation (objects may be partly overwritten): every rank raises, naming the rank and the cause
@@ -93,7 +93,7 @@ class _Status:
     damage: bool = False
     """For ``SKIP``: the cause was damage or a missing file, not a refusal of the content."""
     corrupt: bool = False
-    """For ``SKIP``: the cause was a :class:`CorruptCheckpointError` (the event says so; nothing quarantines it yet)."""
+    """For ``SKIP``: the cause was a :class:`CorruptCheckpointError` (the event says so; the controller quarantines it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +227,7 @@ class Restorer:
             skipped = next((s for s in statuses if s.verdict is _Verdict.SKIP), None)
             if skipped is not None:
                 refused.append((where, skipped))
-                self._fall_back(source, where, status, skipped)
+                self._fall_back(source, where, status, skipped, cand)
                 continue
             assert prepared is not None  # this rank's own verdict was OK
             return self._apply(source, cand, where, prepared)
@@ -332,20 +332,25 @@ class Restorer:
             err = RestoreError(text)
         raise err
 
-    def _fall_back(self, source: RestoreSource, where: str, mine: _Status, first: _Status) -> None:
+    def _fall_back(self, source: RestoreSource, where: str, mine: _Status, first: _Status, cand: Any) -> None:
         why = mine.error if mine.verdict is _Verdict.SKIP else f"rank {first.rank}: {first.error}"
         logger.warning("cf_ray: rank %d: cannot restore %s (%s); falling back", self.rank, where, why)
         if self.rank == 0:
-            self.link.record_event(
-                {
-                    "event": "restore_fallback",
-                    "source": source.value,
-                    "where": where,
-                    "error": first.error,
-                    "rank": first.rank,
-                    "corrupt": first.corrupt,
-                }
-            )
+            event = {
+                "event": "restore_fallback",
+                "source": source.value,
+                "where": where,
+                "error": first.error,
+                "rank": first.rank,
+                "corrupt": first.corrupt,
+            }
+            if source is RestoreSource.STORAGE and cand[0] is self.ctx.storage:
+                # A committed checkpoint of this run's own storage: the controller quarantines it
+                # when it is corrupt, so that it no longer counts toward keep-last.
+                step = mf.parse_step_dir(cand[1])
+                if step is not None:
+                    event["step"] = step
+            self.link.record_event(event)
 
     def report(self, outcome: Outcome, seconds: float) -> None:
         """Tell the controller where the attempt resumed from (rank 0) and log it."""
