@@ -151,7 +151,9 @@ def test_driver_sigkilled_mid_run_then_run_again_resumes_from_storage_exactly_on
     name = "drvkill"
     storage_path = str(tmp_path / "storage")
     ckpt_root = FsStorage(pafs.LocalFileSystem(), f"{storage_path}/{name}/cf_ray")
-    env = lt.loopback_env(CF_RAY_CONTROLLER_LINGER_S="2", RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.5")
+    env = lt.loopback_env(
+        CF_RAY_CONTROLLER_LINGER_S="2", RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.5", CF_RAY_REAPER_INTERVAL_S="1"
+    )
     (tmp_path / "driver.py").write_text(DRIVER)
     keeper, address = lt.start_cluster(tmp_path, env)  # a cluster of its own: a head with no CPUs, a node with 2
     drivers: list[lt.Proc] = []
@@ -186,6 +188,8 @@ def test_driver_sigkilled_mid_run_then_run_again_resumes_from_storage_exactly_on
         if lost == "cluster":  # the head and every node go too: nothing of the run survives but storage
             keeper.stop_keeper()
             keeper, address = lt.start_cluster(tmp_path, env)
+        else:  # the user runs the script again after the crash: by then the reaper (every 1 s here) saw
+            time.sleep(8)  # the dead job (a second driver racing the first one's death could not tell)
         second = driver("second")
         second_controller = second.line("CONTROLLER", 240)
         second.line("DONE", 400)

@@ -9,9 +9,12 @@ when the run ends. What does:
   ``TrainController`` actor (one per ``fit()``; gone when ``fit()`` returned or the driver died);
 * the controller's reaper (:meth:`Controller._reaper_loop`) checks every ``CF_RAY_REAPER_INTERVAL_S``
   whether its owner is still there; when the job is dead (driver killed, Ctrl-C, ``fit()`` returned
-  after ``max_failures`` and the script exited) — or the Ray Train run ended while no rank called
-  ``finish()`` (a notebook whose job stays alive) — it drains the holders, saves the profile, kills
-  the holders and exits;
+  after ``max_failures`` and the script exited) it drains the holders, saves the profile, kills
+  the holders and exits. A ``fit()`` that ended in a job that lives on (a notebook, a script that
+  calls ``fit()`` again) does not end them: the next ``fit()`` of the same run in that job resumes
+  with them (from memory when the snapshots allow it), as a restart of the worker group would;
+  they end with the job. (Ending them when the fit ends broke runs that resume with a second
+  ``fit()`` in the same process — the elastic segments, the notebook's interrupted cell.)
 * a new run with the same run key never reuses the actors of a dead one (:func:`get_or_create_controller`
   and ``get_or_create_holder`` ask an existing actor for its owner): they are drained and killed,
   and the new controller starts from storage only — the dead run's in-memory snapshots are not
@@ -46,11 +49,11 @@ class Owner:
     Ray Train v2, e.g. an actor made by a test or a script)."""
 
     def same_run(self, other: Owner | None) -> bool:
-        """Whether ``other`` is this run (same job and same ``fit()``); an unknown owner matches
-        anything (it cannot be told apart)."""
+        """Whether ``other`` belongs to this run's driver (the same job; a later ``fit()`` in the
+        same job continues the run); an unknown owner matches anything (it cannot be told apart)."""
         if other is None or not other.job_id or not self.job_id:
             return True
-        return other.job_id == self.job_id and other.train_run == self.train_run
+        return other.job_id == self.job_id
 
 
 def current_owner() -> Owner:
@@ -104,14 +107,13 @@ def actor_alive(actor_id: str) -> bool | None:
 
 
 def owner_gone(owner: Owner | None) -> str | None:
-    """Why ``owner``'s run is over (``"job"``: its driver's job ended; ``"train_run"``: its Ray
-    Train run ended), or ``None`` while it is alive or when that cannot be told."""
+    """Why ``owner``'s run is over (``"job"``: its driver's job ended), or ``None`` while the job is
+    alive or when that cannot be told. The end of one ``fit()`` alone is not the end of the run
+    (module doc); ``train_run`` is recorded for the record only."""
     if owner is None or not owner.job_id:
         return None
     if job_alive(owner.job_id) is False:
         return "job"
-    if owner.train_run and actor_alive(owner.train_run) is False:
-        return "train_run"
     return None
 
 
