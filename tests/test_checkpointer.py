@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 
 import pytest
-import torch
+import test_spot
 
 import cf_ray
 from cf_ray._engine.driver.messages import CheckpointKind, RequestLevel, Schedule
@@ -78,25 +78,10 @@ def test_timing_reports_each_checkpoint_once_and_skips_iterations_that_prepared_
 
 
 def _tiny(tmp_path, run_name, **cfg):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    """test_spot's tiny Checkpointer outside Ray Train, checkpointing every 2 steps, SIGTERM watched."""
     cfg.setdefault("policy", cf_ray.FixedInterval(every=2))
     cfg.setdefault("preemption", PreemptionConfig(ray_signal="off", sigterm=True))
-    ck = cf_ray.Checkpointer(
-        {"model": model, "optimizer": opt},
-        config=cf_ray.CheckpointConfig(
-            storage_path=str(tmp_path), run_name=run_name, register_with_ray=False, final_model=None, **cfg
-        ),
-    )
-    ck.restore()
-
-    def step():
-        model(torch.randn(2, 4)).sum().backward()
-        ck.step(opt)
-        opt.zero_grad()
-
-    return ck, step
+    return test_spot._tiny(tmp_path, run_name, **cfg)
 
 
 def test_close_releases_the_handler_the_thread_and_the_buffers_and_is_idempotent(ray_cluster, tmp_path):

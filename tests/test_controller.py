@@ -58,6 +58,19 @@ def _write(ctl: Controller, step: int, section: str) -> tuple[dict, torch.Tensor
     return {k: v.to_json() for k, v in files.items()}, value
 
 
+def _staged(ctl: Controller, step: int, sec: str, **meta) -> PartStaged:
+    """What the holder sends when a section of ``step`` is held: a scheduled checkpoint of WORLD ranks."""
+    meta = {"world_size": WORLD, "replicated": True, "epoch": 0, "kind": CheckpointKind.SCHEDULED, **meta}
+    return PartStaged(
+        generation=ctl.generation,
+        step=step,
+        section=sec,
+        holder="holder",
+        nbytes=32,
+        meta=SnapshotMeta(**meta, rank=mf.section_rank(sec)),
+    )
+
+
 def _messages() -> list[tuple[str, str]]:
     return [(kind, sec) for sec in SECTIONS for kind in ("staged", "durable")]
 
@@ -74,21 +87,11 @@ def test_commits_whatever_order_the_holder_messages_run_in(tmp_path, order):
     ctl = _controller(tmp_path)
     step = 7
     written = {sec: _write(ctl, step, sec) for sec in SECTIONS}
-    meta = {"world_size": WORLD, "replicated": True, "epoch": 0, "kind": CheckpointKind.SCHEDULED}
     msgs = _messages()
     for i in order:
         kind, sec = msgs[i]
         if kind == "staged":
-            ctl.part_staged(
-                PartStaged(
-                    generation=ctl.generation,
-                    step=step,
-                    section=sec,
-                    holder="holder",
-                    nbytes=32,
-                    meta=SnapshotMeta(**meta, rank=mf.section_rank(sec)),
-                )
-            )
+            ctl.part_staged(_staged(ctl, step, sec))
         else:
             ctl.part_durable(
                 PartDurable(generation=ctl.generation, step=step, section=sec, files=written[sec][0], persist_s=0.01)
@@ -104,19 +107,9 @@ def test_commits_whatever_order_the_holder_messages_run_in(tmp_path, order):
 
 def test_a_step_missing_a_section_stays_pending_and_uncommitted(tmp_path):
     ctl = _controller(tmp_path)
-    meta = {"world_size": WORLD, "replicated": True, "epoch": 0, "kind": CheckpointKind.SCHEDULED}
     for sec in SECTIONS[:2]:
         files, _ = _write(ctl, 3, sec)
-        ctl.part_staged(
-            PartStaged(
-                generation=ctl.generation,
-                step=3,
-                section=sec,
-                holder="holder",
-                nbytes=32,
-                meta=SnapshotMeta(**meta, rank=mf.section_rank(sec)),
-            )
-        )
+        ctl.part_staged(_staged(ctl, 3, sec))
         ctl.part_durable(PartDurable(generation=ctl.generation, step=3, section=sec, files=files, persist_s=0.01))
     assert ctl.pending_steps(ctl.generation) == [3]
     assert mf.list_committed(ctl.storage) == []
@@ -124,21 +117,11 @@ def test_a_step_missing_a_section_stays_pending_and_uncommitted(tmp_path):
 
 def test_a_superseded_step_is_not_waited_for_nor_committed(tmp_path):
     ctl = _controller(tmp_path)
-    meta = {"world_size": WORLD, "replicated": True, "epoch": 0, "kind": CheckpointKind.SCHEDULED}
     files, _ = _write(ctl, 4, SECTIONS[0])
     ctl.part_durable(PartDurable(generation=ctl.generation, step=4, section=SECTIONS[0], files=files, persist_s=0.01))
     ctl.part_superseded(PartSuperseded(generation=ctl.generation, step=4, section=SECTIONS[1]))
     for sec in SECTIONS:
-        ctl.part_staged(
-            PartStaged(
-                generation=ctl.generation,
-                step=4,
-                section=sec,
-                holder="holder",
-                nbytes=32,
-                meta=SnapshotMeta(**meta, rank=mf.section_rank(sec)),
-            )
-        )
+        ctl.part_staged(_staged(ctl, 4, sec))
     for sec in SECTIONS[1:]:
         ctl.part_durable(
             PartDurable(generation=ctl.generation, step=4, section=sec, files=_write(ctl, 4, sec)[0], persist_s=0.01)
@@ -171,21 +154,11 @@ def test_a_checkpoint_committed_during_the_clean_up_of_older_directories_is_kept
     newest. If step 10's last section turns durable between that listing and the check of what is
     still in flight, step 10 is committed: it must not be deleted (a CI run lost its milestone so)."""
     ctl = _retaining_controller(tmp_path, keep_last=2)
-    meta = {"world_size": WORLD, "replicated": True, "epoch": 0, "kind": CheckpointKind.SCHEDULED}
     last = {}  # step -> (files, value) of its last section, held back
     for step, milestone in ((10, True), (11, False)):
         for sec in SECTIONS:
             files, value = _write(ctl, step, sec)
-            ctl.part_staged(
-                PartStaged(
-                    generation=ctl.generation,
-                    step=step,
-                    section=sec,
-                    holder="holder",
-                    nbytes=32,
-                    meta=SnapshotMeta(**meta, rank=mf.section_rank(sec), milestone=milestone),
-                )
-            )
+            ctl.part_staged(_staged(ctl, step, sec, milestone=milestone))
             if sec == SECTIONS[-1]:
                 last[step] = (files, value)
             else:
@@ -220,19 +193,9 @@ def test_a_checkpoint_committed_during_the_clean_up_of_older_directories_is_kept
 
 
 def _commit(ctl: Controller, step: int) -> None:
-    meta = {"world_size": WORLD, "replicated": True, "epoch": 0, "kind": CheckpointKind.SCHEDULED}
     for sec in SECTIONS:
         files, _ = _write(ctl, step, sec)
-        ctl.part_staged(
-            PartStaged(
-                generation=ctl.generation,
-                step=step,
-                section=sec,
-                holder="holder",
-                nbytes=32,
-                meta=SnapshotMeta(**meta, rank=mf.section_rank(sec)),
-            )
-        )
+        ctl.part_staged(_staged(ctl, step, sec))
         ctl.part_durable(PartDurable(generation=ctl.generation, step=step, section=sec, files=files, persist_s=0.01))
     _wait_maintenance(ctl)
 
