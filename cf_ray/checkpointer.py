@@ -165,6 +165,7 @@ class Checkpointer:
             keep_last=self.config.keep_last,
             tiers=list(ctx.tiers),
             upload_milestones_only=self.config.upload == "milestones",
+            release_after_fit_s=float(self.config.release_after_fit_s),
         )
         controller = get_or_create_controller(ctx.key, ctx.storage, settings)
         holder = get_or_create_holder(ctx.key, ctx.storage, controller_name(ctx.key), _env.namespace())

@@ -130,6 +130,13 @@ class CheckpointConfig:
     allow_unexpected_objects: bool = False
     """Restore even when the checkpoint holds an object the script no longer tracks: it is ignored
     with a warning naming it. False: :class:`~cf_ray.errors.CheckpointMismatchError` naming it."""
+    release_after_fit_s: float = 120.0
+    """How long the run's actors — and the snapshots they hold in memory — outlive a ``fit()`` that
+    ended without ``finish()`` (Ctrl-C, ``FailureConfig(max_failures)`` exhausted, an error) while
+    the driver lives on (a notebook, a script that calls ``fit()`` again). A ``fit()`` of the same run
+    started within that time resumes from memory; after it the actors end (what they were writing
+    is drained first) and storage is the truth. ``0``: end them as soon as the ``fit()`` is seen to
+    be over. A dead driver ends them at once; ``finish()`` after ``CF_RAY_CONTROLLER_LINGER_S``."""
 
     def __post_init__(self):
         if not isinstance(self.preemption, (bool, PreemptionConfig)):
@@ -169,6 +176,13 @@ class CheckpointConfig:
         if not _positive(self.durability_floor_s):
             raise ConfigError(
                 f"CheckpointConfig.durability_floor_s={self.durability_floor_s!r} must be a number of seconds > 0"
+            )
+        if not (
+            _positive(self.release_after_fit_s)
+            or (self.release_after_fit_s == 0 and not isinstance(self.release_after_fit_s, bool))
+        ):
+            raise ConfigError(
+                f"CheckpointConfig.release_after_fit_s={self.release_after_fit_s!r} must be a number of seconds >= 0"
             )
         for name in ("allow_missing_objects", "allow_unexpected_objects"):
             if not isinstance(getattr(self, name), bool):

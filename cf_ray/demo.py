@@ -47,6 +47,7 @@ DEFAULTS: dict[str, Any] = {
     "step_sleep": 0.0,
     "kill_after_handoff": False,  # wait until the last snapshot is in the holder before the SIGKILL
     "env": {},
+    "release_after_fit_s": 120.0,  # CheckpointConfig.release_after_fit_s
     "resume_from": None,  # another run's checkpoint to start from (CheckpointConfig.resume_from)  # environment variables set in the worker before anything else (cf_ray tunables)
 }
 
@@ -128,6 +129,7 @@ def train_loop_per_worker(config: dict) -> None:
             upload_path=cfg["upload_path"],
             upload_filesystem=cfg["upload_filesystem"],
             resume_from=cfg["resume_from"],
+            release_after_fit_s=cfg["release_after_fit_s"],
         ),
     )
     resume = ckpt.restore()

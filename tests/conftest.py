@@ -36,6 +36,7 @@ def _ray_session():
 
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
     os.environ.setdefault("CF_RAY_CONTROLLER_LINGER_S", "5")
+    os.environ.setdefault("CF_RAY_REAPER_INTERVAL_S", "1")
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     yield

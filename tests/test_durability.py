@@ -135,6 +135,9 @@ def test_the_limit_follows_the_schedule_and_a_fixed_timeout_wins():
         ({"durability_factor": 0.5}, "durability_factor"),
         ({"durability_floor_s": -1}, "durability_floor_s"),
         ({"allow_missing_objects": "yes"}, "allow_missing_objects"),
+        ({"release_after_fit_s": -1}, "release_after_fit_s"),
+        ({"release_after_fit_s": False}, "release_after_fit_s"),
+        ({"release_after_fit_s": float("inf")}, "release_after_fit_s"),
     ],
 )
 def test_the_settings_are_checked(kwargs, field):

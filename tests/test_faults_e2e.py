@@ -212,3 +212,48 @@ def test_driver_sigkilled_mid_run_then_run_again_resumes_from_storage_exactly_on
     assert rec == e2e.lineage(reference)
     assert demo.states_equal(reference / "final_state.pt", second_out / "final_state.pt")
     assert e2e.result_of(second_out)["steps"] == STEPS
+
+
+# -- a fit() that ends without finish() while the driver lives on (a notebook) ---------------------------
+
+
+def test_a_failed_fit_releases_the_runs_actors_and_the_next_fit_resumes_from_storage(ray_cluster, reference, tmp_path):
+    """``FailureConfig(max_failures=0)`` and a worker SIGKILLed: ``fit()`` raises and the driver (this
+    process, like a notebook's kernel) lives on. The run's actors and their in-memory snapshots wait
+    ``release_after_fit_s`` for the next ``fit()``, then end; the next ``fit()`` of the run resumes
+    from storage, exactly once and bitwise."""
+    ray = ray_cluster
+    from ray.train import TrainingFailedError
+
+    name = "released"
+    storage_path = str(tmp_path / "storage")
+    ckpt_root = FsStorage(pafs.LocalFileSystem(), f"{storage_path}/{name}/cf_ray")
+    cfg = dict(e2e.SMALL, keep_last=None, release_after_fit_s=2)
+    with pytest.raises(TrainingFailedError):
+        demo.run(name, str(tmp_path / "first"), dict(cfg, kill_at=12), max_failures=0, storage_path=storage_path)
+
+    def actors_of_run() -> list[str]:
+        return [
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith((f"cf_ray.controller.{name}-", f"cf_ray.holder.{name}-"))
+        ]
+
+    assert any(".controller." in n for n in actors_of_run())  # right after the failed fit(): still there
+    deadline = time.time() + 60
+    while time.time() < deadline and actors_of_run():
+        time.sleep(0.25)
+    assert actors_of_run() == [], "the failed fit()'s actors outlived release_after_fit_s"
+    committed = [c.step for c in mf.list_committed(ckpt_root)]
+    assert committed and max(committed) >= 5, committed
+
+    demo.run(name, str(tmp_path / "second"), cfg, max_failures=0, storage_path=storage_path)
+    first_out, second_out = tmp_path / "first" / "out" / name, tmp_path / "second" / "out" / name
+    (resumed,) = e2e.resumes(second_out)
+    assert resumed["source"] == "storage"  # the snapshots in memory went with the actors
+    assert resumed["step"] == max(committed), (resumed, committed)
+    rec = {k: v for k, v in e2e.lineage(first_out).items() if k[1] <= resumed["step"]}
+    rec.update(e2e.lineage(second_out))
+    e2e.assert_exactly_once(rec, e2e.SMALL["samples"], e2e.SMALL["epochs"])
+    assert rec == e2e.lineage(reference)
+    assert demo.states_equal(reference / "final_state.pt", second_out / "final_state.pt")

@@ -83,7 +83,15 @@ from cf_ray._engine.driver.commits import (
     load_quarantine,
     write_quarantine,
 )
-from cf_ray._engine.driver.lifetime import Owner, current_owner, head_node_id, owner_gone, run_name_of
+from cf_ray._engine.driver.lifetime import (
+    Owner,
+    current_owner,
+    fit_over,
+    head_node_id,
+    owner_gone,
+    run_name_of,
+    train_controller,
+)
 from cf_ray._engine.driver.maintenance import Maintenance, tier_steps
 from cf_ray._engine.driver.messages import (
     CheckpointRequest,
@@ -139,6 +147,9 @@ class ControllerSettings:
     replaces_dead_run: bool = False
     """An earlier controller of this run key belonged to a driver that is gone: it was shut down,
     and this one starts from storage only (never from that run's holders) and says so."""
+    release_after_fit_s: float = 120.0
+    """How long the actors outlive a ``fit()`` that ended without ``finish()`` while its driver lives
+    (``CheckpointConfig.release_after_fit_s``)."""
 
 
 class Controller:
@@ -205,6 +216,11 @@ class Controller:
         self._stopping = threading.Event()
         self._shutdown_lock = threading.Lock()
         self._owner = settings.owner
+        self._release_after_fit_s = settings.release_after_fit_s
+        self._fit_over_since: float | None = None
+        self._train_handle = None
+        """The ``TrainController`` of the owner's ``fit()`` (set by :meth:`attach`)."""
+        """Monotonic time the reaper first saw the owner's ``fit()`` over (``None``: not over)."""
         self._replaced_dead_run = settings.replaces_dead_run
         if settings.replaces_dead_run:
             newest = self._commits.newest_step()
@@ -366,6 +382,19 @@ class Controller:
     def owner(self) -> Owner | None:
         """The run this controller belongs to (:mod:`.lifetime`)."""
         return self._owner
+
+    def attach(self, owner: Owner, train_handle=None) -> None:
+        """A ``fit()`` of this run's driver uses this controller (the first, or a later one: the
+        notebook's re-run cell, the next segment of an elastic schedule): it is the run's ``fit()``
+        from now on, and the reaper's clock for the previous one stops. ``train_handle``: that
+        ``fit()``'s ``TrainController``, asked by the reaper whether the ``fit()`` is over."""
+        with self._lock:
+            if self._owner is not None and owner.train_run and owner.same_run(self._owner):
+                if owner.train_run != self._owner.train_run:
+                    self._owner = dataclasses.replace(self._owner, train_run=owner.train_run)
+                if train_handle is not None:
+                    self._train_handle = train_handle
+                self._fit_over_since = None
 
     def lifetime(self) -> dict:
         """``{"owner_job": str, "train_run": str | None, "replaced_dead_run": bool}``: whose run this
@@ -561,23 +590,52 @@ class Controller:
         """End the run's actors when the run is over without ``finish()`` (see :mod:`.lifetime`)."""
         while not self._stopping.wait(max(0.1, _env.get_float(_env.REAPER_INTERVAL_S))):
             try:
-                why = owner_gone(self._owner)
+                why = self.run_over()
                 if why is None:
                     continue
-                with self._lock:
-                    finished = bool(self._finished) and len(self._finished) >= (self._world_size or 1)
-                if why == "train_run" and finished:
-                    continue  # finished: the linger ends it, and the driver may still read it
                 logger.warning(
                     "cf_ray: run %s is over (%s) and its ranks did not all call finish(): draining "
-                    "the holders, saving the profile and ending the run's actors",
+                    "the holders, saving the profile and ending the run's actors; storage is the truth",
                     run_name_of(self.key),
-                    "its driver's Ray job ended" if why == "job" else "its Ray Train run ended",
+                    "its driver's Ray job ended"
+                    if why == "job"
+                    else f"its fit() ended and no fit() of the run came back within "
+                    f"release_after_fit_s={self._release_after_fit_s:g} s",
                 )
                 self.shutdown()
                 return
             except Exception:  # noqa: BLE001 - the reaper never dies
                 logger.exception("cf_ray: the controller's reaper failed")
+
+    def run_over(self, now: float | None = None) -> str | None:
+        """Why the run is over (``"job"``: its driver's Ray job ended; ``"fit"``: its ``fit()`` ended
+        without ``finish()`` at least ``release_after_fit_s`` ago and no later ``fit()`` attached), or
+        ``None``. A run whose ranks all called ``finish()`` is left to the linger."""
+        if owner_gone(self._owner) == "job":
+            return "job"
+        with self._lock:
+            owner = self._owner
+            finished = bool(self._finished) and len(self._finished) >= (self._world_size or 1)
+        if finished or owner is None or not owner.train_run:
+            return None
+        if not fit_over(self._train_handle, owner.train_run):  # running, or cannot tell: never on a guess
+            with self._lock:
+                self._fit_over_since = None
+            return None
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if owner != self._owner:  # a new fit() attached meanwhile
+                return None
+            if self._fit_over_since is None:
+                self._fit_over_since = now
+                logger.info(
+                    "cf_ray: the fit() of run %s ended without finish(); its actors and in-memory "
+                    "snapshots wait %g s for the next fit() of the run",
+                    run_name_of(self.key),
+                    self._release_after_fit_s,
+                )
+            over = now - self._fit_over_since >= self._release_after_fit_s
+        return "fit" if over else None
 
     # -- the watch -------------------------------------------------------------------------------------
     def _watch_loop(self) -> None:
@@ -830,6 +888,8 @@ def get_or_create_controller(key: str, storage: Storage, settings: ControllerSet
     if existing is not None:
         theirs, reachable = _owner_of(existing)
         if not reachable or owner.same_run(theirs):
+            if reachable and theirs is not None:
+                _attach(existing, owner)
             return existing
         if owner_gone(theirs) is None:
             logger.warning(
@@ -840,7 +900,9 @@ def get_or_create_controller(key: str, storage: Storage, settings: ControllerSet
             return existing
         _retire(key, existing, theirs)
         settings = dataclasses.replace(settings, replaces_dead_run=True, recreated=False)
-    return _create(key, storage, settings)
+    created = _create(key, storage, settings)
+    _attach(created, owner)
+    return created
 
 
 def _create(key: str, storage: Storage, settings: ControllerSettings):
@@ -866,6 +928,16 @@ def _create(key: str, storage: Storage, settings: ControllerSettings):
         get_if_exists=True,
         **extra,
     ).remote(key, storage, settings)
+
+
+def _attach(handle, owner: Owner) -> None:
+    """Tell the controller which ``fit()`` uses it now (its reaper then watches that one). Not
+    waited for: it only decides when the actors of a ``fit()`` that is over may end, and a controller
+    that does not get it keeps them until the driver's job ends."""
+    try:
+        handle.attach.remote(owner, train_controller())
+    except Exception as e:  # noqa: BLE001
+        logger.debug("cf_ray: could not attach to the controller: %r", e)
 
 
 def _owner_of(handle) -> tuple[Owner | None, bool]:

@@ -8,13 +8,22 @@ when the run ends. What does:
   Train worker's job id is its driver's) and, under Ray Train v2, the id of the run's
   ``TrainController`` actor (one per ``fit()``; gone when ``fit()`` returned or the driver died);
 * the controller's reaper (:meth:`Controller._reaper_loop`) checks every ``CF_RAY_REAPER_INTERVAL_S``
-  whether its owner is still there; when the job is dead (driver killed, Ctrl-C, ``fit()`` returned
-  after ``max_failures`` and the script exited) it drains the holders, saves the profile, kills
-  the holders and exits. A ``fit()`` that ended in a job that lives on (a notebook, a script that
-  calls ``fit()`` again) does not end them: the next ``fit()`` of the same run in that job resumes
-  with them (from memory when the snapshots allow it), as a restart of the worker group would;
-  they end with the job. (Ending them when the fit ends broke runs that resume with a second
-  ``fit()`` in the same process — the elastic segments, the notebook's interrupted cell.)
+  whether the run is over, and then drains the holders, saves the profile, kills the holders and
+  exits (:meth:`Controller.run_over`):
+
+  - the driver's job is dead (driver killed, the script exited after Ctrl-C or ``max_failures``):
+    at once;
+  - the ``fit()`` ended without ``finish()`` — its ``TrainController`` is dead or in a terminal
+    state (Ctrl-C, ``max_failures`` exhausted, an error) — while the driver lives on (a notebook, a
+    script that calls ``fit()`` again): after ``CheckpointConfig.release_after_fit_s`` (120 s) unless
+    a ``fit()`` of the same run attached meanwhile (:meth:`Controller.attach`, called by every worker
+    that gets the controller). A ``fit()`` that comes back in time resumes with them, from memory
+    when the snapshots allow it, as a restart of the worker group would; one that comes later
+    resumes from storage. (Ending them the moment a ``fit()`` ended broke the runs that resume with
+    a second ``fit()`` in the same process — the elastic segments, the notebook's interrupted cell.)
+    Ray Train keeps a finished ``fit()``'s ``TrainController`` alive (the driver's SIGINT handler
+    holds its handle until the next ``fit()``), so its state is asked, not only its liveness;
+  - every rank called ``finish()``: the controller's linger (``CF_RAY_CONTROLLER_LINGER_S``) ends it;
 * a new run with the same run key never reuses the actors of a dead one (:func:`get_or_create_controller`
   and ``get_or_create_holder`` ask an existing actor for its owner): they are drained and killed,
   and the new controller starts from storage only — the dead run's in-memory snapshots are not
@@ -31,6 +40,7 @@ import logging
 from dataclasses import dataclass
 
 import ray
+import ray.exceptions
 
 logger = logging.getLogger("cf_ray")
 
@@ -67,12 +77,38 @@ def current_owner() -> Owner:
 
 def _train_controller_id() -> str | None:
     """The ``TrainController`` actor of the Ray Train v2 run this worker belongs to, if any."""
+    handle = train_controller()
+    return handle._actor_id.hex() if handle is not None else None
+
+
+def train_controller():
+    """The handle of the Ray Train v2 ``TrainController`` of the ``fit()`` this worker runs in, or
+    ``None`` (not in a Ray Train v2 worker)."""
     try:
         from ray.train.v2._internal.execution.context import get_train_context
 
-        handle = get_train_context().controller_actor
-        return handle._actor_id.hex() if handle is not None else None
+        return get_train_context().controller_actor
     except Exception:  # noqa: BLE001 - not in a Ray Train v2 worker
+        return None
+
+
+def fit_over(handle, train_run: str) -> bool | None:
+    """Whether the ``fit()`` whose ``TrainController`` is ``handle`` (id ``train_run``) is over: the
+    actor is dead, or it is in a terminal state (finished, errored, aborted by Ctrl-C). Ray Train
+    keeps the actor alive after ``fit()`` returns or raises — the driver's SIGINT handler holds its
+    handle until the next ``fit()`` — so its death alone does not say it. ``None``: cannot tell."""
+    alive = actor_alive(train_run)
+    if alive is False:
+        return True
+    if handle is None:
+        return None
+    try:
+        state = ray.get(handle.get_state.remote(), timeout=10)
+        return bool(state.is_terminal())  # pyright: ignore[reportAttributeAccessIssue] - ray.get of one ref is typed as a list
+    except ray.exceptions.RayActorError:
+        return True
+    except Exception as e:  # noqa: BLE001 - a Ray Train without get_state(), a timeout: cannot tell
+        logger.debug("cf_ray: cannot read the state of Ray Train run %s: %r", train_run, e)
         return None
 
 
@@ -138,8 +174,10 @@ __all__ = [
     "Owner",
     "actor_alive",
     "current_owner",
+    "fit_over",
     "head_node_id",
     "job_alive",
     "owner_gone",
     "run_name_of",
+    "train_controller",
 ]
