@@ -68,6 +68,7 @@ PROFILE_COLUMNS: dict[str, Any] = {
     "committed": "boolean",
     "where": object,
     "error": object,
+    "durability_lost": "boolean",
 }
 ITERATION_COLUMNS: dict[str, Any] = {
     "step": "Int64",

@@ -258,6 +258,14 @@ def test_a_storage_that_hangs_is_one_alarm_per_episode(ray_cluster, tmp_path, ca
         assert len(lost) == 2 and len(restored) == 2
         assert lost[0]["reason"] == "no_commit" and lost[0]["committed_step"] >= 6 and lost[0]["action"] == "warn"
         assert "failures reported" not in lost[0]
+        # The profile table says which checkpoints were taken while durability was lost.
+        rows = {r["step"]: r for r in ck.profile_rows()}
+        assert any(s <= 6 for s in rows) and not any(r["durability_lost"] for s, r in rows.items() if s <= 6), sorted(
+            rows
+        )
+        flagged = sorted(s for s, r in rows.items() if r["durability_lost"])
+        assert flagged and flagged[0] >= lost[0]["since_step"] > 6, (flagged, lost[0])
+        assert flagged[-1] < max(rows), "the checkpoints after the all-clear are not flagged"
     finally:
         flag.unlink(missing_ok=True)
         ck.finish()

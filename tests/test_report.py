@@ -32,6 +32,7 @@ FIXED = [
     "committed",
     "where",
     "error",
+    "durability_lost",
 ]
 
 

@@ -381,6 +381,9 @@ class ProfileBook:
         self.goodput = Goodput(events_window)
         self._goodput_metrics = None  # cf_ray.report.GoodputMetrics, made on first use
         self._ratio_exported_unix = 0.0
+        self._lost_since: tuple[int, int] | None = None
+        """``(generation, step)`` from which checkpoints were taken while the watchdog's episode was
+        open (``None``: no episode): their rows say ``durability_lost``."""
 
     # -- rows ---------------------------------------------------------------------------------------------
     def row(self, generation: int, step: int) -> dict:
@@ -397,6 +400,7 @@ class ProfileBook:
                     "where": SectionState.PENDING.value,
                     "error": None,
                     "interval": self.schedule.current_interval,
+                    "durability_lost": self._lost_since is not None,
                 }
             if len(self._rows) > self._window:
                 self._evict()
@@ -568,6 +572,21 @@ class ProfileBook:
         except Exception:  # noqa: BLE001 - goodput is a report, never a reason to fail
             logger.debug("cf_ray: goodput bookkeeping failed", exc_info=True)
 
+    def _mark_durability(self, event: dict, lost: bool) -> None:
+        """The profile's ``durability_lost`` column: the rows of the checkpoints that were taken and
+        not committed while an episode was open (from the step since which nothing committed)."""
+        if not lost:
+            self._lost_since = None
+            return
+        generation = int(event.get("generation") or 0)
+        since = event.get("since_step")
+        if since is None:
+            since = (event.get("committed_step") or 0) + 1
+        self._lost_since = (generation, int(since))
+        for (gen, step), row in self._rows.items():
+            if gen == generation and step >= since and not row.get("committed"):
+                row["durability_lost"] = True
+
     def iteration_rows(self) -> list[dict]:
         return list(self._iters)
 
@@ -577,6 +596,7 @@ class ProfileBook:
             lost = event["event"] == "durability_lost"
             if lost:
                 logger.warning("cf_ray: run %s: checkpoints are not becoming durable: %s", self.key, event)
+            self._mark_durability(event, lost)
             try:
                 if self._goodput_metrics is None:
                     from cf_ray.report import GoodputMetrics
