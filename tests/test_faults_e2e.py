@@ -257,3 +257,54 @@ def test_a_failed_fit_releases_the_runs_actors_and_the_next_fit_resumes_from_sto
     e2e.assert_exactly_once(rec, e2e.SMALL["samples"], e2e.SMALL["epochs"])
     assert rec == e2e.lineage(reference)
     assert demo.states_equal(reference / "final_state.pt", second_out / "final_state.pt")
+
+
+# -- the node's holder killed while it writes a checkpoint ------------------------------------------------
+
+
+def test_holder_killed_mid_write_that_step_never_commits_later_ones_do_bitwise(ray_cluster, reference, tmp_path):
+    """The holder (phase 2) is killed while it persists step 10 (its data file's write stalls): step
+    10 never becomes visible, the workers make a new holder at their next hand-off, the checkpoints
+    after it commit, training finishes in the same attempt, bitwise equal to the uninterrupted run."""
+    ray = ray_cluster
+    from faulty_fs import SlowHandler
+
+    name = "holderkill"
+    out = tmp_path / "out" / name
+    root = str(tmp_path / "ckpts")
+    fs = pafs.PyFileSystem(SlowHandler(slow_from=10, slow_to=11, delay_s=60))  # step 10's write stalls
+    killed: dict = {}
+    done = threading.Event()
+
+    def kill_the_holder():
+        while not done.is_set() and _newest_step(out) < 12:  # step 10 taken and handed over
+            time.sleep(0.02)
+        prefix = f"cf_ray.holder.{name}-"
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            if a["name"].startswith(prefix) and not done.is_set():
+                ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
+                killed.update(step=_newest_step(out), holder=a["name"])
+
+    watcher = threading.Thread(target=kill_the_holder, daemon=True)
+    watcher.start()
+    t0 = time.time()
+    try:
+        cfg = dict(e2e.SMALL, keep_last=None, step_sleep=0.1, storage_path=root, storage_filesystem=fs)
+        demo.run(name, str(tmp_path), cfg, max_failures=0)
+    finally:
+        done.set()
+        watcher.join(timeout=30)
+    assert killed and killed["step"] < 15, killed  # killed while step 10's write stalled, before step 15
+    assert time.time() - t0 < 60 + 30, "the run waited for the killed holder's write"  # no hang
+    result = e2e.result_of(out)
+    assert result["steps"] == STEPS
+    (resumed,) = e2e.resumes(out)
+    assert resumed["source"] == "fresh"  # training never stopped
+    storage = FsStorage(pafs.LocalFileSystem(), f"{root}/{name}/cf_ray")
+    on_storage = [c.step for c in mf.list_committed(storage)]
+    assert 10 not in on_storage and not storage.exists(f"{mf.step_dir(10)}/{mf.MANIFEST}"), on_storage  # never visible
+    assert {15, 20, 25, STEPS} <= set(on_storage), on_storage
+    assert 10 in {f["step"] for f in result["failures"]}, result["failures"]  # reported, not silent
+    assert result["committed_steps"] == on_storage
+    assert demo.states_equal(reference / "final_state.pt", out / "final_state.pt")
+    assert e2e.lineage(out) == e2e.lineage(reference)
