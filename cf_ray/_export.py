@@ -7,7 +7,11 @@ file verified against its manifest before a byte is parsed; nothing unpickled) a
   header of dtypes, shapes and offsets, then the raw little-endian tensors), readable by
   ``safetensors.torch.load_file``, Hugging Face ``from_pretrained(..., use_safetensors=True)`` and
   ``cf_ray.load_state``-free tools alike; nested state is flattened to dotted names;
-- ``model.pt``: ``torch.save`` of the state dict, for ``torch.load(path, weights_only=True)``.
+- ``model.pt``: ``torch.save`` of the state dict, for ``torch.load(path, weights_only=True)``;
+- ``--to dcp``: every tracked object (or ``--object``) as a PyTorch Distributed Checkpoint directory
+  (``.metadata`` + ``__<rank>_0.distcp``) for ``torch.distributed.checkpoint.load``, sharded
+  (FSDP2) checkpoints included: each rank's shards become DCP chunks at their global offsets, so
+  DCP loads it at any number of ranks (``cf_ray/_engine/format/dcp.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from cf_ray.errors import CfRayError, CheckpointNotFoundError
 from cf_ray.load import load_state
 
 FORMATS = ("safetensors", "torch")
+#: ``--to dcp``: a directory for torch.distributed.checkpoint (:func:`export_dcp_dir`).
+DCP = "dcp"
 _SUFFIX = {"safetensors": ".safetensors", "torch": ".pt"}
 
 
@@ -93,7 +99,8 @@ def export_model(
         raise CfRayError(
             f"{storage.uri(path)} holds per-rank shards of the state (replicated=False, "
             f"{manifest.world_size} ranks): export needs one consolidated state; export the final "
-            "model (written at the end of a run) or a checkpoint of a replicated (DDP) run"
+            "model (written at the end of a run) or a checkpoint of a replicated (DDP) run, or export this one "
+            "for torch.distributed.checkpoint with --to dcp (it assembles the shards)"
         )
     state = load_state(posixpath.join(storage.root, path), objects=[obj], filesystem=storage.fs)[obj]
     os.makedirs(out_dir, exist_ok=True)
@@ -119,6 +126,48 @@ def export_model(
         tensors=len(tensors),
         size_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
     )
+
+
+def export_dcp_dir(
+    storage: FsStorage,
+    directory: str | None,
+    out_dir: str,
+    *,
+    step: int | None = None,
+    objects: list[str] | None = None,
+) -> Exported:
+    """Write a committed checkpoint (all tracked objects, or ``objects``) as a DCP directory ``out_dir``.
+
+    Raises:
+        CheckpointNotFoundError: no such checkpoint. CorruptCheckpointError: a file fails verification.
+    """
+    from cf_ray._engine.format.dcp import export_dcp
+
+    path = choose(storage, directory, step, objects[0] if objects else "the tracked objects")
+    done = export_dcp(storage, path, out_dir, objects=objects)
+    return Exported(
+        path=out_dir,
+        source=storage.uri(path),
+        step=done.step,
+        kind="step",
+        tensors=done.chunks,
+        size_bytes=done.size_bytes,
+    )
+
+
+def dcp_reader(source: Any, *, step: int | None = None, objects: list[str] | None = None, filesystem=None):
+    """A ``torch.distributed.checkpoint`` storage reader over a committed cf_ray checkpoint, no export:
+    ``dcp.load(state_dict, storage_reader=dcp_reader("cf_ray_runs/my-run", step=1200))``.
+
+    Args:
+        source: the run (or one checkpoint's directory), as :func:`cf_ray.load.open_run` takes it.
+        step: which checkpoint (default: the newest full one); objects: tracked names (default: all).
+    """
+    from cf_ray._engine.format.dcp import CfRayReader
+    from cf_ray.load import open_run
+
+    storage, directory = open_run(source, filesystem)
+    return CfRayReader(storage, choose(storage, directory, step, "the tracked objects"), objects=objects)
 
 
 def flatten(state: Any, *, strict: bool = True, prefix: str = "") -> dict[str, Any]:

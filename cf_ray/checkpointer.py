@@ -55,6 +55,7 @@ from cf_ray._engine.worker.preemption_watcher import PreemptionWatcher
 from cf_ray._engine.worker.ray_train import RayTrainLink
 from cf_ray._engine.worker.restore import Outcome, Restorer, newest_committed
 from cf_ray._engine.worker.scheduler import Scheduler
+from cf_ray._engine.worker.sharded import ShardedState
 from cf_ray._engine.worker.snapshot import Phase1
 from cf_ray._engine.worker.timing import Timing
 from cf_ray._engine.worker.watchdog import DurabilitySettings, DurabilityWatchdog, Knowledge
@@ -157,7 +158,17 @@ class Checkpointer:
         # an elastic run must load a 2-worker checkpoint into 1 worker and back.
         self.state = {n: unwrap_ddp(o) for n, o in check_tracked(state, "state").items()}
         self.data = check_tracked(data or {}, "data", allow_empty=True)
+        # FSDP2 / DTensor state: each rank saves its own shards (per-rank sections), whatever
+        # `replicated` says; taken and loaded with torch.distributed.checkpoint.state_dict.
+        self._sharded = ShardedState.of(self.state)
+        replicated = self.config.replicated and self._sharded is None
         ctx = self._ctx = WorkerContext.resolve(self.config)
+        if self._sharded is not None and ctx.rank == 0:
+            logger.info(
+                "cf_ray: %s hold sharded (FSDP2/DTensor) state: every rank saves its own shards%s",
+                sorted(self._sharded.names),
+                " (replicated=True is ignored for this run)" if self.config.replicated else "",
+            )
         if not ray.is_initialized():
             ray.init(ignore_reinit_error=True)
         settings = ControllerSettings(
@@ -175,7 +186,7 @@ class Checkpointer:
         self._phase1 = Phase1(
             ctx.rank,
             ctx.world_size,
-            self.config.replicated,
+            replicated,
             self.state,
             self.data,
             holder,
@@ -183,6 +194,7 @@ class Checkpointer:
             resolve_holder=lambda: get_or_create_holder(
                 ctx.key, ctx.storage, controller_name(ctx.key), _env.namespace()
             ),
+            sharded=self._sharded,
         )
         self._link = ControllerLink(
             controller,
@@ -201,8 +213,19 @@ class Checkpointer:
         )
         self._lost_reported = False  # rank 0 recorded the episode in progress with the controller
         final_module = self.state.get(self.config.final_model) if self.config.final_model else None
+        if self._sharded is not None and self.config.final_model in self._sharded.modules:
+            # write_final_model gathers on rank 0 alone: not for a sharded module (yet; #13).
+            if ctx.rank == 0:
+                logger.warning(
+                    "cf_ray: the final model %r is sharded (FSDP2); no model.safetensors is written at the end "
+                    "(cf-ray export RUN --to dcp, then torch.distributed.checkpoint, consolidates it)",
+                    self.config.final_model,
+                )
+            final_module = None
         self._ray_train = RayTrainLink(ctx, self.config.register_with_ray, final_module)
-        self._restorer = Restorer(ctx, self.config, self._link, self._control, self.state, self.data)
+        self._restorer = Restorer(
+            ctx, self.config, self._link, self._control, self.state, self.data, sharded=self._sharded
+        )
         self.step_count = 0
         self.epoch = 0
         self.resume: Resume | None = None

@@ -10,7 +10,8 @@ example for each.
     cf-ray ls RUN                                the committed checkpoints
     cf-ray profile RUN                           the profile table
     cf-ray verify RUN [--step N]                 every file's size and checksum; exit 1 on damage
-    cf-ray export RUN [--step N] --to FMT DIR    the model as model.safetensors or model.pt
+    cf-ray export RUN [--step N] --to FMT DIR    the model as model.safetensors or model.pt, or
+                                                 the checkpoint as a DCP directory (--to dcp)
 """
 
 from __future__ import annotations
@@ -152,35 +153,50 @@ def export_parser() -> argparse.ArgumentParser:
         "export",
         "  cf-ray export cf_ray_runs/my-run --step 1200 --to safetensors exported/\n"
         "  cf-ray export cf_ray_runs/my-run --to torch exported/\n\n"
+        "  cf-ray export cf_ray_runs/my-run --step 1200 --to dcp exported_dcp/\n\n"
         "then, in Python:\n"
         "  safetensors.torch.load_file('exported/model.safetensors')\n"
-        "  torch.load('exported/model.pt', weights_only=True)\n\n"
+        "  torch.load('exported/model.pt', weights_only=True)\n"
+        "  torch.distributed.checkpoint.load({'model': get_model_state_dict(model), ...},\n"
+        "                                    checkpoint_id='exported_dcp')   # any number of ranks\n\n"
         "The model is the object tracked as 'model' (Checkpointer({'model': model, ...}));\n"
         "without --step, the newest checkpoint (the final model when the run finished).\n"
+        "--to dcp writes every tracked object (or --object) of a full checkpoint, sharded\n"
+        "(FSDP2) ones included, as a torch.distributed.checkpoint directory.\n"
         "Every file is verified against the manifest before it is read.",
-        usage="cf-ray export [-h] RUN [--step N] --to {safetensors,torch} DIR",
+        usage="cf-ray export [-h] RUN [--step N] --to {safetensors,torch,dcp} DIR",
     )
     p.add_argument("run", metavar="RUN", help=_RUN_HELP + "; or one checkpoint's directory")
-    p.add_argument("out_dir", metavar="DIR", help="local directory to write <object>.safetensors or <object>.pt to")
-    p.add_argument("--to", required=True, choices=("safetensors", "torch"), help="the file format")
+    p.add_argument(
+        "out_dir", metavar="DIR", help="local directory to write <object>.safetensors, <object>.pt or DCP files to"
+    )
+    p.add_argument("--to", required=True, choices=("safetensors", "torch", "dcp"), help="the file format")
     p.add_argument("--step", type=int, default=None, metavar="N", help="the checkpoint's step (default: the newest)")
     p.add_argument(
         "--object",
-        default="model",
+        default=None,
         dest="obj",
-        help="the tracked object to export, as named in Checkpointer({...}) (default: model)",
+        help="the tracked object to export, as named in Checkpointer({...}) (default: model; with --to dcp: all)",
     )
     return p
 
 
 def _export(args: argparse.Namespace) -> int:
-    from cf_ray._export import export_model
+    from cf_ray._export import DCP, export_dcp_dir, export_model
     from cf_ray.errors import CfRayError
     from cf_ray.load import open_run
 
     storage, directory = open_run(args.run)
     try:
-        done = export_model(storage, directory, args.out_dir, to=args.to, step=args.step, obj=args.obj)
+        if args.to == DCP:
+            objects = None if args.obj is None else [args.obj]
+            done = export_dcp_dir(storage, directory, args.out_dir, step=args.step, objects=objects)
+            print(
+                f"wrote {done.path}: a torch.distributed.checkpoint directory, {done.tensors} tensor chunks, "
+                f"{_size(done.size_bytes)}, from the checkpoint of step {done.step} ({done.source})"
+            )
+            return 0
+        done = export_model(storage, directory, args.out_dir, to=args.to, step=args.step, obj=args.obj or "model")
     except CfRayError as e:  # no such checkpoint, damaged, sharded, not storable: said in one line
         print(f"cf-ray export: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

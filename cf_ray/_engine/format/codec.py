@@ -11,7 +11,9 @@ value, which is far better than a checkpoint that cannot be loaded.
 from __future__ import annotations
 
 import base64
+import contextlib
 import math
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,6 +69,22 @@ _NUMPY_DTYPES = {
 
 
 @dataclass(frozen=True, slots=True)
+class ShardInfo:
+    """Where a saved local shard of a sharded tensor (a DTensor, e.g. FSDP2's) lies in the whole.
+
+    The entry's own ``shape`` is the local shard's; ``global_shape`` is the whole tensor's and
+    ``offsets`` the shard's first element in it (per dimension).
+    """
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    placements: str = ""
+    """How the tensor was laid out, for messages only (``"(Shard(dim=0),)"``)."""
+    owner: int = -1
+    """The global rank that held the shard (``-1``: not known); its section is ``rank_<owner>``."""
+
+
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     """Where one tensor lives in an arena."""
 
@@ -76,9 +94,11 @@ class TensorEntry:
     offset: int
     nbytes: int
     kind: str  # "torch" or "numpy"
+    shard: ShardInfo | None = None
+    """Set when the tensor is the local shard of a sharded tensor (``shape`` is the shard's)."""
 
     def to_json(self) -> dict:
-        return {
+        d = {
             "name": self.name,
             "dtype": self.dtype,
             "shape": list(self.shape),
@@ -86,6 +106,12 @@ class TensorEntry:
             "nbytes": self.nbytes,
             "kind": self.kind,
         }
+        if self.shard is not None:
+            d["global_shape"] = list(self.shard.global_shape)
+            d["global_offsets"] = list(self.shard.offsets)
+            d["placements"] = self.shard.placements
+            d["owner"] = self.shard.owner
+        return d
 
     @staticmethod
     def from_json(d: dict) -> TensorEntry:
@@ -97,6 +123,7 @@ class TensorEntry:
                 int(d["offset"]),
                 int(d["nbytes"]),
                 str(d["kind"]),
+                _shard_from_json(d),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed tensor entry {d!r}: {e}") from None
@@ -116,7 +143,26 @@ class TensorEntry:
             raise ValueError(
                 f"entry {entry.name!r}: shape {entry.shape} needs {expected} bytes, table says {entry.nbytes}"
             )
+        shard = entry.shard
+        if shard is not None and (
+            entry.kind != "torch"
+            or len(shard.global_shape) != len(entry.shape)
+            or len(shard.offsets) != len(entry.shape)
+            or any(o < 0 or g < 0 or o + n > g for o, n, g in zip(shard.offsets, entry.shape, shard.global_shape))
+        ):
+            raise ValueError(f"entry {entry.name!r}: shard {shard} does not fit its shape {entry.shape}")
         return entry
+
+
+def _shard_from_json(d: dict) -> ShardInfo | None:
+    if "global_shape" not in d:
+        return None
+    return ShardInfo(
+        tuple(int(s) for s in d["global_shape"]),
+        tuple(int(s) for s in d["global_offsets"]),
+        str(d.get("placements", "")),
+        int(d.get("owner", -1)),
+    )
 
 
 def element_size(entry: TensorEntry) -> int:
@@ -156,7 +202,7 @@ def flatten(tree: Any, *, offset: int = 0, prefix: str = "") -> Flat:
     leaves: list[Any] = []
     cursor = [_align(offset)]
 
-    def leaf(value, path: str, kind: str) -> dict:
+    def leaf(value, path: str, kind: str, shard: ShardInfo | None = None) -> dict:
         if kind == "torch":
             if value.is_sparse or value.layout != torch.strided:
                 raise TypeError(
@@ -174,7 +220,7 @@ def flatten(tree: Any, *, offset: int = 0, prefix: str = "") -> Flat:
                     f"cannot checkpoint {path}: numpy dtype {value.dtype} is not supported; store numbers, not objects"
                 )
             dtype, nbytes, shape = value.dtype.str, value.nbytes, tuple(value.shape)
-        entry = TensorEntry(path, dtype, shape, cursor[0], nbytes, kind)
+        entry = TensorEntry(path, dtype, shape, cursor[0], nbytes, kind, shard)
         cursor[0] = _align(cursor[0] + nbytes)
         entries.append(entry)
         leaves.append(value)
@@ -188,6 +234,9 @@ def flatten(tree: Any, *, offset: int = 0, prefix: str = "") -> Flat:
         if isinstance(v, float):
             return v if math.isfinite(v) else {_FLOAT: repr(v)}
         if isinstance(v, torch.Tensor):
+            if is_dtensor(v):
+                local, shard = dtensor_shard(v, path)
+                return leaf(local, path, "torch", shard)
             return leaf(v.detach(), path, "torch")
         if isinstance(v, np.ndarray):
             return leaf(v, path, "numpy")
@@ -220,6 +269,37 @@ def flatten(tree: Any, *, offset: int = 0, prefix: str = "") -> Flat:
         )
 
     return Flat(enc(tree, prefix), entries, leaves)
+
+
+def is_dtensor(v: Any) -> bool:
+    """Whether ``v`` is a ``torch.distributed.tensor.DTensor`` (no import when none can exist)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    return cls is not None and isinstance(v, cls)
+
+
+def dtensor_shard(v: Any, path: str) -> tuple[torch.Tensor, ShardInfo]:
+    """The local shard of a DTensor (a view, detached) and where it lies in the whole tensor.
+
+    Raises:
+        TypeError: the DTensor has a ``Partial`` placement (pending reductions are not state), or
+            more than one local chunk.
+    """
+    try:
+        chunks = v.__create_chunk_list__()  # DCP's protocol: the local shard's offsets and sizes
+    except Exception as e:  # noqa: BLE001 - a Partial placement raises here
+        raise TypeError(f"cannot checkpoint {path}: DTensor with placements {v.placements}: {e}") from None
+    if len(chunks) != 1:
+        raise TypeError(f"cannot checkpoint {path}: a DTensor with {len(chunks)} local chunks is not supported")
+    local = v.to_local().detach()
+    if tuple(chunks[0].sizes) != tuple(local.shape):
+        raise TypeError(f"cannot checkpoint {path}: local shard {tuple(local.shape)} != chunk {tuple(chunks[0].sizes)}")
+    owner = -1
+    with contextlib.suppress(Exception):  # no default process group: unknown
+        import torch.distributed as dist
+
+        owner = dist.get_rank() if dist.is_initialized() else -1
+    return local, ShardInfo(tuple(v.shape), tuple(int(o) for o in chunks[0].offsets), str(tuple(v.placements)), owner)
 
 
 def unflatten(tree: Any, get: Callable[[int, TensorEntry], Any], entries: list[TensorEntry]) -> Any:

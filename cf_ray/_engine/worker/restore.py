@@ -39,6 +39,7 @@ from cf_ray._engine.driver.messages import MemorySnapshot, Restored, RestorePlan
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.storage.base import Storage
 from cf_ray._engine.worker import restore_checks as _checks
+from cf_ray._engine.worker import sharded as _sharded
 from cf_ray._engine.worker.context import WorkerContext
 from cf_ray._engine.worker.control import ControlPlane
 from cf_ray._engine.worker.controller_link import ControllerLink
@@ -126,6 +127,7 @@ class Restorer:
         link: this rank's line to the controller (re-resolved when the controller is gone).
         control: the agreement (the plan is broadcast, every phase's outcome shared).
         state, data: the tracked objects to load into.
+        sharded: the tracked objects whose state is sharded (FSDP2/DTensor; ``sharded.py``).
     """
 
     def __init__(
@@ -136,6 +138,7 @@ class Restorer:
         control: ControlPlane,
         state: dict[str, Any],
         data: dict[str, Any],
+        sharded: _sharded.ShardedState | None = None,
     ):
         self.ctx = ctx
         self.restore_from = config.restore_from
@@ -146,6 +149,7 @@ class Restorer:
         self.control = control
         self.state = state
         self.data = data
+        self.sharded = sharded
         self.verified: list[str] = []
         """The objects checked against their fingerprints by the last :meth:`load`."""
 
@@ -263,6 +267,7 @@ class Restorer:
                 data=self.data,
                 allow_missing=self.allow_missing,
                 allow_unexpected=self.allow_unexpected,
+                sharded=self.sharded,
             )
         except CheckpointMismatchError as e:
             return None, self._fail(e)

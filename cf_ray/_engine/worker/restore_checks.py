@@ -4,7 +4,9 @@
 :class:`Prepared` restore, or raises: the checkpoint's world size and its rank sections (each one
 that rank's, every old rank at the same step), the RNG states (parsed by throw-away generators),
 the tracked objects (the same names as the script's; modules: the same keys, shapes and dtypes;
-optimizers: the same parameter groups), and the data objects' states (each source's own checks,
+optimizers: the same parameter groups; sharded FSDP2/DTensor objects: per tensor the global shape,
+dtype and this rank's shard, ``sharded.py``, resharded first when the number of ranks changed), and
+the data objects' states (each source's own checks,
 run on a copy where cf_ray knows how: its samplers, loaders and readers). :func:`apply` then loads
 what was validated, and :func:`verify` checks each loaded object against the fingerprint the
 snapshot recorded (``fingerprint.py``).
@@ -21,6 +23,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +32,7 @@ import torch
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.worker import fingerprint as _fp
+from cf_ray._engine.worker import sharded as _sharded
 from cf_ray._engine.worker.rng import check_rng_state, set_rng_state
 from cf_ray.errors import CheckpointMismatchError, CorruptCheckpointError, ElasticResumeError, RestoreError
 
@@ -56,6 +60,10 @@ class Prepared:
     """Tracked objects the checkpoint does not hold (``allow_missing_objects``): left as they are."""
     elastic: bool = False
     """Saved by another number of ranks: the data objects are re-split (``load_elastic_state``)."""
+    sharded: _sharded.ShardedState | None = None
+    """The sharded objects (FSDP2/DTensor): their states in ``state`` are loaded through it."""
+    state_fns: dict[str, Callable[[], Any]] = field(default_factory=dict)
+    """Tracked name -> what returns its state for the fingerprint check (default: ``state_dict``)."""
 
 
 def validate(
@@ -69,6 +77,7 @@ def validate(
     data: dict[str, Any],
     allow_missing: bool = False,
     allow_unexpected: bool = False,
+    sharded: _sharded.ShardedState | None = None,
 ) -> Prepared:
     """Check a candidate without touching any tracked object; see the module doc for what raises what.
 
@@ -78,10 +87,12 @@ def validate(
         rank, world_size: this rank and the number of ranks now.
         state, data: the tracked objects (not modified).
         allow_missing, allow_unexpected: ``CheckpointConfig.allow_missing_objects`` / ``allow_unexpected_objects``.
+        sharded: the tracked objects whose state is sharded (``sharded.py``; ``None``: none).
     """
     if not isinstance(saved_world, int) or isinstance(saved_world, bool) or saved_world < 1:
         raise CorruptCheckpointError(f"the checkpoint says it was saved by world_size={saved_world!r} ranks")
-    if saved_world != world_size and not replicated:
+    reshard = saved_world != world_size and not replicated and _saved_sharded(loaded, sharded)
+    if saved_world != world_size and not replicated and not reshard:
         raise ElasticResumeError(
             f"the checkpoint was saved by {saved_world} ranks with replicated=False (per-rank model state); "
             f"it cannot be loaded by {world_size} ranks. Resume with {saved_world} workers."
@@ -96,14 +107,38 @@ def validate(
     # -- the tracked state (model, optimizer, schedulers, ...) ----------------------------------------
     if replicated:
         section, where, fp_tree = _section(loaded, mf.SHARED), ("objects",), _section(loaded, mf.SHARED).tree
+    elif reshard:  # sharded state saved by another number of ranks: all but the shards from old rank 0
+        section, where, fp_tree = _section(loaded, mf.rank_section(0)), ("state",), trees[0]
     else:
         section, where, fp_tree = _section(loaded, mf.rank_section(rank)), ("state",), mine
     saved_state = _encoded_at(section, where)
     fresh_state = check_names(state, saved_state, "state", allow_missing, allow_unexpected)
-    states = materialize_objects(section, where, {n: o for n, o in state.items() if n in saved_state})
+    sharded_names = sharded.names if sharded is not None else set()
+    _check_sharded_names(mine if not replicated else {}, sharded_names)
+    states = materialize_objects(
+        section, where, {n: o for n, o in state.items() if n in saved_state and n not in sharded_names}
+    )
     for name, obj in state.items():
         if name in states:
             check_layout(name, obj, states[name])
+    if sharded is not None:
+        for name in sorted(sharded_names & set(saved_state)):
+            # A module's shards are copied by load_state_dict: views; the optimizer keeps its own copies.
+            if reshard:
+                per_rank = []
+                for r in range(saved_world):
+                    sec = _section(loaded, mf.rank_section(r))
+                    held = _encoded_at(sec, where)
+                    if name not in held:
+                        raise CorruptCheckpointError(f"{name!r} is missing from section {mf.rank_section(r)}")
+                    per_rank.append(sharded.decode(held[name], sec.entries, sec.buf, copy=False))
+                saved = sharded.reshard(name, per_rank)
+            else:
+                saved = sharded.decode(
+                    saved_state[name], section.entries, section.buf, copy=not isinstance(state[name], torch.nn.Module)
+                )
+            sharded.check(name, saved)
+            states[name] = sharded.to_live(name, saved)
     # -- RNG --------------------------------------------------------------------------------------------
     rng = mine["rng"] if (same_world or rank < saved_world) else None
     if rng is not None:
@@ -139,18 +174,24 @@ def validate(
         data=data_states,
         rng=rng,
         fingerprints={
-            "state": {n: f for n, f in fps.items() if n in states},
+            # Resharded objects differ from what any one old rank held: checked by the load, not here.
+            "state": {n: f for n, f in fps.items() if n in states and not (reshard and n in sharded_names)},
             "data": {n: f for n, f in _fingerprints(mine, "objects").items() if n in data_states} if same_world else {},
         },
         fresh=fresh_state + fresh_data,
         elastic=not same_world,
+        sharded=sharded,
+        state_fns=sharded.state_fns() if sharded is not None else {},
     )
     return prep
 
 
 def apply(prep: Prepared, state: dict[str, Any], data: dict[str, Any], rank: int, world_size: int) -> dict:
     """Load a validated restore into the tracked objects. Returns this rank's data states by name."""
-    load_objects(state, prep.state)
+    sharded_names = prep.sharded.names if prep.sharded is not None else set()
+    load_objects({n: o for n, o in state.items() if n not in sharded_names}, prep.state)
+    if prep.sharded is not None:
+        prep.sharded.load({n: s for n, s in prep.state.items() if n in sharded_names})
     if not prep.elastic:
         load_objects(data, prep.data)
         data_states = dict(prep.data)
@@ -179,7 +220,8 @@ def verify(prep: Prepared, state: dict[str, Any], data: dict[str, Any]) -> list[
     verified = []
     for kind, objs in (("state", state), ("data", data)):
         for name, expected in prep.fingerprints.get(kind, {}).items():
-            got = _fp.object_fingerprint(objs[name].state_dict())
+            fn = prep.state_fns.get(name) if kind == "state" else None
+            got = _fp.object_fingerprint(fn() if fn is not None else objs[name].state_dict())
             if got != expected:
                 raise RestoreError(
                     f"tracked object {name!r} ({type(objs[name]).__name__}) was not restored: its state after "
@@ -261,6 +303,33 @@ def check_layout(name: str, obj: Any, saved: Any) -> None:
         ids = {p for g in groups for p in g["params"]}
         if not set(saved["state"]) <= ids:
             raise CorruptCheckpointError(f"optimizer {name!r}: state for parameters the groups do not list")
+
+
+def _saved_sharded(loaded: dict[str, mf.Section], sharded: _sharded.ShardedState | None) -> bool:
+    """The checkpoint holds sharded state (written with a sharded object) and this script has sharded
+    objects: it can be resharded to another number of ranks."""
+    sec = loaded.get(mf.rank_section(0))
+    saved = sec.tree.get(_sharded.KEY) if sec is not None and isinstance(sec.tree, dict) else None
+    return sharded is not None and isinstance(saved, dict) and bool(saved)
+
+
+def _check_sharded_names(rank_tree: Any, live: set[str]) -> None:
+    """The objects the checkpoint saved sharded are sharded in this script too (and the other way round)."""
+    saved = rank_tree.get(_sharded.KEY) if isinstance(rank_tree, dict) else None
+    saved_names = set(saved) if isinstance(saved, dict) else set()
+    held = rank_tree.get("state") if isinstance(rank_tree, dict) else None
+    was = sorted(saved_names - live)
+    now = sorted(n for n in live - saved_names if isinstance(held, dict) and n in held)
+    if was:
+        raise CheckpointMismatchError(
+            f"the checkpoint holds sharded (FSDP2/DTensor) state for {was}, which this script tracks unsharded: "
+            "loading sharded state into unsharded objects is not supported yet"
+        )
+    if now:
+        raise CheckpointMismatchError(
+            f"this script tracks {now} sharded (FSDP2/DTensor), the checkpoint holds their state unsharded: "
+            "loading unsharded state into sharded objects is not supported yet"
+        )
 
 
 def dry_run(obj: Any, method: str, *args) -> None:

@@ -69,6 +69,7 @@ from cf_ray._engine.driver.messages import CheckpointKind, SnapshotMeta
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.worker import fingerprint as _fp
+from cf_ray._engine.worker import sharded as _sharded
 from cf_ray._engine.worker.rng import rng_state
 from cf_ray._engine.worker.timing import Timing
 
@@ -538,6 +539,9 @@ class Phase1:
         timing: where the hand-off's timings go.
         resolve_holder: returns this node's holder, creating it when it is gone (``None``: the
             hand-off is not made again when the holder died).
+        sharded: the tracked objects whose state is sharded (FSDP2/DTensor, ``sharded.py``): their
+            state is taken with PyTorch's state-dict API and each rank saves its own shards, so the
+            snapshot is per-rank (``replicated`` is then false).
     """
 
     def __init__(
@@ -550,10 +554,12 @@ class Phase1:
         holder,
         timing: Timing,
         resolve_holder: Callable[[], Any] | None = None,
+        sharded: _sharded.ShardedState | None = None,
     ):
         self.rank = rank
         self.world_size = world_size
-        self.replicated = replicated
+        self.sharded = sharded
+        self.replicated = replicated and sharded is None
         self.state = state
         self.data = data
         self.holder = holder
@@ -616,9 +622,7 @@ class Phase1:
         if section not in sections:
             return {}
         late: list = [((key, n), self.state[n].state_dict) for n in self._late_names]
-        late += [
-            ((key, n, "param_groups"), lambda o=self.state[n]: o.state_dict()["param_groups"]) for n in self._optimizers
-        ]
+        late += [((key, n, "param_groups"), self._param_groups_fn(n)) for n in self._optimizers]
         return {section: late}
 
     def prepare_once(self, step: int, epoch: int) -> bool:
@@ -661,6 +665,17 @@ class Phase1:
         self._snap.release_buffers()
 
     # -- internals ------------------------------------------------------------------------------------
+    def _param_groups_fn(self, name: str) -> Callable[[], Any]:
+        """What returns an optimizer's ``param_groups`` now, as its snapshot holds them."""
+        if self.sharded is not None and name in self.sharded.names:
+            return lambda s=self.sharded: s.state_dict(name)["param_groups"]  # FQN-keyed, like the snapshot
+        return lambda o=self.state[name]: o.state_dict()["param_groups"]
+
+    def _state_dict(self, name: str, obj: Any) -> Any:
+        if self.sharded is not None and name in self.sharded.names:
+            return self.sharded.state_dict(name)
+        return obj.state_dict()
+
     def _sections(self, step: int, epoch: int) -> dict[str, Any]:
         """This rank's snapshot: section name -> state tree (references; copied by the snapshotter)."""
         rank_tree = {
@@ -671,7 +686,7 @@ class Phase1:
         }
         sections: dict[str, Any] = {}
         replicated = (
-            {name: obj.state_dict() for name, obj in self.state.items()}
+            {name: self._state_dict(name, obj) for name, obj in self.state.items()}
             if (self.rank == 0 or not self.replicated)
             else None
         )
@@ -680,6 +695,8 @@ class Phase1:
                 sections[mf.SHARED] = {"objects": replicated}
         else:
             rank_tree["state"] = replicated
+            if self.sharded is not None:
+                rank_tree[_sharded.KEY] = self.sharded.describe()
         sections[mf.rank_section(self.rank)] = rank_tree
         return sections
 
@@ -694,6 +711,8 @@ class Phase1:
                     ptrs.update(p.data_ptr() for p in group["params"])
                 for st in obj.state.values():
                     ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
+        if self.sharded is not None:
+            ptrs.update(self.sharded.guarded_ptrs())  # a DTensor's own data_ptr() is 0: its local shard's
         return ptrs
 
     def _hand_off(self, job: SnapshotJob, sections: dict[str, StagedSection]) -> None:

@@ -1,0 +1,365 @@
+"""A committed cf_ray checkpoint as a PyTorch Distributed Checkpoint (DCP) directory, for
+``torch.distributed.checkpoint.load`` (``cf-ray export RUN --to dcp``).
+
+Why the export writes data files and not only ``.metadata``: DCP's ``FileSystemReader`` reads every
+tensor item with ``torch.load`` on its byte range (``filesystem.py``, ``read_data``), so an item
+must be a ``torch.save`` stream; cf_ray's section data files are raw arenas (the bytes of each
+tensor back to back, 64-byte aligned), which ``torch.load`` cannot read. So each tensor (or local
+shard) is written once as ``torch.save`` into ``__<rank>_0.distcp`` (one file per saved rank, as
+DCP names them) and the ``.metadata`` DCP expects is written last (a pickled
+``torch.distributed.checkpoint.metadata.Metadata``: per key a ``TensorStorageMetadata`` with
+global size, dtype and chunks, or ``BytesStorageMetadata``; ``storage_data`` maps each
+``MetadataIndex(key, chunk offsets)`` to ``_StorageInfo(file, offset, length)``).
+
+Keys are DCP's: the tracked objects by name at the top (``{"model": ..., "optimizer": ...}``), and
+nested state flattened with dots the way DCP's default planner flattens a state dict (with
+``traverse_state_dict``), so ``dcp.load({"model": get_model_state_dict(m), "optimizer":
+get_optimizer_state_dict(m, opt)}, checkpoint_id=out)`` loads it at any number of ranks (DCP's
+planner reshards), and ``dcp_to_torch_save`` consolidates it.
+
+Without an export, :class:`CfRayReader` is a DCP ``StorageReader`` over the checkpoint itself:
+``dcp.load(state_dict, storage_reader=CfRayReader(storage, "checkpoints/step_N"))`` builds the
+same metadata from the sections' index files alone and reads each item's raw bytes straight from
+the section data files, and only the rows a rank needs when a read is a range of whole rows (FSDP2's
+``Shard(0)``): a load at another number of ranks reads the byte ranges that overlap its shards.
+The index files are verified against the manifest; the data files are checked for their size only
+(a CRC covers a whole file, and reading whole files is what the reader avoids).
+
+Sharded tensors (FSDP2) contribute one chunk per rank (the rank's shard, at its global offsets;
+empty shards and replicas at the same offsets are written once); whole tensors and other values
+are taken from the first section that has them (replicated checkpoints: the ``shared`` section).
+The export reads through :func:`manifest.load_section`, so every file is verified first.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from cf_ray._engine.format import codec as _codec
+from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.storage.base import Storage
+from cf_ray.errors import CfRayError, CorruptCheckpointError
+
+
+@dataclass(frozen=True, slots=True)
+class DcpExported:
+    """What :func:`export_dcp` wrote."""
+
+    path: str
+    """The DCP directory."""
+    step: int
+    keys: int
+    """Number of DCP keys (tensors and other values)."""
+    chunks: int
+    """Number of tensor chunks written."""
+    size_bytes: int
+    """Bytes of tensor data (before ``torch.save`` framing)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Shard:
+    local: torch.Tensor
+    shard: _codec.ShardInfo
+
+
+@dataclass(frozen=True, slots=True)
+class _Ref:
+    """Where one saved tensor's bytes lie: a section data file and its entry."""
+
+    file: str
+    entry: _codec.TensorEntry
+
+
+@dataclass(frozen=True, slots=True)
+class _Bytes:
+    """A non-tensor value, as the ``torch.save`` bytes DCP's planner loads."""
+
+    raw: bytes
+
+
+def _flatten(tree: dict) -> dict[str, tuple[tuple, Any]]:
+    """``{dcp key: (path, leaf)}`` as DCP's default planner flattens a state dict."""
+    from torch.distributed.checkpoint._traverse import traverse_state_dict
+
+    out: dict[str, tuple[tuple, Any]] = {}
+
+    def visit(path: tuple, value: Any) -> None:
+        key = ".".join(map(str, path))
+        if key in out:
+            raise CfRayError(f"two values flatten to the DCP key {key!r}")
+        out[key] = (path, value)
+
+    traverse_state_dict(tree, visit, keep_traversing=lambda v: isinstance(v, (torch.Tensor, _Shard, _Ref)))
+    return out
+
+
+def export_dcp(storage: Storage, directory: str, out_dir: str, *, objects: list[str] | None = None) -> DcpExported:
+    """Write the tracked objects of one committed checkpoint as a DCP checkpoint in ``out_dir``.
+
+    Args:
+        storage: the run's cf_ray root; directory: the checkpoint (``checkpoints/step_N``).
+        out_dir: a local directory (created; files in it with DCP's names are replaced).
+        objects: tracked object names to export (default: all).
+
+    Raises:
+        CorruptCheckpointError: a file fails verification, or the shards do not cover a tensor.
+        CfRayError: a final model (not a full checkpoint), or sections that disagree on a tensor.
+    """
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    manifest = mf.read_manifest(storage, directory)
+    if manifest.kind == "final":
+        raise CfRayError(f"{storage.uri(directory)} holds only the final model; --to dcp needs a full checkpoint")
+    if manifest.replicated:
+        sections, where = [mf.SHARED], "objects"
+    else:
+        sections, where = [mf.rank_section(r) for r in range(manifest.world_size)], "state"
+    os.makedirs(out_dir, exist_ok=True)
+    md: dict[str, Any] = {}
+    storage_data: dict[Any, Any] = {}
+    planner_data: dict[str, tuple] = {}
+    covered: dict[str, int] = {}
+    chunks = size = 0
+    wanted = None if objects is None else set(objects)
+    for r, name in enumerate(sections):
+        sec = mf.load_section(storage, directory, manifest, name)
+        tree = sec.tree.get(where) if isinstance(sec.tree, dict) else None
+        if not isinstance(tree, dict):
+            raise CorruptCheckpointError(f"section {name} of {storage.uri(directory)} has no {where!r}")
+        tree = {k: v for k, v in tree.items() if wanted is None or k in wanted}
+
+        def get(_i: int, e: _codec.TensorEntry, buf=sec.buf) -> Any:
+            t = _codec.view(buf, e, copy=False, readonly_ok=True)
+            return _Shard(t, e.shard) if e.shard is not None and isinstance(t, torch.Tensor) else t
+
+        state = {k: _codec.unflatten(v, get, sec.entries) for k, v in tree.items()}
+        file_name = f"__{r}_0.distcp"
+        with open(os.path.join(out_dir, file_name), "wb") as f:
+            for key, (path, value) in _flatten(state).items():
+                if isinstance(value, (_Shard, torch.Tensor)):
+                    if isinstance(value, _Shard):
+                        local, gshape, offsets = value.local, value.shard.global_shape, value.shard.offsets
+                    else:
+                        local, gshape, offsets = value, tuple(value.shape), (0,) * value.dim()
+                    have = md.setdefault(
+                        key,
+                        TensorStorageMetadata(TensorProperties(dtype=local.dtype), torch.Size(gshape), []),
+                    )
+                    if not isinstance(have, TensorStorageMetadata) or (
+                        tuple(have.size) != tuple(gshape) or have.properties.dtype != local.dtype
+                    ):
+                        raise CfRayError(f"{key}: the sections of {storage.uri(directory)} disagree on this tensor")
+                    planner_data[key] = path
+                    if any(tuple(c.offsets) == tuple(offsets) for c in have.chunks):
+                        continue  # a replica (or a whole tensor every rank holds): written once
+                    if local.numel() == 0 and math.prod(gshape) != 0:
+                        continue  # an empty shard (FSDP2 pads uneven dims)
+                    start = f.tell()
+                    torch.save(local.clone(), f)  # clone: a view would save its whole buffer
+                    have.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(local.shape)))
+                    storage_data[MetadataIndex(key, offsets)] = _StorageInfo(file_name, start, f.tell() - start)
+                    covered[key] = covered.get(key, 0) + local.numel()
+                    chunks += 1
+                    size += local.numel() * local.element_size()
+                elif key not in md:
+                    md[key] = BytesStorageMetadata()
+                    planner_data[key] = path
+                    buf = io.BytesIO()
+                    torch.save(value, buf)
+                    start = f.tell()
+                    f.write(buf.getbuffer())
+                    storage_data[MetadataIndex(key)] = _StorageInfo(file_name, start, f.tell() - start)
+                elif not isinstance(md[key], BytesStorageMetadata):
+                    raise CfRayError(f"{key}: the sections of {storage.uri(directory)} disagree on this value")
+            f.flush()
+            os.fsync(f.fileno())
+    for key, m in md.items():
+        if isinstance(m, TensorStorageMetadata) and covered.get(key, 0) != math.prod(m.size):
+            raise CorruptCheckpointError(
+                f"{key}: the saved shards cover {covered.get(key, 0)} of its {math.prod(m.size)} elements"
+            )
+    metadata = Metadata(
+        state_dict_metadata=md,
+        planner_data=planner_data,
+        storage_data=storage_data,
+        storage_meta=StorageMeta(checkpoint_id=out_dir),
+        version=CURRENT_DCP_VERSION,
+    )
+    tmp = os.path.join(out_dir, ".metadata.tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(metadata, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(out_dir, ".metadata"))
+    return DcpExported(path=out_dir, step=manifest.step, keys=len(md), chunks=chunks, size_bytes=size)
+
+
+def _sections_of(manifest: mf.Manifest) -> tuple[list[str], str]:
+    if manifest.kind == "final":
+        raise CfRayError("a final model holds only weights; DCP needs a full checkpoint")
+    if manifest.replicated:
+        return [mf.SHARED], "objects"
+    return [mf.rank_section(r) for r in range(manifest.world_size)], "state"
+
+
+class CfRayReader(StorageReader):
+    """A ``torch.distributed.checkpoint`` storage reader over a committed cf_ray checkpoint (module doc).
+
+    Args:
+        storage: the run's cf_ray root (``cf_ray.load.open_run``); directory: ``checkpoints/step_N``.
+        objects: tracked object names to offer (default: all).
+    """
+
+    def __init__(self, storage: Any, directory: str, *, objects: list[str] | None = None):
+        super().__init__()
+        self.storage = storage
+        self.directory = directory
+        self.objects = objects
+        self.storage_data: dict[Any, Any] = {}
+        self._manifest: mf.Manifest | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:  # noqa: ARG002 - DCP's interface
+        self.storage_data = {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:  # noqa: ARG003
+        return False  # never chosen by a bare checkpoint_id: pass storage_reader=CfRayReader(...)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ARG002 - DCP's interface
+        from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata,
+            ChunkStorageMetadata,
+            Metadata,
+            MetadataIndex,
+            StorageMeta,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
+
+        manifest = self._manifest = mf.read_manifest(self.storage, self.directory)
+        sections, where = _sections_of(manifest)
+        md: dict[str, Any] = {}
+        storage_data: dict[Any, Any] = {}
+        planner_data: dict[str, tuple] = {}
+        covered: dict[str, int] = {}
+        for name in sections:
+            files = manifest.sections[name]
+            index = mf.read_verified(self.storage, self.directory, manifest, files["index"])
+            tree, entries = mf.parse_index(index, self.storage.uri(f"{self.directory}/{files['index']}"))
+            held = tree.get(where) if isinstance(tree, dict) else None
+            if not isinstance(held, dict):
+                raise CorruptCheckpointError(f"section {name} of {self.storage.uri(self.directory)} has no {where!r}")
+            held = {k: v for k, v in held.items() if self.objects is None or k in self.objects}
+            state = {
+                k: _codec.unflatten(v, lambda _i, e, f=files["data"]: _Ref(f, e), entries) for k, v in held.items()
+            }
+            for key, (path, value) in _flatten(state).items():
+                planner_data[key] = path
+                if not isinstance(value, _Ref):
+                    if key not in md:
+                        buf = io.BytesIO()
+                        torch.save(value, buf)
+                        md[key] = BytesStorageMetadata()
+                        storage_data[MetadataIndex(key)] = _Bytes(buf.getvalue())
+                    continue
+                e = value.entry
+                if e.kind != "torch":
+                    raise CfRayError(f"{key}: numpy arrays are not offered to DCP")
+                dtype = _codec.torch_dtype(e.dtype)
+                gshape, offsets = (e.shard.global_shape, e.shard.offsets) if e.shard else (e.shape, (0,) * len(e.shape))
+                have = md.setdefault(key, TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(gshape), []))
+                if not isinstance(have, TensorStorageMetadata) or tuple(have.size) != tuple(gshape):
+                    raise CfRayError(f"{key}: the sections of {self.storage.uri(self.directory)} disagree on it")
+                if any(tuple(c.offsets) == tuple(offsets) for c in have.chunks):
+                    continue
+                if math.prod(e.shape) == 0 and math.prod(gshape) != 0:
+                    continue
+                have.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(e.shape)))
+                storage_data[MetadataIndex(key, offsets)] = value
+                covered[key] = covered.get(key, 0) + math.prod(e.shape)
+        for key, m in md.items():
+            if isinstance(m, TensorStorageMetadata) and covered.get(key, 0) != math.prod(m.size):
+                raise CorruptCheckpointError(f"{key}: the saved shards cover {covered.get(key, 0)} of its elements")
+        return Metadata(
+            state_dict_metadata=md,
+            planner_data=planner_data,
+            storage_data=storage_data,
+            storage_meta=StorageMeta(checkpoint_id=self.storage.uri(self.directory)),
+        )
+
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:  # noqa: ARG002
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return plans
+
+    def read_data(self, plan: Any, planner: Any) -> Future[None]:
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+
+        per_file: dict[str, list[Any]] = {}
+        for req in plan.items:
+            info = self.storage_data[req.storage_index]
+            if isinstance(info, _Bytes):
+                planner.load_bytes(req, io.BytesIO(info.raw))
+            else:
+                per_file.setdefault(info.file, []).append(req)
+        manifest = self._manifest or mf.read_manifest(self.storage, self.directory)
+        for file, reqs in per_file.items():
+            size = manifest.files[file].size
+            with self.storage.fs.open_input_file(self.storage.fs_path(f"{self.directory}/{file}")) as f:
+                if f.size() != size:
+                    raise CorruptCheckpointError(
+                        f"{self.storage.uri(self.directory)}/{file} has {f.size()} bytes, the manifest says {size}"
+                    )
+                for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].entry.offset):
+                    e = self.storage_data[req.storage_index].entry
+                    offs, lens = list(req.storage_offsets), list(req.lengths)
+                    esize = torch.empty((), dtype=_codec.torch_dtype(e.dtype)).element_size()
+                    if e.shape and offs[1:] == [0] * (len(offs) - 1) and lens[1:] == list(e.shape[1:]):
+                        row = math.prod(e.shape[1:]) * esize  # whole rows: read only those
+                        t = _read(f, e.offset + offs[0] * row, lens[0] * row, e.dtype).reshape(lens)
+                    else:
+                        t = _read(f, e.offset, e.nbytes, e.dtype).reshape(e.shape)
+                        t = narrow_tensor_by_index(t, req.storage_offsets, req.lengths)
+                    target = planner.resolve_tensor(req).detach()
+                    if target.size() != t.size():
+                        raise CorruptCheckpointError(
+                            f"{req.storage_index.fqn}: read {tuple(t.shape)}, wanted {tuple(target.shape)}"
+                        )
+                    target.copy_(t)
+                    planner.commit_tensor(req, target)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+
+def _read(f: Any, offset: int, nbytes: int, dtype: str) -> torch.Tensor:
+    raw = np.frombuffer(f.read_at(nbytes, offset), dtype=np.uint8).copy() if nbytes else np.empty(0, np.uint8)
+    if raw.nbytes != nbytes:
+        raise CorruptCheckpointError(f"short read: {raw.nbytes} of {nbytes} bytes at {offset}")
+    return torch.from_numpy(raw).view(_codec.torch_dtype(dtype))
+
+
+__all__ = ["CfRayReader", "DcpExported", "export_dcp"]

@@ -1,0 +1,516 @@
+"""Sharded state (#13): FSDP2 (``fully_shard``) model + Adam on 2 CPU processes (gloo).
+
+The fast tests run cf_ray's real worker code without Ray in two processes started with
+``torch.multiprocessing.spawn``: Phase1 takes the snapshot (local shards only, global shape and
+offsets in the index), the section is persisted with ``manifest.write_section`` and committed, and
+``restore_checks.validate/apply/verify`` restore it from memory (a read-only arena, as the holder
+hands it) and from storage, bitwise, into the same and into fresh objects; a checkpoint of another
+model is refused before anything is loaded; ``cf-ray export RUN --to dcp`` output loads with
+``torch.distributed.checkpoint.load`` and equals cf_ray's own restore; the 2-rank checkpoint loads
+into 1 rank (whole tensors, assembled from both ranks' shards), is saved again by that rank, and
+loads back into 2 ranks bitwise equal to the original shards. One spawn runs every
+scenario (the imports cost most of its time); each test reads its scenario's outcome.
+
+The ``slow`` test is a real TorchTrainer run with a worker SIGKILLed mid-run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import socket
+import time
+import traceback
+import warnings
+
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+from cf_ray._engine.driver.messages import CheckpointKind
+from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.storage.fs import FsStorage
+
+WORLD = 2
+SNAP_STEP = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _build(mesh, *, seed=0, hidden=7, extra=False):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(5, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1)]
+    if extra:
+        layers += [torch.nn.ReLU(), torch.nn.Linear(1, 1)]
+    model = torch.nn.Sequential(*layers)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _train(model, opt, steps, rank, guard=None):
+    for step in steps:
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(4, 5, generator=g), torch.randn(4, 1, generator=g)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if guard is not None:
+            guard()
+        opt.step()
+        opt.zero_grad()
+
+
+def _local(v):
+    """Model and optimizer state as this rank holds it: DTensors as their local shards (copies)."""
+    from cf_ray._engine.format.codec import is_dtensor
+
+    if isinstance(v, torch.Tensor):
+        return (v.to_local() if is_dtensor(v) else v).detach().clone()
+    if isinstance(v, dict):
+        return {k: _local(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_local(x) for x in v]
+    return v
+
+
+def _state(model, opt):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return _local({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)})
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _worker(rank: int, port: int, root: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cf_ray._engine.format.dcp import CfRayReader, export_dcp
+    from cf_ray._engine.worker import restore_checks
+    from cf_ray._engine.worker.sharded import ShardedState
+    from cf_ray._engine.worker.snapshot import Phase1
+    from cf_ray._engine.worker.timing import Timing
+    from cf_ray.errors import CheckpointMismatchError
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (WORLD,))
+    results: dict[str, str] = {}
+
+    @contextlib.contextmanager
+    def scenario(name):
+        try:
+            yield
+            results[name] = "ok"
+        except BaseException:
+            results[name] = traceback.format_exc()
+            raise
+        finally:
+            with open(os.path.join(root, f"results_rank{rank}.json"), "w") as f:
+                json.dump(results, f)
+
+    section = mf.rank_section(rank)
+    storage = FsStorage(pafs.LocalFileSystem(), os.path.join(root, "run"))
+    directory = mf.step_dir(SNAP_STEP)
+
+    def restore(loaded, model, opt, saved_world=WORLD, world_size=WORLD):
+        state = {"model": model, "optimizer": opt}
+        sharded = ShardedState.of(state)
+        prep = restore_checks.validate(
+            loaded,
+            saved_world=saved_world,
+            replicated=False,
+            rank=rank,
+            world_size=world_size,
+            state=state,
+            data={},
+            sharded=sharded,
+        )
+        restore_checks.apply(prep, state, {}, rank, world_size)
+        return restore_checks.verify(prep, state, {})
+
+    with scenario("snapshot"):
+        model, opt = _build(mesh)
+        state = {"model": model, "optimizer": opt}
+        sharded = ShardedState.of(state)
+        assert sharded is not None and sharded.describe() == {
+            "model": {"kind": "module"},
+            "optimizer": {"kind": "optimizer", "module": "model"},
+        }
+        # Taking the state of an optimizer without state does not create it (DCP would, with a step).
+        assert sharded.state_dict("optimizer")["state"] == {} and not opt.state
+        p = Phase1(rank, WORLD, True, state, {}, holder=None, timing=Timing(), sharded=sharded)
+        assert not p.replicated  # sharded state: per-rank sections whatever the config says
+        staged = {}
+        p._snap._hand_off = lambda job, secs: staged.update(
+            {job.step: {n: (s.arena.copy(), s.index) for n, s in secs.items()}}
+        )
+        _train(model, opt, range(1, SNAP_STEP + 1), rank, guard=p.wait_copy)
+        p.take(SNAP_STEP, 0, CheckpointKind.SCHEDULED, milestone=False, interval=None, notice={})
+        p.capture_late()
+        assert p.wait_done(30) and not p.take_errors()
+        ref3 = _state(model, opt)
+        full3 = {k: v.full_tensor().clone() for k, v in get_model_state_dict(model).items()}
+        full_opt3 = {
+            fqn: {k: (v.full_tensor() if k != "step" else v).clone() for k, v in st.items()}
+            for fqn, st in get_optimizer_state_dict(model, opt)["state"].items()
+        }
+        assert list(staged[SNAP_STEP]) == [section]  # this rank's section only, no shared one
+        arena, index = staged[SNAP_STEP][section]
+        tree, entries = mf.parse_index(index, section)
+        assert tree["sharded"] == sharded.describe()
+        live = get_model_state_dict(model)
+        by_name = {e.name: e for e in entries}
+        for k, t in live.items():
+            e = by_name[f"state.model.{k}"]
+            chunk = t.__create_chunk_list__()[0]
+            assert e.shard is not None and e.shard.global_shape == tuple(t.shape) and e.shard.owner == rank
+            assert e.shard.offsets == tuple(chunk.offsets) and e.shape == tuple(t.to_local().shape)
+            assert e.nbytes == t.to_local().numel() * t.element_size()  # sized by the local shard
+        st = by_name["state.optimizer.state.0.weight.exp_avg"]
+        assert st.shard is not None and st.shard.global_shape == (7, 5)
+        assert by_name["state.optimizer.state.0.weight.step"].shard is None  # a plain scalar on each rank
+        # Parameters and optimizer state are copied in the background (the guard), not at the step.
+        guarded = p._guarded_ptrs()
+        shards = [t.to_local() for t in model.parameters()] + [
+            v.to_local() for s in opt.state.values() for k, v in s.items() if k != "step"
+        ]
+        assert all(t.data_ptr() in guarded for t in shards if t.numel())
+        files = mf.write_section(storage, directory, 1, section, arena, index)
+        gathered: list = [None] * WORLD
+        dist.all_gather_object(gathered, files)
+        if rank == 0:
+            names = {
+                mf.rank_section(r): dict(zip(("data", "index"), mf.section_files(1, mf.rank_section(r))))
+                for r in range(WORLD)
+            }
+            merged = {k: v for d in gathered for k, v in d.items()}
+            manifest = mf.Manifest(
+                step=SNAP_STEP, epoch=0, world_size=WORLD, generation=1, replicated=False, sections=names, files=merged
+            )
+            mf.commit(storage, directory, manifest)
+        dist.barrier()
+        _train(model, opt, (4, 5), rank)
+        ref5 = _state(model, opt)
+        assert not _same(ref5, ref3)
+
+    with scenario("restore_memory"):
+        ro = arena.copy()
+        ro.flags.writeable = False  # an object-store buffer is read-only
+        verified = restore({section: mf.Section(tree, entries, ro)}, model, opt)
+        assert verified == ["model", "optimizer"]
+        assert _same(_state(model, opt), ref3)
+        _train(model, opt, (4, 5), rank)
+        assert _same(_state(model, opt), ref5)  # continues bitwise
+
+    with scenario("restore_storage"):
+        manifest = mf.read_manifest(storage, directory)
+        assert not manifest.replicated
+        loaded = {section: mf.load_section(storage, directory, manifest, section)}
+        restore(loaded, model, opt)
+        assert _same(_state(model, opt), ref3)
+        _train(model, opt, (4, 5), rank)
+        assert _same(_state(model, opt), ref5)
+        fresh_model, fresh_opt = _build(mesh, seed=1)  # other weights, an optimizer without state
+        restore(loaded, fresh_model, fresh_opt)
+        assert _same(_state(fresh_model, fresh_opt), ref3)
+        _train(fresh_model, fresh_opt, (4, 5), rank)
+        assert _same(_state(fresh_model, fresh_opt), ref5)
+
+    with scenario("bad_input"):
+        for kwargs, match in (
+            ({"hidden": 8}, r"0\.weight is \(8, 5\).*\(7, 5\)"),
+            ({"extra": True}, r"lacks keys \['4\.weight'"),
+        ):
+            other, other_opt = _build(mesh, seed=3, **kwargs)
+            before = _local(get_model_state_dict(other))
+            try:
+                restore(loaded, other, other_opt)
+            except CheckpointMismatchError as e:
+                import re
+
+                assert re.search(match, str(e)), str(e)
+            else:
+                raise AssertionError("a checkpoint of another model was loaded")
+            assert _same(_local(get_model_state_dict(other)), before)  # nothing was touched
+            assert not other_opt.state
+
+    with scenario("dcp_load"):
+        out = os.path.join(root, "dcp")
+        if rank == 0:
+            from cf_ray import cli
+
+            assert cli.main(["export", storage.root, "--step", str(SNAP_STEP), "--to", "dcp", out]) == 0
+            assert export_dcp(storage, directory, os.path.join(root, "dcp2")).chunks > 0
+        dist.barrier()
+        m5, o5 = _build(mesh, seed=2)
+        sd = {"model": get_model_state_dict(m5), "optimizer": get_optimizer_state_dict(m5, o5)}
+        dcp.load(sd, checkpoint_id=out)
+        set_model_state_dict(m5, sd["model"])
+        set_optimizer_state_dict(m5, o5, sd["optimizer"])
+        restore(loaded, model, opt)  # cf_ray's own load of the same checkpoint
+        assert _same(_state(m5, o5), _state(model, opt)) and _same(_state(m5, o5), ref3)
+        # Without an export: DCP reads the checkpoint's own files through cf_ray's storage reader.
+        m6, o6 = _build(mesh, seed=6)
+        sd = {"model": get_model_state_dict(m6), "optimizer": get_optimizer_state_dict(m6, o6)}
+        dcp.load(sd, storage_reader=CfRayReader(storage, directory))
+        set_model_state_dict(m6, sd["model"])
+        set_optimizer_state_dict(m6, o6, sd["optimizer"])
+        assert _same(_state(m6, o6), ref3)
+        if rank == 0:  # one process, whole tensors: DCP's planner assembles them from both ranks' chunks
+            from cf_ray._export import dcp_reader
+
+            for reader in (None, dcp_reader(storage.root, step=SNAP_STEP, objects=["model"])):
+                plain = {"model": {k: torch.zeros_like(v) for k, v in full3.items()}}
+                dcp.load(plain, checkpoint_id=None if reader else out, storage_reader=reader, no_dist=True)
+                assert _same(plain["model"], full3)
+        dist.barrier()
+
+    with scenario("reshard"):  # 2 -> 1 -> 2 ranks
+        from torch.distributed.device_mesh import DeviceMesh
+
+        solo = [dist.new_group([r]) for r in range(WORLD)]  # every rank creates every group
+        run1 = FsStorage(pafs.LocalFileSystem(), os.path.join(root, "run1"))
+        if rank == 0:
+            mesh1 = DeviceMesh.from_group(solo[0], "cpu")
+            m1, o1 = _build(mesh1, seed=4)
+            every = {
+                mf.rank_section(r): mf.load_section(storage, directory, manifest, mf.rank_section(r))
+                for r in range(WORLD)
+            }
+            assert restore(every, m1, o1, saved_world=WORLD, world_size=1) == []  # resharded: no fingerprint applies
+            got = _state(m1, o1)
+            assert _same(got["model"], full3)  # one rank: the whole tensors, assembled from both old ranks
+            assert _same(got["optimizer"]["state"], full_opt3)
+            # The same 2 -> 1 through DCP's planner and cf_ray's reader (byte ranges of the sections)
+            m1b, o1b = _build(mesh1, seed=7)
+            sd = {"model": get_model_state_dict(m1b), "optimizer": get_optimizer_state_dict(m1b, o1b)}
+            dcp.load(sd, storage_reader=CfRayReader(storage, directory), no_dist=True)
+            set_model_state_dict(m1b, sd["model"])
+            set_optimizer_state_dict(m1b, o1b, sd["optimizer"])
+            assert _same(_state(m1b, o1b), got)
+            # ... and saved again by that one rank, as a 1-rank checkpoint
+            p1 = Phase1(
+                0,
+                1,
+                False,
+                {"model": m1, "optimizer": o1},
+                {},
+                None,
+                Timing(),
+                sharded=ShardedState.of({"model": m1, "optimizer": o1}),
+            )
+            one = {}
+            p1._snap._hand_off = lambda job, secs: one.update({n: (s.arena.copy(), s.index) for n, s in secs.items()})
+            p1.take(SNAP_STEP, 0, CheckpointKind.SCHEDULED, milestone=False, interval=None, notice={})
+            p1.capture_late()
+            assert p1.wait_done(30) and not p1.take_errors()
+            p1.close()
+            sec0 = mf.rank_section(0)
+            files = mf.write_section(run1, directory, 1, sec0, *one[sec0])
+            names = {sec0: dict(zip(("data", "index"), mf.section_files(1, sec0)))}
+            m = mf.Manifest(
+                step=SNAP_STEP, epoch=0, world_size=1, generation=1, replicated=False, sections=names, files=files
+            )
+            mf.commit(run1, directory, m)
+        dist.barrier()
+        m2, o2 = _build(mesh, seed=5)
+        manifest1 = mf.read_manifest(run1, directory)
+        restore(
+            {mf.rank_section(0): mf.load_section(run1, directory, manifest1, mf.rank_section(0))}, m2, o2, saved_world=1
+        )
+        assert _same(_state(m2, o2), ref3)  # back on 2 ranks: the original shards, bitwise
+        _train(m2, o2, (4, 5), rank)
+        assert _same(_state(m2, o2), ref5)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    root = str(tmp_path_factory.mktemp("fsdp2"))
+    error = None
+    try:
+        mp.spawn(_worker, args=(_free_port(), root), nprocs=WORLD, join=True)
+    except Exception as e:  # noqa: BLE001 - each test reports its own scenario
+        error = e
+    results = {}
+    for rank in range(WORLD):
+        path = os.path.join(root, f"results_rank{rank}.json")
+        results[rank] = json.load(open(path)) if os.path.exists(path) else {}
+    return results, error
+
+
+@pytest.mark.parametrize("name", ["snapshot", "restore_memory", "restore_storage", "bad_input", "dcp_load", "reshard"])
+def test_fsdp2_scenario(spawned, name):
+    results, error = spawned
+    for rank in range(WORLD):
+        got = results[rank].get(name)
+        assert got == "ok", f"rank {rank}: {got or f'not reached ({error!r})'}"
+
+
+def test_export_dcp_of_a_replicated_checkpoint_loads_with_dcp(tmp_path, capsys):
+    """``cf-ray export RUN --to dcp`` of a replicated (DDP) checkpoint: whole tensors, one chunk each."""
+    import torch.distributed.checkpoint as dcp
+
+    from cf_ray import cli
+
+    from storage_helpers import arena_of
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        return model, opt
+
+    model, opt = build(0)
+    storage = FsStorage(pafs.LocalFileSystem(), str(tmp_path / "run"))
+    directory, files, sections = mf.step_dir(7), {}, {}
+    trees = {
+        mf.SHARED: {"objects": {"model": model.state_dict(), "optimizer": opt.state_dict()}},
+        mf.rank_section(0): {"objects": {}, "counters": {"step": 7, "epoch": 0}},
+    }
+    for sec, tree in trees.items():
+        arena, index = arena_of(tree)
+        files.update(mf.write_section(storage, directory, 1, sec, arena, index))
+        sections[sec] = dict(zip(("data", "index"), mf.section_files(1, sec)))
+    manifest = mf.Manifest(step=7, epoch=0, world_size=1, generation=1, replicated=True, sections=sections, files=files)
+    mf.commit(storage, directory, manifest)
+    assert cli.main(["export", storage.root, "--to", "dcp", str(tmp_path / "dcp")]) == 0
+    assert "torch.distributed.checkpoint directory" in capsys.readouterr().out
+    fresh, fresh_opt = build(1)
+    sd = {"model": fresh.state_dict(), "optimizer": fresh_opt.state_dict()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
+        dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    fresh.load_state_dict(sd["model"])
+    fresh_opt.load_state_dict(sd["optimizer"])
+    assert _same(_local(fresh.state_dict()), _local(model.state_dict()))
+    assert _same(_local(fresh_opt.state_dict()), _local(opt.state_dict()))
+
+
+def test_a_shard_entry_round_trips_and_a_plain_entry_is_unchanged():
+    from cf_ray._engine.format.codec import ShardInfo, TensorEntry
+
+    plain = TensorEntry("w", "float32", (3, 5), 0, 60, "torch")
+    assert set(plain.to_json()) == {"name", "dtype", "shape", "offset", "nbytes", "kind"}  # the format of old
+    shard = TensorEntry("w", "float32", (3, 5), 64, 60, "torch", ShardInfo((7, 5), (4, 0), "(Shard(dim=0),)", 1))
+    assert TensorEntry.from_json(shard.to_json()) == shard
+    empty = TensorEntry("b", "float32", (0,), 128, 0, "torch", ShardInfo((1,), (1,)))  # FSDP2's empty shard
+    assert TensorEntry.from_json(empty.to_json()) == empty
+    bad = dict(shard.to_json(), global_offsets=[5, 0])  # rows 5..7 of a 7-row tensor
+    with pytest.raises(ValueError, match="does not fit"):
+        TensorEntry.from_json(bad)
+
+
+# -- a real TorchTrainer: FSDP2 + Adam on 2 workers, rank 1 SIGKILLed mid-run -------------------------------
+
+E2E_STEPS = 8
+E2E_KILL_AT = 5  # after the snapshot of step 4 is in the holder: the restart restores it from memory
+
+
+def _fsdp_loop(cfg: dict) -> None:
+    import signal
+
+    import ray.train
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import cf_ray
+
+    torch.set_num_threads(1)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = _build(mesh)
+    ckpt = cf_ray.Checkpointer(
+        {"model": model, "optimizer": opt},
+        config=cf_ray.CheckpointConfig(policy=cf_ray.FixedInterval(every=2), preemption=False),
+    )
+    resume = ckpt.restore()
+    out = cfg["out"]
+    with open(os.path.join(out, f"resume_rank{rank}_gen{resume.generation}.json"), "w") as f:
+        json.dump({"source": resume.source, "step": resume.step, "time": time.time()}, f)
+    for step in range(resume.step + 1, E2E_STEPS + 1):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(4, 5, generator=g), torch.randn(4, 1, generator=g)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        ckpt.step(opt)
+        opt.zero_grad()
+        if rank == 1 and step == E2E_KILL_AT and not os.path.exists(os.path.join(out, "killed")):
+            ckpt.wait_snapshot()
+            open(os.path.join(out, "killed"), "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+    t_finish = time.time()
+    summary = ckpt.finish()
+    # The uninterrupted run, without cf_ray, in the same worker group: fresh objects, every step.
+    ref_model, ref_opt = _build(mesh)
+    _train(ref_model, ref_opt, range(1, E2E_STEPS + 1), rank)
+    with open(os.path.join(out, f"final_rank{rank}.json"), "w") as f:
+        json.dump(
+            {
+                "equal": _same(_state(model, opt), _state(ref_model, ref_opt)),
+                "committed": summary.committed_steps,
+                "failures": summary.failures,
+                "final_path": summary.final_path,
+                "times": [t_finish, time.time()],
+            },
+            f,
+            default=str,
+        )
+
+
+@pytest.mark.slow
+def test_fsdp2_worker_sigkilled_resumes_from_memory_bitwise(ray_cluster, tmp_path):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    out = tmp_path / "out"
+    out.mkdir()
+    TorchTrainer(
+        _fsdp_loop,
+        train_loop_config={"out": str(out)},
+        scaling_config=ScalingConfig(num_workers=WORLD),
+        run_config=RunConfig(
+            name="fsdp2_kill", storage_path=str(tmp_path / "storage"), failure_config=FailureConfig(max_failures=2)
+        ),
+    ).fit()
+    assert (out / "killed").exists()
+    for rank in range(WORLD):
+        resumes = [json.load(open(out / f"resume_rank{rank}_gen{g}.json")) for g in (1, 2)]
+        resumes = [{k: r[k] for k in ("source", "step")} for r in resumes]
+        assert resumes == [{"source": "fresh", "step": 0}, {"source": "memory", "step": 4}], resumes
+        final = json.load(open(out / f"final_rank{rank}.json"))
+        assert final["equal"], f"rank {rank}: the final sharded state differs from the uninterrupted run's"
+        assert not final["failures"] and final["committed"][-1] == E2E_STEPS and final["final_path"] is None
+    storage = FsStorage(pafs.LocalFileSystem(), str(tmp_path / "storage" / "fsdp2_kill" / "cf_ray"))
+    newest = mf.read_manifest(storage, mf.step_dir(E2E_STEPS))
+    assert not newest.replicated and set(newest.sections) == {mf.rank_section(r) for r in range(WORLD)}
