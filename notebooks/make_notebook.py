@@ -204,20 +204,27 @@ attempt resumes from the newest checkpoint the interrupted one left, in memory (
 cf_ray controller lingers, `CF_RAY_CONTROLLER_LINGER_S`, 120 s by default) or on storage. Its
 step is in the `attempts` table below.
 
-Here a thread presses the button for you, once a checkpoint past step 40 has committed (it sends
-SIGINT to this process, as Jupyter's interrupt does), and the cell after it is the same cell, run
-again.""",
+Here a thread presses the button for you once the run is past step 100 and has committed a
+checkpoint (it sends SIGINT to this process, as Jupyter's interrupt does), and the cell after it is
+the same cell, run again. Ray Train's graceful abort is not instant (with `include_dashboard=False`
+it waits up to ~12 s for its placement-group cleaner to stop), and the workers train on meanwhile:
+a job as short as this one may finish its 400 steps first, and then resumes at its last step.""",
     ),
     (
         "code",
-        """def interrupt_after_commit(name, step):  # for this notebook: what the interrupt button does
+        """def interrupt_past(name, step):  # for this notebook: what the interrupt button does
     run = cf_ray.Run(storage_path, name)
-    while not [c for c in run.checkpoints() if c.step >= step]:
+    while True:
+        try:
+            if run.checkpoints() and run.iterations()["step"].max() >= step:
+                break
+        except (FileNotFoundError, cf_ray.RunUnavailableError):  # the run has not started yet
+            pass
         time.sleep(0.2)
     os.kill(os.getpid(), signal.SIGINT)
 
 
-threading.Thread(target=interrupt_after_commit, args=("budget1", 40), daemon=True).start()
+threading.Thread(target=interrupt_past, args=("budget1", 100), daemon=True).start()
 try:
     fit("budget1", budget_pct=1.0)
 except (KeyboardInterrupt, SystemExit, ray.exceptions.RayActorError) as e:  # without the try: shown as an error
@@ -232,7 +239,7 @@ attempts("budget1")""",
         "code",
         """a = attempts("budget1")
 print("attempts:", len(a))
-print("the second resumed where the interrupted one left off:", a["step"].iloc[1] >= 40)
+print("the second resumed from a checkpoint the interrupted one took:", a["step"].iloc[1] >= 5)
 print("it ran to the end:", result.error is None)""",
         DETERMINISTIC,
     ),
@@ -240,10 +247,72 @@ print("it ran to the end:", result.error is None)""",
         "md",
         """## 5. The effect of the budget
 
-A tighter budget means a longer interval: fewer checkpoints, each costing about the same, until
-the measured overhead fits. Both runs start at an interval of 5 steps, before anything is measured;
-the mean interval once tuned counts the steps between scheduled checkpoints from the policy's first
-decision on.""",
+A tighter budget means a longer interval: fewer checkpoints, each costing about the same, so that
+their cost fits in the budget. Two runs are a noisy way to see it on a shared machine (each
+measures its own costs; here one had a failure and the other an interruption), so the costs are
+held fixed instead: the profile the first run's policy kept with the run (`Adaptive.state_dict()`,
+saved as `cf_ray/policy_state.json` under the run's directory: seconds per iteration, the training
+time one checkpoint costs, its background copy and persist) is loaded into a fresh `Adaptive` at
+each budget, as a restarted run loads it, and `explain()` says what the policy decides from it: the
+interval, the rule that set it (`budget`, or `persist_in_flight`: never a checkpoint before the
+previous one has persisted), the overhead it predicts, and the training time between two
+checkpoints, which is also the most a failure can lose.""",
+    ),
+    (
+        "code",
+        """with open(os.path.join(storage_path, "budget5", "cf_ray", "policy_state.json")) as f:
+    measured = json.load(f)  # what the first run measured: its policy's state_dict()
+print(f"measured: {1000 * measured['iter_s']:.1f} ms per iteration; a checkpoint costs "
+      f"{1000 * measured['cost_s']:.1f} ms of training time and {1000 * measured['background_s']:.0f} ms in the background")
+
+
+def decide(budget_pct):
+    policy = cf_ray.Adaptive(budget_pct=budget_pct)
+    policy.load_state_dict(measured)
+    policy.plan([], None)  # no new samples: decide from the loaded profile
+    return policy.explain()
+
+
+decisions = {budget: decide(budget) for budget in (5.0, 2.0, 1.0)}
+i5, i2, i1 = (decisions[b]["interval"] for b in (5.0, 2.0, 1.0))
+print(f"a 1 % budget makes the policy choose a longer interval than a 5 % one: {i1 > i5} ({i1} vs {i5} steps)")
+pd.DataFrame.from_dict(
+    {f"budget {b:g} %": {"interval": d["interval"], "set by": d["binding"],
+                         "predicted overhead %": round(d["predicted_overhead_pct"], 2),
+                         "training time between checkpoints (s)": round(d["lost_work_s"], 2)}
+     for b, d in decisions.items()},
+    orient="index")""",
+        # Not compared with the committed output: the numbers are this run's measurements, and so is the
+        # comparison, which is False if the persist time sets the interval even at 1 %: when a checkpoint
+        # costs the training thread under ~1 % of its copy and persist time (5 % to 200 % in the runs on a
+        # shared 2-core machine while this was written; persist time is disk time).
+    ),
+    (
+        "md",
+        """Whatever was measured, the decisions above follow the rules of `cf_ray.Adaptive` (its
+`headroom`, 10 %, keeps the predicted overhead clear of the budget). These lines are the same on
+every run of this notebook; the numbers above are not.""",
+    ),
+    (
+        "code",
+        """def overhead_pct(d, k):  # what one checkpoint every k steps costs, in % of training time
+    return 100 * d["cost_s"] / (k * d["iter_s"])
+
+
+aim = {b: b * (1 - cf_ray.Adaptive().headroom) for b in decisions}  # the budget less the headroom
+print("a tighter budget never gives a shorter interval (5 % -> 2 % -> 1 %):", i5 <= i2 <= i1)
+print("where the budget sets the interval, it is the shortest whose predicted overhead fits:",
+      all(overhead_pct(d, d["interval"]) <= aim[b] + 1e-6
+          and (d["interval"] == 1 or overhead_pct(d, d["interval"] - 1) > aim[b])
+          for b, d in decisions.items() if d["binding"] == "budget"))""",
+        DETERMINISTIC,
+    ),
+    (
+        "md",
+        """The two runs themselves, for comparison. Each tuned its interval from its own measurements, on
+a machine shared with whatever else ran, starting at 5 steps before anything was measured: over a
+few hundred steps, interference and the failure or the interruption can weigh as much as the
+budget, which is why the comparison above holds the costs fixed.""",
     ),
     (
         "code",
@@ -251,25 +320,13 @@ decision on.""",
 
 
 def summary(df):
-    scheduled = df[df["kind"] == "scheduled"]  # not the manual one that ends the run
-    first_tuned = scheduled.loc[scheduled["interval"] != scheduled["interval"].iloc[0], "step"].min()
-    tuned = scheduled.loc[scheduled["step"] >= first_tuned, "step"].drop_duplicates()
-    return {"steps": int(df["step"].max()), "checkpoints": df["step"].nunique(),
-            "mean interval once tuned": round((tuned.max() - tuned.min()) / (len(tuned) - 1), 1),
-            "median overhead %": round(float(df["overhead_pct"].median()), 2),
-            "median stall (ms)": round(1000 * float(df["stall_s"].median()), 1)}
+    scheduled = df[df["kind"] == "scheduled"]  # not the final checkpoint
+    return {"steps": int(df["step"].max()), "checkpoints": int(scheduled["step"].nunique()),
+            "last interval": int(scheduled["interval"].iloc[-1]),
+            "median overhead %": round(float(df["overhead_pct"].median()), 2)}
 
 
-comparison = pd.DataFrame.from_dict({"budget 5 %": summary(profile5), "budget 1 %": summary(profile1)}, orient="index")
-comparison""",
-    ),
-    (
-        "code",
-        """ok = comparison.loc["budget 1 %", "mean interval once tuned"] > comparison.loc["budget 5 %", "mean interval once tuned"]
-print("a 1 % budget makes the policy choose a longer interval than a 5 % one:", ok)""",
-        # Not compared with the committed output: on a 2-core machine shared with other jobs, two
-        # short runs (one with a failure, one interrupted) do not separate a 1 % from a 5 % budget
-        # reliably (it came out the other way in a CI run).
+pd.DataFrame.from_dict({"budget 5 %": summary(profile5), "budget 1 %": summary(profile1)}, orient="index")""",
     ),
     (
         "md",

@@ -197,9 +197,13 @@ def _values(lines: list[str], name: str) -> list[float]:
 
 @pytest.mark.slow
 def test_goodput_is_exported_to_rays_metrics_endpoint(tmp_path):
-    """Ray's metrics agent runs in the dashboard agent, which needs ``ray[default]``'s packages."""
-    for mod in ("aiohttp", "prometheus_client", "opencensus"):
-        pytest.importorskip(mod, reason="Ray's Prometheus endpoint needs ray[default] (its metrics agent)")
+    """Ray's metrics agent runs in the dashboard agent, which needs ``ray[default]``'s packages (the
+    ``test`` extra installs them). Without them Ray starts a minimal agent with no endpoint: a failure
+    here, not a skip, so that CI cannot pass without reading the metrics back."""
+    try:  # the import by which Ray decides between its full and its minimal agent
+        import ray.dashboard.optional_deps  # noqa: F401
+    except ImportError as e:
+        pytest.fail(f"Ray's Prometheus endpoint needs ray[default] (pip install -e '.[test]'): {e}")
     port, out = _free_port(), tmp_path / "goodput.json"
     # The controller lingers long enough after the run for Ray to export what it recorded last.
     env = dict(
