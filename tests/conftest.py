@@ -112,3 +112,21 @@ def s3_bucket(s3_endpoint, request):
         allow_bucket_creation=False,
     )
     return fs, name
+
+
+@pytest.fixture(scope="session")
+def reference(_ray_session, tmp_path_factory):
+    """The uninterrupted run of ``test_engine_e2e.SMALL`` (2 workers, the demo's loop) that the fault
+    tests of several modules compare with, bitwise: run once per session, on the shared cluster."""
+    import ray
+    import test_engine_e2e as e2e
+
+    from cf_ray import demo
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    root = tmp_path_factory.mktemp("reference")
+    demo.run("reference", str(root), e2e.SMALL)
+    out = root / "out" / "reference"
+    e2e.assert_exactly_once(e2e.lineage(out), e2e.SMALL["samples"], e2e.SMALL["epochs"])
+    return out

@@ -55,17 +55,7 @@ def assert_exactly_once(rec, samples, epochs):
         assert sorted(ids) == list(range(samples)), f"epoch {epoch}: not every sample exactly once"
 
 
-@pytest.fixture(scope="module")
-def reference(_ray_session, tmp_path_factory):
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    root = tmp_path_factory.mktemp("reference")
-    demo.run("reference", str(root), SMALL)
-    out = root / "out" / "reference"
-    assert_exactly_once(lineage(out), SMALL["samples"], SMALL["epochs"])
-    return out
+# ``reference``, the uninterrupted run every fault test compares with, is in conftest.py (once per session).
 
 
 # Restore from storage is run on S3 (the same FsStorage code as local disk, whose commit and load

@@ -21,7 +21,6 @@ from cf_ray._engine.storage.fs import FsStorage
 pytestmark = pytest.mark.slow
 
 STEPS = 2 * e2e.STEPS_PER_EPOCH  # 26; a checkpoint every 5 steps, and the final state's at 26
-reference = e2e.reference  # the uninterrupted run (module-scoped fixture), shared rather than copied
 
 
 def _newest_step(out_dir, rank: int = 0) -> int:
