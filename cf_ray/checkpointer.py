@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -213,16 +214,12 @@ class Checkpointer:
         )
         self._lost_reported = False  # rank 0 recorded the episode in progress with the controller
         final_module = self.state.get(self.config.final_model) if self.config.final_model else None
+        final_sharded = None
         if self._sharded is not None and self.config.final_model in self._sharded.modules:
-            # write_final_model gathers on rank 0 alone: not for a sharded module (yet; #13).
-            if ctx.rank == 0:
-                logger.warning(
-                    "cf_ray: the final model %r is sharded (FSDP2); no model.safetensors is written at the end "
-                    "(cf-ray export RUN --to dcp, then torch.distributed.checkpoint, consolidates it)",
-                    self.config.final_model,
-                )
+            # A sharded final model: every rank gathers one tensor at a time, rank 0 writes it (#13).
+            final_sharded = functools.partial(self._sharded.state_dict, self.config.final_model)
             final_module = None
-        self._ray_train = RayTrainLink(ctx, self.config.register_with_ray, final_module)
+        self._ray_train = RayTrainLink(ctx, self.config.register_with_ray, final_module, final_sharded)
         self._restorer = Restorer(
             ctx, self.config, self._link, self._control, self.state, self.data, sharded=self._sharded
         )

@@ -287,6 +287,25 @@ def build_optimizer(model):
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
+def build_adam(model):
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def build_fsdp2(world: int):
+    """``build_model()`` sharded with FSDP2 (``fully_shard`` per layer and at the root) over every
+    rank, and Adam over its DTensor parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_model()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, build_adam(model)
+
+
 def make_loader(dataset, sampler):
     return torch.utils.data.DataLoader(
         dataset, batch_size=BATCH, sampler=sampler, generator=torch.Generator().manual_seed(0)
@@ -331,8 +350,12 @@ def spot_loop(cfg: dict) -> None:
     dataset = IdDataset()
     sampler = ResumableDistributedSampler(dataset, rank=rank, world_size=world, shuffle=True, seed=0, pad=False)
     loader = make_loader(dataset, sampler)
-    model = ray.train.torch.prepare_model(build_model())
-    opt = build_optimizer(model)
+    fsdp2 = cfg.get("strategy") == "fsdp2"
+    if fsdp2:
+        model, opt = build_fsdp2(world)
+    else:
+        model = ray.train.torch.prepare_model(build_model())
+        opt = build_optimizer(model)
     fs = pafs.PyFileSystem(StallingHandler(f"{out}/stall")) if cfg["scenario"] == "short_deadline" else None
     config = cf_ray.CheckpointConfig(
         policy=cf_ray.FixedInterval(every=cfg.get("every", 100)),
@@ -341,7 +364,7 @@ def spot_loop(cfg: dict) -> None:
         storage_filesystem=fs,
         register_with_ray=False,
         restore_from=cfg.get("restore_from", "auto"),
-        final_model=None,
+        final_model="model" if fsdp2 else None,
         preemption=PreemptionConfig(sigterm_deadline_s=20.0, hold_extra_s=0.0),
     )
     ck = cf_ray.Checkpointer({"model": model, "optimizer": opt}, data={"sampler": sampler}, config=config)
@@ -385,12 +408,21 @@ def spot_loop(cfg: dict) -> None:
                 ck.wait()  # this segment ends here: the group is about to change size
                 return
         ck.end_epoch()
+    if fsdp2:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        final = {k: v.full_tensor().detach().clone() for k, v in get_model_state_dict(model).items()}  # collectives
+    else:
+        bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        final = {k: v.detach().clone() for k, v in bare.state_dict().items()}
     if rank == 0:
         with open(f"{out}/result.json", "w") as f:
             json.dump({"profile": ck.profile_rows(), "events": ck.events(), "steps": ck.step_count}, f, default=str)
-        bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        torch.save({k: v.detach().clone() for k, v in bare.state_dict().items()}, f"{out}/final_model.pt")
-    ck.finish()
+        torch.save(final, f"{out}/final_model.pt")
+    summary = ck.finish()
+    if rank == 0:
+        with open(f"{out}/finish.json", "w") as f:
+            json.dump({"final_path": summary.final_path, "failures": summary.failures}, f, default=str)
 
 
 def _scenario(cfg, ck, rank, gen):
@@ -514,14 +546,18 @@ def test_deadline_too_short_for_the_persist_keeps_the_previous_checkpoint(ray_cl
     _assert_exactly_once(_lineage(out), epochs=1)
 
 
-def replay(schedule: list[tuple[int, int]], epochs: int) -> dict:
+def replay(schedule: list[tuple[int, int]], epochs: int, optimizer=build_optimizer) -> dict:
     """The weights of a run without failures that follows ``schedule`` ([(world size, last step)]):
     DDP's update (the mean of the per-rank gradients) computed in this process, the data re-split
-    by the sampler itself at each change of world size, no checkpoint anywhere."""
+    by the sampler itself at each change of world size, no checkpoint anywhere.
+
+    FSDP2's update is the same: each rank's shard of the mean gradient (reduce-scatter with AVG;
+    halving is exact), and Adam is elementwise, so a shard's update equals that rows' update of the
+    whole tensor, bitwise."""
     torch.set_num_threads(1)
     dataset = IdDataset()
     model = build_model()
-    opt = build_optimizer(model)
+    opt = optimizer(model)
     step, epoch, samplers, iters = 0, 0, None, None
     for world, last in schedule:
         old = [s.state_dict() for s in samplers] if samplers else None
@@ -556,8 +592,11 @@ def replay(schedule: list[tuple[int, int]], epochs: int) -> dict:
 
 
 @pytest.mark.slow
-def test_two_one_two_workers_within_an_epoch_exactly_once_and_same_weights(ray_cluster, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_one_two_workers_within_an_epoch_exactly_once_and_same_weights(ray_cluster, tmp_path, strategy):
+    """DDP + SGD (replicated state), or FSDP2 + Adam (sharded state, resharded 2 -> 1 -> 2 at restore)."""
     base = {
+        "strategy": strategy,
         "scenario": "elastic",
         "epochs": 2,
         "every": 100,
@@ -582,8 +621,17 @@ def test_two_one_two_workers_within_an_epoch_exactly_once_and_same_weights(ray_c
     _assert_exactly_once(kept, epochs=2)
     res = json.load(open(out / "result.json"))
     final = torch.load(out / "final_model.pt", weights_only=True)
-    expected = replay([(2, r2["step"]), (1, r3["step"]), (2, res["steps"])], epochs=2)
+    expected = replay(
+        [(2, r2["step"]), (1, r3["step"]), (2, res["steps"])],
+        epochs=2,
+        optimizer=build_adam if strategy == "fsdp2" else build_optimizer,
+    )
     assert final.keys() == expected.keys()
     for k in final:  # bitwise: same data order, same DDP averaging, state restored exactly
         assert torch.equal(final[k], expected[k]), k
     assert [e["world_size"] for e in res["events"] if e["event"] == "reprofile"] == [1, 2]
+    if strategy == "fsdp2":  # the final model.safetensors, written tensor by tensor by both ranks
+        finish = json.load(open(out / "finish.json"))
+        assert not finish["failures"] and finish["final_path"] is not None
+        written = cf_ray.load_state(finish["final_path"])["model"]
+        assert written.keys() == expected.keys() and all(torch.equal(written[k], expected[k]) for k in expected)

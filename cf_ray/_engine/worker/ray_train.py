@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -17,7 +18,7 @@ import torch
 
 from cf_ray._engine import env as _env
 from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.format.safetensors import write_final_model
+from cf_ray._engine.format.safetensors import write_final_model, write_sharded_final_model
 from cf_ray._engine.worker.context import WorkerContext
 from cf_ray._engine.worker.control import Agreement, ControlPlane
 
@@ -34,14 +35,23 @@ class RayTrainLink:
         ctx: this rank's context (storage, and Ray Train's storage when registering is possible).
         register_with_ray: ``CheckpointConfig.register_with_ray``.
         final_module: the tracked module written as the final model (``None``: none).
+        final_sharded: for a sharded (FSDP2) final model instead: a function returning its state dict
+            (DTensors), written by every rank together, one tensor at a time.
     """
 
-    def __init__(self, ctx: WorkerContext, register_with_ray: bool, final_module: torch.nn.Module | None):
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        register_with_ray: bool,
+        final_module: torch.nn.Module | None,
+        final_sharded: Callable[[], dict[str, Any]] | None = None,
+    ):
         self.rank = ctx.rank
         self.storage = ctx.storage
         self.ray_storage = ctx.ray_storage
         self.register_with_ray = register_with_ray
         self.final_module = final_module
+        self.final_sharded = final_sharded
         self.metrics: dict[str, Any] = {}
         """User metrics sent with each registration of a checkpoint with Ray Train."""
         self._registered = 0
@@ -91,7 +101,8 @@ class RayTrainLink:
     def final_model(
         self, step: int, epoch: int, control: ControlPlane, resume: str | None = None
     ) -> tuple[str | None, list[dict]]:
-        """Rank 0 writes the consolidated model; every rank registers it as the run's result.
+        """Rank 0 writes the consolidated model (a sharded one with every rank gathering one tensor at
+        a time); every rank registers it as the run's result.
 
         Args:
             resume: the newest committed full checkpoint (``checkpoints/step_<n>``), named in the
@@ -100,6 +111,8 @@ class RayTrainLink:
         Returns:
             (its location or ``None``, the failure to report when writing it failed on rank 0).
         """
+        if self.final_sharded is not None:
+            return self._final_sharded(step, epoch, control, resume)
         if not isinstance(self.final_module, torch.nn.Module):
             return None, []
         final_dir = mf.step_dir(step, kind="final")
@@ -112,6 +125,29 @@ class RayTrainLink:
                 logger.warning("cf_ray: writing the final model failed: %r", e)
                 failures = [{"step": step, "section": "final", "rank": 0, "error": repr(e)}]
         ok = control.broadcast(ok)
+        return self._register_final(ok, failures, step, final_dir)
+
+    def _final_sharded(
+        self, step: int, epoch: int, control: ControlPlane, resume: str | None
+    ) -> tuple[str | None, list[dict]]:
+        assert self.final_sharded is not None
+        final_dir = mf.step_dir(step, kind="final")
+        ok, failures = True, []
+        control.drain()  # the agreement's exchange in flight, before the collectives of the gathering
+        try:
+            write_sharded_final_model(
+                self.storage, final_dir, self.final_sharded(), rank=self.rank, step=step, epoch=epoch, resume=resume
+            )
+        except Exception as e:  # noqa: BLE001 - never fail the job for a failed save
+            ok = False
+            logger.warning("cf_ray: writing the final model failed on rank %d: %r", self.rank, e)
+            failures = [{"step": step, "section": "final", "rank": self.rank, "error": repr(e)}]
+        ok = control.all_true(ok)
+        return self._register_final(ok, failures, step, final_dir)
+
+    def _register_final(
+        self, ok: bool, failures: list[dict], step: int, final_dir: str
+    ) -> tuple[str | None, list[dict]]:
         if not ok:
             return None, failures
         if self.register_with_ray and self.ray_storage is not None:

@@ -93,6 +93,10 @@ def validate(
         raise CorruptCheckpointError(f"the checkpoint says it was saved by world_size={saved_world!r} ranks")
     reshard = saved_world != world_size and not replicated and _saved_sharded(loaded, sharded)
     if saved_world != world_size and not replicated and not reshard:
+        sec0 = loaded.get(mf.rank_section(0))
+        if sec0 is not None and isinstance(sec0.tree, dict) and sec0.tree.get(_sharded.KEY):
+            # Sharded state into objects that are not sharded here: say that, not "resume with N workers".
+            _check_sharded_names(sec0.tree, sharded.names if sharded is not None else set())
         raise ElasticResumeError(
             f"the checkpoint was saved by {saved_world} ranks with replicated=False (per-rank model state); "
             f"it cannot be loaded by {world_size} ranks. Resume with {saved_world} workers."

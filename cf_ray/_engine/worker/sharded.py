@@ -258,6 +258,8 @@ class ShardedState:
         the old shards that overlap it: DCP's own planner helper
         (``planner_helpers.create_read_items_for_chunk_list``) computes the overlaps, as
         ``torch.distributed.checkpoint.load`` does. The result passes :meth:`check` when it fits.
+        It holds no view of the old ranks' buffers (shards are assembled into new tensors, an
+        optimizer's other tensors are copied).
 
         Raises:
             CheckpointMismatchError: a tensor sharded in the checkpoint is not a DTensor here, or its
@@ -283,6 +285,10 @@ class ShardedState:
                     k: walk(path + (k,), v, [o.get(k) if isinstance(o, dict) else None for o in others])
                     for k, v in v0.items()
                 }
+            if kind == "optimizer" and isinstance(v0, torch.Tensor):
+                # A view of the section's buffer (Adam's step): the optimizer keeps what it is given and
+                # steps it in place, and a memory snapshot's buffer is shared by every rank of the node.
+                return v0.clone()
             return v0
 
         return walk((), per_rank[0], per_rank)
