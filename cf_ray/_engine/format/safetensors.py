@@ -91,7 +91,9 @@ def write_sharded_final_model(
     gathered = _Gathered(list(state_dict.values()))
     try:
         if rank == 0:
-            _write_model(storage, directory, specs, gathered.take, step=step, epoch=epoch, resume=resume)
+            _write_model(
+                storage, directory, specs, gathered.take, step=step, epoch=epoch, resume=resume, one_at_a_time=True
+            )
     finally:
         gathered.drain()
 
@@ -146,10 +148,13 @@ def _write_model(
     step: int,
     epoch: int,
     resume: str | None,
+    one_at_a_time: bool = False,
 ) -> None:
     """Write ``model.safetensors``: the header from ``specs``, then each tensor ``next_tensor()``
-    returns (called once per spec, in order, only once the previous tensor's bytes are written),
-    then the final model's manifest."""
+    returns (called once per spec, in order), then the final model's manifest. ``one_at_a_time``
+    (gathered tensors, each a new allocation): the next is asked for only once the previous one's
+    bytes are released by the writer (at most 1 s each); views of live parameters cost nothing to
+    keep, so the unsharded path does not wait."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "cf_ray_step": str(step), "cf_ray_epoch": str(epoch)}}
     offset = 0
     for name, dtype, shape in specs:
@@ -164,7 +169,8 @@ def _write_model(
         yield hbytes
         previous = None
         for name, dtype, shape in specs:
-            _wait_released(previous)
+            if one_at_a_time:
+                _wait_released(previous)
             host = next_tensor().detach().to("cpu").contiguous()
             if host.dtype != dtype or tuple(host.shape) != shape:
                 raise RuntimeError(
