@@ -51,16 +51,19 @@ def ls_parser() -> argparse.ArgumentParser:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from cf_ray.load import list_checkpoints
+    from cf_ray.load import list_checkpoints, quarantined_checkpoints
 
     infos = list_checkpoints(args.run)
+    quarantined = quarantined_checkpoints(args.run)
     if not infos:
         print(f"no committed checkpoints under {args.run}")
-        return 1
-    print(f"{'step':>10} {'epoch':>6} {'kind':>10} {'milestone':>9} {'ranks':>5}  path")
-    for c in infos:
-        print(f"{c.step:>10} {c.epoch:>6} {c.kind:>10} {str(c.milestone):>9} {c.world_size:>5}  {c.path}")
-    return 0
+    else:
+        print(f"{'step':>10} {'epoch':>6} {'kind':>10} {'milestone':>9} {'ranks':>5}  path")
+        for c in infos:
+            print(f"{c.step:>10} {c.epoch:>6} {c.kind:>10} {str(c.milestone):>9} {c.world_size:>5}  {c.path}")
+    for step, why in sorted(quarantined.items()):
+        print(f"quarantined: step {step} ({why}); kept on storage, never restored from")
+    return 0 if infos else 1
 
 
 def profile_parser() -> argparse.ArgumentParser:

@@ -78,7 +78,7 @@ def resumable_checkpoint(source: Any, filesystem: pafs.FileSystem | None = None)
     """
     run, directory = open_run(source, filesystem)
     if directory is None:
-        committed = mf.list_committed(run)
+        committed = mf.list_committed(run, skip_quarantined=True)
         if not committed:
             raise CheckpointNotFoundError(f"no committed cf_ray checkpoint under {run.uri()}")
         directory = committed[-1].path
@@ -112,10 +112,11 @@ def _full_checkpoint_of_final(run: FsStorage, directory: str, m: mf.Manifest) ->
 
 
 def list_checkpoints(source: Any, filesystem: pafs.FileSystem | None = None) -> list[CheckpointInfo]:
-    """Every committed checkpoint of a run (resumable ones and the final model), oldest first."""
+    """Every committed checkpoint of a run (resumable ones and the final model), oldest first. A
+    checkpoint that a restore found corrupt and quarantined is not listed (:func:`quarantined_checkpoints`)."""
     run, _ = open_run(source, filesystem)
     out = []
-    for c in mf.list_committed(run, kinds=("step", "final")):
+    for c in mf.list_committed(run, kinds=("step", "final"), skip_quarantined=True):
         try:
             m = mf.read_manifest(run, c.path)
         except CorruptCheckpointError:
@@ -131,6 +132,13 @@ def list_checkpoints(source: Any, filesystem: pafs.FileSystem | None = None) -> 
             )
         )
     return out
+
+
+def quarantined_checkpoints(source: Any, filesystem: pafs.FileSystem | None = None) -> dict[int, str]:
+    """The steps of a run's checkpoints that a restore found corrupt, and why: they stay on storage
+    for inspection and are never restored from, listed or counted by keep-last again."""
+    run, _ = open_run(source, filesystem)
+    return mf.load_quarantine(run)
 
 
 def load_state(
@@ -159,6 +167,13 @@ def load_state(
     run, directory = open_run(source, filesystem)
     if directory is None:
         committed = mf.list_committed(run)
+        quarantined = mf.load_quarantine(run)
+        if step is not None and step in quarantined and any(c.step == step for c in committed):
+            raise CorruptCheckpointError(
+                f"checkpoint step {step} under {run.uri()} is quarantined: a restore found it corrupt "
+                f"({quarantined[step]}); `cf-ray verify` shows the damage"
+            )
+        committed = [c for c in committed if c.step not in quarantined]
         if step is not None:
             committed = [c for c in committed if c.step == step]
         if not committed:

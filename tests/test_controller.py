@@ -267,3 +267,14 @@ def test_a_checkpoint_a_restore_found_corrupt_is_quarantined_and_never_counts_to
     # A fallback that is not damage (a refusal of the content) quarantines nothing.
     again.record_event({"event": "restore_fallback", "source": "storage", "step": 9, "corrupt": False})
     assert again.summary()["committed_steps"] == [6, 9]
+    # What users read of the run says the same: not listed, not loaded by default, refused by step.
+    from cf_ray import cli
+    from cf_ray.errors import CorruptCheckpointError
+    from cf_ray.load import list_checkpoints, load_state, quarantined_checkpoints
+
+    root = ctl.storage.root
+    assert [c.step for c in list_checkpoints(root)] == [6, 9]
+    assert quarantined_checkpoints(root) == {8: "CorruptCheckpointError: crc mismatch"}
+    with pytest.raises(CorruptCheckpointError, match="step 8 .* quarantined"):
+        load_state(root, step=8)
+    assert cli.main(["ls", root]) == 0

@@ -26,7 +26,6 @@ thread, for the committed index and the states of the steps in flight), except :
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import threading
 import time
@@ -37,6 +36,7 @@ from cf_ray._engine.driver.messages import CheckpointKind, MemorySnapshot, PartS
 from cf_ray._engine.driver.profile_book import ProfileBook
 from cf_ray._engine.driver.schedule import ScheduleBook
 from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.manifest import load_quarantine
 from cf_ray._engine.storage.fs import FileInfo, Storage
 from cf_ray.policy import Sample
 
@@ -120,30 +120,6 @@ class CommitResult:
     """Why the manifest could not be written (the step fails)."""
     missing: bool = False
     """A resync-derived step whose files are gone (deleted by keep-last): abandoned, not failed."""
-
-
-#: Committed checkpoints that a restore found corrupt: ``{"version": 1, "steps": {"<step>": "<why>"}}``
-#: at the run's root. They stay on storage for inspection, are never restored from again, never
-#: count toward keep-last, and are never deleted by it.
-QUARANTINE = "quarantine.json"
-
-
-def load_quarantine(storage: Storage) -> dict[int, str]:
-    """The quarantined steps and why (empty when there is no file; a damaged file is reported)."""
-    try:
-        if not storage.exists(QUARANTINE):
-            return {}
-        raw = json.loads(bytes(storage.read_file(QUARANTINE)))
-        return {int(k): str(v) for k, v in raw["steps"].items()}
-    except Exception as e:  # noqa: BLE001 - a damaged list quarantines nothing; say so
-        logger.warning("cf_ray: cannot read %s (%s); no checkpoint is quarantined", storage.uri(QUARANTINE), e)
-        return {}
-
-
-def write_quarantine(storage: Storage, steps: dict[int, str]) -> None:
-    """Write the quarantine list (storage I/O: never under the controller's lock)."""
-    raw = json.dumps({"version": 1, "steps": {str(k): v for k, v in sorted(steps.items())}}).encode()
-    storage.write_file(QUARANTINE, [raw])
 
 
 def load_committed(storage: Storage) -> tuple[dict[int, Committed], int]:

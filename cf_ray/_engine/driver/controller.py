@@ -75,14 +75,7 @@ import ray.exceptions
 
 from cf_ray._engine import env as _env
 from cf_ray._engine.actors import resolve_live
-from cf_ray._engine.driver.commits import (
-    QUARANTINE,
-    CommitBook,
-    CommitJob,
-    load_committed,
-    load_quarantine,
-    write_quarantine,
-)
+from cf_ray._engine.driver.commits import CommitBook, CommitJob, load_committed
 from cf_ray._engine.driver.lifetime import (
     Owner,
     current_owner,
@@ -114,6 +107,7 @@ from cf_ray._engine.driver.recovery import ControlState, HolderBusy, HolderLink,
 from cf_ray._engine.driver.schedule import ScheduleBook
 from cf_ray._engine.driver.schedule import explain as explain_policy
 from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.manifest import QUARANTINE, load_quarantine, write_quarantine
 from cf_ray._engine.storage.fs import Storage
 from cf_ray.policy import FrequencyPolicy, Sample
 

@@ -458,8 +458,35 @@ class CommittedCheckpoint:
         return f"{CHECKPOINTS}/{self.name}"
 
 
-def list_committed(storage: Storage, *, kinds: tuple[str, ...] = ("step",)) -> list[CommittedCheckpoint]:
-    """Committed checkpoints (those with a manifest), oldest first.
+#: Committed checkpoints that a restore found corrupt: ``{"version": 1, "steps": {"<step>": "<why>"}}``
+#: at the run's root. They stay on storage for inspection, are never restored from again, never
+#: count toward keep-last, and are never deleted by it.
+QUARANTINE = "quarantine.json"
+
+
+def load_quarantine(storage: Storage) -> dict[int, str]:
+    """The quarantined steps and why (empty when there is no file; a damaged file is reported)."""
+    try:
+        if not storage.exists(QUARANTINE):
+            return {}
+        raw = json.loads(bytes(storage.read_file(QUARANTINE)))
+        return {int(k): str(v) for k, v in raw["steps"].items()}
+    except Exception as e:  # noqa: BLE001 - a damaged list quarantines nothing; say so
+        logger.warning("cf_ray: cannot read %s (%s); no checkpoint is quarantined", storage.uri(QUARANTINE), e)
+        return {}
+
+
+def write_quarantine(storage: Storage, steps: dict[int, str]) -> None:
+    """Write the quarantine list (storage I/O: never under the controller's lock)."""
+    raw = json.dumps({"version": 1, "steps": {str(k): v for k, v in sorted(steps.items())}}).encode()
+    storage.write_file(QUARANTINE, [raw])
+
+
+def list_committed(
+    storage: Storage, *, kinds: tuple[str, ...] = ("step",), skip_quarantined: bool = False
+) -> list[CommittedCheckpoint]:
+    """Committed checkpoints (those with a manifest), oldest first; ``skip_quarantined``: without the
+    step checkpoints listed in :data:`QUARANTINE` (found corrupt by a restore; never restored from).
 
     An entry that is unsafe (a symbolic link, a path that leaves the root) or cannot be examined is
     skipped with one warning naming it: one bad entry never stops a listing, a restore or a run.
@@ -472,6 +499,9 @@ def list_committed(storage: Storage, *, kinds: tuple[str, ...] = ("step",)) -> l
         if _has_manifest(storage, name) is True:
             out.append(CommittedCheckpoint(name, m.group(1), int(m.group(2))))
     out.sort(key=lambda c: (c.step, c.kind))
+    if skip_quarantined and out:
+        quarantined = load_quarantine(storage)
+        out = [c for c in out if not (c.kind == "step" and c.step in quarantined)]
     return out
 
 
