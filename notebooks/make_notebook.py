@@ -227,6 +227,7 @@ a job as short as this one may finish its 400 steps first, and then resumes at i
 threading.Thread(target=interrupt_past, args=("budget1", 100), daemon=True).start()
 try:
     fit("budget1", budget_pct=1.0)
+    print("the run reached its end before the interrupt landed (Ray Train's abort is not instant)")
 except (KeyboardInterrupt, SystemExit, ray.exceptions.RayActorError) as e:  # without the try: shown as an error
     print(f"interrupted ({type(e).__name__})")""",
     ),
