@@ -212,6 +212,17 @@ class Failure(Message):
     error: str
     generation: int
 
+    def as_dict(self) -> dict:
+        """As users see it (``FinishSummary.failures``, ``Checkpointer.wait()``, the controller's summary)."""
+        return {
+            "seq": self.seq,
+            "step": self.step,
+            "section": self.section,
+            "rank": self.rank,
+            "error": self.error,
+            "generation": self.generation,
+        }
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointRequest(Message):

@@ -640,17 +640,7 @@ class ProfileBook:
 
     def failure_dicts(self) -> list[dict]:
         """The failures as the controller's summary has them."""
-        return [
-            {
-                "seq": f.seq,
-                "step": f.step,
-                "section": f.section,
-                "rank": f.rank,
-                "error": f.error,
-                "generation": f.generation,
-            }
-            for f in self._failures
-        ]
+        return [f.as_dict() for f in self._failures]
 
     # -- export -------------------------------------------------------------------------------------------
     def record_metrics(self, generation: int, step: int) -> None:

@@ -103,6 +103,69 @@ def _flatten(tree: dict) -> dict[str, tuple[tuple, Any]]:
     return out
 
 
+class _Chunks:
+    """The tensors and values of a checkpoint as DCP's ``Metadata`` describes them, built section by
+    section: one entry per key, one chunk per distinct saved shard (what :func:`export_dcp` writes and
+    :class:`CfRayReader` offers)."""
+
+    def __init__(self, where: str):
+        self.where = where
+        """The checkpoint, for messages."""
+        self.md: dict[str, Any] = {}
+        self.storage_data: dict[Any, Any] = {}
+        self.planner_data: dict[str, tuple] = {}
+        self._covered: dict[str, int] = {}
+
+    def add_tensor(self, key: str, path: tuple, dtype: torch.dtype, gshape, offsets, shape) -> bool:
+        """Record a saved shard of tensor ``key``; ``False`` when it adds nothing to read (a replica of
+        a chunk already recorded, or an empty shard: FSDP2 pads uneven dims)."""
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
+
+        have = self.md.setdefault(key, TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(gshape), []))
+        if not isinstance(have, TensorStorageMetadata) or (
+            tuple(have.size) != tuple(gshape) or have.properties.dtype != dtype
+        ):
+            raise CfRayError(f"{key}: the sections of {self.where} disagree on this tensor")
+        self.planner_data[key] = path
+        if any(tuple(c.offsets) == tuple(offsets) for c in have.chunks):
+            return False
+        if math.prod(shape) == 0 and math.prod(gshape) != 0:
+            return False
+        have.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(shape)))
+        self._covered[key] = self._covered.get(key, 0) + math.prod(shape)
+        return True
+
+    def add_value(self, key: str, path: tuple) -> bool:
+        """Record a value that is not a tensor (DCP's bytes); ``False`` when the key is known already."""
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+        self.planner_data[key] = path
+        if key not in self.md:
+            self.md[key] = BytesStorageMetadata()
+            return True
+        if not isinstance(self.md[key], BytesStorageMetadata):
+            raise CfRayError(f"{key}: the sections of {self.where} disagree on this value")
+        return False
+
+    def check_covered(self) -> None:
+        """Every tensor's saved shards cover it whole.
+
+        Raises:
+            CorruptCheckpointError: naming the tensor and how much of it is covered.
+        """
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        for key, m in self.md.items():
+            if isinstance(m, TensorStorageMetadata) and self._covered.get(key, 0) != math.prod(m.size):
+                raise CorruptCheckpointError(
+                    f"{key}: the saved shards cover {self._covered.get(key, 0)} of its {math.prod(m.size)} elements"
+                )
+
+
 def export_dcp(storage: Storage, directory: str, out_dir: str, *, objects: list[str] | None = None) -> DcpExported:
     """Write the tracked objects of one committed checkpoint as a DCP checkpoint in ``out_dir``.
 
@@ -116,28 +179,12 @@ def export_dcp(storage: Storage, directory: str, out_dir: str, *, objects: list[
         CfRayError: a final model (not a full checkpoint), or sections that disagree on a tensor.
     """
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 
     manifest = mf.read_manifest(storage, directory)
-    if manifest.kind == "final":
-        raise CfRayError(f"{storage.uri(directory)} holds only the final model; --to dcp needs a full checkpoint")
-    if manifest.replicated:
-        sections, where = [mf.SHARED], "objects"
-    else:
-        sections, where = [mf.rank_section(r) for r in range(manifest.world_size)], "state"
+    sections, where = _sections_of(manifest, storage.uri(directory))
     os.makedirs(out_dir, exist_ok=True)
-    md: dict[str, Any] = {}
-    storage_data: dict[Any, Any] = {}
-    planner_data: dict[str, tuple] = {}
-    covered: dict[str, int] = {}
+    layout = _Chunks(storage.uri(directory))
     chunks = size = 0
     wanted = None if objects is None else set(objects)
     for r, name in enumerate(sections):
@@ -160,47 +207,26 @@ def export_dcp(storage: Storage, directory: str, out_dir: str, *, objects: list[
                         local, gshape, offsets = value.local, value.shard.global_shape, value.shard.offsets
                     else:
                         local, gshape, offsets = value, tuple(value.shape), (0,) * value.dim()
-                    have = md.setdefault(
-                        key,
-                        TensorStorageMetadata(TensorProperties(dtype=local.dtype), torch.Size(gshape), []),
-                    )
-                    if not isinstance(have, TensorStorageMetadata) or (
-                        tuple(have.size) != tuple(gshape) or have.properties.dtype != local.dtype
-                    ):
-                        raise CfRayError(f"{key}: the sections of {storage.uri(directory)} disagree on this tensor")
-                    planner_data[key] = path
-                    if any(tuple(c.offsets) == tuple(offsets) for c in have.chunks):
+                    if not layout.add_tensor(key, path, local.dtype, gshape, offsets, tuple(local.shape)):
                         continue  # a replica (or a whole tensor every rank holds): written once
-                    if local.numel() == 0 and math.prod(gshape) != 0:
-                        continue  # an empty shard (FSDP2 pads uneven dims)
                     start = f.tell()
                     torch.save(local.clone(), f)  # clone: a view would save its whole buffer
-                    have.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(local.shape)))
-                    storage_data[MetadataIndex(key, offsets)] = _StorageInfo(file_name, start, f.tell() - start)
-                    covered[key] = covered.get(key, 0) + local.numel()
+                    layout.storage_data[MetadataIndex(key, offsets)] = _StorageInfo(file_name, start, f.tell() - start)
                     chunks += 1
                     size += local.numel() * local.element_size()
-                elif key not in md:
-                    md[key] = BytesStorageMetadata()
-                    planner_data[key] = path
+                elif layout.add_value(key, path):
                     buf = io.BytesIO()
                     torch.save(value, buf)
                     start = f.tell()
                     f.write(buf.getbuffer())
-                    storage_data[MetadataIndex(key)] = _StorageInfo(file_name, start, f.tell() - start)
-                elif not isinstance(md[key], BytesStorageMetadata):
-                    raise CfRayError(f"{key}: the sections of {storage.uri(directory)} disagree on this value")
+                    layout.storage_data[MetadataIndex(key)] = _StorageInfo(file_name, start, f.tell() - start)
             f.flush()
             os.fsync(f.fileno())
-    for key, m in md.items():
-        if isinstance(m, TensorStorageMetadata) and covered.get(key, 0) != math.prod(m.size):
-            raise CorruptCheckpointError(
-                f"{key}: the saved shards cover {covered.get(key, 0)} of its {math.prod(m.size)} elements"
-            )
+    layout.check_covered()
     metadata = Metadata(
-        state_dict_metadata=md,
-        planner_data=planner_data,
-        storage_data=storage_data,
+        state_dict_metadata=layout.md,
+        planner_data=layout.planner_data,
+        storage_data=layout.storage_data,
         storage_meta=StorageMeta(checkpoint_id=out_dir),
         version=CURRENT_DCP_VERSION,
     )
@@ -210,12 +236,13 @@ def export_dcp(storage: Storage, directory: str, out_dir: str, *, objects: list[
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(out_dir, ".metadata"))
-    return DcpExported(path=out_dir, step=manifest.step, keys=len(md), chunks=chunks, size_bytes=size)
+    return DcpExported(path=out_dir, step=manifest.step, keys=len(layout.md), chunks=chunks, size_bytes=size)
 
 
-def _sections_of(manifest: mf.Manifest) -> tuple[list[str], str]:
+def _sections_of(manifest: mf.Manifest, where: str) -> tuple[list[str], str]:
+    """The sections that hold a checkpoint's tracked objects, and the key of those in their trees."""
     if manifest.kind == "final":
-        raise CfRayError("a final model holds only weights; DCP needs a full checkpoint")
+        raise CfRayError(f"{where} holds only the final model's weights; DCP needs a full checkpoint")
     if manifest.replicated:
         return [mf.SHARED], "objects"
     return [mf.rank_section(r) for r in range(manifest.world_size)], "state"
@@ -245,22 +272,11 @@ class CfRayReader(StorageReader):
         return False  # never chosen by a bare checkpoint_id: pass storage_reader=CfRayReader(...)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ARG002 - DCP's interface
-        from torch.distributed.checkpoint.metadata import (
-            BytesStorageMetadata,
-            ChunkStorageMetadata,
-            Metadata,
-            MetadataIndex,
-            StorageMeta,
-            TensorProperties,
-            TensorStorageMetadata,
-        )
+        from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 
         manifest = self._manifest = mf.read_manifest(self.storage, self.directory)
-        sections, where = _sections_of(manifest)
-        md: dict[str, Any] = {}
-        storage_data: dict[Any, Any] = {}
-        planner_data: dict[str, tuple] = {}
-        covered: dict[str, int] = {}
+        sections, where = _sections_of(manifest, self.storage.uri(self.directory))
+        layout = _Chunks(self.storage.uri(self.directory))
         for name in sections:
             files = manifest.sections[name]
             index = mf.read_verified(self.storage, self.directory, manifest, files["index"])
@@ -273,36 +289,23 @@ class CfRayReader(StorageReader):
                 k: _codec.unflatten(v, lambda _i, e, f=files["data"]: _Ref(f, e), entries) for k, v in held.items()
             }
             for key, (path, value) in _flatten(state).items():
-                planner_data[key] = path
                 if not isinstance(value, _Ref):
-                    if key not in md:
+                    if layout.add_value(key, path):
                         buf = io.BytesIO()
                         torch.save(value, buf)
-                        md[key] = BytesStorageMetadata()
-                        storage_data[MetadataIndex(key)] = _Bytes(buf.getvalue())
+                        layout.storage_data[MetadataIndex(key)] = _Bytes(buf.getvalue())
                     continue
                 e = value.entry
                 if e.kind != "torch":
                     raise CfRayError(f"{key}: numpy arrays are not offered to DCP")
-                dtype = _codec.torch_dtype(e.dtype)
                 gshape, offsets = (e.shard.global_shape, e.shard.offsets) if e.shard else (e.shape, (0,) * len(e.shape))
-                have = md.setdefault(key, TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(gshape), []))
-                if not isinstance(have, TensorStorageMetadata) or tuple(have.size) != tuple(gshape):
-                    raise CfRayError(f"{key}: the sections of {self.storage.uri(self.directory)} disagree on it")
-                if any(tuple(c.offsets) == tuple(offsets) for c in have.chunks):
-                    continue
-                if math.prod(e.shape) == 0 and math.prod(gshape) != 0:
-                    continue
-                have.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(e.shape)))
-                storage_data[MetadataIndex(key, offsets)] = value
-                covered[key] = covered.get(key, 0) + math.prod(e.shape)
-        for key, m in md.items():
-            if isinstance(m, TensorStorageMetadata) and covered.get(key, 0) != math.prod(m.size):
-                raise CorruptCheckpointError(f"{key}: the saved shards cover {covered.get(key, 0)} of its elements")
+                if layout.add_tensor(key, path, _codec.torch_dtype(e.dtype), gshape, offsets, tuple(e.shape)):
+                    layout.storage_data[MetadataIndex(key, offsets)] = value
+        layout.check_covered()
         return Metadata(
-            state_dict_metadata=md,
-            planner_data=planner_data,
-            storage_data=storage_data,
+            state_dict_metadata=layout.md,
+            planner_data=layout.planner_data,
+            storage_data=layout.storage_data,
             storage_meta=StorageMeta(checkpoint_id=self.storage.uri(self.directory)),
         )
 

@@ -33,7 +33,7 @@ import ray
 import ray.exceptions
 
 from cf_ray._engine import env as _env
-from cf_ray._engine.driver.messages import CheckpointRequest, Failure, SyncReply, SyncRequest
+from cf_ray._engine.driver.messages import CheckpointRequest, SyncReply, SyncRequest
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.worker.scheduler import Scheduler
 from cf_ray._engine.worker.timing import Timing
@@ -193,7 +193,7 @@ class ControllerLink:
         for f in reply.failures:
             self._seen_failures = max(self._seen_failures, f.seq)
             if f.generation == self.generation:
-                self.failures.append(_failure_dict(f))
+                self.failures.append(f.as_dict())
                 logger.warning(
                     "cf_ray: rank %d: checkpoint of step %d failed (%s): %s; the previous committed "
                     "checkpoint stays the latest",
@@ -466,15 +466,3 @@ def _has_method(handle, name: str) -> bool:
     except AttributeError:
         return False
     return True
-
-
-def _failure_dict(f: Failure) -> dict:
-    """A failure as users see it (``FinishSummary.failures``, ``Checkpointer.wait()``)."""
-    return {
-        "seq": f.seq,
-        "step": f.step,
-        "section": f.section,
-        "rank": f.rank,
-        "error": f.error,
-        "generation": f.generation,
-    }

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,20 @@ from cf_ray._engine.worker.rng import check_rng_state, set_rng_state
 from cf_ray.errors import CheckpointMismatchError, CorruptCheckpointError, ElasticResumeError, RestoreError
 
 logger = logging.getLogger("cf_ray")
+
+
+def check_module_keys(name: str, live: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+    """The saved state of module ``name`` has exactly the live model's keys.
+
+    Raises:
+        CheckpointMismatchError: naming the keys missing and unexpected (at most 10 each).
+    """
+    missing, unexpected = [k for k in live if k not in saved], [k for k in saved if k not in live]
+    if missing or unexpected:
+        raise CheckpointMismatchError(
+            f"module {name!r}: the checkpoint lacks keys {missing[:10]} and has keys {unexpected[:10]} the model "
+            "does not have: the model changed since the checkpoint was saved"
+        )
 
 
 @dataclass(slots=True)
@@ -273,12 +287,7 @@ def check_layout(name: str, obj: Any, saved: Any) -> None:
         if not isinstance(saved, dict):
             raise CorruptCheckpointError(f"the saved state of module {name!r} is not a mapping")
         live = obj.state_dict()
-        missing, unexpected = [k for k in live if k not in saved], [k for k in saved if k not in live]
-        if missing or unexpected:
-            raise CheckpointMismatchError(
-                f"module {name!r}: the checkpoint lacks keys {missing[:10]} and has keys {unexpected[:10]} the model "
-                "does not have: the model changed since the checkpoint was saved"
-            )
+        check_module_keys(name, live, saved)
         for k, t in live.items():
             s = saved[k]
             if isinstance(t, torch.Tensor) and (

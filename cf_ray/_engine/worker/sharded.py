@@ -189,13 +189,10 @@ class ShardedState:
         if not isinstance(saved, dict):
             raise CorruptCheckpointError(f"the saved state of {name!r} is not a mapping")
         if name in self.modules:
+            from cf_ray._engine.worker.restore_checks import check_module_keys  # it imports this module
+
             live = self._live_model(name)
-            missing, unexpected = [k for k in live if k not in saved], [k for k in saved if k not in live]
-            if missing or unexpected:
-                raise CheckpointMismatchError(
-                    f"module {name!r}: the checkpoint lacks keys {missing[:10]} and has keys {unexpected[:10]} the "
-                    "model does not have: the model changed since the checkpoint was saved"
-                )
+            check_module_keys(name, live, saved)
             for k, t in live.items():
                 _check_tensor(f"module {name!r}: {k}", t, saved[k], check_dtype=True)
             return
