@@ -4,6 +4,7 @@ files raise CorruptCheckpointError, never a bare KeyError or UnicodeDecodeError 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -436,3 +437,51 @@ def test_extra_with_int_keys_and_non_ascii_text_round_trips():
     got = mf.Manifest.from_bytes(m.to_bytes(), "test")
     assert got.extra["10"] == "b" and got.extra["9"] == "c" and got.extra["note"] == "épreuve ✓"
     assert (got.sections, got.files, got.created_unix, got.kind) == (m.sections, m.files, 1.5, "manual")
+
+
+def test_a_ranged_read_checks_every_block_it_touches_and_reads_only_those(storage):
+    """A restore at another number of ranks reads sections by range: a damaged block is refused when a
+    read touches it (never used), a read that does not touch it is served, and only whole blocks
+    around the range are read."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))  # ~2 MiB: 8 blocks
+    m = write_checkpoint(storage, 10, model)
+    sec = mf.load_section(storage, mf.step_dir(10), m, mf.SHARED, ranged=True)
+    assert isinstance(sec.buf, mf.RangedData) and sec.buf.bytes_read == 0
+    by_name = {e.name: e for e in sec.entries}
+    first = next(e for n, e in by_name.items() if n.endswith("0.weight"))
+    last = next(e for n, e in by_name.items() if n.endswith("1.weight"))
+    rows = mf.read_region(sec.buf, first, [10, 0], [20, 512])  # 20 rows of 2 KiB: one or two blocks
+    assert torch.equal(rows, model[0].weight.detach()[10:30])
+    assert sec.buf.bytes_read <= 2 * mf.BLOCK_BYTES
+    # Damage one byte inside the second weight: reading it fails, the first weight still reads.
+    data_path = storage.fs_path(f"{mf.step_dir(10)}/{m.sections[mf.SHARED]['data']}")
+    with open(data_path, "r+b") as f:
+        f.seek(last.offset + last.nbytes // 2)
+        byte = f.read(1)
+        f.seek(last.offset + last.nbytes // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    sec = mf.load_section(storage, mf.step_dir(10), m, mf.SHARED, ranged=True)
+    assert torch.equal(mf.read_region(sec.buf, first, [0, 0], [512, 512]), model[0].weight.detach())
+    with pytest.raises(CorruptCheckpointError, match="fails its checksum"):
+        mf.read_region(sec.buf, last, [0, 0], [512, 512])
+    with pytest.raises(CorruptCheckpointError, match="fails its checksum"):  # a whole read sees it too
+        mf.load_section(storage, mf.step_dir(10), m, mf.SHARED)
+
+
+def test_a_section_without_block_checksums_is_read_whole_and_verified_whole(storage):
+    """Checkpoints written before block checksums existed: a ranged load reads the file whole (and
+    verifies its CRC-32), so they restore at another number of ranks as before."""
+    m = write_checkpoint(storage, 10, _model(1))
+    names = m.sections[mf.SHARED]
+    index_path = f"{mf.step_dir(10)}/{names['index']}"
+    raw = json.loads(bytes(storage.read_file(index_path)))
+    assert raw["blocks"]["bytes"] == mf.BLOCK_BYTES and len(raw["blocks"]["crc32"]) >= 1
+    del raw["blocks"]
+    info = storage.write_file(index_path, [json.dumps(raw).encode()])
+    m = dataclasses.replace(m, files={**m.files, names["index"]: info})
+    mf.commit(storage, mf.step_dir(10), m)
+    sec = mf.load_section(storage, mf.step_dir(10), m, mf.SHARED, ranged=True)
+    assert isinstance(sec.buf, np.ndarray) and sec.buf.nbytes == m.files[names["data"]].size
+    got = cf_ray.load_state(storage.uri(), objects=["model"])["model"]
+    assert all(torch.equal(got[k], v) for k, v in _model(1).state_dict().items())

@@ -15,7 +15,7 @@ import torch
 
 import cf_ray
 from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.storage.base import FileInfo, Storage, safe_relpath
+from cf_ray._engine.storage.base import FileInfo, Storage, chunked, safe_relpath
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.errors import CorruptCheckpointError, UnsafePathError
 
@@ -239,3 +239,11 @@ def test_large_local_writes_go_direct_and_stay_exact(tmp_path, monkeypatch):
     assert not w.direct  # the tail went through the page cache
     os.close(fd)
     assert (tmp_path / "raw").read_bytes() == data.tobytes()
+
+
+def test_a_range_read_returns_exactly_those_bytes(storage):
+    payload = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8)
+    storage.write_file("d/f.bin", chunked(payload))
+    for offset, n in ((0, 10), (1 << 20, 5000), ((3 << 20) - 7, 7), ((3 << 20) - 7, 100), (5, 0)):
+        got = storage.read_range("d/f.bin", offset, n)
+        assert np.array_equal(got, payload[offset : offset + n])  # shorter at the end of the file

@@ -372,8 +372,9 @@ def _hashable(k: Any) -> Any:
     return tuple(_hashable(x) for x in k) if isinstance(k, list) else k
 
 
-def view(buf: np.ndarray, entry: TensorEntry, *, copy: bool, readonly_ok: bool = False) -> torch.Tensor | np.ndarray:
-    """The tensor or array of ``entry`` inside the uint8 buffer ``buf`` (a copy if ``copy``).
+def view(buf: Any, entry: TensorEntry, *, copy: bool, readonly_ok: bool = False) -> torch.Tensor | np.ndarray:
+    """The tensor or array of ``entry`` inside the uint8 buffer ``buf`` (a copy if ``copy``): an
+    array, or what slices to one (``manifest.RangedData`` reads the slice from storage).
 
     A read-only ``buf`` (an object-store buffer) is copied unless ``readonly_ok``: the caller then
     promises only to read the tensor (``nn.Module.load_state_dict`` copies out of it).

@@ -22,8 +22,9 @@ Without an export, :class:`CfRayReader` is a DCP ``StorageReader`` over the chec
 same metadata from the sections' index files alone and reads each item's raw bytes straight from
 the section data files, and only the rows a rank needs when a read is a range of whole rows (FSDP2's
 ``Shard(0)``): a load at another number of ranks reads the byte ranges that overlap its shards.
-The index files are verified against the manifest; the data files are checked for their size only
-(a CRC covers a whole file, and reading whole files is what the reader avoids).
+The index files are verified against the manifest; every block of a data file that a read touches
+is checked against its CRC-32 (``manifest.RangedData``; checkpoints written before block checksums
+existed are read whole and verified whole).
 
 Sharded tensors (FSDP2) contribute one chunk per rank (the rank's shard, at its global offsets;
 empty shards and replicas at the same offsets are written once); whole tensors and other values
@@ -263,6 +264,7 @@ class CfRayReader(StorageReader):
         self.objects = objects
         self.storage_data: dict[Any, Any] = {}
         self._manifest: mf.Manifest | None = None
+        self._blocks: dict[str, mf.Blocks | None] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:  # noqa: ARG002 - DCP's interface
         self.storage_data = {}
@@ -280,7 +282,8 @@ class CfRayReader(StorageReader):
         for name in sections:
             files = manifest.sections[name]
             index = mf.read_verified(self.storage, self.directory, manifest, files["index"])
-            tree, entries = mf.parse_index(index, self.storage.uri(f"{self.directory}/{files['index']}"))
+            tree, entries, blocks = mf.parse_index_blocks(index, self.storage.uri(f"{self.directory}/{files['index']}"))
+            self._blocks[files["data"]] = blocks
             held = tree.get(where) if isinstance(tree, dict) else None
             if not isinstance(held, dict):
                 raise CorruptCheckpointError(f"section {name} of {self.storage.uri(self.directory)} has no {where!r}")
@@ -319,7 +322,6 @@ class CfRayReader(StorageReader):
         return plans
 
     def read_data(self, plan: Any, planner: Any) -> Future[None]:
-        from torch.distributed._shard._utils import narrow_tensor_by_index
 
         per_file: dict[str, list[Any]] = {}
         for req in plan.items:
@@ -330,39 +332,25 @@ class CfRayReader(StorageReader):
                 per_file.setdefault(info.file, []).append(req)
         manifest = self._manifest or mf.read_manifest(self.storage, self.directory)
         for file, reqs in per_file.items():
-            size = manifest.files[file].size
-            with self.storage.fs.open_input_file(self.storage.fs_path(f"{self.directory}/{file}")) as f:
-                if f.size() != size:
+            blocks, info = self._blocks.get(file), manifest.files[file]
+            data: np.ndarray | mf.RangedData
+            if blocks is not None and callable(getattr(self.storage, "read_range", None)):
+                data = mf.RangedData(self.storage, f"{self.directory}/{file}", info.size, blocks)
+            else:
+                data = mf.read_verified(self.storage, self.directory, manifest, file)
+            for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].entry.offset):
+                e = self.storage_data[req.storage_index].entry
+                t = mf.read_region(data, e, list(req.storage_offsets), list(req.lengths))
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != t.size():
                     raise CorruptCheckpointError(
-                        f"{self.storage.uri(self.directory)}/{file} has {f.size()} bytes, the manifest says {size}"
+                        f"{req.storage_index.fqn}: read {tuple(t.shape)}, wanted {tuple(target.shape)}"
                     )
-                for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].entry.offset):
-                    e = self.storage_data[req.storage_index].entry
-                    offs, lens = list(req.storage_offsets), list(req.lengths)
-                    esize = torch.empty((), dtype=_codec.torch_dtype(e.dtype)).element_size()
-                    if e.shape and offs[1:] == [0] * (len(offs) - 1) and lens[1:] == list(e.shape[1:]):
-                        row = math.prod(e.shape[1:]) * esize  # whole rows: read only those
-                        t = _read(f, e.offset + offs[0] * row, lens[0] * row, e.dtype).reshape(lens)
-                    else:
-                        t = _read(f, e.offset, e.nbytes, e.dtype).reshape(e.shape)
-                        t = narrow_tensor_by_index(t, req.storage_offsets, req.lengths)
-                    target = planner.resolve_tensor(req).detach()
-                    if target.size() != t.size():
-                        raise CorruptCheckpointError(
-                            f"{req.storage_index.fqn}: read {tuple(t.shape)}, wanted {tuple(target.shape)}"
-                        )
-                    target.copy_(t)
-                    planner.commit_tensor(req, target)
+                target.copy_(t)
+                planner.commit_tensor(req, target)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
-
-
-def _read(f: Any, offset: int, nbytes: int, dtype: str) -> torch.Tensor:
-    raw = np.frombuffer(f.read_at(nbytes, offset), dtype=np.uint8).copy() if nbytes else np.empty(0, np.uint8)
-    if raw.nbytes != nbytes:
-        raise CorruptCheckpointError(f"short read: {raw.nbytes} of {nbytes} bytes at {offset}")
-    return torch.from_numpy(raw).view(_codec.torch_dtype(dtype))
 
 
 __all__ = ["CfRayReader", "DcpExported", "export_dcp"]

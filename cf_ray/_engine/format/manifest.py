@@ -374,14 +374,36 @@ def encode_index(flat: _codec.Flat) -> bytes:
     ).encode()
 
 
+#: Bytes per checksummed block of a section's data file: a ranged read (a restore at another number
+#: of ranks reading only the shards it needs, DCP reading through ``CfRayReader``) checks the CRC-32
+#: of every block it touches, so it never reads more than one block beyond each range it needs.
+BLOCK_BYTES = 1 << 18
+
+
+def block_crcs(buf: np.ndarray, block: int = BLOCK_BYTES) -> list[int]:
+    """CRC-32 of every ``block`` bytes of ``buf`` (the last block may be shorter)."""
+    return [crc32_of(buf[i : i + block]) for i in range(0, buf.nbytes, block)]
+
+
 def write_section(
     storage: Storage, directory: str, generation: int, section: str, arena: np.ndarray, index: bytes
 ) -> dict[str, FileInfo]:
-    """Phase 2 of one section: stream the arena, then its index. Returns what the manifest needs."""
+    """Phase 2 of one section: stream the arena, then its index with the CRC-32 of every block of
+    the arena (``BLOCK_BYTES``; for ranged reads). Returns what the manifest needs."""
     data_name, index_name = section_files(generation, section)
     info_data = storage.write_file(f"{directory}/{data_name}", chunked(arena))
+    index = with_blocks(index, block_crcs(arena))
     info_index = storage.write_file(f"{directory}/{index_name}", [index])
     return {data_name: info_data, index_name: info_index}
+
+
+def with_blocks(index: bytes, crcs: list[int], block: int = BLOCK_BYTES) -> bytes:
+    """An encoded index (a JSON object) with the block checksums of its data file added."""
+    raw = bytes(index).rstrip()
+    if not raw.endswith(b"}"):
+        raise ValueError("an index is a JSON object")
+    blocks = json.dumps({"bytes": block, "crc32": crcs}, separators=(",", ":")).encode()
+    return raw[:-1] + b',"blocks":' + blocks + b"}"
 
 
 def commit(storage: Storage, directory: str, manifest: Manifest) -> None:
@@ -633,8 +655,9 @@ class Section:
     """The JSON tree of the state, tensors replaced by references into ``entries``."""
     entries: list[_codec.TensorEntry]
     """The tensor table: where each tensor lies in ``buf``."""
-    buf: np.ndarray
-    """The verified bytes of the section's data file."""
+    buf: np.ndarray | RangedData
+    """The verified bytes of the section's data file (read by range, block by block verified, when
+    the section was loaded ``ranged``)."""
 
     def materialize(self, *, copy: bool = False) -> Any:
         """The state tree with tensors (views into ``buf`` unless ``copy``)."""
@@ -643,7 +666,22 @@ class Section:
         return _codec.unflatten(self.tree, lambda _i, e: _codec.view(self.buf, e, copy=copy), self.entries)
 
 
+@dataclass(frozen=True, slots=True)
+class Blocks:
+    """The block checksums of a section's data file (absent from checkpoints of before them)."""
+
+    size: int
+    """Bytes per block."""
+    crc32: tuple[int, ...]
+
+
 def parse_index(raw: bytes | np.ndarray, where: str) -> tuple[Any, list[_codec.TensorEntry]]:
+    tree, entries, _ = parse_index_blocks(raw, where)
+    return tree, entries
+
+
+def parse_index_blocks(raw: bytes | np.ndarray, where: str) -> tuple[Any, list[_codec.TensorEntry], Blocks | None]:
+    """An index's tree, tensor table and block checksums (``None`` when it has none)."""
     from cf_ray._engine.format import codec as _codec
 
     try:
@@ -651,19 +689,143 @@ def parse_index(raw: bytes | np.ndarray, where: str) -> tuple[Any, list[_codec.T
         if not isinstance(d, dict) or not isinstance(d.get("entries"), list) or "tree" not in d:
             raise ValueError("expected an object with an 'entries' list and a 'tree'")
         entries = [_codec.TensorEntry.from_json(e) for e in d["entries"]]
-        return d["tree"], entries
+        blocks = None
+        if "blocks" in d:
+            b = d["blocks"]
+            if (
+                not isinstance(b, dict)
+                or not _is_int(b.get("bytes"))
+                or b["bytes"] < 1
+                or not isinstance(b.get("crc32"), list)
+                or not all(_is_int(c) and 0 <= c < 2**32 for c in b["crc32"])
+            ):
+                raise ValueError("'blocks' is not {'bytes': int >= 1, 'crc32': [int, ...]}")
+            blocks = Blocks(b["bytes"], tuple(b["crc32"]))
+        return d["tree"], entries, blocks
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as e:
         # UnicodeDecodeError and json.JSONDecodeError are ValueErrors.
         raise CorruptCheckpointError(f"index {where} is malformed: {type(e).__name__}: {e}") from None
 
 
-def load_section(storage: Storage, directory: str, manifest: Manifest, section: str) -> Section:
+class RangedData:
+    """A section's data file on storage, read by byte range: the blocks a read touches are read and
+    checked against their CRC-32 (``Blocks``) before any byte of them is used. Stands in for the
+    whole file's buffer where a reader needs only parts of it (``buf[a:b]`` reads those bytes).
+
+    Args:
+        storage, path: the file (relative to the storage's root).
+        size: its size as the manifest records it.
+        blocks: its block checksums, from the section's index.
+    """
+
+    def __init__(self, storage: Storage, path: str, size: int, blocks: Blocks):
+        if len(blocks.crc32) != math.ceil(size / blocks.size):
+            raise CorruptCheckpointError(
+                f"{storage.uri(path)}: its index has {len(blocks.crc32)} block checksums for "
+                f"{size} bytes in blocks of {blocks.size}"
+            )
+        self.storage = storage
+        self.path = path
+        self.nbytes = size
+        self.blocks = blocks
+        self.bytes_read = 0
+        """Bytes read so far (whole blocks)."""
+        self._last: tuple[int, np.ndarray] | None = None
+        """The last block read (verified): the next small entry usually lies in it too."""
+
+    def read(self, start: int, nbytes: int) -> np.ndarray:
+        """Bytes ``[start, start + nbytes)`` of the file, every block they touch verified.
+
+        Raises:
+            CorruptCheckpointError: a block fails its checksum, or the file is shorter than recorded.
+        """
+        if start < 0 or nbytes < 0 or start + nbytes > self.nbytes:
+            raise CorruptCheckpointError(
+                f"{self.storage.uri(self.path)}: bytes {start}..{start + nbytes} lie beyond its {self.nbytes} bytes"
+            )
+        if nbytes == 0:
+            return np.empty(0, dtype=np.uint8)
+        b = self.blocks.size
+        first, last = start // b, (start + nbytes - 1) // b
+        lo, hi = first * b, min((last + 1) * b, self.nbytes)
+        if first == last and self._last is not None and self._last[0] == first:
+            return self._last[1][start - lo : start - lo + nbytes].copy()  # small entries side by side
+        try:
+            raw = self.storage.read_range(self.path, lo, hi - lo)  # type: ignore[attr-defined]
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{self.storage.uri(self.path)} is missing") from None
+        if raw.nbytes != hi - lo:
+            raise CorruptCheckpointError(
+                f"{self.storage.uri(self.path)}: read {raw.nbytes} of the {hi - lo} bytes at {lo} (truncated)"
+            )
+        for i in range(first, last + 1):
+            crc = crc32_of(raw[(i - first) * b : (i - first + 1) * b])
+            if crc != self.blocks.crc32[i]:
+                raise CorruptCheckpointError(
+                    f"{self.storage.uri(self.path)}: block {i} (bytes {i * b}..) fails its checksum "
+                    f"(crc32 {crc:#x} != {self.blocks.crc32[i]:#x})"
+                )
+        self.bytes_read += raw.nbytes
+        self._last = (last, raw[(last - first) * b :].copy())
+        out = raw[start - lo : start - lo + nbytes]
+        # A small part of a large read is copied out, so that holding it does not hold whole blocks.
+        return out.copy() if nbytes * 2 < raw.nbytes else out
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        if not isinstance(s, slice) or s.step not in (None, 1) or s.start is None or s.stop is None:
+            raise TypeError("RangedData reads contiguous byte ranges: data[start:stop]")
+        return self.read(s.start, s.stop - s.start)
+
+
+def read_region(
+    data: np.ndarray | RangedData, entry: _codec.TensorEntry, offsets: list[int], lengths: list[int]
+) -> Any:
+    """The part of the tensor ``entry`` at ``offsets`` of size ``lengths`` (a ``torch.Tensor``),
+    reading from ``data`` only the rows of its first dimension that the part spans (only the part
+    itself when it is whole rows). A view of ``data`` when that is an array, a new tensor otherwise."""
+    import warnings
+
+    import torch
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+
+    from cf_ray._engine.format import codec as _codec
+
+    dtype = _codec.torch_dtype(entry.dtype)
+    shape = list(entry.shape)
+    if not shape or math.prod(lengths) == 0:
+        t = _codec.view(data, entry, copy=False, readonly_ok=True)
+        assert isinstance(t, torch.Tensor)
+        return narrow_tensor_by_index(t, offsets, lengths) if shape else t
+    row = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+    raw = data[entry.offset + offsets[0] * row : entry.offset + (offsets[0] + lengths[0]) * row]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
+        rows = torch.from_numpy(raw).view(dtype).reshape([lengths[0], *shape[1:]])
+    return narrow_tensor_by_index(rows, [0, *offsets[1:]], lengths)
+
+
+def load_section(
+    storage: Storage, directory: str, manifest: Manifest, section: str, *, ranged: bool = False
+) -> Section:
+    """One section of a committed checkpoint, every file verified before it is parsed.
+
+    Args:
+        ranged: read the data file only where it is used (its ``buf`` is a :class:`RangedData`),
+            when its index has block checksums; the whole file otherwise.
+    """
     names = manifest.sections.get(section)
     if names is None or "index" not in names or "data" not in names:
         raise CorruptCheckpointError(f"checkpoint {storage.uri(directory)} has no section {section!r}")
     index = read_verified(storage, directory, manifest, names["index"])
-    tree, entries = parse_index(index, storage.uri(f"{directory}/{names['index']}"))
-    buf = read_verified(storage, directory, manifest, names["data"])
+    tree, entries, blocks = parse_index_blocks(index, storage.uri(f"{directory}/{names['index']}"))
+    info = manifest.files.get(names["data"])
+    buf: np.ndarray | RangedData
+    if ranged and blocks is not None and info is not None and callable(getattr(storage, "read_range", None)):
+        if is_symlink(storage, f"{directory}/{names['data']}"):
+            raise UnsafeCheckpointError(f"{storage.uri(directory)}/{names['data']} is a symbolic link")
+        buf = RangedData(storage, f"{directory}/{names['data']}", info.size, blocks)
+    else:
+        buf = read_verified(storage, directory, manifest, names["data"])
     for e in entries:
         if e.offset + e.nbytes > buf.nbytes:
             raise CorruptCheckpointError(f"entry {e.name} lies beyond the end of {names['data']}")

@@ -45,7 +45,10 @@ class Storage(Protocol):
     Call order: the writer (a holder actor, phase 2) calls :meth:`write_file` for data files; the
     controller calls :meth:`write_file` for the manifest last, then :meth:`delete_dir` for old
     checkpoints. Readers (any rank at restore, a user's evaluation script) call :meth:`list_dir`,
-    :meth:`exists` and :meth:`read_file`.
+    :meth:`exists` and :meth:`read_file`. Optional: ``read_range(path, offset, nbytes)`` (a
+    ``uint8`` array, shorter at the end of the file, possibly read-only), through which a restore
+    at another number of ranks and DCP's reader read only the blocks they need; without it they
+    read whole files.
     """
 
     def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> FileInfo:

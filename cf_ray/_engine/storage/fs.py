@@ -173,6 +173,31 @@ class FsStorage:
             data = f.read_buffer(size)
         return np.frombuffer(data, dtype=np.uint8).copy()
 
+    def read_range(self, path: str, offset: int, nbytes: int) -> np.ndarray:
+        """``nbytes`` bytes of ``path`` from ``offset`` (fewer at the end of the file); read-only
+        when they come from an object store (no copy of what pyarrow returns)."""
+        full = self._abs(path)
+        if nbytes <= 0:
+            return np.empty(0, dtype=np.uint8)
+        if self._local:
+            if os.path.islink(full):
+                raise UnsafePathError(f"refusing to read {full}: it is a symbolic link")
+            buf = np.empty(nbytes, dtype=np.uint8)
+            fd = os.open(full, os.O_RDONLY)
+            try:
+                view, got = buf.data, 0
+                while got < nbytes:
+                    n = os.preadv(fd, [view[got:]], offset + got)
+                    if not n:
+                        break
+                    got += n
+            finally:
+                os.close(fd)
+            return buf[:got]
+        with self.fs.open_input_file(full) as f:
+            data = f.read_at(nbytes, offset)
+        return np.frombuffer(data, dtype=np.uint8)
+
     def list_dir(self, path: str) -> list[str]:
         full = self._abs(path)
         try:

@@ -435,7 +435,10 @@ class Restorer:
                 "with cf_ray.load_into(...) instead of resuming from it"
             )
         needed = self._sections_needed(manifest.world_size, manifest.replicated)
-        out = {sec: _read(mf.load_section, storage, directory, manifest, sec) for sec in needed}
+        # At another number of ranks every old rank section is needed, but of its shards only the parts
+        # that overlap this rank's new ones: those sections are read by range (block by block verified).
+        ranged = manifest.world_size != self.world_size and not manifest.replicated
+        out = {sec: _read(_load_section, storage, directory, manifest, sec, ranged) for sec in needed}
         return out, manifest.world_size, manifest.replicated
 
     def _fetch_memory(self, cand: MemorySnapshot, section: str) -> mf.Section:
@@ -469,6 +472,12 @@ def _read(fn, *args):
             time.sleep(delay)
             delay *= 2
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _load_section(storage: Storage, directory: str, manifest: mf.Manifest, section: str, ranged: bool) -> mf.Section:
+    if ranged:
+        return mf.load_section(storage, directory, manifest, section, ranged=True)
+    return mf.load_section(storage, directory, manifest, section)
 
 
 def _source_name(source: Any) -> str:

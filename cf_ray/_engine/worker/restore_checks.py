@@ -383,7 +383,14 @@ def _section(loaded: dict[str, mf.Section], name: str) -> mf.Section:
 def _rank_tree(loaded: dict[str, mf.Section], r: int, saved_world: int) -> dict:
     name = mf.rank_section(r)
     try:
-        tree = _section(loaded, name).materialize(copy=False)
+        sec = _section(loaded, name)
+        if isinstance(sec.tree, dict) and isinstance(sec.tree.get("state"), dict):
+            # The tracked state stays encoded here (its names are what is looked at); it is decoded
+            # object by object where it is loaded, so that a section read by range is read only there.
+            tree = mf.Section({k: v for k, v in sec.tree.items() if k != "state"}, sec.entries, sec.buf).materialize()
+            tree["state"] = sec.tree["state"]
+        else:
+            tree = sec.materialize(copy=False)
         if not isinstance(tree, dict) or not isinstance(tree.get("objects"), dict) or "rng" not in tree:
             raise TypeError("expected objects, rng and counters")
         counters = tree["counters"]

@@ -21,12 +21,15 @@ placements (``DTensor.from_local``, no communication), and :meth:`ShardedState.l
 ``set_optimizer_state_dict`` / ``set_model_state_dict``.
 
 Restore at another number of ranks (N -> M, 2 -> 1 and 1 -> 2 included): every rank reads every old
-rank's section (whole files, as for the data sources' re-split), and :meth:`ShardedState.reshard`
-assembles each of its new shards from the old shards that overlap it, with the overlaps computed
-by DCP's own planner helper (``create_read_items_for_chunk_list``); what is not a shard (Adam's
-step, the parameter groups) comes from old rank 0. Not yet: reading only the byte ranges that
-overlap (the storage reads whole files), loading unsharded (DDP) state into sharded objects or the
-other way round, and tensor parallelism beyond what DTensor placements describe (untested).
+rank's index, and :meth:`ShardedState.reshard` assembles each of its new shards from the old shards
+that overlap it, with the overlaps computed by DCP's own planner helper
+(``create_read_items_for_chunk_list``); what is not a shard (Adam's step, the parameter groups)
+comes from old rank 0. From storage, the old sections are read by range
+(``manifest.RangedData``): of each old shard only the rows that overlap this rank's new shard, every
+block read checked against its CRC-32, one region at a time, so a rank's memory grows by its new
+shard plus one tensor at most (measured in tests/test_fsdp2.py). From memory the old sections are
+object-store buffers on the node (shared memory, read in place). Not yet: tensor parallelism beyond
+what DTensor placements describe (untested).
 A checkpoint exported with ``cf-ray export RUN --to dcp`` loads at any world size with
 ``torch.distributed.checkpoint.load``.
 """
@@ -42,6 +45,7 @@ from typing import Any
 import torch
 
 from cf_ray._engine.format import codec as _codec
+from cf_ray._engine.format import manifest as mf
 from cf_ray.errors import CheckpointMismatchError, ConfigError, CorruptCheckpointError
 
 #: Key of the description of the sharded objects in a rank section's tree (beside ``state``).
@@ -52,10 +56,32 @@ KEY = "sharded"
 class SavedShard:
     """A saved local shard, as a restore decodes it (before it becomes a DTensor again)."""
 
-    local: torch.Tensor
+    local: torch.Tensor | None
+    """Its values; ``None`` while they lie unread in a section read by range (``data``)."""
     shard: _codec.ShardInfo
     name: str
     """The entry's path in the section (for messages)."""
+    entry: _codec.TensorEntry | None = None
+    data: mf.RangedData | None = None
+    """Where its bytes are when ``local`` is ``None``."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.local.shape) if self.local is not None else tuple(self.entry.shape)  # type: ignore[union-attr]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype if self.local is not None else _codec.torch_dtype(self.entry.dtype)  # type: ignore[union-attr]
+
+    def region(self, offsets: list[int], lengths: list[int]) -> torch.Tensor:
+        """The part of this shard at ``offsets`` (in the shard) of size ``lengths``; read from storage
+        (only the rows it spans) when the shard was not read."""
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+
+        if self.local is not None:
+            return narrow_tensor_by_index(self.local, offsets, lengths)
+        assert self.entry is not None and self.data is not None
+        return mf.read_region(self.data, self.entry, offsets, lengths)
 
 
 def is_sharded_module(module: Any) -> bool:
@@ -170,6 +196,8 @@ class ShardedState:
         """A saved (encoded) object state, its sharded tensors as :class:`SavedShard`."""
 
         def get(_i: int, e: _codec.TensorEntry) -> Any:
+            if e.shard is not None and e.kind == "torch" and isinstance(buf, mf.RangedData):
+                return SavedShard(None, e.shard, e.name, e, buf)  # read by :meth:`reshard`, the parts it needs
             t = _codec.view(buf, e, copy=copy, readonly_ok=not copy)
             return SavedShard(t, e.shard, e.name) if e.shard is not None and isinstance(t, torch.Tensor) else t
 
@@ -233,6 +261,7 @@ class ShardedState:
         live = self._live_model(module_name)
 
         def wrap(s: SavedShard, like: Any) -> Any:
+            assert s.local is not None  # read: only a resharded load leaves shards unread, and it assembles them
             return DTensor.from_local(
                 s.local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
             )
@@ -314,7 +343,7 @@ def _assemble(what: str, shards: list[Any], like: Any) -> SavedShard:
     if not all(isinstance(s, SavedShard) for s in shards):
         raise CorruptCheckpointError(f"{what}: not every old rank saved a shard of it")
     first = shards[0]
-    if any(s.shard.global_shape != first.shard.global_shape or s.local.dtype != first.local.dtype for s in shards):
+    if any(s.shard.global_shape != first.shard.global_shape or s.dtype != first.dtype for s in shards):
         raise CorruptCheckpointError(f"{what}: the old ranks disagree on its global shape or dtype")
     if like is None or not _codec.is_dtensor(like):
         raise CheckpointMismatchError(
@@ -327,22 +356,23 @@ def _assemble(what: str, shards: list[Any], like: Any) -> SavedShard:
             "checkpoint: the model changed since it was saved"
         )
     mine = like.__create_chunk_list__()[0]
-    dest = torch.empty(tuple(mine.sizes), dtype=first.local.dtype)
+    dest = torch.empty(tuple(mine.sizes), dtype=first.dtype)
     chunks: dict[tuple[int, ...], SavedShard] = {}
     for s in shards:  # replicas (the same offsets) once; empty shards never
-        if s.local.numel():
+        if math.prod(s.shape):
             chunks.setdefault(tuple(s.shard.offsets), s)
     saved = list(chunks.values())
     md = TensorStorageMetadata(
-        TensorProperties(dtype=first.local.dtype),
+        TensorProperties(dtype=first.dtype),
         torch.Size(first.shard.global_shape),
-        [ChunkStorageMetadata(torch.Size(s.shard.offsets), torch.Size(s.local.shape)) for s in saved],
+        [ChunkStorageMetadata(torch.Size(s.shard.offsets), torch.Size(s.shape)) for s in saved],
     )
     filled = 0
     for item in create_read_items_for_chunk_list(what, md, [ChunkStorageMetadata(mine.offsets, mine.sizes)]):
-        src = saved[int(item.storage_index.index)].local  # type: ignore[arg-type]
+        src = saved[int(item.storage_index.index)]  # type: ignore[arg-type]
+        # Only the overlap is read (the rows it spans) when the old shard lies unread on storage.
         narrow_tensor_by_index(dest, item.dest_offsets, item.lengths).copy_(
-            narrow_tensor_by_index(src, item.storage_offsets, item.lengths)
+            src.region(list(item.storage_offsets), list(item.lengths))
         )
         filled += math.prod(item.lengths)
     if filled != dest.numel():
@@ -366,16 +396,16 @@ def _check_tensor(what: str, live: Any, saved: Any, *, check_dtype: bool) -> Non
             )
         chunk = live.__create_chunk_list__()[0]  # type: ignore[attr-defined]
         placements = getattr(live, "placements", None)
-        if tuple(saved.shard.global_shape) != tuple(live.shape) or (check_dtype and saved.local.dtype != live.dtype):
+        if tuple(saved.shard.global_shape) != tuple(live.shape) or (check_dtype and saved.dtype != live.dtype):
             raise CheckpointMismatchError(
                 f"{what} is {tuple(live.shape)} {_dtype(live)} in this script and "
-                f"{tuple(saved.shard.global_shape)} {_dtype(saved.local)} in the checkpoint: "
+                f"{tuple(saved.shard.global_shape)} {_dtype(saved.dtype)} in the checkpoint: "
                 "the model changed since it was saved"
             )
-        if tuple(saved.shard.offsets) != tuple(chunk.offsets) or tuple(saved.local.shape) != tuple(chunk.sizes):
+        if tuple(saved.shard.offsets) != tuple(chunk.offsets) or saved.shape != tuple(chunk.sizes):
             raise CheckpointMismatchError(
                 f"{what}: this rank's shard is at {tuple(chunk.offsets)} size {tuple(chunk.sizes)} "
-                f"({placements}), the checkpoint's at {saved.shard.offsets} size {tuple(saved.local.shape)} "
+                f"({placements}), the checkpoint's at {saved.shard.offsets} size {saved.shape} "
                 f"({saved.shard.placements}): the sharding changed; resharding is not supported yet"
             )
         return
@@ -390,8 +420,8 @@ def _check_tensor(what: str, live: Any, saved: Any, *, check_dtype: bool) -> Non
         )
 
 
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
+def _dtype(t: torch.Tensor | torch.dtype) -> str:
+    return str(t if isinstance(t, torch.dtype) else t.dtype).removeprefix("torch.")
 
 
 __all__ = [
