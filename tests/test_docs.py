@@ -75,3 +75,26 @@ def test_example_spot_training_runs(tmp_path):
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "world size" in out.stdout
+
+
+@pytest.mark.slow
+def test_example_train_fsdp_runs_and_resumes_resharded(tmp_path):
+    """The FSDP2 example: a run with 2 workers, then the same run again with 1 worker, which
+    resumes from its storage with the shards re-split."""
+    env = dict(
+        os.environ,
+        CF_RAY_EXAMPLE_EPOCHS="1",
+        CF_RAY_EXAMPLE_SAMPLES="256",
+        RAY_ADDRESS="local",
+        CF_RAY_CONTROLLER_LINGER_S="2",
+    )
+    base = [sys.executable, os.path.join(ROOT, "examples", "train_fsdp.py"), "--storage-path", str(tmp_path)]
+    base += ["--hidden", "32", "--name", "fs"]
+    first = subprocess.run(base, env=env, capture_output=True, text=True, timeout=400)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "final model:" in first.stdout
+    env["CF_RAY_EXAMPLE_EPOCHS"] = "2"
+    second = subprocess.run(base + ["--workers", "1"], env=env, capture_output=True, text=True, timeout=400)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    out = second.stdout + second.stderr
+    assert re.search(r"resumed at step \d+ from storage, saved by 2 workers", out), out[-3000:]

@@ -59,6 +59,18 @@ def _build(mesh, *, seed=0, hidden=7, extra=False):
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
+def _build_fsdp1(mesh, *, seed=0):
+    """The model of :func:`_build` under FSDP1 (``FullyShardedDataParallel`` with a device mesh, as
+    ``prepare_model(..., parallel_strategy="fsdp", parallel_strategy_kwargs={"device_mesh": mesh})``
+    wraps it): its state dicts hold DTensors too."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 1))
+    model = FullyShardedDataParallel(model, device_mesh=mesh, use_orig_params=True, device_id=torch.device("cpu"))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
 def _train(model, opt, steps, rank, guard=None):
     for step in steps:
         g = torch.Generator().manual_seed(1000 * step + rank)
@@ -260,11 +272,12 @@ def _worker(rank: int, port: int, root: str) -> None:
                 raise AssertionError("a checkpoint of another model was loaded")
             assert _same(_local(get_model_state_dict(other)), before)  # nothing was touched
             assert not other_opt.state
-        # A replicated (DDP) checkpoint of the same model into the FSDP2 one: refused, saying so (#13: not yet).
+
+    with scenario("convert"):  # DDP (replicated) state into FSDP2 and FSDP2 state into DDP (#13)
         torch.manual_seed(0)
         plain = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 1))
         plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-2)
-        _train(plain, plain_opt, (1,), 0)
+        _train(plain, plain_opt, (1, 2), 0)  # the same on every rank, as DDP keeps it
         pr = Phase1(rank, WORLD, True, {"model": plain, "optimizer": plain_opt}, {}, holder=None, timing=Timing())
         ddp = {}
         pr._snap._hand_off = lambda job, secs: ddp.update({n: (s.arena.copy(), s.index) for n, s in secs.items()})
@@ -276,16 +289,166 @@ def _worker(rank: int, port: int, root: str) -> None:
         dist.all_gather_object(every, ddp)
         ddp = {n: mf.Section(*mf.parse_index(ix, n), arena) for d in every for n, (arena, ix) in d.items()}
         assert set(ddp) == {mf.SHARED, *(mf.rank_section(r) for r in range(WORLD))}
-        other, other_opt = _build(mesh, seed=3)
-        before = _local(get_model_state_dict(other))
+        want_model = {k: v.clone() for k, v in plain.state_dict().items()}
+        names = [n for n, _ in plain.named_parameters()]
+        want_opt = {
+            names[i]: {k: v.clone() for k, v in st.items()} for i, st in plain_opt.state_dict()["state"].items()
+        }
+
+        def full_state(m, o):
+            model_sd = {k: v.full_tensor() for k, v in get_model_state_dict(m).items()}
+            opt_sd = {
+                fqn: {k: (v.full_tensor() if k != "step" else v) for k, v in st.items()}
+                for fqn, st in get_optimizer_state_dict(m, o)["state"].items()
+            }
+            return model_sd, opt_sd
+
+        # From memory (the sections as a holder keeps them) and from storage (read by range: each rank
+        # reads only the rows of its shard): every rank takes its shard of each whole tensor.
+        ddp_run = FsStorage(pafs.LocalFileSystem(), os.path.join(root, "ddp"))
+        files = {}
+        for n, (arena, ix) in every[rank].items():  # rank 0 writes the shared section too
+            files.update(mf.write_section(ddp_run, directory, 1, n, arena, ix))
+        gathered_files: list = [None] * WORLD
+        dist.all_gather_object(gathered_files, files)
+        if rank == 0:
+            secs = {
+                n: dict(zip(("data", "index"), mf.section_files(1, n)))
+                for n in (mf.SHARED, *(mf.rank_section(r) for r in range(WORLD)))
+            }
+            mf.commit(
+                ddp_run,
+                directory,
+                mf.Manifest(
+                    step=SNAP_STEP,
+                    epoch=0,
+                    world_size=WORLD,
+                    generation=1,
+                    replicated=True,
+                    sections=secs,
+                    files={k: v for d in gathered_files for k, v in d.items()},
+                ),
+            )
+        dist.barrier()
+        ddp_manifest = mf.read_manifest(ddp_run, directory)
+        stored = {n: mf.load_section(ddp_run, directory, ddp_manifest, n, ranged=True) for n in (mf.SHARED, section)}
+        for loaded_ddp in ({n: ddp[n] for n in (mf.SHARED, section)}, stored):
+            other, other_opt = _build(mesh, seed=3)
+            restore(loaded_ddp, other, other_opt, replicated=True)
+            got_model, got_opt = full_state(other, other_opt)
+            assert _same(got_model, want_model) and _same(got_opt, want_opt)
+        assert stored[mf.SHARED].buf.bytes_read <= stored[mf.SHARED].buf.nbytes
+        # FSDP2 state (the checkpoint of step 3 above) into an unsharded model and optimizer: every rank
+        # gathers each whole tensor from both ranks' shards (what DDP's placement needs).
+        torch.manual_seed(5)
+        whole = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 1))
+        whole_opt = torch.optim.Adam(whole.parameters(), lr=1e-2)
+        for ranged in (False, True):
+            every_rank = {
+                mf.rank_section(r): mf.load_section(storage, directory, manifest, mf.rank_section(r), ranged=ranged)
+                for r in range(WORLD)
+            }
+            restore(every_rank, whole, whole_opt)
+            assert _same(dict(whole.state_dict()), full3)
+            got = {names[i]: st for i, st in whole_opt.state_dict()["state"].items()}
+            assert _same(got, full_opt3)
+        # ... and a wrong model is still named before anything is loaded.
+        torch.manual_seed(5)
+        wrong = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        before = {k: v.clone() for k, v in wrong.state_dict().items()}
         try:
-            restore({n: ddp[n] for n in (mf.SHARED, section)}, other, other_opt, replicated=True)
+            restore(every_rank, wrong, torch.optim.Adam(wrong.parameters()))
         except CheckpointMismatchError as e:
-            assert "0.weight is sharded (DTensor (7, 5)) in this script and a whole (7, 5) tensor" in str(e), str(e)
-            assert "loading unsharded state into sharded objects is not supported yet" in str(e), str(e)
+            assert "0.weight" in str(e) and "(8, 5)" in str(e) and "(7, 5)" in str(e), str(e)
         else:
-            raise AssertionError("a replicated checkpoint was loaded into the FSDP2 model")
-        assert _same(_local(get_model_state_dict(other)), before) and not other_opt.state
+            raise AssertionError("a checkpoint of another model was loaded")
+        assert _same(dict(wrong.state_dict()), before)
+        dist.barrier()
+
+    with scenario("fsdp1"):  # FSDP1 (FullyShardedDataParallel with a device mesh): the same API, the same path
+
+        def build1(seed):
+            return _build_fsdp1(mesh, seed=seed)
+
+        f1, f1_opt = build1(0)
+        state1 = {"model": f1, "optimizer": f1_opt}
+        sharded1 = ShardedState.of(state1)
+        assert sharded1 is not None and sharded1.names == {"model", "optimizer"}
+        p1 = Phase1(rank, WORLD, True, state1, {}, holder=None, timing=Timing(), sharded=sharded1)
+        got1 = {}
+        p1._snap._hand_off = lambda job, secs: got1.update({n: (s.arena.copy(), s.index) for n, s in secs.items()})
+        _train(f1, f1_opt, (1, 2, 3), rank, guard=p1.wait_copy)
+        p1.take(SNAP_STEP, 0, CheckpointKind.SCHEDULED, milestone=False, interval=None, notice={})
+        _train(f1, f1_opt, (4,), rank, guard=p1.wait_copy)
+        p1.capture_late()
+        assert p1.wait_done(30) and not p1.take_errors()
+        p1.close()
+        f1_ref = _state(f1, f1_opt)
+        assert list(got1) == [section]
+        _, e1 = mf.parse_index(got1[section][1], section)
+        assert all(e.shard is not None for e in e1 if e.name.startswith("state.model."))
+        f1_run = FsStorage(pafs.LocalFileSystem(), os.path.join(root, "fsdp1"))
+        f1_files = mf.write_section(f1_run, directory, 1, section, *got1[section])
+        every_files: list = [None] * WORLD
+        dist.all_gather_object(every_files, f1_files)
+        if rank == 0:
+            mf.commit(
+                f1_run,
+                directory,
+                mf.Manifest(
+                    step=SNAP_STEP,
+                    epoch=0,
+                    world_size=WORLD,
+                    generation=1,
+                    replicated=False,
+                    sections={
+                        mf.rank_section(r): dict(zip(("data", "index"), mf.section_files(1, mf.rank_section(r))))
+                        for r in range(WORLD)
+                    },
+                    files={k: v for d in every_files for k, v in d.items()},
+                ),
+            )
+        dist.barrier()
+        f1_manifest = mf.read_manifest(f1_run, directory)
+        g1, g1_opt = build1(9)
+        g1(torch.ones(1, 5)).sum().backward()
+        g1_opt.step()  # Adam's state exists, other values
+        g1_opt.zero_grad()
+        restore({section: mf.load_section(f1_run, directory, f1_manifest, section)}, g1, g1_opt)
+        assert not _same(_state(g1, g1_opt), f1_ref)
+        _train(g1, g1_opt, (4,), rank)
+        assert _same(_state(g1, g1_opt), f1_ref)  # restored step 3, then step 4 again: bitwise
+        # FSDP1 state into FSDP2 (both DTensor Shard(0) on the same mesh) and into a plain model.
+        f2, f2_opt = _build(mesh, seed=11)
+        restore({section: mf.load_section(f1_run, directory, f1_manifest, section)}, f2, f2_opt)
+        torch.manual_seed(12)
+        p2 = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 1))
+        p2_opt = torch.optim.Adam(p2.parameters(), lr=1e-2)
+        restore(
+            {
+                mf.rank_section(r): mf.load_section(f1_run, directory, f1_manifest, mf.rank_section(r))
+                for r in range(WORLD)
+            },
+            p2,
+            p2_opt,
+        )
+        f2_full = {k: v.full_tensor() for k, v in get_model_state_dict(f2).items()}
+        assert _same(f2_full, dict(p2.state_dict()))
+        # FSDP1 without a device mesh would save ShardedTensors: refused when the Checkpointer is built.
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        from cf_ray.errors import ConfigError
+
+        no_mesh = FullyShardedDataParallel(
+            torch.nn.Sequential(torch.nn.Linear(5, 7)), use_orig_params=True, device_id=torch.device("cpu")
+        )
+        try:
+            ShardedState.of({"model": no_mesh})
+        except ConfigError as e:
+            assert "without a device mesh" in str(e) and "parallel_strategy_kwargs" in str(e), str(e)
+        else:
+            raise AssertionError("an FSDP1 module without a device mesh was accepted")
+        dist.barrier()
 
     with scenario("dcp_load"):
         out = os.path.join(root, "dcp")
@@ -333,15 +496,14 @@ def _worker(rank: int, port: int, root: str) -> None:
             assert restore(every, m1, o1, saved_world=WORLD, world_size=1) == []  # resharded: no fingerprint applies
             got = _state(m1, o1)
             assert _same(got["model"], full3)  # one rank: the whole tensors, assembled from both old ranks
-            # Into a model that is not sharded here: refused, saying so (not "resume with 2 workers").
+            # Into a model that is not sharded here, at another world size (2 FSDP2 ranks -> 1 plain): gathered.
             torch.manual_seed(4)
             plain = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 1))
-            try:
-                restore(every, plain, torch.optim.Adam(plain.parameters()), saved_world=WORLD, world_size=1)
-            except CheckpointMismatchError as e:
-                assert "holds sharded (FSDP2/DTensor) state for ['model', 'optimizer']" in str(e), str(e)
-            else:
-                raise AssertionError("sharded state was loaded into an unsharded model")
+            plain_opt = torch.optim.Adam(plain.parameters())
+            restore(every, plain, plain_opt, saved_world=WORLD, world_size=1)
+            assert _same(dict(plain.state_dict()), full3)
+            fqns = [n for n, _ in plain.named_parameters()]
+            assert _same({fqns[i]: st for i, st in plain_opt.state_dict()["state"].items()}, full_opt3)
             assert _same(got["optimizer"]["state"], full_opt3)
             # The same 2 -> 1 through DCP's planner and cf_ray's reader (byte ranges of the sections)
             m1b, o1b = _build(mesh1, seed=7)
@@ -647,6 +809,8 @@ def spawned(tmp_path_factory):
         "restore_memory",
         "restore_storage",
         "bad_input",
+        "convert",
+        "fsdp1",
         "dcp_load",
         "reshard",
         "final_model",
@@ -734,7 +898,8 @@ def _fsdp_loop(cfg: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    model, opt = _build(mesh)
+    build = _build if cfg["wrapper"] == "fsdp2" else _build_fsdp1
+    model, opt = build(mesh)
     ckpt = cf_ray.Checkpointer(
         {"model": model, "optimizer": opt},
         config=cf_ray.CheckpointConfig(policy=cf_ray.FixedInterval(every=2), preemption=False),
@@ -756,7 +921,7 @@ def _fsdp_loop(cfg: dict) -> None:
     t_finish = time.time()
     summary = ckpt.finish()
     # The uninterrupted run, without cf_ray, in the same worker group: fresh objects, every step.
-    ref_model, ref_opt = _build(mesh)
+    ref_model, ref_opt = build(mesh)
     _train(ref_model, ref_opt, range(1, E2E_STEPS + 1), rank)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -779,7 +944,10 @@ def _fsdp_loop(cfg: dict) -> None:
 
 
 @pytest.mark.slow
-def test_fsdp2_worker_sigkilled_resumes_from_memory_bitwise(ray_cluster, tmp_path):
+@pytest.mark.parametrize("wrapper", ["fsdp2", "fsdp1"])
+def test_sharded_worker_sigkilled_resumes_from_memory_bitwise(ray_cluster, tmp_path, wrapper):
+    """FSDP2 (fully_shard) and FSDP1 (FullyShardedDataParallel with a device mesh) + Adam, 2 workers
+    under TorchTrainer, rank 1 SIGKILLed: both ranks resume from memory, bitwise."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -787,7 +955,7 @@ def test_fsdp2_worker_sigkilled_resumes_from_memory_bitwise(ray_cluster, tmp_pat
     out.mkdir()
     TorchTrainer(
         _fsdp_loop,
-        train_loop_config={"out": str(out)},
+        train_loop_config={"out": str(out), "wrapper": wrapper},
         scaling_config=ScalingConfig(num_workers=WORLD),
         run_config=RunConfig(
             name="fsdp2_kill", storage_path=str(tmp_path / "storage"), failure_config=FailureConfig(max_failures=2)

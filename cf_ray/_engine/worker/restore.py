@@ -426,7 +426,10 @@ class Restorer:
         if source is RestoreSource.MEMORY:
             saved_world, replicated = cand.world_size, bool(cand.replicated)
             needed = self._sections_needed(int(saved_world), replicated)
-            return {sec: _read(self._fetch_memory, cand, sec) for sec in needed}, saved_world, replicated
+            out = {sec: _read(self._fetch_memory, cand, sec) for sec in needed}
+            for sec in self._also_needed(out, int(saved_world), replicated):
+                out[sec] = _read(self._fetch_memory, cand, sec)
+            return out, saved_world, replicated
         storage, directory = cand
         manifest = _read(mf.read_manifest, storage, directory)
         if manifest.kind == "final":
@@ -439,7 +442,21 @@ class Restorer:
         # that overlap this rank's new ones: those sections are read by range (block by block verified).
         ranged = manifest.world_size != self.world_size and not manifest.replicated
         out = {sec: _read(_load_section, storage, directory, manifest, sec, ranged) for sec in needed}
+        for sec in self._also_needed(out, manifest.world_size, manifest.replicated):
+            out[sec] = _read(_load_section, storage, directory, manifest, sec, True)
         return out, manifest.world_size, manifest.replicated
+
+    def _also_needed(self, loaded: dict[str, mf.Section], saved_world: int, replicated: bool) -> list[str]:
+        """The other ranks' sections, when this rank's says that objects tracked unsharded here were
+        saved sharded (FSDP2 state into DDP: every old rank's shards make the whole tensors)."""
+        if replicated or saved_world != self.world_size:
+            return []
+        own = loaded.get(mf.rank_section(self.rank))
+        saved = own.tree.get(_sharded.KEY) if own is not None and isinstance(own.tree, dict) else None
+        live = self.sharded.names if self.sharded is not None else set()
+        if not isinstance(saved, dict) or not any(n in self.state and n not in live for n in saved):
+            return []
+        return [mf.rank_section(r) for r in range(saved_world) if r != self.rank]
 
     def _fetch_memory(self, cand: MemorySnapshot, section: str) -> mf.Section:
         holder_name = cand.sections.get(section)

@@ -105,12 +105,11 @@ def validate(
     """
     if not isinstance(saved_world, int) or isinstance(saved_world, bool) or saved_world < 1:
         raise CorruptCheckpointError(f"the checkpoint says it was saved by world_size={saved_world!r} ranks")
-    reshard = saved_world != world_size and not replicated and _saved_sharded(loaded, sharded)
+    saved_sharded = _saved_sharded_names(loaded)
+    live_sharded = sharded.names if sharded is not None else set()
+    # Sharded state saved by another number of ranks: re-split (the rest of the per-rank state from old rank 0).
+    reshard = saved_world != world_size and not replicated and bool(saved_sharded)
     if saved_world != world_size and not replicated and not reshard:
-        sec0 = loaded.get(mf.rank_section(0))
-        if sec0 is not None and isinstance(sec0.tree, dict) and sec0.tree.get(_sharded.KEY):
-            # Sharded state into objects that are not sharded here: say that, not "resume with N workers".
-            _check_sharded_names(sec0.tree, sharded.names if sharded is not None else set())
         raise ElasticResumeError(
             f"the checkpoint was saved by {saved_world} ranks with replicated=False (per-rank model state); "
             f"it cannot be loaded by {world_size} ranks. Resume with {saved_world} workers."
@@ -125,36 +124,63 @@ def validate(
     # -- the tracked state (model, optimizer, schedulers, ...) ----------------------------------------
     if replicated:
         section, where, fp_tree = _section(loaded, mf.SHARED), ("objects",), _section(loaded, mf.SHARED).tree
-    elif reshard:  # sharded state saved by another number of ranks: all but the shards from old rank 0
+    elif reshard:
         section, where, fp_tree = _section(loaded, mf.rank_section(0)), ("state",), trees[0]
     else:
         section, where, fp_tree = _section(loaded, mf.rank_section(rank)), ("state",), mine
     saved_state = _encoded_at(section, where)
     fresh_state = check_names(state, saved_state, "state", allow_missing, allow_unexpected)
-    sharded_names = sharded.names if sharded is not None else set()
-    _check_sharded_names(mine if not replicated else {}, sharded_names)
+    # Saved sharded (FSDP2), unsharded here (DDP, a plain module): gathered whole from every old rank.
+    gather = sorted(n for n in saved_sharded if n in state and n in saved_state and n not in live_sharded)
     states = materialize_objects(
-        section, where, {n: o for n, o in state.items() if n in saved_state and n not in sharded_names}
+        section,
+        where,
+        {n: o for n, o in state.items() if n in saved_state and n not in live_sharded and n not in gather},
     )
+    for name in gather:
+        described = saved_sharded[name]
+        per_rank = [
+            _sharded.decode(
+                _held(loaded, r, name),
+                _section(loaded, mf.rank_section(r)).entries,
+                _section(loaded, mf.rank_section(r)).buf,
+                copy=False,
+            )
+            for r in range(saved_world)
+        ]
+        owner = described.get("module")
+        states[name] = _sharded.gather_whole(
+            described.get("kind", ""), name, per_rank, state[name], state.get(owner) if isinstance(owner, str) else None
+        )
     for name, obj in state.items():
         if name in states:
             check_layout(name, obj, states[name])
+    converted = set(gather)
     if sharded is not None:
-        for name in sorted(sharded_names & set(saved_state)):
-            # A module's shards are copied by load_state_dict: views; the optimizer keeps its own copies.
-            if reshard:
-                per_rank = []
-                for r in range(saved_world):
-                    sec = _section(loaded, mf.rank_section(r))
-                    held = _encoded_at(sec, where)
-                    if name not in held:
-                        raise CorruptCheckpointError(f"{name!r} is missing from section {mf.rank_section(r)}")
-                    per_rank.append(sharded.decode(held[name], sec.entries, sec.buf, copy=False))
+        for name in sorted(live_sharded & set(saved_state)):
+            if reshard and name in saved_sharded:
+                per_rank = [
+                    sharded.decode(
+                        _held(loaded, r, name),
+                        _section(loaded, mf.rank_section(r)).entries,
+                        _section(loaded, mf.rank_section(r)).buf,
+                        copy=False,
+                    )
+                    for r in range(saved_world)
+                ]
                 saved = sharded.reshard(name, per_rank)
-            else:
+                converted.add(name)
+            elif name in saved_sharded:
+                # A module's shards are copied by load_state_dict: views; the optimizer keeps its own copies.
                 saved = sharded.decode(
                     saved_state[name], section.entries, section.buf, copy=not isinstance(state[name], torch.nn.Module)
                 )
+                if sharded.wrapper_changed(name, saved_sharded[name]):
+                    converted.add(name)
+            else:  # saved unsharded (DDP): this rank's shard of each whole tensor
+                whole = sharded.decode(saved_state[name], section.entries, section.buf, copy=True, whole=True)
+                saved = sharded.from_whole(name, whole)
+                converted.add(name)
             sharded.check(name, saved)
             states[name] = sharded.to_live(name, saved)
     # -- RNG --------------------------------------------------------------------------------------------
@@ -192,8 +218,9 @@ def validate(
         data=data_states,
         rng=rng,
         fingerprints={
-            # Resharded objects differ from what any one old rank held: checked by the load, not here.
-            "state": {n: f for n, f in fps.items() if n in states and not (reshard and n in sharded_names)},
+            # Resharded, gathered or split objects differ from what any one old rank held: checked by the
+            # load (DCP's set_*_state_dict, load_state_dict), not by fingerprints.
+            "state": {n: f for n, f in fps.items() if n in states and n not in converted},
             "data": {n: f for n, f in _fingerprints(mine, "objects").items() if n in data_states} if same_world else {},
         },
         fresh=fresh_state + fresh_data,
@@ -318,31 +345,20 @@ def check_layout(name: str, obj: Any, saved: Any) -> None:
             raise CorruptCheckpointError(f"optimizer {name!r}: state for parameters the groups do not list")
 
 
-def _saved_sharded(loaded: dict[str, mf.Section], sharded: _sharded.ShardedState | None) -> bool:
-    """The checkpoint holds sharded state (written with a sharded object) and this script has sharded
-    objects: it can be resharded to another number of ranks."""
-    sec = loaded.get(mf.rank_section(0))
+def _saved_sharded_names(loaded: dict[str, mf.Section]) -> dict[str, dict]:
+    """The objects the checkpoint saved sharded (FSDP2/DTensor), as its rank sections describe them
+    (``{"model": {"kind": "module"}, "optimizer": {"kind": "optimizer", "module": "model"}}``)."""
+    sec = next((sec for name, sec in sorted(loaded.items()) if name != mf.SHARED), None)  # every rank's says it
     saved = sec.tree.get(_sharded.KEY) if sec is not None and isinstance(sec.tree, dict) else None
-    return sharded is not None and isinstance(saved, dict) and bool(saved)
+    return {k: v for k, v in saved.items() if isinstance(v, dict)} if isinstance(saved, dict) else {}
 
 
-def _check_sharded_names(rank_tree: Any, live: set[str]) -> None:
-    """The objects the checkpoint saved sharded are sharded in this script too (and the other way round)."""
-    saved = rank_tree.get(_sharded.KEY) if isinstance(rank_tree, dict) else None
-    saved_names = set(saved) if isinstance(saved, dict) else set()
-    held = rank_tree.get("state") if isinstance(rank_tree, dict) else None
-    was = sorted(saved_names - live)
-    now = sorted(n for n in live - saved_names if isinstance(held, dict) and n in held)
-    if was:
-        raise CheckpointMismatchError(
-            f"the checkpoint holds sharded (FSDP2/DTensor) state for {was}, which this script tracks unsharded: "
-            "loading sharded state into unsharded objects is not supported yet"
-        )
-    if now:
-        raise CheckpointMismatchError(
-            f"this script tracks {now} sharded (FSDP2/DTensor), the checkpoint holds their state unsharded: "
-            "loading unsharded state into sharded objects is not supported yet"
-        )
+def _held(loaded: dict[str, mf.Section], r: int, name: str) -> Any:
+    """The encoded state of tracked object ``name`` in old rank ``r``'s section."""
+    held = _encoded_at(_section(loaded, mf.rank_section(r)), ("state",))
+    if name not in held:
+        raise CorruptCheckpointError(f"{name!r} is missing from section {mf.rank_section(r)}")
+    return held[name]
 
 
 def dry_run(obj: Any, method: str, *args) -> None:

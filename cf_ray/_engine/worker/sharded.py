@@ -36,6 +36,7 @@ A checkpoint exported with ``cf-ray export RUN --to dcp`` loads at any world siz
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Mapping
@@ -85,10 +86,24 @@ class SavedShard:
 
 
 def is_sharded_module(module: Any) -> bool:
-    """A module whose parameters or buffers are DTensors (FSDP2, tensor parallelism)."""
+    """A module whose parameters or buffers are DTensors (FSDP2, tensor parallelism), or that is
+    or holds an FSDP1 ``FullyShardedDataParallel`` module (its state dicts hold DTensors when it was
+    given a ``device_mesh``; :meth:`ShardedState.of` refuses one without).
+
+    Raises:
+        ConfigError: an FSDP1 module without a device mesh.
+    """
     if not isinstance(module, torch.nn.Module):
         return False
+    if _fsdp1_modules(module):
+        return True
     return any(_codec.is_dtensor(t) for t in module.parameters()) or any(_codec.is_dtensor(t) for t in module.buffers())
+
+
+def _fsdp1_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    return list(FSDP1.fsdp_modules(module)) if any(isinstance(m, FSDP1) for m in module.modules()) else []
 
 
 def is_sharded_optimizer(opt: Any) -> bool:
@@ -131,12 +146,24 @@ class ShardedState:
             ConfigError: an optimizer steps DTensor parameters that no tracked module holds.
         """
         modules = {n: o for n, o in state.items() if is_sharded_module(o)}
+        for name, mod in modules.items():
+            for fsdp in _fsdp1_modules(mod):
+                if getattr(fsdp, "_device_mesh", None) is None:
+                    raise ConfigError(
+                        f"module {name!r} is an FSDP1 FullyShardedDataParallel without a device mesh: its sharded "
+                        "state dict would hold ShardedTensors, which cf_ray does not save. Pass "
+                        "device_mesh=torch.distributed.device_mesh.init_device_mesh(device_type, (world_size,)) "
+                        "to FullyShardedDataParallel (with Ray: prepare_model(model, parallel_strategy='fsdp', "
+                        "parallel_strategy_kwargs={'device_mesh': mesh})), or use FSDP2's fully_shard"
+                    )
         optimizers: dict[str, tuple[str, torch.optim.Optimizer]] = {}
         for name, opt in state.items():
-            if not is_sharded_optimizer(opt):
+            if not isinstance(opt, torch.optim.Optimizer):
                 continue
             wanted = {id(p) for g in opt.param_groups for p in g["params"]}
             owner = next((m for m, mod in modules.items() if wanted <= {id(p) for p in mod.parameters()}), None)
+            if owner is None and not is_sharded_optimizer(opt):
+                continue  # an optimizer of unsharded parameters
             if owner is None:
                 raise ConfigError(
                     f"optimizer {name!r} steps sharded (DTensor) parameters, but no tracked module holds them all: "
@@ -152,10 +179,21 @@ class ShardedState:
         return set(self.modules) | set(self.optimizers)
 
     def describe(self) -> dict[str, dict[str, str]]:
-        """What a section records of the sharded objects (``KEY``): kind, and an optimizer's module."""
-        out: dict[str, dict[str, str]] = {n: {"kind": "module"} for n in self.modules}
-        out.update({n: {"kind": "optimizer", "module": m} for n, (m, _) in self.optimizers.items()})
+        """What a section records of the sharded objects (``KEY``): kind, an optimizer's module, and
+        the wrapper (``"fsdp1"`` when FSDP1 modules are involved; recorded only then, so that the
+        sections of FSDP2 runs stay as they were)."""
+        out: dict[str, dict[str, str]] = {n: {"kind": "module", **self._wrapper(n)} for n in self.modules}
+        out.update({n: {"kind": "optimizer", "module": m, **self._wrapper(m)} for n, (m, _) in self.optimizers.items()})
         return out
+
+    def _wrapper(self, module_name: str) -> dict[str, str]:
+        return {"wrapper": "fsdp1"} if _fsdp1_modules(self.modules[module_name]) else {}
+
+    def wrapper_changed(self, name: str, saved: dict) -> bool:
+        """The object was saved under another wrapper (FSDP1 <-> FSDP2): the same tensors, but state
+        dicts with other metadata, so the snapshot's fingerprints do not apply."""
+        module_name = name if name in self.modules else self.optimizers[name][0]
+        return saved.get("wrapper") != self._wrapper(module_name).get("wrapper")
 
     # -- snapshot ------------------------------------------------------------------------------------
     def state_dict(self, name: str) -> dict:
@@ -192,16 +230,9 @@ class ShardedState:
         return ptrs
 
     # -- restore -------------------------------------------------------------------------------------
-    def decode(self, tree: Any, entries: list[_codec.TensorEntry], buf, *, copy: bool) -> Any:
-        """A saved (encoded) object state, its sharded tensors as :class:`SavedShard`."""
-
-        def get(_i: int, e: _codec.TensorEntry) -> Any:
-            if e.shard is not None and e.kind == "torch" and isinstance(buf, mf.RangedData):
-                return SavedShard(None, e.shard, e.name, e, buf)  # read by :meth:`reshard`, the parts it needs
-            t = _codec.view(buf, e, copy=copy, readonly_ok=not copy)
-            return SavedShard(t, e.shard, e.name) if e.shard is not None and isinstance(t, torch.Tensor) else t
-
-        return _codec.unflatten(tree, get, entries)
+    def decode(self, tree: Any, entries: list[_codec.TensorEntry], buf, *, copy: bool, whole: bool = False) -> Any:
+        """A saved (encoded) object state, its sharded tensors as :class:`SavedShard` (see :func:`decode`)."""
+        return decode(tree, entries, buf, copy=copy, whole=whole)
 
     def _live_model(self, module_name: str) -> dict[str, Any]:
         return _api().get_model_state_dict(self.modules[module_name])
@@ -319,6 +350,40 @@ class ShardedState:
 
         return walk((), per_rank[0], per_rank)
 
+    def from_whole(self, name: str, saved: Any) -> Any:
+        """The state of ``name`` for this rank from a checkpoint that saved it unsharded (DDP or a
+        plain module; decoded with ``whole=True``): each tensor of a sharded parameter becomes this
+        rank's shard of it (only the rows it spans are read when the section is read by range), an
+        optimizer's state is keyed by FQN as DCP's API wants it. The result passes :meth:`check` when
+        it fits.
+
+        Raises:
+            CheckpointMismatchError: shapes or groups differ (naming the tensor).
+        """
+        if not isinstance(saved, dict):
+            raise CorruptCheckpointError(f"the saved state of {name!r} is not a mapping")
+        module_name = name if name in self.modules else self.optimizers[name][0]
+        live = self._live_model(module_name)
+        if name in self.modules:
+            from cf_ray._engine.worker.restore_checks import check_module_keys  # it imports this module
+
+            check_module_keys(name, live, saved)
+            return {
+                k: _assemble(f"module {name!r}: {k}", [v], live[k]) if isinstance(v, SavedShard) else v
+                for k, v in saved.items()
+            }
+        owner, opt = self.optimizers[name]
+        keyed = _keyed_by(saved, _param_fqns(self.modules[owner], opt), name, to_fqn=True)
+        state = {}
+        for fqn, st in keyed["state"].items():
+            if not isinstance(st, dict):
+                raise CorruptCheckpointError(f"optimizer {name!r}: the state of {fqn} is malformed")
+            state[fqn] = {
+                k: _assemble(f"optimizer {name!r}: state {fqn}.{k}", [v], live[fqn]) if isinstance(v, SavedShard) else v
+                for k, v in st.items()
+            }
+        return {**keyed, "state": state}
+
     def load(self, states: dict[str, Any]) -> None:
         """Load the states (from :meth:`to_live`) with ``set_optimizer_state_dict`` then
         ``set_model_state_dict`` (an optimizer without state yet is initialised by a step with zero
@@ -334,8 +399,121 @@ class ShardedState:
                     dsd.set_model_state_dict(mod, states[name])
 
 
+def decode(tree: Any, entries: list[_codec.TensorEntry], buf: Any, *, copy: bool, whole: bool = False) -> Any:
+    """A saved (encoded) state with its sharded tensors as :class:`SavedShard`.
+
+    Args:
+        buf: the section's bytes; a shard in a section read by range (``manifest.RangedData``) is
+            left unread (``local=None``): :func:`_assemble` reads the parts it needs.
+        copy: other tensors are private copies (else views of ``buf`` where it allows).
+        whole: the state was saved unsharded (DDP): its tensors of one or more dimensions become
+            :class:`SavedShard` too, each the one shard of itself (to be split into this rank's shard).
+    """
+
+    def get(_i: int, e: _codec.TensorEntry) -> Any:
+        shard = e.shard
+        if shard is None and whole and e.kind == "torch" and len(e.shape) >= 1:
+            shard = _codec.ShardInfo(tuple(e.shape), (0,) * len(e.shape), "whole")
+        if shard is not None and e.kind == "torch" and isinstance(buf, mf.RangedData):
+            return SavedShard(None, shard, e.name, e, buf)  # read where it is assembled, the parts needed
+        t = _codec.view(buf, e, copy=copy, readonly_ok=not copy)
+        return SavedShard(t, shard, e.name) if shard is not None and isinstance(t, torch.Tensor) else t
+
+    return _codec.unflatten(tree, get, entries)
+
+
+def _param_fqns(module: torch.nn.Module, opt: torch.optim.Optimizer) -> list[list[str]]:
+    """The FQN of every parameter of every group of ``opt`` (the module's names, without DDP's prefix)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    try:
+        return [[names[id(p)] for p in g["params"]] for g in opt.param_groups]
+    except KeyError:
+        raise ConfigError("an optimizer steps parameters that its module does not hold") from None
+
+
+def _keyed_by(saved: dict, fqns: list[list[str]], name: str, *, to_fqn: bool) -> dict:
+    """An optimizer state with its parameters renamed by position in the groups: integer ids (as
+    ``Optimizer.state_dict`` keys them) to FQNs (as DCP's ``get_optimizer_state_dict`` does), or back."""
+    groups, state = saved.get("param_groups"), saved.get("state")
+    if not isinstance(groups, list) or not isinstance(state, dict):
+        raise CorruptCheckpointError(f"the saved state of optimizer {name!r} is malformed")
+    if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        raise CorruptCheckpointError(f"the saved state of optimizer {name!r} is malformed")
+    got, live = [len(g["params"]) for g in groups], [len(f) for f in fqns]
+    if got != live:
+        raise CheckpointMismatchError(
+            f"optimizer {name!r}: parameter groups of sizes {got} in the checkpoint, "
+            f"{live} in this script: the model or its groups changed"
+        )
+    rename: dict[Any, Any] = {}
+    base = 0  # Optimizer.state_dict numbers the parameters across the groups, in order
+    for g, names in zip(groups, fqns, strict=True):
+        for i, (old, fqn) in enumerate(zip(g["params"], names, strict=True)):
+            rename[old] = fqn if to_fqn else base + i
+        base += len(names)
+    unknown = [k for k in state if k not in rename]
+    if unknown:
+        raise CorruptCheckpointError(f"optimizer {name!r}: state for parameters {unknown[:5]} that no group lists")
+    return {
+        **saved,
+        "state": {rename[k]: v for k, v in state.items()},
+        "param_groups": [{**g, "params": [rename[p] for p in g["params"]]} for g in groups],
+    }
+
+
+def gather_whole(kind: str, name: str, per_rank: list[Any], obj: Any, module: torch.nn.Module | None) -> Any:
+    """The state of an object that was sharded when saved (FSDP2) and is not here (DDP, or no
+    wrapper): every sharded tensor whole, assembled from every old rank's shard (the target placement
+    needs whole tensors), the rest from old rank 0; an optimizer's state keyed back from FQNs to the
+    integer ids of ``obj``'s groups (``module`` is the module it steps).
+
+    Raises:
+        CheckpointMismatchError: the groups differ; CorruptCheckpointError: shards missing.
+    """
+
+    def walk(path: tuple, v0: Any, others: list[Any]) -> Any:
+        if isinstance(v0, SavedShard):
+            what = f"{kind} {name!r}: {'.'.join(map(str, path))}"
+            shape = tuple(v0.shard.global_shape)
+            return _assemble_into(what, others, (0,) * len(shape), shape).local
+        if isinstance(v0, dict):
+            return {
+                k: walk(path + (k,), v, [o.get(k) if isinstance(o, dict) else None for o in others])
+                for k, v in v0.items()
+            }
+        return v0.clone() if isinstance(v0, torch.Tensor) else v0
+
+    whole = walk((), per_rank[0], per_rank)
+    if kind == "optimizer":
+        if module is None:
+            raise CheckpointMismatchError(
+                f"optimizer {name!r} was saved for a sharded module that this script does not track"
+            )
+        whole = _keyed_by(whole, _param_fqns(module, obj), name, to_fqn=False)
+    return whole
+
+
 def _assemble(what: str, shards: list[Any], like: Any) -> SavedShard:
     """This rank's shard of one tensor (shaped like the live DTensor ``like``), from old shards."""
+    if like is None or not _codec.is_dtensor(like):
+        raise CheckpointMismatchError(
+            f"{what} is sharded in the checkpoint and not a DTensor in this script, within an object "
+            "that is sharded here: the model changed since it was saved"
+        )
+    mine = like.__create_chunk_list__()[0]
+    got = _assemble_into(what, shards, tuple(mine.offsets), tuple(mine.sizes), tuple(like.shape))
+    return SavedShard(got.local, dataclasses.replace(got.shard, placements=str(like.placements)), got.name)
+
+
+def _assemble_into(
+    what: str,
+    shards: list[Any],
+    offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+    global_shape: tuple[int, ...] | None = None,
+) -> SavedShard:
+    """The part of one tensor at ``offsets`` of size ``sizes``, assembled from saved shards (only
+    the parts of them that overlap it are read)."""
     from torch.distributed._shard._utils import narrow_tensor_by_index
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -345,17 +523,12 @@ def _assemble(what: str, shards: list[Any], like: Any) -> SavedShard:
     first = shards[0]
     if any(s.shard.global_shape != first.shard.global_shape or s.dtype != first.dtype for s in shards):
         raise CorruptCheckpointError(f"{what}: the old ranks disagree on its global shape or dtype")
-    if like is None or not _codec.is_dtensor(like):
+    if global_shape is not None and global_shape != tuple(first.shard.global_shape):
         raise CheckpointMismatchError(
-            f"{what} is sharded in the checkpoint and not a DTensor in this script: "
-            "loading sharded state into unsharded objects is not supported yet"
-        )
-    if tuple(like.shape) != tuple(first.shard.global_shape):
-        raise CheckpointMismatchError(
-            f"{what} is {tuple(like.shape)} in this script and {tuple(first.shard.global_shape)} in the "
+            f"{what} is {global_shape} in this script and {tuple(first.shard.global_shape)} in the "
             "checkpoint: the model changed since it was saved"
         )
-    mine = like.__create_chunk_list__()[0]
+    mine = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
     dest = torch.empty(tuple(mine.sizes), dtype=first.dtype)
     chunks: dict[tuple[int, ...], SavedShard] = {}
     for s in shards:  # replicas (the same offsets) once; empty shards never
@@ -368,7 +541,7 @@ def _assemble(what: str, shards: list[Any], like: Any) -> SavedShard:
         [ChunkStorageMetadata(torch.Size(s.shard.offsets), torch.Size(s.shape)) for s in saved],
     )
     filled = 0
-    for item in create_read_items_for_chunk_list(what, md, [ChunkStorageMetadata(mine.offsets, mine.sizes)]):
+    for item in create_read_items_for_chunk_list(what, md, [mine]):
         src = saved[int(item.storage_index.index)]  # type: ignore[arg-type]
         # Only the overlap is read (the rows it spans) when the old shard lies unread on storage.
         narrow_tensor_by_index(dest, item.dest_offsets, item.lengths).copy_(
@@ -379,7 +552,7 @@ def _assemble(what: str, shards: list[Any], like: Any) -> SavedShard:
         raise CorruptCheckpointError(
             f"{what}: the saved shards cover {filled} of the {dest.numel()} elements of this rank's shard"
         )
-    shard = _codec.ShardInfo(tuple(first.shard.global_shape), tuple(int(o) for o in mine.offsets), str(like.placements))
+    shard = _codec.ShardInfo(tuple(first.shard.global_shape), tuple(int(o) for o in offsets))
     return SavedShard(dest, shard, first.name)
 
 
@@ -391,8 +564,8 @@ def _check_tensor(what: str, live: Any, saved: Any, *, check_dtype: bool) -> Non
         if not isinstance(saved, SavedShard):
             got = f"a whole {tuple(saved.shape)} tensor" if isinstance(saved, torch.Tensor) else type(saved).__name__
             raise CheckpointMismatchError(
-                f"{what} is sharded (DTensor {tuple(live.shape)}) in this script and {got} in the checkpoint: "
-                "loading unsharded state into sharded objects is not supported yet"
+                f"{what} is sharded (DTensor {tuple(live.shape)}) in this script and {got} in the checkpoint, "
+                "where the object it belongs to was saved sharded: the model changed since it was saved"
             )
         chunk = live.__create_chunk_list__()[0]  # type: ignore[attr-defined]
         placements = getattr(live, "placements", None)
@@ -406,7 +579,9 @@ def _check_tensor(what: str, live: Any, saved: Any, *, check_dtype: bool) -> Non
             raise CheckpointMismatchError(
                 f"{what}: this rank's shard is at {tuple(chunk.offsets)} size {tuple(chunk.sizes)} "
                 f"({placements}), the checkpoint's at {saved.shard.offsets} size {saved.shape} "
-                f"({saved.shard.placements}): the sharding changed; resharding is not supported yet"
+                f"({saved.shard.placements}): the sharding changed at the same number of ranks (another mesh "
+                "or placement), which cf_ray does not reshard; keep the mesh, or load it with "
+                "torch.distributed.checkpoint through `cf-ray export --to dcp`"
             )
         return
     if isinstance(saved, SavedShard):
