@@ -196,6 +196,8 @@ class Checkpointer:
                 ctx.key, ctx.storage, controller_name(ctx.key), _env.namespace()
             ),
             sharded=self._sharded,
+            replicas=-1 if self.config.replicas is None else self.config.replicas,
+            replica_label=self.config.replica_label or "",
         )
         self._link = ControllerLink(
             controller,

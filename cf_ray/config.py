@@ -130,6 +130,17 @@ class CheckpointConfig:
     allow_unexpected_objects: bool = False
     """Restore even when the checkpoint holds an object the script no longer tracks: it is ignored
     with a warning naming it. False: :class:`~cf_ray.errors.CheckpointMismatchError` naming it."""
+    replicas: int | None = None
+    """Copies of each in-memory snapshot that its node's holder places on holders of other nodes
+    (through Ray's object transfer), so that a lost node's snapshot is restored from a peer's
+    memory instead of from storage. ``None``: 1 when the cluster has more than one node, else 0.
+    Replication runs in the holder's background and never delays training or the persist; a copy
+    that is not done before a newer snapshot arrives is skipped (counted in the profile)."""
+    replica_label: str | None = None
+    """A node label naming failure domains (a spot pool or zone, e.g. ``"pool"`` when nodes are
+    started with ``--labels pool=spot-a``): a replica goes to a node whose value differs from the
+    snapshot's own node's, never to the same domain. ``None``: any other node. Draining nodes are
+    never chosen."""
     release_after_fit_s: float = 120.0
     """How long the run's actors — and the snapshots they hold in memory — outlive a ``fit()`` that
     ended without ``finish()`` (Ctrl-C, ``FailureConfig(max_failures)`` exhausted, an error) while
@@ -183,6 +194,16 @@ class CheckpointConfig:
         ):
             raise ConfigError(
                 f"CheckpointConfig.release_after_fit_s={self.release_after_fit_s!r} must be a number of seconds >= 0"
+            )
+        if self.replicas is not None and (
+            not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or not 0 <= self.replicas <= 8
+        ):
+            raise ConfigError(
+                f"CheckpointConfig.replicas={self.replicas!r} must be None (automatic) or an int from 0 to 8"
+            )
+        if self.replica_label is not None and (not isinstance(self.replica_label, str) or not self.replica_label):
+            raise ConfigError(
+                f"CheckpointConfig.replica_label={self.replica_label!r} must be None or a node label name"
             )
         for name in ("allow_missing_objects", "allow_unexpected_objects"):
             if not isinstance(getattr(self, name), bool):

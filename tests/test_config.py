@@ -44,6 +44,9 @@ def test_bad_interval(every):
     "kwargs, field",
     [
         ({"keep_last": 0}, "keep_last"),
+        ({"replicas": -1}, "replicas"),
+        ({"replicas": True}, "replicas"),
+        ({"replica_label": ""}, "replica_label"),
         ({"restore_from": "disk"}, "restore_from"),
         ({"milestone_every": -1}, "milestone_every"),
         ({"policy": 10}, "policy"),

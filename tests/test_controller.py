@@ -21,6 +21,7 @@ from cf_ray._engine.driver.messages import (
     CheckpointKind,
     PartDurable,
     PartFailed,
+    PartReplicated,
     PartStaged,
     PartSuperseded,
     Restored,
@@ -278,3 +279,44 @@ def test_a_checkpoint_a_restore_found_corrupt_is_quarantined_and_never_counts_to
     with pytest.raises(CorruptCheckpointError, match="step 8 .* quarantined"):
         load_state(root, step=8)
     assert cli.main(["ls", root]) == 0
+
+
+def test_a_memory_restore_takes_a_peers_copy_of_a_lost_nodes_section(tmp_path):
+    """Peer replicas (#12): a snapshot whose section's holder is on a lost node is still restorable
+    from memory when a holder of a surviving node has a copy; without a copy the newest snapshot
+    whose every section survives is chosen; a copy that failed or was skipped counts for nothing."""
+    ctl = _controller(tmp_path)
+    meta = {"world_size": 2, "replicated": False, "epoch": 0, "kind": CheckpointKind.SCHEDULED}
+
+    def stage(step, sec, holder, node):
+        m = SnapshotMeta(**meta, rank=mf.section_rank(sec))
+        ctl.part_staged(
+            PartStaged(generation=1, step=step, section=sec, holder=holder, nbytes=32, meta=m, node_id=node)
+        )
+
+    def replica(step, sec, holder, node, origin, **kw):
+        ctl.part_replicated(
+            PartReplicated(
+                generation=1, step=step, section=sec, holder=holder, node_id=node, origin=origin, nbytes=32, **kw
+            )
+        )
+
+    ctl.generation = 1
+    r0, r1 = mf.rank_section(0), mf.rank_section(1)
+    for step in (5, 10):
+        stage(step, r0, "hA", "A")
+        stage(step, r1, "hB", "B")
+    replica(5, r1, "hA", "A", "hB", seconds=0.01)  # step 5's rank 1 section has a copy on node A
+    replica(10, r1, "hA", "A", "hB", error="RayActorError: the peer died")  # step 10's copy failed
+    replica(10, r0, "", "", "hA", skipped=True)
+    books = ctl._commits
+    assert books.newest_in_memory({"A", "B"}).step == 10  # every node alive: the newest
+    lost_b = books.newest_in_memory({"A"})
+    assert lost_b.step == 5 and lost_b.sections == {r0: "hA", r1: "hA"} and lost_b.replicas == {}
+    assert books.newest_in_memory({"B"}) is None  # node A lost: step 5's rank 0 section has no copy
+    replica(10, r1, "hA", "A", "hB", seconds=0.02)  # the copy is made after all
+    again = books.newest_in_memory({"A", "B"})
+    assert again.step == 10 and again.sections == {r0: "hA", r1: "hB"} and again.replicas == {r1: ("hA",)}
+    rows = {r["step"]: r for r in ctl.profile_rows()}
+    assert rows[10]["replica_bytes"] == 32 and rows[10]["replicas_skipped"] == 1
+    assert "the peer died" in rows[10]["replica_error"]

@@ -118,7 +118,8 @@ def test_a_real_drain_with_a_deadline_that_fits_loses_no_step(multinode, referen
     t_drain = time.time()
     _drain(cluster.address, node_b.node_id, deadline_s)
     # Cluster operations belong to this (the main) thread; capacity for the restarted group.
-    cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=OBJECT_STORE_BYTES)
+    added = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=OBJECT_STORE_BYTES)
+    multinode[1][1] = added  # the node a later test of this module takes away
     while time.time() < t_drain + deadline_s:
         time.sleep(0.1)
     removed_at = time.time()
@@ -147,3 +148,114 @@ def test_a_real_drain_with_a_deadline_that_fits_loses_no_step(multinode, referen
     assert rec == {k: v for k, v in e2e.lineage(reference).items() if k[1] != jit_step}
     assert demo.states_equal(reference / "final_state.pt", out / "final_state.pt")
     assert res["steps"] == STEPS
+
+
+@pytest.mark.parametrize("replicas", [1, 0])
+def test_node_loss_restores_from_a_peer_copy_bitwise(multinode, reference, tmp_path, replicas):
+    """The node of one rank is lost (removed without notice) mid-run. With ``replicas=1`` every
+    snapshot has a copy in a holder of the other node, so the restarted group restores the newest
+    snapshot from the surviving node's memory, although its own holder died with the node; with
+    ``replicas=0`` it restores from storage. Storage is slow for step 10 (its write takes 25 s), so
+    the newest snapshot in memory (step 10 or later) is newer than the newest committed one (step 5)
+    when the node goes. Both: every sample once and the final state bitwise equal to the uninterrupted run."""
+    import pyarrow.fs as pafs
+
+    from faulty_fs import SlowHandler
+
+    cluster, (node_a, node_b) = multinode
+    name = f"nodeloss{replicas}"
+    out = tmp_path / "out" / name
+    fs = pafs.PyFileSystem(SlowHandler(10, 11, 25.0))
+    cfg = dict(
+        e2e.SMALL,
+        keep_last=None,
+        step_sleep=0.3,
+        replicas=replicas,
+        storage_path=str(tmp_path / "ckpts"),
+        storage_filesystem=fs,
+    )
+    fitted: dict = {}
+
+    def train():
+        try:
+            fitted["result"] = demo.run(name, str(tmp_path), cfg)
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            fitted["error"] = e
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    deadline = time.time() + 240
+    while time.time() < deadline and _newest_step(out) < 12 and trainer.is_alive():
+        time.sleep(0.05)
+    assert _newest_step(out) >= 12, fitted
+    time.sleep(2.0)  # step 10's copies are made in the holders' background (milliseconds for this state)
+    new_node = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=OBJECT_STORE_BYTES)
+    cluster.remove_node(node_b)  # a spot node reclaimed: its raylet, object store, worker and holder gone
+    trainer.join(400)
+    assert not trainer.is_alive(), "the run did not finish after the node loss"
+    assert "error" not in fitted, fitted
+    first, second = e2e.resumes(out)[:2]
+    assert first["source"] == "fresh"
+    res = e2e.result_of(out)
+    if replicas:
+        # The newest snapshot, from memory: the lost rank's section from the peer's copy on the other node.
+        assert second["source"] == "memory" and second["step"] >= 10, second
+        rows = {r["step"]: r for r in res["profile"] if r.get("generation") == 1}
+        row = rows[second["step"]]
+        assert row.get("replica_bytes", 0) > 0 and row.get("replica_s") is not None, row
+    else:
+        assert (second["source"], second["step"]) == ("storage", 5), second
+        assert not any("replica_bytes" in r for r in res["profile"])
+    assert e2e.lineage(out) == e2e.lineage(reference)
+    assert demo.states_equal(reference / "final_state.pt", out / "final_state.pt")
+    multinode[1][1] = new_node  # the node a later test of this module takes away
+
+
+def test_replicas_go_to_another_pool_never_to_a_draining_node(multinode, tmp_path):
+    """Three labelled nodes, two pools (``pool=spot-a`` twice, ``pool=spot-b``): a holder on a
+    spot-a node chooses only the spot-b node's holder for its copies (never its own pool, never a
+    node without the label), a spot-b holder only spot-a ones; once the spot-b node is draining
+    (Ray's drain path), no spot-a holder chooses it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from cf_ray._engine.node.holder import HolderActor
+    from cf_ray._engine.storage.fs import FsStorage
+
+    cluster, _ = multinode
+    pools = {"a1": "spot-a", "a2": "spot-a", "b1": "spot-b"}
+    nodes = {
+        k: cluster.add_node(
+            num_cpus=0, node_ip_address="127.0.0.1", object_store_memory=OBJECT_STORE_BYTES, labels={"pool": v}
+        )
+        for k, v in pools.items()
+    }
+    cluster.wait_for_nodes()
+    namespace, key = "cf_ray_pools_test", "pools"
+    storage = FsStorage.from_uri(str(tmp_path / "run"))
+    holders = {
+        k: HolderActor.options(
+            name=f"cf_ray.holder.{key}.{n.node_id}",
+            namespace=namespace,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n.node_id, soft=False),
+        ).remote(storage, "cf_ray.controller.none", namespace, None)
+        for k, n in nodes.items()
+    }
+
+    def peers(k: str) -> set[str]:
+        got = ray.get(holders[k].__ray_call__.remote(lambda self: self._peers(3, "pool", "rank_00000")), timeout=60)
+        return {nid for nid, _ in got}
+
+    try:
+        assert peers("a1") == {nodes["b1"].node_id}
+        assert peers("a2") == {nodes["b1"].node_id}
+        assert peers("b1") == {nodes["a1"].node_id, nodes["a2"].node_id}
+        # Automatic (-1): one copy when the cluster has several nodes.
+        assert len(ray.get(holders["b1"].__ray_call__.remote(lambda self: self._peers(-1, "pool", "x")))) == 1
+        _drain(cluster.address, nodes["b1"].node_id, 60)
+        assert peers("a1") == set() and peers("a2") == set()  # the only other pool's node is draining
+    finally:
+        for h in holders.values():
+            ray.kill(h, no_restart=True)
+        for n in nodes.values():
+            cluster.remove_node(n)

@@ -32,7 +32,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cf_ray._engine.driver.messages import CheckpointKind, MemorySnapshot, PartStaged, SectionState, SnapshotMeta
+from cf_ray._engine.driver.messages import (
+    CheckpointKind,
+    MemorySnapshot,
+    PartReplicated,
+    PartStaged,
+    SectionState,
+    SnapshotMeta,
+)
 from cf_ray._engine.driver.profile_book import ProfileBook
 from cf_ray._engine.driver.schedule import ScheduleBook
 from cf_ray._engine.format import manifest as mf
@@ -60,6 +67,10 @@ class _Pending:
     """The sections the checkpoint has; ``None`` until a ``part_staged`` says (its world size)."""
     staged: dict[str, str] = field(default_factory=dict)
     """section -> name of the holder that has it in memory."""
+    staged_nodes: dict[str, str] = field(default_factory=dict)
+    """section -> the node of that holder."""
+    replicas: dict[str, dict[str, str]] = field(default_factory=dict)
+    """section -> {holder of another node with a copy: its node} (peer replicas, #12)."""
     writers: dict[str, str] = field(default_factory=dict)
     """section -> name of the holder that reported it durable or failed."""
     durable: dict[str, dict[str, FileInfo]] = field(default_factory=dict)
@@ -248,19 +259,42 @@ class CommitBook:
         """Steps with an entry still pending or committing (keep-last and clean-up leave them)."""
         return {k[1] for k, p in self.pending.items() if p.state == SectionState.PENDING}
 
-    def newest_in_memory(self) -> MemorySnapshot | None:
-        """The newest snapshot every section of which some holder has (a memory restore)."""
+    def newest_in_memory(self, alive_nodes: set[str] | None = None) -> MemorySnapshot | None:
+        """The newest snapshot every section of which some holder has (a memory restore): its own
+        holder, or a peer's replica. With ``alive_nodes``, a copy on a node not in it does not count
+        (the node is lost: a snapshot whose section had no surviving copy is passed over)."""
+
+        def alive(node: str | None) -> bool:
+            return alive_nodes is None or not node or node in alive_nodes
+
         for (gen, step), p in sorted(self.pending.items(), key=lambda kv: (kv[0][1], kv[0][0]), reverse=True):
-            if p.expected and p.expected <= set(p.staged) and p.meta is not None:
+            if not (p.expected and p.expected <= set(p.staged) and p.meta is not None):
+                continue
+            copies: dict[str, list[str]] = {}
+            for sec in p.expected:
+                found = [p.staged[sec]] if alive(p.staged_nodes.get(sec)) else []
+                found += [h for h, node in sorted(p.replicas.get(sec, {}).items()) if alive(node) and h not in found]
+                if not found:
+                    break
+                copies[sec] = found
+            else:
                 return MemorySnapshot(
                     generation=gen,
                     step=step,
-                    sections=dict(p.staged),
+                    sections={sec: hs[0] for sec, hs in copies.items()},
                     world_size=p.meta.world_size,
                     epoch=p.meta.epoch,
                     replicated=p.meta.replicated,
+                    replicas={sec: tuple(hs[1:]) for sec, hs in copies.items() if len(hs) > 1},
                 )
         return None
+
+    def replicated(self, msg: PartReplicated) -> None:
+        """A peer holds a copy of a section (``msg.holder``), or the copy failed or was skipped."""
+        p = self.pending.get((msg.generation, msg.step))
+        if p is not None and msg.holder and not msg.error and not msg.skipped:
+            p.replicas.setdefault(msg.section, {})[msg.holder] = msg.node_id
+        self._book.note_replicated(msg)
 
     def state_of(self, generation: int, step: int) -> SectionState | None:
         """Where ``(generation, step)`` stands; ``None`` when this controller never heard of it."""
@@ -328,6 +362,8 @@ class CommitBook:
             return None
         meta = msg.meta
         p.staged[msg.section] = msg.holder
+        if msg.node_id:
+            p.staged_nodes[msg.section] = msg.node_id
         p.section_bytes[msg.section] = msg.nbytes
         if meta.rank == 0 or p.meta is None:
             p.meta = meta

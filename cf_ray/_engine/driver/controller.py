@@ -92,6 +92,7 @@ from cf_ray._engine.driver.messages import (
     Message,
     PartDurable,
     PartFailed,
+    PartReplicated,
     PartStaged,
     PartSuperseded,
     Restored,
@@ -239,6 +240,7 @@ class Controller:
         A controller that just started waits (at most ``CF_RAY_RESYNC_TIMEOUT_S``) until the holders
         have said what they hold, so that a memory restore is not missed."""
         self._resynced.wait(timeout=_env.get_float(_env.RESYNC_TIMEOUT_S))
+        alive = _alive_nodes()
         with self._lock:
             self.generation += 1
             # Until this attempt has restored, keep-last deletes nothing: the plan names checkpoints
@@ -248,7 +250,7 @@ class Controller:
             self._world_size = world_size
             self._finished.clear()
             self._requests.clear()  # a notice for the previous attempt is moot
-            memory = self._commits.newest_in_memory()
+            memory = self._commits.newest_in_memory(alive)  # copies on lost nodes do not count
             storage_steps = tuple(self._commits.committed_steps(newest_first=True))
             generation, schedules = self.generation, self._schedule.all()
             state = self._control_state()
@@ -419,6 +421,15 @@ class Controller:
             state, settled = self._commits.state_of(msg.generation, msg.step), self._commits.take_settled()
         self._tell_holders(settled)
         self._resync_if_new(msg.holder, new)
+        return state
+
+    def part_replicated(self, msg: PartReplicated) -> SectionState | None:
+        """A peer replica of a section is held by a holder of another node (or was skipped or failed)."""
+        with self._lock:
+            new = self._note_holder(msg.origin)
+            self._commits.replicated(msg)
+            state = self._commits.state_of(msg.generation, msg.step)
+        self._resync_if_new(msg.origin, new)
         return state
 
     def part_durable(self, msg: PartDurable) -> SectionState | None:
@@ -997,6 +1008,14 @@ def get_controller(key: str):
     try:
         return ray.get_actor(controller_name(key), namespace=_env.namespace())
     except ValueError:
+        return None
+
+
+def _alive_nodes() -> set[str] | None:
+    """The ids of the cluster's alive nodes (``None`` when Ray cannot say: every copy counts)."""
+    try:
+        return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    except Exception:  # noqa: BLE001
         return None
 
 

@@ -120,6 +120,10 @@ class SnapshotMeta(Message):
     deadline_unix: float | None = None
     notice_unix: float | None = None
     notice_source: str | None = None
+    replicas: int = 0
+    """Copies to place on holders of other nodes (``-1``: one when the cluster has several nodes)."""
+    replica_label: str = ""
+    """The node label whose values are failure domains (``""``: any other node)."""
 
 
 # -- holder -> controller ----------------------------------------------------------------------------
@@ -137,6 +141,27 @@ class PartStaged(Message):
     meta: SnapshotMeta
     holder_put_s: float = 0.0
     node_id: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PartReplicated(Message):
+    """A copy of a staged section is held by a holder of another node (a peer replica), or could
+    not be made (``error``) or was skipped for a newer snapshot (``skipped``)."""
+
+    generation: int
+    step: int
+    section: str
+    holder: str
+    """The holder that has the copy (or was to have it); ``""`` when no peer could be chosen."""
+    node_id: str
+    """That holder's node."""
+    origin: str
+    """The holder that has the section itself."""
+    nbytes: int = 0
+    seconds: float = 0.0
+    """From the start of the copy to the peer owning it."""
+    error: str = ""
+    skipped: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -269,6 +294,8 @@ class MemorySnapshot(Message):
     world_size: int
     epoch: int
     replicated: bool
+    replicas: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """section -> holders of other nodes with a copy (tried after ``sections``' holder)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -304,6 +331,7 @@ __all__ = [
     "Failure",
     "HolderState",
     "MemorySnapshot",
+    "PartReplicated",
     "Message",
     "PartDurable",
     "PartFailed",

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 from cf_ray._engine import env as _env
-from cf_ray._engine.driver.messages import CheckpointKind, Failure, SectionState, SnapshotMeta
+from cf_ray._engine.driver.messages import CheckpointKind, Failure, PartReplicated, SectionState, SnapshotMeta
 from cf_ray._engine.driver.schedule import ScheduleBook, checkpoint_stats
 from cf_ray._engine.storage.fs import Storage
 
@@ -444,6 +444,20 @@ class ProfileBook:
         d = meta.deadline_unix  # a just-in-time checkpoint: the earliest deadline any rank knows
         if d is not None and (row.get("deadline_unix") is None or d < row["deadline_unix"]):
             row.update(deadline_unix=d, notice_unix=meta.notice_unix, notice_source=meta.notice_source)
+
+    def note_replicated(self, msg: PartReplicated) -> None:
+        """A peer replica of a section (#12): its bytes and seconds (the slowest section's), or a
+        copy skipped for a newer snapshot or failed, in the checkpoint's row."""
+        if (msg.generation, msg.step) not in self._rows and (msg.generation, msg.step) in self._evicted:
+            return  # the row already left for storage
+        row = self.row(msg.generation, msg.step)
+        if msg.skipped:
+            row["replicas_skipped"] = row.get("replicas_skipped", 0) + 1
+        elif msg.error:
+            row["replica_error"] = f"{msg.section}: {msg.error}"
+        else:
+            row["replica_bytes"] = row.get("replica_bytes", 0) + msg.nbytes
+            row["replica_s"] = max(row.get("replica_s") or 0.0, msg.seconds)
 
     def note_superseded(self, generation: int, step: int) -> None:
         self.row(generation, step).update(

@@ -12,6 +12,13 @@ incomplete across ranks when a worker dies in the middle of a snapshot; the one 
 newest complete one), so ``2 x`` the section size, plus transiently the argument of a ``stage``
 call.
 
+Peer replicas (#12): with ``SnapshotMeta.replicas`` set, a replication thread copies the newest
+staged entry of each section to holders of this run on other nodes (``hold_replica``: the peer
+pulls the object through Ray's object transfer and owns its copy), in its own thread beside the
+writer, so it never delays training or the persist: a copy not started when a newer snapshot
+comes is skipped. A holder keeps the two newest copies per (origin holder, section) it was given, and
+``get_section`` serves them like its own.
+
 Coalescing is per *checkpoint*, not per section: the writer finishes every section of the step it
 has started, then takes the oldest step waiting; a newer snapshot supersedes the whole of an older
 one that has not started (every one of its sections), never a part of it. So when storage is
@@ -63,6 +70,7 @@ from cf_ray._engine.driver.messages import (
     Message,
     PartDurable,
     PartFailed,
+    PartReplicated,
     PartStaged,
     PartSuperseded,
     SnapshotMeta,
@@ -131,8 +139,16 @@ class Holder:
         self._record: collections.OrderedDict[tuple[int, int], dict[str, list]] = collections.OrderedDict()
         self._generation = 0  # the newest generation staged here
         self._sender = Sender(controller_name, namespace)
+        # Peer replicas (#12): the newest staged entry of each section waiting to be copied to a
+        # holder of another node (an older one not started is skipped), and the copies this holder
+        # keeps for holders of other nodes, the two newest per (origin holder, section).
+        self._to_replicate: dict[str, _Entry] = {}
+        self._replicas: dict[tuple[str, str], list[_Entry]] = {}
+        self._no_peer_logged = False
         self._thread = threading.Thread(target=self._writer, name="cf_ray-persist", daemon=True)
         self._thread.start()
+        self._replicator_thread = threading.Thread(target=self._replicator, name="cf_ray-replicate", daemon=True)
+        self._replicator_thread.start()
 
     # -- called by workers -------------------------------------------------------------------
     def stage(
@@ -170,6 +186,13 @@ class Holder:
                 kept = self._latest.setdefault(e.section, [])
                 kept.append(e)
                 del kept[:-2]
+            skipped = []
+            if meta.replicas != 0:
+                for e in entries:
+                    old = self._to_replicate.get(e.section)
+                    if old is not None and (old.generation, old.step) < (e.generation, e.step):
+                        skipped.append(old)
+                    self._to_replicate[e.section] = e
             if meta.persist:
                 for msg in staged:
                     self._record_staged(msg)
@@ -192,18 +215,53 @@ class Holder:
         acks = [self._sender.send("part_staged", msg) for msg in staged]
         for msg in superseded:
             self._sender.send("part_superseded", msg)
+        for old in skipped:  # its copy had not started when a newer snapshot came: never delays the newest
+            self._sender.send(
+                "part_replicated",
+                PartReplicated(
+                    generation=old.generation,
+                    step=old.step,
+                    section=old.section,
+                    holder="",
+                    node_id="",
+                    origin=self._name,
+                    skipped=True,
+                ),
+            )
         deadline = time.monotonic() + STAGE_ACK_WAIT_S
         acked = all(a.wait(max(0.0, deadline - time.monotonic())) for a in acks)
         return {"put_s": put_s, "acked": acked}
 
     def get_section(self, generation: int, step: int, section: str) -> list | None:
-        """``[ObjectRef of the arena, index bytes]`` if held, else ``None``."""
+        """``[ObjectRef of the arena, index bytes]`` if held (its own, or a peer's replica), else ``None``."""
         with self._lock:
             waiting = [e for secs in self._waiting.values() for e in secs.values()]
-            for e in (*self._latest.get(section, ()), self._writing, *self._current_left.values(), *waiting):
+            copies = [e for kept in self._replicas.values() for e in kept]
+            for e in (*self._latest.get(section, ()), self._writing, *self._current_left.values(), *waiting, *copies):
                 if e is not None and e.section == section and e.generation == generation and e.step == step:
                     return [e.ref, e.index]
         return None
+
+    # -- called by the holders of other nodes -------------------------------------------------------------
+    def hold_replica(
+        self, generation: int, step: int, section: str, refs: list, index: bytes, meta: SnapshotMeta, origin: str
+    ) -> dict:
+        """Keep a copy of a section held by holder ``origin`` of another node. ``refs[0]`` is the
+        origin's object (in a list, so that Ray hands this method the reference, not the value): it
+        is pulled to this node by Ray's object transfer and put again, owned by this holder, so the
+        copy outlives the origin's node. Returns ``{"holder", "node_id", "put_s"}``."""
+        t0 = time.perf_counter()
+        arena = cast(np.ndarray, ray.get(refs[0]))
+        ref = ray.put(arena)
+        nbytes = int(arena.nbytes)
+        del arena  # the pulled copy is released; this holder's own object stays
+        entry = _Entry(generation, step, section, ref, bytes(index), nbytes, meta)
+        with self._lock:
+            kept = self._replicas.setdefault((origin, section), [])
+            kept.append(entry)
+            kept.sort(key=lambda e: (e.generation, e.step))
+            del kept[:-2]
+        return {"holder": self._name, "node_id": self._node, "put_s": time.perf_counter() - t0}
 
     # -- called by the controller ----------------------------------------------------------------
     def resync(self) -> HolderState:
@@ -359,6 +417,97 @@ class Holder:
                 self._writing = None
                 self._lock.notify_all()
             self._sender.send("part_durable" if isinstance(outcome, PartDurable) else "part_failed", outcome)
+
+    # -- replication thread (#12) -----------------------------------------------------------------------
+    def _replicator(self) -> None:
+        while True:
+            with self._lock:
+                while not self._to_replicate:
+                    self._lock.wait(timeout=1.0)
+                section = min(self._to_replicate, key=lambda k: (self._to_replicate[k].step, k))
+                entry = self._to_replicate.pop(section)
+            try:
+                self._replicate(entry)
+            except Exception:  # noqa: BLE001 - the thread never dies; a copy is an optimisation
+                logger.warning("cf_ray: replicating %s of step %d failed", entry.section, entry.step, exc_info=True)
+
+    def _replicate(self, entry: _Entry) -> None:
+        peers = self._peers(entry.meta.replicas, entry.meta.replica_label, entry.section)
+        if not peers:
+            return
+        for node_id, peer in peers:
+            t0 = time.perf_counter()
+            msg: PartReplicated
+            try:
+                got: dict = ray.get(
+                    peer.hold_replica.remote(
+                        entry.generation, entry.step, entry.section, [entry.ref], entry.index, entry.meta, self._name
+                    ),
+                    timeout=max(30.0, entry.size_bytes / 50e6),
+                )
+                msg = PartReplicated(
+                    generation=entry.generation,
+                    step=entry.step,
+                    section=entry.section,
+                    holder=got["holder"],
+                    node_id=got["node_id"],
+                    origin=self._name,
+                    nbytes=entry.size_bytes,
+                    seconds=time.perf_counter() - t0,
+                )
+            except Exception as e:  # noqa: BLE001 - the peer died, or its node is gone: reported
+                msg = PartReplicated(
+                    generation=entry.generation,
+                    step=entry.step,
+                    section=entry.section,
+                    holder="",
+                    node_id=node_id,
+                    origin=self._name,
+                    error=f"{type(e).__name__}: {e}",
+                )
+            self._sender.send("part_replicated", msg)
+
+    def _peers(self, wanted: int, label: str, section: str) -> list[tuple[str, Any]]:
+        """Up to ``wanted`` holders of this run on other alive, not draining nodes (``-1``: one when
+        the cluster has more than one node), in another failure domain when ``label`` names one:
+        ``[(node id, handle)]``. Spread over the candidates by section."""
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        if wanted < 0:
+            wanted = 1 if len(nodes) > 1 else 0
+        if wanted == 0:
+            return []
+        try:
+            from ray._private import state as _state
+
+            draining = set(_state.state.get_draining_nodes())
+        except Exception:  # noqa: BLE001 - an older GCS: no draining nodes known
+            draining = set()
+        mine = next((n for n in nodes if n["NodeID"] == self._node), None)
+        domain = ((mine or {}).get("Labels") or {}).get(label) if label else None
+        prefix = self._name.rsplit(".", 1)[0]
+        found: list[tuple[str, Any]] = []
+        for n in sorted(nodes, key=lambda n: n["NodeID"]):
+            nid = n["NodeID"]
+            if nid == self._node or nid in draining:
+                continue
+            if label and ((n.get("Labels") or {}).get(label) == domain or domain is None):
+                continue  # the same failure domain (or this node's is unknown: none is known to differ)
+            try:
+                found.append((nid, ray.get_actor(f"{prefix}.{nid}", namespace=self.namespace)))
+            except ValueError:
+                continue  # no worker of this run on that node: no holder there
+        if not found:
+            if not self._no_peer_logged:
+                self._no_peer_logged = True
+                logger.warning(
+                    "cf_ray: no holder of this run on another%s node to copy snapshots to; they stay on "
+                    "this node only (its loss means restoring from storage)",
+                    f" {label!r} domain's" if label else "",
+                )
+            return []
+        self._no_peer_logged = False
+        start = sum(section.encode()) % len(found)
+        return (found[start:] + found[:start])[:wanted]
 
 
 def _actor_name() -> str:

@@ -459,19 +459,33 @@ class Restorer:
         return [mf.rank_section(r) for r in range(saved_world) if r != self.rank]
 
     def _fetch_memory(self, cand: MemorySnapshot, section: str) -> mf.Section:
-        holder_name = cand.sections.get(section)
-        if holder_name is None:
+        """A section from the memory of its holder, else of a holder of another node with a copy
+        (a peer replica: the section's own node may be lost)."""
+        first = cand.sections.get(section)
+        if first is None:
             raise LookupError(f"no holder has section {section}")
-        holder = ray.get_actor(holder_name, namespace=_env.namespace())
-        got = ray.get(
-            holder.get_section.remote(cand.generation, cand.step, section), timeout=_env.get_float(_env.ACTOR_TIMEOUT_S)
-        )
-        if got is None:
-            raise LookupError(f"holder {holder_name} no longer has section {section} of step {cand.step}")
-        ref, index = got
-        arena = cast(np.ndarray, ray.get(ref, timeout=_env.get_float(_env.ACTOR_TIMEOUT_S)))
-        tree, entries = mf.parse_index(index, f"memory:{section}")
-        return mf.Section(tree, entries, arena)
+        errors = []
+        for holder_name in (first, *cand.replicas.get(section, ())):
+            try:
+                holder = ray.get_actor(holder_name, namespace=_env.namespace())
+                got = ray.get(
+                    holder.get_section.remote(cand.generation, cand.step, section),
+                    timeout=_env.get_float(_env.ACTOR_TIMEOUT_S),
+                )
+                if got is None:
+                    raise LookupError(f"holder {holder_name} no longer has section {section} of step {cand.step}")
+                ref, index = got
+                arena = cast(np.ndarray, ray.get(ref, timeout=_env.get_float(_env.ACTOR_TIMEOUT_S)))
+            except (ValueError, LookupError, ray.exceptions.RayError) as e:
+                errors.append(f"{holder_name}: {_describe(e)}")
+                continue
+            if holder_name != first:
+                logger.warning(
+                    "cf_ray: rank %d: %s of step %d from a peer's copy (%s)", self.rank, section, cand.step, holder_name
+                )
+            tree, entries = mf.parse_index(index, f"memory:{section}")
+            return mf.Section(tree, entries, arena)
+        raise LookupError(f"no copy of section {section} of step {cand.step} could be read: {'; '.join(errors)}")
 
 
 def _read(fn, *args):

@@ -542,6 +542,8 @@ class Phase1:
         sharded: the tracked objects whose state is sharded (FSDP2/DTensor, ``sharded.py``): their
             state is taken with PyTorch's state-dict API and each rank saves its own shards, so the
             snapshot is per-rank (``replicated`` is then false).
+        replicas, replica_label: ``CheckpointConfig.replicas`` (``-1`` for automatic) and
+            ``replica_label`` (``""`` for none), passed to the holder with each snapshot.
     """
 
     def __init__(
@@ -555,8 +557,12 @@ class Phase1:
         timing: Timing,
         resolve_holder: Callable[[], Any] | None = None,
         sharded: _sharded.ShardedState | None = None,
+        replicas: int = 0,
+        replica_label: str = "",
     ):
         self.rank = rank
+        self._replicas = replicas
+        self._replica_label = replica_label
         self.world_size = world_size
         self.sharded = sharded
         self.replicated = replicated and sharded is None
@@ -593,6 +599,8 @@ class Phase1:
             milestone=milestone,
             priority=kind is CheckpointKind.PREEMPT,
             interval=interval,
+            replicas=self._replicas,
+            replica_label=self._replica_label,
             **notice,
         )
         guarded = self._guarded_ptrs()
