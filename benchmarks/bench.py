@@ -218,6 +218,21 @@ def _build_model(width: int, layers: int):
     return torch.nn.Sequential(*mods)
 
 
+def _fsdp2(model, world: int):
+    """The reference model sharded with FSDP2 (``fully_shard`` per Linear, then the root) on a CPU
+    mesh of the worker group (gloo), as torchtitan shards its blocks."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def _state_bytes(model, opt) -> int:
     import torch
 
@@ -521,7 +536,10 @@ def _run_segments(cfg: dict, ctx, t_loop: float) -> None:
     mon = _MemMonitor()
     rss_before_model, anon_before_model, _ = _MemMonitor.read()
     torch.manual_seed(cfg["seed"])
-    model = ray.train.torch.prepare_model(_build_model(cfg["width"], cfg["layers"]))
+    if cfg.get("parallel") == "fsdp2":
+        model = _fsdp2(_build_model(cfg["width"], cfg["layers"]), world)
+    else:
+        model = ray.train.torch.prepare_model(_build_model(cfg["width"], cfg["layers"]))
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(cfg["seed"] + 1 + rank)
     batches = [
@@ -1125,13 +1143,14 @@ def _targets(results: dict) -> list[dict]:
     """Each of cf_ray's goals, with the measured value and met/missed (None: not measured)."""
     lim = results["limits"]
     out = []
+    prefix = "FSDP2: " if results.get("config", {}).get("parallel") == "fsdp2" else ""
 
     def add(tid, setting, text, measured, bound, met, note=""):
         out.append(
             {
                 "id": tid,
                 "setting": setting,
-                "target": text,
+                "target": prefix + text,
                 "measured": measured,
                 "bound": bound,
                 "met": met,
@@ -1276,8 +1295,9 @@ def render_markdown(results: dict, *, heading: str = "##") -> str:
     meta, lim, cfg = results["meta"], results["limits"], results["config"]
     lines = []
     m = cfg["model"]
+    parallel = {"fsdp2": "FSDP2 (fully_shard, each worker saves its shards)"}.get(cfg.get("parallel", "ddp"), "DDP")
     lines.append(
-        f"Model: {m['layers']} x Linear({m['width']}, {m['width']}) + Adam, {m['params'] / 1e6:.1f} M "
+        f"Model ({parallel}): {m['layers']} x Linear({m['width']}, {m['width']}) + Adam, {m['params'] / 1e6:.1f} M "
         f"parameters, {m['state_bytes'] / 1e6:.0f} MB of state, batch {m['batch']}, "
         f"{cfg['iters']} iterations per segment, {cfg['rounds']} round(s). "
         f"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S={meta['env'].get('RAY_TRAIN_HEALTH_CHECK_INTERVAL_S')} "
@@ -1539,6 +1559,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="cf_auto's Adaptive(budget_pct=...): the overhead budget in percent (default: %(default)s, "
         "the benchmark's target; the library's default is 5)",
     )
+    p.add_argument(
+        "--parallel",
+        choices=["ddp", "fsdp2"],
+        default="ddp",
+        help="how the reference model is parallelised: ddp (ray.train.torch.prepare_model, the default) or "
+        "fsdp2 (fully_shard per Linear on a CPU mesh: each worker checkpoints its shards; Ray's own "
+        "variants and the recovery measurement are DDP-only and left out)",
+    )
     p.add_argument("--large-width", type=int, help="Linear width of the recovery model")
     p.add_argument("--large-layers", type=int, help="number of Linear layers of the recovery model (~1 GB: 20)")
     p.add_argument("--no-recovery", action="store_true", help="skip the SIGKILL/restore measurement")
@@ -1588,6 +1616,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise SystemExit(f"unknown variant(s) {bad}; choose from {','.join(VARIANTS)}")
+    if args.parallel == "fsdp2":
+        ray_ways = [v for v in variants if v.startswith("ray_")]
+        if args.variants and ray_ways:
+            raise SystemExit(
+                f"--parallel fsdp2 runs none, dcp_async, cf_fixed and cf_auto; {ray_ways} save a DDP "
+                "state dict from rank 0 and are left out: drop them from --variants"
+            )
+        variants = [v for v in variants if not v.startswith("ray_")]
+        args.no_recovery = True  # the recovery job is the DDP one
 
     def matrix_for(workers: int) -> dict[str, list[int]]:
         base = preset["matrix"] if workers != 1 or not preset.get("matrix_w1") else preset["matrix_w1"]
@@ -1664,6 +1701,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                 "out_dir": str(seg_dir),
                 "cf_register": args.cf_register,
                 "budget_pct": args.budget_pct,
+                "parallel": args.parallel,
                 "recovery": rcfg if with_recovery else None,
             }
             t0 = time.time()
@@ -1752,6 +1790,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                 "kill_step": preset["rec_kill_step"],
             },
             "budget_pct": args.budget_pct,
+            "parallel": args.parallel,
             "iters": preset["iters"],
             "warmup": preset["warmup"],
             "rounds": preset["rounds"],

@@ -82,3 +82,32 @@ def test_bench_smoke(tmp_path, capsys):
     assert results["meta"]["plot"] is None or (out / "overhead.png").exists()
     assert bench.main(["--render-readme", str(out / "results.json")]) == 0
     assert "## Performance" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_fsdp2_job(tmp_path, capsys):
+    """The FSDP2 reference job (#13): cf_ray against DCP async_save on the same sharded model, in one
+    run; Ray's own (DDP) variants are refused for it, saying so."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    out = tmp_path / "bench"
+    common = ["--quick", "--parallel", "fsdp2", "--width", "64", "--layers", "2", "--batch", "4"]
+    common += ["--iters", "4", "--warmup", "1", "--ks", "2", "--workers", "2", "--out", str(out)]
+    with pytest.raises(SystemExit, match="drop them from --variants"):
+        bench.main([*common, "--variants", "none,ray_sync,cf_fixed"])
+    assert bench.main([*common, "--variants", "none,dcp_async,cf_fixed"]) == 0
+    printed = capsys.readouterr().out
+    assert "Model (FSDP2" in printed
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["parallel"] == "fsdp2"
+    by = {v["id"]: v for v in results["variants"]}
+    assert set(by) == {"w2/none", "w2/dcp_async/k2", "w2/cf_fixed/k2"}, set(by)
+    cf, dcp = by["w2/cf_fixed/k2"], by["w2/dcp_async/k2"]
+    assert cf["checkpoints_taken"] == 2 and cf["checkpoints_committed"] >= 1 and cf["bytes_written"] > 0
+    assert dcp["checkpoints_committed"] == 2 and dcp["bytes_written"] > 0
+    assert all(isinstance(v["overhead_pct"], float) for v in (cf, dcp))
+    (vs_dcp,) = [t for t in results["targets"] if t["id"] == "vs_dcp_async"]
+    assert vs_dcp["target"].startswith("FSDP2: k=2:")
