@@ -902,7 +902,9 @@ def _fsdp_loop(cfg: dict) -> None:
     model, opt = build(mesh)
     ckpt = cf_ray.Checkpointer(
         {"model": model, "optimizer": opt},
-        config=cf_ray.CheckpointConfig(policy=cf_ray.FixedInterval(every=2), preemption=False),
+        config=cf_ray.CheckpointConfig(
+            policy=cf_ray.FixedInterval(every=2), preemption=False, restore_from=cfg["restore_from"]
+        ),
     )
     resume = ckpt.restore()
     out = cfg["out"]
@@ -944,10 +946,11 @@ def _fsdp_loop(cfg: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wrapper", ["fsdp2", "fsdp1"])
-def test_sharded_worker_sigkilled_resumes_from_memory_bitwise(ray_cluster, tmp_path, wrapper):
+@pytest.mark.parametrize("wrapper, source", [("fsdp2", "memory"), ("fsdp1", "memory"), ("fsdp2", "storage")])
+def test_sharded_worker_sigkilled_resumes_bitwise(ray_cluster, tmp_path, wrapper, source):
     """FSDP2 (fully_shard) and FSDP1 (FullyShardedDataParallel with a device mesh) + Adam, 2 workers
-    under TorchTrainer, rank 1 SIGKILLed: both ranks resume from memory, bitwise."""
+    under TorchTrainer, rank 1 SIGKILLed: both ranks resume from memory (or, with
+    ``restore_from="storage"``, from the newest committed checkpoint), bitwise."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -955,7 +958,7 @@ def test_sharded_worker_sigkilled_resumes_from_memory_bitwise(ray_cluster, tmp_p
     out.mkdir()
     TorchTrainer(
         _fsdp_loop,
-        train_loop_config={"out": str(out), "wrapper": wrapper},
+        train_loop_config={"out": str(out), "wrapper": wrapper, "restore_from": source},
         scaling_config=ScalingConfig(num_workers=WORLD),
         run_config=RunConfig(
             name="fsdp2_kill", storage_path=str(tmp_path / "storage"), failure_config=FailureConfig(max_failures=2)
@@ -965,7 +968,11 @@ def test_sharded_worker_sigkilled_resumes_from_memory_bitwise(ray_cluster, tmp_p
     for rank in range(WORLD):
         resumes = [json.load(open(out / f"resume_rank{rank}_gen{g}.json")) for g in (1, 2)]
         resumes = [{k: r[k] for k in ("source", "step")} for r in resumes]
-        assert resumes == [{"source": "fresh", "step": 0}, {"source": "memory", "step": 4}], resumes
+        if source == "memory":
+            assert resumes == [{"source": "fresh", "step": 0}, {"source": "memory", "step": 4}], resumes
+        else:  # the newest committed when the group restarted: step 4, or 2 if 4 was not yet
+            assert resumes[0] == {"source": "fresh", "step": 0} and resumes[1]["source"] == "storage", resumes
+            assert resumes[1]["step"] in (2, 4), resumes
         final = json.load(open(out / f"final_rank{rank}.json"))
         assert final["equal"], f"rank {rank}: the final sharded state differs from the uninterrupted run's"
         assert not final["failures"] and final["committed"][-1] == E2E_STEPS
