@@ -109,5 +109,9 @@ def test_bench_fsdp2_job(tmp_path, capsys):
     assert cf["checkpoints_taken"] == 2 and cf["checkpoints_committed"] >= 1 and cf["bytes_written"] > 0
     assert dcp["checkpoints_committed"] == 2 and dcp["bytes_written"] > 0
     assert all(isinstance(v["overhead_pct"], float) for v in (cf, dcp))
+    # Each of the 2 workers holds half of the sharded state (plus Adam's replicated step counters).
+    assert cf["state_bytes"] / 2 <= cf["rank_state_bytes"] < 0.6 * cf["state_bytes"]
+    (stall,) = [t for t in results["targets"] if t["id"] == "stall"]
+    assert "state per worker" in stall["target"]
     (vs_dcp,) = [t for t in results["targets"] if t["id"] == "vs_dcp_async"]
     assert vs_dcp["target"].startswith("FSDP2: k=2:")
