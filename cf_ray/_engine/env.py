@@ -23,6 +23,9 @@ LINGER_S = "CF_RAY_CONTROLLER_LINGER_S"
 WRITE_CHUNK_BYTES = "CF_RAY_WRITE_CHUNK_BYTES"
 #: "0" turns off direct I/O (O_DIRECT) for large local writes; they then go through the page cache.
 DIRECT_IO = "CF_RAY_DIRECT_IO"
+#: "0" turns off the holder's shared-memory snapshot slots (#14): snapshots are then handed to the
+#: holder by value (through the object store), with more copies on the host.
+SHM_SLOTS = "CF_RAY_SHM_SLOTS"
 #: Namespace of cf_ray's named actors.
 NAMESPACE = "CF_RAY_NAMESPACE"
 
@@ -63,6 +66,7 @@ _DEFAULTS = {
     LINGER_S: 120.0,
     WRITE_CHUNK_BYTES: 16 * 1024 * 1024,
     DIRECT_IO: 1,
+    SHM_SLOTS: 1,
     SEND_QUEUE: 4096,
     WATCH_INTERVAL_S: 5.0,
     DRAIN_TIMEOUT_S: 300.0,

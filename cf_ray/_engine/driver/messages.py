@@ -117,6 +117,12 @@ class SnapshotMeta(Message):
     """False: held in memory only (never written)."""
     copy_s: float | None = None
     sync_s: float | None = None
+    copied_bytes: int = 0
+    """Bytes the rank copied on the host for this snapshot (#14: the state once, with slots)."""
+    crc_read_bytes: int = 0
+    """Bytes it read again to checksum them (0 when the checksums were taken as the copy landed)."""
+    slot_wait_s: float | None = None
+    """Seconds it waited for a free snapshot slot (both held by the holder)."""
     deadline_unix: float | None = None
     notice_unix: float | None = None
     notice_source: str | None = None

@@ -397,6 +397,30 @@ def write_section(
     return {data_name: info_data, index_name: info_index}
 
 
+def write_section_slot(
+    storage: Storage, directory: str, generation: int, section: str, data: memoryview, index: bytes, crc32: int
+) -> tuple[dict[str, FileInfo], int]:
+    """Phase 2 of one section held in a snapshot slot (``node/shm.py``): ``index`` already carries
+    the block checksums and ``crc32`` is the data's, both computed by the worker as it copied, so the
+    data is written straight from the slot and not read again. A storage without ``write_buffer``
+    streams it (and checksums it again: the two must agree). Returns the manifest's file infos and
+    the bytes copied on the host by the write."""
+    data_name, index_name = section_files(generation, section)
+    write_buffer = getattr(storage, "write_buffer", None)
+    if callable(write_buffer):
+        written: tuple[FileInfo, int] = write_buffer(f"{directory}/{data_name}", data, crc32)  # pyright: ignore[reportAssignmentType] - FsStorage.write_buffer
+        info_data, copied = written
+    else:
+        info_data, copied = storage.write_file(f"{directory}/{data_name}", chunked(data)), data.nbytes
+        if info_data.crc32 != crc32:
+            raise CorruptCheckpointError(
+                f"section {section}: the snapshot's bytes changed in memory after they were checksummed "
+                f"(CRC-32 {info_data.crc32:#010x}, expected {crc32:#010x})"
+            )
+    info_index = storage.write_file(f"{directory}/{index_name}", [index])
+    return {data_name: info_data, index_name: info_index}, copied
+
+
 def with_blocks(index: bytes, crcs: list[int], block: int = BLOCK_BYTES) -> bytes:
     """An encoded index (a JSON object) with the block checksums of its data file added."""
     raw = bytes(index).rstrip()

@@ -77,6 +77,7 @@ from cf_ray._engine.driver.messages import (
 )
 from cf_ray._engine.driver.naming import holder_name
 from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.node import shm as _shm
 from cf_ray._engine.node.sender import Sender
 from cf_ray._engine.storage.fs import Storage
 
@@ -103,13 +104,20 @@ class _Entry:
     step: int
     section: str
     ref: Any
-    """ObjectRef of the uint8 arena, owned by this holder."""
+    """Where the bytes are: one of this holder's shared-memory slots (a :class:`~.shm.SlotDesc`:
+    the worker copied them there), or an ObjectRef of a uint8 array owned by this holder (a snapshot
+    staged by value, or a peer's copy)."""
     index: bytes
-    """The section's encoded tensor index (``manifest.encode_index``)."""
+    """The section's encoded tensor index (``manifest.encode_index``; with the block checksums when
+    the bytes are in a slot)."""
     size_bytes: int
     """Size of the arena."""
     meta: SnapshotMeta
     """What the rank that staged it said of the snapshot."""
+    crc32: int | None = None
+    """CRC-32 of the bytes, when the worker computed it (slots)."""
+    shared: Any = None
+    """An object-store copy of a slot's bytes, made once for readers on other nodes."""
 
 
 class Holder:
@@ -144,6 +152,12 @@ class Holder:
         # keeps for holders of other nodes, the two newest per (origin holder, section).
         self._to_replicate: dict[str, _Entry] = {}
         self._replicas: dict[tuple[str, str], list[_Entry]] = {}
+        # Snapshot slots (#14): two shared-memory slots per section that the workers of this node
+        # copy into; shared locks this holder keeps on the slots of milestones and preemption
+        # checkpoints until they are written; bytes this holder copied on the host (benchmark).
+        self._pairs: dict[str, _shm.SlotPair] = {}
+        self._pins: dict[tuple[int, int, str], _shm.ReadLock] = {}
+        self._copied_bytes = 0
         self._no_peer_logged = False
         self._thread = threading.Thread(target=self._writer, name="cf_ray-persist", daemon=True)
         self._thread.start()
@@ -151,19 +165,79 @@ class Holder:
         self._replicator_thread.start()
 
     # -- called by workers -------------------------------------------------------------------
-    def stage(
-        self, generation: int, step: int, sections: dict[str, tuple[np.ndarray, bytes]], meta: SnapshotMeta
-    ) -> dict:
+    def arena(self, section: str, nbytes: int) -> list[str] | None:
+        """The two shared-memory slots of ``section`` for snapshots of ``nbytes`` (made on first use,
+        made again when the size changed): paths a worker of this node opens and maps. ``None`` when
+        this platform has no anonymous shared memory (the worker then hands snapshots over by value)."""
+        if not _shm.available():
+            return None
+        with self._lock:
+            pair = self._pairs.get(section)
+            if pair is None or pair.nbytes != nbytes:
+                if pair is not None:
+                    pair.close()  # its entries can no longer be read: readers find the slot gone
+                pair = self._pairs[section] = _shm.SlotPair(section, nbytes)
+            return list(pair.paths)
+
+    def release_slots(self) -> int:
+        """Close every slot (the run is over; the memory goes once no worker maps it). Returns how many."""
+        with self._lock:
+            n = 2 * len(self._pairs)
+            for pair in self._pairs.values():
+                pair.close()
+            self._pairs.clear()
+            for lk in self._pins.values():
+                lk.close()
+            self._pins.clear()
+            return n
+
+    def held_bytes(self) -> dict:
+        """Host memory this holder holds for snapshots: ``slots`` (resident pages of the slots),
+        ``objects`` (object-store copies: by-value snapshots, peers' copies, copies for other nodes),
+        and ``copied`` (bytes it copied on the host so far: puts and page-cache writes)."""
+        with self._lock:
+            slots = sum(p.resident_bytes() for p in self._pairs.values())
+            entries = [e for kept in (*self._latest.values(), *self._replicas.values()) for e in kept]
+            objects = sum(
+                e.size_bytes for e in {id(e): e for e in entries}.values() if not isinstance(e.ref, _shm.SlotDesc)
+            )
+            objects += sum(e.size_bytes for e in entries if e.shared is not None)
+            return {"slots": slots, "objects": objects, "copied": self._copied_bytes}
+
+    def _slot_known(self, desc: _shm.SlotDesc) -> bool:
+        return any(desc.path in p.paths for p in self._pairs.values())
+
+    def stage(self, generation: int, step: int, sections: dict[str, tuple], meta: SnapshotMeta) -> dict:
         """Take ownership of a snapshot's sections and queue them for persisting. Returns
         ``{"put_s": seconds to own the bytes, "acked": whether the controller acknowledged it}``
         once the controller has acknowledged ``part_staged`` (at most :data:`STAGE_ACK_WAIT_S`)."""
         t0 = time.perf_counter()
         entries = []
-        for name, (arena, index) in sections.items():
+        unknown = []
+        for name, staged_section in sections.items():
+            desc = staged_section[0]
+            if isinstance(desc, _shm.SlotDesc):
+                # In one of this holder's slots already: nothing to copy. (slot, index, crc32)
+                index, crc = staged_section[1], staged_section[2]
+                if not self._slot_known(desc):
+                    unknown.append(name)  # a slot of this holder's previous life (Ray restarted it)
+                    continue
+                entries.append(_Entry(generation, step, name, desc, bytes(index), desc.nbytes, meta, crc32=crc))
+                continue
+            arena, index = cast(np.ndarray, staged_section[0]), staged_section[1]
             # The argument lives in an object owned by the calling worker; re-put it so that this
             # holder owns the bytes and they survive the worker.
             ref = ray.put(arena)
+            self._copied_bytes += int(arena.nbytes)
             entries.append(_Entry(generation, step, name, ref, bytes(index), int(arena.nbytes), meta))
+        if unknown:
+            return {"put_s": 0.0, "acked": False, "unknown_slots": unknown}
+        for e in entries:
+            if isinstance(e.ref, _shm.SlotDesc) and meta.persist and (meta.milestone or meta.priority):
+                # Never superseded: its slot is not filled again before it is written.
+                lk = _shm.ReadLock.take(e.ref.path, e.generation, e.step, e.ref.seq)
+                if lk is not None:
+                    self._pins[(e.generation, e.step, e.section)] = lk
         put_s = time.perf_counter() - t0
         superseded = []
         key = (generation, step)
@@ -232,15 +306,35 @@ class Holder:
         acked = all(a.wait(max(0.0, deadline - time.monotonic())) for a in acks)
         return {"put_s": put_s, "acked": acked}
 
-    def get_section(self, generation: int, step: int, section: str) -> list | None:
-        """``[ObjectRef of the arena, index bytes]`` if held (its own, or a peer's replica), else ``None``."""
+    def get_section(self, generation: int, step: int, section: str, node_id: str = "") -> list | None:
+        """``[where, index bytes]`` if held (its own, or a peer's replica), else ``None``. ``where`` is
+        a :class:`~.shm.SlotDesc` when the bytes are in a slot and the reader is on this node
+        (``node_id``): it maps the slot and reads it in place; otherwise an ObjectRef (a slot's bytes
+        are put into the object store once for readers on other nodes)."""
         with self._lock:
             waiting = [e for secs in self._waiting.values() for e in secs.values()]
             copies = [e for kept in self._replicas.values() for e in kept]
+            found = None
             for e in (*self._latest.get(section, ()), self._writing, *self._current_left.values(), *waiting, *copies):
                 if e is not None and e.section == section and e.generation == generation and e.step == step:
-                    return [e.ref, e.index]
-        return None
+                    found = e
+                    break
+        if found is None:
+            return None
+        if not isinstance(found.ref, _shm.SlotDesc):
+            return [found.ref, found.index]
+        lk = _shm.ReadLock.take(found.ref.path, generation, step, found.ref.seq, wait_s=1.0)
+        if lk is None:
+            return None  # filled again by a newer snapshot since
+        try:
+            if node_id and node_id == self._node:
+                return [found.ref, found.index]
+            if found.shared is None:
+                found.shared = ray.put(np.frombuffer(lk.data, dtype=np.uint8))
+                self._copied_bytes += found.size_bytes
+            return [found.shared, found.index]
+        finally:
+            lk.close()
 
     # -- called by the holders of other nodes -------------------------------------------------------------
     def hold_replica(
@@ -254,6 +348,7 @@ class Holder:
         arena = cast(np.ndarray, ray.get(refs[0]))
         ref = ray.put(arena)
         nbytes = int(arena.nbytes)
+        self._copied_bytes += nbytes
         del arena  # the pulled copy is released; this holder's own object stays
         entry = _Entry(generation, step, section, ref, bytes(index), nbytes, meta)
         with self._lock:
@@ -389,10 +484,25 @@ class Holder:
             t0 = time.perf_counter()
             outcome: PartDurable | PartFailed
             try:
-                arena = cast(np.ndarray, ray.get(entry.ref))
                 directory = mf.step_dir(entry.step)
-                files = mf.write_section(self.storage, directory, entry.generation, entry.section, arena, entry.index)
-                del arena
+                if isinstance(entry.ref, _shm.SlotDesc):
+                    files = self._write_slot(entry, directory)
+                    if files is None:
+                        gone = PartSuperseded(
+                            generation=entry.generation, step=entry.step, section=entry.section, holder=self._name
+                        )
+                        with self._lock:
+                            self._record_outcome(gone)
+                            self._writing = None
+                            self._lock.notify_all()
+                        self._sender.send("part_superseded", gone)
+                        continue
+                else:
+                    arena = cast(np.ndarray, ray.get(entry.ref))
+                    files = mf.write_section(
+                        self.storage, directory, entry.generation, entry.section, arena, entry.index
+                    )
+                    del arena
                 outcome = PartDurable(
                     generation=entry.generation,
                     step=entry.step,
@@ -418,6 +528,32 @@ class Holder:
                 self._lock.notify_all()
             self._sender.send("part_durable" if isinstance(outcome, PartDurable) else "part_failed", outcome)
 
+    def _write_slot(self, entry: _Entry, directory: str) -> dict | None:
+        """Write a section straight from its slot (shared lock; ``None`` when the slot was filled
+        again by a newer snapshot before this write started: the step was coalesced away)."""
+        assert isinstance(entry.ref, _shm.SlotDesc)
+        key = (entry.generation, entry.step, entry.section)
+        with self._lock:
+            lk = self._pins.pop(key, None)
+        if lk is None:
+            lk = _shm.ReadLock.take(entry.ref.path, entry.generation, entry.step, entry.ref.seq)
+        if lk is None:
+            logger.info(
+                "cf_ray: %s of step %d was overwritten by a newer snapshot before its write started; skipped",
+                entry.section,
+                entry.step,
+            )
+            return None
+        try:
+            assert entry.crc32 is not None
+            files, copied = mf.write_section_slot(
+                self.storage, directory, entry.generation, entry.section, lk.data, entry.index, entry.crc32
+            )
+            self._copied_bytes += copied
+            return files
+        finally:
+            lk.close()
+
     # -- replication thread (#12) -----------------------------------------------------------------------
     def _replicator(self) -> None:
         while True:
@@ -435,13 +571,24 @@ class Holder:
         peers = self._peers(entry.meta.replicas, entry.meta.replica_label, entry.section)
         if not peers:
             return
+        ref = entry.ref
+        if isinstance(ref, _shm.SlotDesc):
+            # The peer pulls an object: the slot's bytes are put into the object store once.
+            lk = _shm.ReadLock.take(ref.path, entry.generation, entry.step, ref.seq)
+            if lk is None:
+                return  # filled again since: a newer snapshot is on its way
+            try:
+                ref = ray.put(np.frombuffer(lk.data, dtype=np.uint8))
+                self._copied_bytes += entry.size_bytes
+            finally:
+                lk.close()
         for node_id, peer in peers:
             t0 = time.perf_counter()
             msg: PartReplicated
             try:
                 got: dict = ray.get(
                     peer.hold_replica.remote(
-                        entry.generation, entry.step, entry.section, [entry.ref], entry.index, entry.meta, self._name
+                        entry.generation, entry.step, entry.section, [ref], entry.index, entry.meta, self._name
                     ),
                     timeout=max(30.0, entry.size_bytes / 50e6),
                 )

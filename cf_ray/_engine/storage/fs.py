@@ -33,6 +33,7 @@ from cf_ray._engine.storage.direct_io import (  # noqa: F401
     _DirectWriter,
     _write_all,
     _write_with_crc,
+    write_aligned,
 )
 from cf_ray.errors import ConfigError, UnsafePathError
 
@@ -152,6 +153,36 @@ class FsStorage:
         self.fs.create_dir(parent, recursive=True)
         with self.fs.open_output_stream(full) as out:
             return _write_with_crc(chunks, lambda mv: out.write(pa.py_buffer(mv)))
+
+    def write_buffer(self, path: str, buf: memoryview, crc32: int) -> tuple[FileInfo, int]:
+        """Write ``path`` durably and atomically from one buffer whose CRC-32 the caller computed
+        (a snapshot slot: its blocks were checksummed as the worker copied them), so the bytes are
+        not read again here. On local disk ``O_DIRECT`` from ``buf`` itself when it is page-aligned
+        (``direct_io.write_aligned``). Returns the file's info and the bytes copied on the host by
+        the write (through the page cache, or into the object store's stream buffers)."""
+        full = self._abs(path)
+        parent = posixpath.dirname(full)
+        mv = buf.cast("B") if buf.format != "B" else buf
+        if self._local:
+            os.makedirs(parent, exist_ok=True)
+            tmp = posixpath.join(parent, f".tmp.{posixpath.basename(full)}.{uuid.uuid4().hex[:8]}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                copied = write_aligned(fd, mv)
+                os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                _silently(os.unlink, tmp)
+                raise
+            os.close(fd)
+            os.replace(tmp, full)
+            _fsync_dir(parent)
+            return FileInfo(mv.nbytes, crc32), copied
+        self.fs.create_dir(parent, recursive=True)
+        with self.fs.open_output_stream(full) as out:
+            for chunk in chunked(mv):
+                out.write(pa.py_buffer(chunk))
+        return FileInfo(mv.nbytes, crc32), mv.nbytes
 
     def read_file(self, path: str) -> np.ndarray:
         full = self._abs(path)

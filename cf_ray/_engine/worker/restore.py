@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -37,6 +38,7 @@ import ray.train
 from cf_ray._engine import env as _env
 from cf_ray._engine.driver.messages import MemorySnapshot, Restored, RestorePlan, RestoreSource
 from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.node import shm as _shm
 from cf_ray._engine.storage.base import Storage
 from cf_ray._engine.worker import restore_checks as _checks
 from cf_ray._engine.worker import sharded as _sharded
@@ -458,6 +460,28 @@ class Restorer:
             return []
         return [mf.rank_section(r) for r in range(saved_world) if r != self.rank]
 
+    @staticmethod
+    def _node_id() -> str:
+        try:
+            return ray.get_runtime_context().get_node_id()
+        except Exception:  # noqa: BLE001 - outside Ray: every read goes through the object store
+            return ""
+
+    def _map_slot(self, desc: _shm.SlotDesc, cand: MemorySnapshot, section: str) -> np.ndarray:
+        """A section in a snapshot slot of this node's holder, mapped read-only and read in place
+        (the restore loads from it: no copy out of the slot first). The mapping stays as long as
+        the arrays that view it."""
+        lk = _shm.ReadLock.take(desc.path, cand.generation, cand.step, desc.seq, wait_s=1.0)
+        if lk is None:
+            raise LookupError(f"the slot of section {section} of step {cand.step} was filled again since")
+        arr = np.frombuffer(lk.data, dtype=np.uint8)
+        # No snapshot is taken while this attempt restores, so nothing fills the slot meanwhile; the
+        # shared lock is released now (a reader never blocks the next snapshot); the mapping stays
+        # as long as the array that views it.
+        _shm.unlock(lk.fd)
+        os.close(lk.fd)
+        return arr
+
     def _fetch_memory(self, cand: MemorySnapshot, section: str) -> mf.Section:
         """A section from the memory of its holder, else of a holder of another node with a copy
         (a peer replica: the section's own node may be lost)."""
@@ -469,13 +493,16 @@ class Restorer:
             try:
                 holder = ray.get_actor(holder_name, namespace=_env.namespace())
                 got = ray.get(
-                    holder.get_section.remote(cand.generation, cand.step, section),
+                    holder.get_section.remote(cand.generation, cand.step, section, self._node_id()),
                     timeout=_env.get_float(_env.ACTOR_TIMEOUT_S),
                 )
                 if got is None:
                     raise LookupError(f"holder {holder_name} no longer has section {section} of step {cand.step}")
-                ref, index = got
-                arena = cast(np.ndarray, ray.get(ref, timeout=_env.get_float(_env.ACTOR_TIMEOUT_S)))
+                where, index = got
+                if isinstance(where, _shm.SlotDesc):
+                    arena = self._map_slot(where, cand, section)
+                else:
+                    arena = cast(np.ndarray, ray.get(where, timeout=_env.get_float(_env.ACTOR_TIMEOUT_S)))
             except (ValueError, LookupError, ray.exceptions.RayError) as e:
                 errors.append(f"{holder_name}: {_describe(e)}")
                 continue

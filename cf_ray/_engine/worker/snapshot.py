@@ -68,6 +68,8 @@ from cf_ray._engine import env as _env
 from cf_ray._engine.driver.messages import CheckpointKind, SnapshotMeta
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.node import shm as _shm
+from cf_ray._engine.storage.base import _crc32
 from cf_ray._engine.worker import fingerprint as _fp
 from cf_ray._engine.worker import sharded as _sharded
 from cf_ray._engine.worker.rng import rng_state
@@ -78,10 +80,16 @@ logger = logging.getLogger("cf_ray")
 
 @dataclass(slots=True)
 class StagedSection:
-    """One section of a snapshot as handed to the holder."""
+    """One section of a snapshot as handed to the holder: by reference to the holder's slot it was
+    copied into (``slot``; ``index`` then carries the block checksums and ``crc32`` is the data's),
+    or, without a slot, the bytes themselves (``arena``, the holder copies and checksums them)."""
 
     arena: np.ndarray
     index: bytes
+    slot: _shm.SlotDesc | None = None
+    crc32: int | None = None
+    raw_index: bytes = b""
+    """The index without block checksums (a by-value hand-off adds its own)."""
 
 
 #: A part of a snapshot taken again at the next Checkpointer call: (its path in the section's tree,
@@ -104,6 +112,17 @@ class LateSlot:
 
 
 @dataclass(slots=True)
+class _Deferred:
+    """A guarded tensor copied by the background thread: its section, where it goes, what it is."""
+
+    section: str
+    offset: int
+    nbytes: int
+    dst: torch.Tensor
+    src: torch.Tensor
+
+
+@dataclass(slots=True)
 class SnapshotJob:
     """A snapshot in flight: what to copy, and what the hand-off needs."""
 
@@ -112,8 +131,11 @@ class SnapshotJob:
     """What the hand-off passes on (a :class:`SnapshotMeta` from the Checkpointer)."""
     flats: dict[str, _codec.Flat]
     arenas: dict[str, np.ndarray]
-    deferred: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    cuda_event: Any = None
+    generation: int = 0
+    """The attempt's generation (a slot's header names it with the step)."""
+    deferred: list[_Deferred] = field(default_factory=list)
+    cuda_events: dict[int, Any] = field(default_factory=dict)
+    """Device index -> the event its side stream waits for (recorded after the optimizer step)."""
     timings: dict[str, float] = field(default_factory=dict)
     buffers: dict[str, Any] = field(default_factory=dict)
     """Section -> its ``_Arena`` (where a late capture writes)."""
@@ -152,6 +174,97 @@ class _Arena:
         if entry.nbytes == 0:
             return torch.empty(entry.shape, dtype=_codec.torch_dtype(entry.dtype))
         return raw.view(_codec.torch_dtype(entry.dtype)).view(entry.shape)
+
+
+#: Bytes copied before their blocks are checksummed, while they are still in the CPU's cache.
+_CRC_WINDOW = 32 * mf.BLOCK_BYTES
+
+
+class _SlotArena:
+    """An arena in the two shared-memory slots of a section that this node's holder owns
+    (``node/shm.py``): each snapshot is copied into one of them, under its exclusive lock, while the
+    holder may persist the other. The slot to fill is the one holding the older fill (or none),
+    never one a reader holds: when both are held (a write in progress and a milestone waiting for
+    its write), :meth:`acquire` waits, and says how long.
+
+    Pinned on CUDA machines (``cudaHostRegister`` of the mapping), so device-to-host copies are DMA
+    into the holder's memory.
+    """
+
+    def __init__(self, paths: list[str], nbytes: int, pin: bool):
+        self.nbytes = nbytes
+        self.slots = [_shm.WriterSlot(p, nbytes) for p in paths]
+        self._tensors = [
+            torch.frombuffer(s.map, dtype=torch.uint8, count=max(nbytes, 1), offset=_shm.HEADER_BYTES)
+            for s in self.slots
+        ]
+        self._registered: list[int] = []
+        if pin:
+            for s in self.slots:
+                ptr, size = s.address(), len(s.map)
+                if _cudart().cudaHostRegister(ptr, size, 0) == 0:
+                    self._registered.append(ptr)
+        self.current = 0
+        self.tensor = self._tensors[0]
+
+    def acquire(self) -> float:
+        """Take a slot for the next snapshot; returns the seconds waited for one."""
+        t0 = time.perf_counter()
+        order = sorted(range(len(self.slots)), key=self._age)
+        while True:
+            for k in order:
+                if self.slots[k].try_fill():
+                    self.current, self.tensor = k, self._tensors[k]
+                    return time.perf_counter() - t0
+            time.sleep(0.002)
+
+    def _age(self, k: int) -> tuple:
+        h = _shm.read_header(self.slots[k].map)
+        return (0, 0, 0) if h.state != _shm.READY else (1, h.generation, h.step)
+
+    def seal(self, generation: int, step: int) -> _shm.SlotDesc:
+        return self.slots[self.current].seal(generation, step)
+
+    def release(self) -> None:
+        """Give up the slot being filled (the snapshot failed): it reads as empty."""
+        slot = self.slots[self.current]
+        if slot.locked:
+            _shm.write_header(slot.map, _shm.EMPTY, -1, -1, slot.seq, self.nbytes)
+            slot.release()
+
+    def numpy(self) -> np.ndarray:
+        return self.tensor.numpy()[: self.nbytes]
+
+    def dst(self, entry: _codec.TensorEntry) -> torch.Tensor:
+        return _Arena.dst(self, entry)  # pyright: ignore[reportArgumentType] - same fields
+
+    def fault_in(self) -> None:
+        """Map every page of both slots now, keeping what they hold (a restored snapshot may be there)."""
+        for t in self._tensors:
+            a = t.numpy()
+            a[::_PAGE] = a[::_PAGE]
+
+    def close(self) -> None:
+        for ptr in self._registered:
+            _cudart().cudaHostUnregister(ptr)
+        self._registered.clear()
+        self._tensors.clear()
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        for s in self.slots:
+            s.close()
+
+
+def _cudart() -> Any:
+    """CUDA's runtime API through torch (``cudaHostRegister`` pins memory torch did not allocate)."""
+    rt = torch.cuda.cudart()
+    if rt is None:
+        raise RuntimeError("CUDA runtime not available")
+    return rt
+
+
+#: Gives the shared-memory slots of a section: (section, nbytes) -> the paths of its two slot files
+#: (``None``: no slots, the snapshot goes by value).
+ArenaSource = Callable[[str, int], "list[str] | None"]
 
 
 _REFS = ("__cf_tensor__", "__cf_ndarray__")  # codec's tensor references in an encoded tree
@@ -230,14 +343,25 @@ class Snapshotter:
         rank: this worker's rank (names the thread and log lines).
         hand_off: called on the background thread with the job and its sections once the bytes
             are in the arena; returns when the receiver holds its own copy.
+        arena_source: where the arenas live: the holder's shared-memory slots of each section
+            (``None``: private arenas, handed off by value).
     """
 
-    def __init__(self, rank: int, hand_off: Callable[[SnapshotJob, dict[str, StagedSection]], None]):
+    def __init__(
+        self,
+        rank: int,
+        hand_off: Callable[[SnapshotJob, dict[str, StagedSection]], None],
+        arena_source: ArenaSource | None = None,
+    ):
         self.rank = rank
         self._hand_off = hand_off
-        self._arenas: dict[str, tuple[tuple, _Arena]] = {}
+        self._arena_source = arena_source
+        self._arenas: dict[str, tuple[tuple, _Arena | _SlotArena]] = {}
         self._pin = torch.cuda.is_available()
-        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        # One side stream per device: a tensor is copied on its own device's stream, which first
+        # waits for an event recorded on that device's current stream after the optimizer step.
+        self._streams: dict[int, Any] = {}
+        self._slot_warned = False
         self._queue: queue.Queue[SnapshotJob | _Prepare | None] = queue.Queue(maxsize=1)
         self._copy_done = threading.Event()
         self._copy_done.set()
@@ -265,6 +389,7 @@ class Snapshotter:
         is_guarded: Callable[[torch.Tensor], bool],
         meta: Any,
         late: dict[str, list[LateObject]] | None = None,
+        generation: int = 0,
     ) -> float:
         """Start a snapshot of ``sections`` (name -> state tree). Returns seconds spent here.
 
@@ -281,30 +406,38 @@ class Snapshotter:
         t0 = time.perf_counter()
         wait_s = t0 - t_wait
         flats, arenas, deferred, buffers = {}, {}, [], {}
-        needs_event = False
+        devices: set[int] = set()
+        slot_wait_s, copied = 0.0, 0
         for name, tree in sections.items():
             flat = _codec.flatten(tree)
             arena = self._arena_for(name, flat)
+            if isinstance(arena, _SlotArena):
+                slot_wait_s += arena.acquire()
             buffers[name] = arena
             for entry, leaf in zip(flat.entries, flat.leaves):
                 dst = arena.dst(entry)
                 if entry.kind == "numpy":
                     dst.numpy()[:] = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
+                    copied += entry.nbytes
                     continue
                 assert isinstance(leaf, torch.Tensor)  # the codec gives torch tensors kind "torch"
                 if is_guarded(leaf):
-                    deferred.append((dst, leaf))
-                elif leaf.is_cuda:
+                    deferred.append(_Deferred(name, entry.offset, entry.nbytes, dst, leaf))
+                    if leaf.is_cuda:
+                        devices.add(leaf.device.index or 0)
+                    continue
+                if leaf.is_cuda:
                     # Ordered before the next forward on the compute stream, so no race with it.
                     dst.copy_(leaf, non_blocking=True)
-                    needs_event = True
                 else:
                     dst.copy_(leaf)
+                copied += entry.nbytes
             flats[name] = flat
             arenas[name] = arena.numpy()
         job = SnapshotJob(
             step=step,
             meta=meta,
+            generation=generation,
             flats=flats,
             arenas=arenas,
             deferred=deferred,
@@ -315,11 +448,18 @@ class Snapshotter:
             self._late_job = job
         else:
             job.late_ready.set()
-        if self._stream is not None and (needs_event or any(src.is_cuda for _, src in deferred)):
-            job.cuda_event = torch.cuda.Event()
-            job.cuda_event.record()  # the side stream starts after the optimizer step's kernels
+        if devices:
+            # Each device's side stream starts after the optimizer step's kernels on that device.
+            job.cuda_events = {}
+            for d in sorted(devices):
+                with torch.cuda.device(d):
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    job.cuda_events[d] = ev
         job.timings["sync_s"] = time.perf_counter() - t0
         job.timings["wait_s"] = wait_s
+        job.timings["slot_wait_s"] = slot_wait_s
+        job.timings["copied_bytes"] = float(copied)
         job.timings["nbytes"] = float(sum(a.nbytes for a in arenas.values()))
         self.last_begin = dict(job.timings)
         self._copy_done.clear()
@@ -384,6 +524,7 @@ class Snapshotter:
                 dst.numpy()[:] = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
             else:
                 dst.copy_(leaf)
+            job.timings["copied_bytes"] = job.timings.get("copied_bytes", 0.0) + entry.nbytes
         _subtree(flat.tree, slot.path[:-1])[slot.path[-1]] = _shift_refs(new.tree, slot.first)
 
     def _warn_late(self, why: str) -> None:
@@ -430,16 +571,50 @@ class Snapshotter:
 
     def release_buffers(self) -> None:
         """Drop the host buffers (after :meth:`close`; a job still in flight keeps its own)."""
+        for _, arena in self._arenas.values():
+            if isinstance(arena, _SlotArena):
+                arena.close()
         self._arenas.clear()
 
+    def forget_slots(self) -> None:
+        """The holder whose slots these are is gone: the next snapshot asks for new ones."""
+        for name, (_, arena) in list(self._arenas.items()):
+            if isinstance(arena, _SlotArena):
+                arena.close()
+                del self._arenas[name]
+
     # -- internals -------------------------------------------------------------------------------
-    def _arena_for(self, name: str, flat: _codec.Flat) -> _Arena:
+    def _arena_for(self, name: str, flat: _codec.Flat) -> _Arena | _SlotArena:
         key = flat.layout_key()
         cached = self._arenas.get(name)
         if cached is None or cached[0] != key:
-            cached = (key, _Arena(flat.nbytes, self._pin))
+            if cached is not None and isinstance(cached[1], _SlotArena):
+                cached[1].close()
+            cached = (key, self._new_arena(name, flat.nbytes))
             self._arenas[name] = cached
         return cached[1]
+
+    def _new_arena(self, name: str, nbytes: int, *, fault_in: bool = False) -> _Arena | _SlotArena:
+        """The holder's slots of section ``name`` when there is an arena source, else a private arena."""
+        if self._arena_source is not None:
+            try:
+                paths = self._arena_source(name, nbytes)
+                if paths:
+                    arena = _SlotArena(paths, nbytes, self._pin)
+                    if fault_in:
+                        arena.fault_in()
+                    return arena
+            except Exception as e:  # noqa: BLE001 - a private arena works too, at the cost of copies
+                if not self._slot_warned:
+                    self._slot_warned = True
+                    logger.warning(
+                        "cf_ray: rank %d: the holder's shared-memory slots for %s are not usable (%r); "
+                        "snapshots go to the holder by value (more copies on the host)",
+                        self.rank,
+                        name,
+                        e,
+                    )
+        return _Arena(nbytes, self._pin, fault_in=fault_in)
 
     def _run(self) -> None:
         while True:
@@ -452,11 +627,13 @@ class Snapshotter:
             try:
                 t0 = time.perf_counter()
                 try:
-                    self._copy(job)
+                    crcs = self._copy(job)
                 finally:
                     job.timings["copy_s"] = time.perf_counter() - t0
                     self._copy_done.set()
+                self._checksum_dma(job, crcs)  # after the guard: the weights may change meanwhile
                 self._seal(job)
+                self._checksum_late(job, crcs)
                 for name, flat in job.flats.items():
                     fps = (
                         _fp.section_fingerprints(flat.tree, flat.entries, job.arenas[name])
@@ -465,14 +642,29 @@ class Snapshotter:
                     )
                     if fps:
                         flat.tree[_fp.KEY] = fps
-                sections = {
-                    name: StagedSection(job.arenas[name], mf.encode_index(flat)) for name, flat in job.flats.items()
-                }
+                sections = {}
+                for name, flat in job.flats.items():
+                    arena = job.buffers[name]
+                    index = mf.encode_index(flat)
+                    if isinstance(arena, _SlotArena):
+                        blocks = crcs[name]
+                        sections[name] = StagedSection(
+                            job.arenas[name],
+                            mf.with_blocks(index, blocks),
+                            slot=arena.seal(job.generation, job.step),
+                            crc32=_shm.combine_blocks(blocks, mf.BLOCK_BYTES, arena.nbytes),
+                            raw_index=index,
+                        )
+                    else:
+                        sections[name] = StagedSection(job.arenas[name], index)
                 t1 = time.perf_counter()
                 self._hand_off(job, sections)
                 job.timings["handoff_s"] = time.perf_counter() - t1
             except BaseException as e:  # noqa: BLE001 - surfaced at the next wait/close
                 logger.warning("cf_ray: rank %d: snapshot of step %d failed: %r", self.rank, job.step, e)
+                for arena in job.buffers.values():
+                    if isinstance(arena, _SlotArena):
+                        arena.release()
                 with self._lock:
                     self._errors.append((job.step, e))
             finally:
@@ -497,7 +689,7 @@ class Snapshotter:
         try:
             t0 = time.perf_counter()
             for name, (key, nbytes) in job.layouts.items():
-                self._arenas[name] = (key, _Arena(nbytes, self._pin, fault_in=True))
+                self._arenas[name] = (key, self._new_arena(name, nbytes, fault_in=True))
             self.prepare_s = time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 - not fatal: begin() allocates what is missing
             logger.warning("cf_ray: rank %d: could not allocate snapshot buffers ahead: %r", self.rank, e)
@@ -506,20 +698,95 @@ class Snapshotter:
             self._preparing = False
             self._job_done.set()
 
-    def _copy(self, job: SnapshotJob) -> None:
-        if self._stream is not None and job.cuda_event is not None:
-            with torch.cuda.stream(self._stream):
-                self._stream.wait_event(job.cuda_event)
-                for dst, src in job.deferred:
-                    if src.is_cuda:
-                        dst.copy_(src, non_blocking=True)
-            for dst, src in job.deferred:
-                if not src.is_cuda:
-                    dst.copy_(src)
-            self._stream.synchronize()
-            return
-        for dst, src in job.deferred:
-            dst.copy_(src)
+    def _copy(self, job: SnapshotJob) -> dict[str, list[int]]:
+        """Copy the deferred tensors; returns, per section in a shared-memory slot, the CRC-32 of
+        each of its blocks (``manifest.BLOCK_BYTES``), computed as the copy lands (see
+        :func:`_copy_checksummed`) — or after it, for sections that had device tensors."""
+        streams = []
+        for d, ev in job.cuda_events.items():
+            stream = self._streams.get(d)
+            if stream is None:
+                stream = self._streams[d] = torch.cuda.Stream(device=d)
+            streams.append(stream)
+            with torch.cuda.stream(stream):
+                stream.wait_event(ev)
+                for c in job.deferred:
+                    if c.src.is_cuda and (c.src.device.index or 0) == d:
+                        c.dst.copy_(c.src, non_blocking=True)  # DMA into pinned (registered) memory
+        on_device = {c.section for c in job.deferred if c.src.is_cuda}
+        crcs: dict[str, list[int]] = {}
+        copied = 0
+        for name, arena in job.buffers.items():
+            host = [c for c in job.deferred if c.section == name and not c.src.is_cuda]
+            copied += sum(c.nbytes for c in host)
+            if isinstance(arena, _SlotArena) and name not in on_device:
+                crcs[name] = _copy_checksummed(arena, host)
+            else:
+                for c in host:
+                    c.dst.copy_(c.src)
+        for stream in streams:
+            stream.synchronize()
+        copied += sum(c.nbytes for c in job.deferred if c.src.is_cuda)
+        job.timings["copied_bytes"] = job.timings.get("copied_bytes", 0.0) + copied
+        return crcs
+
+    def _checksum_dma(self, job: SnapshotJob, crcs: dict[str, list[int]]) -> None:
+        """The block checksums of sections that device tensors were copied into by DMA: the CPU never
+        saw those bytes, so this is a read of the slot, done after the guard is released (the copy
+        is complete; training goes on)."""
+        for name, arena in job.buffers.items():
+            if isinstance(arena, _SlotArena) and name not in crcs:
+                crcs[name] = mf.block_crcs(arena.numpy())
+                job.timings["crc_read_bytes"] = job.timings.get("crc_read_bytes", 0.0) + arena.nbytes
+
+    def _checksum_late(self, job: SnapshotJob, crcs: dict[str, list[int]]) -> None:
+        """Checksum again the blocks that the late capture wrote after the copy."""
+        block = mf.BLOCK_BYTES
+        for slot in job.late:
+            blocks = crcs.get(slot.section)
+            if blocks is None:
+                continue
+            flat, buf = job.flats[slot.section], job.arenas[slot.section]
+            entries = flat.entries[slot.first : slot.first + len(slot.layout)]
+            touched = {
+                k for e in entries for k in range(e.offset // block, (e.offset + max(e.nbytes, 1) - 1) // block + 1)
+            }
+            for k in sorted(touched):
+                if k < len(blocks):
+                    blocks[k] = _crc32(buf[k * block : (k + 1) * block].data)
+
+
+def _copy_checksummed(arena: _SlotArena, pieces: list[_Deferred]) -> list[int]:
+    """Copy ``pieces`` into ``arena`` window by window (:data:`_CRC_WINDOW`), checksumming each
+    window's blocks right after its copy, while the bytes are still in the CPU's cache: the CRC-32
+    then costs no second pass over memory. Returns the CRC-32 of every block of the arena."""
+    block = mf.BLOCK_BYTES
+    buf = arena.numpy()
+    whole = arena.tensor
+    runs = []  # (offset, nbytes, source bytes) of contiguous sources, in arena order
+    for c in pieces:
+        if c.nbytes == 0:
+            continue
+        if c.src.is_contiguous() and c.src.dtype == c.dst.dtype:
+            runs.append((c.offset, c.nbytes, c.src.reshape(-1).view(torch.uint8)))
+        else:
+            c.dst.copy_(c.src)  # strided or cast: copied whole, checksummed with its window
+    runs.sort(key=lambda r: r[0])
+    crcs: list[int] = []
+    i, total = 0, arena.nbytes
+    for w0 in range(0, total, _CRC_WINDOW):
+        w1 = min(total, w0 + _CRC_WINDOW)
+        while i < len(runs) and runs[i][0] + runs[i][1] <= w0:
+            i += 1
+        j = i
+        while j < len(runs) and runs[j][0] < w1:
+            off, n, src = runs[j]
+            a, b = max(off, w0), min(off + n, w1)
+            whole[a:b].copy_(src[a - off : b - off])
+            j += 1
+        for k in range(w0, w1, block):
+            crcs.append(_crc32(buf[k : min(k + block, total)].data))
+    return crcs
 
 
 class Phase1:
@@ -574,7 +841,9 @@ class Phase1:
         self._timing = timing
         self._resolve_holder = resolve_holder
         self._prepared = False
-        self._snap = Snapshotter(rank, self._hand_off)
+        self._snap = Snapshotter(
+            rank, self._hand_off, arena_source=self._slots if _env.get_int(_env.SHM_SLOTS) != 0 else None
+        )
         # Neither modules nor optimizers: their state is taken again at the next call (module doc);
         # so is the optimizers' param_groups (the learning rate a scheduler writes there).
         self._late_names = [n for n, o in state.items() if not isinstance(o, (torch.nn.Module, torch.optim.Optimizer))]
@@ -604,7 +873,14 @@ class Phase1:
             **notice,
         )
         guarded = self._guarded_ptrs()
-        return self._snap.begin(step, sections, lambda t: t.data_ptr() in guarded, meta, late=self._late(sections))
+        return self._snap.begin(
+            step,
+            sections,
+            lambda t: t.data_ptr() in guarded,
+            meta,
+            late=self._late(sections),
+            generation=self.generation,
+        )
 
     def capture_late(self) -> float:
         """At the start of a Checkpointer call: the late objects of the last snapshot (module doc)."""
@@ -723,26 +999,57 @@ class Phase1:
             ptrs.update(self.sharded.guarded_ptrs())  # a DTensor's own data_ptr() is 0: its local shard's
         return ptrs
 
-    def _hand_off(self, job: SnapshotJob, sections: dict[str, StagedSection]) -> None:
-        """Background thread: give the bytes to this node's holder (which persists them). When the
-        holder is gone (a Ray actor error), this node's holder is made again and the snapshot
-        staged with it once; the incident is logged with the rank and the step."""
-        meta = dataclasses.replace(job.meta, copy_s=job.timings.get("copy_s"), sync_s=job.timings.get("sync_s"))
-        payload = {name: (s.arena, s.index) for name, s in sections.items()}
+    def _slots(self, section: str, nbytes: int) -> list[str] | None:
+        """The holder's two shared-memory slots of ``section`` (the snapshotter's arena source)."""
         timeout = _env.get_float(_env.ACTOR_TIMEOUT_S)
         try:
-            ray.get(self.holder.stage.remote(self.generation, job.step, payload, meta=meta), timeout=timeout)
+            return ray.get(self.holder.arena.remote(section, nbytes), timeout=timeout)
+        except ray.exceptions.RayActorError:
+            if self._resolve_holder is None:
+                raise
+            self.holder = self._resolve_holder()
+            return ray.get(self.holder.arena.remote(section, nbytes), timeout=timeout)
+
+    def _hand_off(self, job: SnapshotJob, sections: dict[str, StagedSection]) -> None:
+        """Background thread: tell this node's holder which slots hold the snapshot (or give it the
+        bytes, without slots), and the holder persists them. When the holder is gone (a Ray actor
+        error) or is a new one that does not know the slots (Ray restarted it), this node's holder is
+        found or made again and the snapshot staged with it once, by value from the old slots; the
+        next snapshot asks it for new slots. The incident is logged with the rank and the step."""
+        meta = dataclasses.replace(
+            job.meta,
+            copy_s=job.timings.get("copy_s"),
+            sync_s=job.timings.get("sync_s"),
+            copied_bytes=int(job.timings.get("copied_bytes", 0)),
+            crc_read_bytes=int(job.timings.get("crc_read_bytes", 0)),
+            slot_wait_s=job.timings.get("slot_wait_s"),
+        )
+        payload = {
+            name: (s.slot, s.index, s.crc32) if s.slot is not None else (s.arena, s.index)
+            for name, s in sections.items()
+        }
+        timeout = _env.get_float(_env.ACTOR_TIMEOUT_S)
+        why = ""
+        try:
+            got = ray.get(self.holder.stage.remote(self.generation, job.step, payload, meta=meta), timeout=timeout)
+            unknown = got.get("unknown_slots") if isinstance(got, dict) else None
+            if unknown:
+                why = f"it does not know the slots of {', '.join(map(str, unknown))} (it was restarted)"
         except ray.exceptions.RayActorError as e:
             if self._resolve_holder is None:
                 raise
+            why = f"it is gone ({type(e).__name__}: {e})"
+        if why:
             logger.warning(
-                "cf_ray: rank %d: this node's holder is gone at the snapshot of step %d (%s: %s); staging "
-                "it again with a new holder of this node",
+                "cf_ray: rank %d: this node's holder cannot take the snapshot of step %d: %s; staging it "
+                "again by value with this node's holder",
                 self.rank,
                 job.step,
-                type(e).__name__,
-                e,
+                why,
             )
-            self.holder = self._resolve_holder()
-            ray.get(self.holder.stage.remote(self.generation, job.step, payload, meta=meta), timeout=timeout)
+            if self._resolve_holder is not None:
+                self.holder = self._resolve_holder()
+            by_value = {name: (s.arena, s.raw_index) for name, s in sections.items()}
+            ray.get(self.holder.stage.remote(self.generation, job.step, by_value, meta=meta), timeout=timeout)
+            self._snap.forget_slots()
         self._timing.handed_off(job.step, job.timings)

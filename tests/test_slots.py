@@ -1,0 +1,203 @@
+"""Snapshot slots (#14) without Ray: the worker copies once into the holder's shared memory, the
+checksums are taken as the copy lands, the holder writes straight from the slot, and the slot's
+header and locks keep readers from ever taking one fill for another."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import numpy as np
+import pyarrow.fs as pafs
+import pytest
+import torch
+from test_snapshot import _clone, _equal_trees, _job
+
+from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.node import shm
+from cf_ray._engine.storage.fs import FsStorage
+from cf_ray._engine.worker.snapshot import Snapshotter
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="needs Linux memfd_create")
+
+
+class _Holder:
+    """What the holder does with a slot hand-off, in process: it keeps the descriptors only."""
+
+    def __init__(self):
+        self.pairs: dict[str, shm.SlotPair] = {}
+        self.staged: dict[int, dict] = {}
+
+    def arena(self, section: str, nbytes: int) -> list[str]:
+        pair = self.pairs.get(section)
+        if pair is None or pair.nbytes != nbytes:
+            pair = self.pairs[section] = shm.SlotPair(section, nbytes)
+        return list(pair.paths)
+
+    def __call__(self, job, sections):
+        self.staged[job.step] = {n: (s.slot, s.index, s.crc32) for n, s in sections.items()}
+
+    def read(self, step: int, name: str = "s", generation: int = 0):
+        desc, index, _ = self.staged[step][name]
+        lk = shm.ReadLock.take(desc.path, generation, step, desc.seq)
+        return lk, index
+
+
+def test_a_snapshot_lands_once_in_the_holders_slot_with_its_checksums(tmp_path):
+    model, opt, train_step, sections, guarded = _job()
+    holder = _Holder()
+    snap = Snapshotter(0, holder, arena_source=holder.arena)
+    train_step()
+    expected = _clone(sections()["s"])
+    snap.begin(1, sections(), guarded, {})
+    train_step(snap)  # training goes on while the background thread copies
+    assert snap.wait_done(timeout=30)
+    assert snap.take_errors() == []
+    timings = snap.last_timings
+    state_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values())
+    # The state was copied once (model + Adam's state + small entries), and never read again to checksum.
+    assert state_bytes < timings["copied_bytes"] < 4 * state_bytes
+    assert timings.get("crc_read_bytes", 0) == 0
+
+    desc, index, crc = holder.staged[1]["s"]
+    lk, _ = holder.read(1)
+    assert lk is not None
+    data = np.frombuffer(lk.data, dtype=np.uint8)
+    # The block checksums in the index and the file's CRC are those of the bytes in the slot.
+    _tree, _entries, blocks = mf.parse_index_blocks(index, "test")
+    assert blocks is not None and list(blocks.crc32) == mf.block_crcs(data)
+    assert crc == zlib.crc32(data)
+    tree, entries = mf.parse_index(index, "test")
+    assert _equal_trees(mf.Section(tree, entries, data).materialize(copy=True), expected)
+
+    # The holder's write: straight from the slot, read back verified.
+    storage = FsStorage(pafs.LocalFileSystem(), str(tmp_path))
+    files, _copied = mf.write_section_slot(storage, "step_1", 0, "s", lk.data, index, crc)
+    lk.close()
+    data_name, _ = mf.section_files(0, "s")
+    assert files[data_name].crc32 == crc and files[data_name].size == desc.nbytes
+    with open(os.path.join(str(tmp_path), "step_1", data_name), "rb") as f:
+        assert zlib.crc32(f.read()) == crc
+    snap.close()
+    snap.release_buffers()
+
+
+def test_the_next_snapshot_fills_the_other_slot_and_a_coalesced_one_is_never_read_as_its_step():
+    model, opt, train_step, sections, guarded = _job()
+    holder = _Holder()
+    snap = Snapshotter(0, holder, arena_source=holder.arena)
+    train_step()
+    expected = {}
+    for step in (1, 2, 3):
+        expected[step] = _clone(sections()["s"])
+        snap.begin(step, sections(), guarded, {})
+        train_step(snap)
+        assert snap.wait_done(timeout=30)
+    paths = [holder.staged[s]["s"][0].path for s in (1, 2, 3)]
+    assert paths[0] != paths[1] and paths[2] == paths[0]  # two slots, alternately
+    # Step 1's slot now holds step 3: step 1 can no longer be read, steps 2 and 3 can, each as itself.
+    assert holder.read(1)[0] is None
+    for step in (2, 3):
+        lk, index = holder.read(step)
+        tree, entries = mf.parse_index(index, "test")
+        got = mf.Section(tree, entries, np.frombuffer(lk.data, dtype=np.uint8)).materialize(copy=True)
+        lk.close()
+        assert _equal_trees(got, expected[step]), step
+    snap.close()
+    snap.release_buffers()
+
+
+def test_a_slot_a_reader_holds_is_never_filled_and_both_held_makes_the_snapshot_wait():
+    model, opt, train_step, sections, guarded = _job()
+    holder = _Holder()
+    snap = Snapshotter(0, holder, arena_source=holder.arena)
+    train_step()
+    for step in (1, 2):
+        snap.begin(step, sections(), guarded, {})
+        train_step(snap)
+        assert snap.wait_done(timeout=30)
+    # The holder persists step 1 (shared lock) and keeps step 2 pinned (a milestone waiting for its write).
+    locks = [holder.read(1)[0], holder.read(2)[0]]
+    assert all(lk is not None for lk in locks)
+    import threading
+
+    def release_later():
+        import time
+
+        time.sleep(0.3)
+        locks[0].close()
+
+    threading.Thread(target=release_later).start()
+    expected = _clone(sections()["s"])
+    snap.begin(3, sections(), guarded, {})
+    train_step(snap)
+    assert snap.wait_done(timeout=30)
+    assert snap.last_timings["slot_wait_s"] >= 0.2  # it waited for the write of step 1, and says so
+    assert holder.staged[3]["s"][0].path == holder.staged[1]["s"][0].path  # never the pinned one
+    lk, index = holder.read(3)
+    tree, entries = mf.parse_index(index, "test")
+    assert _equal_trees(
+        mf.Section(tree, entries, np.frombuffer(lk.data, dtype=np.uint8)).materialize(copy=True), expected
+    )
+    lk.close()
+    locks[1].close()
+    snap.close()
+    snap.release_buffers()
+
+
+def test_a_worker_that_dies_mid_fill_leaves_a_slot_that_reads_as_empty(tmp_path):
+    pair = shm.SlotPair("s", 1 << 16)
+    w = shm.WriterSlot(pair.paths[0], 1 << 16)
+    assert w.try_fill()
+    desc = w.seal(0, 5)
+    assert w.try_fill()  # the next fill began (header: filling) ...
+    w.data()[:4] = b"half"
+    w.close()  # ... and the process is gone: its lock went with it
+    assert shm.ReadLock.take(desc.path, 0, 5, desc.seq) is None  # never read as step 5
+    assert shm.read_header(shm.WriterSlot(pair.paths[0], 1 << 16).map).state == shm.FILLING
+    pair.close()
+
+
+def test_crc32_combine_is_zlibs():
+    data = os.urandom(3 * mf.BLOCK_BYTES + 1234)
+    blocks = mf.block_crcs(np.frombuffer(data, dtype=np.uint8))
+    assert shm.combine_blocks(blocks, mf.BLOCK_BYTES, len(data)) == zlib.crc32(data)
+    assert shm.combine_blocks([], mf.BLOCK_BYTES, 0) == zlib.crc32(b"")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_are_copied_by_dma_into_the_pinned_slot_on_their_devices_stream():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8)).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    x = torch.randn(64, 256, device="cuda")
+    holder = _Holder()
+    snap = Snapshotter(0, holder, arena_source=holder.arena)
+
+    def train_step():
+        model(x).square().mean().backward()
+        snap.wait_copy()
+        opt.step()
+        opt.zero_grad()
+
+    def guarded(t):
+        ptrs = {p.data_ptr() for p in model.parameters()}
+        ptrs |= {v.data_ptr() for st in opt.state.values() for v in st.values() if v.dim() > 0}
+        return t.data_ptr() in ptrs
+
+    train_step()
+    sections = {"s": {"model": model.state_dict(), "opt": opt.state_dict()}}
+    expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    snap.begin(1, sections, guarded, {})
+    assert snap._arenas["s"][1].tensor.is_pinned()  # the holder's memory, registered with CUDA
+    train_step()  # weights change only after the guard: the DMA saw the step-1 weights
+    assert snap.wait_done(timeout=60) and snap.take_errors() == []
+    lk, index = holder.read(1)
+    tree, entries = mf.parse_index(index, "test")
+    got = mf.Section(tree, entries, np.frombuffer(lk.data, dtype=np.uint8)).materialize(copy=True)
+    _t, _e, blocks = mf.parse_index_blocks(index, "test")
+    assert blocks is not None and list(blocks.crc32) == mf.block_crcs(np.frombuffer(lk.data, dtype=np.uint8))
+    lk.close()
+    assert all(torch.equal(got["model"][k], v) for k, v in expected.items())
+    snap.close()
+    snap.release_buffers()
