@@ -76,6 +76,11 @@ def test_bench_smoke(tmp_path, capsys):
             assert v["iterations"] == 6 * v["rounds"]
     cf = next(v for v in results["variants"] if v["variant"] == "cf_fixed")
     assert cf["checkpoints_taken"] == 2 and cf["checkpoints_committed"] >= 1 and cf["bytes_written"] > 0
+    # #14: the copies are counted, not estimated: one copy of the state (into the holder's slot), no
+    # second read to checksum, and the holder's memory for snapshots is its two slots.
+    assert 0.95 <= cf["host_copied_x"] <= 1.2 and cf["host_crc_reread_x"] == 0, cf
+    assert 0 < cf["held_bytes"] <= 2 * cf["state_bytes"] + (1 << 20), cf
+    assert {"host_passes", "held", "memory"} <= {t["id"] for t in results["targets"]}
     ray_sync = next(v for v in results["variants"] if v["variant"] == "ray_sync")
     assert ray_sync["checkpoints_committed"] == 2 and ray_sync["stall_per_ckpt_s"] > 0
     assert (out / "results.md").exists()

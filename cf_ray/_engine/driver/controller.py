@@ -438,6 +438,9 @@ class Controller:
             job = self._commits.durable(
                 msg.generation, msg.step, msg.section, msg.files, msg.persist_s, holder=msg.holder
             )
+            self._book.note_host_copies(
+                msg.generation, msg.step, ("durable", msg.section), msg.copied_bytes, msg.crc_read_bytes
+            )
             state, settled = self._commits.state_of(msg.generation, msg.step), self._commits.take_settled()
         state = self._complete([job], settled, msg.generation, msg.step) or state
         self._resync_if_new(msg.holder, new)
@@ -466,6 +469,7 @@ class Controller:
             return None
         job = self._commits.staged(msg, resync=resync)
         self._book.note_staged(msg.generation, msg.step, msg.meta)
+        self._book.note_host_copies(msg.generation, msg.step, ("staged", msg.section), msg.holder_copied_bytes, 0)
         return job
 
     def _apply_locked(self, staged: tuple | list, outcomes: tuple | list) -> list[CommitJob | None]:

@@ -147,6 +147,8 @@ class PartStaged(Message):
     meta: SnapshotMeta
     holder_put_s: float = 0.0
     node_id: str = ""
+    holder_copied_bytes: int = 0
+    """Bytes the holder copied to take the section (a by-value hand-off's re-put; 0 with slots)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -181,6 +183,10 @@ class PartDurable(Message):
     persist_s: float
     holder: str = ""
     """The holder that wrote it (the controller asks it again when it has to)."""
+    copied_bytes: int = 0
+    """Bytes the write copied on the host (a bounce buffer, the page cache; 0 with O_DIRECT from a slot)."""
+    crc_read_bytes: int = 0
+    """Bytes the write read again to checksum them (0 when the worker's checksums came with a slot)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -441,9 +441,21 @@ class ProfileBook:
             interval=meta.interval,
             world_size=meta.world_size,
         )
+        # Host passes (#14): what each rank copied and read again for its snapshot, and its wait for a slot.
+        row.setdefault("_copies", {})[("rank", meta.rank)] = (meta.copied_bytes, meta.crc_read_bytes)
+        if meta.slot_wait_s is not None:
+            row.setdefault("_slot_wait_s", {})[meta.rank] = meta.slot_wait_s
         d = meta.deadline_unix  # a just-in-time checkpoint: the earliest deadline any rank knows
         if d is not None and (row.get("deadline_unix") is None or d < row["deadline_unix"]):
             row.update(deadline_unix=d, notice_unix=meta.notice_unix, notice_source=meta.notice_source)
+
+    def note_host_copies(self, generation: int, step: int, key: tuple, copied: int, crc_read: int) -> None:
+        """Bytes a holder copied (``copied``) and read again to checksum (``crc_read``) for one
+        section of a checkpoint, as it took it (``("staged", section)``) or wrote it (``("durable",
+        section)``)."""
+        if (generation, step) not in self._rows and (generation, step) in self._evicted:
+            return
+        self.row(generation, step).setdefault("_copies", {})[key] = (copied, crc_read)
 
     def note_replicated(self, msg: PartReplicated) -> None:
         """A peer replica of a section (#12): its bytes and seconds (the slowest section's), or a
@@ -541,6 +553,13 @@ class ProfileBook:
         r["copy_s"] = _max(row.get("_copy_s"))
         r["sync_s"] = _max(row.get("_sync_s"))
         r["guard_s"] = _max(row.get("_guard_s"))
+        copies = row.get("_copies") or {}
+        if copies:
+            # Bytes copied on the host for this checkpoint (workers and holders; peer copies are
+            # replica_bytes), and bytes read a second time to checksum them.
+            r["copied_bytes"] = sum(c for c, _ in copies.values())
+            r["crc_read_bytes"] = sum(c for _, c in copies.values())
+        r["slot_wait_s"] = _max(row.get("_slot_wait_s"))
         if "bytes" not in r and row.get("_rank_bytes"):
             r["bytes"] = sum(row["_rank_bytes"].values())
         interval = r.get("interval")

@@ -179,18 +179,6 @@ class Holder:
                 pair = self._pairs[section] = _shm.SlotPair(section, nbytes)
             return list(pair.paths)
 
-    def release_slots(self) -> int:
-        """Close every slot (the run is over; the memory goes once no worker maps it). Returns how many."""
-        with self._lock:
-            n = 2 * len(self._pairs)
-            for pair in self._pairs.values():
-                pair.close()
-            self._pairs.clear()
-            for lk in self._pins.values():
-                lk.close()
-            self._pins.clear()
-            return n
-
     def held_bytes(self) -> dict:
         """Host memory this holder holds for snapshots: ``slots`` (resident pages of the slots),
         ``objects`` (object-store copies: by-value snapshots, peers' copies, copies for other nodes),
@@ -198,9 +186,7 @@ class Holder:
         with self._lock:
             slots = sum(p.resident_bytes() for p in self._pairs.values())
             entries = [e for kept in (*self._latest.values(), *self._replicas.values()) for e in kept]
-            objects = sum(
-                e.size_bytes for e in {id(e): e for e in entries}.values() if not isinstance(e.ref, _shm.SlotDesc)
-            )
+            objects = sum(e.size_bytes for e in entries if not isinstance(e.ref, _shm.SlotDesc))
             objects += sum(e.size_bytes for e in entries if e.shared is not None)
             return {"slots": slots, "objects": objects, "copied": self._copied_bytes}
 
@@ -251,6 +237,7 @@ class Holder:
                 meta=meta,
                 holder_put_s=put_s,
                 node_id=self._node,
+                holder_copied_bytes=0 if isinstance(e.ref, _shm.SlotDesc) else e.size_bytes,
             )
             for e in entries
         ]
@@ -485,8 +472,10 @@ class Holder:
             outcome: PartDurable | PartFailed
             try:
                 directory = mf.step_dir(entry.step)
+                copied = crc_read = 0
                 if isinstance(entry.ref, _shm.SlotDesc):
-                    files = self._write_slot(entry, directory)
+                    written = self._write_slot(entry, directory)
+                    files, copied = written if written is not None else (None, 0)
                     if files is None:
                         gone = PartSuperseded(
                             generation=entry.generation, step=entry.step, section=entry.section, holder=self._name
@@ -502,6 +491,9 @@ class Holder:
                     files = mf.write_section(
                         self.storage, directory, entry.generation, entry.section, arena, entry.index
                     )
+                    # Through the bounce buffer (or the page cache); checksummed whole and by block.
+                    copied, crc_read = int(arena.nbytes), 2 * int(arena.nbytes)
+                    self._copied_bytes += copied
                     del arena
                 outcome = PartDurable(
                     generation=entry.generation,
@@ -510,6 +502,8 @@ class Holder:
                     files={k: v.to_json() for k, v in files.items()},
                     persist_s=time.perf_counter() - t0,
                     holder=self._name,
+                    copied_bytes=copied,
+                    crc_read_bytes=crc_read,
                 )
             except Exception as e:  # noqa: BLE001 - never kill the thread; the controller reports it
                 logger.warning("cf_ray: persisting %s of step %d failed: %r", entry.section, entry.step, e)
@@ -528,7 +522,7 @@ class Holder:
                 self._lock.notify_all()
             self._sender.send("part_durable" if isinstance(outcome, PartDurable) else "part_failed", outcome)
 
-    def _write_slot(self, entry: _Entry, directory: str) -> dict | None:
+    def _write_slot(self, entry: _Entry, directory: str) -> tuple[dict, int] | None:
         """Write a section straight from its slot (shared lock; ``None`` when the slot was filled
         again by a newer snapshot before this write started: the step was coalesced away)."""
         assert isinstance(entry.ref, _shm.SlotDesc)
@@ -550,7 +544,7 @@ class Holder:
                 self.storage, directory, entry.generation, entry.section, lk.data, entry.index, entry.crc32
             )
             self._copied_bytes += copied
-            return files
+            return files, copied
         finally:
             lk.close()
 

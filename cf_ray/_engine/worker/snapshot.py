@@ -1028,6 +1028,10 @@ class Phase1:
             name: (s.slot, s.index, s.crc32) if s.slot is not None else (s.arena, s.index)
             for name, s in sections.items()
         }
+        # By value, the arena is serialised into the object store: one more copy on the host.
+        by_value = sum(s.arena.nbytes for s in sections.values() if s.slot is None)
+        if by_value:
+            meta = dataclasses.replace(meta, copied_bytes=meta.copied_bytes + by_value)
         timeout = _env.get_float(_env.ACTOR_TIMEOUT_S)
         why = ""
         try:
@@ -1049,7 +1053,9 @@ class Phase1:
             )
             if self._resolve_holder is not None:
                 self.holder = self._resolve_holder()
-            by_value = {name: (s.arena, s.raw_index) for name, s in sections.items()}
-            ray.get(self.holder.stage.remote(self.generation, job.step, by_value, meta=meta), timeout=timeout)
+            again = {name: (s.arena, s.raw_index or s.index) for name, s in sections.items()}
+            extra = sum(s.arena.nbytes for s in sections.values() if s.slot is not None)
+            meta = dataclasses.replace(meta, copied_bytes=meta.copied_bytes + extra)
+            ray.get(self.holder.stage.remote(self.generation, job.step, again, meta=meta), timeout=timeout)
             self._snap.forget_slots()
         self._timing.handed_off(job.step, job.timings)
