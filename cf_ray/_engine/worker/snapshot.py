@@ -362,6 +362,7 @@ class Snapshotter:
         # waits for an event recorded on that device's current stream after the optimizer step.
         self._streams: dict[int, Any] = {}
         self._slot_warned = False
+        self._slot_wait_warned = False
         self._queue: queue.Queue[SnapshotJob | _Prepare | None] = queue.Queue(maxsize=1)
         self._copy_done = threading.Event()
         self._copy_done.set()
@@ -459,6 +460,16 @@ class Snapshotter:
         job.timings["sync_s"] = time.perf_counter() - t0
         job.timings["wait_s"] = wait_s
         job.timings["slot_wait_s"] = slot_wait_s
+        if slot_wait_s > 0.1 and not self._slot_wait_warned:
+            self._slot_wait_warned = True
+            logger.warning(
+                "cf_ray: rank %d: the snapshot of step %d waited %.2f s for a free slot (the holder still "
+                "persists the previous ones: the interval is shorter than a persist); the profile's "
+                "slot_wait_s column has every wait",
+                self.rank,
+                step,
+                slot_wait_s,
+            )
         job.timings["copied_bytes"] = float(copied)
         job.timings["nbytes"] = float(sum(a.nbytes for a in arenas.values()))
         self.last_begin = dict(job.timings)
