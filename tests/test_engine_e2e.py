@@ -94,6 +94,27 @@ def test_worker_sigkilled_at_a_random_step_resumes_bitwise_identical(
     assert all(torch.equal(v, final["module." + k]) for k, v in model.state_dict().items())
 
 
+def test_a_worker_killed_mid_copy_resumes_from_the_previous_snapshot_in_memory_bitwise(
+    ray_cluster, reference, tmp_path
+):
+    """Rank 0 is SIGKILLed in the middle of copying step 10's snapshot into its slot (#14): that
+    slot (the model and optimizer, rank 0 saves them) reads as being filled and step 10 is never restored; the previous snapshot (step 5) is
+    still whole in the other slots of the node's holder, and the run resumes from it, in place from
+    memory, bitwise equal to the uninterrupted run, every sample once."""
+    marker = tmp_path / "killed_mid_copy"
+    env = {"CF_RAY_FAULT_KILL_MID_COPY": f"10@0@{marker}"}
+    demo.run("midcopy", str(tmp_path), dict(SMALL, restore_from="memory", env=env))
+    out = tmp_path / "out" / "midcopy"
+    assert marker.read_text().strip() == "10"  # killed inside the copy of step 10
+    first, second = resumes(out)
+    assert first["source"] == "fresh"
+    assert second["source"] == "memory" and second["step"] == 5, second
+    assert demo.states_equal(reference / "final_state.pt", out / "final_state.pt")
+    rec = lineage(out)
+    assert rec == lineage(reference)
+    assert_exactly_once(rec, SMALL["samples"], SMALL["epochs"])
+
+
 def test_failed_persist_never_fails_training(ray_cluster, tmp_path):
     from faulty_fs import FaultyHandler
 

@@ -26,6 +26,10 @@ DIRECT_IO = "CF_RAY_DIRECT_IO"
 #: "0" turns off the holder's shared-memory snapshot slots (#14): snapshots are then handed to the
 #: holder by value (through the object store), with more copies on the host.
 SHM_SLOTS = "CF_RAY_SHM_SLOTS"
+#: Fault injection for tests: ``"<step>@<rank>@<marker file>"`` SIGKILLs that rank's process in the
+#: middle of its copy of that step's snapshot into a slot, once (the marker file records it). Unset
+#: in normal use; the tests use it to show that a snapshot killed mid-copy is never restored.
+FAULT_KILL_MID_COPY = "CF_RAY_FAULT_KILL_MID_COPY"
 #: Namespace of cf_ray's named actors.
 NAMESPACE = "CF_RAY_NAMESPACE"
 

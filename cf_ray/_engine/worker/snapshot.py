@@ -52,7 +52,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -731,7 +733,7 @@ class Snapshotter:
             host = [c for c in job.deferred if c.section == name and not c.src.is_cuda]
             copied += sum(c.nbytes for c in host)
             if isinstance(arena, _SlotArena) and name not in on_device:
-                crcs[name] = _copy_checksummed(arena, host)
+                crcs[name] = _copy_checksummed(arena, host, after_first=_fault_mid_copy(self.rank, job.step))
             else:
                 for c in host:
                     c.dst.copy_(c.src)
@@ -767,10 +769,30 @@ class Snapshotter:
                     blocks[k] = _crc32(buf[k * block : (k + 1) * block].data)
 
 
-def _copy_checksummed(arena: _SlotArena, pieces: list[_Deferred]) -> list[int]:
+def _fault_mid_copy(rank: int, step: int) -> Callable[[], None] | None:
+    """The fault injection of ``CF_RAY_FAULT_KILL_MID_COPY`` (env.py) for this rank and step, if set."""
+    spec = os.environ.get(_env.FAULT_KILL_MID_COPY)
+    if not spec:
+        return None
+    at, who, marker = spec.split("@", 2)
+    if int(at) != step or int(who) != rank or os.path.exists(marker):
+        return None
+
+    def kill() -> None:
+        with open(marker, "w") as f:
+            f.write(f"{step}\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return kill
+
+
+def _copy_checksummed(
+    arena: _SlotArena, pieces: list[_Deferred], after_first: Callable[[], None] | None = None
+) -> list[int]:
     """Copy ``pieces`` into ``arena`` window by window (:data:`_CRC_WINDOW`), checksumming each
     window's blocks right after its copy, while the bytes are still in the CPU's cache: the CRC-32
-    then costs no second pass over memory. Returns the CRC-32 of every block of the arena."""
+    then costs no second pass over memory. Returns the CRC-32 of every block of the arena.
+    ``after_first`` is called after the first piece's copy (fault injection only)."""
     block = mf.BLOCK_BYTES
     buf = arena.numpy()
     whole = arena.tensor
@@ -794,6 +816,9 @@ def _copy_checksummed(arena: _SlotArena, pieces: list[_Deferred]) -> list[int]:
             off, n, src = runs[j]
             a, b = max(off, w0), min(off + n, w1)
             whole[a:b].copy_(src[a - off : b - off])
+            if after_first is not None:
+                after_first()
+                after_first = None
             j += 1
         for k in range(w0, w1, block):
             crcs.append(_crc32(buf[k : min(k + block, total)].data))
