@@ -130,3 +130,16 @@ def reference(_ray_session, tmp_path_factory):
     out = root / "out" / "reference"
     e2e.assert_exactly_once(e2e.lineage(out), e2e.SMALL["samples"], e2e.SMALL["epochs"])
     return out
+
+
+#: Modules that shut the shared local cluster down for clusters of their own: run last, so that the
+#: shared cluster is started once (starting it again after them cost ~25 s of suite time).
+_RUN_LAST = ("test_bench.py", "test_multinode.py")
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest's hook signature
+    def order(item) -> int:
+        name = os.path.basename(str(item.fspath))
+        return _RUN_LAST.index(name) + 1 if name in _RUN_LAST else 0
+
+    items.sort(key=order)  # stable: the order within each group is kept
