@@ -82,29 +82,32 @@ class FaultyHandler(pafs.FileSystemHandler):
 class SlowHandler(FaultyHandler):
     """Delegates to the local filesystem; writing a checkpoint data file (``*.bin``) of a step in
     ``[slow_from, slow_to)`` takes ``delay_s`` longer: a storage that slows down for a while
-    (another job's I/O, a throttled bucket), by step so that tests do not depend on timing."""
+    (another job's I/O, a throttled bucket), by step so that tests do not depend on timing. With
+    ``generation``, only that attempt's files (``g0001.*``) are slow, not the replay of those steps
+    by a later attempt."""
 
-    def __init__(self, slow_from: int, slow_to: int, delay_s: float):
+    def __init__(self, slow_from: int, slow_to: int, delay_s: float, generation: int | None = None):
         super().__init__(fail=r"$^", from_step=0)
-        self.slow_from, self.slow_to, self.delay_s = slow_from, slow_to, delay_s
+        self.slow_from, self.slow_to, self.delay_s, self.generation = slow_from, slow_to, delay_s, generation
 
     def __reduce__(self):
-        return (SlowHandler, (self.slow_from, self.slow_to, self.delay_s))
+        return (SlowHandler, (self.slow_from, self.slow_to, self.delay_s, self.generation))
 
     def get_type_name(self):
         return "slow"
 
     def equals(self, other):
-        return isinstance(other, SlowHandler) and (other.slow_from, other.slow_to, other.delay_s) == (
-            self.slow_from,
-            self.slow_to,
-            self.delay_s,
-        )
+        return isinstance(other, SlowHandler) and (
+            other.slow_from,
+            other.slow_to,
+            other.delay_s,
+            other.generation,
+        ) == (self.slow_from, self.slow_to, self.delay_s, self.generation)
 
     def open_output_stream(self, path, metadata):
         import time
 
-        m = re.search(r"checkpoints/step_(\d+)/.*\.bin$", path)
-        if m and self.slow_from <= int(m.group(1)) < self.slow_to:
+        m = re.search(r"checkpoints/step_(\d+)/g(\d+)\.[^/]*\.bin$", path)
+        if m and self.slow_from <= int(m.group(1)) < self.slow_to and self.generation in (None, int(m.group(2))):
             time.sleep(self.delay_s)
         return self.fs.open_output_stream(path, metadata=metadata)

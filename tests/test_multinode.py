@@ -1,6 +1,10 @@
 """Several Ray nodes on this machine (issue #12): ``ray.cluster_utils.Cluster`` starts a head with no
 CPUs and worker nodes of one CPU each (each its own raylet, object store and node id), so the two
-ranks of a ``TorchTrainer`` run on two nodes, and a node can be drained and lost for real.
+ranks of a ``TorchTrainer`` run on two nodes, and a node can be drained and lost for real: a
+drain with a deadline, a node lost with and without a copy of its snapshots on the other node, a
+real elastic resize (``num_workers=(1, 2)``: 2 -> 1 -> 2), and a node lost while its copies are in
+flight. Each test that removes a node adds one, so the next test has two worker nodes again; the
+last test leaves one whose raylet has ``CF_RAY_TEST_REPLICA_PULL_DELAY`` set (keep it last).
 
 The shared test cluster is shut down for this module (a driver talks to one cluster at a time) and
 started again by the next test that asks for ``ray_cluster``.
@@ -8,6 +12,8 @@ started again by the next test that asks for ``ray_cluster``.
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import threading
@@ -15,7 +21,7 @@ import time
 
 import pytest
 import test_engine_e2e as e2e
-from test_faults_e2e import STEPS, _newest_step
+from test_faults_e2e import STEPS, _controllers_of, _newest_step
 
 from cf_ray import demo
 
@@ -266,3 +272,289 @@ def test_replicas_go_to_another_pool_never_to_a_draining_node(multinode, tmp_pat
             ray.kill(h, no_restart=True)
         for n in nodes.values():
             cluster.remove_node(n)
+
+
+# -- a real elastic resize: ScalingConfig(num_workers=(1, 2)), 2 -> 1 -> 2 ----------------------------------
+
+
+def elastic_loop(cfg: dict) -> None:
+    """The loop of the elastic test: ``test_spot``'s model, data and records, with pacing the test
+    drives. The first attempt (two workers) stops stepping after step ``hold_at`` and waits there to
+    be killed (the test removes a node meanwhile); with one worker every step takes ``slow_step_s``,
+    so the group is still training when Ray Train grows it again."""
+    import ray.train
+    import ray.train.torch
+    import test_spot as spot
+
+    import cf_ray
+    from cf_ray.data import ResumableDistributedSampler
+
+    torch = spot.torch
+    torch.set_num_threads(1)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    out = cfg["out"]
+    dataset = spot.IdDataset()
+    sampler = ResumableDistributedSampler(dataset, rank=rank, world_size=world, shuffle=True, seed=0, pad=False)
+    loader = spot.make_loader(dataset, sampler)
+    model = ray.train.torch.prepare_model(spot.build_model())
+    opt = spot.build_optimizer(model)
+    config = cf_ray.CheckpointConfig(
+        policy=cf_ray.FixedInterval(every=cfg["every"]),
+        # RunConfig's storage and name (CheckpointBeforeResize finds the run's controller by them).
+        storage_path=cfg["storage"],
+        run_name=cfg["run"],
+        register_with_ray=False,
+        replicas=1,
+        preemption=cf_ray.PreemptionConfig(hold_extra_s=0.0),
+    )
+    ck = cf_ray.Checkpointer({"model": model, "optimizer": opt}, data={"sampler": sampler}, config=config)
+    resume = ck.restore()
+    gen = resume.generation
+    if rank == 0:
+        with open(f"{out}/resume_gen{gen}.json", "w") as f:
+            json.dump(
+                {
+                    "generation": gen,
+                    "world_size": world,
+                    "step": resume.step,
+                    "epoch": resume.epoch,
+                    "source": resume.source,
+                    "saved_world_size": resume.saved_world_size,
+                    "time": time.time(),
+                },
+                f,
+            )
+    ids_log = open(f"{out}/ids_seg0_gen{gen}_rank{rank}.jsonl", "w", buffering=1)
+    for epoch in range(resume.epoch, cfg["epochs"]):
+        sampler.set_epoch(epoch)
+        for ids, x, y in loader:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            # Logged before the step: a rank may end inside it (held at a just-in-time checkpoint).
+            ids_log.write(json.dumps({"step": ck.step_count + 1, "epoch": epoch, "ids": ids.tolist()}) + "\n")
+            ck.step(opt)
+            opt.zero_grad()
+            if gen == 1 and ck.step_count == cfg["hold_at"]:
+                open(f"{out}/held_rank{rank}", "w").close()
+                while True:  # until Ray Train kills this worker (the group fails when the test removes a node)
+                    time.sleep(0.1)
+            if world == 1:
+                time.sleep(cfg["slow_step_s"])
+        ck.end_epoch()
+    bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    final = {k: v.detach().clone() for k, v in bare.state_dict().items()}
+    if rank == 0:
+        with open(f"{out}/result.json", "w") as f:
+            json.dump({"profile": ck.profile_rows(), "events": ck.events(), "steps": ck.step_count}, f, default=str)
+        torch.save(final, f"{out}/final_model.pt")
+    ck.finish()
+
+
+def _coordinator_sees(node_ids_alive: set[str], node_ids_dead: set[str], timeout_s: float = 60.0) -> None:
+    """Wait until Ray Train's AutoscalingCoordinator counts the nodes in ``node_ids_alive`` and none in
+    ``node_ids_dead``. Without an autoscaler, it learns the cluster's nodes (``ray.nodes()``: alive
+    ones, their total resources) only in its periodic tick (every 20 s, ``TICK_INTERVAL_S``) or
+    when a request changes; the elastic policy reads its reservations. So the test runs that tick
+    itself (``_tick()``: what the coordinator's own thread runs) instead of waiting up to 20 s."""
+    import ray
+
+    coordinator = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+
+    def seen(self) -> set[str]:
+        self._tick()
+        return {nid for nodes in self._cluster_node_resources.values() for nid in nodes}
+
+    deadline = time.time() + timeout_s
+    while True:
+        got = ray.get(coordinator.__ray_call__.remote(seen), timeout=30)
+        if node_ids_alive <= got and not (node_ids_dead & got):
+            return
+        assert time.time() < deadline, f"the coordinator sees {got}, not {node_ids_alive} without {node_ids_dead}"
+        time.sleep(0.2)
+
+
+def _wait_for(path, trainer: threading.Thread, fitted: dict, timeout_s: float = 240.0) -> None:
+    deadline = time.time() + timeout_s
+    while not os.path.exists(path):
+        assert trainer.is_alive() and time.time() < deadline, (str(path), fitted)
+        time.sleep(0.05)
+
+
+def test_elastic_two_one_two_with_real_num_workers_range(multinode, tmp_path, monkeypatch):
+    """``ScalingConfig(num_workers=(1, 2))`` on two 1-CPU nodes, ``CheckpointBeforeResize`` in
+    ``RunConfig(callbacks=...)``. The node of one rank is removed while the group holds at step 4:
+    Ray Train restarts the group with one worker, which restores the step-3 snapshot from memory
+    (the lost rank's section from the peer copy on the surviving node) and re-splits the rest of the
+    epoch onto one rank. A node is added: Ray Train's elastic policy grows the healthy group
+    (RESIZING), the callback gets a just-in-time checkpoint committed first, and the two-worker group
+    restores it from memory. Every sample once per epoch, and the final weights bitwise equal to a
+    run without failures that followed the same world-size schedule (``test_spot.replay``)."""
+    import ray
+    import test_spot as spot
+    import torch
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from cf_ray.preemption import CheckpointBeforeResize, controller_of
+
+    cluster, nodes = multinode
+    node_a, node_b = nodes
+    # The group Ray Train restarts after the node loss may be sized from a view taken before the
+    # coordinator saw the loss (2 workers, 1 CPU left): its start then fails after this timeout
+    # (60 s by default) and is retried with a fresh view. Read by Ray Train's controller at fit().
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
+    out = tmp_path / "out"
+    out.mkdir()
+    name, storage = "elastic", str(tmp_path / "ray")
+    trainer = TorchTrainer(
+        elastic_loop,
+        train_loop_config={
+            "out": str(out),
+            "storage": storage,
+            "run": name,
+            "epochs": 2,
+            "every": 3,
+            "hold_at": 4,
+            "slow_step_s": 0.5,
+        },
+        scaling_config=ScalingConfig(num_workers=(1, 2), elastic_resize_monitor_interval_s=1.0),
+        run_config=RunConfig(
+            name=name,
+            storage_path=storage,
+            failure_config=FailureConfig(max_failures=3),
+            callbacks=[CheckpointBeforeResize(timeout_s=30.0)],
+        ),
+    )
+    fitted: dict = {}
+
+    def fit():
+        try:
+            fitted["result"] = trainer.fit()
+        except BaseException as e:  # noqa: BLE001 - reported by the assertions below
+            fitted["error"] = e
+
+    th = threading.Thread(target=fit, daemon=True)
+    th.start()
+    for r in range(2):
+        _wait_for(out / f"held_rank{r}", th, fitted)
+    # Step 3's snapshot survives the loss of node B once every section B holds has a copy on A (the
+    # controller's own test at restore; milliseconds for this state).
+    ctl = controller_of(storage, name)
+    on_a = {node_a.node_id}
+
+    def newest_on_a(self):
+        snap = self._commits.newest_in_memory(on_a)
+        return None if snap is None else snap.step
+
+    deadline = time.time() + 60
+    while ray.get(ctl.__ray_call__.remote(newest_on_a), timeout=30) != 3:
+        assert time.time() < deadline, "step 3 was never copied to node A"
+        time.sleep(0.1)
+    cluster.remove_node(node_b)  # a spot node reclaimed: the group fails, Ray Train restarts it
+    _coordinator_sees({node_a.node_id}, {node_b.node_id})
+    _wait_for(out / "resume_gen2.json", th, fitted)
+    node_c = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=OBJECT_STORE_BYTES)
+    nodes[1] = node_c  # the node a later test of this module takes away
+    cluster.wait_for_nodes()
+    _coordinator_sees({node_a.node_id, node_c.node_id}, set())
+    th.join(300)
+    assert not th.is_alive(), "the run did not finish"
+    assert "error" not in fitted and fitted["result"].error is None, fitted
+
+    r1, r2, r3 = spot._resumes(out)
+    assert [r["world_size"] for r in (r1, r2, r3)] == [2, 1, 2]
+    assert r1["source"] == "fresh"
+    # Shrink: the newest snapshot (step 3), from memory, the lost rank's section from its peer copy.
+    assert (r2["source"], r2["step"], r2["saved_world_size"]) == ("memory", 3, 2), r2
+    res = json.load(open(out / "result.json"))
+    # Grow: Ray Train's RESIZING ran CheckpointBeforeResize, whose checkpoint the new group restored.
+    (jit,) = [r for r in res["profile"] if r.get("kind") == "preempt"]
+    assert jit["notice_source"] == "driver" and jit["committed"], jit
+    assert any(e["event"] == "notice" and "RESIZING" in str(e.get("detail")) for e in res["events"]), res["events"]
+    assert (r3["source"], r3["step"], r3["saved_world_size"]) == ("memory", jit["step"], 1), r3
+    assert r3["step"] > r2["step"]
+    assert [e["world_size"] for e in res["events"] if e["event"] == "reprofile"] == [1, 2]
+    spot._assert_exactly_once(spot._lineage(out), epochs=2)
+    final = torch.load(out / "final_model.pt", weights_only=True)
+    expected = spot.replay([(2, r2["step"]), (1, r3["step"]), (2, res["steps"])], epochs=2)
+    assert final.keys() == expected.keys()
+    for k in final:  # bitwise: same data order, same averaging, state restored exactly
+        assert torch.equal(final[k], expected[k]), k
+
+
+def test_node_loss_while_a_copy_is_in_flight_never_restores_that_step(multinode, reference, tmp_path, monkeypatch):
+    """The origin's node is lost while its holder's copy of step 10 to the peer is in flight (the
+    peer's holder got the call and waits before it pulls the bytes: ``CF_RAY_TEST_REPLICA_PULL_DELAY``
+    on the peer's node), and storage is slow for step 10, so only step 5 is committed. Step 10 is
+    then half-copied: the survivor's sections have copies, the lost node's have none. The restarted
+    group must restore step 5, from memory (its last complete copy), without trying step 10 first
+    (no fallback), every sample once and the final state bitwise equal to the uninterrupted run."""
+    import pyarrow.fs as pafs
+    import ray
+
+    from cf_ray._engine import env as cf_env
+
+    from faulty_fs import SlowHandler
+
+    cluster, nodes = multinode
+    # Node X, the survivor: its raylet (so its holder) has the knob. The run goes on A and X.
+    monkeypatch.setenv(cf_env.TEST_REPLICA_PULL_DELAY, "10:20")
+    node_x = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=OBJECT_STORE_BYTES)
+    monkeypatch.delenv(cf_env.TEST_REPLICA_PULL_DELAY)
+    cluster.remove_node(nodes[1])
+    nodes[1] = node_x
+    cluster.wait_for_nodes()
+    node_a = nodes[0]
+    name = "inflight"
+    out = tmp_path / "out" / name
+    cfg = dict(
+        e2e.SMALL,
+        keep_last=None,
+        step_sleep=0.6,
+        replicas=1,
+        storage_path=str(tmp_path / "ckpts"),
+        # Slow for the first attempt only: the second replays step 10 at full speed.
+        storage_filesystem=pafs.PyFileSystem(SlowHandler(10, 11, 15.0, generation=1)),
+    )
+    fitted: dict = {}
+
+    def train():
+        try:
+            fitted["result"] = demo.run(name, str(tmp_path), cfg)
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            fitted["error"] = e
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    deadline = time.time() + 240
+    while time.time() < deadline and _newest_step(out) < 11 and trainer.is_alive():
+        time.sleep(0.05)
+    assert _newest_step(out) >= 11, fitted
+    # The controller's view now: step 10 staged by both holders, but only step 5 survives A's loss
+    # (A's copies of step 10 wait 20 s in X's holder). Its own test at restore, run here.
+    ((ctl_name, ctl_ns),) = _controllers_of(ray, name)
+    ctl = ray.get_actor(ctl_name, namespace=ctl_ns)
+
+    def newest_in_memory(self, alive):
+        snap = self._commits.newest_in_memory(alive)
+        return None if snap is None else snap.step
+
+    while (ray.get(ctl.__ray_call__.remote(newest_in_memory, None), timeout=30) or 0) < 10:
+        assert time.time() < deadline, "step 10 was never staged"
+        time.sleep(0.05)
+    assert ray.get(ctl.__ray_call__.remote(newest_in_memory, {node_x.node_id}), timeout=30) == 5
+    cluster.remove_node(node_a)  # before step 15 (3 s): X still holds its own sections of step 5
+    nodes[0] = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=OBJECT_STORE_BYTES)
+    trainer.join(400)
+    assert not trainer.is_alive(), "the run did not finish after the node loss"
+    assert "error" not in fitted, fitted
+    first, second = e2e.resumes(out)[:2]
+    assert first["source"] == "fresh"
+    assert (second["source"], second["step"]) == ("memory", 5), second
+    res = e2e.result_of(out)
+    assert not [e for e in res["events"] if e["event"] == "restore_fallback"], res["events"]
+    rows = {r["step"]: r for r in res["profile"] if r.get("generation") == 1}
+    # Step 10: only the survivor's sections were copied (to A, lost since); step 5: every section.
+    assert rows[10].get("replica_bytes", 0) < rows[5]["replica_bytes"], (rows[10], rows[5])
+    assert e2e.lineage(out) == e2e.lineage(reference)
+    assert demo.states_equal(reference / "final_state.pt", out / "final_state.pt")

@@ -61,6 +61,11 @@ POLICY_SAVE_INTERVAL_S = "CF_RAY_POLICY_SAVE_INTERVAL_S"
 #: Seconds between two checks by the controller's reaper that the run's driver (its Ray job) and its
 #: Ray Train run are still there; when they are gone the run's actors end (``driver/lifetime.py``).
 REAPER_INTERVAL_S = "CF_RAY_REAPER_INTERVAL_S"
+#: Tests only, unset by default: ``"STEP:SECONDS"`` makes a holder wait SECONDS after a peer asked
+#: it to keep a copy of a section of step STEP and before it pulls the bytes, so that a test can
+#: remove the peer's node while that copy is in flight (tests/test_multinode.py). Read by the
+#: holder's process, so it must be in the environment of the node's raylet.
+TEST_REPLICA_PULL_DELAY = "CF_RAY_TEST_REPLICA_PULL_DELAY"
 
 _DEFAULTS = {
     POLL_INTERVAL_S: 0.25,
@@ -101,3 +106,17 @@ def get_int(name: str) -> int:
 
 def namespace() -> str:
     return os.environ.get(NAMESPACE, "cf_ray")
+
+
+def replica_pull_delay_s(step: int) -> float:
+    """Seconds ``TEST_REPLICA_PULL_DELAY`` holds the pull of a copy of ``step`` (0 when unset)."""
+    raw = os.environ.get(TEST_REPLICA_PULL_DELAY, "")
+    if not raw:
+        return 0.0
+    try:
+        at, seconds = raw.split(":")
+        return float(seconds) if int(at) == step else 0.0
+    except ValueError:
+        raise ValueError(
+            f"environment variable {TEST_REPLICA_PULL_DELAY}={raw!r} is not STEP:SECONDS; unset it"
+        ) from None

@@ -332,6 +332,10 @@ class Holder:
         is pulled to this node by Ray's object transfer and put again, owned by this holder, so the
         copy outlives the origin's node. Returns ``{"holder", "node_id", "put_s"}``."""
         t0 = time.perf_counter()
+        from cf_ray._engine import env as _env
+
+        if delay_s := _env.replica_pull_delay_s(step):  # tests only: a copy in flight
+            time.sleep(delay_s)
         arena = cast(np.ndarray, ray.get(refs[0]))
         ref = ray.put(arena)
         nbytes = int(arena.nbytes)
