@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 import posixpath
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -36,6 +37,8 @@ from cf_ray._engine.storage.direct_io import (  # noqa: F401
     write_aligned,
 )
 from cf_ray.errors import ConfigError, UnsafePathError
+
+T = TypeVar("T")
 
 
 class FsStorage:
@@ -131,25 +134,16 @@ class FsStorage:
         full = self._abs(path)
         parent = posixpath.dirname(full)
         if self._local:
-            os.makedirs(parent, exist_ok=True)
-            tmp = posixpath.join(parent, f".tmp.{posixpath.basename(full)}.{uuid.uuid4().hex[:8]}")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
+
+            def stream(fd: int) -> FileInfo:
                 if _direct_io_wanted(fd):
                     writer = _DirectWriter(fd)
                     info = _write_with_crc(chunks, writer.write)
                     writer.close()
-                else:
-                    info = _write_with_crc(chunks, lambda mv: _write_all(fd, mv))
-                os.fsync(fd)
-            except BaseException:
-                os.close(fd)
-                _silently(os.unlink, tmp)
-                raise
-            os.close(fd)
-            os.replace(tmp, full)
-            _fsync_dir(parent)
-            return info
+                    return info
+                return _write_with_crc(chunks, lambda mv: _write_all(fd, mv))
+
+            return _replace_local(full, stream)
         self.fs.create_dir(parent, recursive=True)
         with self.fs.open_output_stream(full) as out:
             return _write_with_crc(chunks, lambda mv: out.write(pa.py_buffer(mv)))
@@ -164,20 +158,7 @@ class FsStorage:
         parent = posixpath.dirname(full)
         mv = buf.cast("B") if buf.format != "B" else buf
         if self._local:
-            os.makedirs(parent, exist_ok=True)
-            tmp = posixpath.join(parent, f".tmp.{posixpath.basename(full)}.{uuid.uuid4().hex[:8]}")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                copied = write_aligned(fd, mv)
-                os.fsync(fd)
-            except BaseException:
-                os.close(fd)
-                _silently(os.unlink, tmp)
-                raise
-            os.close(fd)
-            os.replace(tmp, full)
-            _fsync_dir(parent)
-            return FileInfo(mv.nbytes, crc32), copied
+            return FileInfo(mv.nbytes, crc32), _replace_local(full, lambda fd: write_aligned(fd, mv))
         self.fs.create_dir(parent, recursive=True)
         with self.fs.open_output_stream(full) as out:
             for chunk in chunked(mv):
@@ -248,6 +229,27 @@ class FsStorage:
             self.fs.delete_dir(full)
         except FileNotFoundError:
             pass
+
+
+def _replace_local(full: str, write: Callable[[int], T]) -> T:
+    """Write local file ``full`` atomically: ``write(fd)`` into a temporary file beside it, fsync,
+    rename into place, fsync the directory. Returns what ``write`` returned; on an error the
+    temporary file is removed and ``full`` is untouched."""
+    parent = posixpath.dirname(full)
+    os.makedirs(parent, exist_ok=True)
+    tmp = posixpath.join(parent, f".tmp.{posixpath.basename(full)}.{uuid.uuid4().hex[:8]}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        out = write(fd)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        _silently(os.unlink, tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, full)
+    _fsync_dir(parent)
+    return out
 
 
 def _fsync_dir(path: str) -> None:
