@@ -128,7 +128,7 @@ def test_bench_cluster_jobs(tmp_path, capsys):
     out = tmp_path / "bench"
     args = ["--cluster", "--quick", "--large-width", "128", "--large-layers", "2", "--rec-every", "4"]
     args += ["--width", "32", "--layers", "2", "--batch", "4", "--iters", "6", "--interval", "3"]
-    args += ["--preemptions", "1", "--preempt-interval", "10", "--grace", "3", "--step-s", "0.1"]
+    args += ["--preemptions", "1", "--preempt-interval", "10", "--grace", "5", "--step-s", "0.1"]
     args += ["--arms", "ray_periodic,cf_ray", "--out", str(out)]
     assert bench.main(args) == 0
     printed = capsys.readouterr().out
