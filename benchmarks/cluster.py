@@ -9,8 +9,8 @@ each side by side in the same invocation:
   is removed (``Cluster.remove_node``: its raylet, object store, worker and holder gone; a fresh
   node was added just before, as an autoscaler would have it ready). Ray Train restarts the group;
   the new group restores with ``replicas=1`` (the lost rank's sections from the copy a holder of
-  the surviving node keeps: peer memory) and, in a second ``fit()``, with ``replicas=0`` (from
-  storage). Reported: kill to the end of the first resumed iteration, and the restore itself.
+  the surviving node keeps: peer memory), then runs the same again as another run with
+  ``replicas=0`` (restored from storage), in the same ``fit()``. Reported: kill to the end of the first resumed iteration, and the restore itself.
 * **Preemption** (``preemption``), a scaled-down copy of Ray's preemption benchmark
   (``release/train_tests/preemption`` of ray-project/ray, PR #65047): the same job trains to
   ``target`` steps while ``N`` preemptions with notices arrive, at the same steps in every arm,
@@ -77,8 +77,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         grace_s=6.0,
         step_s=0.1,
     ),
-    # Recovery: 20 x Linear(2048) + Adam ~ 1 GB; preemption: interval 150 steps of ~0.2 s (30 s),
-    # a 6 s notice (Ray's benchmark: 400 steps of ~1.1 s, 450 s, and a 30 s notice).
+    # Recovery: 20 x Linear(2048) + Adam ~ 1 GB; preemption: interval 150 steps of ~0.25 s (0.1 s of
+    # sleep + the compute), ~40 s, and a 6 s notice (Ray's benchmark: 400 steps of ~1.1 s, 450 s, and
+    # a 30 s notice).
     "full": dict(
         width=2048,
         layers=6,
@@ -91,7 +92,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         pre_interval=150,
         preemptions=3,
         grace_s=6.0,
-        step_s=0.2,
+        step_s=0.1,
     ),
 }
 
@@ -140,8 +141,10 @@ def _read_log(path: str | Path) -> list[dict]:
 
 
 def _recovery_loop(cfg: dict) -> None:
-    """Train to a checkpoint, let it be durable (and replicated), step into the next interval, then
-    wait for the driver to remove rank 1's node; the restarted group restores and times it."""
+    """Each arm in turn (one run each): train to a checkpoint, let it be durable (and replicated),
+    step into the next interval, then wait for the driver to remove rank 1's node; the restarted
+    group restores that arm's run, times it, and goes on with the next arm. An arm both ranks have
+    logged as resumed is done (restarted attempts skip it)."""
     import ray.train
     import ray.train.torch
     import torch
@@ -161,71 +164,66 @@ def _recovery_loop(cfg: dict) -> None:
         torch.randn(cfg["batch"], cfg["width"], generator=gen),
         torch.randn(cfg["batch"], cfg["width"], generator=gen),
     )
-    every = cfg["every"]
-    ckpt = cf_ray.Checkpointer(
-        {"model": model, "optimizer": opt},
-        config=cf_ray.CheckpointConfig(
-            policy=cf_ray.FixedInterval(every=every),
-            keep_last=2,
-            storage_path=cfg["storage"],
-            run_name=cfg["run"],
-            replicas=cfg["replicas"],
-            final_model=None,
-            register_with_ray=False,
-        ),
-    )
-    t_restore = time.time()
-    resume = ckpt.restore()
-    t_restored = time.time()
-    log = cfg["log"]
-    if resume.fresh:
-        ckpt_step = 2 * every  # the newest checkpoint when the node goes
-        while ckpt.step_count < ckpt_step:
-            F.mse_loss(model(x), y).backward()
-            ckpt.step(opt)
-            opt.zero_grad()
-        ckpt.wait()  # durable in storage: memory and storage hold the same step
-        if cfg["replicas"]:
-            _await_replica(ckpt, ckpt_step, cfg.get("replica_timeout_s", 120.0))
-        while ckpt.step_count < ckpt_step + every // 2:  # mid-interval: the next checkpoint is not taken
-            F.mse_loss(model(x), y).backward()
-            ckpt.step(opt)
-            opt.zero_grad()
-        _barrier()
+    every, log = cfg["every"], cfg["log"]
+
+    def train_step(ckpt) -> None:
+        F.mse_loss(model(x), y).backward()
+        ckpt.step(opt)
+        opt.zero_grad()
+
+    for arm in cfg["arms"]:
+        if len([e for e in _read_log(log) if e["event"] == "resumed" and e["arm"] == arm["arm"]]) == 2:
+            continue
+        ckpt = cf_ray.Checkpointer(
+            {"model": model, "optimizer": opt},
+            config=cf_ray.CheckpointConfig(
+                policy=cf_ray.FixedInterval(every=every),
+                keep_last=2,
+                storage_path=cfg["storage"],
+                run_name=arm["run"],
+                replicas=arm["replicas"],
+                final_model=None,
+                register_with_ray=False,
+            ),
+        )
+        t_restore = time.time()
+        resume = ckpt.restore()
+        t_restored = time.time()
+        if resume.fresh:
+            ckpt_step = 2 * every  # the newest checkpoint when the node goes
+            while ckpt.step_count < ckpt_step:
+                train_step(ckpt)
+            ckpt.wait()  # durable in storage: memory and storage hold the same step
+            if arm["replicas"]:
+                _await_replica(ckpt, ckpt_step, cfg.get("replica_timeout_s", 120.0))
+            while ckpt.step_count < ckpt_step + every // 2:  # mid-interval: the next checkpoint is not taken
+                train_step(ckpt)
+            _barrier()
+            ready = {"event": "ready", "arm": arm["arm"], "rank": rank, "node": _node_id(), "step": ckpt.step_count}
+            _log(log, dict(ready, checkpoint_step=ckpt_step, state_bytes=_state_bytes(model, opt)))
+            time.sleep(3600)  # until the driver removes rank 1's node and Ray Train tears the group down
+            return
+        train_step(ckpt)
+        t_first = time.time()
         _log(
             log,
             {
-                "event": "ready",
+                "event": "resumed",
+                "arm": arm["arm"],
                 "rank": rank,
                 "node": _node_id(),
-                "step": ckpt.step_count,
-                "checkpoint_step": ckpt_step,
-                "state_bytes": _state_bytes(model, opt),
+                "attempt_start": t_attempt,
+                "restore_start": t_restore,
+                "restore_end": t_restored,
+                "first_iteration_end": t_first,
+                "source": resume.source,
+                "step": resume.step,
+                "restore_s": resume.seconds,
+                "generation": resume.generation,
             },
         )
-        time.sleep(3600)  # until the driver removes rank 1's node and Ray Train tears the group down
-        return
-    F.mse_loss(model(x), y).backward()
-    ckpt.step(opt)
-    opt.zero_grad()
-    t_first = time.time()
-    _log(
-        log,
-        {
-            "event": "resumed",
-            "rank": rank,
-            "node": _node_id(),
-            "attempt_start": t_attempt,
-            "restore_start": t_restore,
-            "restore_end": t_restored,
-            "first_iteration_end": t_first,
-            "source": resume.source,
-            "step": resume.step,
-            "restore_s": resume.seconds,
-            "generation": resume.generation,
-        },
-    )
-    ckpt.finish()
+        ckpt.finish()
+        _barrier()
 
 
 def _await_replica(ckpt, step: int, timeout_s: float) -> None:
@@ -532,60 +530,61 @@ def _wait(cond, what: str, th: threading.Thread, out: dict, timeout: float = 600
 
 
 def run_recovery(tc: _TestCluster, p: dict, work: Path, seed: int) -> dict:
-    """Node loss with replicas=1 (peer memory) and replicas=0 (storage), one ``fit()`` each."""
-    arms: dict[str, Any] = {}
-    for arm, replicas in (("memory", 1), ("storage", 0)):
-        log = work / f"recovery-{arm}.jsonl"
-        cfg = {
-            "width": p["large_width"],
-            "layers": p["large_layers"],
-            "batch": 8,
-            "seed": seed,
-            "every": p["rec_every"],
-            "replicas": replicas,
-            "storage": str(work / "ckpt"),
-            "run": f"nodeloss-{arm}",
-            "log": str(log),
-        }
-        th, out = _in_background(
-            lambda cfg=cfg, arm=arm: _fit(_recovery_loop, cfg, f"nodeloss-{arm}", work / "ray", max_failures=1)
-        )
-        try:
-            ready = _wait(
-                lambda log=log: (r := [e for e in _read_log(log) if e["event"] == "ready"]) and len(r) == 2 and r,
-                "both ranks ready",
-                th,
-                out,
-            )
+    """Node loss with replicas=1 (peer memory), then replicas=0 (storage), in one ``fit()`` (its
+    restarts are the measured ones; one worker-group start fewer than a ``fit()`` per arm)."""
+    arms = [("memory", 1), ("storage", 0)]
+    log = work / "recovery.jsonl"
+    cfg = {
+        "width": p["large_width"],
+        "layers": p["large_layers"],
+        "batch": 8,
+        "seed": seed,
+        "every": p["rec_every"],
+        "arms": [{"arm": a, "replicas": r, "run": f"nodeloss-{a}"} for a, r in arms],
+        "storage": str(work / "ckpt"),
+        "log": str(log),
+    }
+    th, out = _in_background(lambda: _fit(_recovery_loop, cfg, "nodeloss", work / "ray", max_failures=len(arms)))
+    kills: dict[str, tuple[float, dict]] = {}
+    got: dict[str, Any] = {}
+    try:
+        for arm, _ in arms:
+
+            def both_ready(arm=arm):
+                r = [e for e in _read_log(log) if e["event"] == "ready" and e["arm"] == arm]
+                return len(r) == 2 and r
+
+            ready = _wait(both_ready, f"both ranks ready ({arm})", th, out)
             lost = next(e for e in ready if e["rank"] == 1)
-            survivor = next(e for e in ready if e["rank"] == 0)
-            if lost["node"] == survivor["node"]:
+            if lost["node"] == next(e for e in ready if e["rank"] == 0)["node"]:
                 raise RuntimeError("both ranks run on one node: give each worker node one CPU")
             tc.add()  # the replacement is up before the loss, as an autoscaler's warm node
-            t_kill = time.time()
+            kills[arm] = (time.time(), lost)
             tc.remove(lost["node"])
-            th.join(900)
-            res = [e for e in _read_log(log) if e["event"] == "resumed"]
-            if th.is_alive() or out.get("error") or len(res) != 2:
-                arms[arm] = {"error": out.get("error") or "the run did not resume on both ranks", "replicas": replicas}
-                continue
-            arms[arm] = {
-                "replicas": replicas,
-                "kill_step": lost["step"],
-                "checkpoint_step": lost["checkpoint_step"],
-                "resume_step": min(e["step"] for e in res),
-                "resume_source": sorted({e["source"] for e in res}),
-                "iterations_lost": lost["step"] - min(e["step"] for e in res),
-                "kill_to_first_iteration_s": max(e["first_iteration_end"] for e in res) - t_kill,
-                "kill_to_restart_s": min(e["attempt_start"] for e in res) - t_kill,
-                "restore_s": max(e["restore_s"] for e in res),
-                "restore_s_by_rank": {e["rank"]: e["restore_s"] for e in res},
-                "state_bytes": lost["state_bytes"],
-            }
-        except Exception as e:  # noqa: BLE001 - what was measured is still reported
-            arms[arm] = {"error": f"{type(e).__name__}: {e}", "replicas": replicas}
-            th.join(120)
-    mem, sto = arms.get("memory", {}), arms.get("storage", {})
+        th.join(900)
+    except Exception as e:  # noqa: BLE001 - what was measured is still reported
+        out.setdefault("error", f"{type(e).__name__}: {e}")
+        th.join(120)
+    for arm, replicas in arms:
+        res = [e for e in _read_log(log) if e["event"] == "resumed" and e["arm"] == arm]
+        if arm not in kills or len(res) != 2:
+            got[arm] = {"error": out.get("error") or "the run did not resume on both ranks", "replicas": replicas}
+            continue
+        t_kill, lost = kills[arm]
+        got[arm] = {
+            "replicas": replicas,
+            "kill_step": lost["step"],
+            "checkpoint_step": lost["checkpoint_step"],
+            "resume_step": min(e["step"] for e in res),
+            "resume_source": sorted({e["source"] for e in res}),
+            "iterations_lost": lost["step"] - min(e["step"] for e in res),
+            "kill_to_first_iteration_s": max(e["first_iteration_end"] for e in res) - t_kill,
+            "kill_to_restart_s": min(e["attempt_start"] for e in res) - t_kill,
+            "restore_s": max(e["restore_s"] for e in res),
+            "restore_s_by_rank": {e["rank"]: e["restore_s"] for e in res},
+            "state_bytes": lost["state_bytes"],
+        }
+    mem, sto = got.get("memory", {}), got.get("storage", {})
     speedup = None
     if mem.get("restore_s") and sto.get("restore_s"):
         speedup = sto["restore_s"] / mem["restore_s"]
@@ -595,6 +594,7 @@ def run_recovery(tc: _TestCluster, p: dict, work: Path, seed: int) -> dict:
         "restore_speedup": speedup,
         "model": {"width": p["large_width"], "layers": p["large_layers"]},
         "interval": p["rec_every"],
+        "error": out.get("error"),
         "note": "the replacement node is added before the loss; kill = Cluster.remove_node of rank 1's node",
     }
 

@@ -114,7 +114,7 @@ def test_bench_fsdp2_job(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_bench_cluster_jobs(tmp_path, capsys):
     """``cf-ray bench --cluster`` (#12) at the smallest sizes, on its own test cluster (a 0-CPU head
     and two 1-CPU nodes): the node loss restores from a peer's memory with ``replicas=1`` and from
