@@ -113,6 +113,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--step-s", type=float, help="seconds each step of the preemption job sleeps (a bigger model)")
     g.add_argument("--interval", type=int, help="checkpoint interval of the replication-cost job")
     g.add_argument("--rec-every", type=int, help="checkpoint interval of the node-loss job")
+    g.add_argument(
+        "--warm-storage",
+        action="store_true",
+        help="node loss: leave the checkpoint files in the page cache (default: evicted right after the kill)",
+    )
 
 
 # ================================================================================================
@@ -529,7 +534,28 @@ def _wait(cond, what: str, th: threading.Thread, out: dict, timeout: float = 600
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def run_recovery(tc: _TestCluster, p: dict, work: Path, seed: int) -> dict:
+def _drop_page_cache(directory: Path) -> int:
+    """Evict this run's checkpoint files from the page cache (``POSIX_FADV_DONTNEED``, these files
+    only: nothing else on the machine is touched); returns the bytes evicted. The replacement node
+    of a node loss is a fresh machine: its reads come from the storage, not from memory."""
+    n = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)  # only clean pages can be evicted (cf_ray fsyncs; this makes sure)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                n += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    return n
+
+
+def run_recovery(tc: _TestCluster, p: dict, work: Path, seed: int, cold_cache_off: bool = False) -> dict:
     """Node loss with replicas=1 (peer memory), then replicas=0 (storage), in one ``fit()`` (its
     restarts are the measured ones; one worker-group start fewer than a ``fit()`` per arm)."""
     arms = [("memory", 1), ("storage", 0)]
@@ -561,6 +587,8 @@ def run_recovery(tc: _TestCluster, p: dict, work: Path, seed: int) -> dict:
             tc.add()  # the replacement is up before the loss, as an autoscaler's warm node
             kills[arm] = (time.time(), lost)
             tc.remove(lost["node"])
+            if not cold_cache_off:
+                _drop_page_cache(work / "ckpt" / f"nodeloss-{arm}")
         th.join(900)
     except Exception as e:  # noqa: BLE001 - what was measured is still reported
         out.setdefault("error", f"{type(e).__name__}: {e}")
@@ -595,7 +623,14 @@ def run_recovery(tc: _TestCluster, p: dict, work: Path, seed: int) -> dict:
         "model": {"width": p["large_width"], "layers": p["large_layers"]},
         "interval": p["rec_every"],
         "error": out.get("error"),
-        "note": "the replacement node is added before the loss; kill = Cluster.remove_node of rank 1's node",
+        "storage_page_cache_dropped": not cold_cache_off,
+        "note": "the replacement node is added before the loss; kill = Cluster.remove_node of rank 1's node; "
+        + (
+            "the storage reads may come from the page cache"
+            if cold_cache_off
+            else "the run's checkpoint files "
+            "are evicted from the page cache right after the kill (a replacement node has none of them cached)"
+        ),
     }
 
 
@@ -965,7 +1000,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         if "replication" in jobs:
             res["replication"] = run_replication(p, work, args.seed)
         if "recovery" in jobs:
-            res["recovery"] = run_recovery(tc, p, work, args.seed)
+            res["recovery"] = run_recovery(tc, p, work, args.seed, cold_cache_off=args.warm_storage)
         if "preemption" in jobs:
             res["preemption"] = run_preemption(tc, p, work, args.seed, arms)
     finally:
