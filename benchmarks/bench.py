@@ -1674,6 +1674,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RESULTS_JSON",
         help="print the README performance section generated from RESULTS_JSON and exit",
     )
+    from benchmarks import cluster  # the multi-node jobs (#12) and their options live there
+
+    cluster.add_arguments(p)
     return p
 
 
@@ -1682,6 +1685,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.render_readme:
         print(render_readme(json.loads(Path(args.render_readme).read_text())))
         return 0
+    if args.cluster:
+        from benchmarks import cluster
+
+        return cluster.main(args, argv if argv is not None else sys.argv[1:])
     results = run(args, argv if argv is not None else sys.argv[1:])
     print(render_markdown(results))
     print(

@@ -120,3 +120,53 @@ def test_bench_fsdp2_job(tmp_path, capsys):
     assert "state per worker" in stall["target"]
     (vs_dcp,) = [t for t in results["targets"] if t["id"] == "vs_dcp_async"]
     assert vs_dcp["target"].startswith("FSDP2: k=2:")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bench_cluster_jobs(tmp_path, capsys):
+    """``cf-ray bench --cluster`` (#12) at the smallest sizes, on its own test cluster (a 0-CPU head
+    and two 1-CPU nodes): the node loss restores from a peer's memory with ``replicas=1`` and from
+    storage with ``replicas=0``, both at the newest checkpoint; a real drain (reason preemption) costs
+    Ray's periodic checkpointing the steps since its last checkpoint and cf_ray none; replicas=1
+    copies bytes to the other node and replicas=0 none. Ray's JIT arm runs in the full benchmark."""
+    import ray
+
+    if ray.is_initialized():  # the bench starts its own cluster, with its own settings
+        ray.shutdown()
+    out = tmp_path / "bench"
+    args = ["--cluster", "--quick", "--large-width", "128", "--large-layers", "2", "--rec-every", "4"]
+    args += ["--width", "32", "--layers", "2", "--batch", "4", "--iters", "6", "--interval", "3"]
+    args += ["--preemptions", "1", "--preempt-interval", "10", "--grace", "5", "--step-s", "0.1"]
+    args += ["--arms", "ray_periodic,cf_ray", "--out", str(out)]
+    assert bench.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "Node loss" in printed and "Preemptions with notices" in printed and "cost of replication" in printed
+    res = json.loads((out / "results-cluster.json").read_text())
+    assert res["schema"] == "cf_ray.bench.cluster/1"
+
+    rec = res["recovery"]
+    for arm, source in (("memory", "memory"), ("storage", "storage")):
+        r = rec[arm]
+        assert "error" not in r, r
+        assert r["resume_source"] == [source], r
+        assert r["resume_step"] == r["checkpoint_step"] == 8 and r["iterations_lost"] == 2, r
+        assert 0 < r["restore_s"] < r["kill_to_first_iteration_s"], r
+    assert rec["restore_speedup"] > 0
+
+    pre = res["preemption"]
+    (at,) = pre["notice_steps"]
+    periodic, cf = pre["arms"]["ray_periodic"], pre["arms"]["cf_ray"]
+    for r in (periodic, cf):
+        assert r["completed"] and r["num_attempts"] == 2 and r["executed_steps"] >= pre["target_steps"], r
+    # Ray's periodic way resumes from its last periodic checkpoint, whatever it trained since is redone.
+    assert periodic["resumed_from_steps"][0] == 0 and periodic["resumed_from_steps"][1] % 10 == 0, periodic
+    (jit_step,) = cf["jit_checkpoints"]
+    assert cf["jit_made_deadline"] == [True] and cf["resumed_from_steps"] == [0, jit_step] and jit_step >= at, cf
+    assert cf["wasted_steps"] <= min(1, periodic["wasted_steps"]), (cf, periodic)
+    assert {t["id"] for t in res["targets"]} >= {"node_loss_restore_speedup", "preempt_cf_ray_vs_periodic"}
+
+    segs = {s["segment"]: s for s in res["replication"]["segments"]}
+    assert set(segs) == {"none-a", "cf-replicas0", "cf-replicas1", "none-b"}
+    assert segs["cf-replicas1"]["replica_bytes"] > 0 and segs["cf-replicas0"]["replica_bytes"] == 0
+    assert segs["cf-replicas1"]["checkpoints_committed"] >= 1
