@@ -186,6 +186,7 @@ class Controller:
             schedule=self._schedule,
             on_commit=self._after_commit,
             restores=restores,
+            draining=_draining_nodes if in_ray_actor() else None,
         )
         self._maintenance = Maintenance(
             storage,
@@ -360,6 +361,8 @@ class Controller:
              "pending": [step, ...],            # known, some section not durable yet (not settled)
              "unknown": [step, ...],            # never heard of (not settled: its part_staged may
                                                 #   not have arrived yet, or the controller restarted)
+             "safe": [step, ...],               # just-in-time checkpoints pending on storage but safe
+                                                #   in the tier chosen for them: a peer's memory (#12)
              "newest_committed": int | None,    # the newest committed step of any generation
              "resynced": bool}                  # False while a controller that just started is
                                                 #   still asking the holders what they hold
@@ -368,6 +371,7 @@ class Controller:
         """
         with self._lock:
             out = self._commits.settled_report(int(generation), list(steps))
+            out["safe"] = self._commits.safe_steps(int(generation), list(out["pending"]))
         out["resynced"] = self._resynced.is_set()
         return out
 
@@ -1009,6 +1013,13 @@ def get_controller(key: str):
         return ray.get_actor(controller_name(key), namespace=_env.namespace())
     except ValueError:
         return None
+
+
+def _draining_nodes() -> set[str]:
+    """The ids of the nodes Ray is draining (a preemption or scale-down notice; the GCS's list)."""
+    from ray._private import state as _state
+
+    return set(_state.state.get_draining_nodes())
 
 
 def _alive_nodes() -> set[str] | None:
