@@ -96,13 +96,13 @@ def _drain(address: str, node_id: str, deadline_s: int) -> None:
     )
 
 
-def _drained_run(multinode, tmp_path, name: str, cfg: dict, *, deadline_s: int, ready, stall=None) -> dict:
+def _drained_run(multinode, tmp_path, name: str, cfg: dict, *, deadline_s: int, ready, slow=None, stall=None) -> dict:
     """Train run ``name`` on nodes A and B; once ``ready()`` is true, drain B through Ray's drain path
     (reason preemption, ``deadline_s``), add a node C for the restarted group, and remove B at the
     deadline (the spot node is gone). Returns ``out`` (the demo's output directory), ``t_drain``,
     ``removed_at`` and ``manifests_at_removal`` (the committed step directories right after B went,
-    when ``cfg`` names a storage path), once the run has finished. ``stall``: a file that exists
-    from the drain until B is gone (``SlowAttemptHandler``'s stall)."""
+    when ``cfg`` names a storage path), once the run has finished. ``slow``: a file that exists until
+    B is gone; ``stall``: one that exists from the drain until B is gone (``SlowAttemptHandler``'s)."""
     cluster, (_, node_b) = multinode
     fitted: dict = {}
 
@@ -131,8 +131,9 @@ def _drained_run(multinode, tmp_path, name: str, cfg: dict, *, deadline_s: int, 
     cluster.remove_node(node_b)  # the deadline: the spot node is gone
     root = cfg.get("storage_path")
     manifests = sorted(glob.glob(f"{root}/{name}/cf_ray/checkpoints/step_*/MANIFEST.json")) if root else []
-    if stall is not None:
-        stall.unlink()
+    for flag in (slow, stall):
+        if flag is not None:
+            flag.unlink()
     trainer.join(300)
     assert not trainer.is_alive(), "the run did not finish after the drain"
     assert "error" not in fitted, fitted
@@ -190,21 +191,25 @@ def test_a_real_drain_with_a_deadline_that_fits_loses_no_step(multinode, referen
 
 
 def _slow_first_attempt_cfg(tmp_path, replicas: int, stall=None) -> dict:
-    """Storage that takes 3 s per data file during the first attempt (generation 1; fast after the
-    restart): the holder of rank 0 writes two sections (``shared`` and its own), so the slowest
-    holder's measured persist time is 6 s, more than the 6 s drain deadline leaves once the notice
-    has reached the workers and the checkpoint is staged (1.5-3 s later on this machine)."""
+    """Storage that takes 3 s per data file of the first attempt until node B is gone (the file
+    ``tmp_path/slow``, made here): the holder of rank 0 writes two sections (``shared`` and its
+    own), so the slowest holder's measured persist time is 6 s, more than the 6 s drain deadline
+    leaves once the notice has reached the workers and the checkpoint is staged (1.5-3 s later on
+    this machine)."""
     import pyarrow.fs as pafs
 
     from faulty_fs import SlowAttemptHandler
 
+    (tmp_path / "slow").touch()
     return dict(
         e2e.SMALL,
         keep_last=None,
         step_sleep=0.6,
         replicas=replicas,
         storage_path=str(tmp_path / "ckpts"),
-        storage_filesystem=pafs.PyFileSystem(SlowAttemptHandler(1, 3.0, None if stall is None else str(stall))),
+        storage_filesystem=pafs.PyFileSystem(
+            SlowAttemptHandler(1, 3.0, str(tmp_path / "slow"), None if stall is None else str(stall))
+        ),
     )
 
 
@@ -223,7 +228,16 @@ def test_a_drain_too_short_for_any_tier_leaves_the_previous_checkpoint_the_lates
     stall = tmp_path / "stall"  # storage stalls from the drain until the node is gone (never writes in time)
     cfg = _slow_first_attempt_cfg(tmp_path, replicas=0, stall=stall)
     root = tmp_path / "ckpts" / name / "cf_ray"
-    run = _drained_run(multinode, tmp_path, name, cfg, deadline_s=6, ready=lambda: _committed_on(root), stall=stall)
+    run = _drained_run(
+        multinode,
+        tmp_path,
+        name,
+        cfg,
+        deadline_s=6,
+        ready=lambda: _committed_on(root),
+        slow=tmp_path / "slow",
+        stall=stall,
+    )
     out = run["out"]
     res = e2e.result_of(out)
     (jit,) = [r for r in res["profile"] if r.get("kind") == "preempt"]
@@ -255,13 +269,15 @@ def test_a_drain_that_fits_a_peer_copy_but_not_storage_restores_from_the_peer(mu
     """Storage measured at 3-6 s per holder (too slow for a 6 s drain deadline), peer copies at
     milliseconds: the controller chooses the peer tier, the just-in-time checkpoint is safe once the
     drained node's sections have a copy in node A's holder (before the deadline; storage goes on in
-    the background and is cut off with the node), the row records both predictions and the actual
+    the background, and cannot finish before the node goes), the row records both predictions and the actual
     peer time, and the restarted group restores that checkpoint from the peer's memory: no step
     lost, every sample once, bitwise."""
     name = "peertier"
     cfg = _slow_first_attempt_cfg(tmp_path, replicas=1)
     root = tmp_path / "ckpts" / name / "cf_ray"
-    run = _drained_run(multinode, tmp_path, name, cfg, deadline_s=6, ready=lambda: _committed_on(root))
+    run = _drained_run(
+        multinode, tmp_path, name, cfg, deadline_s=6, ready=lambda: _committed_on(root), slow=tmp_path / "slow"
+    )
     out = run["out"]
     res = e2e.result_of(out)
     (jit,) = [r for r in res["profile"] if r.get("kind") == "preempt"]

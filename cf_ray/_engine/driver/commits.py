@@ -309,6 +309,14 @@ class CommitBook:
                 self._check_peer_safe(p)
         self._book.note_replicated(msg)
 
+    def draining_nodes(self) -> set[str]:
+        """The nodes Ray says are draining; empty when it cannot say (then any node may be the one to go)."""
+        try:
+            return set(self.draining())
+        except Exception as e:  # noqa: BLE001
+            logger.warning("cf_ray: could not ask Ray which nodes are draining (%r); assuming any may go", e)
+            return set()
+
     def safe_steps(self, generation: int, steps: list[int]) -> list[int]:
         """Those of ``steps`` that are just-in-time checkpoints safe in the tier chosen for them and
         not committed yet: in a peer's memory (the preempted rank's wait may end; storage goes on)."""
@@ -324,10 +332,10 @@ class CommitBook:
                 out.append(int(step))
         return out
 
-    def _decide_tier(self, p: _Pending) -> None:
+    def _decide_tier(self, p: _Pending, draining: set[str] | None) -> None:
         """Once every section of a just-in-time checkpoint is staged: predict each tier from this
-        run's measurements and choose (:mod:`.jit_tier`). Under the controller's lock; asks Ray
-        which nodes are draining (a GCS call, once per just-in-time checkpoint)."""
+        run's measurements and choose (:mod:`.jit_tier`). Under the controller's lock; asks Ray which
+        nodes are draining (a GCS call) only when the caller did not (a resync)."""
         if (
             p.jit is not None
             or p.deadline_unix is None
@@ -337,11 +345,8 @@ class CommitBook:
             or p.state != SectionState.PENDING
         ):
             return
-        try:
-            draining = set(self.draining())
-        except Exception as e:  # noqa: BLE001 - unknown: every node may be the one to go
-            logger.warning("cf_ray: could not ask Ray which nodes are draining (%r); assuming any may go", e)
-            draining = set()
+        if draining is None:
+            draining = self.draining_nodes()
         peer_nodes = None
         if p.meta.replicas != 0:
             peer_nodes = {n for q in self.pending.values() for n in q.staged_nodes.values()}
@@ -439,7 +444,9 @@ class CommitBook:
         return None
 
     # -- transitions ----------------------------------------------------------------------------------------
-    def staged(self, msg: PartStaged, *, resync: bool = False) -> CommitJob | None:
+    def staged(self, msg: PartStaged, *, resync: bool = False, draining: set[str] | None = None) -> CommitJob | None:
+        """A section is held by a holder. ``draining``: the nodes Ray says are draining, asked by the
+        caller outside the lock for a just-in-time checkpoint's section (``None``: asked here if needed)."""
         p = self._entry(msg.generation, msg.step, resync=resync)
         if p is None:
             return None
@@ -462,9 +469,9 @@ class CommitBook:
             # The controller is a threaded actor: a holder's part_durable calls may run before
             # the part_staged that says which sections to expect, so commit from here as well.
             self._report_persist(p)
-            self._decide_tier(p)
+            self._decide_tier(p, draining)
             return self._try_commit(p)
-        self._decide_tier(p)
+        self._decide_tier(p, draining)
         return None
 
     def superseded(self, generation: int, step: int, section: str, *, resync: bool = False) -> None:

@@ -87,6 +87,7 @@ from cf_ray._engine.driver.lifetime import (
 )
 from cf_ray._engine.driver.maintenance import Maintenance, tier_steps
 from cf_ray._engine.driver.messages import (
+    CheckpointKind,
     CheckpointRequest,
     HolderState,
     Message,
@@ -409,10 +410,17 @@ class Controller:
     # Each returns the step's state after the message (a SectionState, or None when this controller
     # knows nothing of it); every one is idempotent (a holder re-sends what it is unsure arrived).
     def part_staged(self, msg: PartStaged) -> SectionState | None:
+        # A just-in-time checkpoint's tier depends on which nodes are draining: a GCS call, made
+        # before the lock is taken (commits and polls never wait for it).
+        draining = (
+            self._commits.draining_nodes()
+            if CheckpointKind(msg.meta.kind) is CheckpointKind.PREEMPT and msg.meta.deadline_unix is not None
+            else None
+        )
         with self._lock:
             new = self._note_holder(msg.holder)
             self.generation = max(self.generation, msg.generation)
-            job = self._staged(msg, resync=False)
+            job = self._staged(msg, resync=False, draining=draining)
             state, settled = self._commits.state_of(msg.generation, msg.step), self._commits.take_settled()
         self._complete([job], settled)
         self._resync_if_new(msg.holder, new)
@@ -465,10 +473,10 @@ class Controller:
             settled = self._commits.take_settled()
         self._complete(jobs, settled)
 
-    def _staged(self, msg: PartStaged, *, resync: bool) -> CommitJob | None:
+    def _staged(self, msg: PartStaged, *, resync: bool, draining: set[str] | None = None) -> CommitJob | None:
         if not self._commits.accepts(msg.generation, msg.step):
             return None
-        job = self._commits.staged(msg, resync=resync)
+        job = self._commits.staged(msg, resync=resync, draining=draining)
         self._book.note_staged(msg.generation, msg.step, msg.meta)
         return job
 
