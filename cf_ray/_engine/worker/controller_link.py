@@ -313,8 +313,9 @@ class ControllerLink:
         Args:
             report_timeout: each step still not settled at the deadline becomes a failure of its own
                 (section ``timeout``) and a warning; False: left for a later wait.
-            safe_ok: a just-in-time checkpoint safe in a peer's memory counts as settled (the
-                preempted rank's wait; ``finish()`` waits for storage).
+            safe_ok: a just-in-time checkpoint safe in a peer's memory counts as settled, and so
+                do the older ones still pending (the preempted rank's wait; ``finish()`` waits for
+                storage).
 
         Returns:
             The steps not settled at the deadline.
@@ -389,8 +390,8 @@ class ControllerLink:
             waiting = set(report.get("pending", ())) | set(report.get("unknown", ()))
             safe = set(report.get("safe", ()))
             self.safe_steps |= safe
-            if safe_ok:
-                waiting -= safe
+            if safe_ok and safe:  # older checkpoints are moot once a newer one is safe
+                waiting = {s for s in waiting if s > max(safe)}
             return [s for s in steps if s in waiting and s not in failed]
         pending = set(cast(list, self.call("pending_steps", self.generation, step=step)))
         return self._unsettled_locally(steps, pending)
