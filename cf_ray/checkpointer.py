@@ -288,7 +288,7 @@ class Checkpointer:
             self._snapshot(kind, milestone=milestone)  # snapshot
             if kind is CheckpointKind.PREEMPT and self.preemption is not None:
                 # Wait until it is committed (bounded by the deadline), then hold or pass SIGTERM on.
-                self.preemption.after_checkpoint(self.step_count, self._wait_quiet, self._link.committed)
+                self.preemption.after_checkpoint(self.step_count, self._wait_quiet, self._link.safe)
         elif self._phase1.prepare_once(self.step_count, self.epoch):
             self._timing.prepare_overlap = True
         self._link.poll(self.step_count, self._phase1.last_timings)  # report
@@ -564,20 +564,23 @@ class Checkpointer:
         self._phase1.capture_late()
         return self._wait(timeout, report_timeout=True)
 
-    def _wait(self, timeout: float | None, *, report_timeout: bool) -> list[dict]:
+    def _wait(self, timeout: float | None, *, report_timeout: bool, safe_ok: bool = False) -> list[dict]:
         limit = timeout if timeout is not None else _env.get_float(_env.ACTOR_TIMEOUT_S)
         deadline = time.monotonic() + limit
         self._phase1.wait_done(limit)
         self._link.add_local_failures(self._phase1.take_errors())
-        self._link.wait_durable(deadline, self.step_count, self._phase1.last_timings, report_timeout=report_timeout)
+        self._link.wait_durable(
+            deadline, self.step_count, self._phase1.last_timings, report_timeout=report_timeout, safe_ok=safe_ok
+        )
         return self._link.new_failures(self.config.raise_on_persist_error)
 
     def _wait_quiet(self, timeout: float) -> None:
         """``wait()`` for the preemption watcher: failures stay unreported for the user's next ``wait()``,
-        and what is not durable yet is not reported as timed out."""
+        what is not durable yet is not reported as timed out, and a just-in-time checkpoint safe in
+        the tier the controller chose for it (a peer's memory) ends the wait."""
         self._phase1.capture_late()
         with self._link.failures_kept_unreported():
-            self._wait(timeout, report_timeout=False)
+            self._wait(timeout, report_timeout=False, safe_ok=True)
 
     def finish(self) -> FinishSummary:
         """End of training: checkpoint the final state (unless the last checkpoint is of this step),

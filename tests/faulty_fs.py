@@ -111,3 +111,38 @@ class SlowHandler(FaultyHandler):
         if m and self.slow_from <= int(m.group(1)) < self.slow_to and self.generation in (None, int(m.group(2))):
             time.sleep(self.delay_s)
         return self.fs.open_output_stream(path, metadata=metadata)
+
+
+class SlowAttemptHandler(FaultyHandler):
+    """Delegates to the local filesystem; writing a checkpoint data file (``*.bin``) of generation
+    ``generation`` (one attempt of the worker group) takes ``delay_s`` longer while the file ``slow``
+    exists (cut short when it goes): storage that is slow during the first attempt, so that its
+    measured persist time is slow too, and fast once the test removes the file (what the first
+    attempt left to write does not hold up the rest of the run). While the file ``stall`` exists,
+    such a write also waits for it to go: storage that stalls during a drain, so that a section
+    being written when its node is removed is never finished."""
+
+    def __init__(self, generation: int, delay_s: float, slow: str, stall: str | None = None):
+        super().__init__(fail=r"$^", from_step=0)
+        self.generation, self.delay_s, self.slow, self.stall = generation, delay_s, slow, stall
+
+    def __reduce__(self):
+        return (SlowAttemptHandler, (self.generation, self.delay_s, self.slow, self.stall))
+
+    def get_type_name(self):
+        return "slow-attempt"
+
+    def equals(self, other):
+        return isinstance(other, SlowAttemptHandler) and other.__reduce__() == self.__reduce__()
+
+    def open_output_stream(self, path, metadata):
+        import os
+        import time
+
+        if re.search(rf"checkpoints/step_\d+/g{self.generation:04d}\.[^/]*\.bin$", path):
+            until = time.monotonic() + self.delay_s
+            while time.monotonic() < until and os.path.exists(self.slow):
+                time.sleep(0.02)
+            while self.stall and os.path.exists(self.stall):
+                time.sleep(0.02)
+        return self.fs.open_output_stream(path, metadata=metadata)

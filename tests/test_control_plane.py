@@ -277,6 +277,7 @@ def test_a_resynced_step_whose_files_are_gone_is_not_committed_again(tmp_path):
         "abandoned": [4],
         "pending": [],
         "unknown": [],
+        "safe": [],
         "newest_committed": 5,
         "resynced": None,
     }
@@ -304,6 +305,7 @@ def test_settled_says_which_steps_nothing_more_will_happen_to(tmp_path):
         "abandoned": [],
         "pending": [4, 5],
         "unknown": [6],
+        "safe": [],
         "newest_committed": 1,
         "resynced": True,
     }

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 import pyarrow.fs as pafs
 import pytest
 import torch
 
+from cf_ray._engine.driver import jit_tier
 from cf_ray._engine.driver.controller import Controller, ControllerSettings
 from cf_ray._engine.driver.messages import (
     CheckpointKind,
@@ -320,3 +322,177 @@ def test_a_memory_restore_takes_a_peers_copy_of_a_lost_nodes_section(tmp_path):
     rows = {r["step"]: r for r in ctl.profile_rows()}
     assert rows[10]["replica_bytes"] == 32 and rows[10]["replicas_skipped"] == 1
     assert "the peer died" in rows[10]["replica_error"]
+
+
+# -- the tier of a just-in-time checkpoint (#12) ---------------------------------------------------------
+
+MB = 1_000_000
+
+
+def _jit_controller(tmp_path, draining: set[str]) -> Controller:
+    ctl = _controller(tmp_path)
+    ctl.generation = 1
+    ctl._commits.draining = lambda: set(draining)  # what Ray's GCS says inside the actor
+    return ctl
+
+
+def _stage2(ctl: Controller, step: int, nbytes: int, *, replicas: int = 1, **meta) -> None:
+    """Rank 0's section staged in holder hA on node A, rank 1's in hB on node B (replicated=False)."""
+    for rank, (holder, node) in enumerate((("hA", "A"), ("hB", "B"))):
+        m = SnapshotMeta(
+            world_size=2,
+            replicated=False,
+            epoch=0,
+            rank=rank,
+            replicas=replicas,
+            **{"kind": CheckpointKind.SCHEDULED, **meta},
+        )
+        ctl.part_staged(
+            PartStaged(
+                generation=1,
+                step=step,
+                section=mf.rank_section(rank),
+                holder=holder,
+                nbytes=nbytes,
+                meta=m,
+                node_id=node,
+            )
+        )
+
+
+def _durable2(ctl: Controller, step: int, persist_s: float) -> None:
+    for rank, holder in enumerate(("hA", "hB")):
+        sec = mf.rank_section(rank)
+        files, _ = _write(ctl, step, sec)
+        ctl.part_durable(
+            PartDurable(generation=1, step=step, section=sec, files=files, persist_s=persist_s, holder=holder)
+        )
+
+
+def _copied(ctl: Controller, step: int, rank: int, nbytes: int, seconds: float) -> None:
+    """A copy of rank ``rank``'s section made by its holder in the other node's holder."""
+    origin, peer, node = (("hA", "hB", "B"), ("hB", "hA", "A"))[rank]
+    ctl.part_replicated(
+        PartReplicated(
+            generation=1,
+            step=step,
+            section=mf.rank_section(rank),
+            holder=peer,
+            node_id=node,
+            origin=origin,
+            nbytes=nbytes,
+            seconds=seconds,
+        )
+    )
+
+
+def _measured_run(ctl: Controller) -> None:
+    """Step 5: 10 MB per rank, 2 s per holder on storage (5 MB/s) and 50 ms per peer copy (200 MB/s)."""
+    _stage2(ctl, 5, 10 * MB)
+    _copied(ctl, 5, 0, 10 * MB, 0.05)
+    _copied(ctl, 5, 1, 10 * MB, 0.05)
+    _durable2(ctl, 5, 2.0)
+    _wait_maintenance(ctl)
+    assert ctl.summary()["committed_steps"] == [5]
+
+
+def test_a_jit_checkpoint_whose_deadline_fits_only_a_peer_copy_is_safe_once_copied(tmp_path):
+    """Storage measured at 2 s per checkpoint, peer copies at 50 ms; node B drains with 2.5 s left.
+    Storage does not fit (2 s x 1.5 margin), a peer copy does: the controller chooses the peer tier.
+    The checkpoint is safe — the preempted rank's wait ends, it is the memory restore point when B is
+    lost — as soon as B's section has a copy on A; rank 0's section (node A, not draining) needs
+    nothing more from rank 0 or its holder. Storage goes on and commits later; the row keeps the
+    prediction, both actual times and made_deadline from the peer copy."""
+    ctl = _jit_controller(tmp_path, {"B"})
+    _measured_run(ctl)
+    deadline = time.time() + 2.5
+    _stage2(ctl, 7, 10 * MB, kind=CheckpointKind.PREEMPT, priority=True, deadline_unix=deadline)
+    row = {r["step"]: r for r in ctl.profile_rows()}[7]
+    assert row["jit_tier"] == "peer", row
+    assert row["predicted_storage_s"] == pytest.approx(2.0 + ctl._commits.bandwidths.commit_s(), rel=0.05)
+    assert row["predicted_peer_s"] == pytest.approx(0.05, rel=0.05)  # only B's section needs a copy
+    assert row["jit_defaults"] is None and 2.0 < row["jit_left_s"] <= 2.5
+    assert ctl.settled(1, [7])["pending"] == [7] and ctl.settled(1, [7])["safe"] == []
+    assert ctl._commits.newest_in_memory({"A"}).step == 5  # B lost now: step 7's rank 1 section is gone
+
+    _copied(ctl, 7, 1, 10 * MB, 0.04)  # B's holder copies its section to A: nothing else happens
+    report = ctl.settled(1, [7])
+    assert report["pending"] == [7] and report["safe"] == [7]  # not committed, yet safe
+    snap = ctl._commits.newest_in_memory({"A"})
+    assert snap.step == 7 and snap.sections == {mf.rank_section(0): "hA", mf.rank_section(1): "hA"}
+    row = {r["step"]: r for r in ctl.profile_rows()}[7]
+    assert row["safe_tier"] == "peer" and row["made_deadline"] is True and row["actual_peer_s"] < 2.5
+    assert not row["committed"] and "actual_storage_s" not in row
+
+    _durable2(ctl, 7, 2.0)  # storage finishes in the background
+    _wait_maintenance(ctl)
+    row = {r["step"]: r for r in ctl.profile_rows()}[7]
+    assert row["committed"] and row["actual_storage_s"] >= 0 and row["made_deadline"] is True
+    assert row["safe_tier"] == "peer"  # safe first in the tier it chose
+    (event,) = [e for e in ctl.events() if e["event"] == "jit_tier"]
+    assert event["step"] == 7 and event["jit_tier"] == "peer"
+
+
+def test_a_jit_checkpoint_chooses_storage_when_it_fits_and_none_when_nothing_does(tmp_path):
+    """The same measurements: with 10 s left storage fits and is chosen (a peer copy then does not
+    make it count as safe: only the commit does); with 0.02 s left and replication off nothing fits:
+    the tier is none, the checkpoint is never safe, and when its section fails (the node went mid-write)
+    nothing of it is committed and the previous checkpoint stays the newest."""
+    ctl = _jit_controller(tmp_path, {"B"})
+    _measured_run(ctl)
+    _stage2(ctl, 6, 10 * MB, kind=CheckpointKind.PREEMPT, priority=True, deadline_unix=time.time() + 10)
+    _copied(ctl, 6, 1, 10 * MB, 0.04)
+    rows = {r["step"]: r for r in ctl.profile_rows()}
+    assert rows[6]["jit_tier"] == "storage" and ctl.settled(1, [6])["safe"] == []
+    assert rows[6]["actual_peer_s"] >= 0 and "made_deadline" not in rows[6]
+    _durable2(ctl, 6, 0.5)
+    _wait_maintenance(ctl)
+    row = {r["step"]: r for r in ctl.profile_rows()}[6]
+    assert row["committed"] and row["safe_tier"] == "storage" and row["made_deadline"] is True
+
+    _stage2(ctl, 8, 10 * MB, replicas=0, kind=CheckpointKind.PREEMPT, priority=True, deadline_unix=time.time() + 0.02)
+    row = {r["step"]: r for r in ctl.profile_rows()}[8]
+    assert row["jit_tier"] == "none" and row["predicted_peer_s"] is None, row
+    files, _ = _write(ctl, 8, mf.rank_section(0))
+    ctl.part_durable(
+        PartDurable(generation=1, step=8, section=mf.rank_section(0), files=files, persist_s=0.1, holder="hA")
+    )
+    ctl.part_failed(
+        PartFailed(generation=1, step=8, section=mf.rank_section(1), error="lost: holder hB died", holder="hB")
+    )
+    _wait_maintenance(ctl)
+    row = {r["step"]: r for r in ctl.profile_rows()}[8]
+    assert row["made_deadline"] is False and not row["committed"] and "safe_tier" not in row
+    assert ctl.summary()["committed_steps"] == [5, 6]
+    assert not ctl.storage.exists(f"{mf.step_dir(8)}/{mf.MANIFEST}")
+
+
+def test_the_jit_tier_prediction_without_measurements_and_without_a_known_draining_node():
+    """The pure prediction: before anything is measured, the documented conservative defaults are
+    used and named; when no node is known to drain (a SIGTERM, a driver's notice) every section needs
+    a copy on another node; with no other node holding a holder of the run there is no peer tier; a
+    drain of a node without a section of the run leaves nothing to copy."""
+    bw = jit_tier.Bandwidths()
+    secs = {"rank_00000": ("hA", "A", 40 * MB), "rank_00001": ("hB", "B", 40 * MB)}
+    p = jit_tier.plan(
+        now_unix=0.0, deadline_unix=30.0, sections=secs, draining=(), peer_nodes={"A", "B"}, bandwidths=bw
+    )
+    assert p.predicted_storage_s == pytest.approx(40 * MB / jit_tier.DEFAULT_STORAGE_BPS + jit_tier.DEFAULT_COMMIT_S)
+    assert p.predicted_peer_s == pytest.approx(40 * MB / jit_tier.DEFAULT_PEER_BPS + jit_tier.DEFAULT_PEER_CALL_S)
+    assert p.defaults == ("storage", "peer") and p.needs_copy == set(secs) and p.tier is jit_tier.JitTier.STORAGE
+    p = jit_tier.plan(
+        now_unix=0.0, deadline_unix=3.0, sections=secs, draining={"B"}, peer_nodes={"A", "B"}, bandwidths=bw
+    )
+    assert p.tier is jit_tier.JitTier.PEER and p.needs_copy == {"rank_00001"}
+    assert not p.peer_safe({"rank_00001": "B"}, {"rank_00001": {"hB2": "B"}})  # a copy on its own node
+    assert p.peer_safe({"rank_00001": "B"}, {"rank_00001": {"hA": "A"}})
+    p = jit_tier.plan(now_unix=0.0, deadline_unix=3.0, sections=secs, draining={"B"}, peer_nodes={"B"}, bandwidths=bw)
+    assert p.predicted_peer_s is None and p.tier is jit_tier.JitTier.NONE  # no usable node to copy to
+    p = jit_tier.plan(now_unix=0.0, deadline_unix=3.0, sections=secs, draining={"C"}, peer_nodes=None, bandwidths=bw)
+    assert p.predicted_peer_s == 0.0 and p.tier is jit_tier.JitTier.PEER and p.peer_safe({}, {})
+    bw.add_storage("hA", 40 * MB, 0.4)  # 100 MB/s measured on hA; hB predicted from it
+    p = jit_tier.plan(now_unix=0.0, deadline_unix=3.0, sections=secs, draining={"B"}, peer_nodes={"A"}, bandwidths=bw)
+    assert p.tier is jit_tier.JitTier.STORAGE and p.predicted_storage_s == pytest.approx(
+        0.4 + jit_tier.DEFAULT_COMMIT_S
+    )
+    assert p.defaults == ("peer",)

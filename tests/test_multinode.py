@@ -12,6 +12,7 @@ started again by the next test that asks for ``ray_cluster``.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -45,6 +46,10 @@ def multinode(_ray_session, reference):
     # Loopback stays loopback (see test_lifetime.loopback_env): the processes the cluster starts read
     # the variable, this one read it at import.
     mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Ray Train polls the GCS for draining nodes every 5 s by default; 0.5 s lets the drain tests run
+    # with deadlines of a few seconds. Ray Train propagates it from the driver (this process) to its
+    # controller, where its PreemptionCallback reads it.
+    mp.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")
     mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
     cluster = Cluster(
         initialize_head=True,
@@ -96,53 +101,82 @@ def _drain(address: str, node_id: str, deadline_s: int) -> None:
     )
 
 
-def test_a_real_drain_with_a_deadline_that_fits_loses_no_step(multinode, reference, tmp_path):
-    """Node B is drained through Ray's drain path (reason preemption, a 15 s deadline) while the run
-    trains on nodes A and B; a third node joins, and B is removed at the deadline. Ray Train's
-    preemption information reaches the workers by Ray's route (its PreemptionWatcher), cf_ray takes
-    a just-in-time checkpoint that is durable before the deadline and holds training until then;
-    the restarted group (A and C) resumes from it: no step lost, every sample once, and the final
-    state bitwise equal to the uninterrupted run."""
+def _drained_run(multinode, tmp_path, name: str, cfg: dict, *, deadline_s: int, ready, slow=None, stall=None) -> dict:
+    """Train run ``name`` on nodes A and B; once ``ready()`` is true, drain B through Ray's drain path
+    (reason preemption, ``deadline_s``), add a node C for the restarted group, and remove B at the
+    deadline (the spot node is gone). Returns ``out`` (the demo's output directory), ``t_drain``,
+    ``removed_at`` and ``manifests_at_removal`` (the committed step directories right after B went,
+    when ``cfg`` names a storage path), once the run has finished. ``slow``: a file that exists until
+    B is gone; ``stall``: one that exists from the drain until B is gone (``SlowAttemptHandler``'s)."""
     cluster, (_, node_b) = multinode
-    name = "drained"
-    out = tmp_path / "out" / name
     fitted: dict = {}
 
     def train():
         try:
-            # replicas=0: the drained node's snapshots die with it, so the new group restores from storage
-            # (test_node_loss_restores_from_a_peer_copy_bitwise is the same loss with a peer's copy).
-            fitted["result"] = demo.run(
-                name, str(tmp_path), dict(e2e.SMALL, keep_last=None, step_sleep=0.3, replicas=0)
-            )
+            fitted["result"] = demo.run(name, str(tmp_path), cfg)
         except BaseException as e:  # noqa: BLE001 - reported by the assertion below
             fitted["error"] = e
 
     trainer = threading.Thread(target=train, daemon=True)
     trainer.start()
     deadline = time.time() + 240
-    while time.time() < deadline and _newest_step(out) < 3 and trainer.is_alive():
+    while time.time() < deadline and not ready() and trainer.is_alive():
         time.sleep(0.05)
-    assert _newest_step(out) >= 3, fitted
-    deadline_s = 15
+    assert ready(), fitted
+    if stall is not None:
+        stall.touch()
     t_drain = time.time()
     _drain(cluster.address, node_b.node_id, deadline_s)
     # Cluster operations belong to this (the main) thread; capacity for the restarted group.
     added = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=OBJECT_STORE_BYTES)
     multinode[1][1] = added  # the node a later test of this module takes away
     while time.time() < t_drain + deadline_s:
-        time.sleep(0.1)
+        time.sleep(0.05)
     removed_at = time.time()
     cluster.remove_node(node_b)  # the deadline: the spot node is gone
+    root = cfg.get("storage_path")
+    manifests = sorted(glob.glob(f"{root}/{name}/cf_ray/checkpoints/step_*/MANIFEST.json")) if root else []
+    for flag in (slow, stall):
+        if flag is not None:
+            flag.unlink()
     trainer.join(300)
     assert not trainer.is_alive(), "the run did not finish after the drain"
     assert "error" not in fitted, fitted
+    return {
+        "out": tmp_path / "out" / name,
+        "t_drain": t_drain,
+        "removed_at": removed_at,
+        "manifests_at_removal": [os.path.basename(os.path.dirname(m)) for m in manifests],
+    }
+
+
+def _committed_on(root) -> bool:
+    return bool(glob.glob(f"{root}/checkpoints/step_*/MANIFEST.json"))
+
+
+def test_a_real_drain_with_a_deadline_that_fits_loses_no_step(multinode, reference, tmp_path):
+    """Node B is drained through Ray's drain path (reason preemption, a 6 s deadline) while the run
+    trains on nodes A and B; a third node joins, and B is removed at the deadline. Ray Train's
+    preemption information reaches the workers by Ray's route (its PreemptionWatcher), cf_ray takes
+    a just-in-time checkpoint, predicts that storage makes the deadline, chooses it, and the
+    checkpoint is committed before the deadline; training holds until then; the restarted group (A
+    and C) resumes from it: no step lost, every sample once, and the final state bitwise equal to
+    the uninterrupted run."""
+    name = "drained"
+    out = tmp_path / "out" / name
+    # replicas=0: the drained node's snapshots die with it, so the new group restores from storage
+    # (test_node_loss_restores_from_a_peer_copy_bitwise is the same loss with a peer's copy).
+    cfg = dict(e2e.SMALL, keep_last=None, step_sleep=0.3, replicas=0)
+    run = _drained_run(multinode, tmp_path, name, cfg, deadline_s=6, ready=lambda: _newest_step(out) >= 3)
+    t_drain, removed_at = run["t_drain"], run["removed_at"]
 
     res = e2e.result_of(out)
     (jit,) = [r for r in res["profile"] if r.get("kind") == "preempt"]
     assert jit["notice_source"] == "ray", jit  # Ray's route, not a simulated sender
-    assert jit["committed"] and jit["made_deadline"] is True, jit
-    assert jit["deadline_unix"] == pytest.approx(t_drain + deadline_s, abs=3), jit
+    assert jit["jit_tier"] == "storage" and jit["predicted_peer_s"] is None, jit  # replication off
+    assert jit["committed"] and jit["made_deadline"] is True and jit["safe_tier"] == "storage", jit
+    assert jit["actual_storage_s"] <= jit["jit_left_s"], jit
+    assert jit["deadline_unix"] == pytest.approx(t_drain + 6, abs=3), jit
     first, second = e2e.resumes(out)
     assert first["source"] == "fresh" and second["step"] == jit["step"], (second, jit)  # from the JIT checkpoint
     assert second["source"] == "storage", second  # replication off: the drained node's copy is gone
@@ -153,9 +187,121 @@ def test_a_real_drain_with_a_deadline_that_fits_loses_no_step(multinode, referen
     rec = e2e.lineage(out)
     assert max(step for (_, step) in rec if step < jit_step) == jit_step - 1
     assert (0, jit_step) not in rec and (0, jit_step + 1) in rec
-    assert removed_at - t_drain >= deadline_s
+    assert removed_at - t_drain >= 6
     # Every other step's samples as in the uninterrupted run; the checkpointed step's batch is proven
     # by the final weights (bitwise, below).
+    assert rec == {k: v for k, v in e2e.lineage(reference).items() if k[1] != jit_step}
+    assert demo.states_equal(reference / "final_state.pt", out / "final_state.pt")
+    assert res["steps"] == STEPS
+
+
+def _slow_first_attempt_cfg(tmp_path, replicas: int, stall=None) -> dict:
+    """Storage that takes 3 s per data file of the first attempt until node B is gone (the file
+    ``tmp_path/slow``, made here): the holder of rank 0 writes two sections (``shared`` and its
+    own), so the slowest holder's measured persist time is 6 s, more than the 6 s drain deadline
+    leaves once the notice has reached the workers and the checkpoint is staged (1.5-3 s later on
+    this machine)."""
+    import pyarrow.fs as pafs
+
+    from faulty_fs import SlowAttemptHandler
+
+    (tmp_path / "slow").touch()
+    return dict(
+        e2e.SMALL,
+        keep_last=None,
+        step_sleep=0.6,
+        replicas=replicas,
+        storage_path=str(tmp_path / "ckpts"),
+        storage_filesystem=pafs.PyFileSystem(
+            SlowAttemptHandler(1, 3.0, str(tmp_path / "slow"), None if stall is None else str(stall))
+        ),
+    )
+
+
+def test_a_drain_too_short_for_any_tier_leaves_the_previous_checkpoint_the_latest(multinode, reference, tmp_path):
+    """Storage measured at 3 s per section, replication off, and a 6 s drain deadline: no tier fits
+    the time left when the just-in-time checkpoint is staged, and the controller says so (tier none,
+    both predictions in the row). Node B goes at the deadline, its holder in the middle of writing
+    (storage stalls from the drain on, so whichever node B is, its sections are never finished):
+    nothing of the checkpoint is visible — no manifest of its step, not listed by
+    ``cf_ray.list_checkpoints``, the committed steps are the scheduled ones — and the restarted group
+    resumes from the previous committed checkpoint on storage, replays, and ends bitwise equal to the
+    uninterrupted run."""
+    import cf_ray
+
+    name = "tooshort"
+    stall = tmp_path / "stall"  # storage stalls from the drain until the node is gone (never writes in time)
+    cfg = _slow_first_attempt_cfg(tmp_path, replicas=0, stall=stall)
+    root = tmp_path / "ckpts" / name / "cf_ray"
+    run = _drained_run(
+        multinode,
+        tmp_path,
+        name,
+        cfg,
+        deadline_s=6,
+        ready=lambda: _committed_on(root),
+        slow=tmp_path / "slow",
+        stall=stall,
+    )
+    out = run["out"]
+    res = e2e.result_of(out)
+    (jit,) = [r for r in res["profile"] if r.get("kind") == "preempt"]
+    assert jit["notice_source"] == "ray" and jit["generation"] == 1, jit
+    assert jit["jit_tier"] == "none" and jit["predicted_peer_s"] is None, jit
+    assert jit["predicted_storage_s"] * 1.5 > jit["jit_left_s"], jit
+    assert not jit["committed"] and jit["made_deadline"] is False and jit.get("safe_tier") is None, jit
+    jit_step = jit["step"]
+    # Right after the node went: the committed steps are scheduled ones (every 5 steps), none of the JIT step.
+    assert run["manifests_at_removal"] and f"step_{jit_step}" not in run["manifests_at_removal"]
+    assert all(int(d.split("_")[1]) % 5 == 0 for d in run["manifests_at_removal"]), run
+    first, second = e2e.resumes(out)[:2]
+    assert first["source"] == "fresh"
+    assert second["source"] == "storage" and second["step"] < jit_step and second["step"] % 5 == 0, (second, jit)
+    # Nothing of the first attempt's JIT step was ever committed (a later attempt may checkpoint the
+    # same step number: not of generation 1).
+    listed = {c.step for c in cf_ray.list_checkpoints(str(root))}
+    if jit_step in listed:
+        from cf_ray._engine.format import manifest as mf
+        from cf_ray._engine.storage.fs import FsStorage
+
+        assert mf.read_manifest(FsStorage.from_uri(str(root)), mf.step_dir(jit_step)).generation > 1
+    assert e2e.lineage(out) == e2e.lineage(reference)
+    assert demo.states_equal(reference / "final_state.pt", out / "final_state.pt")
+    assert res["steps"] == STEPS
+
+
+def test_a_drain_that_fits_a_peer_copy_but_not_storage_restores_from_the_peer(multinode, reference, tmp_path):
+    """Storage measured at 3-6 s per holder (too slow for a 6 s drain deadline), peer copies at
+    milliseconds: the controller chooses the peer tier, the just-in-time checkpoint is safe once the
+    drained node's sections have a copy in node A's holder (before the deadline; storage goes on in
+    the background, and cannot finish before the node goes), the row records both predictions and the actual
+    peer time, and the restarted group restores that checkpoint from the peer's memory: no step
+    lost, every sample once, bitwise."""
+    name = "peertier"
+    cfg = _slow_first_attempt_cfg(tmp_path, replicas=1)
+    root = tmp_path / "ckpts" / name / "cf_ray"
+    run = _drained_run(
+        multinode, tmp_path, name, cfg, deadline_s=6, ready=lambda: _committed_on(root), slow=tmp_path / "slow"
+    )
+    out = run["out"]
+    res = e2e.result_of(out)
+    (jit,) = [r for r in res["profile"] if r.get("kind") == "preempt"]
+    assert jit["notice_source"] == "ray" and jit["jit_tier"] == "peer", jit
+    assert jit["predicted_storage_s"] * 1.5 > jit["jit_left_s"] >= jit["predicted_peer_s"] * 1.5, jit
+    assert jit["safe_tier"] == "peer" and jit["made_deadline"] is True, jit
+    assert jit["actual_peer_s"] <= jit["jit_left_s"] and jit["safe_unix"] <= jit["deadline_unix"], jit
+    print(
+        f"JIT tier: left {jit['jit_left_s']:.2f} s, storage predicted {jit['predicted_storage_s']:.2f} s "
+        f"(actual {jit.get('actual_storage_s')}), peer predicted {jit['predicted_peer_s']:.3f} s, "
+        f"actual {jit['actual_peer_s']:.3f} s"
+    )
+    jit_step = jit["step"]
+    assert f"step_{jit_step}" not in run["manifests_at_removal"]  # storage did not make it before the node went
+    first, second = e2e.resumes(out)[:2]
+    assert first["source"] == "fresh"
+    assert (second["source"], second["step"]) == ("memory", jit_step), (second, jit)  # the peer's copy
+    rec = e2e.lineage(out)
+    assert (0, jit_step) not in rec and (0, jit_step + 1) in rec  # no step lost (training held in step())
     assert rec == {k: v for k, v in e2e.lineage(reference).items() if k[1] != jit_step}
     assert demo.states_equal(reference / "final_state.pt", out / "final_state.pt")
     assert res["steps"] == STEPS

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cf_ray._engine.driver import jit_tier
 from cf_ray._engine.driver.messages import (
     CheckpointKind,
     MemorySnapshot,
@@ -94,6 +95,10 @@ class _Pending:
     """Failed because the holder that had a section died (or came back empty) before writing it:
     if a later attempt then restores before this step, it is abandoned instead (the attempt it
     belonged to ended, which is what the holder's death usually means)."""
+    deadline_unix: float | None = None
+    """A just-in-time checkpoint's deadline: the earliest any rank's notice said."""
+    jit: jit_tier.JitPlan | None = None
+    """The tier chosen for a just-in-time checkpoint (decided once every section is staged)."""
     verify_files: bool = False
     """Learnt from a holder's resync: its files are checked on storage before the commit (a step
     committed and deleted by keep-last before the controller started again must not come back)."""
@@ -184,6 +189,7 @@ class CommitBook:
         schedule: ScheduleBook,
         on_commit: Callable[[int, mf.Manifest], None],
         restores: dict[int, int] | None = None,
+        draining: Callable[[], set[str]] | None = None,
     ):
         self.storage = storage
         self.committed = committed
@@ -205,6 +211,10 @@ class CommitBook:
         self._on_commit = on_commit
         self._io_lock = threading.Lock()  # manifest writes in turn (never the controller's lock)
         self._hint_step = self._newest if self._newest is not None else -1  # the newest 'latest' hint written
+        self.draining = draining or (lambda: set())
+        """The nodes Ray says are draining (asked once per just-in-time checkpoint, for its tier)."""
+        self.bandwidths = jit_tier.Bandwidths()
+        """What this run measured of storage writes and peer copies (the just-in-time tier's prediction)."""
 
     # -- the committed index ----------------------------------------------------------------------------
     def add_committed(self, step: int, entry: Committed) -> None:
@@ -292,9 +302,87 @@ class CommitBook:
     def replicated(self, msg: PartReplicated) -> None:
         """A peer holds a copy of a section (``msg.holder``), or the copy failed or was skipped."""
         p = self.pending.get((msg.generation, msg.step))
-        if p is not None and msg.holder and not msg.error and not msg.skipped:
-            p.replicas.setdefault(msg.section, {})[msg.holder] = msg.node_id
+        if msg.holder and not msg.error and not msg.skipped:
+            self.bandwidths.add_peer(msg.origin, msg.nbytes, msg.seconds)
+            if p is not None:
+                p.replicas.setdefault(msg.section, {})[msg.holder] = msg.node_id
+                self._check_peer_safe(p)
         self._book.note_replicated(msg)
+
+    def draining_nodes(self) -> set[str]:
+        """The nodes Ray says are draining; empty when it cannot say (then any node may be the one to go)."""
+        try:
+            return set(self.draining())
+        except Exception as e:  # noqa: BLE001
+            logger.warning("cf_ray: could not ask Ray which nodes are draining (%r); assuming any may go", e)
+            return set()
+
+    def safe_steps(self, generation: int, steps: list[int]) -> list[int]:
+        """Those of ``steps`` that are just-in-time checkpoints safe in the tier chosen for them and
+        not committed yet: in a peer's memory (the preempted rank's wait may end; storage goes on)."""
+        out = []
+        for step in steps:
+            p = self.pending.get((generation, int(step)))
+            if (
+                p is not None
+                and p.jit is not None
+                and p.jit.tier != jit_tier.JitTier.STORAGE
+                and p.jit.peer_safe_unix is not None
+            ):
+                out.append(int(step))
+        return out
+
+    def _decide_tier(self, p: _Pending, draining: set[str] | None) -> None:
+        """Once every section of a just-in-time checkpoint is staged: predict each tier from this
+        run's measurements and choose (:mod:`.jit_tier`). Under the controller's lock; asks Ray which
+        nodes are draining (a GCS call) only when the caller did not (a resync)."""
+        if (
+            p.jit is not None
+            or p.deadline_unix is None
+            or p.meta is None
+            or p.expected is None
+            or not p.expected <= set(p.staged)
+            or p.state != SectionState.PENDING
+        ):
+            return
+        if draining is None:
+            draining = self.draining_nodes()
+        peer_nodes = None
+        if p.meta.replicas != 0:
+            peer_nodes = {n for q in self.pending.values() for n in q.staged_nodes.values()}
+            peer_nodes |= {n for q in self.pending.values() for r in q.replicas.values() for n in r.values()}
+        p.jit = jit_tier.plan(
+            now_unix=time.time(),
+            deadline_unix=p.deadline_unix,
+            sections={
+                sec: (p.staged[sec], p.staged_nodes.get(sec, ""), p.section_bytes.get(sec, 0)) for sec in p.expected
+            },
+            draining=draining,
+            peer_nodes=peer_nodes,
+            bandwidths=self.bandwidths,
+        )
+        self._book.note_jit_plan(p.generation, p.step, p.jit)
+        logger.warning(
+            "cf_ray: just-in-time checkpoint of step %d: %.1f s to the deadline; storage predicted %.2f s, "
+            "a peer's memory %s: %s",
+            p.step,
+            p.jit.left_s,
+            p.jit.predicted_storage_s,
+            "not available" if p.jit.predicted_peer_s is None else f"{p.jit.predicted_peer_s:.2f} s",
+            {
+                jit_tier.JitTier.STORAGE: "storage",
+                jit_tier.JitTier.PEER: "safe once a peer holds a copy of every section (storage goes on)",
+                jit_tier.JitTier.NONE: "neither fits, both go on; the previous checkpoint stays the latest until one completes",
+            }[p.jit.tier],
+        )
+        self._check_peer_safe(p)
+
+    def _check_peer_safe(self, p: _Pending) -> None:
+        if p.jit is None or p.jit.peer_safe_unix is not None or p.state != SectionState.PENDING:
+            return
+        if p.jit.peer_safe(p.staged_nodes, p.replicas):
+            p.jit.peer_safe_unix = time.time()
+            self._book.note_jit_peer_safe(p.generation, p.step, p.jit)
 
     def state_of(self, generation: int, step: int) -> SectionState | None:
         """Where ``(generation, step)`` stands; ``None`` when this controller never heard of it."""
@@ -356,7 +444,9 @@ class CommitBook:
         return None
 
     # -- transitions ----------------------------------------------------------------------------------------
-    def staged(self, msg: PartStaged, *, resync: bool = False) -> CommitJob | None:
+    def staged(self, msg: PartStaged, *, resync: bool = False, draining: set[str] | None = None) -> CommitJob | None:
+        """A section is held by a holder. ``draining``: the nodes Ray says are draining, asked by the
+        caller outside the lock for a just-in-time checkpoint's section (``None``: asked here if needed)."""
         p = self._entry(msg.generation, msg.step, resync=resync)
         if p is None:
             return None
@@ -367,6 +457,9 @@ class CommitBook:
         p.section_bytes[msg.section] = msg.nbytes
         if meta.rank == 0 or p.meta is None:
             p.meta = meta
+        if CheckpointKind(meta.kind) is CheckpointKind.PREEMPT and meta.deadline_unix is not None:
+            if p.deadline_unix is None or meta.deadline_unix < p.deadline_unix:
+                p.deadline_unix = float(meta.deadline_unix)
         if not meta.persist:
             p.superseded.add(msg.section)
         if p.expected is None:
@@ -376,7 +469,9 @@ class CommitBook:
             # The controller is a threaded actor: a holder's part_durable calls may run before
             # the part_staged that says which sections to expect, so commit from here as well.
             self._report_persist(p)
+            self._decide_tier(p, draining)
             return self._try_commit(p)
+        self._decide_tier(p, draining)
         return None
 
     def superseded(self, generation: int, step: int, section: str, *, resync: bool = False) -> None:
@@ -585,6 +680,7 @@ class CommitBook:
             self.failed(p.generation, p.step, "manifest", result.error)
             return
         m = job.manifest
+        self._measure_storage(p, result.commit_s)
         self._settle(p, SectionState.COMMITTED)
         self.add_committed(
             p.step, Committed(path=job.directory, milestone=m.milestone, generation=p.generation, epoch=m.epoch)
@@ -603,6 +699,15 @@ class CommitBook:
         logger.info("cf_ray: committed step %d (%d bytes) at %s", p.step, row["bytes"], row["where"])
         self._book.record_metrics(p.generation, p.step)
         self._on_commit(p.step, m)
+
+    def _measure_storage(self, p: _Pending, commit_s: float) -> None:
+        """Each holder's bytes and seconds on this checkpoint, and the manifest's commit time."""
+        nbytes: dict[str, int] = collections.defaultdict(int)
+        for sec, holder in p.staged.items():
+            nbytes[holder] += p.section_bytes.get(sec, 0)
+        for holder, secs in _per_holder_persist(p).items():
+            self.bandwidths.add_storage(holder, nbytes.get(holder, 0), secs)
+        self.bandwidths.add_commit(commit_s)
 
     # -- the watch (see recovery.py) ------------------------------------------------------------------
     def watch_targets(

@@ -87,6 +87,7 @@ from cf_ray._engine.driver.lifetime import (
 )
 from cf_ray._engine.driver.maintenance import Maintenance, tier_steps
 from cf_ray._engine.driver.messages import (
+    CheckpointKind,
     CheckpointRequest,
     HolderState,
     Message,
@@ -186,6 +187,7 @@ class Controller:
             schedule=self._schedule,
             on_commit=self._after_commit,
             restores=restores,
+            draining=_draining_nodes if in_ray_actor() else None,
         )
         self._maintenance = Maintenance(
             storage,
@@ -360,6 +362,8 @@ class Controller:
              "pending": [step, ...],            # known, some section not durable yet (not settled)
              "unknown": [step, ...],            # never heard of (not settled: its part_staged may
                                                 #   not have arrived yet, or the controller restarted)
+             "safe": [step, ...],               # just-in-time checkpoints pending on storage but safe
+                                                #   in the tier chosen for them: a peer's memory (#12)
              "newest_committed": int | None,    # the newest committed step of any generation
              "resynced": bool}                  # False while a controller that just started is
                                                 #   still asking the holders what they hold
@@ -368,6 +372,7 @@ class Controller:
         """
         with self._lock:
             out = self._commits.settled_report(int(generation), list(steps))
+            out["safe"] = self._commits.safe_steps(int(generation), list(out["pending"]))
         out["resynced"] = self._resynced.is_set()
         return out
 
@@ -405,10 +410,17 @@ class Controller:
     # Each returns the step's state after the message (a SectionState, or None when this controller
     # knows nothing of it); every one is idempotent (a holder re-sends what it is unsure arrived).
     def part_staged(self, msg: PartStaged) -> SectionState | None:
+        # A just-in-time checkpoint's tier depends on which nodes are draining: a GCS call, made
+        # before the lock is taken (commits and polls never wait for it).
+        draining = (
+            self._commits.draining_nodes()
+            if CheckpointKind(msg.meta.kind) is CheckpointKind.PREEMPT and msg.meta.deadline_unix is not None
+            else None
+        )
         with self._lock:
             new = self._note_holder(msg.holder)
             self.generation = max(self.generation, msg.generation)
-            job = self._staged(msg, resync=False)
+            job = self._staged(msg, resync=False, draining=draining)
             state, settled = self._commits.state_of(msg.generation, msg.step), self._commits.take_settled()
         self._complete([job], settled)
         self._resync_if_new(msg.holder, new)
@@ -464,10 +476,10 @@ class Controller:
             settled = self._commits.take_settled()
         self._complete(jobs, settled)
 
-    def _staged(self, msg: PartStaged, *, resync: bool) -> CommitJob | None:
+    def _staged(self, msg: PartStaged, *, resync: bool, draining: set[str] | None = None) -> CommitJob | None:
         if not self._commits.accepts(msg.generation, msg.step):
             return None
-        job = self._commits.staged(msg, resync=resync)
+        job = self._commits.staged(msg, resync=resync, draining=draining)
         self._book.note_staged(msg.generation, msg.step, msg.meta)
         self._book.note_host_copies(msg.generation, msg.step, ("staged", msg.section), msg.holder_copied_bytes, 0)
         return job
@@ -1013,6 +1025,13 @@ def get_controller(key: str):
         return ray.get_actor(controller_name(key), namespace=_env.namespace())
     except ValueError:
         return None
+
+
+def _draining_nodes() -> set[str]:
+    """The ids of the nodes Ray is draining (a preemption or scale-down notice; the GCS's list)."""
+    from ray._private import state as _state
+
+    return set(_state.state.get_draining_nodes())
 
 
 def _alive_nodes() -> set[str] | None:

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 from cf_ray._engine import env as _env
+from cf_ray._engine.driver.jit_tier import JitPlan, JitTier
 from cf_ray._engine.driver.messages import CheckpointKind, Failure, PartReplicated, SectionState, SnapshotMeta
 from cf_ray._engine.driver.schedule import ScheduleBook, checkpoint_stats
 from cf_ray._engine.storage.fs import Storage
@@ -471,6 +472,32 @@ class ProfileBook:
             row["replica_bytes"] = row.get("replica_bytes", 0) + msg.nbytes
             row["replica_s"] = max(row.get("replica_s") or 0.0, msg.seconds)
 
+    def note_jit_plan(self, generation: int, step: int, plan: JitPlan) -> None:
+        """The tier chosen for a just-in-time checkpoint and each tier's predicted seconds (#12)."""
+        row = self.row(generation, step)
+        row.update(plan.row(), _jit_decided_unix=plan.decided_unix)
+        self.add_event({**plan.event(), "step": step, "generation": generation})
+
+    def note_jit_peer_safe(self, generation: int, step: int, plan: JitPlan) -> None:
+        """Every section of a just-in-time checkpoint that needed one has a copy on another usable node."""
+        t = plan.peer_safe_unix
+        if t is None:
+            return
+        row = self.row(generation, step)
+        row["actual_peer_s"] = round(t - plan.decided_unix, 3)
+        if plan.tier is not JitTier.STORAGE:
+            self._safe(row, t, JitTier.PEER)
+
+    @staticmethod
+    def _safe(row: dict, t: float, tier: JitTier) -> None:
+        """A just-in-time checkpoint is safe in ``tier`` at ``t``: the first such time decides whether
+        the deadline was met (a tier not chosen counts only when it is storage, which survives more)."""
+        if row.get("safe_unix") is not None and row["safe_unix"] <= t:
+            return
+        row.update(safe_unix=t, safe_tier=tier.value)
+        if row.get("deadline_unix") is not None:
+            row["made_deadline"] = t <= row["deadline_unix"]
+
     def note_superseded(self, generation: int, step: int) -> None:
         self.row(generation, step).update(
             committed=False, where="memory-only", error="superseded by a newer snapshot before it was persisted"
@@ -479,16 +506,16 @@ class ProfileBook:
     def note_failed(self, generation: int, step: int, section: str, error: str) -> None:
         row = self.row(generation, step)
         row.update(committed=False, where=SectionState.FAILED.value, error=f"{section}: {error}")
-        if row.get("deadline_unix") is not None:
-            row["made_deadline"] = False
+        if row.get("deadline_unix") is not None and row.get("safe_unix") is None:
+            row["made_deadline"] = False  # safe in a peer's memory before the deadline stays met
 
     def note_abandoned(self, generation: int, step: int) -> None:
         """A just-in-time checkpoint of an attempt that ended before it was durable."""
         row = self._rows.get((generation, step))
         if row is not None and row.get("deadline_unix") is not None:
-            row.update(
-                made_deadline=False, where=SectionState.ABANDONED.value, error="not durable when its attempt ended"
-            )
+            row.update(where=SectionState.ABANDONED.value, error="not durable when its attempt ended")
+            if row.get("safe_unix") is None:
+                row["made_deadline"] = False
 
     def note_committed(
         self,
@@ -516,8 +543,10 @@ class ProfileBook:
             milestone=milestone,
         )
         row["durable_unix"] = time.time()
+        if row.get("_jit_decided_unix") is not None:
+            row["actual_storage_s"] = round(row["durable_unix"] - row["_jit_decided_unix"], 3)
         if row.get("deadline_unix") is not None:
-            row["made_deadline"] = row["durable_unix"] <= row["deadline_unix"]
+            self._safe(row, row["durable_unix"], JitTier.STORAGE)
         return row
 
     def memory_rows(self) -> list[dict]:

@@ -34,7 +34,10 @@ CONTROL_STATE = "control_state.json"
 """Where the controller's generation and recent restores are saved, relative to the run's storage."""
 
 #: Ray errors that mean "that actor is gone, or not reachable now".
-_GONE = (ray.exceptions.RayActorError, ValueError)
+# ActorUnschedulableError: a holder pinned to a node that was removed (Ray would restart it, but its
+# node is gone): as gone as a dead one; without it the watch failed on every pass and the lost node's
+# sections stayed pending.
+_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError, ValueError)
 
 
 class HolderBusy(Exception):

@@ -76,6 +76,8 @@ class ControllerLink:
         self.failures: list[dict] = []
         """Failed checkpoints of this attempt, oldest first (``step``, ``section``, ``rank``, ``error``, ...)."""
         self.taken: list[int] = []
+        self.safe_steps: set[int] = set()
+        """Just-in-time checkpoints the controller said are safe in a peer's memory (storage goes on)."""
         """Steps of the checkpoints this rank took in this attempt, not yet known settled (oldest first)."""
         self.poll_failures = 0
         """Polls in a row that failed (0 once one is answered)."""
@@ -104,6 +106,11 @@ class ControllerLink:
     def committed(self, step: int) -> bool:
         """Whether ``step`` (or a newer one) is committed, as this rank knows it."""
         return self.known_committed >= step
+
+    def safe(self, step: int) -> bool:
+        """Whether ``step`` is committed, or is a just-in-time checkpoint that the controller says is
+        safe in the tier it chose for it (a peer's memory, #12), as this rank last heard."""
+        return self.committed(step) or step in self.safe_steps
 
     def track(self, step: int) -> None:
         """This rank took a checkpoint of ``step`` (``wait()`` waits until it is settled)."""
@@ -291,7 +298,13 @@ class ControllerLink:
             )
 
     def wait_durable(
-        self, deadline: float, step: int, copy_timings: dict[str, float], *, report_timeout: bool = True
+        self,
+        deadline: float,
+        step: int,
+        copy_timings: dict[str, float],
+        *,
+        report_timeout: bool = True,
+        safe_ok: bool = False,
     ) -> list[int]:
         """Block until every checkpoint this rank took in this attempt is settled (committed, failed,
         superseded or abandoned) or ``deadline`` (``time.monotonic()``) passed, then poll once (the
@@ -300,6 +313,9 @@ class ControllerLink:
         Args:
             report_timeout: each step still not settled at the deadline becomes a failure of its own
                 (section ``timeout``) and a warning; False: left for a later wait.
+            safe_ok: a just-in-time checkpoint safe in a peer's memory counts as settled, and so
+                do the older ones still pending (the preempted rank's wait; ``finish()`` waits for
+                storage).
 
         Returns:
             The steps not settled at the deadline.
@@ -310,7 +326,7 @@ class ControllerLink:
         while True:
             self.poll(step, copy_timings)  # the failures and the committed step as they come
             try:
-                unsettled = self._unsettled(list(self.taken), step)
+                unsettled = self._unsettled(list(self.taken), step, safe_ok=safe_ok)
             except Exception as e:  # noqa: BLE001 - an unreachable controller: what is known locally
                 logger.warning(
                     "cf_ray: rank %d: cannot ask the controller which checkpoints are settled: %r", self.rank, e
@@ -358,7 +374,7 @@ class ControllerLink:
             self.taken = [s for s in self.taken if s not in unsettled]
         return unsettled
 
-    def _unsettled(self, steps: list[int], step: int) -> list[int]:
+    def _unsettled(self, steps: list[int], step: int, *, safe_ok: bool = False) -> list[int]:
         """Which of ``steps`` are not settled yet (committed, failed, superseded or abandoned)."""
         if not steps:
             return []
@@ -372,6 +388,10 @@ class ControllerLink:
             if isinstance(newest, int):
                 self.known_committed = max(self.known_committed, newest)
             waiting = set(report.get("pending", ())) | set(report.get("unknown", ()))
+            safe = set(report.get("safe", ()))
+            self.safe_steps |= safe
+            if safe_ok and safe:  # older checkpoints are moot once a newer one is safe
+                waiting = {s for s in waiting if s > max(safe)}
             return [s for s in steps if s in waiting and s not in failed]
         pending = set(cast(list, self.call("pending_steps", self.generation, step=step)))
         return self._unsettled_locally(steps, pending)

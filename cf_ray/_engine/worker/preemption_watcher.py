@@ -65,9 +65,10 @@ class PreemptionOutcome:
     step: int
     """The step of the just-in-time checkpoint."""
     durable: bool
-    """Committed when this rank stopped waiting for it."""
+    """Safe when this rank stopped waiting for it: committed, or in a peer's memory when the
+    controller chose that tier for it (the profile row's ``safe_tier`` says which)."""
     durable_before_deadline: bool | None
-    """Committed before the deadline (``None``: no deadline)."""
+    """Safe before the deadline (``None``: no deadline)."""
     waited_s: float
     held_s: float = 0.0
 
@@ -245,7 +246,8 @@ class PreemptionWatcher:
         Args:
             step: the checkpoint's step.
             wait: ``Checkpointer.wait``: blocks up to the given seconds until nothing is pending.
-            committed: whether ``step`` (or a newer one) is committed, as this rank knows it.
+            committed: whether ``step`` is safe, as this rank knows it: committed (or a newer one), or
+                held in a peer's memory when the controller chose that tier for it (#12).
         """
         self.jit_steps.append(step)
         with self._lock:
@@ -271,7 +273,7 @@ class PreemptionWatcher:
             "cf_ray: rank %d: just-in-time checkpoint of step %d %s%s",
             self.rank,
             step,
-            "committed" if durable else "NOT committed yet",
+            "safe (committed, or in a peer's memory)" if durable else "NOT safe yet",
             ""
             if left is None
             else f", {left:.1f} s before the deadline"
