@@ -309,7 +309,7 @@ def test_a_dead_holder_is_made_again_and_the_next_snapshot_goes_to_it(ray_cluste
     for _ in range(2):
         step()
     assert ck.wait() == []
-    assert ck.holder is not old and "holder is gone at the snapshot of step 4" in caplog.text
+    assert ck.holder is not old and "holder cannot take the snapshot of step 4: it is gone" in caplog.text
     assert [c.step for c in cf_ray.list_checkpoints(str(tmp_path / "holder"))][-1] == 4
     ck.finish()
 
