@@ -22,7 +22,7 @@ demo: $(VENV)/.installed    ## the main job: TorchTrainer on a local Ray cluster
 # The whole suite, slow end-to-end tests included. pytest's exit code 5 means "no test ran":
 # it is reported, not hidden, and does not fail the target on its own.
 test: $(VENV)/.installed
-	@$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest -q --durations=40 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest: no tests were collected (exit 5)"; exit 0; fi; exit $$rc
 
 test-fast: $(VENV)/.installed    ## everything but the slow end-to-end runs

@@ -70,14 +70,21 @@ def test_example_train_ddp_runs_and_resumes(tmp_path):
 
 @pytest.mark.slow
 def test_example_spot_training_runs(tmp_path):
-    """The spot example on its own multi-node cluster: a real drain of rank 1's node (reason
-    preemption), no step lost, the final state bitwise equal to the uninterrupted run (it exits 1
+    """The spot example on its own multi-node cluster: a real drain of rank 1's node through Ray's
+    drain path (reason preemption, a deadline that fits), the just-in-time checkpoint durable before
+    the deadline, no step lost, the final state bitwise equal to the uninterrupted run (it exits 1
     otherwise)."""
     env = dict(os.environ, RAY_ADDRESS="local", CF_RAY_CONTROLLER_LINGER_S="2")
     cmd = [sys.executable, os.path.join(ROOT, "examples", "spot_training.py"), "--dir", str(tmp_path)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "`ray drain-node` (preemption)" in out.stdout and re.search(r"\| (memory|storage) \| yes \|", out.stdout)
+    assert "`ray drain-node` (preemption)" in out.stdout
+    # The just-in-time checkpoint is durable before the deadline, at most one step is lost (none
+    # expected), and the restarted group's final state is bitwise the uninterrupted run's.
+    assert re.search(r"\| yes, [0-9.]+ s after the notice \| [01] \(done \d+, resumed at \d+\) \|", out.stdout), (
+        out.stdout
+    )
+    assert re.search(r"\| (memory|storage) \| yes \|", out.stdout), out.stdout
 
 
 @pytest.mark.slow

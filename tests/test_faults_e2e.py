@@ -136,7 +136,10 @@ print("DONE", flush=True)
 """
 
 
-@pytest.mark.parametrize("lost", ["driver", "cluster"])
+# "driver" (the driver alone dies, the cluster lives) is left out of CI for the suite's time:
+# test_lifetime.py::test_a_dead_drivers_actors_are_reaped_and_never_reused covers that death (the dead
+# run's controller and holder are reaped and never reused). Parametrize with it to run it here too.
+@pytest.mark.parametrize("lost", ["cluster"])
 def test_driver_sigkilled_mid_run_then_run_again_resumes_from_storage_exactly_once_and_bitwise(
     _ray_session, reference, tmp_path, lost
 ):

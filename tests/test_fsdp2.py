@@ -946,7 +946,10 @@ def _fsdp_loop(cfg: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wrapper, source", [("fsdp2", "memory"), ("fsdp1", "memory"), ("fsdp2", "storage")])
+# ("fsdp2", "storage") is left out of CI for the suite's time: the spawn scenarios restore sharded
+# state from storage at the same world size, bitwise, and tests/test_docs.py's FSDP example resumes a
+# TorchTrainer run from storage resharded. Add it here to run it under TorchTrainer too.
+@pytest.mark.parametrize("wrapper, source", [("fsdp2", "memory"), ("fsdp1", "memory")])
 def test_sharded_worker_sigkilled_resumes_bitwise(ray_cluster, tmp_path, wrapper, source):
     """FSDP2 (fully_shard) and FSDP1 (FullyShardedDataParallel with a device mesh) + Adam, 2 workers
     under TorchTrainer, rank 1 SIGKILLed: both ranks resume from memory (or, with

@@ -3,7 +3,8 @@ CPUs and worker nodes of one CPU each (each its own raylet, object store and nod
 ranks of a ``TorchTrainer`` run on two nodes, and a node can be drained and lost for real: a
 drain with a deadline, a node lost with and without a copy of its snapshots on the other node, a
 real elastic resize (``num_workers=(1, 2)``: 2 -> 1 -> 2), and a node lost while its copies are in
-flight. Each test that removes a node adds one, so the next test has two worker nodes again; the
+flight. A real drain whose deadline fits storage is run by the spot example
+(``tests/test_docs.py::test_example_spot_training_runs``), on a cluster of the same shape. Each test that removes a node adds one, so the next test has two worker nodes again; the
 last test leaves one whose raylet has ``CF_RAY_TEST_REPLICA_PULL_DELAY`` set (keep it last).
 
 The shared test cluster is shut down for this module (a driver talks to one cluster at a time) and
@@ -154,47 +155,6 @@ def _committed_on(root) -> bool:
     return bool(glob.glob(f"{root}/checkpoints/step_*/MANIFEST.json"))
 
 
-def test_a_real_drain_with_a_deadline_that_fits_loses_no_step(multinode, reference, tmp_path):
-    """Node B is drained through Ray's drain path (reason preemption, a 6 s deadline) while the run
-    trains on nodes A and B; a third node joins, and B is removed at the deadline. Ray Train's
-    preemption information reaches the workers by Ray's route (its PreemptionWatcher), cf_ray takes
-    a just-in-time checkpoint, predicts that storage makes the deadline, chooses it, and the
-    checkpoint is committed before the deadline; training holds until then; the restarted group (A
-    and C) resumes from it: no step lost, every sample once, and the final state bitwise equal to
-    the uninterrupted run."""
-    name = "drained"
-    out = tmp_path / "out" / name
-    # replicas=0: the drained node's snapshots die with it, so the new group restores from storage
-    # (test_node_loss_restores_from_a_peer_copy_bitwise is the same loss with a peer's copy).
-    cfg = dict(e2e.SMALL, keep_last=None, step_sleep=0.3, replicas=0)
-    run = _drained_run(multinode, tmp_path, name, cfg, deadline_s=6, ready=lambda: _newest_step(out) >= 3)
-    t_drain, removed_at = run["t_drain"], run["removed_at"]
-
-    res = e2e.result_of(out)
-    (jit,) = [r for r in res["profile"] if r.get("kind") == "preempt"]
-    assert jit["notice_source"] == "ray", jit  # Ray's route, not a simulated sender
-    assert jit["jit_tier"] == "storage" and jit["predicted_peer_s"] is None, jit  # replication off
-    assert jit["committed"] and jit["made_deadline"] is True and jit["safe_tier"] == "storage", jit
-    assert jit["actual_storage_s"] <= jit["jit_left_s"], jit
-    assert jit["deadline_unix"] == pytest.approx(t_drain + 6, abs=3), jit
-    first, second = e2e.resumes(out)
-    assert first["source"] == "fresh" and second["step"] == jit["step"], (second, jit)  # from the JIT checkpoint
-    assert second["source"] == "storage", second  # replication off: the drained node's copy is gone
-    # Work lost: none. Training held inside step() of the checkpointed step until the node went, so
-    # the demo never logged that step's batch in the first attempt (it logs after step()), and the
-    # second attempt starts right after it.
-    jit_step = jit["step"]
-    rec = e2e.lineage(out)
-    assert max(step for (_, step) in rec if step < jit_step) == jit_step - 1
-    assert (0, jit_step) not in rec and (0, jit_step + 1) in rec
-    assert removed_at - t_drain >= 6
-    # Every other step's samples as in the uninterrupted run; the checkpointed step's batch is proven
-    # by the final weights (bitwise, below).
-    assert rec == {k: v for k, v in e2e.lineage(reference).items() if k[1] != jit_step}
-    assert demo.states_equal(reference / "final_state.pt", out / "final_state.pt")
-    assert res["steps"] == STEPS
-
-
 def _slow_first_attempt_cfg(tmp_path, replicas: int, stall=None) -> dict:
     """Storage that takes 3 s per data file of the first attempt until node B is gone (the file
     ``tmp_path/slow``, made here): the holder of rank 0 writes two sections (``shared`` and its
@@ -312,8 +272,9 @@ def test_node_loss_restores_from_a_peer_copy_bitwise(multinode, reference, tmp_p
     """The node of one rank is lost (removed without notice) mid-run. With ``replicas=1`` every
     snapshot has a copy in a holder of the other node, so the restarted group restores the newest
     snapshot from the surviving node's memory, although its own holder died with the node (with
-    ``replicas=0`` it restores from storage: parametrize with 0 to see it; the drain test above runs
-    a node loss with replication off in CI, to keep the suite's time). Storage is slow for step 10
+    ``replicas=0`` it restores from storage: parametrize with 0 to see it; in CI the drain that is too
+    short for any tier, below, loses a node with replication off and restores from storage, bitwise,
+    to keep the suite's time). Storage is slow for step 10
     (its write takes 15 s), so the newest snapshot in memory (step 10 or later) is newer than the
     newest committed one (step 5) when the node goes. Every sample once and the final state bitwise
     equal to the uninterrupted run."""
