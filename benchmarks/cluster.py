@@ -634,6 +634,41 @@ def run_recovery(tc: _TestCluster, p: dict, work: Path, seed: int, cold_cache_of
     }
 
 
+def measure_transfer(nbytes: int) -> dict:
+    """What a restore from another node's memory is made of, without cf_ray: ``ray.put`` of
+    ``nbytes`` (a numpy array) on one worker node, then ``ray.get`` of it by a task on the other (Ray's
+    object transfer between two raylets of this machine, over loopback)."""
+    import numpy as np
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) >= 1]
+    if len(nodes) < 2:
+        return {"error": "fewer than two worker nodes"}
+
+    @ray.remote(num_cpus=0)
+    def put_here(n: int):
+        arr = np.ones(n, dtype=np.uint8)
+        t0 = time.perf_counter()
+        ref = ray.put(arr)
+        return [ref], time.perf_counter() - t0
+
+    @ray.remote(num_cpus=0)
+    def get_there(refs):
+        t0 = time.perf_counter()
+        arr = ray.get(refs[0])
+        touched = int(arr[:: 1 << 12].sum())  # every page read once
+        return time.perf_counter() - t0, touched
+
+    def on(node: str):
+        return NodeAffinitySchedulingStrategy(node, soft=False)
+
+    (ref,), put_s = ray.get(put_here.options(scheduling_strategy=on(nodes[0])).remote(nbytes))
+    get_s, _ = ray.get(get_there.options(scheduling_strategy=on(nodes[1])).remote([ref]))
+    del ref
+    return {"bytes": nbytes, "put_s": put_s, "transfer_get_s": get_s, "transfer_gbps": nbytes / get_s / 1e9}
+
+
 def _schedule(p: dict) -> tuple[list[int], int]:
     """The steps at which the preemption notices come (the same in every arm) and the target.
 
@@ -898,6 +933,14 @@ def render_markdown(res: dict) -> str:
                 f"{r['resume_step']} | {'/'.join(r['resume_source'])} | {r['iterations_lost']} |"
             )
         lines += ["", f"Restore speed-up (storage / peer memory): {_f(rec.get('restore_speedup'), '.1f')} x", ""]
+        tr = rec.get("transfer") or {}
+        if tr.get("transfer_get_s"):
+            lines += [
+                f"Without cf_ray, on the same cluster: `ray.put` of {tr['bytes'] / 1e9:.2f} GB on one worker node "
+                f"{tr['put_s']:.2f} s, `ray.get` of it on the other {tr['transfer_get_s']:.2f} s "
+                f"({tr['transfer_gbps']:.2f} GB/s, Ray's object transfer between two raylets of this machine).",
+                "",
+            ]
     pre = res.get("preemption")
     if pre:
         lines += [
@@ -1001,6 +1044,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             res["replication"] = run_replication(p, work, args.seed)
         if "recovery" in jobs:
             res["recovery"] = run_recovery(tc, p, work, args.seed, cold_cache_off=args.warm_storage)
+            try:
+                res["recovery"]["transfer"] = measure_transfer(int(rec_state))
+            except Exception as e:  # noqa: BLE001 - a reference figure; the job's own figures stand
+                res["recovery"]["transfer"] = {"error": f"{type(e).__name__}: {e}"}
         if "preemption" in jobs:
             res["preemption"] = run_preemption(tc, p, work, args.seed, arms)
     finally:

@@ -33,7 +33,7 @@ def test_bench_smoke(tmp_path, capsys):
             "--workers",
             "1",
             "--variants",
-            "none,ray_sync,cf_fixed,cf_auto",
+            "none,ray_sync,cf_fixed,cf_auto,floor_copy",
             "--no-recovery",
             "--out",
             str(out),
@@ -58,7 +58,10 @@ def test_bench_smoke(tmp_path, capsys):
     assert probes[0]["iterations"] % k == 0 and probes[0]["checkpoints_taken"] >= 2
     assert {t["id"] for t in results["targets"]} >= {"auto_within_budget"} | ({"auto_shortest"} if k > 1 else set())
     ids = {v["id"] for v in results["variants"] if v.get("probe") is None}
-    assert ids == {"w1/none", "w1/ray_sync/k3", "w1/cf_fixed/k3", "w1/cf_auto"}, ids
+    assert ids == {"w1/none", "w1/ray_sync/k3", "w1/cf_fixed/k3", "w1/cf_auto", "w1/floor_copy/k3"}, ids
+    # The floor (#14): one copy of the state per checkpoint and nothing else, measured beside the others.
+    floor = next(v for v in results["variants"] if v["variant"] == "floor_copy")
+    assert floor["checkpoints_taken"] == 2 and floor["checkpoints_committed"] == 0 and floor["bytes_written"] == 0
     for v in results["variants"]:
         for key in (
             "iter_median_s",
@@ -153,6 +156,7 @@ def test_bench_cluster_jobs(tmp_path, capsys):
         assert r["resume_step"] == r["checkpoint_step"] == 8 and r["iterations_lost"] == 2, r
         assert 0 < r["restore_s"] < r["kill_to_first_iteration_s"], r
     assert rec["restore_speedup"] > 0
+    assert rec["transfer"]["transfer_gbps"] > 0, rec["transfer"]  # Ray's own node-to-node transfer, for reference
 
     pre = res["preemption"]
     (at,) = pre["notice_steps"]
