@@ -259,6 +259,8 @@ class Holder:
                     self._record_staged(msg)
                 if key == self._current:  # a late section of the step being written
                     self._current_left.update({e.section: e for e in entries})
+                    for e in entries:
+                        self._pin(e)
                 else:
                     self._waiting.setdefault(key, {}).update({e.section: e for e in entries})
                     for older in [k for k in self._waiting if k < key]:
@@ -462,6 +464,12 @@ class Holder:
                     ),
                 )
                 self._current_left = self._waiting.pop(self._current)
+                # A step whose writing starts is never superseded, not even in part: its other
+                # sections' slots are not filled again before they are written (without this, with
+                # storage slower than two snapshots, every started step lost a section and nothing
+                # committed).
+                for e in self._current_left.values():
+                    self._pin(e)
                 if self._current not in self._started:
                     self._started.append(self._current)
                     del self._started[:-16]
@@ -525,6 +533,14 @@ class Holder:
                 self._writing = None
                 self._lock.notify_all()
             self._sender.send("part_durable" if isinstance(outcome, PartDurable) else "part_failed", outcome)
+
+    def _pin(self, e: _Entry) -> None:
+        """Hold ``e``'s slot with a shared lock until it is written (the caller holds ``_lock``)."""
+        key = (e.generation, e.step, e.section)
+        if isinstance(e.ref, _shm.SlotDesc) and key not in self._pins:
+            lk = _shm.ReadLock.take(e.ref.path, e.generation, e.step, e.ref.seq)
+            if lk is not None:
+                self._pins[key] = lk
 
     def _write_slot(self, entry: _Entry, directory: str) -> tuple[dict, int] | None:
         """Write a section straight from its slot (shared lock; ``None`` when the slot was filled
