@@ -314,7 +314,7 @@ class _CopyFloor:
     def __init__(self, k: int, model, opt):
         import torch
 
-        self.k, self.model, self.opt = k, model, opt
+        self.k = k
         self.tensors = [p.data for p in model.parameters()]
         self.tensors += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim()]
         total = sum(t.numel() * t.element_size() for t in self.tensors)

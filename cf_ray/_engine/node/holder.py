@@ -218,12 +218,9 @@ class Holder:
             entries.append(_Entry(generation, step, name, ref, bytes(index), int(arena.nbytes), meta))
         if unknown:
             return {"put_s": 0.0, "acked": False, "unknown_slots": unknown}
-        for e in entries:
-            if isinstance(e.ref, _shm.SlotDesc) and meta.persist and (meta.milestone or meta.priority):
-                # Never superseded: its slot is not filled again before it is written.
-                lk = _shm.ReadLock.take(e.ref.path, e.generation, e.step, e.ref.seq)
-                if lk is not None:
-                    self._pins[(e.generation, e.step, e.section)] = lk
+        if meta.persist and (meta.milestone or meta.priority):
+            for e in entries:  # never superseded: its slot is not filled again before it is written
+                self._pin(e)
         put_s = time.perf_counter() - t0
         superseded = []
         key = (generation, step)
@@ -535,7 +532,7 @@ class Holder:
             self._sender.send("part_durable" if isinstance(outcome, PartDurable) else "part_failed", outcome)
 
     def _pin(self, e: _Entry) -> None:
-        """Hold ``e``'s slot with a shared lock until it is written (the caller holds ``_lock``)."""
+        """Hold ``e``'s slot (if it is in one) with a shared lock until the writer takes it."""
         key = (e.generation, e.step, e.section)
         if isinstance(e.ref, _shm.SlotDesc) and key not in self._pins:
             lk = _shm.ReadLock.take(e.ref.path, e.generation, e.step, e.ref.seq)
