@@ -224,6 +224,8 @@ def _recovery_loop(cfg: dict) -> None:
                 "source": resume.source,
                 "step": resume.step,
                 "restore_s": resume.seconds,
+                "restore_phases": resume.phases,
+                "read_bytes": resume.read_bytes,
                 "generation": resume.generation,
             },
         )
@@ -610,6 +612,8 @@ def run_recovery(tc: _TestCluster, p: dict, work: Path, seed: int, cold_cache_of
             "kill_to_restart_s": min(e["attempt_start"] for e in res) - t_kill,
             "restore_s": max(e["restore_s"] for e in res),
             "restore_s_by_rank": {e["rank"]: e["restore_s"] for e in res},
+            "restore_phases_by_rank": {e["rank"]: e.get("restore_phases") for e in res},
+            "read_bytes_by_rank": {e["rank"]: e.get("read_bytes") for e in res},
             "state_bytes": lost["state_bytes"],
         }
     mem, sto = got.get("memory", {}), got.get("storage", {})

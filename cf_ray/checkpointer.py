@@ -100,6 +100,14 @@ class Resume:
     """This rank's restored data-object states by name."""
     seconds: float = 0.0
     """Time spent restoring on this rank."""
+    phases: dict = field(default_factory=dict)
+    """Of ``seconds``, those of each phase on this rank: ``plan`` (the controller's plan), ``read``
+    (fetching and checking the bytes of every candidate tried), ``validate``, ``apply`` (loading
+    into the tracked objects), ``verify`` (the fingerprints); the rest is the ranks' agreement."""
+    read_bytes: dict = field(default_factory=dict)
+    """Bytes this rank read, by how: ``in_place`` (its node's holder's memory, mapped), ``direct``
+    (streamed from a holder of another node: a lost node's sections, a peer's copy), ``object_store``
+    (through Ray's object transfer), ``storage``."""
 
     @property
     def fresh(self) -> bool:
@@ -527,6 +535,8 @@ class Checkpointer:
             saved_world_size=outcome.saved_world_size,
             data=outcome.data,
             seconds=seconds,
+            phases=dict(self._restorer.phases),
+            read_bytes=dict(self._restorer.read_bytes),
         )
 
     # -- what happened ------------------------------------------------------------------------------------

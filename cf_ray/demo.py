@@ -147,6 +147,7 @@ def train_loop_per_worker(config: dict) -> None:
                 "step": resume.step,
                 "epoch": resume.epoch,
                 "seconds": resume.seconds,
+                "read_bytes": resume.read_bytes,
                 "world_size": world,
                 "saved_world_size": resume.saved_world_size,
                 "time": time.time(),

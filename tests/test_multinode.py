@@ -320,6 +320,10 @@ def test_node_loss_restores_from_a_peer_copy_bitwise(multinode, reference, tmp_p
     if replicas:
         # The newest snapshot, from memory: the lost rank's section from the peer's copy on the other node.
         assert second["source"] == "memory" and second["step"] >= 10, second
+        # The rank on the replacement node streamed its sections straight from the holder of the
+        # surviving node (no object-store copy); the other read its node's slots in place.
+        read = [e2e.resumes(out, r)[1]["read_bytes"] for r in range(2)]
+        assert sum(r.get("direct", 0) for r in read) > 0 and not any(r.get("object_store") for r in read), read
         rows = {r["step"]: r for r in res["profile"] if r.get("generation") == 1}
         row = rows[second["step"]]
         assert row.get("replica_bytes", 0) > 0 and row.get("replica_s") is not None, row

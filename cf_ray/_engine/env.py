@@ -26,6 +26,9 @@ DIRECT_IO = "CF_RAY_DIRECT_IO"
 #: "0" turns off the holder's shared-memory snapshot slots (#14): snapshots are then handed to the
 #: holder by value (through the object store), with more copies on the host.
 SHM_SLOTS = "CF_RAY_SHM_SLOTS"
+#: "0" turns off the direct transfer of held sections to readers on other nodes (#12,
+#: ``node/stream.py``): a restore on another node then gets them through Ray's object transfer.
+PEER_STREAM = "CF_RAY_PEER_STREAM"
 #: Fault injection for tests: ``"<step>@<rank>@<marker file>"`` SIGKILLs that rank's process in the
 #: middle of its copy of that step's snapshot into a slot, once (the marker file records it). Unset
 #: in normal use; the tests use it to show that a snapshot killed mid-copy is never restored.
@@ -76,6 +79,7 @@ _DEFAULTS = {
     WRITE_CHUNK_BYTES: 16 * 1024 * 1024,
     DIRECT_IO: 1,
     SHM_SLOTS: 1,
+    PEER_STREAM: 1,
     SEND_QUEUE: 4096,
     WATCH_INTERVAL_S: 5.0,
     DRAIN_TIMEOUT_S: 300.0,

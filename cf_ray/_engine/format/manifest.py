@@ -682,6 +682,9 @@ class Section:
     buf: np.ndarray | RangedData
     """The verified bytes of the section's data file (read by range, block by block verified, when
     the section was loaded ``ranged``)."""
+    private: bool = False
+    """``buf`` is memory of this process that nothing else uses (a section streamed from another
+    node): the restore keeps views into it instead of copying what it keeps (optimizer state)."""
 
     def materialize(self, *, copy: bool = False) -> Any:
         """The state tree with tensors (views into ``buf`` unless ``copy``)."""

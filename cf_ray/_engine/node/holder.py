@@ -78,6 +78,7 @@ from cf_ray._engine.driver.messages import (
 from cf_ray._engine.driver.naming import holder_name
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.node import shm as _shm
+from cf_ray._engine.node import stream as _stream
 from cf_ray._engine.node.sender import Sender
 from cf_ray._engine.storage.fs import Storage
 
@@ -159,6 +160,9 @@ class Holder:
         self._pins: dict[tuple[int, int, str], _shm.ReadLock] = {}
         self._copied_bytes = 0
         self._no_peer_logged = False
+        # Direct transfers to readers on other nodes (#12, ``stream.py``), started on first use.
+        self._server: _stream.SectionServer | None = None
+        self._server_failed = False
         self._thread = threading.Thread(target=self._writer, name="cf_ray-persist", daemon=True)
         self._thread.start()
         self._replicator_thread = threading.Thread(target=self._replicator, name="cf_ray-replicate", daemon=True)
@@ -292,11 +296,16 @@ class Holder:
         acked = all(a.wait(max(0.0, deadline - time.monotonic())) for a in acks)
         return {"put_s": put_s, "acked": acked}
 
-    def get_section(self, generation: int, step: int, section: str, node_id: str = "") -> list | None:
+    def get_section(
+        self, generation: int, step: int, section: str, node_id: str = "", stream: bool = True
+    ) -> list | None:
         """``[where, index bytes]`` if held (its own, or a peer's replica), else ``None``. ``where`` is
         a :class:`~.shm.SlotDesc` when the bytes are in a slot and the reader is on this node
-        (``node_id``): it maps the slot and reads it in place; otherwise an ObjectRef (a slot's bytes
-        are put into the object store once for readers on other nodes)."""
+        (``node_id``): it maps the slot and reads it in place. For a reader on another node it is a
+        :class:`~.stream.StreamDesc` (``stream``, unless ``CF_RAY_PEER_STREAM=0``): the reader
+        fetches the bytes over a direct connection to this holder, sent straight from the slot or
+        from this node's object store; otherwise an ObjectRef (a slot's bytes are put into the
+        object store once for readers on other nodes)."""
         with self._lock:
             waiting = [e for secs in self._waiting.values() for e in secs.values()]
             copies = [e for kept in self._replicas.values() for e in kept]
@@ -307,13 +316,22 @@ class Holder:
                     break
         if found is None:
             return None
+        local = bool(node_id) and node_id == self._node
+        server = self._stream_server() if stream and not local else None
         if not isinstance(found.ref, _shm.SlotDesc):
-            return [found.ref, found.index]
+            if server is None:
+                return [found.ref, found.index]
+            arena = cast(np.ndarray, ray.get(found.ref))  # this node's object store: no copy
+            desc = server.offer(found.size_bytes, lambda: None, buffer=arena.data)
+            return [desc, found.index]
         lk = _shm.ReadLock.take(found.ref.path, generation, step, found.ref.seq, wait_s=1.0)
         if lk is None:
             return None  # filled again by a newer snapshot since
+        if server is not None:
+            # The lock is held until the reader has the bytes (or the offer expires).
+            return [server.offer(found.size_bytes, lk.close, fd=lk.fd, offset=_shm.HEADER_BYTES), found.index]
         try:
-            if node_id and node_id == self._node:
+            if local:
                 return [found.ref, found.index]
             if found.shared is None:
                 found.shared = ray.put(np.frombuffer(lk.data, dtype=np.uint8))
@@ -321,6 +339,27 @@ class Holder:
             return [found.shared, found.index]
         finally:
             lk.close()
+
+    def _stream_server(self) -> _stream.SectionServer | None:
+        """This holder's :class:`~.stream.SectionServer` (started on first use); ``None`` when
+        ``CF_RAY_PEER_STREAM=0`` or it cannot listen (readers then get objects)."""
+        from cf_ray._engine import env as _env
+
+        if not _env.get_int(_env.PEER_STREAM):
+            return None
+        with self._lock:
+            if self._server is None and not self._server_failed:
+                try:
+                    self._server = _stream.SectionServer(ray.util.get_node_ip_address())
+                except OSError as e:
+                    self._server_failed = True
+                    logger.warning(
+                        "cf_ray: holder %s cannot listen for direct section transfers (%s); "
+                        "readers on other nodes get its sections through the object store",
+                        self._name,
+                        e,
+                    )
+            return self._server
 
     # -- called by the holders of other nodes -------------------------------------------------------------
     def hold_replica(

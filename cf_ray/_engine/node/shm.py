@@ -65,6 +65,34 @@ class Header:
         return self.state == READY and (self.generation, self.step, self.seq) == (generation, step, seq)
 
 
+def private_buffer(nbytes: int):
+    """``nbytes`` of this process's own memory (a uint8 numpy array), writable, its pages made
+    present in one call (``MAP_POPULATE``): a restore that fills fresh memory page fault by page
+    fault spends several times the copy itself on the faults."""
+    import numpy as np
+
+    if nbytes == 0:
+        return np.empty(0, dtype=np.uint8)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), dtype=np.uint8)
+
+
+def release(buf, start: int, end: int) -> int:
+    """Give the whole pages of ``buf[start:end]`` back to the system (``MADV_DONTNEED``: they read
+    as zeros afterwards), when ``buf`` is a :func:`private_buffer`; returns the bytes released.
+    For bytes nothing reads any more while other parts of the buffer stay in use."""
+    m = getattr(buf, "base", None)
+    m = m.obj if isinstance(m, memoryview) else m  # np.frombuffer's base is a view of the mmap
+    if not isinstance(m, mmap.mmap):
+        return 0
+    a = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    b = end // mmap.PAGESIZE * mmap.PAGESIZE
+    if b <= a:
+        return 0
+    m.madvise(mmap.MADV_DONTNEED, a, b - a)
+    return b - a
+
+
 def available() -> bool:
     """Whether this platform has anonymous shared-memory files (Linux)."""
     return hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
@@ -106,7 +134,7 @@ class ReadLock:
     lock this process holds on the file) and, once taken, the slot's data mapped read-only.
 
     Use: ``lk = ReadLock.take(desc.path, gen, step, desc.seq)``; ``None`` when the slot is being
-    filled or holds another fill. ``lk.data`` is a read-only memoryview of the data; ``lk.close()``.
+    filled or holds another fill (``populate=True``: every page mapped at once, for a whole read). ``lk.data`` is a read-only memoryview of the data; ``lk.close()``.
     """
 
     __slots__ = ("fd", "map", "data")
@@ -117,7 +145,9 @@ class ReadLock:
         self.data = memoryview(m)[HEADER_BYTES : HEADER_BYTES + nbytes]
 
     @classmethod
-    def take(cls, path: str, generation: int, step: int, seq: int, *, wait_s: float = 0.0) -> ReadLock | None:
+    def take(
+        cls, path: str, generation: int, step: int, seq: int, *, wait_s: float = 0.0, populate: bool = False
+    ) -> ReadLock | None:
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -130,7 +160,10 @@ class ReadLock:
                     return None
                 time.sleep(0.002)
             size = os.fstat(fd).st_size
-            m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            # ``populate``: the pages are mapped in one call, for a reader that reads all of them
+            # (a restore): a fault per page of shared memory costs several times the copy.
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            m = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
             h = read_header(m)
             if not h.holds(generation, step, seq) or HEADER_BYTES + h.nbytes > size:
                 m.close()

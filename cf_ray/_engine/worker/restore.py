@@ -39,6 +39,7 @@ from cf_ray._engine import env as _env
 from cf_ray._engine.driver.messages import MemorySnapshot, Restored, RestorePlan, RestoreSource
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.node import shm as _shm
+from cf_ray._engine.node import stream as _stream
 from cf_ray._engine.storage.base import Storage
 from cf_ray._engine.worker import restore_checks as _checks
 from cf_ray._engine.worker import sharded as _sharded
@@ -154,6 +155,20 @@ class Restorer:
         self.sharded = sharded
         self.verified: list[str] = []
         """The objects checked against their fingerprints by the last :meth:`load`."""
+        self.phases: dict[str, float] = {}
+        """Seconds this rank spent in each phase of the restore (``plan``, ``read``, ``validate``,
+        ``apply``, ``verify``; ``read`` and ``validate`` summed over the candidates tried)."""
+
+        self.read_bytes: dict[str, int] = {}
+        """Bytes this rank read in the last restore, by how: ``in_place`` (its node's holder's memory:
+        a slot mapped, or its object store), ``direct`` (streamed from a holder of another node), ``object_store`` (Ray's object
+        transfer), ``storage``."""
+
+    def _count(self, how: str, nbytes: int) -> None:
+        self.read_bytes[how] = self.read_bytes.get(how, 0) + int(nbytes)
+
+    def _timed(self, phase: str, t0: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - t0
 
     @property
     def rank(self) -> int:
@@ -170,6 +185,8 @@ class Restorer:
         Raises:
             RestoreError: rank 0 could not get one (on every rank).
         """
+        t0 = time.perf_counter()
+        self.phases, self.read_bytes = {}, {}
         plan: Any = None
         if self.rank == 0:
             try:
@@ -177,6 +194,7 @@ class Restorer:
             except Exception as e:  # noqa: BLE001 - shared with every rank below, never a hang
                 plan = _PlanFailed(_describe(e))
         plan = self.control.broadcast(plan)
+        self._timed("plan", t0)
         if isinstance(plan, _PlanFailed):
             raise RestoreError(
                 f"cf_ray: rank 0 could not get a restore plan from the controller ({plan.error}); every rank stops here"
@@ -249,6 +267,7 @@ class Restorer:
 
     def _prepare(self, source: RestoreSource, cand) -> tuple[_checks.Prepared | None, _Status]:
         """Read and validate one candidate on this rank (nothing tracked is touched)."""
+        t0 = time.perf_counter()
         try:
             loaded, saved_world, replicated = self._fetch(source, cand)
         except Exception as e:  # noqa: BLE001 - reading failed: fall back
@@ -258,6 +277,9 @@ class Restorer:
             return None, _Status(
                 _Verdict.SKIP, self.rank, _describe(e), damage=damage, corrupt=isinstance(e, CorruptCheckpointError)
             )
+        finally:
+            self._timed("read", t0)
+        t0 = time.perf_counter()
         try:
             prepared = _checks.validate(
                 loaded,
@@ -276,13 +298,19 @@ class Restorer:
         except Exception as e:  # noqa: BLE001 - a checkpoint that cannot be applied is skipped like a corrupt one
             corrupt = isinstance(e, CorruptCheckpointError)
             return None, _Status(_Verdict.SKIP, self.rank, _describe(e), damage=corrupt, corrupt=corrupt)
+        finally:
+            self._timed("validate", t0)
         return prepared, _Status(_Verdict.OK, self.rank)
 
     def _apply(self, source: RestoreSource, cand, where: str, prepared: _checks.Prepared) -> Outcome:
         data_states: dict = {}
         try:
+            t0 = time.perf_counter()
             data_states = _checks.apply(prepared, self.state, self.data, self.rank, self.world_size)
+            self._timed("apply", t0)
+            t0 = time.perf_counter()
             self.verified = _checks.verify(prepared, self.state, self.data)
+            self._timed("verify", t0)
             status = _Status(_Verdict.OK, self.rank)
         except Exception as e:  # noqa: BLE001 - objects may be partly overwritten: every rank stops
             status = _Status(
@@ -446,6 +474,9 @@ class Restorer:
         out = {sec: _read(_load_section, storage, directory, manifest, sec, ranged) for sec in needed}
         for sec in self._also_needed(out, manifest.world_size, manifest.replicated):
             out[sec] = _read(_load_section, storage, directory, manifest, sec, True)
+        for sec in out.values():
+            if isinstance(sec.buf, np.ndarray):  # a section read by range counts nothing here
+                self._count("storage", sec.buf.nbytes)
         return out, manifest.world_size, manifest.replicated
 
     def _also_needed(self, loaded: dict[str, mf.Section], saved_world: int, replicated: bool) -> list[str]:
@@ -471,7 +502,7 @@ class Restorer:
         """A section in a snapshot slot of this node's holder, mapped read-only and read in place
         (the restore loads from it: no copy out of the slot first). The mapping stays as long as
         the arrays that view it."""
-        lk = _shm.ReadLock.take(desc.path, cand.generation, cand.step, desc.seq, wait_s=1.0)
+        lk = _shm.ReadLock.take(desc.path, cand.generation, cand.step, desc.seq, wait_s=1.0, populate=True)
         if lk is None:
             raise LookupError(f"the slot of section {section} of step {cand.step} was filled again since")
         arr = np.frombuffer(lk.data, dtype=np.uint8)
@@ -490,19 +521,27 @@ class Restorer:
             raise LookupError(f"no holder has section {section}")
         errors = []
         for holder_name in (first, *cand.replicas.get(section, ())):
+            private = False
             try:
                 holder = ray.get_actor(holder_name, namespace=_env.namespace())
-                got = ray.get(
-                    holder.get_section.remote(cand.generation, cand.step, section, self._node_id()),
-                    timeout=_env.get_float(_env.ACTOR_TIMEOUT_S),
-                )
-                if got is None:
-                    raise LookupError(f"holder {holder_name} no longer has section {section} of step {cand.step}")
-                where, index = got
+                where, index = self._ask(holder, holder_name, cand, section, stream=True)
+                if isinstance(where, _stream.StreamDesc):
+                    try:
+                        arena, private = _stream.fetch(where, _env.get_float(_env.ACTOR_TIMEOUT_S)), True
+                    except (OSError, LookupError) as e:
+                        logger.warning(
+                            "cf_ray: rank %d: the direct transfer of %s from %s failed (%s); "
+                            "fetching it through the object store",
+                            self.rank,
+                            section,
+                            holder_name,
+                            _describe(e),
+                        )
+                        where, index = self._ask(holder, holder_name, cand, section, stream=False)
                 if isinstance(where, _shm.SlotDesc):
                     arena = self._map_slot(where, cand, section)
-                else:
-                    arena = cast(np.ndarray, ray.get(where, timeout=_env.get_float(_env.ACTOR_TIMEOUT_S)))
+                elif not private:
+                    arena = cast(np.ndarray, ray.get(cast(Any, where), timeout=_env.get_float(_env.ACTOR_TIMEOUT_S)))
             except (ValueError, LookupError, ray.exceptions.RayError) as e:
                 errors.append(f"{holder_name}: {_describe(e)}")
                 continue
@@ -510,9 +549,22 @@ class Restorer:
                 logger.warning(
                     "cf_ray: rank %d: %s of step %d from a peer's copy (%s)", self.rank, section, cand.step, holder_name
                 )
+            # Holders are named after their node: an object of this node's holder is read in place too.
+            local = isinstance(where, _shm.SlotDesc) or holder_name.endswith(f".{self._node_id()}")
+            self._count("direct" if private else "in_place" if local else "object_store", arena.nbytes)
             tree, entries = mf.parse_index(index, f"memory:{section}")
-            return mf.Section(tree, entries, arena)
+            return mf.Section(tree, entries, arena, private=private)
         raise LookupError(f"no copy of section {section} of step {cand.step} could be read: {'; '.join(errors)}")
+
+    def _ask(self, holder, holder_name: str, cand: MemorySnapshot, section: str, *, stream: bool) -> tuple[Any, bytes]:
+        """Where ``holder`` has ``section`` of the candidate's step: ``(where, index)``."""
+        got = ray.get(
+            holder.get_section.remote(cand.generation, cand.step, section, self._node_id(), stream),
+            timeout=_env.get_float(_env.ACTOR_TIMEOUT_S),
+        )
+        if got is None:
+            raise LookupError(f"holder {holder_name} no longer has section {section} of step {cand.step}")
+        return got[0], got[1]
 
 
 def _read(fn, *args):

@@ -21,16 +21,19 @@ falls back, and raises when no candidate is left).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.node import shm as _shm
 from cf_ray._engine.worker import fingerprint as _fp
 from cf_ray._engine.worker import sharded as _sharded
 from cf_ray._engine.worker.rng import check_rng_state, set_rng_state
@@ -77,6 +80,9 @@ class Prepared:
     sharded: _sharded.ShardedState | None = None
     """The sharded objects (FSDP2/DTensor): their states in ``state`` are loaded through it."""
     state_fns: dict[str, Callable[[], Any]] = field(default_factory=dict)
+    releasable: list[tuple[np.ndarray, int, int]] = field(default_factory=list)
+    """``(buffer, start, end)``: bytes of a private section buffer that only modules read (they copy
+    them into their parameters): given back to the system once loaded (:func:`apply`)."""
     """Tracked name -> what returns its state for the fingerprint check (default: ``state_dict``)."""
 
 
@@ -132,10 +138,12 @@ def validate(
     fresh_state = check_names(state, saved_state, "state", allow_missing, allow_unexpected)
     # Saved sharded (FSDP2), unsharded here (DDP, a plain module): gathered whole from every old rank.
     gather = sorted(n for n in saved_sharded if n in state and n in saved_state and n not in live_sharded)
+    releasable: list[tuple[np.ndarray, int, int]] = []
     states = materialize_objects(
         section,
         where,
         {n: o for n, o in state.items() if n in saved_state and n not in live_sharded and n not in gather},
+        releasable,
     )
     for name in gather:
         described = saved_sharded[name]
@@ -227,6 +235,7 @@ def validate(
         elastic=not same_world,
         sharded=sharded,
         state_fns=sharded.state_fns() if sharded is not None else {},
+        releasable=releasable,
     )
     return prep
 
@@ -246,6 +255,9 @@ def apply(prep: Prepared, state: dict[str, Any], data: dict[str, Any], rank: int
         data_states = {name: obj.state_dict() for name, obj in data.items()}
     if prep.rng is not None:
         set_rng_state(prep.rng)
+    for buf, start, end in prep.releasable:
+        _shm.release(buf, start, end)
+    prep.releasable.clear()
     if prep.fresh:
         logger.warning(
             "cf_ray: rank %d: %s not in the checkpoint: kept as built (allow_missing_objects=True)",
@@ -443,24 +455,70 @@ def _fingerprints(tree: Any, path: str) -> dict[str, str]:
     return {k: v for k, v in got.items() if isinstance(v, str)} if isinstance(got, dict) else {}
 
 
-def materialize_objects(section: mf.Section, path: tuple[str, ...], objs: dict) -> dict:
+def materialize_objects(section: mf.Section, path: tuple[str, ...], objs: dict, releasable: list | None = None) -> dict:
     """The saved states of tracked objects, with as few copies as is safe.
 
     ``nn.Module.load_state_dict`` copies into the module's own parameters, so a module gets views
     straight into the snapshot's buffer (read-only when it is an object-store buffer: restore from
     memory then costs a single copy). Everything else (optimizers keep the tensors they are given)
-    gets private, writable copies.
+    gets private, writable copies, unless the buffer itself is private (``Section.private``: a
+    section streamed from another node), whose views are kept as they are; then the ranges only
+    modules read are appended to ``releasable`` (``(buffer, start, end)``), for :func:`apply` to give
+    back once they are loaded.
     """
     tree = _encoded_at(section, path)
     out = {}
     for name, sub in tree.items():
         if name not in objs:
             continue
-        in_place = isinstance(objs.get(name), torch.nn.Module)
-        out[name] = _codec.unflatten(
-            sub, lambda _i, e, c=not in_place: _codec.view(section.buf, e, copy=c, readonly_ok=not c), section.entries
-        )
+        # A private buffer (``Section.private``) is given away whole: no copy for anything; what
+        # only a module reads is ``releasable`` once loaded.
+        module = isinstance(objs.get(name), torch.nn.Module)
+        if section.private or module:
+
+            def view(_i: int, e: _codec.TensorEntry, module: bool = module) -> Any:
+                if module and section.private and releasable is not None and isinstance(section.buf, np.ndarray):
+                    releasable.append((section.buf, e.offset, e.offset + e.nbytes))
+                return _codec.view(section.buf, e, copy=False, readonly_ok=True)
+
+            out[name] = _codec.unflatten(sub, view, section.entries)
+        else:
+            out[name] = _codec.unflatten(sub, _Copier(section, sub), section.entries)
     return out
+
+
+class _Copier:
+    """The copies of one object's tensors, made into one private buffer whose pages are made present
+    at once (``shm.private_buffer``): a copy into fresh memory page fault by page fault costs about
+    three times the copy (measured: 0.25 s against 0.08 s per GB)."""
+
+    _ALIGN = 64
+
+    def __init__(self, section: mf.Section, sub: Any):
+        self.section = section
+        sizes: list[int] = []
+        if isinstance(section.buf, np.ndarray):  # not a section read by range: those reads copy already
+            _codec.unflatten(sub, lambda _i, e: sizes.append(e.nbytes), section.entries)
+        self.dest = _shm.private_buffer(sum(self._round(n) for n in sizes))
+        self.pos = 0
+
+    @classmethod
+    def _round(cls, n: int) -> int:
+        return -(-n // cls._ALIGN) * cls._ALIGN
+
+    def __call__(self, _i: int, e: _codec.TensorEntry) -> Any:
+        buf = self.section.buf
+        if (
+            e.nbytes == 0
+            or not isinstance(buf, np.ndarray)
+            or e.offset + e.nbytes > buf.nbytes  # view() raises the error
+            or self.pos + e.nbytes > self.dest.nbytes
+        ):
+            return _codec.view(buf, e, copy=True)
+        at = self.pos
+        self.dest[at : at + e.nbytes] = buf[e.offset : e.offset + e.nbytes]
+        self.pos += self._round(e.nbytes)
+        return _codec.view(self.dest, dataclasses.replace(e, offset=at), copy=False)
 
 
 def load_objects(objs: dict, states: dict) -> None:
