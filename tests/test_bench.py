@@ -156,6 +156,9 @@ def test_bench_cluster_jobs(tmp_path, capsys):
         assert r["resume_step"] == r["checkpoint_step"] == 8 and r["iterations_lost"] == 2, r
         assert 0 < r["restore_s"] < r["kill_to_first_iteration_s"], r
     assert rec["restore_speedup"] > 0
+    # The rank restarted on the replacement node streamed its bytes from the surviving node's holder.
+    assert any((b or {}).get("direct") for b in rec["memory"]["read_bytes_by_rank"].values()), rec["memory"]
+    assert all(set(b or {}) == {"storage"} for b in rec["storage"]["read_bytes_by_rank"].values()), rec["storage"]
     assert rec["transfer"]["transfer_gbps"] > 0, rec["transfer"]  # Ray's own node-to-node transfer, for reference
 
     pre = res["preemption"]
