@@ -93,6 +93,7 @@ class FakeLink:
         self.states: dict[str, HolderState] = {}
         self.calls: list[tuple] = []
         self.forgotten: list[tuple] = []
+        self.committed_told: list[tuple] = []
 
     def names_on_alive_nodes(self):
         return list(self.holders)
@@ -109,8 +110,9 @@ class FakeLink:
         answer = self.holders.get(name)
         return None if answer is None else [answer(k) for k in keys]
 
-    def forget(self, name, keys):
+    def forget(self, name, keys, committed=None):
         self.forgotten.append((name, tuple(keys)))
+        self.committed_told.append((name, committed))
 
     def drain_all(self, names, timeout_s):
         self.calls.append(("drain", tuple(names)))
@@ -400,6 +402,8 @@ def test_the_watch_recovers_lost_messages_and_fails_what_a_dead_holder_had(tmp_p
     _wait_idle(ctl)
     assert [c.step for c in mf.list_committed(storage)] == [1, 4]
     assert ("restarted", ((gen, 4),)) in link.forgotten  # the holder is told the step settled
+    # ... and every holder of the run that it committed (their peers' copies older than it go).
+    assert {n for n, c in link.committed_told if c == (gen, 4)} >= {"alive", "restarted"}
     # A holder's death usually ends its attempt: when the next one restores before those steps,
     # they are abandoned (not durable when their attempt ended); a real failure stays a failure.
     ctl.prepare_restore(1)

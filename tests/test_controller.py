@@ -9,6 +9,7 @@ waiting, in a clean-clone CI run at interval 1).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -322,6 +323,52 @@ def test_a_memory_restore_takes_a_peers_copy_of_a_lost_nodes_section(tmp_path):
     rows = {r["step"]: r for r in ctl.profile_rows()}
     assert rows[10]["replica_bytes"] == 32 and rows[10]["replicas_skipped"] == 1
     assert "the peer died" in rows[10]["replica_error"]
+
+
+def test_a_restarted_controller_learns_the_peers_copies_from_their_holders(tmp_path, ray_cluster):
+    """A controller that starts again learns what each holder holds from its ``resync``; the copies
+    a holder keeps for other nodes are in it too (#12: a restarted controller used to forget them,
+    so a node lost before the next copy meant storage). Here node B is lost with the controller:
+    only hA (node A) answers, with rank 0's section and its copy of rank 1's, and with rank 1's
+    section as B's holder staged it. The new controller finds step 10 restorable from A's memory
+    alone, and counts no copy twice. And a holder drops the copies a commit made stale (those of a
+    lost node's holder included: they used to stay until the run ended)."""
+    import numpy as np
+    import ray
+
+    from cf_ray._engine.node.holder import Holder
+
+    meta = {"world_size": 2, "replicated": False, "epoch": 0, "kind": CheckpointKind.SCHEDULED}
+    r0, r1 = mf.rank_section(0), mf.rank_section(1)
+    holder = Holder(FsStorage(pafs.LocalFileSystem(), str(tmp_path / "h")), "cf_ray.controller.gone", "cf_ray-test")
+    holder._name, holder._node = "hA", "A"  # an actor of node A (here in the test's process)
+    ref = ray.put(np.arange(32, dtype=np.uint8))
+    got = holder.hold_replica(1, 10, r1, [ref], b"{}", SnapshotMeta(**meta, rank=1), "hB", origin_node="B")
+    assert got["holder"] == "hA"
+    state = holder.resync()
+    assert [(m.holder, m.origin, m.section, m.step) for m in state.replicas] == [("hA", "hB", r1, 10)]
+    assert [(m.holder, m.node_id, m.section) for m in state.replica_origins] == [("hB", "B", r1)]
+    own = PartStaged(
+        generation=1, step=10, section=r0, holder="hA", nbytes=32, meta=SnapshotMeta(**meta, rank=0), node_id="A"
+    )
+    state = dataclasses.replace(state, generation=1, staged=(own,))
+
+    # Copies that can no longer be restored go: a commit of step 12 (generation 1) drops the copy of step 10.
+    holder.hold_replica(1, 12, r1, [ref], b"{}", SnapshotMeta(**meta, rank=1), "hB", origin_node="B")
+    holder.forget([], committed=(1, 12))
+    assert [m.step for m in holder.resync().replicas] == [12]
+    holder.forget([], committed=(2, 12))  # a newer generation committed: the old one's copies are stale
+    assert holder.resync().replicas == ()
+
+    ctl = _controller(tmp_path)  # the controller that started again
+    assert ctl._commits.newest_in_memory({"A"}) is None
+    ctl.apply_holder_state(state)
+    snap = ctl._commits.newest_in_memory({"A"})
+    assert snap is not None and snap.step == 10 and snap.sections == {r0: "hA", r1: "hA"}, snap
+    ctl.apply_holder_state(state)  # said again: nothing changes, nothing counted
+    assert ctl._commits.newest_in_memory({"A"}) == snap
+    assert not any(r.get("replica_bytes") for r in ctl.profile_rows())
+    assert not ctl._commits.bandwidths._peer  # no bandwidth learnt from a resync
 
 
 # -- the tier of a just-in-time checkpoint (#12) ---------------------------------------------------------

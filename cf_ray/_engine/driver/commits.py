@@ -299,15 +299,18 @@ class CommitBook:
                 )
         return None
 
-    def replicated(self, msg: PartReplicated) -> None:
-        """A peer holds a copy of a section (``msg.holder``), or the copy failed or was skipped."""
+    def replicated(self, msg: PartReplicated, *, resync: bool = False) -> None:
+        """A peer holds a copy of a section (``msg.holder``), or the copy failed or was skipped.
+        ``resync``: said again by the peer (``Holder.resync``): where the copy is, nothing counted twice."""
         p = self.pending.get((msg.generation, msg.step))
         if msg.holder and not msg.error and not msg.skipped:
-            self.bandwidths.add_peer(msg.origin, msg.nbytes, msg.seconds)
+            if not resync:
+                self.bandwidths.add_peer(msg.origin, msg.nbytes, msg.seconds)
             if p is not None:
                 p.replicas.setdefault(msg.section, {})[msg.holder] = msg.node_id
                 self._check_peer_safe(p)
-        self._book.note_replicated(msg)
+        if not resync:
+            self._book.note_replicated(msg)
 
     def draining_nodes(self) -> set[str]:
         """The nodes Ray says are draining; empty when it cannot say (then any node may be the one to go)."""

@@ -472,7 +472,11 @@ class Controller:
         with self._lock:
             self.generation = max(self.generation, state.generation)
             self._note_holder(state.holder)
-            jobs = self._apply_locked(state.staged, state.outcomes)
+            # The origins of the copies first (one whose node is lost can no longer say it staged them).
+            jobs = self._apply_locked((*state.staged, *state.replica_origins), state.outcomes)
+            for msg in state.replicas:
+                if self._commits.accepts(msg.generation, msg.step):
+                    self._commits.replicated(msg, resync=True)
             settled = self._commits.take_settled()
         self._complete(jobs, settled)
 
@@ -520,15 +524,22 @@ class Controller:
         return state
 
     def _tell_holders(self, settled: list[tuple[int, int, SectionState, tuple[str, ...]]]) -> None:
-        """The steps that settled: their holders drop their record (fire-and-forget)."""
+        """The steps that settled: their holders drop their record (fire-and-forget). When one
+        committed, every holder of the run hears of it too: the peers' copies older than it can no
+        longer be restored (storage has newer), those of a lost node's holder included."""
         if self._link is None or not settled:
             return
         by_holder: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
         for gen, step, _state, holders in settled:
             for h in holders:
                 by_holder[h].append((gen, step))
+        committed = max(((g, s) for g, s, state, _ in settled if state == SectionState.COMMITTED), default=None)
+        if committed is not None:
+            with self._lock:
+                for h in self._holders:
+                    by_holder.setdefault(h, [])
         for h, keys in by_holder.items():
-            self._link.forget(h, keys)
+            self._link.forget(h, keys, committed)
 
     def _note_holder(self, name: str) -> bool:
         """Remember a holder; True when it is new to this controller."""

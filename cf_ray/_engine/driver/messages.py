@@ -225,6 +225,12 @@ class HolderState(Message):
     outcomes: tuple[Message, ...] = ()
     """The outcome of each section of ``staged`` that has one: ``PartDurable``, ``PartFailed`` or
     ``PartSuperseded``."""
+    replicas: tuple[PartReplicated, ...] = ()
+    """The copies this holder keeps of sections of holders of other nodes, as ``part_replicated``
+    said them (a restarted controller learns where the copies are)."""
+    replica_origins: tuple[PartStaged, ...] = ()
+    """For each of ``replicas``, the section as its origin staged it: a controller that starts again
+    after the origin's node was lost learns of the section from here (its origin cannot say)."""
 
 
 # -- worker <-> controller -------------------------------------------------------------------------

@@ -133,12 +133,12 @@ class HolderLink:
     def lookup(self, name: str, keys: list[tuple[int, int, str]], timeout_s: float) -> list | None:
         return self._call(name, "lookup", keys, timeout_s=timeout_s)
 
-    def forget(self, name: str, keys: list[tuple[int, int]]) -> None:
+    def forget(self, name: str, keys: list[tuple[int, int]], committed: tuple[int, int] | None = None) -> None:
         """Fire-and-forget: a lost one only leaves the holder a record it drops later anyway."""
         h = self._handle(name)
         if h is not None:
             try:
-                h.forget.remote(keys)
+                h.forget.remote(keys, committed)
             except Exception:  # noqa: BLE001
                 pass
 

@@ -119,6 +119,10 @@ class _Entry:
     """CRC-32 of the bytes, when the worker computed it (slots)."""
     shared: Any = None
     """An object-store copy of a slot's bytes, made once for readers on other nodes."""
+    origin: str = ""
+    """For a peer's copy: the holder that has the section itself, its node, and how long the copy took."""
+    origin_node: str = ""
+    copy_s: float = 0.0
 
 
 class Holder:
@@ -363,7 +367,15 @@ class Holder:
 
     # -- called by the holders of other nodes -------------------------------------------------------------
     def hold_replica(
-        self, generation: int, step: int, section: str, refs: list, index: bytes, meta: SnapshotMeta, origin: str
+        self,
+        generation: int,
+        step: int,
+        section: str,
+        refs: list,
+        index: bytes,
+        meta: SnapshotMeta,
+        origin: str,
+        origin_node: str = "",
     ) -> dict:
         """Keep a copy of a section held by holder ``origin`` of another node. ``refs[0]`` is the
         origin's object (in a list, so that Ray hands this method the reference, not the value): it
@@ -379,13 +391,25 @@ class Holder:
         nbytes = int(arena.nbytes)
         self._copied_bytes += nbytes
         del arena  # the pulled copy is released; this holder's own object stays
-        entry = _Entry(generation, step, section, ref, bytes(index), nbytes, meta)
+        seconds = time.perf_counter() - t0
+        entry = _Entry(
+            generation,
+            step,
+            section,
+            ref,
+            bytes(index),
+            nbytes,
+            meta,
+            origin=origin,
+            origin_node=origin_node,
+            copy_s=seconds,
+        )
         with self._lock:
             kept = self._replicas.setdefault((origin, section), [])
             kept.append(entry)
             kept.sort(key=lambda e: (e.generation, e.step))
             del kept[:-2]
-        return {"holder": self._name, "node_id": self._node, "put_s": time.perf_counter() - t0}
+        return {"holder": self._name, "node_id": self._node, "put_s": seconds}
 
     # -- called by the controller ----------------------------------------------------------------
     def resync(self) -> HolderState:
@@ -395,8 +419,38 @@ class Holder:
         with self._lock:
             staged = tuple(v[0] for secs in self._record.values() for v in secs.values())
             outcomes = tuple(v[1] for secs in self._record.values() for v in secs.values() if v[1] is not None)
+            copies = [e for kept in self._replicas.values() for e in kept]
             return HolderState(
-                holder=self._name, node_id=self._node, generation=self._generation, staged=staged, outcomes=outcomes
+                holder=self._name,
+                node_id=self._node,
+                generation=self._generation,
+                staged=staged,
+                outcomes=outcomes,
+                replicas=tuple(
+                    PartReplicated(
+                        generation=e.generation,
+                        step=e.step,
+                        section=e.section,
+                        holder=self._name,
+                        node_id=self._node,
+                        origin=e.origin,
+                        nbytes=e.size_bytes,
+                        seconds=e.copy_s,
+                    )
+                    for e in copies
+                ),
+                replica_origins=tuple(
+                    PartStaged(
+                        generation=e.generation,
+                        step=e.step,
+                        section=e.section,
+                        holder=e.origin,
+                        nbytes=e.size_bytes,
+                        meta=e.meta,
+                        node_id=e.origin_node,
+                    )
+                    for e in copies
+                ),
             )
 
     def lookup(self, keys: list[tuple[int, int, str]]) -> list[tuple[str, PartStaged | None, Message | None]]:
@@ -425,11 +479,22 @@ class Holder:
                     out.append((LOOKUP_UNKNOWN, None, None))
         return out
 
-    def forget(self, keys: list[tuple[int, int]]) -> None:
-        """These steps settled (committed, failed, superseded, abandoned): drop their record."""
+    def forget(self, keys: list[tuple[int, int]], committed: tuple[int, int] | None = None) -> None:
+        """These steps settled (committed, failed, superseded, abandoned): drop their record.
+        ``committed``: the ``(generation, step)`` of a checkpoint now on storage; the copies kept for
+        other nodes of an older step or generation can no longer be restored (a restore from memory
+        takes a step at least as new as storage) and are dropped, those of a lost node's holder too."""
         with self._lock:
             for gen, step in keys:
                 self._record.pop((int(gen), int(step)), None)
+            if committed is not None:
+                gen, step = int(committed[0]), int(committed[1])
+                for key in list(self._replicas):
+                    kept = [e for e in self._replicas[key] if e.generation >= gen and e.step >= step]
+                    if kept:
+                        self._replicas[key] = kept
+                    else:
+                        del self._replicas[key]
 
     def drain(self, timeout_s: float) -> dict:
         """Finish what is queued and being written, and deliver its messages, for at most
@@ -638,7 +703,14 @@ class Holder:
             try:
                 got: dict = ray.get(
                     peer.hold_replica.remote(
-                        entry.generation, entry.step, entry.section, [ref], entry.index, entry.meta, self._name
+                        entry.generation,
+                        entry.step,
+                        entry.section,
+                        [ref],
+                        entry.index,
+                        entry.meta,
+                        self._name,
+                        origin_node=self._node,
                     ),
                     timeout=max(30.0, entry.size_bytes / 50e6),
                 )
