@@ -84,6 +84,26 @@ def test_an_offer_nobody_fetches_is_released(server, monkeypatch):
         stream.fetch(desc, 10)
 
 
+def test_a_reader_that_stops_reading_does_not_hold_the_slot(server, monkeypatch):
+    """The holder's send gives up after STALL_TIMEOUT_S without progress and releases the slot's
+    lock (a hung reader must not stop the worker's next snapshots for ever)."""
+    import socket
+
+    monkeypatch.setattr(stream, "STALL_TIMEOUT_S", 0.5)
+    data = np.zeros(256 << 20, dtype=np.uint8)
+    fd = _slot_file(np.zeros(1, dtype=np.uint8))
+    os.ftruncate(fd, shm.HEADER_BYTES + data.nbytes)
+    released = threading.Event()
+    try:
+        desc = server.offer(data.nbytes, released.set, fd=fd, offset=shm.HEADER_BYTES)
+        with socket.create_connection((desc.host, desc.port), timeout=10) as conn:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+            conn.sendall(stream._REQ.pack(desc.token, desc.ticket))
+            assert released.wait(20), "the send to a reader that reads nothing must give up"
+    finally:
+        os.close(fd)
+
+
 def test_a_private_section_is_kept_as_views_and_the_parameters_bytes_are_given_back():
     """A section streamed from another node is this process's own memory: the optimizer state is
     kept as views of it (no second copy), and the bytes only the module read (it copied them into its

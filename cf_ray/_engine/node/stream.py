@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import secrets
 import socket
 import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 
@@ -40,7 +40,9 @@ logger = logging.getLogger("cf_ray")
 
 #: Seconds an offered section stays reserved for its reader (the slot's lock held) before it is dropped.
 TICKET_TTL_S = 60.0
-#: Bytes per ``recv_into``/``sendfile`` call.
+#: Seconds a send or a receive may make no progress before the transfer is given up.
+STALL_TIMEOUT_S = 30.0
+#: Bytes per ``recv_into`` call.
 CHUNK_BYTES = 64 * 1024 * 1024
 _NONE = 2**64 - 1
 _REQ = struct.Struct("<16sQ")
@@ -132,24 +134,23 @@ class SectionServer:
     def _serve(self, conn: socket.socket) -> None:
         offer = None
         try:
-            conn.settimeout(30.0)
+            conn.settimeout(STALL_TIMEOUT_S)
             token, ticket = _REQ.unpack(_recv_exactly(conn, _REQ.size))
             if secrets.compare_digest(token, self._token):
                 offer = self._take(ticket)
             if offer is None:
                 conn.sendall(_LEN.pack(_NONE))
                 return
-            conn.settimeout(None)
+            # The timeout stays: a reader that stops reading must not hold the slot's lock for ever
+            # (each send that makes no progress for STALL_TIMEOUT_S raises).
+            conn.settimeout(STALL_TIMEOUT_S)
             conn.sendall(_LEN.pack(offer.nbytes))
             if offer.buffer is not None:
                 conn.sendall(offer.buffer)
-            else:
-                sent = 0
-                while sent < offer.nbytes:
-                    n = os.sendfile(conn.fileno(), offer.fd, offer.offset + sent, min(CHUNK_BYTES, offer.nbytes - sent))
-                    if n == 0:
-                        raise OSError("the slot ended before the section did")
-                    sent += n
+            elif offer.nbytes:
+                sent = conn.sendfile(cast(Any, _Fd(offer.fd)), offer.offset, offer.nbytes)
+                if sent != offer.nbytes:
+                    raise OSError(f"the slot ended after {sent} of {offer.nbytes} bytes")
             self.served_bytes += offer.nbytes
         except OSError as e:
             logger.warning("cf_ray: streaming a section to a reader failed (%s: %s)", type(e).__name__, e)
@@ -167,6 +168,16 @@ class SectionServer:
             if offer.timer is not None:
                 offer.timer.cancel()
             offer.release()
+
+
+class _Fd:
+    """A file descriptor as ``socket.sendfile`` takes a file (it only asks for ``fileno``)."""
+
+    def __init__(self, fd: int):
+        self._fd = fd
+
+    def fileno(self) -> int:
+        return self._fd
 
 
 def _recv_exactly(conn: socket.socket, n: int) -> bytes:
