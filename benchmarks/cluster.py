@@ -24,7 +24,8 @@ each side by side in the same invocation:
   As in Ray's benchmark, ``wasted_steps`` = steps executed over all attempts - ``target`` and
   ``wasted_worker_s`` = wasted steps x mean step time x workers.
 * **Replication cost** (``replication``): one 2-worker ``fit()`` on the reference model, segments
-  ``none``, ``cf_ray replicas=0``, ``cf_ray replicas=1``, ``none`` at the same interval: mean
+  ``none``, ``cf_ray replicas=0``, ``cf_ray replicas=1``, ``replicas=1`` with ``replica_share=0.25``,
+  ``none`` at the same interval: mean
   iteration time against the baseline, and the replicas' bytes and seconds from the profile.
 
 The job functions run in Ray Train workers, which import this module by name (the repository root
@@ -373,6 +374,7 @@ def _replication_loop(cfg: dict) -> None:
                     storage_path=cfg["storage"],
                     run_name=seg["name"],
                     replicas=seg["replicas"],
+                    replica_share=seg.get("share", 1.0),
                     final_model=None,
                     register_with_ray=False,
                 ),
@@ -795,6 +797,7 @@ def run_replication(p: dict, work: Path, seed: int) -> dict:
         {"name": "none-a", "replicas": None},
         {"name": "cf-replicas0", "replicas": 0},
         {"name": "cf-replicas1", "replicas": 1},
+        {"name": "cf-replicas1-share25", "replicas": 1, "share": 0.25},
         {"name": "none-b", "replicas": None},
     ]
     cfg = {
@@ -825,6 +828,7 @@ def run_replication(p: dict, work: Path, seed: int) -> dict:
         row = {
             "segment": seg["name"],
             "replicas": seg["replicas"],
+            "replica_share": seg.get("share", 1.0) if seg["replicas"] else None,
             "iter_mean_s": mean,
             "iter_median_s": statistics.median(r["iter_s"]),
             "overhead_pct": 100.0 * (mean / base_mean - 1) if base_mean else None,
@@ -981,8 +985,11 @@ def render_markdown(res: dict) -> str:
         ]
         for r in rep["segments"]:
             ov = r.get("overhead_pct")
+            share = r.get("replica_share") or 1
+            limited = "" if share >= 1 else f" (replica_share={share})"
             lines.append(
-                f"| {r['segment']} | {'–' if r['replicas'] is None else r['replicas']} | {r['iter_mean_s']:.4f} | "
+                f"| {r['segment']} | {'–' if r['replicas'] is None else r['replicas']}{limited} | "
+                f"{r['iter_mean_s']:.4f} | "
                 f"{'–' if ov is None else f'{ov:+.1f} %'} | {r['worker_cpu_ms_per_iter']:.1f} | "
                 f"{r.get('replica_bytes', '–')} | {_f(r.get('replica_s_median'), '.3f')} | {r.get('replicas_skipped', '–')} |"
             )

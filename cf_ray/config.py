@@ -141,6 +141,13 @@ class CheckpointConfig:
     started with ``--labels pool=spot-a``): a replica goes to a node whose value differs from the
     snapshot's own node's, never to the same domain. ``None``: any other node. Draining nodes are
     never chosen."""
+    replica_share: float = 1.0
+    """The largest share of the time a holder's replication spends copying (0 < share <= 1): after
+    a copy that took ``s`` seconds it waits ``s * (1 / share - 1)`` before the next, so the copies
+    take at most that share of the CPU and memory bandwidth beside training (a node with no free
+    core: every copy competes with training). Snapshots that arrive meanwhile are skipped but the
+    newest, and counted (``replicas_skipped``); a node lost then restores from the newest snapshot
+    with copies, or from storage. ``1``: no pause (every snapshot copied when the copy keeps up)."""
     release_after_fit_s: float = 120.0
     """How long the run's actors — and the snapshots they hold in memory — outlive a ``fit()`` that
     ended without ``finish()`` (Ctrl-C, ``FailureConfig(max_failures)`` exhausted, an error) while
@@ -204,6 +211,12 @@ class CheckpointConfig:
         if self.replica_label is not None and (not isinstance(self.replica_label, str) or not self.replica_label):
             raise ConfigError(
                 f"CheckpointConfig.replica_label={self.replica_label!r} must be None or a node label name"
+            )
+        share = self.replica_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ConfigError(
+                f"CheckpointConfig.replica_share={share!r} must be a number above 0 and at most 1 "
+                "(the share of the time copies to other nodes may take; 1: no limit)"
             )
         for name in ("allow_missing_objects", "allow_unexpected_objects"):
             if not isinstance(getattr(self, name), bool):
