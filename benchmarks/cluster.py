@@ -24,7 +24,7 @@ each side by side in the same invocation:
   As in Ray's benchmark, ``wasted_steps`` = steps executed over all attempts - ``target`` and
   ``wasted_worker_s`` = wasted steps x mean step time x workers.
 * **Replication cost** (``replication``): one 2-worker ``fit()`` on the reference model, segments
-  ``none``, ``cf_ray replicas=0``, ``cf_ray replicas=1``, ``replicas=1`` with ``replica_share=0.25``,
+  ``none``, ``cf_ray replicas=0``, ``cf_ray replicas=1``, ``replicas=1`` with ``replica_every=4``,
   ``none`` at the same interval: mean
   iteration time against the baseline, and the replicas' bytes and seconds from the profile.
 
@@ -374,7 +374,7 @@ def _replication_loop(cfg: dict) -> None:
                     storage_path=cfg["storage"],
                     run_name=seg["name"],
                     replicas=seg["replicas"],
-                    replica_share=seg.get("share", 1.0),
+                    replica_every=seg.get("every", 1),
                     final_model=None,
                     register_with_ray=False,
                 ),
@@ -797,7 +797,7 @@ def run_replication(p: dict, work: Path, seed: int) -> dict:
         {"name": "none-a", "replicas": None},
         {"name": "cf-replicas0", "replicas": 0},
         {"name": "cf-replicas1", "replicas": 1},
-        {"name": "cf-replicas1-share25", "replicas": 1, "share": 0.25},
+        {"name": "cf-replicas1-every4", "replicas": 1, "every": 4},
         {"name": "none-b", "replicas": None},
     ]
     cfg = {
@@ -828,7 +828,7 @@ def run_replication(p: dict, work: Path, seed: int) -> dict:
         row = {
             "segment": seg["name"],
             "replicas": seg["replicas"],
-            "replica_share": seg.get("share", 1.0) if seg["replicas"] else None,
+            "replica_every": seg.get("every", 1) if seg["replicas"] else None,
             "iter_mean_s": mean,
             "iter_median_s": statistics.median(r["iter_s"]),
             "overhead_pct": 100.0 * (mean / base_mean - 1) if base_mean else None,
@@ -985,8 +985,8 @@ def render_markdown(res: dict) -> str:
         ]
         for r in rep["segments"]:
             ov = r.get("overhead_pct")
-            share = r.get("replica_share") or 1
-            limited = "" if share >= 1 else f" (replica_share={share})"
+            every = r.get("replica_every") or 1
+            limited = "" if every <= 1 else f" (replica_every={every})"
             lines.append(
                 f"| {r['segment']} | {'–' if r['replicas'] is None else r['replicas']}{limited} | "
                 f"{r['iter_mean_s']:.4f} | "

@@ -206,7 +206,7 @@ class Checkpointer:
             sharded=self._sharded,
             replicas=-1 if self.config.replicas is None else self.config.replicas,
             replica_label=self.config.replica_label or "",
-            replica_share=float(self.config.replica_share),
+            replica_every=int(self.config.replica_every),
         )
         self._link = ControllerLink(
             controller,

@@ -141,13 +141,14 @@ class CheckpointConfig:
     started with ``--labels pool=spot-a``): a replica goes to a node whose value differs from the
     snapshot's own node's, never to the same domain. ``None``: any other node. Draining nodes are
     never chosen."""
-    replica_share: float = 1.0
-    """The largest share of the time a holder's replication spends copying (0 < share <= 1): after
-    a copy that took ``s`` seconds it waits ``s * (1 / share - 1)`` before the next, so the copies
-    take at most that share of the CPU and memory bandwidth beside training (a node with no free
-    core: every copy competes with training). Snapshots that arrive meanwhile are skipped but the
-    newest, and counted (``replicas_skipped``); a node lost then restores from the newest snapshot
-    with copies, or from storage. ``1``: no pause (every snapshot copied when the copy keeps up)."""
+    replica_every: int = 1
+    """Copy one snapshot in ``replica_every`` to the peers (``1``: every one). On nodes where
+    training uses every core the copies compete with it; with ``n`` the copies, and their cost, are
+    about ``1/n``, and the newest copy after a node loss is up to ``n`` intervals older. A snapshot
+    is copied when its step lies in the first interval of a block of ``n`` intervals
+    (``step % (n * interval) < interval``): the same steps on every node, so the copied steps are
+    complete. Preemption checkpoints, milestones and checkpoints without an interval (manual, epoch
+    boundaries) are always copied."""
     release_after_fit_s: float = 120.0
     """How long the run's actors — and the snapshots they hold in memory — outlive a ``fit()`` that
     ended without ``finish()`` (Ctrl-C, ``FailureConfig(max_failures)`` exhausted, an error) while
@@ -212,11 +213,10 @@ class CheckpointConfig:
             raise ConfigError(
                 f"CheckpointConfig.replica_label={self.replica_label!r} must be None or a node label name"
             )
-        share = self.replica_share
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        every = self.replica_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ConfigError(
-                f"CheckpointConfig.replica_share={share!r} must be a number above 0 and at most 1 "
-                "(the share of the time copies to other nodes may take; 1: no limit)"
+                f"CheckpointConfig.replica_every={every!r} must be an int >= 1 (copy one snapshot in that many; 1: every one)"
             )
         for name in ("allow_missing_objects", "allow_unexpected_objects"):
             if not isinstance(getattr(self, name), bool):

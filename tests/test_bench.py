@@ -174,6 +174,6 @@ def test_bench_cluster_jobs(tmp_path, capsys):
     assert {t["id"] for t in res["targets"]} >= {"node_loss_restore_speedup", "preempt_cf_ray_vs_periodic"}
 
     segs = {s["segment"]: s for s in res["replication"]["segments"]}
-    assert set(segs) == {"none-a", "cf-replicas0", "cf-replicas1", "cf-replicas1-share25", "none-b"}
+    assert set(segs) == {"none-a", "cf-replicas0", "cf-replicas1", "cf-replicas1-every4", "none-b"}
     assert segs["cf-replicas1"]["replica_bytes"] > 0 and segs["cf-replicas0"]["replica_bytes"] == 0
     assert segs["cf-replicas1"]["checkpoints_committed"] >= 1

@@ -371,44 +371,31 @@ def test_a_restarted_controller_learns_the_peers_copies_from_their_holders(tmp_p
     assert not ctl._commits.bandwidths._peer  # no bandwidth learnt from a resync
 
 
-def test_replica_share_pauses_the_copies_between_steps_never_within_one(tmp_path, ray_cluster):
-    """``CheckpointConfig.replica_share``: after the copies of one step's sections (back to back:
-    a pause between them could leave no step with every copy), the replication thread waits
-    ``busy * (1 / share - 1)``; a newer step staged meanwhile replaces the one waiting."""
-    from cf_ray._engine.node.holder import Holder, _Entry
+def test_replica_every_copies_the_same_steps_on_every_node():
+    """``CheckpointConfig.replica_every``: one snapshot in n is copied, the same steps whatever the
+    node (decided by the step and the interval alone, so the copied steps are complete), also when
+    the interval changes; preemption checkpoints, milestones and snapshots without an interval
+    always are."""
+    from cf_ray._engine.node.holder import replica_due
 
-    holder = Holder(FsStorage(pafs.LocalFileSystem(), str(tmp_path / "h")), "cf_ray.controller.gone", "cf_ray-test")
-    copies: list[tuple[int, str, float, float]] = []
+    def meta(rank, every, interval=5, **kw):
+        kind = kw.pop("kind", CheckpointKind.SCHEDULED)
+        return SnapshotMeta(
+            world_size=2, replicated=False, epoch=0, kind=kind, rank=rank, replicas=1,
+            replica_every=every, interval=interval, **kw,
+        )  # fmt: skip
 
-    def fake_copy(entry):  # stands for a copy to a peer that takes 0.2 s
-        t0 = time.monotonic()
-        time.sleep(0.2)
-        copies.append((entry.step, entry.section, t0, time.monotonic()))
-
-    holder._replicate = fake_copy
-    meta = SnapshotMeta(
-        world_size=2, replicated=False, epoch=0, kind=CheckpointKind.SCHEDULED, rank=0, replicas=1, replica_share=0.5
-    )
-
-    def stage(step):
-        with holder._lock:
-            for sec in ("a", "b"):
-                holder._to_replicate[sec] = _Entry(1, step, sec, None, b"{}", 8, meta)
-            holder._lock.notify_all()
-
-    stage(1)
-    deadline = time.monotonic() + 10
-    while len(copies) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    stage(2)  # waits for the pause (0.4 s of copying at share 0.5: 0.4 s)...
-    time.sleep(0.1)
-    stage(3)  # ... and is replaced by step 3 meanwhile
-    while len(copies) < 4 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert [(c[0], c[1]) for c in copies] == [(1, "a"), (1, "b"), (3, "a"), (3, "b")], copies
-    within = copies[1][2] - copies[0][3]
-    between = copies[2][2] - copies[1][3]
-    assert within < 0.15 and between >= 0.35, (within, between)
+    steps = range(5, 205, 5)
+    for rank in (0, 1):
+        assert all(replica_due(s, meta(rank, 1)) for s in steps)
+        assert [s for s in steps if replica_due(s, meta(rank, 4))] == list(range(20, 205, 20))
+    # An interval that changes (Adaptive): still about one in n, the same on both ranks.
+    sched = [(s, 3 + (s // 40) % 4) for s in range(3, 400, 3)]
+    due = [[s for s, k in sched if replica_due(s, meta(rank, 4, interval=k))] for rank in (0, 1)]
+    assert due[0] == due[1] and len(sched) / 8 < len(due[0]) < len(sched) / 2, due[0]
+    assert replica_due(7, meta(0, 4, kind=CheckpointKind.PREEMPT, priority=True))
+    assert replica_due(7, meta(0, 4, milestone=True))
+    assert replica_due(7, meta(0, 4, interval=None))
 
 
 # -- the tier of a just-in-time checkpoint (#12) ---------------------------------------------------------

@@ -253,7 +253,7 @@ class Holder:
                 kept.append(e)
                 del kept[:-2]
             skipped = []
-            if meta.replicas != 0:
+            if meta.replicas != 0 and replica_due(step, meta):
                 for e in entries:
                     old = self._to_replicate.get(e.section)
                     if old is not None and (old.generation, old.step) < (e.generation, e.step):
@@ -671,32 +671,16 @@ class Holder:
 
     # -- replication thread (#12) -----------------------------------------------------------------------
     def _replicator(self) -> None:
-        busy, last = 0.0, None  # seconds copying the sections of step ``last`` (and before, unpaused)
         while True:
             with self._lock:
                 while not self._to_replicate:
                     self._lock.wait(timeout=1.0)
                 section = min(self._to_replicate, key=lambda k: (self._to_replicate[k].step, k))
-                entry = self._to_replicate[section]
-                share = entry.meta.replica_share
-                # CheckpointConfig.replica_share: copies take at most that share of the time. The
-                # pause comes between steps (never between the sections of one, or no step would
-                # ever have all its copies); a newer snapshot arriving meanwhile replaces an older
-                # one waiting (skipped, counted).
-                pause = busy * (1 / share - 1) if 0 < share < 1 and last != (entry.generation, entry.step) else 0.0
-                if not pause:
-                    del self._to_replicate[section]
-            if pause:
-                time.sleep(pause)
-                busy, last = 0.0, None
-                continue
-            t0 = time.monotonic()
+                entry = self._to_replicate.pop(section)
             try:
                 self._replicate(entry)
             except Exception:  # noqa: BLE001 - the thread never dies; a copy is an optimisation
                 logger.warning("cf_ray: replicating %s of step %d failed", entry.section, entry.step, exc_info=True)
-            busy += time.monotonic() - t0
-            last = (entry.generation, entry.step)
 
     def _replicate(self, entry: _Entry) -> None:
         peers = self._peers(entry.meta.replicas, entry.meta.replica_label, entry.section)
@@ -793,6 +777,16 @@ class Holder:
         self._no_peer_logged = False
         start = sum(section.encode()) % len(found)
         return (found[start:] + found[:start])[:wanted]
+
+
+def replica_due(step: int, meta: SnapshotMeta) -> bool:
+    """Whether the snapshot of ``step`` is copied to peers (``CheckpointConfig.replica_every``):
+    one in ``n``, those whose step lies in the first interval of a block of ``n`` intervals, the same
+    steps on every node; preemption checkpoints, milestones and snapshots without an interval always."""
+    n = meta.replica_every
+    if n <= 1 or meta.priority or meta.milestone or not meta.interval:
+        return True
+    return step % (n * meta.interval) < meta.interval
 
 
 def _actor_name() -> str:

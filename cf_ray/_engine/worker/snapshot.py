@@ -862,12 +862,12 @@ class Phase1:
         sharded: _sharded.ShardedState | None = None,
         replicas: int = 0,
         replica_label: str = "",
-        replica_share: float = 1.0,
+        replica_every: int = 1,
     ):
         self.rank = rank
         self._replicas = replicas
         self._replica_label = replica_label
-        self._replica_share = replica_share
+        self._replica_every = replica_every
         self.world_size = world_size
         self.sharded = sharded
         self.replicated = replicated and sharded is None
@@ -908,7 +908,7 @@ class Phase1:
             interval=interval,
             replicas=self._replicas,
             replica_label=self._replica_label,
-            replica_share=self._replica_share,
+            replica_every=self._replica_every,
             **notice,
         )
         guarded = self._guarded_ptrs()
