@@ -321,7 +321,13 @@ class Checkpointer:
             self.preemption.snapshot_meta() if kind is CheckpointKind.PREEMPT and self.preemption is not None else {}
         )
         sync_s = self._phase1.take(
-            self.step_count, self.epoch, kind, milestone=milestone, interval=self._scheduler.interval, notice=notice
+            self.step_count,
+            self.epoch,
+            kind,
+            milestone=milestone,
+            interval=self._scheduler.interval,
+            notice=notice,
+            replica_interval=self._scheduler.interval or getattr(self.config.policy, "every", None),
         )
         self._scheduler.saved(self.step_count)
         self._link.track(self.step_count)

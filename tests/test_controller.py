@@ -372,30 +372,19 @@ def test_a_restarted_controller_learns_the_peers_copies_from_their_holders(tmp_p
 
 
 def test_replica_every_copies_the_same_steps_on_every_node():
-    """``CheckpointConfig.replica_every``: one snapshot in n is copied, the same steps whatever the
-    node (decided by the step and the interval alone, so the copied steps are complete), also when
-    the interval changes; preemption checkpoints, milestones and snapshots without an interval
-    always are."""
-    from cf_ray._engine.node.holder import replica_due
-
-    def meta(rank, every, interval=5, **kw):
-        kind = kw.pop("kind", CheckpointKind.SCHEDULED)
-        return SnapshotMeta(
-            world_size=2, replicated=False, epoch=0, kind=kind, rank=rank, replicas=1,
-            replica_every=every, interval=interval, **kw,
-        )  # fmt: skip
+    """``CheckpointConfig.replica_every``: one snapshot in n is copied, the same steps on every rank
+    (decided by the step and the interval alone, so the copied steps are complete), also when the
+    interval changes; preemption checkpoints, milestones and snapshots without an interval always."""
+    from cf_ray._engine.worker.snapshot import replica_due
 
     steps = range(5, 205, 5)
-    for rank in (0, 1):
-        assert all(replica_due(s, meta(rank, 1)) for s in steps)
-        assert [s for s in steps if replica_due(s, meta(rank, 4))] == list(range(20, 205, 20))
-    # An interval that changes (Adaptive): still about one in n, the same on both ranks.
+    assert all(replica_due(s, 1, 5) for s in steps)
+    assert [s for s in steps if replica_due(s, 4, 5)] == list(range(20, 205, 20))
+    # An interval that changes (Adaptive): still about one in n.
     sched = [(s, 3 + (s // 40) % 4) for s in range(3, 400, 3)]
-    due = [[s for s, k in sched if replica_due(s, meta(rank, 4, interval=k))] for rank in (0, 1)]
-    assert due[0] == due[1] and len(sched) / 8 < len(due[0]) < len(sched) / 2, due[0]
-    assert replica_due(7, meta(0, 4, kind=CheckpointKind.PREEMPT, priority=True))
-    assert replica_due(7, meta(0, 4, milestone=True))
-    assert replica_due(7, meta(0, 4, interval=None))
+    due = [s for s, k in sched if replica_due(s, 4, k)]
+    assert len(sched) / 8 < len(due) < len(sched) / 2, due
+    assert replica_due(7, 4, 5, always=True) and replica_due(7, 4, None)
 
 
 # -- the tier of a just-in-time checkpoint (#12) ---------------------------------------------------------

@@ -63,6 +63,15 @@ def test_a_buffer_is_streamed_and_a_wrong_token_gets_nothing(server):
     assert stream.fetch(empty, 10).nbytes == 0
 
 
+def test_a_withdrawn_offer_is_released_at_once_and_gets_nothing(server):
+    released = threading.Event()
+    desc = server.offer(10, released.set, buffer=memoryview(b"0123456789"))
+    assert server.withdraw(desc.ticket) and released.is_set()
+    assert not server.withdraw(desc.ticket)
+    with pytest.raises(LookupError):
+        stream.fetch(desc, 10)
+
+
 def test_a_stream_cut_short_is_never_returned(server):
     data = np.ones(1 << 20, dtype=np.uint8)
     fd = _slot_file(data)

@@ -130,8 +130,6 @@ class SnapshotMeta(Message):
     """Copies to place on holders of other nodes (``-1``: one when the cluster has several nodes)."""
     replica_label: str = ""
     """The node label whose values are failure domains (``""``: any other node)."""
-    replica_every: int = 1
-    """Copy one snapshot in that many (``CheckpointConfig.replica_every``)."""
 
 
 # -- holder -> controller ----------------------------------------------------------------------------

@@ -253,7 +253,7 @@ class Holder:
                 kept.append(e)
                 del kept[:-2]
             skipped = []
-            if meta.replicas != 0 and replica_due(step, meta):
+            if meta.replicas != 0:
                 for e in entries:
                     old = self._to_replicate.get(e.section)
                     if old is not None and (old.generation, old.step) < (e.generation, e.step):
@@ -343,6 +343,11 @@ class Holder:
             return [found.shared, found.index]
         finally:
             lk.close()
+
+    def withdraw_offer(self, ticket: int) -> bool:
+        """A reader could not fetch an offered section (``get_section``): release it now, not after
+        its time-out (an offered slot stays locked until then)."""
+        return self._server is not None and self._server.withdraw(ticket)
 
     def _stream_server(self) -> _stream.SectionServer | None:
         """This holder's :class:`~.stream.SectionServer` (started on first use); ``None`` when
@@ -777,16 +782,6 @@ class Holder:
         self._no_peer_logged = False
         start = sum(section.encode()) % len(found)
         return (found[start:] + found[:start])[:wanted]
-
-
-def replica_due(step: int, meta: SnapshotMeta) -> bool:
-    """Whether the snapshot of ``step`` is copied to peers (``CheckpointConfig.replica_every``):
-    one in ``n``, those whose step lies in the first interval of a block of ``n`` intervals, the same
-    steps on every node; preemption checkpoints, milestones and snapshots without an interval always."""
-    n = meta.replica_every
-    if n <= 1 or meta.priority or meta.milestone or not meta.interval:
-        return True
-    return step % (n * meta.interval) < meta.interval
 
 
 def _actor_name() -> str:

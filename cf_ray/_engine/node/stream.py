@@ -115,6 +115,13 @@ class SectionServer:
             offer.timer.cancel()
         return offer
 
+    def withdraw(self, ticket: int) -> bool:
+        """Drop an offer not fetched yet (its reader gave up): its slot's lock is released now."""
+        offer = self._take(ticket)
+        if offer is not None:
+            offer.release()
+        return offer is not None
+
     def _drop(self, ticket: int) -> None:
         offer = self._take(ticket)
         if offer is not None:

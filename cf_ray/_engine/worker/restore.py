@@ -537,6 +537,7 @@ class Restorer:
                             holder_name,
                             _describe(e),
                         )
+                        holder.withdraw_offer.remote(where.ticket)  # its slot is released now
                         where, index = self._ask(holder, holder_name, cand, section, stream=False)
                 if isinstance(where, _shm.SlotDesc):
                     arena = self._map_slot(where, cand, section)

@@ -825,6 +825,16 @@ def _copy_checksummed(
     return crcs
 
 
+def replica_due(step: int, every: int, interval: int | None, *, always: bool = False) -> bool:
+    """Whether the snapshot of ``step`` is copied to peers (``CheckpointConfig.replica_every``):
+    one in ``every``, those whose step lies in the first interval of a block of ``every`` intervals
+    (the same steps on every rank and node, so the copied steps are complete); ``always`` (preemption
+    checkpoints, milestones) and snapshots without an interval (manual, epoch boundaries) always."""
+    if every <= 1 or always or not interval:
+        return True
+    return step % (every * interval) < interval
+
+
 class Phase1:
     """Phase 1 of one rank as the :class:`~cf_ray.Checkpointer` drives it: what a snapshot holds,
     the :class:`Snapshotter` that copies it, and the hand-off of the bytes to this node's holder.
@@ -889,13 +899,25 @@ class Phase1:
 
     # -- the training thread ------------------------------------------------------------------------
     def take(
-        self, step: int, epoch: int, kind: CheckpointKind, *, milestone: bool, interval: int | None, notice: dict
+        self,
+        step: int,
+        epoch: int,
+        kind: CheckpointKind,
+        *,
+        milestone: bool,
+        interval: int | None,
+        notice: dict,
+        replica_interval: int | None = None,
     ) -> float:
         """Start the snapshot of ``step``; returns the seconds the snapshotter spent on this thread.
 
         Args:
             notice: a preemption notice's deadline fields for the profile row (may be empty).
+            replica_interval: the interval ``replica_every`` counts in (the policy's, fixed or adaptive).
         """
+        due = replica_due(
+            step, self._replica_every, replica_interval, always=milestone or kind is CheckpointKind.PREEMPT
+        )
         sections = self._sections(step, epoch)
         meta = SnapshotMeta(
             rank=self.rank,
@@ -906,9 +928,8 @@ class Phase1:
             milestone=milestone,
             priority=kind is CheckpointKind.PREEMPT,
             interval=interval,
-            replicas=self._replicas,
+            replicas=self._replicas if due else 0,
             replica_label=self._replica_label,
-            replica_every=self._replica_every,
             **notice,
         )
         guarded = self._guarded_ptrs()
