@@ -80,10 +80,10 @@ class Prepared:
     sharded: _sharded.ShardedState | None = None
     """The sharded objects (FSDP2/DTensor): their states in ``state`` are loaded through it."""
     state_fns: dict[str, Callable[[], Any]] = field(default_factory=dict)
+    """Tracked name -> what returns its state for the fingerprint check (default: ``state_dict``)."""
     releasable: list[tuple[np.ndarray, int, int]] = field(default_factory=list)
     """``(buffer, start, end)``: bytes of a private section buffer that only modules read (they copy
     them into their parameters): given back to the system once loaded (:func:`apply`)."""
-    """Tracked name -> what returns its state for the fingerprint check (default: ``state_dict``)."""
 
 
 def validate(
@@ -468,22 +468,28 @@ def materialize_objects(section: mf.Section, path: tuple[str, ...], objs: dict, 
     """
     tree = _encoded_at(section, path)
     out = {}
+    read_by_modules: dict[int, tuple[int, int]] = {}  # entry index -> its bytes
+    kept: set[int] = set()  # entries something other than a module keeps a view of
     for name, sub in tree.items():
         if name not in objs:
             continue
         # A private buffer (``Section.private``) is given away whole: no copy for anything; what
-        # only a module reads is ``releasable`` once loaded.
+        # only modules read is ``releasable`` once loaded.
         module = isinstance(objs.get(name), torch.nn.Module)
         if section.private or module:
 
-            def view(_i: int, e: _codec.TensorEntry, module: bool = module) -> Any:
-                if module and section.private and releasable is not None and isinstance(section.buf, np.ndarray):
-                    releasable.append((section.buf, e.offset, e.offset + e.nbytes))
+            def view(i: int, e: _codec.TensorEntry, module: bool = module) -> Any:
+                if module:
+                    read_by_modules[i] = (e.offset, e.offset + e.nbytes)
+                else:
+                    kept.add(i)
                 return _codec.view(section.buf, e, copy=False, readonly_ok=True)
 
             out[name] = _codec.unflatten(sub, view, section.entries)
         else:
             out[name] = _codec.unflatten(sub, _Copier(section, sub), section.entries)
+    if section.private and releasable is not None and isinstance(section.buf, np.ndarray):
+        releasable.extend((section.buf, a, b) for i, (a, b) in read_by_modules.items() if i not in kept)
     return out
 
 
