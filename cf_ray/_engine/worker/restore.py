@@ -161,8 +161,8 @@ class Restorer:
 
         self.read_bytes: dict[str, int] = {}
         """Bytes this rank read in the last restore, by how: ``in_place`` (its node's holder's memory:
-        a slot mapped, or its object store), ``direct`` (streamed from a holder of another node), ``object_store`` (Ray's object
-        transfer), ``storage``."""
+        a slot mapped, or its object store), ``direct`` (streamed from a holder of another node),
+        ``object_store`` (Ray's object transfer), ``storage``."""
 
     def _count(self, how: str, nbytes: int) -> None:
         self.read_bytes[how] = self.read_bytes.get(how, 0) + int(nbytes)
