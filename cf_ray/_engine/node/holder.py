@@ -424,39 +424,28 @@ class Holder:
         with self._lock:
             staged = tuple(v[0] for secs in self._record.values() for v in secs.values())
             outcomes = tuple(v[1] for secs in self._record.values() for v in secs.values() if v[1] is not None)
-            copies = [e for kept in self._replicas.values() for e in kept]
+            said = [self._copy_said(e) for kept in self._replicas.values() for e in kept]
             return HolderState(
                 holder=self._name,
                 node_id=self._node,
                 generation=self._generation,
                 staged=staged,
                 outcomes=outcomes,
-                replicas=tuple(
-                    PartReplicated(
-                        generation=e.generation,
-                        step=e.step,
-                        section=e.section,
-                        holder=self._name,
-                        node_id=self._node,
-                        origin=e.origin,
-                        nbytes=e.size_bytes,
-                        seconds=e.copy_s,
-                    )
-                    for e in copies
-                ),
-                replica_origins=tuple(
-                    PartStaged(
-                        generation=e.generation,
-                        step=e.step,
-                        section=e.section,
-                        holder=e.origin,
-                        nbytes=e.size_bytes,
-                        meta=e.meta,
-                        node_id=e.origin_node,
-                    )
-                    for e in copies
-                ),
+                replicas=tuple(r for r, _ in said),
+                replica_origins=tuple(o for _, o in said),
             )
+
+    def _copy_said(self, e: _Entry) -> tuple[PartReplicated, PartStaged]:
+        """What was said of a copy this holder keeps: by it (``part_replicated``) and, of the
+        section, by the origin (``part_staged``)."""
+        gen, step, sec, n = e.generation, e.step, e.section, e.size_bytes
+        return (
+            PartReplicated(
+                generation=gen, step=step, section=sec, nbytes=n, holder=self._name, node_id=self._node,
+                origin=e.origin, seconds=e.copy_s,
+            ),
+            PartStaged(generation=gen, step=step, section=sec, nbytes=n, holder=e.origin, meta=e.meta, node_id=e.origin_node),
+        )  # fmt: skip
 
     def lookup(self, keys: list[tuple[int, int, str]]) -> list[tuple[str, PartStaged | None, Message | None]]:
         """What became of each ``(generation, step, section)``: ``("done", staged, outcome)`` when
