@@ -134,7 +134,8 @@ class ReadLock:
     lock this process holds on the file) and, once taken, the slot's data mapped read-only.
 
     Use: ``lk = ReadLock.take(desc.path, gen, step, desc.seq)``; ``None`` when the slot is being
-    filled or holds another fill (``populate=True``: every page mapped at once, for a whole read). ``lk.data`` is a read-only memoryview of the data; ``lk.close()``.
+    filled or holds another fill (``populate=True``: every page mapped at once, for a whole read).
+    ``lk.data`` is a read-only memoryview of the data; ``lk.close()``.
     """
 
     __slots__ = ("fd", "map", "data")

@@ -85,7 +85,6 @@ class SectionServer:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
-        self.served_bytes = 0
         threading.Thread(target=self._accept, name="cf_ray-stream", daemon=True).start()
 
     def offer(
@@ -158,7 +157,6 @@ class SectionServer:
                 sent = conn.sendfile(cast(Any, _Fd(offer.fd)), offer.offset, offer.nbytes)
                 if sent != offer.nbytes:
                     raise OSError(f"the slot ended after {sent} of {offer.nbytes} bytes")
-            self.served_bytes += offer.nbytes
         except OSError as e:
             logger.warning("cf_ray: streaming a section to a reader failed (%s: %s)", type(e).__name__, e)
         finally:
