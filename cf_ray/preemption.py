@@ -82,7 +82,7 @@ from typing import TYPE_CHECKING, cast
 import ray
 
 from cf_ray._engine import env as _env
-from cf_ray._engine.driver.messages import CheckpointRequest
+from cf_ray._engine.protocol.messages import CheckpointRequest
 from cf_ray.config import PreemptionConfig
 from cf_ray.errors import CfRayError
 
@@ -102,7 +102,7 @@ def controller_of(storage_path: str, run_name: str, storage_filesystem=None):
         storage_filesystem: the ``pyarrow.fs`` filesystem given with it, if any.
     """
     from cf_ray._engine.driver.controller import get_controller
-    from cf_ray._engine.driver.naming import run_key
+    from cf_ray._engine.protocol.naming import run_key
     from cf_ray._engine.storage.fs import FsStorage
 
     storage = FsStorage.from_uri(storage_path, storage_filesystem).child(f"{run_name}/cf_ray")
