@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from cf_ray._engine.lazy import lazy_module
 from cf_ray._engine.storage.fs import FileInfo, FsStorage, Storage
+from cf_ray._report_goodput import GOODPUT_FILE, badput_frame, load_goodput, plot_badput, save_goodput
 from cf_ray.errors import CorruptCheckpointError
 
 # pandas and parquet load on first use: the controller actor imports this module for its Ray
@@ -252,6 +253,7 @@ def save_profile(
     iter_rows: Iterable[Mapping] | pd.DataFrame | None = None,
     *,
     restarts: Iterable[Mapping] | pd.DataFrame | None = None,
+    goodput: Mapping | None = None,
 ) -> dict[str, FileInfo]:
     """Write the profile (and the iteration times) as Parquet at the storage's root.
 
@@ -263,6 +265,7 @@ def save_profile(
         rows: checkpoint rows (see :func:`profile_frame`).
         iter_rows: iteration samples (see :func:`iterations_frame`); ``None`` writes an empty table.
         restarts: the restarts (see :func:`restarts_frame`), written as ``restarts.parquet`` when given.
+        goodput: where the wall time went (:func:`badput_frame`), written as ``goodput.json`` when given.
 
     Returns:
         ``{path: FileInfo}`` of the files written.
@@ -271,6 +274,8 @@ def save_profile(
     out[ITERATIONS_FILE] = storage.write_file(ITERATIONS_FILE, [_parquet_bytes(iterations_frame(iter_rows or []))])
     if restarts is not None:
         out[RESTARTS_FILE] = storage.write_file(RESTARTS_FILE, [_parquet_bytes(restarts_frame(restarts))])
+    if goodput is not None:
+        out[GOODPUT_FILE] = save_goodput(storage, goodput)
     return out
 
 
@@ -392,6 +397,13 @@ def read_run_restarts(storage_path: str, run_name: str, filesystem=None) -> pd.D
     """The restarts table of a run (goodput: work lost, recovery time, restore source and time per
     restart; see :func:`restarts_frame`), written at the run's end. Arguments as :func:`read_run_profile`."""
     return load_restarts(_run_storage(storage_path, run_name, filesystem))
+
+
+def read_run_goodput(storage_path: str, run_name: str, filesystem=None) -> dict | None:
+    """Where a run's wall time went (productive and badput seconds by category, see
+    :func:`badput_frame`), as saved at its end; ``None`` when it saved none. Arguments as
+    :func:`read_run_profile`."""
+    return load_goodput(_run_storage(storage_path, run_name, filesystem))
 
 
 def _run_storage(storage_path: str, run_name: str, filesystem) -> FsStorage:
@@ -637,7 +649,12 @@ class GoodputMetrics:
     * ``cf_ray_effective_training_ratio`` (gauge, 0..1): useful training time / wall time;
     * ``cf_ray_durability_lost`` (gauge, 0 or 1) and ``cf_ray_durability_lost_episodes_total``
       (counter): the durability watchdog's state and its episodes (nothing committed for much
-      longer than the schedule implies, or the controller unreachable).
+      longer than the schedule implies, or the controller unreachable);
+    * ``cf_ray_productive_seconds`` (gauge, s) and ``cf_ray_badput_seconds`` (gauge, s, tag
+      ``category``: ``checkpoint_save``, ``checkpoint_restore``, ``wasted_progress``, ``recovery``,
+      ``startup``, ``other``): where the wall time went (:func:`badput_frame`);
+    * ``cf_ray_failure_mtbf_seconds`` (gauge, s): the estimated mean time up between the run's
+      failures (the policy's, or the controller's own without a prior), after each failure counted.
 
     As :class:`CheckpointMetrics`: built on first use, only where Ray is initialised; never raises.
     Prometheus shows them with Ray's ``ray_`` prefix (``ray_cf_ray_lost_steps_total``).
@@ -660,6 +677,13 @@ class GoodputMetrics:
         "restore_s": ("cf_ray_restore_seconds", "Newest restore's duration (s), by source", ("source",)),
         "ratio": ("cf_ray_effective_training_ratio", "Useful training time / wall time since the first iteration", ()),
         "durability_lost": ("cf_ray_durability_lost", "1 while checkpoints are not becoming durable, else 0", ()),
+        "productive_s": ("cf_ray_productive_seconds", "Productive training time since the run started (s)", ()),
+        "mtbf_s": ("cf_ray_failure_mtbf_seconds", "Estimated mean time up between the run's failures (s)", ()),
+        "badput_s": (
+            "cf_ray_badput_seconds",
+            "Wall time not spent on productive training (s), by category",
+            ("category",),
+        ),
     }
 
     def __init__(self, run: str | None = None, tags: Mapping[str, str] | None = None):
@@ -736,6 +760,19 @@ class GoodputMetrics:
         """The run's effective training time ratio."""
         self._apply([("ratio", "set", ratio, None)])
 
+    def record_badput(self, breakdown: Mapping) -> None:
+        """Where the wall time went: productive seconds and the badput seconds by category."""
+        updates: list[tuple[str, str, Any, dict | None]] = [
+            ("productive_s", "set", breakdown.get("productive_s"), None)
+        ]
+        for category, seconds in (breakdown.get("badput_s") or {}).items():
+            updates.append(("badput_s", "set", seconds, {"category": str(category)}))
+        self._apply(updates)
+
+    def record_mtbf(self, mtbf_s: float | None) -> None:
+        """The estimated mean time between the run's failures (after each failure it counted)."""
+        self._apply([("mtbf_s", "set", mtbf_s, None)])
+
     def record_durability(self, lost: bool) -> None:
         """The durability watchdog's state: an episode starts (``True``) or ends (``False``)."""
         updates: list[tuple[str, str, Any, dict | None]] = [("durability_lost", "set", 1 if lost else 0, None)]
@@ -746,15 +783,20 @@ class GoodputMetrics:
 
 __all__ = [
     "CheckpointMetrics",
+    "GOODPUT_FILE",
     "GoodputMetrics",
     "ITERATIONS_FILE",
     "PROFILE_FILE",
     "RESTARTS_FILE",
     "iterations_frame",
+    "badput_frame",
+    "load_goodput",
     "load_profile",
     "load_restarts",
+    "plot_badput",
     "plot_profile",
     "profile_frame",
+    "read_run_goodput",
     "read_run_iterations",
     "read_run_profile",
     "read_run_restarts",

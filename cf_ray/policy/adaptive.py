@@ -258,6 +258,12 @@ class Adaptive:
         except (TypeError, ValueError, AttributeError):  # a report must never break the policy
             return
 
+    def hazard(self) -> dict:
+        """The failure-rate estimate as of now (JSON-able; ``explain()["hazard"]`` is as of the last
+        :meth:`plan`): ``mtbf_s``, ``failures_per_hour``, ``failures``, ``notices``, ``exposure_s``,
+        ``prior``, ``recovery_s``, ``recovery_by_source``, ``storage_share``."""
+        return self._hazard.estimate().as_dict()
+
     def adopt_failures(self, other: object) -> None:
         """Continue ``other``'s failure history (a fresh copy of the policy after a resize: the
         costs are measured again, the failure rate is the run's)."""

@@ -823,6 +823,7 @@ class Controller:
                 "failures": self._book.failure_dicts(),
                 "events": list(self._book.events),
                 "pending": self._commits.pending_steps(),
+                "goodput": self._book.goodput_breakdown(),
             }
 
     # -- the end of a run ------------------------------------------------------------------------------

@@ -24,6 +24,9 @@ Bounded (issue #16): memory and per-commit work stay constant however many check
 * Goodput (issue #15): each restart's cost (work lost, recovery time, restore source and time) and
   the run's effective training time ratio, kept by :class:`Goodput` from the samples and restore
   events the book already sees, exported as Ray metrics and saved as ``restarts.parquet``.
+* Badput (issue #26): where the wall time went, by category (:mod:`.badput`), exported as Ray
+  metrics and saved as ``goodput.json``; and the run's failures (start, restarts, recoveries,
+  notices), passed on to the policy (:class:`~.badput.FailureFeed`), which estimates the failure rate.
 
 Not thread-safe on its own: the controller calls it under its lock (the maintenance thread only
 appends events, one ``deque.append`` at a time, and writes the parts without the lock).
@@ -42,6 +45,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 from cf_ray._engine import env as _env
+from cf_ray._engine.driver.badput import Badput, FailureFeed
 from cf_ray._engine.driver.jit_tier import JitPlan, JitTier
 from cf_ray._engine.driver.schedule import ScheduleBook, checkpoint_stats
 from cf_ray._engine.protocol.messages import CheckpointKind, Failure, PartReplicated, SectionState, SnapshotMeta
@@ -237,6 +241,16 @@ class Goodput:
     def mean_iter_s(self) -> float | None:
         return self._iter_total_s / self._iters if self._iters else None
 
+    @property
+    def first_unix(self) -> float | None:
+        """When the run's first iteration started (estimated; ``None`` before any)."""
+        return self._first_unix
+
+    @property
+    def last_unix(self) -> float | None:
+        """When the newest sample or staged snapshot arrived."""
+        return self._last_unix
+
     def on_sample(self, step: int, iter_s: float, iters: int, now_unix: float) -> Restart | None:
         """A rank's sample; returns the pending restart when this sample is its first resumed iteration."""
         step, iters = int(step), int(iters)
@@ -380,6 +394,8 @@ class ProfileBook:
         self._next_failure_seq = int(seq_base)
         self._metrics = None  # cf_ray.report.CheckpointMetrics, made on first use
         self.goodput = Goodput(events_window)
+        self.badput = Badput()
+        self.failures = FailureFeed(schedule)
         self._goodput_metrics = None  # cf_ray.report.GoodputMetrics, made on first use
         self._ratio_exported_unix = 0.0
         self._lost_since: tuple[int, int] | None = None
@@ -426,6 +442,8 @@ class ProfileBook:
         for k in _RANK_TIMINGS:
             if k in stats:
                 row.setdefault(f"_{k}", {})[rank] = stats[k]
+        if "stall_s" in stats:
+            self.badput.note_stall(generation, stats["step"], rank, stats["stall_s"] + (stats.get("guard_s") or 0.0))
         if "nbytes" in stats:
             row.setdefault("_rank_bytes", {})[rank] = stats["nbytes"]
 
@@ -446,6 +464,8 @@ class ProfileBook:
         row.setdefault("_copies", {})[("rank", meta.rank)] = (meta.copied_bytes, meta.crc_read_bytes)
         if meta.slot_wait_s is not None:
             row.setdefault("_slot_wait_s", {})[meta.rank] = meta.slot_wait_s
+        if meta.notice_unix is not None and CheckpointKind(meta.kind) is CheckpointKind.PREEMPT:
+            self._record(self.failures.notice(meta.notice_unix, generation, meta.notice_source))
         d = meta.deadline_unix  # a just-in-time checkpoint: the earliest deadline any rank knows
         if d is not None and (row.get("deadline_unix") is None or d < row["deadline_unix"]):
             row.update(deadline_unix=d, notice_unix=meta.notice_unix, notice_source=meta.notice_source)
@@ -628,6 +648,7 @@ class ProfileBook:
         try:
             resumed = self.goodput.on_sample(step, iter_s, iters, now)
             if resumed is not None:
+                self.failures.resumed(resumed)
                 self._export_goodput(resumed, resumed=True)
             elif now - self._ratio_exported_unix >= _RATIO_EXPORT_PERIOD_S:
                 self._export_goodput(None)
@@ -678,8 +699,24 @@ class ProfileBook:
                 )
                 if restart is not None:
                     self._export_goodput(restart)
+                else:
+                    self.badput.start_restore_s += float(event.get("seconds") or 0.0)
+                self._record(self.failures.restore(event, restart))
             except Exception:  # noqa: BLE001
                 logger.debug("cf_ray: goodput bookkeeping failed", exc_info=True)
+        if event.get("event") == "notice":  # the driver's notify_preemption
+            self._record(self.failures.notice(event.get("time") or time.time(), event.get("generation"), "driver"))
+
+    def _record(self, event: dict | None) -> None:
+        """An event of the book's own (``failure_rate``): recorded and exported, not interpreted again."""
+        if event is not None:
+            self.events.append(event)
+            if self._goodput_metrics is not None:
+                self._goodput_metrics.record_mtbf(event.get("mtbf_s"))
+
+    def goodput_breakdown(self) -> dict:
+        """Where the run's wall time went (:meth:`.badput.Badput.breakdown`)."""
+        return self.badput.breakdown(self.goodput)
 
     def restart_rows(self) -> list[dict]:
         """One dict per restart (the ``restarts`` table, :func:`cf_ray.report.restarts_frame`)."""
@@ -736,6 +773,7 @@ class ProfileBook:
                         restart.source, restart.lost_steps, restart.lost_s, restart.restore_s
                     )
             self._goodput_metrics.record_ratio(self.goodput.effective_ratio())
+            self._goodput_metrics.record_badput(self.goodput_breakdown())
         except Exception:  # noqa: BLE001
             logger.debug("cf_ray: goodput metrics export failed", exc_info=True)
 
@@ -749,8 +787,9 @@ class ProfileBook:
             with lock:
                 iterations = self.iteration_rows()
                 restarts = self.restart_rows()
+                goodput = self.goodput_breakdown()
             rows = self.all_rows(lock)
-            report.save_profile(self.storage, rows, iterations, restarts=restarts)
+            report.save_profile(self.storage, rows, iterations, restarts=restarts, goodput=goodput)
         except Exception as e:  # noqa: BLE001 - the profile is a report, never a reason to fail
             logger.warning("cf_ray: could not save the profile table: %s", e)
 
