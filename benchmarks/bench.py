@@ -1769,7 +1769,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.simulate:
         from benchmarks import failure_sim
 
-        return failure_sim.main(args)
+        return failure_sim.main(args, argv if argv is not None else sys.argv[1:])
     if args.failures:
         from benchmarks import failure_run
 

@@ -552,13 +552,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--simulate", action="store_true", help="replay failure traces against measured costs (no Ray)")
     g.add_argument("--sim-costs", default=str(DEFAULT_COSTS), help="results JSON whose costs to use (%(default)s)")
     g.add_argument("--sim-hours", type=float, default=48.0, help="hours per trace (default: %(default)s)")
-    g.add_argument("--sim-seeds", type=int, default=3, help="traces per scenario (default: %(default)s)")
+    g.add_argument("--sim-seeds", type=int, default=2, help="traces per scenario (default: %(default)s)")
     g.add_argument("--sim-scenarios", default=None, help="comma-separated subset of the scenarios")
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, argv: list[str]) -> int:
     only = args.sim_scenarios.split(",") if args.sim_scenarios else None
     res = run(Path(args.sim_costs), args.sim_hours, args.sim_seeds, only)
+    res["command"] = "cf-ray bench " + " ".join(argv)
     path = Path(args.json) if args.json else Path(args.out) / "failure_sim.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1))
