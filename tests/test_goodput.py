@@ -143,7 +143,7 @@ def test_the_books_feed_the_runs_failures_to_the_policy_and_split_the_wall_time(
 def test_badput_categories_add_up_to_the_wall_time():
     """A timeline whose times agree with each other: 20 steps of 0.5 s and one stall of 0.2 s, a
     failure, 10 steps lost, a recovery of 21.8 s with a 2 s restore, 5 steps more."""
-    from cf_ray._engine.driver.badput import CATEGORIES, Badput
+    from cf_ray._engine.driver.goodput import CATEGORIES, Badput
 
     g, b = Goodput(), Badput(started_unix=90.0)
     g.on_restore(generation=1, source="fresh", step=0, restore_s=1.0, now_unix=100.0)
