@@ -52,14 +52,16 @@ def test_the_prior_is_worth_its_weight_and_failures_move_the_estimate():
     assert light.estimate().mtbf_s < est.mtbf_s
 
 
-def test_without_a_prior_a_run_that_has_not_failed_is_estimated_at_twice_its_age():
+def test_without_a_prior_there_is_no_rate_until_the_first_failure():
     h = HazardModel()
-    assert not h.estimate().known  # nothing to go on: no rate at all
     h.observe(ev(K.START, 100.0, generation=1))
     h.observe(ev(K.TICK, 1100.0))
-    assert h.estimate().mtbf_s == pytest.approx(2000.0)  # Jeffreys: (0 + 1/2) / 1000 s
+    assert not h.estimate().known  # up 1000 s without a failure: nothing to go on yet
     h.observe(ev(K.FAILURE, 1100.0, generation=2, source="storage"))
-    assert h.estimate().mtbf_s == pytest.approx(1000.0 / 1.5)
+    assert h.estimate().mtbf_s == pytest.approx(1000.0)  # one failure in 1000 s up
+    h.observe(ev(K.RESUMED, 1130.0, source="storage", recovery_s=30.0))
+    h.observe(ev(K.TICK, 3130.0))
+    assert h.estimate().mtbf_s == pytest.approx(3000.0)  # and 2000 s more without one
 
 
 def test_a_notice_and_the_restart_it_causes_are_one_failure():

@@ -12,12 +12,13 @@ prior ``Gamma(a0, b0)``, worth ``a0`` pseudo-failures over ``b0`` seconds:
 
 * with ``Adaptive(mtbf_s=M, mtbf_weight=w)``: ``a0 = w``, ``b0 = w * M`` (the user's MTBF, as strong
   as ``w`` observed failures);
-* without: ``a0 = 1/2``, ``b0 = 0`` (Jeffreys' prior for a Poisson rate): before its first failure,
-  a run that has been up ``T`` seconds is estimated to fail every ``2 T`` seconds.
+* without: ``a0 = b0 = 0`` (no prior): there is no estimate until the run's first failure, and the
+  policy checkpoints as the overhead budget allows, as before the failure rate was used.
 
 After ``n`` failures over ``T`` seconds up, the posterior is ``Gamma(a0 + n, b0 + T)``; the estimate
-is its mean, ``λ = (a0 + n) / (b0 + T)``, and the MTBF ``1 / λ``. Each failure moves the estimate up
-at once; each second without one moves it down.
+is its mean, ``λ = (a0 + n) / (b0 + T)`` (without a prior: ``n / T``, the maximum-likelihood rate),
+and the MTBF ``1 / λ``. Each failure moves the estimate up at once; each second without one moves
+it down.
 
 **What counts as a failure.** A restart of the run (a restore after its first) is one. A preemption
 notice (Ray's drain, SIGTERM, a user's or the driver's notice) is one too, at the time of the notice,
@@ -47,9 +48,6 @@ DEFAULT_RECOVERY_S = 60.0
 one: Ray Train's restart of the worker group plus a restore. On a 2-core machine with a 1 GB state
 cf_ray measured 17 s from memory and 25 s from storage (``benchmarks/results/full-2026-11-25.json``);
 clusters take longer to replace a node."""
-
-JEFFREYS_A0 = 0.5
-"""The prior's pseudo-failures without ``mtbf_s`` (Jeffreys' prior for a Poisson rate)."""
 
 _RECENT = 16
 """Recoveries kept per restore source (the newest)."""
@@ -100,7 +98,8 @@ class HazardEstimate:
     """What :class:`HazardModel` estimates (see the module docstring for the rule)."""
 
     rate_per_s: float
-    """Failures per second up (the posterior mean; ``inf`` when nothing is known yet)."""
+    """Failures per second up (the posterior mean; ``inf`` when nothing is known yet: no prior and
+    no failure, or no time up)."""
     failures: int
     """Failures counted (restarts and notices, one per attempt)."""
     notices: int
@@ -151,13 +150,13 @@ class HazardModel:
     """Failure rate and recovery time from :class:`RunEvent` objects (see the module docstring).
 
     Args:
-        mtbf_s: the prior's mean time between failures (``None``: Jeffreys' prior).
+        mtbf_s: the prior's mean time between failures (``None``: no prior, no estimate before a failure).
         weight: how many observed failures the prior is worth (with ``mtbf_s``).
     """
 
     def __init__(self, mtbf_s: float | None = None, weight: float = 1.0):
         if mtbf_s is None:
-            self.a0, self.b0 = JEFFREYS_A0, 0.0
+            self.a0, self.b0 = 0.0, 0.0
         else:
             self.a0, self.b0 = float(weight), float(weight) * float(mtbf_s)
         self.failures = 0
@@ -233,7 +232,7 @@ class HazardModel:
     # -- estimates ------------------------------------------------------------------------------
     def estimate(self) -> HazardEstimate:
         a, b = self.a0 + self.failures, self.b0 + self.exposure_s
-        rate = a / b if b > 0 else math.inf
+        rate = a / b if a > 0 and b > 0 else math.inf  # inf: nothing known yet
         by_source = {src: _median(list(v)) if v else None for src, v in self._recoveries.items()}
         mem = by_source.get("memory")
         other = [v for s, v in by_source.items() if s != "memory" and v is not None]

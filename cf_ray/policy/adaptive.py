@@ -53,10 +53,10 @@ class Adaptive:
 
     **What it learns of the run's failures** (from :meth:`observe`, fed by the controller: the
     run's start, its restarts, their recoveries, preemption notices, the clock): the failure rate
-    ``λ`` — a Gamma-Poisson posterior, prior ``Gamma(mtbf_weight, mtbf_weight * mtbf_s)``, or
-    Jeffreys' ``Gamma(1/2, 0)`` without ``mtbf_s``, updated with the failures counted over the
-    seconds the run was up — and the recovery time ``R`` of this run's restarts, memory and storage
-    restores apart (:mod:`cf_ray.policy._hazard` has the rule).
+    ``λ`` — a Gamma-Poisson posterior, prior ``Gamma(mtbf_weight, mtbf_weight * mtbf_s)`` (none
+    without ``mtbf_s``: no estimate before the run's first failure), updated with the failures
+    counted over the seconds the run was up — and the recovery time ``R`` of this run's restarts,
+    memory and storage restores apart (:mod:`cf_ray.policy._hazard` has the rule).
 
     **The interval** is, in this order of precedence:
 
@@ -68,7 +68,7 @@ class Adaptive:
        training time between two checkpoints; a cap on the overhead: a floor on ``k``);
     5. within those, the ``k`` that maximises the expected goodput given ``C``, ``λ`` and ``R``
        (Daly's model, :func:`cf_ray.policy._hazard.expected_goodput`); while ``λ`` is unknown
-       (no prior, the run not yet up), the shortest ``k`` the rules above allow.
+       (no prior and no failure yet), the shortest ``k`` the rules above allow, as CheckFreq does.
 
     So with frequent failures the budget caps how often it checkpoints, with rare ones the interval
     grows as far as goodput says (``max_lost_s`` caps it). :meth:`explain` says which rule set the
@@ -141,9 +141,9 @@ class Adaptive:
     cache warm-up)."""
     mtbf_s: float | None = None
     """Prior mean time between failures of the run, in seconds up (e.g. ``3600`` on spot nodes
-    reclaimed about hourly). ``None``: no prior; until this run fails, it is estimated from how long
-    it has been up (twice that: Jeffreys' prior). Observed failures replace it (see the class
-    docstring)."""
+    reclaimed about hourly). ``None``: no prior; until this run fails, the overhead budget alone sets
+    the interval, and from its first failure on, the failures it had over the time it was up (see
+    the class docstring). Observed failures outweigh a prior as they accumulate."""
     mtbf_weight: float = 1.0
     """How many observed failures the ``mtbf_s`` prior is worth: after that many, the run's own
     failures weigh as much as the prior."""
