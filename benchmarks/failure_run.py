@@ -124,7 +124,11 @@ def _failure_loop(cfg: dict) -> None:
 
         ckpt = cf_ray.Checkpointer(
             {"model": model, "optimizer": opt},
-            config=cf_ray.CheckpointConfig(policy=cf_ray.Adaptive(), keep_last=2, restore_from="auto"),
+            # Not registered with Ray Train: its num_to_keep would delete what cf_ray's keep_last did
+            # (as in the bench's own cf_ray variants); no consolidated final model (not timed anyway).
+            config=cf_ray.CheckpointConfig(
+                policy=cf_ray.Adaptive(), keep_last=2, final_model=None, register_with_ray=False
+            ),
         )
         resume = ckpt.restore()
         step, source = resume.step, resume.source
