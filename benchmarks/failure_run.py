@@ -2,7 +2,8 @@
 process (and one with drains), cf_ray's ``Adaptive`` against Ray Train's periodic checkpoint (issue #26).
 
 Each *arm* is one ``TorchTrainer.fit()`` of the same job (2 workers, gloo, DDP, ``layers x
-Linear(width)`` + Adam on a fixed synthetic batch) for the same wall time, with the same failures:
+Linear(width)`` + Adam on a fixed synthetic batch) that trains for the same time from its first step
+(``--fail-duration``; the start-up before it counts as badput), with the same failures:
 
 * ``cf_adaptive``: ``cf_ray.Checkpointer`` with ``cf_ray.Adaptive()`` (its defaults: no failure
   prior, a 5 % budget);
@@ -153,12 +154,13 @@ def _failure_loop(cfg: dict) -> None:
     kill_at = notice_at = math.inf
     noticed = False
     flag = torch.zeros(1)
+    end_unix = _end_unix(out, cfg["duration_s"]) if rank == 0 else math.inf
     while True:
         t_step = time.time()
         if kill_at == math.inf and n_kill < len(gaps):
             kill_at = t_step + gaps[n_kill]  # a gap of time up, from this attempt's first step
             notice_at = kill_at - cfg["grace_s"] if cfg["mode"] == "drains" else math.inf
-        flag[0] = 1.0 if (rank == 0 and t_step >= cfg["end_unix"]) else 0.0
+        flag[0] = 1.0 if t_step >= end_unix else 0.0
         dist.all_reduce(flag)  # every rank stops at the same step
         if flag[0] > 0:
             break
@@ -196,6 +198,17 @@ def _failure_loop(cfg: dict) -> None:
         log.close()
     if ckpt is not None:
         ckpt.finish()
+
+
+def _end_unix(out: str, duration_s: float) -> float:
+    """When the arm stops training: ``duration_s`` after the first attempt's first step (so that a
+    slow start-up on a busy machine does not eat the arm's training time; it counts as badput)."""
+    path = os.path.join(out, "start.json")
+    if not os.path.exists(path):
+        with open(path, "w") as f:
+            json.dump({"t": time.time()}, f)
+    with open(path) as f:
+        return json.load(f)["t"] + duration_s
 
 
 def _ray_report(model, opt, step: int, rank: int) -> None:
@@ -329,7 +342,7 @@ def _one(mode: str, arm: str, k: int | None, p: dict, gaps: list[float], root: P
         "gaps": gaps,
         "grace_s": p["grace_s"],
         "out_dir": str(out),
-        "end_unix": fit_start + p["duration_s"],
+        "duration_s": p["duration_s"],
     }
     error = None
     try:
@@ -338,7 +351,7 @@ def _one(mode: str, arm: str, k: int | None, p: dict, gaps: list[float], root: P
         error = repr(e)
     kills = [json.loads((out / n).read_text()) for n in sorted(os.listdir(out)) if n.startswith("kill_")]
     res = analyse(_read_jsonl(out / "steps_rank0.jsonl"), kills, fit_start)
-    res.update(mode=mode, arm=arm, k=k, name=name, error=error)
+    res.update(mode=mode, arm=arm, k=k, name=name, fit_error=error)
     if arm == "cf_adaptive":
         res["controller_goodput"] = _controller_goodput(root / "storage", name)
     return res
@@ -401,8 +414,9 @@ def render(res: dict) -> str:
         "|---|---|---|---|---|---|---|" + "---|" * len(cats),
     ]
     for r in res["rows"]:
-        if "error" in r and r.get("wall_s") is None:
-            lines.append(f"| {r['mode']} | {r['arm']} | {r.get('k') or '–'} | error: {r['error']} |")
+        if r.get("wall_s") is None:
+            why = r.get("error") or r.get("fit_error")
+            lines.append(f"| {r['mode']} | {r['arm']} | {r.get('k') or '–'} | error: {why} |")
             continue
         bad = r["badput_s"]
         lines.append(
