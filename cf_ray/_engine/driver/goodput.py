@@ -28,7 +28,9 @@ The categories (seconds; they add up to the wall time since the controller start
   again);
 * ``startup``: the controller's start (the first rank's ``Checkpointer``) to the first iteration,
   less the first attempt's restore;
-* ``other``: the rest (iteration-time noise, data stalls, the time since the newest report).
+* ``other``: the rest (iteration-time noise, data stalls, the time since the newest report); never
+  below 0: the categories are estimates from when the workers' reports arrive, and on a busy
+  machine two of them (a recovery, the work lost before it) can overlap by a report's lag.
 
 No Ray, no torch: the controller's profile book (:mod:`.profile_book`) calls it under its lock.
 """
