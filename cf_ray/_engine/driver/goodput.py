@@ -16,7 +16,8 @@ feed of the run's failures to the frequency policy (issue #26).
   :class:`~cf_ray.policy.RunEvent` objects for the policy (:meth:`ScheduleBook.observe`), which
   estimates the failure rate from them.
 
-The categories (seconds; they add up to the wall time since the controller started):
+The categories (seconds; they add up to the wall time since the controller started, up to the overlap
+said under ``other``):
 
 * ``productive``: progress on the current timeline x the mean iteration time (as the effective
   training ratio counts it; the slowdown of iterations that overlap a background copy is in it);
