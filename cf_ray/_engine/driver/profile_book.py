@@ -275,7 +275,7 @@ class ProfileBook:
         if meta.slot_wait_s is not None:
             row.setdefault("_slot_wait_s", {})[meta.rank] = meta.slot_wait_s
         if meta.notice_unix is not None and CheckpointKind(meta.kind) is CheckpointKind.PREEMPT:
-            self._record(self.failures.notice(meta.notice_unix, generation, meta.notice_source))
+            self._notice(meta.notice_unix, generation, meta.notice_source)
         d = meta.deadline_unix  # a just-in-time checkpoint: the earliest deadline any rank knows
         if d is not None and (row.get("deadline_unix") is None or d < row["deadline_unix"]):
             row.update(deadline_unix=d, notice_unix=meta.notice_unix, notice_source=meta.notice_source)
@@ -515,7 +515,14 @@ class ProfileBook:
             except Exception:  # noqa: BLE001
                 logger.debug("cf_ray: goodput bookkeeping failed", exc_info=True)
         if event.get("event") == "notice":  # the driver's notify_preemption
-            self._record(self.failures.notice(event.get("time") or time.time(), event.get("generation"), "driver"))
+            self._notice(event.get("time") or time.time(), event.get("generation"), "driver")
+
+    def _notice(self, time_unix: float, generation: int | None, source: str | None) -> None:
+        """A preemption notice reached the run: a failure, for the failure rate."""
+        try:
+            self._record(self.failures.notice(time_unix, generation, source))
+        except Exception:  # noqa: BLE001 - a report, never a reason to fail
+            logger.debug("cf_ray: failure-rate bookkeeping failed", exc_info=True)
 
     def _record(self, event: dict | None) -> None:
         """An event of the book's own (``failure_rate``): recorded and exported, not interpreted again."""
