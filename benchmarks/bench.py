@@ -401,6 +401,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--object-store-gb", type=float, default=None, help="Ray object store size in GB")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--user-loop",
+        action="store_true",
+        help="the cross-check of #25 instead: a user's loop, one fit per variant (none, ray_sync, ray_async, "
+        "cf_fixed with the default CheckpointConfig, cf_bench with the benchmark's), 80 iterations, the first "
+        "5 dropped (--iters, --ks, --workers, --rounds, --variants apply); writes OUT/results-user-loop.json",
+    )
+    p.add_argument(
         "--render-readme",
         metavar="RESULTS_JSON",
         help="print the README performance section generated from RESULTS_JSON and exit",
@@ -420,11 +427,31 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import cluster
 
         return cluster.main(args, argv if argv is not None else sys.argv[1:])
+    if args.user_loop:
+        return _user_loop(args)
     results = run(args, argv if argv is not None else sys.argv[1:])
     print(render_markdown(results))
     print(
         f"JSON: {results['meta']['json']}" + (f"   plot: {results['meta']['plot']}" if results["meta"]["plot"] else "")
     )
+    return 0
+
+
+def _user_loop(args: argparse.Namespace) -> int:
+    from benchmarks import user_loop
+
+    preset = dict(PRESETS[args.preset])
+    for key in ("width", "layers", "batch"):
+        if getattr(args, key) is not None:
+            preset[key] = getattr(args, key)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    res = user_loop.run(args, preset, _fit, _ray_env(), out)
+    res["meta"] = {"host": _host(), "loadavg_end": list(os.getloadavg()), "model": preset}
+    path = out / "results-user-loop.json"
+    path.write_text(json.dumps(res, indent=1, default=_json_default))
+    print(user_loop.render(res))
+    print(f"JSON: {path}")
     return 0
 
 

@@ -145,10 +145,19 @@ def _run_segments(cfg: dict, ctx, t_loop: float) -> None:
         (torch.randn(cfg["batch"], cfg["width"], generator=gen), torch.randn(cfg["batch"], cfg["width"], generator=gen))
         for _ in range(4)
     ]
+    on_cuda = cfg.get("device") == "cuda"
+    if on_cuda:  # benchmarks/gpu_e2e.py: the model is on the worker's GPU (prepare_model put it there)
+        device = ray.train.torch.get_device()
+        batches = [(x.to(device), y.to(device)) for x, y in batches]
 
     def forward_backward(i: int) -> None:
         x, y = batches[i % len(batches)]
         F.mse_loss(model(x), y).backward()
+
+    def synced() -> None:
+        """On a GPU an iteration's time is the device's: wait for its kernels before the clock reads."""
+        if on_cuda:
+            torch.cuda.synchronize()
 
     def plain_step(i: int) -> None:
         forward_backward(i)
@@ -215,10 +224,12 @@ def _run_segments(cfg: dict, ctx, t_loop: float) -> None:
         times = []
         cpu0, thread0 = time.process_time(), time.thread_time()
         wall_start = time.time()
+        synced()
         t_seg = time.perf_counter()
         for i in range(lead + 1, lead + iters + 1):
             t0 = time.perf_counter()
             iteration(i)
+            synced()
             times.append(time.perf_counter() - t0)
         loop_s = time.perf_counter() - t_seg
         wall_end = time.time()
