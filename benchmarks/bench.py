@@ -60,6 +60,7 @@ import shutil
 import socket
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -206,7 +207,9 @@ def measure_limits(directory: Path, nbytes: int) -> dict:
             os.close(fd)
         write.append(nbytes / (time.perf_counter() - t0) / 1e9)
         path.unlink()
+    during = _memcpy_during_direct_write(directory, nbytes)
     return {
+        **during,
         "memcpy_gbps": statistics.median(memcpy),
         "memcpy_gbps_best": max(memcpy),
         "memcpy_test_bytes": n,
@@ -217,6 +220,61 @@ def measure_limits(directory: Path, nbytes: int) -> dict:
         "crc32_gbps": statistics.median(crc),
         "first_touch_gbps": statistics.median(touch),
         "note": "medians of 5 (memcpy), 3 (storage, crc32) runs; GB = 1e9 bytes; one thread",
+    }
+
+
+def _memcpy_during_direct_write(directory: Path, nbytes: int) -> dict:
+    """Memcpy bandwidth (one thread) while another thread writes ``nbytes`` with ``O_DIRECT`` from a
+    page-aligned buffer, as the holder persists a slot: what the persist's DMA leaves of the memory
+    bandwidth that training and the snapshot copy use."""
+    import mmap
+
+    import torch
+
+    from cf_ray._engine.storage.direct_io import write_aligned
+
+    buf = mmap.mmap(-1, 64 * _MiB)  # page-aligned, like a slot
+    buf.write(os.urandom(1 << 20) * 64)
+    path = directory / "bandwidth_probe_direct.bin"
+    done = threading.Event()
+    wrote: list[float] = []
+
+    def writer() -> None:
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            left = nbytes
+            while left > 0 and not done.is_set():
+                n = min(left, len(buf))
+                write_aligned(fd, memoryview(buf)[:n])
+                left -= n
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        wrote.append((nbytes - max(left, 0)) / (time.perf_counter() - t0) / 1e9)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    src = torch.ones(128 * _MiB, dtype=torch.uint8)
+    dst = torch.zeros(128 * _MiB, dtype=torch.uint8)
+    th = threading.Thread(target=writer, daemon=True)
+    gbps = []
+    try:
+        th.start()
+        while th.is_alive() and len(gbps) < 50:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            gbps.append(src.numel() / (time.perf_counter() - t0) / 1e9)
+    finally:
+        done.set()
+        th.join()
+        torch.set_num_threads(threads)
+        with contextlib.suppress(OSError):
+            path.unlink()
+        buf.close()
+    return {
+        "memcpy_gbps_during_direct_write": statistics.median(gbps) if gbps else None,
+        "direct_write_gbps": wrote[0] if wrote else None,
     }
 
 

@@ -739,6 +739,11 @@ def render_markdown(results: dict, *, heading: str = "##") -> str:
         f"| {lim['storage_write_fsync_gbps']:.2f} GB/s |"
     )
     lines.append(f"| CRC-32 as cf_ray computes it (ISA-L), one thread | {lim['crc32_gbps']:.2f} GB/s |")
+    if lim.get("memcpy_gbps_during_direct_write"):
+        lines.append(
+            f"| host memcpy, one thread, while an O_DIRECT write (as the holder persists) runs at "
+            f"{_fmt(lim.get('direct_write_gbps'), '.2f')} GB/s | {lim['memcpy_gbps_during_direct_write']:.2f} GB/s |"
+        )
     if lim.get("first_touch_gbps"):
         lines.append(f"| first touch of newly allocated memory (page faults) | {lim['first_touch_gbps']:.2f} GB/s |")
     for v in results["variants"]:
