@@ -22,14 +22,16 @@ log="$OUT/gpu_run.log"
 say() { echo "[$(date +%T)] $*" | tee -a "$log"; }
 
 say "gpu_run: $(uname -m), $($PY --version 2>&1), $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -1)"
-if ls .whl/*.whl >/dev/null 2>&1; then
+WHL=${GPU_WHEELS:-.whl}   # (GPU_WHEELS, SITE: to check this script elsewhere with another wheel set)
+SITE=${SITE:-/tmp/site}
+if ls "$WHL"/*.whl >/dev/null 2>&1; then
     timeout 60 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl >>"$log" 2>&1 || say "wheel install failed (rc $?)"
+        --target "$SITE" "$WHL"/*.whl >>"$log" 2>&1 || say "wheel install failed (rc $?)"
     # The Ray binaries (gcs_server, raylet) must stay executable.
-    chmod +x /tmp/site/ray/core/src/ray/gcs/gcs_server /tmp/site/ray/core/src/ray/raylet/raylet 2>/dev/null
-    export PYTHONPATH=/tmp/site:$PWD
+    chmod +x "$SITE"/ray/core/src/ray/gcs/gcs_server "$SITE"/ray/core/src/ray/raylet/raylet 2>/dev/null
+    export PYTHONPATH=$SITE:$PWD
 else
-    say "no .whl/ here: using the Python environment as it is"
+    say "no $WHL/ here: using the Python environment as it is"
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 $PY -c "import torch, ray, cf_ray; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'ray', ray.__version__, 'cf_ray', cf_ray.__version__)" 2>&1 | tee -a "$log"
