@@ -31,6 +31,7 @@ def test_bench_smoke(tmp_path, capsys):
         assert key in results
     assert len(results["meta"]["loadavg_start"]) == 3 and len(results["meta"]["loadavg_end"]) == 3
     assert results["limits"]["memcpy_gbps"] > 0 and results["limits"]["storage_write_fsync_gbps"] > 0
+    assert results["limits"]["memcpy_gbps_during_direct_write"] > 0  # what the holder's O_DIRECT writes leave
     (setting,) = results["settings"]
     # A baseline opens each round and one closes the run: three of them, their drift reported.
     assert len(setting["baseline_segment_means_s"]) == 3 and setting["baseline_drift_pct"] is not None
