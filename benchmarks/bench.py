@@ -1,6 +1,6 @@
 """``cf-ray bench``: cf_ray against what a Ray Train user would otherwise use, in one invocation.
 
-What runs (see ``benchmarks/README.md`` for every JSON key):
+What runs (see ``docs/benchmarks/json-keys.md`` for every JSON key):
 
 * **Machine limits**, measured first in the same invocation: host memcpy bandwidth (one thread,
   as the snapshot copy runs), storage write+fsync bandwidth (16 MiB chunks, as cf_ray writes),
@@ -468,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--render-readme",
         metavar="RESULTS_JSON",
-        help="print the README performance section generated from RESULTS_JSON and exit",
+        help="print the performance tables of docs/benchmarks/single-node.md, generated from RESULTS_JSON, and exit",
     )
     from benchmarks import cluster  # the multi-node jobs (#12) and their options live there
 

@@ -205,7 +205,7 @@ def _aggregate_setting(
             # CPU time is far less sensitive than wall time to other jobs on the machine.
             "worker_cpu_ms_per_iter": [1e3 * sum(r[w]["cpu_s"] for _, r in segs) / n for w in range(len(segs[0][1]))],
             "worker_cpu_ms_per_iter_per_round": {
-                str(s["round"]): 1e3 * statistics.fmean(x["cpu_s"] / len(x["iter_s"]) for x in r) for s, r in segs
+                str(s["round"]): 1e3 * r[0]["cpu_s"] / len(r[0]["iter_s"]) for s, r in segs
             },
             "train_thread_cpu_ms_per_iter": [
                 1e3 * sum(r[w]["train_thread_cpu_s"] for _, r in segs) / n for w in range(len(segs[0][1]))
@@ -651,8 +651,13 @@ def render_markdown(results: dict, *, heading: str = "##") -> str:
             f"{len(setting.get('baseline_segment_means_s') or [])} no-checkpoint segments); **drift** between them "
             f"{_fmt(drift, '.1f')} % (max-min), trend {_fmt(setting.get('baseline_trend_pct_per_min'), '+.2f')} %/min, "
             f"one segment's noise {_fmt(setting.get('baseline_noise_pct'), '.1f')} % (each interior baseline "
-            "predicted from its neighbours). Each overhead is against the baseline interpolated at the time its "
-            "window ran; its interval is the 95 % Student-t interval over rounds."
+            "predicted from its neighbours). "
+            + (
+                "Each overhead is against the mean of the baseline segments (cf_ray.bench/1: one round, no interval)."
+                if results.get("schema") == "cf_ray.bench/1"
+                else "Each overhead is against the baseline interpolated at the time its window ran; its interval "
+                "is the 95 % Student-t interval over rounds."
+            )
             + (
                 f" Each worker holds {setting['rank_state_bytes'] / 1e6:.0f} MB of the state (its shards)."
                 if setting.get("rank_state_bytes") and setting["rank_state_bytes"] != setting.get("state_bytes")
@@ -816,7 +821,8 @@ def render_markdown(results: dict, *, heading: str = "##") -> str:
 
 
 def render_readme(results: dict) -> str:
-    """The README's performance section, generated from a results JSON."""
+    """The performance tables of docs/benchmarks/single-node.md, generated from a results JSON (the plot
+    is referred to as ``overhead.png``: copy it beside the page, to ``docs/benchmarks/``)."""
     meta = results["meta"]
     host = meta["host"]
     head = [
@@ -829,7 +835,7 @@ def render_readme(results: dict) -> str:
         "",
     ]
     body = render_markdown(results, heading="##")
-    plot = "" if not meta.get("plot") else f"\n![overhead against k](benchmarks/{Path(meta['plot']).name})\n"
+    plot = "" if not meta.get("plot") else f"\n![overhead against k]({Path(meta['plot']).name})\n"
     return "\n".join(head) + body + plot
 
 

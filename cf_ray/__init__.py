@@ -5,7 +5,8 @@ The front door is small: a :class:`Checkpointer` per rank inside ``train_loop_pe
 its profile, summary, checkpoints and preemption notices), functions to read checkpoints, and the
 exceptions users catch. ``__all__`` below is the whole public surface of this module, pinned by
 ``tests/test_public_api.py``; the other public modules are ``cf_ray.policy``, ``cf_ray.data``,
-``cf_ray.preemption`` (``CheckpointBeforeResize``) and ``cf_ray.report``. Everything under
+``cf_ray.preemption`` (``CheckpointBeforeResize``) and ``cf_ray.report``, each an attribute of the
+package after ``import cf_ray`` alone (imported on first use). Everything under
 ``cf_ray._engine`` is internal.
 
 Importing cf_ray checks that the installed Ray is one cf_ray was tested with (``ImportError``
@@ -74,17 +75,25 @@ if TYPE_CHECKING:
     from cf_ray.run import Run, RunUnavailableError
 
 
+#: The public submodules, reachable as attributes after ``import cf_ray`` alone (``cf_ray.data``,
+#: ``cf_ray.preemption.CheckpointBeforeResize()``, ...) and imported on first use like the names above.
+_SUBMODULES = ("data", "policy", "preemption", "report")
+
+
 def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cf_ray' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"cf_ray.{module}"), name)
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"cf_ray.{name}")
+    else:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module 'cf_ray' has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"cf_ray.{module}"), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))
 
 
 __all__ = [

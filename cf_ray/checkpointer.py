@@ -44,10 +44,10 @@ import ray
 from cf_ray._engine import env as _env
 from cf_ray._engine.driver import controller as _controller
 from cf_ray._engine.driver.controller import ControllerSettings, get_or_create_controller
-from cf_ray._engine.driver.messages import CheckpointKind, CheckpointRequest, RequestLevel, RestorePlan, RestoreSource
-from cf_ray._engine.driver.naming import controller_name
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.node.holder import get_or_create_holder
+from cf_ray._engine.protocol.messages import CheckpointKind, CheckpointRequest, RequestLevel, RestorePlan, RestoreSource
+from cf_ray._engine.protocol.naming import controller_name
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray._engine.worker.context import WorkerContext, check_tracked, unwrap_ddp
 from cf_ray._engine.worker.control import Agreement, ControlPlane

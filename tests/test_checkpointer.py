@@ -12,7 +12,7 @@ import pytest
 import test_spot
 
 import cf_ray
-from cf_ray._engine.driver.messages import CheckpointKind, RequestLevel, Schedule
+from cf_ray._engine.protocol.messages import CheckpointKind, RequestLevel, Schedule
 from cf_ray._engine.worker import preemption_watcher
 from cf_ray._engine.worker.control import Agreement, ControlPlane
 from cf_ray._engine.worker.scheduler import Scheduler

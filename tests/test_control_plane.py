@@ -22,7 +22,9 @@ import pytest
 
 from cf_ray._engine.driver import commits as commits_mod
 from cf_ray._engine.driver.controller import Controller, ControllerSettings
-from cf_ray._engine.driver.messages import (
+from cf_ray._engine.driver.recovery import CONTROL_STATE
+from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.protocol.messages import (
     CheckpointKind,
     HolderState,
     PartDurable,
@@ -35,8 +37,6 @@ from cf_ray._engine.driver.messages import (
     SnapshotMeta,
     SyncRequest,
 )
-from cf_ray._engine.driver.recovery import CONTROL_STATE
-from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.policy import FixedInterval
 
@@ -609,7 +609,7 @@ def test_shutdown_drains_the_holders_before_it_kills_them(tmp_path):
 def _actor_run(tmp_path, handler=None):
     from cf_ray._engine import env as _env
     from cf_ray._engine.driver.controller import get_or_create_controller
-    from cf_ray._engine.driver.naming import controller_name
+    from cf_ray._engine.protocol.naming import controller_name
 
     key = f"cp-{uuid.uuid4().hex[:8]}"
     fs = pafs.PyFileSystem(handler) if handler is not None else pafs.LocalFileSystem()
@@ -646,8 +646,8 @@ def test_a_holder_killed_mid_write_never_commits_that_step_and_later_steps_commi
     """The holder dies while it writes step 5 (storage stalls on it): no manifest of step 5 ever
     appears, the controller's watch fails it (nobody waits for ever), and a new holder on the node
     (what the worker side makes after the failed hand-off) commits step 6."""
-    from cf_ray._engine.driver.messages import Restored as _Restored
     from cf_ray._engine.node.holder import resolve_holder
+    from cf_ray._engine.protocol.messages import Restored as _Restored
 
     from faulty_fs import SlowHandler
 
@@ -696,8 +696,8 @@ def test_a_controller_restarted_mid_write_rebuilds_from_the_holder_and_commits(r
     """The controller's process dies while the holder writes step 5; Ray starts it again, it asks
     the holder what it holds, and the holder's part_durable (re-sent to the new process) commits
     step 5. The workers' schedule versions continue above what they had."""
-    from cf_ray._engine.driver.messages import Restored as _Restored
     from cf_ray._engine.node.holder import resolve_holder
+    from cf_ray._engine.protocol.messages import Restored as _Restored
 
     from faulty_fs import SlowHandler
 

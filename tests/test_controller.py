@@ -20,7 +20,9 @@ import torch
 
 from cf_ray._engine.driver import jit_tier
 from cf_ray._engine.driver.controller import Controller, ControllerSettings
-from cf_ray._engine.driver.messages import (
+from cf_ray._engine.format import codec as _codec
+from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.protocol.messages import (
     CheckpointKind,
     PartDurable,
     PartFailed,
@@ -31,8 +33,6 @@ from cf_ray._engine.driver.messages import (
     RestoreSource,
     SnapshotMeta,
 )
-from cf_ray._engine.format import codec as _codec
-from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray._engine.worker.snapshot import _Arena
 from cf_ray.policy import FixedInterval

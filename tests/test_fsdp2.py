@@ -30,8 +30,8 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from cf_ray._engine.driver.messages import CheckpointKind
 from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.protocol.messages import CheckpointKind
 from cf_ray._engine.storage.fs import FsStorage
 
 WORLD = 2

@@ -14,8 +14,8 @@ import textwrap
 import pytest
 
 from cf_ray import report
-from cf_ray._engine.driver.messages import CheckpointKind, SnapshotMeta
 from cf_ray._engine.driver.profile_book import Goodput, ProfileBook, ProfileParts
+from cf_ray._engine.protocol.messages import CheckpointKind, SnapshotMeta
 from cf_ray._engine.storage.fs import FsStorage
 
 

@@ -52,3 +52,54 @@ def test_public_names_load_on_first_use():
         assert "NoSuchThing" in str(e)
     else:
         raise AssertionError("a missing name must raise AttributeError")
+
+
+#: Documents whose ``cf_ray.<name>`` expressions a user may type after ``import cf_ray`` (ARCHITECTURE.md
+#: names actors and internal modules, not attributes, and is left out).
+_USER_DOCS = ("README.md", "docs/**/*.md", "examples/*.py", "notebooks/make_notebook.py", "benchmarks/README.md")
+#: Dotted names in those documents that are not Python attributes: JSON schema ids and actor names.
+_NOT_EXPRESSIONS = ("cf_ray.bench", "cf_ray.holder", "cf_ray.controller")
+
+
+def _documented_expressions() -> list[str]:
+    import re
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    found: set[str] = set()
+    for pattern in _USER_DOCS:
+        for path in repo.glob(pattern):
+            if path.name == "ARCHITECTURE.md":
+                continue
+            for m in re.finditer(r"\bcf_ray(?:\.[A-Za-z_][A-Za-z0-9_]*)+", path.read_text()):
+                expr = m.group(0)
+                if not expr.startswith("cf_ray._") and not expr.startswith(_NOT_EXPRESSIONS):
+                    found.add(expr)
+    return sorted(found)
+
+
+def test_every_documented_dotted_expression_works_after_import_cf_ray_alone():
+    exprs = _documented_expressions()
+    # The README's own examples (issue 29): they must be among what is checked.
+    assert {"cf_ray.preemption.CheckpointBeforeResize", "cf_ray.data.ordered_data_config"} <= set(exprs)
+    code = (
+        "import sys, cf_ray\n"
+        "eager = sorted(m for m in ('cf_ray.data', 'cf_ray.policy', 'cf_ray.preemption', 'cf_ray.report', 'torch')"
+        " if m in sys.modules)\n"
+        "assert eager == [], f'import cf_ray alone imported {eager}'\n"
+        "bad = []\n"
+        f"for e in {exprs!r}:\n"
+        "    try:\n"
+        "        eval(e)\n"
+        "    except AttributeError as x:\n"
+        "        bad.append(f'{e}: {x}')\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_public_submodules_are_attributes_of_the_package():
+    for name in ("data", "policy", "preemption", "report"):
+        assert name in dir(cf_ray)
+        assert getattr(cf_ray, name).__name__ == f"cf_ray.{name}"

@@ -56,9 +56,9 @@ ray.init(address=address, runtime_env={"env_vars": {"CF_RAY_REAPER_INTERVAL_S": 
 
 from cf_ray._engine import env as _env
 from cf_ray._engine.driver.controller import ControllerSettings, get_or_create_controller, get_controller
-from cf_ray._engine.driver.lifetime import head_node_id
-from cf_ray._engine.driver.messages import CheckpointKind, Restored, RestoreSource, SnapshotMeta
-from cf_ray._engine.driver.naming import controller_name, holder_name
+from cf_ray._engine.protocol.cluster import head_node_id
+from cf_ray._engine.protocol.messages import CheckpointKind, Restored, RestoreSource, SnapshotMeta
+from cf_ray._engine.protocol.naming import controller_name, holder_name
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.node.holder import resolve_holder
 from cf_ray._engine.storage.fs import FsStorage

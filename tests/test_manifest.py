@@ -278,7 +278,7 @@ def test_a_manifest_in_another_checkpoints_directory_is_refused(storage):
 
 
 def test_kinds_are_the_checkpoint_kinds_of_the_messages():
-    from cf_ray._engine.driver.messages import CheckpointKind
+    from cf_ray._engine.protocol.messages import CheckpointKind
 
     assert set(layout.KINDS) == {k.value for k in CheckpointKind}
 

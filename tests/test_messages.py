@@ -11,9 +11,10 @@ import numpy as np
 import pyarrow.fs as pafs
 import pytest
 
-from cf_ray._engine.driver import messages as msgs
 from cf_ray._engine.driver.controller import Controller, ControllerSettings
-from cf_ray._engine.driver.messages import (
+from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.protocol import messages as msgs
+from cf_ray._engine.protocol.messages import (
     PROTOCOL_VERSION,
     CheckpointKind,
     CheckpointRequest,
@@ -37,7 +38,6 @@ from cf_ray._engine.driver.messages import (
     SyncReply,
     SyncRequest,
 )
-from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.errors import CfRayError
 from cf_ray.policy import FixedInterval

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import cf_ray
-from cf_ray._engine.driver.messages import CheckpointKind, RestorePlan, RestoreSource
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.format.safetensors import read_safetensors, write_final_model
+from cf_ray._engine.protocol.messages import CheckpointKind, RestorePlan, RestoreSource
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray._engine.worker import fingerprint as fp
 from cf_ray._engine.worker import restore_checks

@@ -62,7 +62,7 @@ EVENTS_WINDOW = "CF_RAY_EVENTS_WINDOW"
 #: controller does not profile again from scratch).
 POLICY_SAVE_INTERVAL_S = "CF_RAY_POLICY_SAVE_INTERVAL_S"
 #: Seconds between two checks by the controller's reaper that the run's driver (its Ray job) and its
-#: Ray Train run are still there; when they are gone the run's actors end (``driver/lifetime.py``).
+#: Ray Train run are still there; when they are gone the run's actors end (``protocol/cluster.py``).
 REAPER_INTERVAL_S = "CF_RAY_REAPER_INTERVAL_S"
 #: Tests only, unset by default: ``"STEP:SECONDS"`` makes a holder wait SECONDS after a peer asked
 #: it to keep a copy of a section of step STEP and before it pulls the bytes, so that a test can

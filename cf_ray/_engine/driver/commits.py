@@ -33,7 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cf_ray._engine.driver import jit_tier
-from cf_ray._engine.driver.messages import (
+from cf_ray._engine.driver.profile_book import ProfileBook
+from cf_ray._engine.driver.schedule import ScheduleBook
+from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.manifest import load_quarantine
+from cf_ray._engine.protocol.messages import (
     CheckpointKind,
     MemorySnapshot,
     PartReplicated,
@@ -41,10 +45,6 @@ from cf_ray._engine.driver.messages import (
     SectionState,
     SnapshotMeta,
 )
-from cf_ray._engine.driver.profile_book import ProfileBook
-from cf_ray._engine.driver.schedule import ScheduleBook
-from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.format.manifest import load_quarantine
 from cf_ray._engine.storage.fs import FileInfo, Storage
 from cf_ray.policy import Sample
 

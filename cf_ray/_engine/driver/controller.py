@@ -15,15 +15,15 @@ scratch). It exits on its own ``CF_RAY_CONTROLLER_LINGER_S`` seconds after every
 ``Checkpointer.finish()``, after asking every holder to finish what it is writing and writing the
 profile table to storage.
 
-Lifetime (issue #16, :mod:`.lifetime`): the controller records its owner — the driver's Ray job and
+Lifetime (issue #16, :mod:`cf_ray._engine.protocol.cluster`): the controller records its owner — the driver's Ray job and
 the Ray Train run (``fit()``) — and its reaper thread ends the run's actors (holders drained first)
 when the job is dead, or when the Ray Train run ended while no rank had called ``finish()``. A
 controller of the same run key whose owner is gone is never reused: :func:`get_or_create_controller`
 shuts it down (its holders drained and killed) and creates a new one, with the new config, that
 starts from storage only and says so. A controller of the same run (Ray Train restarting workers)
 is reused. It is placed on the head node with a *hard* affinity (``num_cpus=0`` fits a 0-CPU head):
-the README draws it on the driver side, and a soft affinity requested from a worker lands it on the
-worker's node, which may be lost.
+the design (docs/ARCHITECTURE.md) draws it on the driver side, and a soft affinity requested from a
+worker lands it on the worker's node, which may be lost.
 
 Liveness and recovery (issue #16): the controller is created detached (the creating worker does
 not own it) with ``max_restarts=-1``: when its process dies (OOM, a bug), Ray runs the constructor
@@ -74,9 +74,17 @@ import ray
 import ray.exceptions
 
 from cf_ray._engine import env as _env
-from cf_ray._engine.actors import resolve_live
 from cf_ray._engine.driver.commits import CommitBook, CommitJob, load_committed
-from cf_ray._engine.driver.lifetime import (
+from cf_ray._engine.driver.maintenance import Maintenance, tier_steps
+from cf_ray._engine.driver.profile_book import ProfileBook, delete_other_lineages, newest_lineage
+from cf_ray._engine.driver.recovery import ControlState, HolderBusy, HolderLink, in_ray_actor, was_reconstructed
+from cf_ray._engine.driver.schedule import ScheduleBook
+from cf_ray._engine.driver.schedule import explain as explain_policy
+from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.manifest import QUARANTINE, load_quarantine, write_quarantine
+from cf_ray._engine.protocol import cluster
+from cf_ray._engine.protocol.actors import resolve_live
+from cf_ray._engine.protocol.cluster import (
     Owner,
     current_owner,
     fit_over,
@@ -85,8 +93,7 @@ from cf_ray._engine.driver.lifetime import (
     run_name_of,
     train_controller,
 )
-from cf_ray._engine.driver.maintenance import Maintenance, tier_steps
-from cf_ray._engine.driver.messages import (
+from cf_ray._engine.protocol.messages import (
     CheckpointKind,
     CheckpointRequest,
     HolderState,
@@ -103,13 +110,7 @@ from cf_ray._engine.driver.messages import (
     SyncReply,
     SyncRequest,
 )
-from cf_ray._engine.driver.naming import controller_name, run_key
-from cf_ray._engine.driver.profile_book import ProfileBook, delete_other_lineages, newest_lineage
-from cf_ray._engine.driver.recovery import ControlState, HolderBusy, HolderLink, in_ray_actor, was_reconstructed
-from cf_ray._engine.driver.schedule import ScheduleBook
-from cf_ray._engine.driver.schedule import explain as explain_policy
-from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.format.manifest import QUARANTINE, load_quarantine, write_quarantine
+from cf_ray._engine.protocol.naming import controller_name, run_key
 from cf_ray._engine.storage.fs import Storage
 from cf_ray.policy import FrequencyPolicy, Sample
 
@@ -187,7 +188,7 @@ class Controller:
             schedule=self._schedule,
             on_commit=self._after_commit,
             restores=restores,
-            draining=_draining_nodes if in_ray_actor() else None,
+            draining=cluster.draining_nodes if in_ray_actor() else None,
         )
         self._maintenance = Maintenance(
             storage,
@@ -242,7 +243,7 @@ class Controller:
         A controller that just started waits (at most ``CF_RAY_RESYNC_TIMEOUT_S``) until the holders
         have said what they hold, so that a memory restore is not missed."""
         self._resynced.wait(timeout=_env.get_float(_env.RESYNC_TIMEOUT_S))
-        alive = _alive_nodes()
+        alive = cluster.alive_node_ids()
         with self._lock:
             self.generation += 1
             # Until this attempt has restored, keep-last deletes nothing: the plan names checkpoints
@@ -381,7 +382,7 @@ class Controller:
         return {"generation": self.generation, "resynced": self._resynced.is_set()}
 
     def owner(self) -> Owner | None:
-        """The run this controller belongs to (:mod:`.lifetime`)."""
+        """The run this controller belongs to (:mod:`cf_ray._engine.protocol.cluster`)."""
         return self._owner
 
     def attach(self, owner: Owner, train_handle=None) -> None:
@@ -619,7 +620,7 @@ class Controller:
 
     # -- the reaper ------------------------------------------------------------------------------------
     def _reaper_loop(self) -> None:
-        """End the run's actors when the run is over without ``finish()`` (see :mod:`.lifetime`)."""
+        """End the run's actors when the run is over without ``finish()`` (see :mod:`cf_ray._engine.protocol.cluster`)."""
         while not self._stopping.wait(max(0.1, _env.get_float(_env.REAPER_INTERVAL_S))):
             try:
                 why = self.run_over()
@@ -912,7 +913,7 @@ def get_or_create_controller(key: str, storage: Storage, settings: ControllerSet
     job and Ray Train run: workers restarted by Ray Train) or when its owner is still alive. One whose
     owner is gone (the previous driver died, or its ``fit()`` ended) is shut down — its holders
     drained and killed — and a new one is created with ``settings`` (the new config), starting from
-    storage only (:mod:`.lifetime`).
+    storage only (:mod:`cf_ray._engine.protocol.cluster`).
     """
     owner = settings.owner or current_owner()
     settings = dataclasses.replace(settings, owner=owner)
@@ -939,7 +940,7 @@ def get_or_create_controller(key: str, storage: Storage, settings: ControllerSet
 
 def _create(key: str, storage: Storage, settings: ControllerSettings):
     # On the head node, hard: the worker that creates it may be on a spot node that is about to go,
-    # and the controller must outlive it (the README draws it on the driver side). Ray does not honour
+    # and the controller must outlive it (the design draws it on the driver side). Ray does not honour
     # a soft affinity requested from a worker node; num_cpus=0 fits a head with no CPUs.
     head = head_node_id()
     extra = {}
@@ -1035,21 +1036,6 @@ def get_controller(key: str):
     try:
         return ray.get_actor(controller_name(key), namespace=_env.namespace())
     except ValueError:
-        return None
-
-
-def _draining_nodes() -> set[str]:
-    """The ids of the nodes Ray is draining (a preemption or scale-down notice; the GCS's list)."""
-    from ray._private import state as _state
-
-    return set(_state.state.get_draining_nodes())
-
-
-def _alive_nodes() -> set[str] | None:
-    """The ids of the cluster's alive nodes (``None`` when Ray cannot say: every copy counts)."""
-    try:
-        return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-    except Exception:  # noqa: BLE001
         return None
 
 

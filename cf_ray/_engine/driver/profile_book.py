@@ -43,8 +43,8 @@ from dataclasses import asdict, dataclass
 
 from cf_ray._engine import env as _env
 from cf_ray._engine.driver.jit_tier import JitPlan, JitTier
-from cf_ray._engine.driver.messages import CheckpointKind, Failure, PartReplicated, SectionState, SnapshotMeta
 from cf_ray._engine.driver.schedule import ScheduleBook, checkpoint_stats
+from cf_ray._engine.protocol.messages import CheckpointKind, Failure, PartReplicated, SectionState, SnapshotMeta
 from cf_ray._engine.storage.fs import Storage
 
 logger = logging.getLogger("cf_ray")
@@ -187,7 +187,7 @@ class Restart:
 class Goodput:
     """Goodput of one run from the iteration samples and restore events (no Ray, no storage).
 
-    Definitions (also in the README's Metrics section):
+    Definitions (also in docs/guides/metrics.md):
 
     * mean iteration time: the ``iters``-weighted mean of every sample's ``iter_s`` (checkpoint
       stalls excluded, as the workers measure it);

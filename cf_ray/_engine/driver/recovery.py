@@ -3,7 +3,7 @@
 * :class:`HolderLink`: the controller's calls to the run's holders, found by name on every alive
   node (``naming.holder_name``): ``resync`` (what a holder holds and has done lately, when the
   controller starts or first hears of a holder), ``lookup`` (the controller's watch: what became
-  of sections pending too long), ``owner`` (which run it belongs to, :mod:`.lifetime`), ``forget`` (steps that settled: the holder stops keeping their
+  of sections pending too long), ``owner`` (which run it belongs to, :mod:`cf_ray._engine.protocol.cluster`), ``forget`` (steps that settled: the holder stops keeping their
   record), ``drain`` and kill (the controller's shutdown).
 * :class:`ControlState`: the controller's own small state on storage, ``control_state.json`` — the
   newest generation handed out and the step each recent attempt restored — so that a controller
@@ -23,9 +23,10 @@ from typing import Any
 import ray
 import ray.exceptions
 
-from cf_ray._engine.driver.lifetime import Owner
-from cf_ray._engine.driver.messages import HolderState
-from cf_ray._engine.driver.naming import holder_name
+from cf_ray._engine.protocol import cluster
+from cf_ray._engine.protocol.cluster import Owner
+from cf_ray._engine.protocol.messages import HolderState
+from cf_ray._engine.protocol.naming import holder_name
 from cf_ray._engine.storage.fs import Storage
 
 logger = logging.getLogger("cf_ray")
@@ -81,7 +82,7 @@ class HolderLink:
     def names_on_alive_nodes(self) -> list[str]:
         """The name this run's holder has (or would have) on every alive node."""
         try:
-            return [holder_name(self.key, n["NodeID"]) for n in ray.nodes() if n.get("Alive")]
+            return [holder_name(self.key, n["NodeID"]) for n in cluster.alive_nodes()]
         except Exception as e:  # noqa: BLE001
             logger.warning("cf_ray: cannot list the cluster's nodes: %s", e)
             return []

@@ -44,7 +44,7 @@ the holder when a step settled (:meth:`Holder.forget`). A holder that dies is re
 gone, storage is the truth. At the end of a run the controller asks it to finish what it is writing
 (:meth:`Holder.drain`) before it kills it.
 
-Lifetime (issue #16, ``driver/lifetime.py``): a holder records the run it belongs to (the driver's
+Lifetime (issue #16, ``protocol/cluster.py``): a holder records the run it belongs to (the driver's
 Ray job and Ray Train run); the controller's reaper ends it with the run. :func:`get_or_create_holder`
 never reuses a holder whose run's driver is gone: it is drained and killed, and a new, empty one is
 made (the dead run's snapshots are never restored by a new run).
@@ -63,9 +63,14 @@ import numpy as np
 import ray
 import ray.exceptions
 
-from cf_ray._engine.actors import resolve_live
-from cf_ray._engine.driver.lifetime import Owner, current_owner, owner_gone
-from cf_ray._engine.driver.messages import (
+from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.node import shm as _shm
+from cf_ray._engine.node import stream as _stream
+from cf_ray._engine.node.sender import Sender
+from cf_ray._engine.protocol import cluster
+from cf_ray._engine.protocol.actors import resolve_live
+from cf_ray._engine.protocol.cluster import Owner, current_owner, owner_gone
+from cf_ray._engine.protocol.messages import (
     HolderState,
     Message,
     PartDurable,
@@ -75,11 +80,7 @@ from cf_ray._engine.driver.messages import (
     PartSuperseded,
     SnapshotMeta,
 )
-from cf_ray._engine.driver.naming import holder_name
-from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.node import shm as _shm
-from cf_ray._engine.node import stream as _stream
-from cf_ray._engine.node.sender import Sender
+from cf_ray._engine.protocol.naming import holder_name
 from cf_ray._engine.storage.fs import Storage
 
 logger = logging.getLogger("cf_ray")
@@ -734,22 +735,17 @@ class Holder:
         """Up to ``wanted`` holders of this run on other alive, not draining nodes (``-1``: one when
         the cluster has more than one node), in another failure domain when ``label`` names one:
         ``[(node id, handle)]``. Spread over the candidates by section."""
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        nodes = cluster.alive_nodes()
         if wanted < 0:
             wanted = 1 if len(nodes) > 1 else 0
         if wanted == 0:
             return []
-        try:
-            from ray._private import state as _state
-
-            draining = set(_state.state.get_draining_nodes())
-        except Exception:  # noqa: BLE001 - an older GCS: no draining nodes known
-            draining = set()
+        draining = cluster.draining_nodes()
         mine = next((n for n in nodes if n["NodeID"] == self._node), None)
         domain = ((mine or {}).get("Labels") or {}).get(label) if label else None
         prefix = self._name.rsplit(".", 1)[0]
         found: list[tuple[str, Any]] = []
-        for n in sorted(nodes, key=lambda n: n["NodeID"]):
+        for n in nodes:
             nid = n["NodeID"]
             if nid == self._node or nid in draining:
                 continue

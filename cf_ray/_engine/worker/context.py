@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from cf_ray._engine.driver.naming import run_key
+from cf_ray._engine.protocol.naming import run_key
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.config import CheckpointConfig
 from cf_ray.errors import ConfigError

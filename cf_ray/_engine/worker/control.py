@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cf_ray._engine.driver.messages import RequestLevel
+from cf_ray._engine.protocol.messages import RequestLevel
 
 # Field positions in the vector.
 SCHEDULE_VERSION = 0  # MIN: the newest schedule version every rank has received

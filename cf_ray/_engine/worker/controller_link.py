@@ -33,8 +33,8 @@ import ray
 import ray.exceptions
 
 from cf_ray._engine import env as _env
-from cf_ray._engine.driver.messages import CheckpointRequest, SyncReply, SyncRequest
 from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.protocol.messages import CheckpointRequest, SyncReply, SyncRequest
 from cf_ray._engine.worker.scheduler import Scheduler
 from cf_ray._engine.worker.timing import Timing
 from cf_ray.errors import PersistError

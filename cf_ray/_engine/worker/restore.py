@@ -36,10 +36,10 @@ import ray.exceptions
 import ray.train
 
 from cf_ray._engine import env as _env
-from cf_ray._engine.driver.messages import MemorySnapshot, Restored, RestorePlan, RestoreSource
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.node import shm as _shm
 from cf_ray._engine.node import stream as _stream
+from cf_ray._engine.protocol.messages import MemorySnapshot, Restored, RestorePlan, RestoreSource
 from cf_ray._engine.storage.base import Storage
 from cf_ray._engine.worker import restore_checks as _checks
 from cf_ray._engine.worker import sharded as _sharded

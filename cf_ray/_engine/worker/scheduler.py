@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from cf_ray._engine.driver.messages import CheckpointKind, RequestLevel, Schedule
+from cf_ray._engine.protocol.messages import CheckpointKind, RequestLevel, Schedule
 from cf_ray._engine.worker.control import Agreement
 from cf_ray.config import CheckpointConfig
 from cf_ray.policy import SaveContext

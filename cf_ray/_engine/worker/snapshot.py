@@ -67,10 +67,10 @@ import ray.exceptions
 import torch
 
 from cf_ray._engine import env as _env
-from cf_ray._engine.driver.messages import CheckpointKind, SnapshotMeta
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.node import shm as _shm
+from cf_ray._engine.protocol.messages import CheckpointKind, SnapshotMeta
 from cf_ray._engine.storage.base import _crc32
 from cf_ray._engine.worker import fingerprint as _fp
 from cf_ray._engine.worker import sharded as _sharded

@@ -1,4 +1,10 @@
-"""A run's actors live as long as the run (issue #16).
+"""Every query of the Ray cluster that cf_ray makes, and who a run's actors belong to.
+
+Nodes: :func:`alive_nodes`, :func:`draining_nodes`, :func:`head_node_id`. Ownership and liveness
+(below): :class:`Owner`, :func:`current_owner`, :func:`owner_gone`, :func:`job_alive`,
+:func:`actor_alive`, :func:`fit_over`. Worker, node and driver rooms all use this module.
+
+A run's actors live as long as the run (issue #16).
 
 The controller and the holders are *detached* (a worker that Ray Train restarts must find them
 again, and a non-detached actor dies with the worker that created it), so Ray does not end them
@@ -153,6 +159,35 @@ def owner_gone(owner: Owner | None) -> str | None:
     return None
 
 
+def alive_nodes() -> list[dict]:
+    """The cluster's alive nodes, as ``ray.nodes()`` describes them (``NodeID``, ``Resources``,
+    ``Labels``, ...), sorted by id.
+
+    Raises:
+        Exception: whatever Ray raises when the GCS cannot be asked (callers decide what that means).
+    """
+    return sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeID"])
+
+
+def alive_node_ids() -> set[str] | None:
+    """The ids of the cluster's alive nodes (``None`` when Ray cannot say)."""
+    try:
+        return {n["NodeID"] for n in alive_nodes()}
+    except Exception:  # noqa: BLE001 - the GCS cannot be asked: the caller treats every node as possible
+        return None
+
+
+def draining_nodes() -> set[str]:
+    """The ids of the nodes Ray is draining (a preemption or scale-down notice; the GCS's list).
+    An older GCS without the call, or one that cannot be asked: none known."""
+    try:
+        from ray._private import state as _state
+
+        return set(_state.state.get_draining_nodes())
+    except Exception:  # noqa: BLE001 - no draining nodes known
+        return set()
+
+
 def head_node_id() -> str | None:
     """The id of the cluster's head node (alive), or ``None``."""
     try:
@@ -173,6 +208,9 @@ __all__ = [
     "HEAD_RESOURCE",
     "Owner",
     "actor_alive",
+    "alive_node_ids",
+    "alive_nodes",
+    "draining_nodes",
     "current_owner",
     "fit_over",
     "head_node_id",
