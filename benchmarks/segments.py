@@ -169,9 +169,9 @@ def _run_segments(cfg: dict, ctx, t_loop: float) -> None:
     warmup_s = time.perf_counter() - t_warm
     state_bytes = _state_bytes(model, opt)
     rank_state_bytes = _state_bytes(model, opt, local=True)
-    dcp_pg = (
-        dist.new_group(backend="gloo") if any(s["variant"] == "dcp_async" for s in cfg["plan"]) and world > 1 else None
-    )
+    # DCP's own gloo group, as torchtitan gives async_save (on a GPU too: NCCL is the default group there).
+    wants_dcp = any(s["variant"] == "dcp_async" for s in cfg["plan"])
+    dcp_pg = dist.new_group(backend="gloo") if wants_dcp and (world > 1 or on_cuda) else None
     out_dir = cfg["out_dir"]
     auto_k = None  # the interval Adaptive chose in the latest cf_auto segment (the same on every rank)
     for seg in cfg["plan"]:
