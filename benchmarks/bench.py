@@ -65,16 +65,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.results import (
-    LABELS,
-    VARIANTS,
-    _aggregate_setting,
-    _recovery_summary,
-    _targets,
-    plot,
-    render_markdown,
-    render_readme,
-)
+from benchmarks.render import plot, render_markdown, render_readme
+from benchmarks.results import LABELS, VARIANTS, _aggregate_setting, _recovery_summary, _targets
 from benchmarks.savers import _json_default
 from benchmarks.segments import lead_for, window_for
 
