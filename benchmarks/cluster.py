@@ -49,7 +49,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench import _barrier, _build_model, _host, _ray_env, _state_bytes, _write_json
+from benchmarks.bench import _host, _ray_env
+from benchmarks.savers import _barrier, _build_model, _state_bytes, _write_json
 
 SCHEMA = "cf_ray.bench.cluster/1"
 JOBS = ("replication", "recovery", "preemption")

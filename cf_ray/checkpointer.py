@@ -52,6 +52,7 @@ from cf_ray._engine.storage.fs import FsStorage
 from cf_ray._engine.worker.context import WorkerContext, check_tracked, unwrap_ddp
 from cf_ray._engine.worker.control import Agreement, ControlPlane
 from cf_ray._engine.worker.controller_link import ControllerLink
+from cf_ray._engine.worker.cpu_budget import mark as cpu_mark
 from cf_ray._engine.worker.preemption_watcher import PreemptionWatcher
 from cf_ray._engine.worker.ray_train import RayTrainLink
 from cf_ray._engine.worker.restore import Outcome, Restorer, newest_committed
@@ -277,32 +278,48 @@ class Checkpointer:
     @contextlib.contextmanager
     def update(self) -> Iterator[None]:
         """Guard a custom weight update: ``with ckpt.update(): my_update()``; counts as one step."""
+        budget, t = self._timing.budget, cpu_mark()  # where each part's time goes (cpu_budget.py)
         self._phase1.capture_late()  # the last snapshot's schedulers, ...
+        t = budget.lap("capture_late", t)
         guard_s = self._phase1.wait_copy()  # guard
+        t = budget.lap("guard", t)
         self._timing.guarded(guard_s)
+        budget.lap("timing", t)
         yield  # update
         self._after_update(guard_s)
 
     def _after_update(self, guard_s: float) -> None:
+        budget, t = self._timing.budget, cpu_mark()
         self._timing.end_iteration(guard_s, preparing=self._phase1.preparing())
         self.step_count += 1
+        t = budget.lap("timing", t, calls=0)
         if self.preemption is not None:
             self.preemption.poll(self.step_count)
+            t = budget.lap("preemption", t)
         agreement = self._agree()  # agree
+        t = budget.lap("agreement", t)
         if agreement is not None and agreement.durability_lost:
             self._raise_durability_lost()
         self._ray_train.on_agreement(agreement, self.epoch)
+        t = budget.lap("register", t)
         kind, milestone = self._scheduler.decide(self.step_count, self.epoch, agreement)  # decide
+        t = budget.lap("policy", t)
         if kind is not None:
             self._snapshot(kind, milestone=milestone)  # snapshot
+            t = budget.lap("begin", t)
             if kind is CheckpointKind.PREEMPT and self.preemption is not None:
                 # Wait until it is committed (bounded by the deadline), then hold or pass SIGTERM on.
                 self.preemption.after_checkpoint(self.step_count, self._wait_quiet, self._link.safe)
+                t = budget.lap("preemption", t, calls=0)
         elif self._phase1.prepare_once(self.step_count, self.epoch):
             self._timing.prepare_overlap = True
+            t = budget.lap("prepare", t)
         self._link.poll(self.step_count, self._phase1.last_timings)  # report
+        t = budget.lap("poll", t)
         self._watch()  # durability
+        t = budget.lap("watchdog", t)
         self._timing.step_end()
+        budget.lap("timing", t, calls=0)
 
     def _agree(self) -> Agreement | None:
         """Post this rank's inputs; the agreement of the previous step (``control.py``)."""
@@ -706,6 +723,13 @@ class Checkpointer:
     def stall_s_total(self) -> float:
         """Seconds the training thread spent on checkpoints."""
         return self._timing.stall_s_total
+
+    @property
+    def cpu_budget(self) -> dict[str, dict[str, float]]:
+        """Where this rank's checkpointing time went so far, per part of the per-step path (training
+        thread) and of each snapshot (its background thread): ``{part: {"calls", "wall_s", "cpu_s"}}``
+        (``cf_ray/_engine/worker/cpu_budget.py`` names the parts). A diagnostic, read by the benchmark."""
+        return self._timing.budget.totals()
 
     @property
     def last_save_step(self) -> int:
