@@ -98,7 +98,7 @@ class Sender:
                     "cf_ray: the holder's queue to the controller is full (%d, %s); dropping the oldest "
                     "message (%s); the controller recovers it from the holder's record",
                     limit,
-                    _env.SEND_QUEUE,
+                    "env.SEND_QUEUE",
                     dropped[0],
                 )
             self._queue.append((method, msg, done))
