@@ -695,3 +695,71 @@ def test_resolve_controller_makes_a_killed_controller_again(controller, ray_clus
         assert all(s.schedule_version > 2 for s in reply.schedules)
     finally:
         _cleanup(ray, ctl, *([new] if new is not None else []))
+
+
+# -- a step lost with its node is reported (#28 #2) --------------------------------------------------
+
+
+def _link_of(ctl, rank: int, generation: int, committed: int):
+    """A rank's line to this in-process controller, at the start of attempt ``generation``."""
+    import cf_ray
+    from cf_ray._engine.worker.controller_link import ControllerLink
+    from cf_ray._engine.worker.scheduler import Scheduler
+    from cf_ray._engine.worker.timing import Timing
+
+    link = ControllerLink(ctl, rank, Timing(), Scheduler(cf_ray.CheckpointConfig()), lambda r: None)
+    link.start_attempt(generation, committed)
+    return link
+
+
+@pytest.mark.parametrize("order", ["watch_first", "restore_first"])
+def test_a_step_lost_with_its_node_is_reported_to_the_next_attempt_once(controller, tmp_path, order):
+    """Rank 0's node is removed while step 15 is still unwritten (its holder gone with it); the next
+    attempt resumes at 10. The step never committed, and the user hears of it at the end of the run:
+    every rank of the new attempt reports it once in ``wait()`` and in ``FinishSummary.failures``
+    (marked ``earlier_attempt``), never as one of its own steps and never raised by
+    ``raise_on_persist_error`` (each new attempt would raise it again). Both orders: the watch finds
+    the holder gone before the restore, or the restore comes first (the step is abandoned with its
+    node, and reported as lost with it)."""
+    from controller_harness import Cluster
+
+    holders = Holders()
+    cluster = Cluster()
+    ctl = controller(_storage(tmp_path), "lost", holders=holders, cluster=cluster)
+    ctl._roster.resynced.wait(10)
+    gen = ctl.prepare_restore(2).generation
+    ctl.restored(Restored(source=RestoreSource.FRESH, step=0, epoch=0))
+    two = SnapshotMeta(rank=0, world_size=2, replicated=False, epoch=0, kind=CheckpointKind.SCHEDULED)
+    for step in (10, 15):
+        for rank, (holder, node) in enumerate((("hA", "A"), ("hB", "B"))):
+            sec = mf.rank_section(rank)
+            m = dataclasses.replace(two, rank=rank)
+            ctl.part_staged(
+                PartStaged(generation=gen, step=step, section=sec, holder=holder, nbytes=8, meta=m, node_id=node)
+            )
+            if step == 10 or rank == 1:
+                ctl.part_durable(_write(ctl.storage, gen, step, section=sec, holder=holder))
+    assert ctl.settled(gen, [10, 15]).committed == (10,) and ctl.settled(gen, [15]).pending == (15,)
+    holders.holders = {"hA": None, "hB": lambda key: ("done", None, None)}  # node A is gone, hA with it
+    cluster.alive = {"B"}
+    if order == "watch_first":
+        ctl.watch_once(min_age_s=0)
+    gen2 = ctl.prepare_restore(2).generation
+    ctl.restored(Restored(source=RestoreSource.STORAGE, step=10, epoch=0))
+    if order == "restore_first":
+        ctl.watch_once(min_age_s=0)
+    assert ctl.settled(gen, [15]).committed == ()
+    lost = [f for f in ctl.summary()["failures"] if f["step"] == 15]
+    assert len(lost) == 1 and lost[0]["generation"] == gen and "lost" in lost[0]["error"]
+    assert lost[0]["section"] == mf.rank_section(0)
+
+    for rank in (0, 1):
+        link = _link_of(ctl, rank, gen2, committed=10)
+        link._on_reply(ctl.sync(SyncRequest(rank=rank, generation=gen2)))
+        reported = link.new_failures(raise_on_error=True)  # reported, not raised
+        assert [(f["step"], f["generation"], f.get("earlier_attempt")) for f in reported] == [(15, gen, True)]
+        assert link.new_failures(raise_on_error=True) == []  # once
+        assert link.failures == reported  # what FinishSummary.failures holds
+        # This attempt's own step 15 is another checkpoint: not settled by the earlier one's failure.
+        link.track(15)
+        assert link._unsettled_locally([15], set()) == [15]
