@@ -621,7 +621,7 @@ def test_a_holder_killed_mid_write_never_commits_that_step_and_later_steps_commi
         holders.append(new)
         _stage(ray, new, gen, 6)
         out = _wait_for(
-            lambda: (lambda o: o if 5 in o["failed"] and 6 in o["committed"] else None)(
+            lambda: (lambda o: o if 5 in o.failed and 6 in o.committed else None)(
                 ray.get(ctl.settled.remote(gen, [5, 6]), timeout=30)
             ),
             90,

@@ -344,6 +344,7 @@ class CommitBook:
                 self._book.log.add_failure(
                     generation=p.generation, step=p.step, section=sec, rank=mf.section_rank(sec), error=error
                 )
+                self._book.note_failed(p.generation, p.step, sec, error)
                 logger.warning("cf_ray: checkpoint of step %d not committed: %s %s", p.step, sec, error)
             self._book.note_abandoned(p.generation, p.step)
         return out
