@@ -122,7 +122,7 @@ def notify_preemption(
 
     For clusters that learn of preemption outside the workers (a cloud provider's event, a
     scheduler that is about to shrink or grow the group): every rank hears of it at its next
-    controller poll (``CF_RAY_POLL_INTERVAL_S``), takes the just-in-time checkpoint together and
+    controller poll (``env.POLL_INTERVAL_S``), takes the just-in-time checkpoint together and
     holds until the deadline (see the module doc).
 
     Args:

@@ -3,7 +3,8 @@ the checkpoints, plotted in one call, and exported as Ray metrics.
 
 The controller owns the rows: it builds them as plain dicts (see :func:`profile_frame` for the
 columns), writes them with :func:`save_profile` through the run's storage, and feeds each
-finished row to a :class:`CheckpointMetrics`. Users read them back after the run with
+finished row to a :class:`CheckpointMetrics` (defined with the controller, in
+``cf_ray._engine.driver.metrics``; re-exported here). Users read them back after the run with
 :func:`read_run_profile` and draw them with :func:`plot_profile`::
 
     from cf_ray import report
@@ -31,8 +32,8 @@ from cf_ray._engine.lazy import lazy_module
 from cf_ray._engine.storage.fs import FileInfo, FsStorage, Storage
 from cf_ray.errors import CorruptCheckpointError
 
-# pandas and parquet load on first use: the controller actor imports this module for its Ray
-# metrics at the first checkpoint and needs pandas only when it saves the profile at the end.
+# pandas and parquet load on first use: the controller actor imports this module to write profile
+# parts and the profile, and needs pandas only then (its Ray metrics live in _engine/driver/metrics.py).
 # Type checkers see the real modules, for the annotations. pandas ships no type information (no
 # pandas-stubs here), so the casts below only state what the checker cannot infer from its source.
 if TYPE_CHECKING:

@@ -210,7 +210,7 @@ class Uploads:
 
 
 def _stream(storage: Storage, path: str) -> Iterator[memoryview | bytes]:
-    """A file of ``storage`` in ``CF_RAY_WRITE_CHUNK_BYTES`` chunks, read as it is consumed (a
+    """A file of ``storage`` in ``env.WRITE_CHUNK_BYTES`` chunks, read as it is consumed (a
     pyarrow input stream when the storage has one), never whole in memory."""
     if is_symlink(storage, path):
         raise UnsafePathError(f"refusing to upload {storage.uri(path)}: it is a symbolic link")

@@ -1,6 +1,6 @@
 """This rank's line to the run's controller actor, without blocking the training thread.
 
-Every ``CF_RAY_POLL_INTERVAL_S`` a step sends a :class:`SyncRequest` (the timing samples since the
+Every ``env.POLL_INTERVAL_S`` a step sends a :class:`SyncRequest` (the timing samples since the
 last one) and picks the previous :class:`SyncReply` up only once it has arrived: new schedule
 versions, the newest committed step, failed checkpoints, and checkpoint requests from outside
 the workers (``cf_ray.preemption.notify_preemption``). Blocking calls are for the ends of a run:
