@@ -7,13 +7,13 @@ PY      := $(VENV)/bin/python
 TORCH   ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast lint format bench bench-quick clean
+.PHONY: demo test test-fast lint format docs docs-serve bench bench-quick clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e '.[test,notebooks,plot,dali,lint]'
+	$(PY) -m pip install --quiet -e '.[test,notebooks,plot,dali,lint,docs]'
 	touch $@
 
 demo: $(VENV)/.installed    ## the main job: TorchTrainer on a local Ray cluster, a worker SIGKILLed part-way
@@ -33,6 +33,12 @@ lint: $(VENV)/.installed    ## ruff (lint + format check) over the repo, pyright
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pyright
 
+docs: $(VENV)/.installed    ## the documentation site into site/, warnings as errors (mkdocs.yml)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+docs-serve: $(VENV)/.installed    ## the same, served with live reload on http://127.0.0.1:8000
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
+
 format: $(VENV)/.installed
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
@@ -44,4 +50,4 @@ bench: $(VENV)/.installed
 	$(VENV)/bin/cf-ray bench
 
 clean:
-	rm -rf $(VENV) cf_ray_runs .pytest_cache
+	rm -rf $(VENV) cf_ray_runs .pytest_cache site

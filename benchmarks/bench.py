@@ -1,6 +1,6 @@
 """``cf-ray bench``: cf_ray against what a Ray Train user would otherwise use, in one invocation.
 
-What runs (see ``benchmarks/README.md`` for every JSON key):
+What runs (see ``docs/benchmarks/json-keys.md`` for every JSON key):
 
 * **Machine limits**, measured first in the same invocation: host memcpy bandwidth (one thread,
   as the snapshot copy runs), storage write+fsync bandwidth (16 MiB chunks, as cf_ray writes),
@@ -1578,7 +1578,8 @@ def render_markdown(results: dict, *, heading: str = "##") -> str:
 
 
 def render_readme(results: dict) -> str:
-    """The README's performance section, generated from a results JSON."""
+    """The performance tables of docs/benchmarks/single-node.md, generated from a results JSON (the plot
+    is referred to as ``overhead.png``: copy it beside the page, to ``docs/benchmarks/``)."""
     meta = results["meta"]
     host = meta["host"]
     head = [
@@ -1591,7 +1592,7 @@ def render_readme(results: dict) -> str:
         "",
     ]
     body = render_markdown(results, heading="##")
-    plot = "" if not meta.get("plot") else f"\n![overhead against k](benchmarks/{Path(meta['plot']).name})\n"
+    plot = "" if not meta.get("plot") else f"\n![overhead against k]({Path(meta['plot']).name})\n"
     return "\n".join(head) + body + plot
 
 
@@ -1746,7 +1747,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--render-readme",
         metavar="RESULTS_JSON",
-        help="print the README performance section generated from RESULTS_JSON and exit",
+        help="print the performance tables of docs/benchmarks/single-node.md, generated from RESULTS_JSON, and exit",
     )
     from benchmarks import cluster  # the multi-node jobs (#12) and their options live there
 

@@ -126,7 +126,9 @@ def notify_preemption(
     holds until the deadline (see the module doc).
 
     Args:
-        storage_path, run_name, storage_filesystem: the run, as in :func:`controller_of`.
+        storage_path: the run's storage, as in :func:`controller_of`.
+        run_name: the run's name, as in :func:`controller_of`.
+        storage_filesystem: the ``pyarrow.fs`` filesystem given with it, if any.
         deadline_s: seconds from now until the workers are expected to be gone.
         deadline_unix: the same as a UNIX time (wins over ``deadline_s``).
         detail: free text kept with the notice.
@@ -182,8 +184,11 @@ class CheckpointBeforeResize(_ControllerCallback):
 
     Args:
         timeout_s: longest wait for the checkpoint (the resize goes ahead after it regardless).
-        storage_path, run_name, storage_filesystem: the cf_ray run when ``CheckpointConfig`` set
-            its own ``storage_path``/``run_name``; by default the run's ``RunConfig``.
+        storage_path: the cf_ray run's storage when ``CheckpointConfig`` set its own
+            ``storage_path``; by default the run's ``RunConfig(storage_path=...)``.
+        run_name: the cf_ray run's name when ``CheckpointConfig`` set its own ``run_name``; by
+            default the run's ``RunConfig(name=...)``.
+        storage_filesystem: the ``pyarrow.fs`` filesystem of ``storage_path``, if any.
     """
 
     def __init__(

@@ -19,7 +19,7 @@ Lifetime (issue #16, :mod:`.lifetime`): a controller of the same run key whose o
 never reused: :func:`get_or_create_controller` shuts it down (its holders drained and killed) and
 creates a new one, with the new config, that starts from storage only and says so. A controller of
 the same run (Ray Train restarting workers) is reused. It is placed on the head node with a *hard*
-affinity (``num_cpus=0`` fits a 0-CPU head): the README draws it on the driver side, and a soft
+affinity (``num_cpus=0`` fits a 0-CPU head): the design (docs/ARCHITECTURE.md) draws it on the driver side, and a soft
 affinity requested from a worker lands it on the worker's node, which may be lost.
 
 Liveness and recovery (issue #16, :mod:`.recovery`): the controller is created detached with
@@ -101,7 +101,7 @@ def get_or_create_controller(key: str, storage: Storage, settings: ControllerSet
 
 def _create(key: str, storage: Storage, settings: ControllerSettings):
     # On the head node, hard: the worker that creates it may be on a spot node that is about to go,
-    # and the controller must outlive it (the README draws it on the driver side). Ray does not honour
+    # and the controller must outlive it (the design draws it on the driver side). Ray does not honour
     # a soft affinity requested from a worker node; num_cpus=0 fits a head with no CPUs.
     head = head_node_id()
     extra = {}

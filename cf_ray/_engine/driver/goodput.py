@@ -50,7 +50,7 @@ class Restart:
 class Goodput:
     """Goodput of one run from the iteration samples and restore events (no Ray, no storage).
 
-    Definitions (also in the README's Metrics section):
+    Definitions (also in docs/guides/metrics.md):
 
     * mean iteration time: the ``iters``-weighted mean of every sample's ``iter_s`` (checkpoint
       stalls excluded, as the workers measure it);
