@@ -37,7 +37,7 @@ import logging
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import ray
 
@@ -61,7 +61,7 @@ from cf_ray._engine.worker.sharded import ShardedState
 from cf_ray._engine.worker.snapshot import Phase1
 from cf_ray._engine.worker.timing import Timing
 from cf_ray._engine.worker.watchdog import DurabilitySettings, DurabilityWatchdog, Knowledge
-from cf_ray.config import CheckpointConfig, PreemptionConfig
+from cf_ray.config import CheckpointConfig, DurabilityTimeout, PreemptionConfig
 from cf_ray.errors import ConfigError, DurabilityLostError
 
 logger = logging.getLogger("cf_ray")
@@ -124,7 +124,11 @@ class FinishSummary:
     committed_steps: list[int]
     """Every committed checkpoint of the run, oldest first."""
     failures: list[dict]
-    """Checkpoints of this attempt that did not commit (``step``, ``section``, ``rank``, ``error``)."""
+    """Checkpoints that did not commit (``step``, ``section``, ``rank``, ``error``, ``generation``):
+    this attempt's, and those of earlier attempts of the same run that the controller knows of (a
+    step lost with its node, a write that failed after its ranks were gone), marked
+    ``earlier_attempt: True``. The controller keeps the newest 1,000; the profile table
+    (``committed``, ``where``, ``error``) and the restarts table (``lost_steps``) have them all."""
 
 
 class _Lifecycle(enum.Enum):
@@ -205,9 +209,9 @@ class Checkpointer:
                 ctx.key, ctx.storage, controller_name(ctx.key), _env.namespace()
             ),
             sharded=self._sharded,
-            replicas=-1 if self.config.replicas is None else self.config.replicas,
-            replica_label=self.config.replica_label or "",
-            replica_every=int(self.config.replica_every),
+            replicas=-1 if self.config.replication.copies is None else self.config.replication.copies,
+            replica_label=self.config.replication.label or "",
+            replica_every=int(self.config.replication.every),
         )
         self._link = ControllerLink(
             controller,
@@ -217,12 +221,9 @@ class Checkpointer:
             self._heard_from_driver,
             resolve=_controller_resolver(ctx.key, ctx.storage, settings),
         )
+        timeout = cast(DurabilityTimeout, self.config.durability_timeout)
         self._watchdog = DurabilityWatchdog(
-            DurabilitySettings(
-                timeout_s=self.config.durability_timeout_s,
-                factor=self.config.durability_factor,
-                floor_s=self.config.durability_floor_s,
-            )
+            DurabilitySettings(timeout_s=timeout.seconds, factor=timeout.factor, floor_s=timeout.floor_s)
         )
         self._lost_reported = False  # rank 0 recorded the episode in progress with the controller
         final_module = self.state.get(self.config.final_model) if self.config.final_model else None
@@ -423,10 +424,11 @@ class Checkpointer:
         ep = self._watchdog.episode
         if ep is not None:
             what = f"cf_ray: rank {self.rank}: durability lost at step {self.step_count}: {ep.describe()}"
-            if self.config.durability_timeout_s is None:
+            timeout = cast(DurabilityTimeout, self.config.durability_timeout)
+            if timeout.seconds is None:
                 what += (
-                    f" ({self.config.durability_factor:g} x the expected {ep.expected_s:.1f} s to a commit, "
-                    f"at least durability_floor_s={self.config.durability_floor_s:g})"
+                    f" ({timeout.factor:g} x the expected {ep.expected_s:.1f} s to a commit, "
+                    f"at least DurabilityTimeout.floor_s={timeout.floor_s:g})"
                 )
         else:
             what = (
@@ -456,7 +458,7 @@ class Checkpointer:
         self._record_lost()
         raise DurabilityLostError(
             self._lost_message(action=False) + ". The attempt fails because CheckpointConfig(on_durability_lost="
-            "'raise'); to tolerate longer stalls set CheckpointConfig(durability_timeout_s=...), or "
+            "'raise'); to tolerate longer stalls set CheckpointConfig(durability_timeout=<seconds>), or "
             "on_durability_lost='warn' to train on without durable checkpoints"
         )
 
@@ -524,7 +526,7 @@ class Checkpointer:
 
         Raises:
             CheckpointMismatchError: the script tracks an object the checkpoint does not hold, or the
-                other way round (``allow_missing_objects``/``allow_unexpected_objects`` allow it).
+                other way round (``CheckpointConfig.allow_mismatch`` allows it).
             ConfigError: ``resume_from`` holds no cf_ray checkpoint (naming it).
             RestoreError: a rank failed to load a validated checkpoint, an object was not restored,
                 or no checkpoint could be used; raised on every rank, naming the rank and the cause.
@@ -590,10 +592,12 @@ class Checkpointer:
         its own (section ``timeout``, ``"not durable after N s"``) and a warning.
 
         Returns:
-            The failures of this attempt not yet reported (each reported once).
+            The failures not yet reported (each reported once): this attempt's, and those of earlier
+            attempts of the run that never committed (``earlier_attempt: True``; a step lost with
+            its node, see :class:`FinishSummary`).
 
         Raises:
-            PersistError: when ``raise_on_persist_error`` and a save failed (or timed out).
+            PersistError: when ``raise_on_persist_error`` and a save of this attempt failed (or timed out).
         """
         self._phase1.capture_late()
         return self._wait(timeout, report_timeout=True)

@@ -100,6 +100,6 @@ def test_every_documented_dotted_expression_works_after_import_cf_ray_alone():
 
 
 def test_public_submodules_are_attributes_of_the_package():
-    for name in ("data", "policy", "preemption", "report"):
+    for name in ("config", "data", "policy", "preemption", "report"):
         assert name in dir(cf_ray)
         assert getattr(cf_ray, name).__name__ == f"cf_ray.{name}"
