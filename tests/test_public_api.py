@@ -62,6 +62,7 @@ DATA = [
     "ResumableSampler",
     "ShardedDataset",
     "Stateful",
+    "StatefulDataLoaderSource",
     "ordered_data_config",
 ]
 

@@ -15,6 +15,8 @@ Ray Data (``get_dataset_shard``)       :class:`ResumableRayDataIterator`        
 Parquet files (pyarrow)                :class:`ResumableParquetReader`          yes
 NVIDIA DALI                            :class:`DALIExternalSource`,             yes
                                        :class:`ResumableDALIIterator`
+torchdata ``StatefulDataLoader``       the loader itself (wrapped in            at epoch ends
+                                       :class:`StatefulDataLoaderSource`)
 =====================================  ======================================  ===============
 """
 
@@ -25,6 +27,7 @@ from cf_ray.data.protocols import DataOrderError, ElasticStateful, Stateful
 from cf_ray.data.ray_data import ResumableRayDataIterator, ordered_data_config
 from cf_ray.data.sampler import ResumableDistributedSampler, ResumableSampler
 from cf_ray.data.sharded import ShardedDataset
+from cf_ray.data.stateful_loader import StatefulDataLoaderSource
 
 __all__ = [
     "DALIExternalSource",
@@ -38,5 +41,6 @@ __all__ = [
     "ResumableSampler",
     "ShardedDataset",
     "Stateful",
+    "StatefulDataLoaderSource",
     "ordered_data_config",
 ]
