@@ -63,6 +63,7 @@ DATA = [
     "ShardedDataset",
     "Stateful",
     "StatefulDataLoaderSource",
+    "elastic_data_config",
     "ordered_data_config",
 ]
 

@@ -69,6 +69,7 @@ rows of the interrupted epoch on resume and of requiring a deterministic order.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -139,6 +140,18 @@ class ResumableRayDataIterator:
     """
 
     FORMAT = "cf_ray.ResumableRayDataIterator/1"
+
+    def __new__(cls, shard: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """A shard of :func:`cf_ray.data.elastic_data_config` gets the elastic iterator
+        (:class:`cf_ray.data.ray_elastic.ElasticRayDataIterator`, same arguments); any other shard
+        this class."""
+        # An ElasticShard was unpickled (or built) only if its module is loaded: no import otherwise.
+        stream = sys.modules.get("cf_ray._engine.data.block_stream")
+        if cls is ResumableRayDataIterator and stream is not None and isinstance(shard, stream.ElasticShard):
+            from cf_ray.data.ray_elastic import ElasticRayDataIterator
+
+            return ElasticRayDataIterator(shard, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
