@@ -22,9 +22,10 @@ same in every execution; block boundaries may differ. That holds for reads of fi
 ``ray.data.range``/``from_items``, ``map``/``map_batches``/``flat_map``/``filter`` with functions
 that depend only on their input, ``select_columns``/``rename_columns``/``drop_columns``,
 ``repartition(shuffle=False)``, ``limit``, and ``sort`` on a unique key. It does *not* hold for
-``random_shuffle``, ``randomize_block_order`` and ``random_sample`` (even seeded: their output
-depends on the number of blocks, which may change with the cluster), functions that use unseeded
-randomness, time or the worker they run on, or sources that change between runs. Give
+``random_shuffle``, ``randomize_block_order`` and ``random_sample`` without a seed (with one, their
+output still depends on the input blocks: at best they repeat when the read's block count is fixed
+with ``override_num_blocks``), functions that use unseeded randomness, time or the worker they run
+on, or sources that change between runs. Give
 ``id_column`` to have each resume check that the rows before the resume point are the rows consumed
 (it reads the last consumed batch of each old rank again): a non-deterministic pipeline then raises
 :class:`~cf_ray.data.DataOrderError` instead of silently repeating or skipping rows.

@@ -107,3 +107,99 @@ def test_settings_and_unsupported_arguments_are_refused(ray_local):
         warnings.simplefilter("error")
         batch = next(iter(ResumableRayDataIterator(shard, batch_size=4, torch_batches=True)))
     assert batch["id"].tolist() == [0, 1, 2, 3]
+
+
+# --------------------------------------------------------------------------- real TorchTrainer runs
+
+E2E_N, E2E_BATCH, E2E_EPOCHS = 400, 8, 2  # 2 workers: 25 steps per epoch; 1 worker: 50
+
+
+def elastic_loop(cfg):
+    """One segment of a run whose world size changes mid-epoch: it resumes the run, trains, and at
+    ``stop_at`` takes a checkpoint on every rank, waits until it is durable, and ends (the group is
+    about to be resized); the last segment runs to the end."""
+    import json
+
+    import ray.train
+    import ray.train.torch
+    import torch
+
+    import cf_ray
+
+    torch.manual_seed(0)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    it = ResumableRayDataIterator(ray.train.get_dataset_shard("train"), batch_size=E2E_BATCH, id_column="id")
+    model = ray.train.torch.prepare_model(torch.nn.Linear(1, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.001)
+    ck = cf_ray.Checkpointer(
+        {"model": model, "optimizer": opt},
+        data={"train": it},
+        config=cf_ray.CheckpointConfig(
+            policy=cf_ray.FixedInterval(every=1000),
+            storage_path=cfg["storage"],
+            run_name="elastic_ray_data",
+            register_with_ray=False,
+        ),
+    )
+    resume = ck.restore()
+    seg, out = cfg["segment"], cfg["out"]
+    if rank == 0:
+        with open(f"{out}/resume_{seg}.json", "w") as f:
+            json.dump({"world": world, "step": resume.step, "epoch": resume.epoch, "saved": resume.saved_world_size}, f)
+    log = open(f"{out}/ids_{seg}_r{rank}.jsonl", "w")
+    for epoch in range(resume.epoch, E2E_EPOCHS):
+        it.set_epoch(epoch)
+        for batch in it:
+            model(torch.as_tensor(batch["id"], dtype=torch.float32)[:, None]).sum().backward()
+            ck.step(opt)
+            opt.zero_grad()
+            log.write(json.dumps({"step": ck.step_count, "epoch": epoch, "ids": batch["id"].tolist()}) + "\n")
+            log.flush()
+            if ck.step_count == cfg["stop_at"]:
+                ck.save()
+                assert not ck.wait(), "the resize checkpoint did not commit"
+                log.close()
+                return
+        ck.end_epoch()
+    log.close()
+    ck.finish()
+
+
+@pytest.mark.slow
+def test_ray_data_two_one_two_workers_mid_epoch_reads_every_row_once(ray_cluster, tmp_path):
+    """Real TorchTrainer fits on one run: 2 workers to step 5, 1 worker to step 15, 2 workers to the
+    end (each change in the middle of epoch 0): every row once per epoch."""
+    import glob
+    import json
+    import sys
+
+    import ray.cloudpickle
+    import ray.data
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    out = tmp_path / "out"
+    out.mkdir()
+    for seg, (workers, stop_at) in enumerate([(2, 5), (1, 15), (2, None)]):
+        result = TorchTrainer(
+            elastic_loop,
+            train_loop_config={"out": str(out), "storage": str(tmp_path / "ckpt"), "segment": seg, "stop_at": stop_at},
+            datasets={"train": ray.data.range(E2E_N, override_num_blocks=6)},
+            dataset_config=elastic_data_config(),
+            # Half a CPU per worker leaves one of the cluster's two CPUs to Ray Data's read tasks.
+            scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 0.5}),
+            run_config=RunConfig(name=f"seg{seg}", storage_path=str(tmp_path / "ray")),
+        ).fit()
+        assert result.error is None
+    resumes = [json.load(open(out / f"resume_{seg}.json")) for seg in range(3)]
+    assert [(r["world"], r["step"], r["saved"]) for r in resumes] == [(2, 0, None), (1, 5, 2), (2, 15, 1)]
+    assert all(r["epoch"] == 0 for r in resumes)
+    per_epoch = [[] for _ in range(E2E_EPOCHS)]
+    for path in glob.glob(str(out / "ids_*.jsonl")):
+        for line in open(path):
+            rec = json.loads(line)
+            per_epoch[rec["epoch"]] += rec["ids"]
+    for ids in per_epoch:
+        assert Counter(ids) == Counter(range(E2E_N))  # 400 = 80 + 80 + 240 rows in epoch 0, each once
