@@ -12,7 +12,9 @@ every variant) in numpy batches and doing nothing else. Variants:
 * ``cf_ray chunk=batch``: ``elastic_data_config()`` (chunks of one batch: the default);
 * ``cf_ray chunk=block``: ``elastic_data_config(chunk_rows=rows per block)``.
 
-Printed per variant: seconds for the epoch (the slowest rank), rows/s, seconds to the first batch.
+Printed per variant: seconds for the epoch (the slowest rank; each variant's start included: Ray's
+split coordinator actor, cf_ray's stream actor, the pipeline's first tasks), rows/s, seconds to
+the first batch.
 Then the resume: the epoch is read to its middle, and a new group resumes there; the figure is the
 seconds from the new group's start to its first batch and to the end of the epoch:
 
