@@ -35,6 +35,7 @@ def segment(ds, world, states, batches, *, epoch=0, **cfg):
         if states is not None:
             if len(states) == world:
                 it.load_state_dict(states[r])
+                assert roundtrip(it.state_dict()) == states[r]  # what the restore's verification compares
             else:
                 it.load_elastic_state(states, r, world)
         it.set_epoch(epoch)
