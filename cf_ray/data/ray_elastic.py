@@ -188,6 +188,15 @@ class ElasticRayDataIterator:
         reader = _Reader(self.shard, (self.epoch, npass), 2 * self.world_size * self.chunk_rows)
         history = [(h["world_size"], h["consumed"]) for h in self._history]
         plan = RowPlan(chunk=self.chunk_rows, equal=self.equal, history=history, world=self.world_size, rank=self.rank)
+        try:
+            yield from self._pass(reader, plan)
+        finally:  # the last batch, or the loop left: the actor lets go of the pass once every rank has
+            try:
+                self.shard.stream.done.remote(reader.key, self.rank)
+            except Exception:  # noqa: BLE001 - Ray shutting down, or the group's actor gone: nothing to release
+                pass
+
+    def _pass(self, reader: _Reader, plan: RowPlan) -> Iterator[Any]:
         k = self._rows
         parts: list[Any] = []
         runs: list[list[int]] = []

@@ -18,7 +18,9 @@ backpressure holds the rest.
 Protocol, per rank and pass over an epoch (``key = (epoch, pass number)``, the same on every rank):
 ``entries(key, rank, start, ahead_rows, wait_s)`` returns the entries from index ``start`` (waiting
 up to ``wait_s`` for at least one) and whether the epoch's stream has ended; ``start`` is also the
-rank's acknowledgement of everything before it.
+rank's acknowledgement of everything before it. ``done(key, rank)`` says the rank's pass is over
+(its last batch, or its loop left it): when every rank has said so, the pass stops pulling from
+the pipeline and lets go of its blocks. A pass is dropped too once every rank asked for a later one.
 """
 
 from __future__ import annotations
@@ -167,7 +169,10 @@ class _Pass:
                 self.cond.notify_all()
             close = getattr(self._it, "close", None)
             if callable(close):  # ends the pipeline's execution when the pass is dropped early
-                close()
+                try:
+                    close()
+                except Exception:  # noqa: BLE001 - the pass is over either way
+                    pass
 
     def read(self, rank: int, start: int, ahead_rows: int, wait_s: float) -> tuple[list[Entry], bool]:
         with self.cond:
@@ -188,8 +193,11 @@ class _Pass:
             return cast("list[Entry]", out), self.ended
 
     def stop(self) -> None:
+        """Stop pulling from the pipeline and let go of every block (the pass is over)."""
         with self.cond:
             self.stopped = True
+            self.entries = [None] * len(self.entries)
+            self.released = len(self.entries)
             self.cond.notify_all()
 
 
@@ -203,9 +211,24 @@ class BlockStream:
         self._lock = threading.Lock()
         self._passes: dict[tuple[int, int], _Pass] = {}
         self._latest = [(-1, -1)] * world_size
+        self._done: dict[tuple[int, int], set[int]] = {}
 
     def ping(self) -> bool:
         return True
+
+    def done(self, key: tuple[int, int], rank: int) -> None:
+        """``rank`` has ended pass ``key`` (its last batch, or its loop left): once every rank has,
+        the pass stops and lets go of its blocks."""
+        key = (int(key[0]), int(key[1]))
+        with self._lock:
+            self._done.setdefault(key, set()).add(rank)
+            if len(self._done[key]) == self._world and key in self._passes:
+                self._passes.pop(key).stop()
+
+    def held(self) -> int:
+        """Block refs this actor still holds, over all passes (for tests and leak checks)."""
+        with self._lock:
+            return sum(sum(e is not None for e in p.entries) for p in self._passes.values())
 
     def entries(
         self, key: tuple[int, int], rank: int, start: int, ahead_rows: int, wait_s: float
@@ -219,7 +242,7 @@ class BlockStream:
                 self._passes.pop(k).stop()
             run = self._passes.get(key)
             if run is None:
-                if key < oldest:
+                if key < oldest or key in self._done:
                     raise RuntimeError(f"pass {key} was already released; every rank has moved on")
                 run = self._passes[key] = _Pass(self._dataset, self._world)
         return run.read(rank, start, ahead_rows, wait_s)
