@@ -65,9 +65,15 @@ def test_every_row_once_across_world_size_changes_mid_epoch(ray_local):
     for it in its:
         it.set_epoch(1)
     assert Counter(i for it in its for b in it for i in b["id"].tolist()) == Counter(range(N))
-    # Every rank ended its passes: the group's actor holds no block.
+    # Every rank ended its passes: the group's actor lets go of every block (done() is sent without
+    # waiting for it, and the actor is threaded: poll).
+    import time
+
     import ray
 
+    deadline = time.monotonic() + 30
+    while ray.get(its[0].shard.stream.held.remote()) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert ray.get(its[0].shard.stream.held.remote()) == 0
 
 
