@@ -34,6 +34,7 @@ import contextlib
 import enum
 import functools
 import logging
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -177,6 +178,10 @@ class Checkpointer:
         self._sharded = ShardedState.of(self.state)
         replicated = self.config.replicated and self._sharded is None
         ctx = self._ctx = WorkerContext.resolve(self.config)
+        if "torchdata.stateful_dataloader" in sys.modules:  # a StatefulDataLoader is registered as it is
+            from cf_ray.data.stateful_loader import adapt_sources
+
+            self.data = adapt_sources(self.data, ctx.rank, ctx.world_size)
         if self._sharded is not None and ctx.rank == 0:
             logger.info(
                 "cf_ray: %s hold sharded (FSDP2/DTensor) state: every rank saves its own shards%s",
