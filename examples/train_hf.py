@@ -61,6 +61,7 @@ def build_trainer(config) -> tuple[transformers.Trainer, CfRayCallback]:
         report_to="none",
         logging_steps=5,
         disable_tqdm=True,
+        ddp_find_unused_parameters=False,
         seed=0,
     )
     trainer = transformers.Trainer(

@@ -30,7 +30,16 @@ def _snippets():
         yield m.group(1), m.group(2), m.group(3)
 
 
-@pytest.mark.parametrize("path, lang, body", list(_snippets()))
+def _guide_snippets():
+    guides = os.path.join(ROOT, "docs", "guides")
+    for name in sorted(os.listdir(guides)) if os.path.isdir(guides) else []:
+        with open(os.path.join(guides, name)) as f:
+            text = f.read()
+        for m in re.finditer(r"<!-- snippet: (\S+) -->\n```(\w+)\n(.*?)```", text, re.S):
+            yield pytest.param(m.group(1), m.group(2), m.group(3), id=f"{name}:{m.group(1)}")
+
+
+@pytest.mark.parametrize("path, lang, body", [*_snippets(), *_guide_snippets()])
 def test_readme_snippets_are_taken_from_files_that_run(path, lang, body):
     with open(os.path.join(ROOT, path)) as f:
         source_lines = [line.strip() for line in f]
