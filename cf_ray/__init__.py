@@ -78,7 +78,7 @@ if TYPE_CHECKING:
 
 #: The public submodules, reachable as attributes after ``import cf_ray`` alone (``cf_ray.data``,
 #: ``cf_ray.preemption.CheckpointBeforeResize()``, ...) and imported on first use like the names above.
-_SUBMODULES = ("config", "data", "policy", "preemption", "report")
+_SUBMODULES = ("config", "data", "integrations", "policy", "preemption", "report")
 
 
 def __getattr__(name: str):

@@ -110,3 +110,15 @@ def test_public_submodules_are_attributes_of_the_package():
     for name in ("config", "data", "policy", "preemption", "report"):
         assert name in dir(cf_ray)
         assert getattr(cf_ray, name).__name__ == f"cf_ray.{name}"
+
+
+def test_cf_ray_and_its_integrations_package_import_no_trainer_framework():
+    """The framework comes with its integration module (``cf_ray.integrations.huggingface`` /
+    ``.lightning``), never with ``import cf_ray``: a loop without Hugging Face or Lightning does not
+    pay for them (seconds of CPU per worker)."""
+    code = (
+        "import sys, cf_ray, cf_ray.integrations, cf_ray.checkpointer, cf_ray.data; "
+        "print(sorted(m for m in ('transformers', 'accelerate', 'lightning', 'pytorch_lightning') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
