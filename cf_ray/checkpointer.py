@@ -34,10 +34,11 @@ import contextlib
 import enum
 import functools
 import logging
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import ray
 
@@ -52,6 +53,7 @@ from cf_ray._engine.storage.fs import FsStorage
 from cf_ray._engine.worker.context import WorkerContext, check_tracked, unwrap_ddp
 from cf_ray._engine.worker.control import Agreement, ControlPlane
 from cf_ray._engine.worker.controller_link import ControllerLink
+from cf_ray._engine.worker.cpu_budget import mark as cpu_mark
 from cf_ray._engine.worker.preemption_watcher import PreemptionWatcher
 from cf_ray._engine.worker.ray_train import RayTrainLink
 from cf_ray._engine.worker.restore import Outcome, Restorer, newest_committed
@@ -60,7 +62,7 @@ from cf_ray._engine.worker.sharded import ShardedState
 from cf_ray._engine.worker.snapshot import Phase1
 from cf_ray._engine.worker.timing import Timing
 from cf_ray._engine.worker.watchdog import DurabilitySettings, DurabilityWatchdog, Knowledge
-from cf_ray.config import CheckpointConfig, PreemptionConfig
+from cf_ray.config import CheckpointConfig, DurabilityTimeout, PreemptionConfig
 from cf_ray.errors import ConfigError, DurabilityLostError
 
 logger = logging.getLogger("cf_ray")
@@ -123,7 +125,11 @@ class FinishSummary:
     committed_steps: list[int]
     """Every committed checkpoint of the run, oldest first."""
     failures: list[dict]
-    """Checkpoints of this attempt that did not commit (``step``, ``section``, ``rank``, ``error``)."""
+    """Checkpoints that did not commit (``step``, ``section``, ``rank``, ``error``, ``generation``):
+    this attempt's, and those of earlier attempts of the same run that the controller knows of (a
+    step lost with its node, a write that failed after its ranks were gone), marked
+    ``earlier_attempt: True``. The controller keeps the newest 1,000; the profile table
+    (``committed``, ``where``, ``error``) and the restarts table (``lost_steps``) have them all."""
 
 
 class _Lifecycle(enum.Enum):
@@ -172,6 +178,10 @@ class Checkpointer:
         self._sharded = ShardedState.of(self.state)
         replicated = self.config.replicated and self._sharded is None
         ctx = self._ctx = WorkerContext.resolve(self.config)
+        if "torchdata.stateful_dataloader" in sys.modules:  # a StatefulDataLoader is registered as it is
+            from cf_ray.data.stateful_loader import adapt_sources
+
+            self.data = adapt_sources(self.data, ctx.rank, ctx.world_size)
         if self._sharded is not None and ctx.rank == 0:
             logger.info(
                 "cf_ray: %s hold sharded (FSDP2/DTensor) state: every rank saves its own shards%s",
@@ -204,9 +214,9 @@ class Checkpointer:
                 ctx.key, ctx.storage, controller_name(ctx.key), _env.namespace()
             ),
             sharded=self._sharded,
-            replicas=-1 if self.config.replicas is None else self.config.replicas,
-            replica_label=self.config.replica_label or "",
-            replica_every=int(self.config.replica_every),
+            replicas=-1 if self.config.replication.copies is None else self.config.replication.copies,
+            replica_label=self.config.replication.label or "",
+            replica_every=int(self.config.replication.every),
         )
         self._link = ControllerLink(
             controller,
@@ -216,12 +226,9 @@ class Checkpointer:
             self._heard_from_driver,
             resolve=_controller_resolver(ctx.key, ctx.storage, settings),
         )
+        timeout = cast(DurabilityTimeout, self.config.durability_timeout)
         self._watchdog = DurabilityWatchdog(
-            DurabilitySettings(
-                timeout_s=self.config.durability_timeout_s,
-                factor=self.config.durability_factor,
-                floor_s=self.config.durability_floor_s,
-            )
+            DurabilitySettings(timeout_s=timeout.seconds, factor=timeout.factor, floor_s=timeout.floor_s)
         )
         self._lost_reported = False  # rank 0 recorded the episode in progress with the controller
         final_module = self.state.get(self.config.final_model) if self.config.final_model else None
@@ -277,32 +284,48 @@ class Checkpointer:
     @contextlib.contextmanager
     def update(self) -> Iterator[None]:
         """Guard a custom weight update: ``with ckpt.update(): my_update()``; counts as one step."""
+        budget, t = self._timing.budget, cpu_mark()  # where each part's time goes (cpu_budget.py)
         self._phase1.capture_late()  # the last snapshot's schedulers, ...
+        t = budget.lap("capture_late", t)
         guard_s = self._phase1.wait_copy()  # guard
+        t = budget.lap("guard", t)
         self._timing.guarded(guard_s)
+        budget.lap("timing", t)
         yield  # update
         self._after_update(guard_s)
 
     def _after_update(self, guard_s: float) -> None:
+        budget, t = self._timing.budget, cpu_mark()
         self._timing.end_iteration(guard_s, preparing=self._phase1.preparing())
         self.step_count += 1
+        t = budget.lap("timing", t, calls=0)
         if self.preemption is not None:
             self.preemption.poll(self.step_count)
+            t = budget.lap("preemption", t)
         agreement = self._agree()  # agree
+        t = budget.lap("agreement", t)
         if agreement is not None and agreement.durability_lost:
             self._raise_durability_lost()
         self._ray_train.on_agreement(agreement, self.epoch)
+        t = budget.lap("register", t)
         kind, milestone = self._scheduler.decide(self.step_count, self.epoch, agreement)  # decide
+        t = budget.lap("policy", t)
         if kind is not None:
             self._snapshot(kind, milestone=milestone)  # snapshot
+            t = budget.lap("begin", t)
             if kind is CheckpointKind.PREEMPT and self.preemption is not None:
                 # Wait until it is committed (bounded by the deadline), then hold or pass SIGTERM on.
                 self.preemption.after_checkpoint(self.step_count, self._wait_quiet, self._link.safe)
+                t = budget.lap("preemption", t, calls=0)
         elif self._phase1.prepare_once(self.step_count, self.epoch):
             self._timing.prepare_overlap = True
+            t = budget.lap("prepare", t)
         self._link.poll(self.step_count, self._phase1.last_timings)  # report
+        t = budget.lap("poll", t)
         self._watch()  # durability
+        t = budget.lap("watchdog", t)
         self._timing.step_end()
+        budget.lap("timing", t, calls=0)
 
     def _agree(self) -> Agreement | None:
         """Post this rank's inputs; the agreement of the previous step (``control.py``)."""
@@ -406,10 +429,11 @@ class Checkpointer:
         ep = self._watchdog.episode
         if ep is not None:
             what = f"cf_ray: rank {self.rank}: durability lost at step {self.step_count}: {ep.describe()}"
-            if self.config.durability_timeout_s is None:
+            timeout = cast(DurabilityTimeout, self.config.durability_timeout)
+            if timeout.seconds is None:
                 what += (
-                    f" ({self.config.durability_factor:g} x the expected {ep.expected_s:.1f} s to a commit, "
-                    f"at least durability_floor_s={self.config.durability_floor_s:g})"
+                    f" ({timeout.factor:g} x the expected {ep.expected_s:.1f} s to a commit, "
+                    f"at least DurabilityTimeout.floor_s={timeout.floor_s:g})"
                 )
         else:
             what = (
@@ -439,7 +463,7 @@ class Checkpointer:
         self._record_lost()
         raise DurabilityLostError(
             self._lost_message(action=False) + ". The attempt fails because CheckpointConfig(on_durability_lost="
-            "'raise'); to tolerate longer stalls set CheckpointConfig(durability_timeout_s=...), or "
+            "'raise'); to tolerate longer stalls set CheckpointConfig(durability_timeout=<seconds>), or "
             "on_durability_lost='warn' to train on without durable checkpoints"
         )
 
@@ -507,7 +531,7 @@ class Checkpointer:
 
         Raises:
             CheckpointMismatchError: the script tracks an object the checkpoint does not hold, or the
-                other way round (``allow_missing_objects``/``allow_unexpected_objects`` allow it).
+                other way round (``CheckpointConfig.allow_mismatch`` allows it).
             ConfigError: ``resume_from`` holds no cf_ray checkpoint (naming it).
             RestoreError: a rank failed to load a validated checkpoint, an object was not restored,
                 or no checkpoint could be used; raised on every rank, naming the rank and the cause.
@@ -573,10 +597,12 @@ class Checkpointer:
         its own (section ``timeout``, ``"not durable after N s"``) and a warning.
 
         Returns:
-            The failures of this attempt not yet reported (each reported once).
+            The failures not yet reported (each reported once): this attempt's, and those of earlier
+            attempts of the run that never committed (``earlier_attempt: True``; a step lost with
+            its node, see :class:`FinishSummary`).
 
         Raises:
-            PersistError: when ``raise_on_persist_error`` and a save failed (or timed out).
+            PersistError: when ``raise_on_persist_error`` and a save of this attempt failed (or timed out).
         """
         self._phase1.capture_late()
         return self._wait(timeout, report_timeout=True)
@@ -706,6 +732,13 @@ class Checkpointer:
     def stall_s_total(self) -> float:
         """Seconds the training thread spent on checkpoints."""
         return self._timing.stall_s_total
+
+    @property
+    def cpu_budget(self) -> dict[str, dict[str, float]]:
+        """Where this rank's checkpointing time went so far, per part of the per-step path (training
+        thread) and of each snapshot (its background thread): ``{part: {"calls", "wall_s", "cpu_s"}}``
+        (``cf_ray/_engine/worker/cpu_budget.py`` names the parts). A diagnostic, read by the benchmark."""
+        return self._timing.budget.totals()
 
     @property
     def last_save_step(self) -> int:

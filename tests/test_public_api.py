@@ -73,6 +73,8 @@ DATA = [
     "ResumableSampler",
     "ShardedDataset",
     "Stateful",
+    "StatefulDataLoaderSource",
+    "elastic_data_config",
     "ordered_data_config",
 ]
 

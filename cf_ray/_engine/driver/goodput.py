@@ -1,52 +1,16 @@
-"""A run's goodput, from what the controller already sees: what each restart cost and the
-effective training time ratio (issue #15), where the wall time went — productive training and the
-badput categories of Google's ML Goodput Measurement (checkpoint save, checkpoint restore, wasted
-progress from disruptions, infrastructure recovery from disruptions, program start-up) — and the
-feed of the run's failures to the frequency policy (issue #26).
+"""Goodput of a run (issue #15): each restart's cost (work lost, recovery time, restore source and
+time) and the run's effective training time ratio, from the iteration samples and restore events
+the controller's profile already sees. Exported as Ray metrics (:mod:`.metrics`) and saved as
+``restarts.parquet`` (``cf_ray.report.read_run_restarts``).
 
-* :class:`Goodput` keeps each restart (:class:`Restart`) and the run's progress from the iteration
-  samples and restore events, and computes the effective training time ratio.
-
-* :class:`Badput` keeps the sums :class:`Goodput` does not (the training-thread stall of every
-  checkpoint, the first attempt's restore) and computes :meth:`Badput.breakdown` from them and a
-  :class:`Goodput` (restarts, lost work, progress). The
-  controller exports it as Ray metrics (``cf_ray_productive_seconds``, ``cf_ray_badput_seconds``
-  by ``category``), returns it in its summary and saves it as ``goodput.json`` with the profile.
-* :class:`FailureFeed` turns the run's start, restarts, recoveries and preemption notices into
-  :class:`~cf_ray.policy.RunEvent` objects for the policy (:meth:`ScheduleBook.observe`), which
-  estimates the failure rate from them.
-
-The categories (seconds; they add up to the wall time since the controller started, up to the overlap
-said under ``other``):
-
-* ``productive``: progress on the current timeline x the mean iteration time (as the effective
-  training ratio counts it; the slowdown of iterations that overlap a background copy is in it);
-* ``checkpoint_save``: the training-thread stall of every checkpoint (slowest rank's);
-* ``checkpoint_restore``: every restore's own duration (the first attempt's included);
-* ``wasted_progress``: training redone after restarts (the work lost);
-* ``recovery``: for each restart, failure to first resumed iteration less its restore and that
-  iteration (failure detection, Ray Train restarting the worker group, processes and models built
-  again);
-* ``startup``: the controller's start (the first rank's ``Checkpointer``) to the first iteration,
-  less the first attempt's restore;
-* ``other``: the rest (iteration-time noise, data stalls, the time since the newest report); never
-  below 0: the categories are estimates from when the workers' reports arrive, and on a busy
-  machine two of them (a recovery, the work lost before it) can overlap by a report's lag.
-
-No Ray, no torch: the controller's profile book (:mod:`.profile_book`) calls it under its lock.
+No Ray, no storage, no lock: the profile (:class:`~.profile_book.ProfileBook`) calls it under the
+controller's lock.
 """
 
 from __future__ import annotations
 
 import collections
-import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
-
-from cf_ray.policy import RunEvent, RunEventKind
-
-if TYPE_CHECKING:
-    from cf_ray._engine.driver.schedule import ScheduleBook
 
 
 @dataclass
@@ -77,6 +41,10 @@ class Restart:
     its arrival less the iterations it covers after the first); ``None`` until then."""
     recovery_s: float | None = None
     """``resumed_unix - failure_unix``: from the failure to the first resumed iteration."""
+    fallbacks: int = 0
+    """Restore candidates this attempt tried and fell back from before the one it restored."""
+    memory_failed: int = 0
+    """Of those, in-memory snapshots whose bytes failed verification (block checksums, fingerprints)."""
 
 
 class Goodput:
@@ -128,6 +96,8 @@ class Goodput:
         """The newest restart until its first resumed iteration."""
         self.lost_steps_total = 0
         self.lost_s_total = 0.0
+        self._fallbacks: list[tuple[str, str]] = []
+        """(source, cause) of the restore fallbacks since the newest restore (the next restart's)."""
 
     def mean_iter_s(self) -> float | None:
         return self._iter_total_s / self._iters if self._iters else None
@@ -177,6 +147,10 @@ class Goodput:
         self._last_unix = now_unix if self._last_unix is None else max(self._last_unix, now_unix)
         self._reached_step = step if self._reached_step is None else max(self._reached_step, step)
 
+    def on_fallback(self, source: str, cause: str) -> None:
+        """The attempt now restoring fell back from a candidate (counted in its restart's row)."""
+        self._fallbacks.append((str(source), str(cause)))
+
     def on_restore(
         self, *, generation: int, source: str, step: int, restore_s: float, now_unix: float
     ) -> Restart | None:
@@ -186,6 +160,7 @@ class Goodput:
         self._generation = max(int(generation), self._generation or 0)
         self._attempt_unix = now_unix
         if not self._started:  # where the run starts
+            self._fallbacks = []
             self._started = True
             self._start_step = self._reached_step = step
             self._start_unix = now_unix
@@ -204,7 +179,10 @@ class Goodput:
             lost_s=None if mean is None else lost * mean,
             failure_unix=max(alive, default=None),
             restored_unix=now_unix,
+            fallbacks=len(self._fallbacks),
+            memory_failed=sum(1 for src, cause in self._fallbacks if src == "memory" and cause == "verification"),
         )
+        self._fallbacks = []
         self.lost_steps_total += lost
         self.lost_s_total += restart.lost_s or 0.0
         self._reached_step = step
@@ -238,134 +216,4 @@ class Goodput:
         return [asdict(r) for r in self.restarts]
 
 
-#: The badput categories, in the order users see them.
-CATEGORIES = ("checkpoint_save", "checkpoint_restore", "wasted_progress", "recovery", "startup", "other")
-
-_STALLS_KEPT = 256
-"""Checkpoints whose per-rank stalls are kept (a rank's late report of an older one is still added)."""
-
-
-class Badput:
-    """The badput sums of one run (see the module docstring).
-
-    Args:
-        started_unix: when the controller started (the start of the run's wall time).
-    """
-
-    def __init__(self, started_unix: float | None = None):
-        self.started_unix = time.time() if started_unix is None else started_unix
-        self.start_restore_s = 0.0
-        """The first attempt's restore (a resume from another run's or an earlier run's checkpoint)."""
-        self.stall_s = 0.0
-        """Sum over checkpoints of the slowest rank's training-thread stall."""
-        self._stalls: collections.OrderedDict[tuple[int, int], dict[int, float]] = collections.OrderedDict()
-
-    def note_stall(self, generation: int, step: int, rank: int, seconds: float) -> None:
-        """A rank's stall for one checkpoint (its synchronous part plus its guard wait)."""
-        if not isinstance(seconds, (int, float)) or seconds < 0:
-            return
-        per_rank = self._stalls.setdefault((int(generation), int(step)), {})
-        before = max(per_rank.values(), default=0.0)
-        per_rank[int(rank)] = float(seconds)
-        self.stall_s += max(per_rank.values()) - before
-        while len(self._stalls) > _STALLS_KEPT:
-            self._stalls.popitem(last=False)
-
-    def breakdown(self, goodput: Goodput, now_unix: float | None = None) -> dict:
-        """``{"wall_s", "productive_s", "effective_training_ratio", "badput_s": {category: s},
-        "shares": {category or "productive": share of wall}, "restarts"}``."""
-        end = goodput.last_unix if goodput.last_unix is not None else (now_unix or time.time())
-        wall = max(0.0, end - self.started_unix)
-        restarts = list(goodput.restarts)
-        productive = goodput.useful_s() or 0.0
-        first = goodput.first_unix
-        bad = {
-            "checkpoint_save": self.stall_s,
-            "checkpoint_restore": self.start_restore_s + sum(r.restore_s or 0.0 for r in restarts),
-            "wasted_progress": goodput.lost_s_total,
-            "recovery": sum(_infra(r, goodput.mean_iter_s() or 0.0) for r in restarts),
-            "startup": max(0.0, first - self.started_unix - self.start_restore_s) if first is not None else 0.0,
-        }
-        bad["other"] = max(0.0, wall - productive - sum(bad.values()))
-        shares = {"productive": productive / wall if wall else None}
-        shares.update({k: (v / wall if wall else None) for k, v in bad.items()})
-        return {
-            "wall_s": wall,
-            "productive_s": productive,
-            "effective_training_ratio": goodput.effective_ratio(),
-            "badput_s": bad,
-            "shares": shares,
-            "restarts": len(restarts),
-        }
-
-
-def _infra(r: Restart, iter_s: float) -> float:
-    """A restart's recovery less its restore and its first resumed iteration (productive), 0 until
-    it has resumed."""
-    if r.recovery_s is None:
-        return 0.0
-    return max(0.0, r.recovery_s - (r.restore_s or 0.0) - iter_s)
-
-
-class FailureFeed:
-    """The run's failures, as :class:`~cf_ray.policy.RunEvent` objects, to the policy.
-
-    Args:
-        schedule: where the policy lives (:meth:`ScheduleBook.observe`).
-    """
-
-    def __init__(self, schedule: ScheduleBook):
-        self.schedule = schedule
-        self._generation: int | None = None
-        self._failures = 0  # as of the last failure_rate event
-
-    def restore(self, event: dict, restart: Restart | None) -> dict | None:
-        """An attempt restored (the controller's ``restore`` event): the run's start, or a restart.
-        Returns the ``failure_rate`` event to record after a restart."""
-        gen = int(event.get("generation") or 0)
-        now = float(event.get("time") or time.time())
-        self._generation = gen
-        if restart is None:
-            self.schedule.observe(RunEvent(kind=RunEventKind.START, time_unix=now, generation=gen))
-            return None
-        self.schedule.observe(
-            RunEvent(
-                kind=RunEventKind.FAILURE,
-                time_unix=restart.failure_unix if restart.failure_unix is not None else now,
-                generation=gen,
-                source=restart.source,
-                lost_s=restart.lost_s,
-            )
-        )
-        return self._rate_event("restart", now)
-
-    def resumed(self, restart: Restart) -> None:
-        """The first iteration after a restart ended."""
-        if restart.resumed_unix is None:
-            return
-        self.schedule.observe(
-            RunEvent(
-                kind=RunEventKind.RESUMED,
-                time_unix=restart.resumed_unix,
-                source=restart.source,
-                recovery_s=restart.recovery_s,
-            )
-        )
-
-    def notice(self, time_unix: float, generation: int | None, source: str | None) -> dict | None:
-        """A preemption notice reached the run (the driver's, or a ``preempt`` checkpoint's).
-        Returns the ``failure_rate`` event to record."""
-        gen = generation if generation is not None else self._generation
-        self.schedule.observe(RunEvent(kind=RunEventKind.NOTICE, time_unix=time_unix, generation=gen, pool=source))
-        return self._rate_event("notice", time_unix)
-
-    def _rate_event(self, why: str, now: float) -> dict | None:
-        """The policy's failure-rate estimate, once per failure it counted (``None``: no news)."""
-        hazard = self.schedule.hazard()
-        if hazard.get("failures", 0) == self._failures:
-            return None
-        self._failures = hazard.get("failures", 0)
-        return {"event": "failure_rate", "why": why, "time": now, **hazard}
-
-
-__all__ = ["CATEGORIES", "Badput", "FailureFeed", "Goodput", "Restart"]
+__all__ = ["Goodput", "Restart"]

@@ -1,6 +1,7 @@
-"""The controller's record of the run: one profile row per checkpoint, the iteration rows, the
-events (restores, interval changes, uploads, notices) and the failures the workers learn of; the
-rows are exported to Ray metrics and written to storage (``cf_ray.report``).
+"""The controller's record of the run: one profile row per checkpoint and the iteration rows,
+exported to Ray metrics and written to storage (``cf_ray.report``); the events and failures
+(:mod:`.events`), the goodput and badput (:mod:`.goodput`, :mod:`.badput`) it feeds, and the run's
+failures it passes on to the policy (``ScheduleBook.failures``, issue #26).
 
 A row is a plain dict keyed by ``(generation, step)``; its columns and values are the profile
 table's (``cf_ray.report.profile_frame``). Keys starting with ``_`` are per-rank inputs folded
@@ -8,25 +9,15 @@ into the public columns by :meth:`ProfileBook.profile_rows`.
 
 Bounded (issue #16): memory and per-commit work stay constant however many checkpoints a run takes.
 
-* Rows: the newest ``CF_RAY_PROFILE_WINDOW_ROWS`` (1,000) are kept in memory. When the window is
-  full, its oldest quarter leaves memory as one batch of public rows, which the maintenance thread
-  appends to storage as a Parquet part, ``profile/<lineage>/part-<n>.parquet`` (:class:`ProfileParts`),
-  never rewriting an earlier one. :meth:`ProfileBook.profile_rows` returns the parts and the window
-  together; :meth:`ProfileBook.save` (the end of a run) writes the whole table to
-  ``profile.parquet`` as before, so ``cf_ray.report.read_run_profile`` reads it unchanged. A row
-  mentioned again after it left memory (a rank's late timings) is merged with its part on read.
-  The *lineage* is one controller and the controllers Ray restarts in its place; a new controller
-  (a new ``fit()``) starts a new one, as a new controller started a new table before.
-* Events and failures: the newest ``CF_RAY_EVENTS_WINDOW`` (1,000) each; a failure's ``seq``
-  keeps counting (workers ask for the failures after the last one they saw).
-* Iterations: the newest 20,000 (as before).
-* The metrics export builds the one row it exports, not the table.
-* Goodput (issue #15): each restart's cost (work lost, recovery time, restore source and time) and
-  the run's effective training time ratio, kept by :class:`~.goodput.Goodput` from the samples and
-  restore events the book already sees, exported as Ray metrics and saved as ``restarts.parquet``.
-* Badput (issue #26): where the wall time went, by category (:class:`~.goodput.Badput`), exported
-  as Ray metrics and saved as ``goodput.json``; and the run's failures (start, restarts, recoveries,
-  notices), passed on to the policy (:class:`~.goodput.FailureFeed`), which estimates the failure rate.
+* Rows: the newest ``env.PROFILE_WINDOW_ROWS`` (1,000) are kept in memory; when the window is full,
+  its oldest quarter leaves memory as one batch of public rows, which the maintenance thread appends
+  to storage as a Parquet part (:mod:`.profile_parts`). :meth:`ProfileBook.all_rows` returns the parts
+  and the window together; :meth:`ProfileBook.save` (the end of a run) writes the whole table to
+  ``profile.parquet``, which ``cf_ray.report.read_run_profile`` reads. A row mentioned again after
+  it left memory (a rank's late timings) is merged with its part on read.
+* Events and failures: windows (:class:`~.events.EventLog`).
+* Iterations: the newest 20,000.
+* The metrics export builds the one row it exports, not the table (:mod:`.metrics`).
 
 Not thread-safe on its own: the controller calls it under its lock (the maintenance thread only
 appends events, one ``deque.append`` at a time, and writes the parts without the lock).
@@ -37,17 +28,19 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import posixpath
-import re
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from cf_ray._engine import env as _env
-from cf_ray._engine.driver.goodput import Badput, FailureFeed, Goodput, Restart
-from cf_ray._engine.driver.jit_tier import JitPlan, JitTier
+from cf_ray._engine.driver.badput import Badput
+from cf_ray._engine.driver.events import EventLog, fallback_cause
+from cf_ray._engine.driver.goodput import Restart
+from cf_ray._engine.driver.jit import JitWatch, SafeTier
+from cf_ray._engine.driver.metrics import MetricsExport
+from cf_ray._engine.driver.profile_parts import ProfileParts, merge_rows, new_lineage
 from cf_ray._engine.driver.schedule import ScheduleBook, checkpoint_stats
-from cf_ray._engine.protocol.messages import CheckpointKind, Failure, PartReplicated, SectionState, SnapshotMeta
+from cf_ray._engine.protocol.messages import CheckpointKind, PartReplicated, SectionState, SnapshotMeta
 from cf_ray._engine.storage.fs import Storage
 
 logger = logging.getLogger("cf_ray")
@@ -55,110 +48,10 @@ logger = logging.getLogger("cf_ray")
 #: Per-rank timings a worker reports of its checkpoints (``SyncRequest.ckpt_stats``).
 _RANK_TIMINGS = ("stall_s", "sync_s", "guard_s", "copy_s", "handoff_s")
 
-#: Where the profile's parts live, relative to the run's storage.
-PROFILE_PARTS = "profile"
-_PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
-_LINEAGE_RE = re.compile(r"^\d{20}$")
-#: How often (at most) the iteration samples refresh the effective-training-ratio gauge.
-_RATIO_EXPORT_PERIOD_S = 5.0
-
-
-def new_lineage() -> str:
-    """The name of a new lineage of profile parts (sorts by creation time)."""
-    return f"{time.time_ns():020d}"
-
-
-class ProfileParts:
-    """The parts of one lineage on storage: append-only Parquet files of evicted rows.
-
-    Storage I/O only: called without the controller's lock (the maintenance thread writes, an RPC
-    thread reads).
-
-    Args:
-        storage: the run's storage.
-        lineage: this controller's lineage (:func:`new_lineage`, or :func:`newest_lineage`).
-    """
-
-    def __init__(self, storage: Storage, lineage: str):
-        self.storage = storage
-        self.lineage = lineage
-        self.directory = f"{PROFILE_PARTS}/{lineage}"
-        self._next = 1 + max((int(m.group(1)) for m in map(_PART_RE.match, self._names()) if m), default=0)
-
-    def _names(self) -> list[str]:
-        try:
-            return [n for n in self.storage.list_dir(self.directory) if _PART_RE.match(n)]
-        except Exception as e:  # noqa: BLE001 - the profile is a report, never a reason to fail
-            logger.warning("cf_ray: cannot list the profile parts at %s: %s", self.storage.uri(self.directory), e)
-            return []
-
-    def write(self, rows: list[dict]) -> str:
-        """Append ``rows`` as the next part; returns its path."""
-        from cf_ray import report
-
-        path = f"{self.directory}/part-{self._next:06d}.parquet"
-        self.storage.write_file(path, [report._parquet_bytes(report.profile_frame(rows))])
-        self._next += 1
-        return path
-
-    def read_all(self) -> list[dict]:
-        """Every row of every part, oldest part first (an unreadable part is skipped, logged)."""
-        from cf_ray import report
-
-        out: list[dict] = []
-        for name in sorted(self._names()):
-            path = f"{self.directory}/{name}"
-            try:
-                out.extend(report._read_parquet(self.storage, path).to_dict("records"))
-            except Exception as e:  # noqa: BLE001
-                logger.warning("cf_ray: skipping the profile part %s: %s", self.storage.uri(path), e)
-        return out
-
-
-def newest_lineage(storage: Storage) -> str | None:
-    """The newest lineage on storage (what a controller that Ray restarted continues), or ``None``."""
-    try:
-        names = [n for n in storage.list_dir(PROFILE_PARTS) if _LINEAGE_RE.match(n)]
-    except Exception:  # noqa: BLE001
-        return None
-    return max(names, default=None)
-
-
-def delete_other_lineages(storage: Storage, keep: str) -> None:
-    """Delete the parts of earlier controllers (their table is in ``profile.parquet`` when they
-    finished, which this controller's save replaces, as before parts existed). Storage I/O."""
-    try:
-        names = [n for n in storage.list_dir(PROFILE_PARTS) if _LINEAGE_RE.match(n) and n != keep]
-    except Exception:  # noqa: BLE001
-        return
-    for name in names:
-        try:
-            storage.delete_dir(posixpath.join(PROFILE_PARTS, name))
-        except Exception as e:  # noqa: BLE001
-            logger.warning("cf_ray: could not delete old profile parts %s: %s", name, e)
-
-
-def merge_rows(*sources: Iterable[dict]) -> list[dict]:
-    """Rows of several sources as one table in step order: rows of the same ``(generation,
-    step)`` are merged, a later source's non-missing values winning."""
-    merged: dict[tuple, dict] = {}
-    for rows in sources:
-        for r in rows:
-            key = (r.get("generation"), r.get("step"))
-            old = merged.get(key)
-            if old is None:
-                merged[key] = dict(r)
-            else:
-                old.update({k: v for k, v in r.items() if v is not None})
-    return sorted(merged.values(), key=lambda r: (_sort_key(r.get("step")), _sort_key(r.get("generation"))))
-
-
-def _sort_key(v) -> tuple:
-    return (v is None, v if v is not None else 0)
-
 
 class ProfileBook:
-    """Profile rows, iteration rows, events, failures and the metrics export of one run.
+    """Profile rows and iteration rows of one run, the events, failures and goodput they feed, and
+    the metrics export.
 
     Args:
         key: the run key (the metrics' ``run`` tag).
@@ -197,17 +90,12 @@ class ProfileBook:
         makes a fragment (no defaults), merged with the part on read."""
         self._on_batch = on_batch
         events_window = max(1, _env.get_int(_env.EVENTS_WINDOW))
-        self.events: collections.deque[dict] = collections.deque(maxlen=events_window)
-        """Restores, fallbacks, notices, interval changes, uploads, in order (the newest)."""
+        self.log = EventLog(events_window, seq_base)
+        """The events, the failures and the restore fallbacks."""
         self._iters: collections.deque = collections.deque(maxlen=20000)
-        self._failures: collections.deque[Failure] = collections.deque(maxlen=events_window)
-        self._next_failure_seq = int(seq_base)
-        self._metrics = None  # cf_ray.report.CheckpointMetrics, made on first use
-        self.goodput = Goodput(events_window)
-        self.badput = Badput()
-        self.failures = FailureFeed(schedule)
-        self._goodput_metrics = None  # cf_ray.report.GoodputMetrics, made on first use
-        self._ratio_exported_unix = 0.0
+        self.goodput = Badput(events_window)
+        self._export = MetricsExport(key)
+        schedule.failures.attach(self.log, self._export)
         self._lost_since: tuple[int, int] | None = None
         """``(generation, step)`` from which checkpoints were taken while the watchdog's episode was
         open (``None``: no episode): their rows say ``durability_lost``."""
@@ -252,16 +140,16 @@ class ProfileBook:
         for k in _RANK_TIMINGS:
             if k in stats:
                 row.setdefault(f"_{k}", {})[rank] = stats[k]
-        if "stall_s" in stats:
-            self.badput.note_stall(generation, stats["step"], rank, stats["stall_s"] + (stats.get("guard_s") or 0.0))
         if "nbytes" in stats:
             row.setdefault("_rank_bytes", {})[rank] = stats["nbytes"]
+        self.goodput.note_stall(generation, rank, stats)
 
     def note_staged(self, generation: int, step: int, meta: SnapshotMeta) -> None:
         try:
             self.goodput.on_progress(generation, step, time.time())
         except Exception:  # noqa: BLE001 - goodput is a report, never a reason to fail
             logger.debug("cf_ray: goodput bookkeeping failed", exc_info=True)
+        self.schedule.failures.staged(generation, meta)
         row = self.row(generation, step)
         row.update(
             epoch=meta.epoch,
@@ -274,8 +162,6 @@ class ProfileBook:
         row.setdefault("_copies", {})[("rank", meta.rank)] = (meta.copied_bytes, meta.crc_read_bytes)
         if meta.slot_wait_s is not None:
             row.setdefault("_slot_wait_s", {})[meta.rank] = meta.slot_wait_s
-        if meta.notice_unix is not None and CheckpointKind(meta.kind) is CheckpointKind.PREEMPT:
-            self._notice(meta.notice_unix, generation, meta.notice_source)
         d = meta.deadline_unix  # a just-in-time checkpoint: the earliest deadline any rank knows
         if d is not None and (row.get("deadline_unix") is None or d < row["deadline_unix"]):
             row.update(deadline_unix=d, notice_unix=meta.notice_unix, notice_source=meta.notice_source)
@@ -302,31 +188,39 @@ class ProfileBook:
             row["replica_bytes"] = row.get("replica_bytes", 0) + msg.nbytes
             row["replica_s"] = max(row.get("replica_s") or 0.0, msg.seconds)
 
-    def note_jit_plan(self, generation: int, step: int, plan: JitPlan) -> None:
-        """The tier chosen for a just-in-time checkpoint and each tier's predicted seconds (#12)."""
+    def note_jit_staged(self, generation: int, step: int, jit: JitWatch) -> None:
+        """Every section of a just-in-time checkpoint is staged: what it needs to be safe (:mod:`.jit`)."""
         row = self.row(generation, step)
-        row.update(plan.row(), _jit_decided_unix=plan.decided_unix)
-        self.add_event({**plan.event(), "step": step, "generation": generation})
+        row.update(jit.row(), _jit_staged_unix=jit.staged_unix)
 
-    def note_jit_peer_safe(self, generation: int, step: int, plan: JitPlan) -> None:
+    def note_jit_peer_safe(self, generation: int, step: int, jit: JitWatch) -> None:
         """Every section of a just-in-time checkpoint that needed one has a copy on another usable node."""
-        t = plan.peer_safe_unix
+        t = jit.peer_safe_unix
         if t is None:
             return
         row = self.row(generation, step)
-        row["actual_peer_s"] = round(t - plan.decided_unix, 3)
-        if plan.tier is not JitTier.STORAGE:
-            self._safe(row, t, JitTier.PEER)
+        row["actual_peer_s"] = round(t - jit.staged_unix, 3)
+        self._safe(row, generation, step, t, SafeTier.PEER)
 
-    @staticmethod
-    def _safe(row: dict, t: float, tier: JitTier) -> None:
+    def _safe(self, row: dict, generation: int, step: int, t: float, tier: SafeTier) -> None:
         """A just-in-time checkpoint is safe in ``tier`` at ``t``: the first such time decides whether
-        the deadline was met (a tier not chosen counts only when it is storage, which survives more)."""
+        the deadline was met."""
         if row.get("safe_unix") is not None and row["safe_unix"] <= t:
             return
         row.update(safe_unix=t, safe_tier=tier.value)
         if row.get("deadline_unix") is not None:
             row["made_deadline"] = t <= row["deadline_unix"]
+        self.add_event(
+            {
+                "event": "jit_safe",
+                "step": step,
+                "generation": generation,
+                "tier": tier.value,
+                "deadline_unix": row.get("deadline_unix"),
+                "made_deadline": row.get("made_deadline"),
+                "time": t,
+            }
+        )
 
     def note_superseded(self, generation: int, step: int) -> None:
         self.row(generation, step).update(
@@ -373,10 +267,10 @@ class ProfileBook:
             milestone=milestone,
         )
         row["durable_unix"] = time.time()
-        if row.get("_jit_decided_unix") is not None:
-            row["actual_storage_s"] = round(row["durable_unix"] - row["_jit_decided_unix"], 3)
+        if row.get("_jit_staged_unix") is not None:
+            row["actual_storage_s"] = round(row["durable_unix"] - row["_jit_staged_unix"], 3)
         if row.get("deadline_unix") is not None:
-            self._safe(row, row["durable_unix"], JitTier.STORAGE)
+            self._safe(row, generation, step, row["durable_unix"], SafeTier.STORAGE)
         return row
 
     def memory_rows(self) -> list[dict]:
@@ -458,9 +352,9 @@ class ProfileBook:
         try:
             resumed = self.goodput.on_sample(step, iter_s, iters, now)
             if resumed is not None:
-                self.failures.resumed(resumed)
+                self.schedule.failures.resumed(resumed)
                 self._export_goodput(resumed, resumed=True)
-            elif now - self._ratio_exported_unix >= _RATIO_EXPORT_PERIOD_S:
+            elif self._export.ratio_due(now):
                 self._export_goodput(None)
         except Exception:  # noqa: BLE001 - goodput is a report, never a reason to fail
             logger.debug("cf_ray: goodput bookkeeping failed", exc_info=True)
@@ -484,21 +378,21 @@ class ProfileBook:
         return list(self._iters)
 
     def add_event(self, event: dict) -> None:
-        self.events.append(event)
-        if event.get("event") in ("durability_lost", "durability_restored"):  # the workers' watchdog
-            lost = event["event"] == "durability_lost"
+        self.log.add(event)
+        kind = event.get("event")
+        if kind in ("durability_lost", "durability_restored"):  # the workers' watchdog
+            lost = kind == "durability_lost"
             if lost:
                 logger.warning("cf_ray: run %s: checkpoints are not becoming durable: %s", self.key, event)
             self._mark_durability(event, lost)
-            try:
-                if self._goodput_metrics is None:
-                    from cf_ray.report import GoodputMetrics
-
-                    self._goodput_metrics = GoodputMetrics(run=self.key)
-                self._goodput_metrics.record_durability(lost)
-            except Exception:  # noqa: BLE001 - metrics are a report, never a reason to fail
-                logger.debug("cf_ray: durability metric export failed", exc_info=True)
-        if event.get("event") == "restore":  # the controller's restored(): a restart's cost, or the run's start
+            self._export.durability(lost)
+        elif kind == "restore_fallback":
+            source, cause = str(event.get("source")), fallback_cause(event)
+            self.goodput.on_fallback(source, cause)
+            self._export.fallback(source, cause)
+        elif kind in ("quarantined", "distrusted"):
+            self._export.taken_out("quarantined" if kind == "quarantined" else "memory")
+        elif kind == "restore":  # the controller's restored(): a restart's cost, or the run's start
             try:
                 restart = self.goodput.on_restore(
                     generation=event.get("generation") or 0,
@@ -509,54 +403,20 @@ class ProfileBook:
                 )
                 if restart is not None:
                     self._export_goodput(restart)
-                else:
-                    self.badput.start_restore_s += float(event.get("seconds") or 0.0)
-                self._record(self.failures.restore(event, restart))
+                self.schedule.failures.restore(event, restart)
             except Exception:  # noqa: BLE001
                 logger.debug("cf_ray: goodput bookkeeping failed", exc_info=True)
-        if event.get("event") == "notice":  # the driver's notify_preemption
-            self._notice(event.get("time") or time.time(), event.get("generation"), "driver")
+        elif kind == "notice":  # the driver's notify_preemption: a failure, for the failure rate
+            self.schedule.failures.notice(event)
 
-    def _notice(self, time_unix: float, generation: int | None, source: str | None) -> None:
-        """A preemption notice reached the run: a failure, for the failure rate."""
-        try:
-            self._record(self.failures.notice(time_unix, generation, source))
-        except Exception:  # noqa: BLE001 - a report, never a reason to fail
-            logger.debug("cf_ray: failure-rate bookkeeping failed", exc_info=True)
-
-    def _record(self, event: dict | None) -> None:
-        """An event of the book's own (``failure_rate``): recorded and exported, not interpreted again."""
-        if event is not None:
-            self.events.append(event)
-            if self._goodput_metrics is not None:
-                self._goodput_metrics.record_mtbf(event.get("mtbf_s"))
-
-    def goodput_breakdown(self) -> dict:
-        """Where the run's wall time went (:meth:`.goodput.Badput.breakdown`)."""
-        return self.badput.breakdown(self.goodput)
+    @property
+    def events(self):
+        """The events, oldest first (the newest window)."""
+        return self.log.events
 
     def restart_rows(self) -> list[dict]:
         """One dict per restart (the ``restarts`` table, :func:`cf_ray.report.restarts_frame`)."""
         return self.goodput.rows()
-
-    def add_failure(self, *, generation: int, step: int, section: str, rank: int, error: str) -> Failure:
-        failure = Failure(
-            seq=self._next_failure_seq, step=step, section=section, rank=rank, error=error, generation=generation
-        )
-        self._next_failure_seq += 1
-        self._failures.append(failure)
-        return failure
-
-    def continue_failures_above(self, seen_seq: int) -> None:
-        """A rank has seen failure ``seen_seq`` of an earlier controller: count above it."""
-        self._next_failure_seq = max(self._next_failure_seq, int(seen_seq) + 1)
-
-    def failures_since(self, seen_seq: int) -> tuple[Failure, ...]:
-        return tuple(f for f in self._failures if f.seq > seen_seq)
-
-    def failure_dicts(self) -> list[dict]:
-        """The failures as the controller's summary has them."""
-        return [f.as_dict() for f in self._failures]
 
     # -- export -------------------------------------------------------------------------------------------
     def record_metrics(self, generation: int, step: int) -> None:
@@ -565,34 +425,14 @@ class ProfileBook:
             row = self._rows.get((generation, step))
             if row is None:
                 return
-            if self._metrics is None:
-                from cf_ray.report import CheckpointMetrics
-
-                self._metrics = CheckpointMetrics(run=self.key)
-            self._metrics.record(self._public(row, _recent_iter_s(self.schedule.samples)))
+            self._export.checkpoint(self._public(row, _recent_iter_s(self.schedule.samples)))
             self._export_goodput(None)
         except Exception:  # noqa: BLE001
             logger.debug("cf_ray: metrics export failed", exc_info=True)
 
     def _export_goodput(self, restart: Restart | None, *, resumed: bool = False) -> None:
         """Export a restart (when it happens; its recovery time once resumed) and the ratio to Ray metrics."""
-        try:
-            if self._goodput_metrics is None:
-                from cf_ray.report import GoodputMetrics
-
-                self._goodput_metrics = GoodputMetrics(run=self.key)
-            self._ratio_exported_unix = time.time()
-            if restart is not None:
-                if resumed:
-                    self._goodput_metrics.record_recovery(restart.recovery_s)
-                else:
-                    self._goodput_metrics.record_restart(
-                        restart.source, restart.lost_steps, restart.lost_s, restart.restore_s
-                    )
-            self._goodput_metrics.record_ratio(self.goodput.effective_ratio())
-            self._goodput_metrics.record_badput(self.goodput_breakdown())
-        except Exception:  # noqa: BLE001
-            logger.debug("cf_ray: goodput metrics export failed", exc_info=True)
+        self._export.restart(restart, self.goodput.effective_ratio(), resumed=resumed, badput=self.goodput.breakdown())
 
     def save(self, lock: threading.RLock) -> None:
         """Write the profile table (every row of this lineage) and the iteration rows to storage;
@@ -603,8 +443,7 @@ class ProfileBook:
 
             with lock:
                 iterations = self.iteration_rows()
-                restarts = self.restart_rows()
-                goodput = self.goodput_breakdown()
+                restarts, goodput = self.restart_rows(), self.goodput.breakdown()
             rows = self.all_rows(lock)
             report.save_profile(self.storage, rows, iterations, restarts=restarts, goodput=goodput)
         except Exception as e:  # noqa: BLE001 - the profile is a report, never a reason to fail

@@ -23,6 +23,7 @@ import logging
 import time
 from typing import Any
 
+from cf_ray._engine.driver.badput import FailureFeed
 from cf_ray._engine.protocol.messages import Schedule
 from cf_ray._engine.storage.fs import Storage
 from cf_ray.policy import FrequencyPolicy, RunEvent, RunEventKind, Sample
@@ -55,6 +56,8 @@ class ScheduleBook:
         self._hazard = HazardModel()
         """The run's failure rate as the controller reports it when the policy keeps none
         (``FixedInterval``, ``EpochEnd``): the same rule, without a prior."""
+        self.failures = FailureFeed(self)
+        """The run's failures, as the profile book sees them, passed on to :meth:`observe`."""
         self._base = int(version_base)
         self._schedules: list[Schedule] = [
             Schedule(schedule_version=self._base, interval=self.policy.initial_interval())

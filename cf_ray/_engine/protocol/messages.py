@@ -18,8 +18,8 @@ from typing import Any
 from cf_ray.errors import CfRayError
 
 #: Bumped whenever a message below changes shape (2: the holder's name on every holder message,
-#: :class:`HolderState`).
-PROTOCOL_VERSION = 2
+#: :class:`HolderState`; 3: :class:`Settled` and :class:`Distrusted` replace dicts).
+PROTOCOL_VERSION = 3
 
 
 class ProtocolError(CfRayError):
@@ -330,6 +330,52 @@ class RestorePlan(Message):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Settled(Message):
+    """The controller's answer to ``settled(generation, steps)``: which of those steps of one
+    generation are settled — nothing more will happen to them — and how. A step is settled when it
+    is in ``committed``, ``failed``, ``superseded`` or ``abandoned``."""
+
+    generation: int
+    committed: tuple[int, ...] = ()
+    """The manifest is written (or on storage)."""
+    failed: dict[int, str] = field(default_factory=dict)
+    """step -> ``"section: error"``: a section or the manifest could not be written."""
+    superseded: tuple[int, ...] = ()
+    """Replaced by a newer snapshot before it was written (or held in memory only)."""
+    abandoned: tuple[int, ...] = ()
+    """Past a later attempt's restore point, or its files were gone when a restarted controller
+    re-learnt it."""
+    pending: tuple[int, ...] = ()
+    """Known, some section not durable yet (not settled)."""
+    unknown: tuple[int, ...] = ()
+    """Never heard of (not settled: its ``part_staged`` may not have arrived yet, or the controller
+    restarted)."""
+    safe: tuple[int, ...] = ()
+    """Just-in-time checkpoints still pending on storage but safe in a peer's memory (#12): every
+    section of a draining node has a copy on another node."""
+    newest_committed: int | None = None
+    """The newest committed step of any generation."""
+    resynced: bool = True
+    """False while a controller that just started is still asking the holders what they hold."""
+
+    def is_settled(self, step: int) -> bool:
+        return step in self.committed or step in self.failed or step in self.superseded or step in self.abandoned
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Distrusted(Message):
+    """The controller's answer to ``distrust(generation, step, reason)``: what it took out of use."""
+
+    generation: int
+    step: int
+    memory: bool
+    """The in-memory snapshot is never offered to a restore plan again (always true)."""
+    quarantined: bool
+    """It was committed, and the checkpoint on storage is quarantined (kept for inspection, listed in
+    ``quarantine.json`` with the reason, never restored from nor counted by keep-last)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Restored(Message):
     """Rank 0 reports where the attempt resumed from."""
 
@@ -346,6 +392,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "CheckpointKind",
     "CheckpointRequest",
+    "Distrusted",
     "Failure",
     "HolderState",
     "MemorySnapshot",
@@ -362,6 +409,7 @@ __all__ = [
     "Restored",
     "Schedule",
     "SectionState",
+    "Settled",
     "SnapshotMeta",
     "SyncReply",
     "SyncRequest",

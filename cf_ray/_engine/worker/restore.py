@@ -126,7 +126,7 @@ class Restorer:
 
     Args:
         ctx: this rank's context (storage, tiers, whether Ray Train hands it a checkpoint).
-        config: ``restore_from``, ``resume_from``, ``allow_missing_objects``, ``allow_unexpected_objects``.
+        config: ``restore_from``, ``resume_from``, ``allow_mismatch``.
         link: this rank's line to the controller (re-resolved when the controller is gone).
         control: the agreement (the plan is broadcast, every phase's outcome shared).
         state, data: the tracked objects to load into.
@@ -146,8 +146,8 @@ class Restorer:
         self.ctx = ctx
         self.restore_from = config.restore_from
         self.resume_from = config.resume_from
-        self.allow_missing = config.allow_missing_objects
-        self.allow_unexpected = config.allow_unexpected_objects
+        self.allow_missing = "missing" in config.allow_mismatch
+        self.allow_unexpected = "unexpected" in config.allow_mismatch
         self.link = link
         self.control = control
         self.state = state
