@@ -548,8 +548,8 @@ class _CfSave:
         self.ckpt.wait()
 
     def held(self) -> dict | None:
-        """Host memory this node's holder holds for snapshots (its slots' resident pages and its
-        object-store copies) and the bytes it copied so far (``Holder.held_bytes``)."""
+        """Host memory this node's holder holds for snapshots (its slots' resident pages and the copies
+        it keeps for other nodes) and the bytes it copied so far (``Holder.held_bytes``)."""
         import ray
 
         try:
@@ -1173,7 +1173,7 @@ def _aggregate_setting(
                 obj["host_passes"] = obj["host_copied_x"] + obj["host_crc_reread_x"]
             held = [ranks[0].get("holder_held") for _, ranks in segs if ranks[0].get("holder_held")]
             if held:
-                obj["held_bytes"] = max(h["slots"] + h["objects"] for h in held)
+                obj["held_bytes"] = max(h["slots"] + h["copies"] for h in held)
         else:
             obj["ckpt_bytes"] = max((rec.get("ckpt_bytes", 0) for _, ranks in segs for rec in ranks), default=0)
         obj["checkpoints_committed"] = committed

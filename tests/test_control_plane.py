@@ -19,6 +19,7 @@ import uuid
 import numpy as np
 import pyarrow.fs as pafs
 import pytest
+from slot_helpers import stage_bytes
 
 from cf_ray._engine.driver import commits as commits_mod
 from cf_ray._engine.driver.controller import Controller, ControllerSettings
@@ -639,7 +640,7 @@ def _wait_for(fn, timeout_s: float, what: str):
 
 def _stage(ray, holder, gen, step):
     arena = np.arange(4096, dtype=np.uint8)
-    return ray.get(holder.stage.remote(gen, step, {SEC: (arena, b'{"entries":[],"tree":null}')}, meta=META), timeout=60)
+    return stage_bytes(ray, holder, gen, step, {SEC: (arena, b'{"entries":[],"tree":null}')}, META)
 
 
 def test_a_holder_killed_mid_write_never_commits_that_step_and_later_steps_commit(ray_cluster, tmp_path):

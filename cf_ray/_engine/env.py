@@ -23,12 +23,6 @@ LINGER_S = "CF_RAY_CONTROLLER_LINGER_S"
 WRITE_CHUNK_BYTES = "CF_RAY_WRITE_CHUNK_BYTES"
 #: "0" turns off direct I/O (O_DIRECT) for large local writes; they then go through the page cache.
 DIRECT_IO = "CF_RAY_DIRECT_IO"
-#: "0" turns off the holder's shared-memory snapshot slots (#14): snapshots are then handed to the
-#: holder by value (through the object store), with more copies on the host.
-SHM_SLOTS = "CF_RAY_SHM_SLOTS"
-#: "0" turns off the direct transfer of held sections to readers on other nodes (#12,
-#: ``node/stream.py``): a restore on another node then gets them through Ray's object transfer.
-PEER_STREAM = "CF_RAY_PEER_STREAM"
 #: Fault injection for tests: ``"<step>@<rank>@<marker file>"`` SIGKILLs that rank's process in the
 #: middle of its copy of that step's snapshot into a slot, once (the marker file records it). Unset
 #: in normal use; the tests use it to show that a snapshot killed mid-copy is never restored.
@@ -64,11 +58,6 @@ POLICY_SAVE_INTERVAL_S = "CF_RAY_POLICY_SAVE_INTERVAL_S"
 #: Seconds between two checks by the controller's reaper that the run's driver (its Ray job) and its
 #: Ray Train run are still there; when they are gone the run's actors end (``protocol/cluster.py``).
 REAPER_INTERVAL_S = "CF_RAY_REAPER_INTERVAL_S"
-#: Tests only, unset by default: ``"STEP:SECONDS"`` makes a holder wait SECONDS after a peer asked
-#: it to keep a copy of a section of step STEP and before it pulls the bytes, so that a test can
-#: remove the peer's node while that copy is in flight (tests/test_multinode.py). Read by the
-#: holder's process, so it must be in the environment of the node's raylet.
-TEST_REPLICA_PULL_DELAY = "CF_RAY_TEST_REPLICA_PULL_DELAY"
 
 _DEFAULTS = {
     POLL_INTERVAL_S: 0.25,
@@ -78,8 +67,6 @@ _DEFAULTS = {
     LINGER_S: 120.0,
     WRITE_CHUNK_BYTES: 16 * 1024 * 1024,
     DIRECT_IO: 1,
-    SHM_SLOTS: 1,
-    PEER_STREAM: 1,
     SEND_QUEUE: 4096,
     WATCH_INTERVAL_S: 5.0,
     DRAIN_TIMEOUT_S: 300.0,
@@ -110,17 +97,3 @@ def get_int(name: str) -> int:
 
 def namespace() -> str:
     return os.environ.get(NAMESPACE, "cf_ray")
-
-
-def replica_pull_delay_s(step: int) -> float:
-    """Seconds ``TEST_REPLICA_PULL_DELAY`` holds the pull of a copy of ``step`` (0 when unset)."""
-    raw = os.environ.get(TEST_REPLICA_PULL_DELAY, "")
-    if not raw:
-        return 0.0
-    try:
-        at, seconds = raw.split(":")
-        return float(seconds) if int(at) == step else 0.0
-    except ValueError:
-        raise ValueError(
-            f"environment variable {TEST_REPLICA_PULL_DELAY}={raw!r} is not STEP:SECONDS; unset it"
-        ) from None
