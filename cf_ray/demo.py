@@ -50,6 +50,7 @@ DEFAULTS: dict[str, Any] = {
     "release_after_fit_s": 120.0,  # CheckpointConfig.release_after_fit_s
     "replicas": None,  # CheckpointConfig.replicas (None: 1 on a cluster of several nodes)
     "replica_label": None,  # CheckpointConfig.replica_label
+    "replica_every": 1,  # CheckpointConfig.replica_every
     "resume_from": None,  # another run's checkpoint to start from (CheckpointConfig.resume_from)  # environment variables set in the worker before anything else (cf_ray tunables)
 }
 
@@ -134,6 +135,7 @@ def train_loop_per_worker(config: dict) -> None:
             release_after_fit_s=cfg["release_after_fit_s"],
             replicas=cfg["replicas"],
             replica_label=cfg["replica_label"],
+            replica_every=cfg["replica_every"],
         ),
     )
     resume = ckpt.restore()
