@@ -212,3 +212,54 @@ def test_cuda_tensors_are_copied_by_dma_into_the_pinned_slot_on_their_devices_st
     assert all(torch.equal(got["model"][k], v) for k, v in expected.items())
     snap.close()
     snap.release_buffers()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_copies_into_the_spare_slot_register_it_on_first_use():
+    """Both regular slots held by the holder: the snapshot goes to the spare, which is registered with
+    CUDA (its pages pinned) only then, and the DMA lands exact."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8)).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    x = torch.randn(64, 256, device="cuda")
+    holder = _Holder()
+    snap = Snapshotter(0, holder, arena_source=holder.arena)
+
+    def train_step():
+        model(x).square().mean().backward()
+        snap.wait_copy()
+        opt.step()
+        opt.zero_grad()
+
+    def guarded(t):
+        ptrs = {p.data_ptr() for p in model.parameters()}
+        ptrs |= {v.data_ptr() for st in opt.state.values() for v in st.values() if v.dim() > 0}
+        return t.data_ptr() in ptrs
+
+    def sections():
+        return {"s": {"model": model.state_dict(), "opt": opt.state_dict()}}
+
+    train_step()
+    for step in (1, 2):
+        snap.begin(step, sections(), guarded, {})
+        train_step()
+        assert snap.wait_done(timeout=60) and snap.take_errors() == []
+    arena = snap._arenas["s"][1]
+    assert sorted(arena._registered) == [0, 1]  # the spare not yet
+    locks = [holder.read(1)[0], holder.read(2)[0]]
+    expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    snap.begin(3, sections(), guarded, {})
+    assert arena.current == 2 and sorted(arena._registered) == [0, 1, 2] and arena.tensor.is_pinned()
+    train_step()
+    assert snap.wait_done(timeout=60) and snap.take_errors() == []
+    lk, index = holder.read(3)
+    tree, entries = mf.parse_index(index, "test")
+    got = mf.Section(tree, entries, np.frombuffer(lk.data, dtype=np.uint8)).materialize(copy=True)
+    _t, _e, blocks = mf.parse_index_blocks(index, "test")
+    assert blocks is not None and list(blocks.crc32) == mf.block_crcs(np.frombuffer(lk.data, dtype=np.uint8))
+    lk.close()
+    for lock in locks:
+        lock.close()
+    assert all(torch.equal(got["model"][k], v) for k, v in expected.items())
+    snap.close()
+    snap.release_buffers()
