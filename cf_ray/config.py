@@ -132,8 +132,8 @@ class CheckpointConfig:
     with a warning naming it. False: :class:`~cf_ray.errors.CheckpointMismatchError` naming it."""
     replicas: int | None = None
     """Copies of each in-memory snapshot that its node's holder places on holders of other nodes
-    (through Ray's object transfer), so that a lost node's snapshot is restored from a peer's
-    memory instead of from storage. ``None``: 1 when the cluster has more than one node, else 0.
+    (each peer pulls the bytes over a direct connection into memory of its own), so that a lost
+    node's snapshot is restored from a peer's memory instead of from storage. ``None``: 1 when the cluster has more than one node, else 0.
     Replication runs in the holder's background and never delays training or the persist; a copy
     that is not done before a newer snapshot arrives is skipped (counted in the profile)."""
     replica_label: str | None = None

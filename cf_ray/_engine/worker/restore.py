@@ -502,7 +502,7 @@ class Restorer:
     def _node_id() -> str:
         try:
             return ray.get_runtime_context().get_node_id()
-        except Exception:  # noqa: BLE001 - outside Ray: every read goes through the object store
+        except Exception:  # noqa: BLE001 - outside Ray: every memory read is then a stream
             return ""
 
     def _map_slot(self, desc: SlotDesc, cand: MemorySnapshot, section: str) -> np.ndarray:

@@ -459,8 +459,8 @@ def materialize_objects(section: mf.Section, path: tuple[str, ...], objs: dict, 
     """The saved states of tracked objects, with as few copies as is safe.
 
     ``nn.Module.load_state_dict`` copies into the module's own parameters, so a module gets views
-    straight into the snapshot's buffer (read-only when it is an object-store buffer: restore from
-    memory then costs a single copy). Everything else (optimizers keep the tensors they are given)
+    straight into the snapshot's buffer (read-only when it is a mapped slot: restore from memory then
+    costs a single copy). Everything else (optimizers keep the tensors they are given)
     gets private, writable copies, unless the buffer itself is private (``Section.private``: a
     section streamed from another node), whose views are kept as they are; then the ranges only
     modules read are appended to ``releasable`` (``(buffer, start, end)``), for :func:`apply` to give
