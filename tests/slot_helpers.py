@@ -45,3 +45,13 @@ def stage_bytes(ray, holder, generation: int, step: int, sections: dict, meta: S
         staged.append(staged_slot(descs, generation, step, name, arena, index))
     msg = Stage(generation=generation, step=step, meta=meta, sections=tuple(staged))
     return ray.get(holder.stage.remote(msg), timeout=timeout)
+
+
+def in_process_slots(phase1):
+    """Give a worker's ``Phase1`` built without a holder (``holder=None``) a holder's slots made in
+    this process (``SlotStore``), as its snapshotter's arena source; returns the store."""
+    from cf_ray._engine.node.slot_store import SlotStore
+
+    store = SlotStore("test")
+    phase1._snap._arena_source = store.arena
+    return store

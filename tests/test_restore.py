@@ -494,12 +494,12 @@ class _Received:
 
 
 def _phase1(state):
-    from cf_ray._engine.node.slot_store import SlotStore
+    from slot_helpers import in_process_slots
 
     p = Phase1(0, 1, True, state, {}, holder=None, timing=Timing())
     rec = _Received()
     p._snap._hand_off = rec
-    p._snap._arena_source = SlotStore("test").arena  # a holder's slots, in process
+    in_process_slots(p)
     return p, rec
 
 
