@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     _without_ray()
     import torch
 
-    from cf_ray._engine.node import shm
+    from cf_ray._engine.node.slot_store import SlotStore
     from cf_ray._engine.worker.snapshot import Snapshotter
 
     if not torch.cuda.is_available():
@@ -57,13 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     model = torch.nn.Sequential(*layers).cuda()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     x = torch.randn(args.batch, args.width, device="cuda")
-    pairs: dict[str, shm.SlotPair] = {}
-
-    def arena(section: str, nbytes: int) -> list[str]:  # what Holder.arena does, in process
-        pairs[section] = shm.SlotPair(section, nbytes)
-        return pairs[section].paths
-
-    snap = Snapshotter(0, lambda _job, _sections: None, arena_source=arena)
+    store = SlotStore("gpu-bench")  # the holder's slots, in process
+    snap = Snapshotter(0, lambda _job, _sections: None, arena_source=store.arena)
 
     def guarded(t) -> bool:
         ptrs = {q.data_ptr() for q in model.parameters()}
@@ -124,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     snap.close()
     snap.release_buffers()
-    for pair in pairs.values():
-        pair.close()
+    store.close()
     return 0
 
 

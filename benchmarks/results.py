@@ -284,7 +284,7 @@ def _aggregate_setting(
                 obj["host_passes"] = obj["host_copied_x"] + obj["host_crc_reread_x"]
             held = [ranks[0].get("holder_held") for _, ranks in segs if ranks[0].get("holder_held")]
             if held:
-                obj["held_bytes"] = max(h["slots"] + h["objects"] for h in held)
+                obj["held_bytes"] = max(h["slots"] + h["copies"] for h in held)
         else:
             obj["ckpt_bytes"] = max((rec.get("ckpt_bytes", 0) for _, ranks in segs for rec in ranks), default=0)
         obj["checkpoints_committed"] = committed

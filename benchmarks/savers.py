@@ -433,8 +433,8 @@ class _CfSave:
         self.ckpt.wait()
 
     def held(self) -> dict | None:
-        """Host memory this node's holder holds for snapshots (its slots' resident pages and its
-        object-store copies) and the bytes it copied so far (``Holder.held_bytes``)."""
+        """Host memory this node's holder holds for snapshots (its slots' resident pages and the copies
+        it keeps for other nodes) and the bytes it copied so far (``Holder.held_bytes``)."""
         import ray
 
         try:

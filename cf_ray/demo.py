@@ -50,6 +50,7 @@ DEFAULTS: dict[str, Any] = {
     "release_after_fit_s": 120.0,  # CheckpointConfig.release_after_fit_s
     "replicas": None,  # CheckpointConfig.replication.copies (None: 1 on a cluster of several nodes)
     "replica_label": None,  # CheckpointConfig.replication.label
+    "replica_every": 1,  # CheckpointConfig.replication.every
     "resume_from": None,  # another run's checkpoint to start from (CheckpointConfig.resume_from)  # environment variables set in the worker before anything else (cf_ray tunables)
 }
 
@@ -132,7 +133,9 @@ def train_loop_per_worker(config: dict) -> None:
             upload_filesystem=cfg["upload_filesystem"],
             resume_from=cfg["resume_from"],
             release_after_fit_s=cfg["release_after_fit_s"],
-            replication=cf_ray.config.Replication(copies=cfg["replicas"], label=cfg["replica_label"]),
+            replication=cf_ray.config.Replication(
+                copies=cfg["replicas"], label=cfg["replica_label"], every=cfg["replica_every"]
+            ),
         ),
     )
     resume = ckpt.restore()

@@ -20,6 +20,7 @@ import uuid
 import numpy as np
 import pyarrow.fs as pafs
 import pytest
+from slot_helpers import stage_bytes
 
 from cf_ray._engine import env as _env
 from cf_ray._engine.driver import pending as pending_mod
@@ -589,7 +590,7 @@ def _wait_for(fn, timeout_s: float, what: str):
 
 def _stage(ray, holder, gen, step):
     arena = np.arange(4096, dtype=np.uint8)
-    return ray.get(holder.stage.remote(gen, step, {SEC: (arena, b'{"entries":[],"tree":null}')}, meta=META), timeout=60)
+    return stage_bytes(ray, holder, gen, step, {SEC: (arena, b'{"entries":[],"tree":null}')}, META)
 
 
 def test_a_holder_killed_mid_write_never_commits_that_step_and_later_steps_commit(ray_cluster, tmp_path):
@@ -616,6 +617,10 @@ def test_a_holder_killed_mid_write_never_commits_that_step_and_later_steps_commi
             60,
             "the holder to write step 5",
         )
+        # The hand-off returned before the controller heard of step 5 (the holder's sender delivers
+        # it): the holder dies once it has. (Dying before, it leaves a step the controller never heard
+        # of, which is never settled: test_settled_says_which_steps_nothing_more_will_happen_to.)
+        _wait_for(lambda: 5 in ray.get(ctl.settled.remote(gen, [5]), timeout=30)["pending"], 60, "step 5 known")
         ray.kill(holder, no_restart=True)
         new = _wait_for(lambda: _try(lambda: resolve_holder(key, storage, cname, ns, timeout_s=10)), 60, "a new holder")
         holders.append(new)

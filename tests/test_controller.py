@@ -16,11 +16,13 @@ import time
 
 import pytest
 import torch
+from slot_helpers import staged_slot
 
 from cf_ray._engine.driver import jit
 from cf_ray._engine.driver.facade import Controller
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.memory import slots
 from cf_ray._engine.protocol.messages import (
     CheckpointKind,
     PartDurable,
@@ -28,14 +30,15 @@ from cf_ray._engine.protocol.messages import (
     PartReplicated,
     PartStaged,
     PartSuperseded,
+    ReplicaOffer,
     Restored,
     RestoreSource,
     SnapshotMeta,
 )
 from cf_ray._engine.storage.fs import FsStorage
-from cf_ray._engine.worker.snapshot import _Arena
 
 from controller_harness import Cluster, wait_idle
+from storage_helpers import arena_of
 
 WORLD = 2
 SECTIONS = [mf.SHARED, mf.rank_section(0), mf.rank_section(1)]
@@ -44,12 +47,8 @@ SECTIONS = [mf.SHARED, mf.rank_section(0), mf.rank_section(1)]
 def _write(ctl: Controller, step: int, section: str) -> tuple[dict, torch.Tensor]:
     """Phase 2 of one section, as a holder does it: the files and what part_durable carries."""
     value = torch.arange(8, dtype=torch.float32) + 100 * step + SECTIONS.index(section)
-    flat = _codec.flatten({"w": value})
-    arena = _Arena(flat.nbytes, pin=False)
-    arena.dst(flat.entries[0]).copy_(value)
-    files = mf.write_section(
-        ctl.storage, mf.step_dir(step), ctl.generation, section, arena.numpy(), mf.encode_index(flat)
-    )
+    arena, index = arena_of({"w": value})
+    files = mf.write_section(ctl.storage, mf.step_dir(step), ctl.generation, section, arena, index)
     return {k: v.to_json() for k, v in files.items()}, value
 
 
@@ -364,7 +363,7 @@ def test_a_memory_restore_takes_a_peers_copy_of_a_lost_nodes_section(controller)
     assert "the peer died" in rows[10]["replica_error"]
 
 
-def test_a_restarted_controller_learns_the_peers_copies_from_their_holders(controller, tmp_path, ray_cluster):
+def test_a_restarted_controller_learns_the_peers_copies_from_their_holders(controller, tmp_path):
     """A controller that starts again learns what each holder holds from its ``resync``; the copies
     a holder keeps for other nodes are in it too (#12: a restarted controller used to forget them,
     so a node lost before the next copy meant storage). Here node B is lost with the controller:
@@ -374,17 +373,37 @@ def test_a_restarted_controller_learns_the_peers_copies_from_their_holders(contr
     lost node's holder included: they used to stay until the run ended)."""
     import numpy as np
     import pyarrow.fs as pafs
-    import ray
 
     from cf_ray._engine.node.holder import Holder
 
     meta = {"world_size": 2, "replicated": False, "epoch": 0, "kind": CheckpointKind.SCHEDULED}
     r0, r1 = mf.rank_section(0), mf.rank_section(1)
-    holder = Holder(FsStorage(pafs.LocalFileSystem(), str(tmp_path / "h")), "cf_ray.controller.gone", "cf_ray-test")
-    holder._name, holder._node = "hA", "A"  # an actor of node A (here in the test's process)
-    ref = ray.put(np.arange(32, dtype=np.uint8))
-    got = holder.hold_replica(1, 10, r1, [ref], b"{}", SnapshotMeta(**meta, rank=1), "hB", origin_node="B")
-    assert got["holder"] == "hA"
+
+    def holder_of(node):  # the holders of nodes A and B, here in the test's process
+        return Holder(
+            FsStorage(pafs.LocalFileSystem(), str(tmp_path / node)),
+            "cf_ray.controller.gone",
+            "cf_ray-test",
+            name=f"h{node}",
+            node=node,
+            host="127.0.0.1",
+        )
+
+    holder, origin = holder_of("A"), holder_of("B")
+
+    def copy(step):  # B offers its section of ``step``; A pulls it, as B's replicator has A do
+        arena = np.arange(32, dtype=np.uint8)
+        staged = staged_slot(origin.arena(r1, 32), 1, step, r1, arena, b'{"entries":[],"tree":null}')
+        lk = slots.ReadLock.take(staged.slot, 1, step)
+        desc, _ = origin._server.get().offer(32, lk.close, fd=lk.fd, offset=slots.HEADER_BYTES)
+        offer = ReplicaOffer(
+            generation=1, step=step, section=r1, index=staged.index, crc32=staged.crc32,
+            meta=SnapshotMeta(**meta, rank=1), origin="hB", origin_node="B", stream=desc,
+        )  # fmt: skip
+        return holder.hold_replica(offer)
+
+    got = copy(10)
+    assert got.holder == "hA"
     state = holder.resync()
     assert [(m.holder, m.origin, m.section, m.step) for m in state.replicas] == [("hA", "hB", r1, 10)]
     assert [(m.holder, m.node_id, m.section) for m in state.replica_origins] == [("hB", "B", r1)]
@@ -394,7 +413,7 @@ def test_a_restarted_controller_learns_the_peers_copies_from_their_holders(contr
     state = dataclasses.replace(state, generation=1, staged=(own,))
 
     # Copies that can no longer be restored go: a commit of step 12 (generation 1) drops the copy of step 10.
-    holder.hold_replica(1, 12, r1, [ref], b"{}", SnapshotMeta(**meta, rank=1), "hB", origin_node="B")
+    copy(12)
     holder.forget([], committed=(1, 12))
     assert [m.step for m in holder.resync().replicas] == [12]
     holder.forget([], committed=(2, 12))  # a newer generation committed: the old one's copies are stale

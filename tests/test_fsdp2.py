@@ -114,6 +114,7 @@ def _same(a, b) -> bool:
 def _worker(rank: int, port: int, root: str) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from slot_helpers import in_process_slots
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -178,6 +179,7 @@ def _worker(rank: int, port: int, root: str) -> None:
         # Taking the state of an optimizer without state does not create it (DCP would, with a step).
         assert sharded.state_dict("optimizer")["state"] == {} and not opt.state
         p = Phase1(rank, WORLD, True, state, {}, holder=None, timing=Timing(), sharded=sharded)
+        in_process_slots(p)
         assert not p.replicated  # sharded state: per-rank sections whatever the config says
         staged = {}
         p._snap._hand_off = lambda job, secs: staged.update(
@@ -279,6 +281,7 @@ def _worker(rank: int, port: int, root: str) -> None:
         plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-2)
         _train(plain, plain_opt, (1, 2), 0)  # the same on every rank, as DDP keeps it
         pr = Phase1(rank, WORLD, True, {"model": plain, "optimizer": plain_opt}, {}, holder=None, timing=Timing())
+        in_process_slots(pr)
         ddp = {}
         pr._snap._hand_off = lambda job, secs: ddp.update({n: (s.arena.copy(), s.index) for n, s in secs.items()})
         pr.take(SNAP_STEP, 0, CheckpointKind.SCHEDULED, milestone=False, interval=None, notice={})
@@ -375,6 +378,7 @@ def _worker(rank: int, port: int, root: str) -> None:
         sharded1 = ShardedState.of(state1)
         assert sharded1 is not None and sharded1.names == {"model", "optimizer"}
         p1 = Phase1(rank, WORLD, True, state1, {}, holder=None, timing=Timing(), sharded=sharded1)
+        in_process_slots(p1)
         got1 = {}
         p1._snap._hand_off = lambda job, secs: got1.update({n: (s.arena.copy(), s.index) for n, s in secs.items()})
         _train(f1, f1_opt, (1, 2, 3), rank, guard=p1.wait_copy)
@@ -523,6 +527,7 @@ def _worker(rank: int, port: int, root: str) -> None:
                 Timing(),
                 sharded=ShardedState.of({"model": m1, "optimizer": o1}),
             )
+            in_process_slots(p1)
             one = {}
             p1._snap._hand_off = lambda job, secs: one.update({n: (s.arena.copy(), s.index) for n, s in secs.items()})
             p1.take(SNAP_STEP, 0, CheckpointKind.SCHEDULED, milestone=False, interval=None, notice={})
@@ -669,6 +674,7 @@ def _worker(rank: int, port: int, root: str) -> None:
                 Timing(),
                 sharded=ShardedState.of({"model": m, "optimizer": o}),
             )
+            in_process_slots(p)
             got = {}
             p._snap._hand_off = lambda job, secs: got.update({n: (s.arena.copy(), s.index) for n, s in secs.items()})
             p.take(SNAP_STEP, 0, CheckpointKind.SCHEDULED, milestone=False, interval=None, notice={})

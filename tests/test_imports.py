@@ -8,7 +8,7 @@ import sys
 
 import cf_ray
 
-ACTOR_ROOMS = ("_engine/node", "_engine/driver")
+ACTOR_ROOMS = ("_engine/node", "_engine/driver", "_engine/memory", "_engine/protocol")
 """Folders of ``cf_ray`` whose modules run in the actor processes: nothing there imports torch."""
 
 

@@ -97,12 +97,13 @@ def start_run(slow):
     gen = ray.get(ctl.prepare_restore.remote(1), timeout=60).generation
     ray.get(ctl.restored.remote(Restored(source=RestoreSource.FRESH, step=0, epoch=0)), timeout=60)
     holder = resolve_holder(key, st, controller_name(key), _env.namespace())
+    from slot_helpers import stage_bytes
     arena = np.arange(4096, dtype=np.uint8)
     index = b'{"entries":[],"tree":null}'
-    ray.get(holder.stage.remote(gen, 1, {SEC: (arena, index)}, meta=META), timeout=60)
+    stage_bytes(ray, holder, gen, 1, {SEC: (arena, index)}, META)
     ok = wait_for(lambda: ray.get(ctl.settled.remote(gen, [1]), timeout=30).committed == (1,), 60)
     if slow:  # step 2 stays in the holder's memory: its write stalls
-        ray.get(holder.stage.remote(gen, 2, {SEC: (arena, index)}, meta=META), timeout=60)
+        stage_bytes(ray, holder, gen, 2, {SEC: (arena, index)}, META)
     return {"task_node": ray.get_runtime_context().get_node_id(), "committed": bool(ok),
             "controller_id": ctl._actor_id.hex(), "holder": ray.get(holder.ping.remote(), timeout=30)}
 

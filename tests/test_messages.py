@@ -28,14 +28,22 @@ from cf_ray._engine.protocol.messages import (
     PartStaged,
     PartSuperseded,
     ProtocolError,
+    ReplicaHeld,
+    ReplicaOffer,
     RequestLevel,
     Restored,
     RestorePlan,
     RestoreSource,
     Schedule,
+    SectionAt,
     SectionState,
     Settled,
+    SlotDesc,
     SnapshotMeta,
+    Stage,
+    StagedSlot,
+    StageReply,
+    StreamDesc,
     SyncReply,
     SyncRequest,
 )
@@ -55,8 +63,28 @@ META = SnapshotMeta(
 MEMORY = MemorySnapshot(
     generation=2, step=10, sections={mf.SHARED: "cf_ray.holder.k.n1"}, world_size=2, epoch=1, replicated=True
 )
+SLOT = SlotDesc(path="/proc/1/fd/7", name="cf_ray.k.rank_00000.0", ino=12, dev=1, nonce=2**63 + 5, nbytes=4096, seq=3)
+STREAM = StreamDesc(host="10.0.0.2", port=4242, token=bytes(range(16)), nbytes=4096, tls=True)
 EXAMPLES: list[Message] = [
     META,
+    SLOT,
+    STREAM,
+    SectionAt(where=SLOT, index=b"{}", crc32=7),
+    StagedSlot(section=mf.rank_section(0), slot=SLOT, index=b"{}", crc32=7),
+    Stage(generation=2, step=10, meta=META, sections=(StagedSlot(section="s", slot=SLOT, index=b"{}", crc32=7),)),
+    StageReply(recorded=False, unknown=(mf.SHARED,)),
+    ReplicaOffer(
+        generation=2,
+        step=10,
+        section=mf.SHARED,
+        index=b"{}",
+        crc32=7,
+        meta=META,
+        origin="h1",
+        origin_node="n1",
+        stream=STREAM,
+    ),  # fmt: skip
+    ReplicaHeld(holder="h2", node_id="n2", nbytes=4096, seconds=0.01),
     PartStaged(
         generation=2,
         step=10,

@@ -4,8 +4,8 @@ ranks of a ``TorchTrainer`` run on two nodes, and a node can be drained and lost
 drain with a deadline, a node lost with and without a copy of its snapshots on the other node, a
 real elastic resize (``num_workers=(1, 2)``: 2 -> 1 -> 2), and a node lost while its copies are in
 flight. A real drain whose deadline fits storage is run by the spot example
-(``tests/test_docs.py::test_example_spot_training_runs``), on a cluster of the same shape. Each test that removes a node adds one, so the next test has two worker nodes again; the
-last test leaves one whose raylet has ``CF_RAY_TEST_REPLICA_PULL_DELAY`` set (keep it last).
+(``tests/test_docs.py::test_example_spot_training_runs``), on a cluster of the same shape. Each test
+that removes a node adds one, so the next test has two worker nodes again.
 
 The shared test cluster is shut down for this module (a driver talks to one cluster at a time) and
 started again by the next test that asks for ``ray_cluster``.
@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 
+import holder_hooks
 import pytest
 import test_engine_e2e as e2e
 from test_faults_e2e import STEPS, _controllers_of, _newest_step
@@ -263,32 +264,37 @@ def test_a_drain_that_fits_a_peer_copy_but_not_storage_restores_from_the_peer(mu
     assert res["steps"] == STEPS
 
 
-@pytest.mark.parametrize("replicas", [1])
-def test_node_loss_restores_from_a_peer_copy_bitwise(multinode, reference, tmp_path, replicas):
-    """The node of one rank is lost (removed without notice) mid-run. With ``replicas=1`` every
-    snapshot has a copy in a holder of the other node, so the restarted group restores the newest
-    snapshot from the surviving node's memory, although its own holder died with the node (with
-    ``replicas=0`` it restores from storage: parametrize with 0 to see it; in CI the drain that is too
-    short for any tier, below, loses a node with replication off and restores from storage, bitwise,
-    to keep the suite's time). Storage is slow for step 10
-    (its write takes 15 s), so the newest snapshot in memory (step 10 or later) is newer than the
-    newest committed one (step 5) when the node goes. Every sample once and the final state bitwise
-    equal to the uninterrupted run."""
+@pytest.mark.parametrize("every", [1, 2, 4])
+def test_node_loss_restores_from_a_peer_copy_bitwise(multinode, reference, tmp_path, every):
+    """The node of one rank is lost (removed without notice) mid-run, with ``replicas=1``: the
+    restarted group restores the newest snapshot every section of which survives on the other node
+    — the lost rank's sections from the peer's copies, the survivor's from its own holder — although
+    the lost node's holder died with it; every sample once and the final state bitwise equal to the
+    uninterrupted run (``replicas=0`` restores from storage: the drain too short for any tier, above,
+    loses a node with replication off, bitwise).
+
+    ``replica_every=1``: storage is slow for step 10 (15 s), so memory is newer than storage when the
+    node goes after step 12: the newest snapshot (step 10 or later) from memory, streamed to the
+    replacement node's rank. ``replica_every`` 2 and 4 (issue 28): only steps 10 and 20, or 20, are
+    copied; storage stalls from step 15 on (step 15's write holds one slot of each section for 30 s),
+    and the node goes after step 25 was taken: step 20 — the newest copied step — from memory,
+    though step 25 was taken since (it used the spare slot: the survivor kept its own sections of 20)."""
     import pyarrow.fs as pafs
 
     from faulty_fs import SlowHandler
 
     cluster, (node_a, node_b) = multinode
-    name = f"nodeloss{replicas}"
+    name = f"nodeloss{every}"
     out = tmp_path / "out" / name
-    fs = pafs.PyFileSystem(SlowHandler(10, 11, 15.0))
+    slow = SlowHandler(10, 11, 15.0) if every == 1 else SlowHandler(15, STEPS + 1, 30.0, generation=1)
     cfg = dict(
         e2e.SMALL,
         keep_last=None,
-        step_sleep=0.3,
-        replicas=replicas,
+        step_sleep=0.3 if every == 1 else 1.0,  # 2, 4: the node goes between steps 25 and 26
+        replicas=1,
+        replica_every=every,
         storage_path=str(tmp_path / "ckpts"),
-        storage_filesystem=fs,
+        storage_filesystem=pafs.PyFileSystem(slow),
     )
     fitted: dict = {}
 
@@ -301,34 +307,45 @@ def test_node_loss_restores_from_a_peer_copy_bitwise(multinode, reference, tmp_p
     trainer = threading.Thread(target=train, daemon=True)
     trainer.start()
     deadline = time.time() + 240
-    while time.time() < deadline and _newest_step(out) < 12 and trainer.is_alive():
-        time.sleep(0.05)
-    assert _newest_step(out) >= 12, fitted
-    time.sleep(2.0)  # step 10's copies are made in the holders' background (milliseconds for this state)
+
+    def newest() -> int:
+        return max(_newest_step(out, r) for r in (0, 1))
+
+    def wait_for_step(step: int) -> None:
+        while time.time() < deadline and newest() < step and trainer.is_alive():
+            time.sleep(0.05)
+        assert newest() >= step, fitted
+
+    wait_for_step(1)  # both ranks placed, one on each node: capacity for the restarted group now
     new_node = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=OBJECT_STORE_BYTES)
+    wait_for_step(12 if every == 1 else 25)
+    # The newest snapshot's hand-off and copies are made in the background (milliseconds for this state).
+    time.sleep(2.0 if every == 1 else 0.4)
+    lost_at = newest()
     cluster.remove_node(node_b)  # a spot node reclaimed: its raylet, object store, worker and holder gone
+    multinode[1][1] = new_node  # the node a later test of this module takes away
     trainer.join(400)
     assert not trainer.is_alive(), "the run did not finish after the node loss"
     assert "error" not in fitted, fitted
     first, second = e2e.resumes(out)[:2]
     assert first["source"] == "fresh"
     res = e2e.result_of(out)
-    if replicas:
-        # The newest snapshot, from memory: the lost rank's section from the peer's copy on the other node.
+    if every == 1:
         assert second["source"] == "memory" and second["step"] >= 10, second
-        # The rank on the replacement node streamed its sections straight from the holder of the
-        # surviving node (no object-store copy); the other read its node's slots in place.
-        read = [e2e.resumes(out, r)[1]["read_bytes"] for r in range(2)]
-        assert sum(r.get("direct", 0) for r in read) > 0 and not any(r.get("object_store") for r in read), read
-        rows = {r["step"]: r for r in res["profile"] if r.get("generation") == 1}
-        row = rows[second["step"]]
-        assert row.get("replica_bytes", 0) > 0 and row.get("replica_s") is not None, row
     else:
-        assert (second["source"], second["step"]) == ("storage", 5), second
-        assert not any("replica_bytes" in r for r in res["profile"])
+        assert lost_at == 25, f"the node went after step {lost_at}, not between steps 25 and 26 (a loaded machine?)"
+        assert (second["source"], second["step"]) == ("memory", 20), second
+    # The rank on the replacement node streamed its sections straight from the holder of the
+    # surviving node; the other read its node's slots in place.
+    read = [e2e.resumes(out, r)[1]["read_bytes"] for r in range(2)]
+    assert sum(r.get("direct", 0) for r in read) > 0 and set().union(*read) <= {"direct", "in_place"}, read
+    rows = {r["step"]: r for r in res["profile"] if r.get("generation") == 1}
+    row = rows[second["step"]]
+    assert row.get("replica_bytes", 0) > 0 and row.get("replica_s") is not None, row
+    if every > 1:
+        assert not rows[25].get("replica_bytes"), rows[25]  # not copied
     assert e2e.lineage(out) == e2e.lineage(reference)
     assert demo.states_equal(reference / "final_state.pt", out / "final_state.pt")
-    multinode[1][1] = new_node  # the node a later test of this module takes away
 
 
 def test_replicas_go_to_another_pool_never_to_a_draining_node(multinode, tmp_path):
@@ -589,25 +606,24 @@ def test_elastic_two_one_two_with_real_num_workers_range(multinode, tmp_path, mo
         assert torch.equal(final[k], expected[k]), k
 
 
-def test_node_loss_while_a_copy_is_in_flight_never_restores_that_step(multinode, reference, tmp_path, monkeypatch):
+def test_node_loss_while_a_copy_is_in_flight_never_restores_that_step(multinode, reference, tmp_path):
     """The origin's node is lost while its holder's copy of step 10 to the peer is in flight (the
-    peer's holder got the call and waits before it pulls the bytes: ``CF_RAY_TEST_REPLICA_PULL_DELAY``
-    on the peer's node), and storage is slow for step 10, so only step 5 is committed. Step 10 is
+    peer's holder got the call and waits 20 s before it pulls the bytes: the test wraps that holder's
+    ``Replicator.receive`` in its own process, through ``__ray_call__``), and storage is slow for
+    step 10, so only step 5 is committed. Step 10 is
     then half-copied: the survivor's sections have copies, the lost node's have none. The restarted
     group must restore step 5, from memory (its last complete copy), without trying step 10 first
     (no fallback), every sample once and the final state bitwise equal to the uninterrupted run."""
     import pyarrow.fs as pafs
     import ray
 
-    from cf_ray._engine import env as cf_env
+    from cf_ray._engine.protocol.naming import holder_name
 
     from faulty_fs import SlowHandler
 
     cluster, nodes = multinode
-    # Node X, the survivor: its raylet (so its holder) has the knob. The run goes on A and X.
-    monkeypatch.setenv(cf_env.TEST_REPLICA_PULL_DELAY, "10:20")
+    # Node X, the survivor. The run goes on A and X.
     node_x = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=OBJECT_STORE_BYTES)
-    monkeypatch.delenv(cf_env.TEST_REPLICA_PULL_DELAY)
     cluster.remove_node(nodes[1])
     nodes[1] = node_x
     cluster.wait_for_nodes()
@@ -634,6 +650,19 @@ def test_node_loss_while_a_copy_is_in_flight_never_restores_that_step(multinode,
     trainer = threading.Thread(target=train, daemon=True)
     trainer.start()
     deadline = time.time() + 240
+    # X's holder, once the run's worker there made it: its pulls of step 10 wait 20 s first.
+    holder_x = None
+    while holder_x is None:
+        assert time.time() < deadline and trainer.is_alive(), fitted
+        for ctl_name, ctl_ns in _controllers_of(ray, name):
+            key = ctl_name.removeprefix("cf_ray.controller.")
+            try:
+                holder_x = ray.get_actor(holder_name(key, node_x.node_id), namespace=ctl_ns)
+            except ValueError:
+                pass
+        time.sleep(0.02)
+    ray.get(holder_x.__ray_call__.remote(holder_hooks.delay_pulls, 10, 20.0), timeout=60)
+    assert _newest_step(out) < 10, "step 10 was copied before the delay was in place"
     while time.time() < deadline and _newest_step(out) < 11 and trainer.is_alive():
         time.sleep(0.05)
     assert _newest_step(out) >= 11, fitted

@@ -494,9 +494,12 @@ class _Received:
 
 
 def _phase1(state):
+    from slot_helpers import in_process_slots
+
     p = Phase1(0, 1, True, state, {}, holder=None, timing=Timing())
     rec = _Received()
     p._snap._hand_off = rec
+    in_process_slots(p)
     return p, rec
 
 

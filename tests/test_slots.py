@@ -5,6 +5,8 @@ header and locks keep readers from ever taking one fill for another."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 import zlib
 
 import numpy as np
@@ -14,7 +16,9 @@ import torch
 from test_snapshot import _clone, _equal_trees, _job
 
 from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.node import shm
+from cf_ray._engine.memory import crc
+from cf_ray._engine.memory import slots as shm
+from cf_ray._engine.node.slot_store import SlotStore
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray._engine.worker.cpu_budget import CpuBudget
 from cf_ray._engine.worker.snapshot import Snapshotter
@@ -23,24 +27,20 @@ pytestmark = pytest.mark.skipif(not shm.available(), reason="needs Linux memfd_c
 
 
 class _Holder:
-    """What the holder does with a slot hand-off, in process: it keeps the descriptors only."""
+    """What the holder does with a slot hand-off, in process: its slot store makes the slots, and it
+    keeps the descriptors only."""
 
     def __init__(self):
-        self.pairs: dict[str, shm.SlotPair] = {}
+        self.store = SlotStore("test")
+        self.arena = self.store.arena
         self.staged: dict[int, dict] = {}
-
-    def arena(self, section: str, nbytes: int) -> list[str]:
-        pair = self.pairs.get(section)
-        if pair is None or pair.nbytes != nbytes:
-            pair = self.pairs[section] = shm.SlotPair(section, nbytes)
-        return list(pair.paths)
 
     def __call__(self, job, sections):
         self.staged[job.step] = {n: (s.slot, s.index, s.crc32) for n, s in sections.items()}
 
     def read(self, step: int, name: str = "s", generation: int = 0):
         desc, index, _ = self.staged[step][name]
-        lk = shm.ReadLock.take(desc.path, generation, step, desc.seq)
+        lk = shm.ReadLock.take(desc, generation, step)
         return lk, index
 
 
@@ -130,62 +130,73 @@ def test_the_next_snapshot_fills_the_other_slot_and_a_coalesced_one_is_never_rea
     snap.release_buffers()
 
 
-def test_a_slot_a_reader_holds_is_never_filled_and_both_held_makes_the_snapshot_wait():
+def test_held_slots_are_never_filled_the_spare_takes_over_and_all_held_makes_the_snapshot_wait():
+    """Both slots held by the holder (one being written, one pinned: a milestone, the protected copied
+    step): the next snapshot goes to the spare at once, its pages taken only then; all three held: it
+    waits for the first released, and says so."""
     model, opt, train_step, sections, guarded = _job()
     holder = _Holder()
     snap = Snapshotter(0, holder, arena_source=holder.arena)
     train_step()
-    for step in (1, 2):
+
+    def take(step):
+        expected = _clone(sections()["s"])
         snap.begin(step, sections(), guarded, {})
         train_step(snap)
-        assert snap.wait_done(timeout=30)
-    # The holder persists step 1 (shared lock) and keeps step 2 pinned (a milestone waiting for its write).
+        assert snap.wait_done(timeout=30) and snap.take_errors() == []
+        return expected
+
+    for step in (1, 2):
+        take(step)
+    spare_pages = holder.store.held_bytes()["slots"]
+    # The holder persists step 1 (shared lock) and keeps step 2 pinned.
     locks = [holder.read(1)[0], holder.read(2)[0]]
     assert all(lk is not None for lk in locks)
-    import threading
+    expected = {3: take(3)}
+    assert snap.last_timings["slot_wait_s"] < 0.2
+    paths = {s: holder.staged[s]["s"][0].path for s in (1, 2, 3)}
+    assert len(set(paths.values())) == 3  # the spare, never a held one
+    assert holder.store.held_bytes()["slots"] > spare_pages  # its pages taken now, not before
+    locks.append(holder.read(3)[0])
 
     def release_later():
-        import time
-
         time.sleep(0.3)
         locks[0].close()
 
     threading.Thread(target=release_later).start()
-    expected = _clone(sections()["s"])
-    snap.begin(3, sections(), guarded, {})
-    train_step(snap)
-    assert snap.wait_done(timeout=30)
+    expected[4] = take(4)
     assert snap.last_timings["slot_wait_s"] >= 0.2  # it waited for the write of step 1, and says so
-    assert holder.staged[3]["s"][0].path == holder.staged[1]["s"][0].path  # never the pinned one
-    lk, index = holder.read(3)
-    tree, entries = mf.parse_index(index, "test")
-    assert _equal_trees(
-        mf.Section(tree, entries, np.frombuffer(lk.data, dtype=np.uint8)).materialize(copy=True), expected
-    )
-    lk.close()
-    locks[1].close()
+    assert holder.staged[4]["s"][0].path == paths[1]
+    for step in (3, 4):
+        lk, index = holder.read(step)
+        tree, entries = mf.parse_index(index, "test")
+        got = mf.Section(tree, entries, np.frombuffer(lk.data, dtype=np.uint8)).materialize(copy=True)
+        lk.close()
+        assert _equal_trees(got, expected[step]), step
+    for lk in locks[1:]:
+        lk.close()
     snap.close()
     snap.release_buffers()
 
 
 def test_a_worker_that_dies_mid_fill_leaves_a_slot_that_reads_as_empty(tmp_path):
-    pair = shm.SlotPair("s", 1 << 16)
-    w = shm.WriterSlot(pair.paths[0], 1 << 16)
+    slot = shm.Slot(shm.memfd_name("run", "s", 0), 1 << 16)
+    w = shm.WriterSlot(slot.desc, 1 << 16)
     assert w.try_fill()
     desc = w.seal(0, 5)
     assert w.try_fill()  # the next fill began (header: filling) ...
     w.data()[:4] = b"half"
     w.close()  # ... and the process is gone: its lock went with it
-    assert shm.ReadLock.take(desc.path, 0, 5, desc.seq) is None  # never read as step 5
-    assert shm.read_header(shm.WriterSlot(pair.paths[0], 1 << 16).map).state == shm.FILLING
-    pair.close()
+    assert shm.ReadLock.take(desc, 0, 5) is None  # never read as step 5
+    assert shm.WriterSlot(slot.desc, 1 << 16).header().state == shm.FILLING
+    slot.close()
 
 
 def test_crc32_combine_is_zlibs():
     data = os.urandom(3 * mf.BLOCK_BYTES + 1234)
     blocks = mf.block_crcs(np.frombuffer(data, dtype=np.uint8))
-    assert shm.combine_blocks(blocks, mf.BLOCK_BYTES, len(data)) == zlib.crc32(data)
-    assert shm.combine_blocks([], mf.BLOCK_BYTES, 0) == zlib.crc32(b"")
+    assert crc.combine_blocks(blocks, mf.BLOCK_BYTES, len(data)) == zlib.crc32(data)
+    assert crc.combine_blocks([], mf.BLOCK_BYTES, 0) == zlib.crc32(b"")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -221,6 +232,57 @@ def test_cuda_tensors_are_copied_by_dma_into_the_pinned_slot_on_their_devices_st
     _t, _e, blocks = mf.parse_index_blocks(index, "test")
     assert blocks is not None and list(blocks.crc32) == mf.block_crcs(np.frombuffer(lk.data, dtype=np.uint8))
     lk.close()
+    assert all(torch.equal(got["model"][k], v) for k, v in expected.items())
+    snap.close()
+    snap.release_buffers()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_copies_into_the_spare_slot_register_it_on_first_use():
+    """Both regular slots held by the holder: the snapshot goes to the spare, which is registered with
+    CUDA (its pages pinned) only then, and the DMA lands exact."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8)).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    x = torch.randn(64, 256, device="cuda")
+    holder = _Holder()
+    snap = Snapshotter(0, holder, arena_source=holder.arena)
+
+    def train_step():
+        model(x).square().mean().backward()
+        snap.wait_copy()
+        opt.step()
+        opt.zero_grad()
+
+    def guarded(t):
+        ptrs = {p.data_ptr() for p in model.parameters()}
+        ptrs |= {v.data_ptr() for st in opt.state.values() for v in st.values() if v.dim() > 0}
+        return t.data_ptr() in ptrs
+
+    def sections():
+        return {"s": {"model": model.state_dict(), "opt": opt.state_dict()}}
+
+    train_step()
+    for step in (1, 2):
+        snap.begin(step, sections(), guarded, {})
+        train_step()
+        assert snap.wait_done(timeout=60) and snap.take_errors() == []
+    arena = snap._arenas["s"][1]
+    assert sorted(arena._registered) == [0, 1]  # the spare not yet
+    locks = [holder.read(1)[0], holder.read(2)[0]]
+    expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    snap.begin(3, sections(), guarded, {})
+    assert arena.current == 2 and sorted(arena._registered) == [0, 1, 2] and arena.tensor.is_pinned()
+    train_step()
+    assert snap.wait_done(timeout=60) and snap.take_errors() == []
+    lk, index = holder.read(3)
+    tree, entries = mf.parse_index(index, "test")
+    got = mf.Section(tree, entries, np.frombuffer(lk.data, dtype=np.uint8)).materialize(copy=True)
+    _t, _e, blocks = mf.parse_index_blocks(index, "test")
+    assert blocks is not None and list(blocks.crc32) == mf.block_crcs(np.frombuffer(lk.data, dtype=np.uint8))
+    lk.close()
+    for lock in locks:
+        lock.close()
     assert all(torch.equal(got["model"][k], v) for k, v in expected.items())
     snap.close()
     snap.release_buffers()

@@ -7,15 +7,18 @@ import numpy as np
 import torch
 
 from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.node.slot_store import SlotStore
 from cf_ray._engine.worker.snapshot import Snapshotter
 
 
 class _Received:
-    """A hand-off that keeps its own copy of what it was given, as the holder actor does."""
+    """A hand-off that keeps a copy of what it was given; its slots are a holder's (``SlotStore``)."""
 
     def __init__(self):
         self.jobs: dict[int, dict] = {}
         self.arena_ptrs: dict[int, dict[str, int]] = {}
+        self.store = SlotStore("test")
+        self.arena = self.store.arena
 
     def __call__(self, job, sections):
         self.arena_ptrs[job.step] = {n: s.arena.ctypes.data for n, s in sections.items()}
@@ -78,7 +81,7 @@ def _clone(tree):
 def test_snapshot_is_the_state_at_its_step_although_training_goes_on_during_the_copy():
     model, opt, train_step, sections, guarded = _job()
     got = _Received()
-    snap = Snapshotter(0, got)
+    snap = Snapshotter(0, got, arena_source=got.arena)
     train_step()
     expected = {}
     for step in range(1, 4):
@@ -96,7 +99,7 @@ def test_snapshot_is_the_state_at_its_step_although_training_goes_on_during_the_
 def test_prepared_buffers_are_the_ones_the_first_snapshot_copies_into():
     model, opt, train_step, sections, guarded = _job()
     got = _Received()
-    snap = Snapshotter(0, got)
+    snap = Snapshotter(0, got, arena_source=got.arena)
     train_step()  # Adam creates its state here: the layout is final
     assert snap.prepare(sections()) is True
     assert snap.wait_done(timeout=30)
@@ -115,7 +118,7 @@ def test_prepared_buffers_are_the_ones_the_first_snapshot_copies_into():
 def test_a_layout_that_changed_after_prepare_gets_new_buffers_and_a_correct_snapshot():
     model, opt, train_step, sections, guarded = _job()
     got = _Received()
-    snap = Snapshotter(0, got)
+    snap = Snapshotter(0, got, arena_source=got.arena)
     assert snap.prepare(sections())  # before the first optimizer step: Adam has no state yet
     assert snap.wait_done(timeout=30)
     small = snap._arenas["s"][1].nbytes

@@ -249,3 +249,60 @@ def test_a_range_read_returns_exactly_those_bytes(storage):
     for offset, n in ((0, 10), (1 << 20, 5000), ((3 << 20) - 7, 7), ((3 << 20) - 7, 100), (5, 0)):
         got = storage.read_range("d/f.bin", offset, n)
         assert np.array_equal(got, payload[offset : offset + n])  # shorter at the end of the file
+
+
+def test_a_write_whose_checksum_thread_dies_fails_and_never_hangs(monkeypatch):
+    """Issue 23 #9: the O_DIRECT writer hands chunks to a CRC-32 thread through a bounded queue; when
+    that thread fails, the write fails with its error (no file with a made-up checksum) instead of
+    waiting for ever on the full queue."""
+    import threading
+
+    from cf_ray._engine.storage import direct_io
+
+    calls = []
+
+    def failing_crc(mv, crc=0):
+        calls.append(mv.nbytes)
+        if len(calls) == 2:
+            raise MemoryError("the checksum thread's allocation failed")
+        return 0
+
+    monkeypatch.setattr(direct_io, "_crc32", failing_crc)
+    chunks = [memoryview(bytes(1024))] * 64  # many more than the queue holds
+    written = []
+    outcome: dict = {}
+
+    def write():
+        try:
+            direct_io._write_with_crc(chunks, written.append)
+        except BaseException as e:  # noqa: BLE001 - what the test looks at
+            outcome["error"] = e
+
+    t = threading.Thread(target=write, daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), "the write hung on its dead checksum thread"
+    assert isinstance(outcome.get("error"), OSError) and "CRC-32" in str(outcome["error"]), outcome
+    assert isinstance(outcome["error"].__cause__, MemoryError)
+    assert len(written) < len(chunks)  # it stopped writing
+
+
+def test_directories_made_for_a_file_are_made_durable(tmp_path, monkeypatch):
+    """Issue 23 #9: a new file's directory is fsynced after its rename, and so is the parent of every
+    directory made on the way (a new directory's entry lives in its parent)."""
+    real_fsync = os.fsync
+    synced: list[str] = []
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    storage = FsStorage.from_uri(str(tmp_path / "root"))
+    storage.write_file("checkpoints/step_1/data.bin", [b"abc"])
+    root = str(tmp_path)
+    dirs = {p for p in synced if os.path.isdir(p)}
+    assert {root, f"{root}/root", f"{root}/root/checkpoints", f"{root}/root/checkpoints/step_1"} <= dirs, synced
+    synced.clear()
+    storage.write_file("checkpoints/step_1/more.bin", [b"d"])  # nothing new made: its directory only
+    assert {p for p in synced if os.path.isdir(p)} == {f"{root}/root/checkpoints/step_1"}, synced

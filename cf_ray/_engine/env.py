@@ -1,4 +1,4 @@
-"""cf_ray's tunables, in one place: the eight environment variables a user may set, and the module
+"""cf_ray's tunables, in one place: the seven environment variables a user may set, and the module
 constants that only tests change.
 
 **Environment variables** (documented in ``docs/guides/configuration.md``; the names below are
@@ -19,8 +19,6 @@ takes effect in the next object built; a Ray process reads the environment it wa
                                          checkpoint with Ray Train (``ray.train.report``)
 ``CF_RAY_DIRECT_IO``            1        ``0``: large local writes go through the page cache
                                          instead of ``O_DIRECT``
-``CF_RAY_PEER_STREAM``          1        ``0``: a restore on another node gets held sections
-                                         through Ray's object transfer, not the direct stream
 ``CF_RAY_ALLOW_UNTESTED_RAY``   unset    ``1``: import cf_ray with a Ray it was not tested with
 ==============================  =======  =====================================================
 
@@ -30,8 +28,8 @@ changes one with ``monkeypatch.setattr(env, "UPLOAD_QUEUE", 2)`` (in the test's 
 actor's process imports its own copy). Until the next release, the variable a constant used to be
 (``CF_RAY_<NAME>``) is still honoured when it is set at import, with a :class:`DeprecationWarning`.
 
-**Test hooks** (the last two names): fault injection that tests need in other processes; they are
-to leave production code (see each one's comment).
+**Test hook** (the last name): fault injection that tests need in another process; it is to
+leave production code (see its comment).
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ from typing import TypeVar, cast
 
 _T = TypeVar("_T", int, float, str)
 
-# -- the environment variables (at most eight, each documented) ----------------------------------------
+# -- the environment variables (seven, each documented) ----------------------------------------
 #: Seconds a worker waits for the controller or a holder in a blocking call (restore, wait, close).
 ACTOR_TIMEOUT_S = "CF_RAY_ACTOR_TIMEOUT_S"
 #: Seconds the controller stays alive after every rank has finished, so the driver can read it.
@@ -58,9 +56,6 @@ REAPER_INTERVAL_S = "CF_RAY_REAPER_INTERVAL_S"
 REGISTER_INTERVAL_S = "CF_RAY_REGISTER_INTERVAL_S"
 #: "0" turns off direct I/O (O_DIRECT) for large local writes; they then go through the page cache.
 DIRECT_IO = "CF_RAY_DIRECT_IO"
-#: "0" turns off the direct transfer of held sections to readers on other nodes (#12,
-#: ``node/stream.py``): a restore on another node then gets them through Ray's object transfer.
-PEER_STREAM = "CF_RAY_PEER_STREAM"
 #: "1" lets cf_ray import with a Ray version it was not tested with (``cf_ray._version``).
 ALLOW_UNTESTED_RAY = "CF_RAY_ALLOW_UNTESTED_RAY"
 
@@ -71,7 +66,6 @@ VARIABLES: dict[str, float] = {
     REAPER_INTERVAL_S: 5.0,
     REGISTER_INTERVAL_S: 10.0,
     DIRECT_IO: 1,
-    PEER_STREAM: 1,
     ALLOW_UNTESTED_RAY: 0,
 }
 """Every environment variable cf_ray reads (besides the test hooks), with its default."""
@@ -105,9 +99,6 @@ POLL_INTERVAL_S: float = _deprecated("POLL_INTERVAL_S", 0.25)
 WARN_INTERVAL_S: float = _deprecated("WARN_INTERVAL_S", 15.0)
 #: Bytes per write call when streaming a checkpoint file to storage (and per read of an upload).
 WRITE_CHUNK_BYTES: int = _deprecated("WRITE_CHUNK_BYTES", 16 * 1024 * 1024)
-#: 0 turns off the holder's shared-memory snapshot slots (#14): snapshots are then handed to the
-#: holder by value (through the object store), with more copies on the host.
-SHM_SLOTS: int = _deprecated("SHM_SLOTS", 1)
 #: Namespace of cf_ray's named actors.
 NAMESPACE: str = _deprecated("NAMESPACE", "cf_ray")
 #: Messages a holder keeps queued for the controller (part_staged, part_durable, ...) while it is
@@ -136,7 +127,6 @@ CONSTANTS = (
     "POLL_INTERVAL_S",
     "WARN_INTERVAL_S",
     "WRITE_CHUNK_BYTES",
-    "SHM_SLOTS",
     "NAMESPACE",
     "SEND_QUEUE",
     "WATCH_INTERVAL_S",
@@ -155,11 +145,6 @@ CONSTANTS = (
 #: middle of its copy of that step's snapshot into a slot, once (the marker file records it). Read
 #: by ``worker/snapshot.py``; its owner moves it to a test plugin.
 FAULT_KILL_MID_COPY = "CF_RAY_FAULT_KILL_MID_COPY"
-#: Tests only, unset by default: ``"STEP:SECONDS"`` makes a holder wait SECONDS after a peer asked
-#: it to keep a copy of a section of step STEP and before it pulls the bytes, so that a test can
-#: remove the peer's node while that copy is in flight (tests/test_multinode.py). Read by the
-#: holder's process; its owner moves it out of the holder.
-TEST_REPLICA_PULL_DELAY = "CF_RAY_TEST_REPLICA_PULL_DELAY"
 
 
 def get_float(name: str | float) -> float:
@@ -182,17 +167,3 @@ def get_int(name: str | int) -> int:
 
 def namespace() -> str:
     return NAMESPACE
-
-
-def replica_pull_delay_s(step: int) -> float:
-    """Seconds ``TEST_REPLICA_PULL_DELAY`` holds the pull of a copy of ``step`` (0 when unset)."""
-    raw = os.environ.get(TEST_REPLICA_PULL_DELAY, "")
-    if not raw:
-        return 0.0
-    try:
-        at, seconds = raw.split(":")
-        return float(seconds) if int(at) == step else 0.0
-    except ValueError:
-        raise ValueError(
-            f"environment variable {TEST_REPLICA_PULL_DELAY}={raw!r} is not STEP:SECONDS; unset it"
-        ) from None

@@ -1,220 +1,258 @@
-"""Direct section transfer between nodes (#12): a holder streams a section it holds to a reader on
-another node over one TCP connection, straight from its slot (``sendfile`` from the shared-memory
-file: no copy into the object store first, no chunked object transfer), into memory the reader owns.
+"""The holder's side of the direct transfer (``memory/wire.py`` has the protocol and the reader): a
+listening socket on the node's address, a bounded pool of serving threads, and one-use offers.
 
-Why not Ray's object transfer: a restore on a replacement node is dominated by moving the section's
-bytes, and through the object store they are copied three times on the host (the holder's ``put``
-of the slot, the transfer into the reader node's store, the restore's private copies of the
-optimizer state); here they are copied once, by the kernel, into a private buffer whose tensors the
-restore keeps (``manifest.Section.private``). Ray's object transfer stays the fallback: a reader
-that cannot connect (a firewall, ``CF_RAY_PEER_STREAM=0``) asks the holder for an object instead.
+An offer (:meth:`SectionServer.offer`) reserves a section for one reader: a fresh random token
+(``secrets.token_bytes``) names it, and the Ray call that made it hands the token to that reader
+alone. It is served once (the token is consumed when the request names it), or dropped unserved
+after :data:`TICKET_TTL_S`; while it lives, the shared lock its ``release`` gives back keeps the slot
+from being filled again. Who asks for an unknown, used or expired token gets "none" and nothing else.
 
-Protocol, one request per connection: the reader sends the offer's 16-byte token and its 8-byte
-ticket; the holder answers the byte count (8 bytes, ``2**64 - 1`` when the ticket is unknown or
-expired) and the bytes, then closes. A ticket is made by :meth:`SectionServer.offer` (called from
-the holder's ``get_section``, a Ray method: only a process that may call the holder learns the token
-and a ticket), served once, and dropped unserved after :data:`TICKET_TTL_S`; while it lives, the
-holder's shared lock on the slot keeps the slot from being filled again. A reader that gets fewer
-bytes than announced raises ``ConnectionError``: a half-sent section is never used.
+Threads: one accepts; at most :data:`SERVE_THREADS` serve, each one connection at a time; at most
+:data:`QUEUED_CONNECTIONS` more wait for a thread (past that a connection is closed at once). A
+connection has :data:`~cf_ray._engine.memory.wire.REQUEST_TIMEOUT_S` to present its request (and
+finish its TLS handshake). The bytes go in chunks (``sendfile`` from the slot's file; from a mapping
+of it under TLS), each of which must make progress within ``STALL_TIMEOUT_S``: no cap on the whole
+send, so a section of any size completes on a slow link, and a reader that stops reading releases
+the slot.
 
-No Ray and no torch here: the holder imports it (it never imports torch), and so does the restore.
+No Ray and no torch here.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
+import mmap
+import os
 import secrets
 import socket
-import struct
+import ssl
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, cast
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
-import numpy as np
-
-from cf_ray._engine.node import shm as _shm
+from cf_ray._engine.memory import wire
+from cf_ray._engine.protocol.messages import StreamDesc
+from cf_ray.errors import CfRayError
 
 logger = logging.getLogger("cf_ray")
 
 #: Seconds an offered section stays reserved for its reader (the slot's lock held) before it is dropped.
 TICKET_TTL_S = 60.0
-#: Seconds a send or a receive may make no progress before the transfer is given up.
-STALL_TIMEOUT_S = 30.0
-#: Bytes per ``recv_into`` call.
-CHUNK_BYTES = 64 * 1024 * 1024
-_NONE = 2**64 - 1
-_REQ = struct.Struct("<16sQ")
-_LEN = struct.Struct("<Q")
-
-
-@dataclass(frozen=True, slots=True)
-class StreamDesc:
-    """Where and how a reader fetches one offered section (what ``get_section`` hands back)."""
-
-    host: str
-    port: int
-    token: bytes
-    ticket: int
-    nbytes: int
+#: Connections served at once.
+SERVE_THREADS = 8
+#: Connections waiting for a serving thread at most; more are closed at once.
+QUEUED_CONNECTIONS = 64
 
 
 @dataclass(slots=True)
-class _Offer:
-    """A section offered to one reader: its bytes as a file (``fd``, ``offset``) or a buffer, and
-    what to call once it is served or dropped (releases the slot's lock)."""
+class Offer:
+    """A section offered to one reader: ``nbytes`` at ``offset`` of file ``fd``, and what to call once
+    it is served or dropped (releases the slot's lock). ``sent`` and ``progress_at`` say how far the
+    send got (a caller waiting on the reader watches them)."""
 
     nbytes: int
     release: Callable[[], None]
-    fd: int = -1
-    offset: int = 0
-    buffer: memoryview | None = None
-    timer: threading.Timer | None = None
+    fd: int
+    offset: int
+    expires: float
+    sent: int = 0
+    progress_at: float = field(default_factory=time.monotonic)
+    state: str = "offered"
+    """``offered``, ``sending``, then ``served`` or ``failed`` (or ``dropped``)."""
 
 
 class SectionServer:
-    """The holder's side: a listening socket on the node's address and a thread per connection."""
+    """Serves offered sections to readers on other nodes (module doc).
 
-    def __init__(self, host: str):
+    Args:
+        host: the node's address to listen on (an ephemeral port).
+        tls: a server-side TLS context (``wire.server_context()``), or ``None`` for plain TCP
+            (the holder passes one whenever Ray runs with TLS).
+    """
+
+    def __init__(self, host: str, tls: ssl.SSLContext | None = None):
         self.host = host
+        self._tls = tls
         self._sock = socket.create_server((host, 0), backlog=64)
+        self._sock.settimeout(0.5)  # the accept loop also drops expired offers
         self.port = self._sock.getsockname()[1]
-        self._token = secrets.token_bytes(16)
-        self._tickets: dict[int, _Offer] = {}
-        self._ids = itertools.count(1)
+        self._offers: dict[bytes, Offer] = {}
         self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=SERVE_THREADS, thread_name_prefix="cf_ray-stream-send")
+        self._queued = threading.BoundedSemaphore(SERVE_THREADS + QUEUED_CONNECTIONS)
         self._closed = False
         threading.Thread(target=self._accept, name="cf_ray-stream", daemon=True).start()
 
-    def offer(
-        self,
-        nbytes: int,
-        release: Callable[[], None],
-        *,
-        fd: int = -1,
-        offset: int = 0,
-        buffer: memoryview | None = None,
-    ) -> StreamDesc:
-        """Reserve a section for one reader: ``nbytes`` at ``offset`` of file ``fd`` (``sendfile``),
-        or ``buffer``; ``release`` is called once it is served or dropped."""
-        offer = _Offer(nbytes, release, fd=fd, offset=offset, buffer=buffer)
+    def offer(self, nbytes: int, release: Callable[[], None], *, fd: int, offset: int) -> tuple[StreamDesc, Offer]:
+        """Reserve ``nbytes`` at ``offset`` of file ``fd`` for one reader; ``release`` is called once it
+        is served or dropped. Returns what the reader needs and the offer (to watch its progress)."""
+        token = secrets.token_bytes(wire.TOKEN_BYTES)
+        offer = Offer(nbytes, release, fd, offset, time.monotonic() + TICKET_TTL_S)
         with self._lock:
-            ticket = next(self._ids)
-            self._tickets[ticket] = offer
-        offer.timer = threading.Timer(TICKET_TTL_S, self._drop, (ticket,))
-        offer.timer.daemon = True
-        offer.timer.start()
-        return StreamDesc(self.host, self.port, self._token, ticket, nbytes)
+            self._offers[token] = offer
+        desc = StreamDesc(host=self.host, port=self.port, token=token, nbytes=nbytes, tls=self._tls is not None)
+        return desc, offer
 
-    def _take(self, ticket: int) -> _Offer | None:
-        with self._lock:
-            offer = self._tickets.pop(ticket, None)
-        if offer is not None and offer.timer is not None:
-            offer.timer.cancel()
-        return offer
-
-    def withdraw(self, ticket: int) -> bool:
+    def withdraw(self, token: bytes) -> bool:
         """Drop an offer not fetched yet (its reader gave up): its slot's lock is released now."""
-        offer = self._take(ticket)
+        with self._lock:
+            offer = self._offers.pop(token, None)
         if offer is not None:
+            offer.state = "dropped"
             offer.release()
         return offer is not None
 
-    def _drop(self, ticket: int) -> None:
-        offer = self._take(ticket)
-        if offer is not None:
+    def pending(self) -> int:
+        """Offers not fetched yet."""
+        with self._lock:
+            return len(self._offers)
+
+    def _drop_expired(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [t for t, o in self._offers.items() if o.expires <= now]
+            offers = [self._offers.pop(t) for t in expired]
+        for offer in offers:
             logger.warning(
                 "cf_ray: an offered section (%d bytes) was not fetched in %.0f s; released", offer.nbytes, TICKET_TTL_S
             )
+            offer.state = "dropped"
             offer.release()
 
     def _accept(self) -> None:
         while not self._closed:
+            self._drop_expired()
             try:
                 conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 return  # closed
-            threading.Thread(target=self._serve, args=(conn,), name="cf_ray-stream-send", daemon=True).start()
+            if not self._queued.acquire(blocking=False):
+                conn.close()  # too many waiting: the reader sees the connection close and gives up
+                continue
+            try:
+                self._pool.submit(self._serve, conn)
+            except RuntimeError:  # the pool is shut down
+                self._queued.release()
+                conn.close()
+                return
 
     def _serve(self, conn: socket.socket) -> None:
         offer = None
         try:
-            conn.settimeout(STALL_TIMEOUT_S)
-            token, ticket = _REQ.unpack(_recv_exactly(conn, _REQ.size))
-            if secrets.compare_digest(token, self._token):
-                offer = self._take(ticket)
+            conn.settimeout(wire.REQUEST_TIMEOUT_S)
+            deadline = time.monotonic() + wire.REQUEST_TIMEOUT_S
+            if self._tls is not None:
+                conn = self._tls.wrap_socket(conn, server_side=True)  # the handshake, under the timeout
+            conn.settimeout(max(0.01, deadline - time.monotonic()))
+            magic, token = wire.REQUEST.unpack(wire.recv_exactly(conn, wire.REQUEST.size))
+            if magic == wire.MAGIC:
+                with self._lock:
+                    offer = self._offers.pop(token, None)  # consumed: never served twice
             if offer is None:
-                conn.sendall(_LEN.pack(_NONE))
+                conn.sendall(wire.COUNT.pack(wire.NONE))
                 return
-            # The timeout stays: a reader that stops reading must not hold the slot's lock for ever
-            # (each send that makes no progress for STALL_TIMEOUT_S raises).
-            conn.settimeout(STALL_TIMEOUT_S)
-            conn.sendall(_LEN.pack(offer.nbytes))
-            if offer.buffer is not None:
-                conn.sendall(offer.buffer)
-            elif offer.nbytes:
-                sent = conn.sendfile(cast(Any, _Fd(offer.fd)), offer.offset, offer.nbytes)
-                if sent != offer.nbytes:
-                    raise OSError(f"the slot ended after {sent} of {offer.nbytes} bytes")
-        except OSError as e:
+            offer.state = "sending"
+            conn.settimeout(wire.STALL_TIMEOUT_S)
+            conn.sendall(wire.COUNT.pack(offer.nbytes))
+            self._send(conn, offer)
+            offer.state = "served"
+        except (OSError, ValueError) as e:
+            if offer is not None:
+                offer.state = "failed"
             logger.warning("cf_ray: streaming a section to a reader failed (%s: %s)", type(e).__name__, e)
         finally:
             if offer is not None:
                 offer.release()
             conn.close()
+            self._queued.release()
+
+    def _send(self, conn: socket.socket, offer: Offer) -> None:
+        """Send the offer's bytes chunk by chunk, each within ``STALL_TIMEOUT_S`` (module doc)."""
+        stall = wire.STALL_TIMEOUT_S
+        if isinstance(conn, ssl.SSLSocket):
+            view_map = _map_range(offer.fd, offer.offset, offer.nbytes) if offer.nbytes else None
+            try:
+                view = memoryview(view_map)[_lead(offer.offset) :] if view_map is not None else memoryview(b"")
+                conn.settimeout(stall)  # per send() call of one chunk
+                while offer.sent < offer.nbytes:
+                    n = conn.send(view[offer.sent : offer.sent + min(wire.CHUNK_BYTES, offer.nbytes - offer.sent)])
+                    offer.sent += n
+                    offer.progress_at = time.monotonic()
+                view.release()
+            finally:
+                if view_map is not None:
+                    view_map.close()
+            return
+        conn.setblocking(False)
+        out = conn.fileno()
+        while offer.sent < offer.nbytes:
+            try:
+                n = os.sendfile(
+                    out, offer.fd, offer.offset + offer.sent, min(wire.CHUNK_BYTES, offer.nbytes - offer.sent)
+                )
+            except BlockingIOError:
+                wire.wait_writable(conn, stall)
+                continue
+            if n == 0:
+                raise OSError(f"the slot ended after {offer.sent} of {offer.nbytes} bytes")
+            offer.sent += n
+            offer.progress_at = time.monotonic()
 
     def close(self) -> None:
         self._closed = True
         self._sock.close()
         with self._lock:
-            offers, self._tickets = list(self._tickets.values()), {}
+            offers, self._offers = list(self._offers.values()), {}
         for offer in offers:
-            if offer.timer is not None:
-                offer.timer.cancel()
+            offer.state = "dropped"
             offer.release()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-class _Fd:
-    """A file descriptor as ``socket.sendfile`` takes a file (it only asks for ``fileno``)."""
+class LazyServer:
+    """A holder's :class:`SectionServer`, started on first use on ``host()`` (with TLS when Ray runs
+    with TLS); ``None`` once it could not start (logged once)."""
 
-    def __init__(self, fd: int):
-        self._fd = fd
+    def __init__(self, host: Callable[[], str], holder: str):
+        self._host = host
+        self._holder = holder
+        self._lock = threading.Lock()
+        self._server: SectionServer | None = None
+        self._failed = False
 
-    def fileno(self) -> int:
-        return self._fd
+    def get(self) -> SectionServer | None:
+        with self._lock:
+            if self._server is None and not self._failed:
+                try:
+                    tls = wire.server_context() if wire.tls_enabled() else None
+                    self._server = SectionServer(self._host(), tls)
+                except (OSError, ValueError, CfRayError) as e:
+                    self._failed = True
+                    logger.warning(
+                        "cf_ray: holder %s cannot serve direct transfers (%s); its sections reach no other node "
+                        "(no peer copies of them, restores there read storage)",
+                        self._holder,
+                        e,
+                    )
+            return self._server
+
+    def started(self) -> SectionServer | None:
+        """The server if it is running (never starts it)."""
+        return self._server
 
 
-def _recv_exactly(conn: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        got = conn.recv(n - len(out))
-        if not got:
-            raise ConnectionError(f"the connection closed after {len(out)} of {n} bytes")
-        out += got
-    return bytes(out)
+def _lead(offset: int) -> int:
+    return offset % mmap.ALLOCATIONGRANULARITY
 
 
-def fetch(desc: StreamDesc, timeout_s: float) -> np.ndarray:
-    """The offered section's bytes, in a private writable buffer.
+def _map_range(fd: int, offset: int, nbytes: int) -> mmap.mmap:
+    """``nbytes`` at ``offset`` of file ``fd``, mapped read-only (from the page below ``offset``)."""
+    base = offset - _lead(offset)
+    return mmap.mmap(fd, _lead(offset) + nbytes, prot=mmap.PROT_READ, offset=base)
 
-    Raises:
-        LookupError: the holder no longer offers it (served already, or dropped).
-        ConnectionError, OSError: the connection failed or ended early (nothing partial is returned).
-    """
-    buf = _shm.private_buffer(desc.nbytes)
-    view = buf.data
-    with socket.create_connection((desc.host, desc.port), timeout=timeout_s) as conn:
-        conn.sendall(_REQ.pack(desc.token, desc.ticket))
-        (n,) = _LEN.unpack(_recv_exactly(conn, _LEN.size))
-        if n == _NONE:
-            raise LookupError(f"the holder at {desc.host}:{desc.port} no longer offers ticket {desc.ticket}")
-        if n != desc.nbytes:
-            raise ConnectionError(f"the holder announced {n} bytes, the offer {desc.nbytes}")
-        got = 0
-        while got < n:
-            k = conn.recv_into(view[got:], min(CHUNK_BYTES, n - got))
-            if k == 0:
-                raise ConnectionError(f"the holder's stream ended after {got} of {n} bytes")
-            got += k
-    return buf
+
+__all__ = ["LazyServer", "Offer", "SectionServer"]

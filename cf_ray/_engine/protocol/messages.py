@@ -18,7 +18,10 @@ from typing import Any
 from cf_ray.errors import CfRayError
 
 #: Bumped whenever a message below changes shape (2: the holder's name on every holder message,
-#: :class:`HolderState`; 3: :class:`Settled` and :class:`Distrusted` replace dicts).
+#: :class:`HolderState`; 3: :class:`Settled` and :class:`Distrusted` replace dicts, the hand-off, a
+#: section's whereabouts and a peer copy's offer are typed (:class:`Stage`, :class:`SectionAt`,
+#: :class:`ReplicaOffer`), slots are named by :class:`SlotDesc` with their identity, streams by
+#: :class:`StreamDesc` with a one-use token).
 PROTOCOL_VERSION = 3
 
 
@@ -97,6 +100,56 @@ class Message:
         return _rebuild, (type(self), {f.name: getattr(self, f.name) for f in fields(self)})
 
 
+# -- where a section's bytes are: a slot on this node, a stream from another -----------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SlotDesc(Message):
+    """One snapshot slot of a holder (``memory/slots.py``): an anonymous shared-memory file the holder
+    created and keeps open, which a process of its node opens through ``path``
+    (``/proc/<holder pid>/fd/<n>``). ``name``, ``ino``/``dev`` and ``nonce`` say which file it is:
+    whoever opens ``path`` checks all three before writing or reading a byte (the holder may be gone
+    and its fd number reused). ``seq`` is ``0`` for an empty slot as the holder hands it out; a filled
+    one, as the worker hands it back, names its fill."""
+
+    path: str
+    name: str
+    """The memfd's name (``cf_ray.<run key>.<section>.<n>``); ``readlink(path)`` shows it."""
+    ino: int
+    dev: int
+    """The file's inode and device, as the holder's own fd has them."""
+    nonce: int
+    """Random, per slot file, also written in the slot's header."""
+    nbytes: int
+    """Bytes of data the slot holds (after its header page)."""
+    seq: int = 0
+    """The fill's number (a slot's header names the fill it holds); 0: not a fill."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StreamDesc(Message):
+    """A section offered to one reader on another node over a direct connection (``memory/wire.py``):
+    connect to ``host:port``, send ``token`` (random, good for this one offer, consumed on use), get
+    ``nbytes``. ``tls``: the connection is TLS with Ray's certificates (``RAY_USE_TLS``)."""
+
+    host: str
+    port: int
+    token: bytes
+    nbytes: int
+    tls: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SectionAt(Message):
+    """Where a holder has a section (its answer to ``get_section``): ``where`` is the slot (the
+    reader is on the holder's node: it maps it and reads in place) or a stream offer (another node),
+    and ``index`` is the section's encoded index with the CRC-32 of every block of its data."""
+
+    where: SlotDesc | StreamDesc
+    index: bytes
+    crc32: int
+
+
 # -- worker -> holder -------------------------------------------------------------------------------
 
 
@@ -130,6 +183,69 @@ class SnapshotMeta(Message):
     """Copies to place on holders of other nodes (``-1``: one when the cluster has several nodes)."""
     replica_label: str = ""
     """The node label whose values are failure domains (``""``: any other node)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagedSlot(Message):
+    """One section of a snapshot as the worker hands it over: the slot it copied it into, its index
+    with the block CRC-32s (``manifest.with_blocks``) and the CRC-32 of the whole data."""
+
+    section: str
+    slot: SlotDesc
+    index: bytes
+    crc32: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Stage(Message):
+    """The hand-off (``holder.stage``): a snapshot's sections are in the holder's slots; no bytes travel."""
+
+    generation: int
+    step: int
+    meta: SnapshotMeta
+    sections: tuple[StagedSlot, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageReply(Message):
+    """The holder's answer to :class:`Stage`, once it has recorded the snapshot (it does not wait for
+    the controller: its sender delivers ``part_staged``)."""
+
+    recorded: bool
+    unknown: tuple[str, ...] = ()
+    """Sections whose slots this holder does not know (it was started again since): nothing of the
+    snapshot was recorded; the worker stages it again into the slots of the holder now on its node."""
+
+
+# -- holder -> holder ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicaOffer(Message):
+    """A holder asks a holder of another node to keep a copy of one of its sections (``hold_replica``):
+    the peer pulls the bytes over ``stream`` from the origin's server into a slot of its own."""
+
+    generation: int
+    step: int
+    section: str
+    index: bytes
+    crc32: int
+    meta: SnapshotMeta
+    origin: str
+    """The origin holder's name, and its node."""
+    origin_node: str
+    stream: StreamDesc
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicaHeld(Message):
+    """The peer's answer: it holds a complete copy, every block checked against the index, in a slot
+    of its own (what the origin then reports with ``part_replicated``)."""
+
+    holder: str
+    node_id: str
+    nbytes: int
+    seconds: float
 
 
 # -- holder -> controller ----------------------------------------------------------------------------
@@ -391,6 +507,14 @@ class Restored(Message):
 __all__ = [
     "PROTOCOL_VERSION",
     "CheckpointKind",
+    "ReplicaHeld",
+    "ReplicaOffer",
+    "SectionAt",
+    "SlotDesc",
+    "Stage",
+    "StageReply",
+    "StagedSlot",
+    "StreamDesc",
     "CheckpointRequest",
     "Distrusted",
     "Failure",

@@ -161,25 +161,48 @@ def _write_with_crc(chunks: Iterable[memoryview | bytes], write) -> FileInfo:
     Both ``os.write``/pyarrow writes and the CRC-32 release the GIL on large buffers, so the
     checksum overlaps with the writes instead of adding to them (with ISA-L it runs at ~13-20 GB/s
     here, far above the disk; zlib's, the fallback, at ~1-3 GB/s, the same order as the disk).
+
+    If the checksum thread fails, the write fails with its error (never a file with a made-up
+    CRC-32), and never hangs: the thread keeps taking chunks after an error, and the writer stops
+    handing them over if the thread is gone.
     """
     pending: queue.Queue = queue.Queue(maxsize=4)
-    result = {"crc": 0, "size": 0}
+    result: dict = {"crc": 0, "size": 0, "error": None}
 
     def checksum() -> None:
         crc, size = 0, 0
         while (mv := pending.get()) is not None:
-            crc = _crc32(mv, crc)
-            size += mv.nbytes
+            if result["error"] is not None:
+                continue  # drained, so that the writer never waits on a full queue
+            try:
+                crc = _crc32(mv, crc)
+                size += mv.nbytes
+            except BaseException as e:  # noqa: BLE001 - raised by the writer, below
+                result["error"] = e
         result["crc"], result["size"] = crc, size
+
+    def hand_over(item) -> None:
+        while True:
+            try:
+                pending.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                if not t.is_alive():
+                    raise RuntimeError("the CRC-32 thread of a write is gone") from result["error"]
 
     t = threading.Thread(target=checksum, name="cf_ray-crc32", daemon=True)
     t.start()
     try:
         for chunk in chunks:
             mv = memoryview(chunk).cast("B")
-            pending.put(mv)
+            hand_over(mv)
             write(mv)
+            if result["error"] is not None:
+                break
     finally:
-        pending.put(None)
+        if t.is_alive():
+            hand_over(None)
         t.join()
+    if result["error"] is not None:
+        raise OSError(f"the CRC-32 of a write failed: {result['error']!r}") from result["error"]
     return FileInfo(result["size"], result["crc"])

@@ -3,7 +3,8 @@ over ``pyarrow.fs``.
 
 Durability:
 * local disk: data goes to a temporary name in the same directory, is fsynced, renamed into place,
-  and the directory is fsynced. A reader never sees a half-written file under its final name.
+  and the directory is fsynced (so is the parent of every directory made on the way). A reader never
+  sees a half-written file under its final name.
   Files of at least one chunk (``env.WRITE_CHUNK_BYTES``, 16 MiB) are written with ``O_DIRECT``
   through a page-aligned bounce buffer where the file system allows it (see
   :mod:`cf_ray._engine.storage.direct_io`); ``CF_RAY_DIRECT_IO=0`` turns it off.
@@ -236,7 +237,7 @@ def _replace_local(full: str, write: Callable[[int], T]) -> T:
     rename into place, fsync the directory. Returns what ``write`` returned; on an error the
     temporary file is removed and ``full`` is untouched."""
     parent = posixpath.dirname(full)
-    os.makedirs(parent, exist_ok=True)
+    _makedirs_durable(parent)
     tmp = posixpath.join(parent, f".tmp.{posixpath.basename(full)}.{uuid.uuid4().hex[:8]}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -250,6 +251,26 @@ def _replace_local(full: str, write: Callable[[int], T]) -> T:
     os.replace(tmp, full)
     _fsync_dir(parent)
     return out
+
+
+def _makedirs_durable(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, and each directory it creates is made durable: the
+    entry of a new directory lives in its parent, so the parent is fsynced after the creation (a
+    crash must not lose the directory of a file whose rename was fsynced)."""
+    missing = []
+    d = path
+    while d and not os.path.isdir(d):
+        missing.append(d)
+        parent = posixpath.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            pass  # made meanwhile by another writer: made durable here too
+        _fsync_dir(posixpath.dirname(d))
 
 
 def _fsync_dir(path: str) -> None:

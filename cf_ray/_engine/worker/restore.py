@@ -37,9 +37,17 @@ import ray.train
 
 from cf_ray._engine import env as _env
 from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.node import shm as _shm
-from cf_ray._engine.node import stream as _stream
-from cf_ray._engine.protocol.messages import MemorySnapshot, Restored, RestorePlan, RestoreSource
+from cf_ray._engine.memory import slots as _slots
+from cf_ray._engine.memory import wire as _wire
+from cf_ray._engine.protocol.messages import (
+    MemorySnapshot,
+    Restored,
+    RestorePlan,
+    RestoreSource,
+    SectionAt,
+    SlotDesc,
+    StreamDesc,
+)
 from cf_ray._engine.storage.base import Storage
 from cf_ray._engine.worker import restore_checks as _checks
 from cf_ray._engine.worker import sharded as _sharded
@@ -160,9 +168,8 @@ class Restorer:
         ``apply``, ``verify``; ``read`` and ``validate`` summed over the candidates tried)."""
 
         self.read_bytes: dict[str, int] = {}
-        """Bytes this rank read in the last restore, by how: ``in_place`` (its node's holder's memory:
-        a slot mapped, or its object store), ``direct`` (streamed from a holder of another node),
-        ``object_store`` (Ray's object transfer), ``storage``."""
+        """Bytes this rank read in the last restore, by how: ``in_place`` (a slot of a holder of its
+        node, mapped), ``direct`` (streamed from a holder of another node), ``storage``."""
 
     def _count(self, how: str, nbytes: int) -> None:
         self.read_bytes[how] = self.read_bytes.get(how, 0) + int(nbytes)
@@ -495,77 +502,72 @@ class Restorer:
     def _node_id() -> str:
         try:
             return ray.get_runtime_context().get_node_id()
-        except Exception:  # noqa: BLE001 - outside Ray: every read goes through the object store
+        except Exception:  # noqa: BLE001 - outside Ray: every memory read is then a stream
             return ""
 
-    def _map_slot(self, desc: _shm.SlotDesc, cand: MemorySnapshot, section: str) -> np.ndarray:
-        """A section in a snapshot slot of this node's holder, mapped read-only and read in place
+    def _map_slot(self, desc: SlotDesc, cand: MemorySnapshot, section: str) -> np.ndarray:
+        """A section in a snapshot slot of a holder of this node, mapped read-only and read in place
         (the restore loads from it: no copy out of the slot first). The mapping stays as long as
         the arrays that view it."""
-        lk = _shm.ReadLock.take(desc.path, cand.generation, cand.step, desc.seq, wait_s=1.0, populate=True)
+        lk = _slots.ReadLock.take(desc, cand.generation, cand.step, wait_s=1.0, populate=True)
         if lk is None:
             raise LookupError(f"the slot of section {section} of step {cand.step} was filled again since")
         arr = np.frombuffer(lk.data, dtype=np.uint8)
         # No snapshot is taken while this attempt restores, so nothing fills the slot meanwhile; the
         # shared lock is released now (a reader never blocks the next snapshot); the mapping stays
         # as long as the array that views it.
-        _shm.unlock(lk.fd)
+        _slots.unlock(lk.fd)
         os.close(lk.fd)
         return arr
 
     def _fetch_memory(self, cand: MemorySnapshot, section: str) -> mf.Section:
         """A section from the memory of its holder, else of a holder of another node with a copy
-        (a peer replica: the section's own node may be lost)."""
+        (a peer replica: the section's own node may be lost): in place from a slot of a holder of
+        this node, over a direct transfer from a holder of another node (``memory/wire.py``)."""
         first = cand.sections.get(section)
         if first is None:
             raise LookupError(f"no holder has section {section}")
         errors = []
         for holder_name in (first, *cand.replicas.get(section, ())):
-            private = False
             try:
                 holder = ray.get_actor(holder_name, namespace=_env.namespace())
-                where, index = self._ask(holder, holder_name, cand, section, stream=True)
-                if isinstance(where, _stream.StreamDesc):
+                at = self._ask(holder, holder_name, cand, section)
+                if isinstance(at.where, StreamDesc):
                     try:
-                        arena, private = _stream.fetch(where, _env.get_float(_env.ACTOR_TIMEOUT_S)), True
-                    except (OSError, LookupError) as e:
-                        logger.warning(
-                            "cf_ray: rank %d: the direct transfer of %s from %s failed (%s); "
-                            "fetching it through the object store",
-                            self.rank,
-                            section,
-                            holder_name,
-                            _describe(e),
-                        )
-                        holder.withdraw_offer.remote(where.ticket)  # its slot is released now
-                        where, index = self._ask(holder, holder_name, cand, section, stream=False)
-                if isinstance(where, _shm.SlotDesc):
-                    arena = self._map_slot(where, cand, section)
-                elif not private:
-                    arena = cast(np.ndarray, ray.get(cast(Any, where), timeout=_env.get_float(_env.ACTOR_TIMEOUT_S)))
-            except (ValueError, LookupError, ray.exceptions.RayError) as e:
+                        arena = _wire.fetch(at.where, _env.get_float(_env.ACTOR_TIMEOUT_S))
+                    except (OSError, LookupError):
+                        holder.withdraw_offer.remote(at.where.token)  # its slot is released now
+                        raise
+                    how = "direct"
+                else:
+                    arena, how = self._map_slot(at.where, cand, section), "in_place"
+            except (ValueError, LookupError, OSError, ray.exceptions.RayError) as e:
                 errors.append(f"{holder_name}: {_describe(e)}")
                 continue
             if holder_name != first:
                 logger.warning(
                     "cf_ray: rank %d: %s of step %d from a peer's copy (%s)", self.rank, section, cand.step, holder_name
                 )
-            # Holders are named after their node: an object of this node's holder is read in place too.
-            local = isinstance(where, _shm.SlotDesc) or holder_name.endswith(f".{self._node_id()}")
-            self._count("direct" if private else "in_place" if local else "object_store", arena.nbytes)
-            tree, entries = mf.parse_index(index, f"memory:{section}")
-            return mf.Section(tree, entries, arena, private=private)
+            self._count(how, arena.nbytes)
+            return self._memory_section(at, arena, section)
         raise LookupError(f"no copy of section {section} of step {cand.step} could be read: {'; '.join(errors)}")
 
-    def _ask(self, holder, holder_name: str, cand: MemorySnapshot, section: str, *, stream: bool) -> tuple[Any, bytes]:
-        """Where ``holder`` has ``section`` of the candidate's step: ``(where, index)``."""
+    @staticmethod
+    def _memory_section(at: SectionAt, arena: np.ndarray, section: str) -> mf.Section:
+        """The section from the bytes a holder gave and its index (which carries the CRC-32 of every
+        block: ``at.index``; of the whole: ``at.crc32``). A streamed buffer is this process's own."""
+        tree, entries = mf.parse_index(at.index, f"memory:{section}")
+        return mf.Section(tree, entries, arena, private=isinstance(at.where, StreamDesc))
+
+    def _ask(self, holder, holder_name: str, cand: MemorySnapshot, section: str) -> SectionAt:
+        """Where ``holder`` has ``section`` of the candidate's step."""
         got = ray.get(
-            holder.get_section.remote(cand.generation, cand.step, section, self._node_id(), stream),
+            holder.get_section.remote(cand.generation, cand.step, section, self._node_id()),
             timeout=_env.get_float(_env.ACTOR_TIMEOUT_S),
         )
         if got is None:
             raise LookupError(f"holder {holder_name} no longer has section {section} of step {cand.step}")
-        return got[0], got[1]
+        return cast(SectionAt, got)
 
 
 def _read(fn, *args):

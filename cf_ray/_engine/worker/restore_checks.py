@@ -33,7 +33,7 @@ import torch
 
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.node import shm as _shm
+from cf_ray._engine.memory import slots as _slots
 from cf_ray._engine.worker import fingerprint as _fp
 from cf_ray._engine.worker import sharded as _sharded
 from cf_ray._engine.worker.rng import check_rng_state, set_rng_state
@@ -256,7 +256,7 @@ def apply(prep: Prepared, state: dict[str, Any], data: dict[str, Any], rank: int
     if prep.rng is not None:
         set_rng_state(prep.rng)
     for buf, start, end in prep.releasable:
-        _shm.release(buf, start, end)
+        _slots.release(buf, start, end)
     prep.releasable.clear()
     if prep.fresh:
         logger.warning(
@@ -459,8 +459,8 @@ def materialize_objects(section: mf.Section, path: tuple[str, ...], objs: dict, 
     """The saved states of tracked objects, with as few copies as is safe.
 
     ``nn.Module.load_state_dict`` copies into the module's own parameters, so a module gets views
-    straight into the snapshot's buffer (read-only when it is an object-store buffer: restore from
-    memory then costs a single copy). Everything else (optimizers keep the tensors they are given)
+    straight into the snapshot's buffer (read-only when it is a mapped slot: restore from memory then
+    costs a single copy). Everything else (optimizers keep the tensors they are given)
     gets private, writable copies, unless the buffer itself is private (``Section.private``: a
     section streamed from another node), whose views are kept as they are; then the ranges only
     modules read are appended to ``releasable`` (``(buffer, start, end)``), for :func:`apply` to give
@@ -505,7 +505,7 @@ class _Copier:
         sizes: list[int] = []
         if isinstance(section.buf, np.ndarray):  # not a section read by range: those reads copy already
             _codec.unflatten(sub, lambda _i, e: sizes.append(e.nbytes), section.entries)
-        self.dest = _shm.private_buffer(sum(self._round(n) for n in sizes))
+        self.dest = _slots.private_buffer(sum(self._round(n) for n in sizes))
         self.pos = 0
 
     @classmethod

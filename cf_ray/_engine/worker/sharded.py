@@ -28,7 +28,7 @@ comes from old rank 0. From storage, the old sections are read by range
 (``manifest.RangedData``): of each old shard only the rows that overlap this rank's new shard, every
 block read checked against its CRC-32, one region at a time, so a rank's memory grows by its new
 shard plus one tensor at most (measured in tests/test_fsdp2.py). From memory the old sections are
-object-store buffers on the node (shared memory, read in place). Not yet: tensor parallelism beyond
+the node's holder's slots (shared memory, read in place) or streamed from another node's. Not yet: tensor parallelism beyond
 what DTensor placements describe (untested).
 A checkpoint exported with ``cf-ray export RUN --to dcp`` loads at any world size with
 ``torch.distributed.checkpoint.load``.

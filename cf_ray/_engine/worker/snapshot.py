@@ -17,14 +17,13 @@ guard wait on the training thread at the first checkpoint. On CUDA the copies ar
 ``non_blocking`` on a side stream that first waits for the compute stream, so they overlap with
 compute; on CPU they are plain ``copy_`` calls, which release the GIL.
 
-Hand-off: the arena is passed *by value* as a numpy ``uint8`` array to the holder actor of this
-node (``HolderActor.stage``). Ray serialises a numpy array out-of-band straight into the object
-store (~10 GB/s here, against ~0.8 GB/s for pickled torch tensors), and the holder re-``put``s it
-so that the object is owned by the holder and outlives this worker. Measured on Ray 2.60 inside a
-real TorchTrainer on this 2-core machine (200 MiB per rank, rank 1 SIGKILLed): a worker's own
-``ray.put`` held by another actor is lost with the worker (``OwnerDiedError``); by-value to a
-holder that re-puts survived, ~0.2 s on the *background* thread, zero-copy reads at restore.
-``ray.put(_owner=...)`` raises ``ValueError`` on 2.60. See benchmarks/ for the current figures.
+Hand-off: the arenas are the node's holder's shared-memory slots (``slot_arena.py``): the worker
+copies each section once, into a slot the holder owns (so the snapshot outlives this worker), and
+hands over a typed :class:`~cf_ray._engine.protocol.messages.Stage` naming the slots, the indexes
+with their block CRC-32s and each section's CRC-32 (``HolderActor.stage``): no bytes travel. (Until
+issue 24 a platform without ``memfd_create``, or ``CF_RAY_SHM_SLOTS=0``, passed the arena by value
+through the object store, re-``put`` by the holder: two more passes on the host; cf_ray needs
+Linux now, where Ray runs GPU training, and says so at once elsewhere.)
 
 Late state: the tracked objects that are neither modules nor optimizers (LR schedulers, AMP's grad
 scaler, user objects) are small and cannot change the weights, and users step a per-iteration
@@ -69,14 +68,16 @@ import torch
 from cf_ray._engine import env as _env
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.node import shm as _shm
-from cf_ray._engine.protocol.messages import CheckpointKind, SnapshotMeta
+from cf_ray._engine.memory import crc as _crc
+from cf_ray._engine.memory import slots as _slots
+from cf_ray._engine.protocol.messages import CheckpointKind, SlotDesc, SnapshotMeta, Stage, StagedSlot, StageReply
 from cf_ray._engine.storage.base import _crc32
 from cf_ray._engine.worker import fingerprint as _fp
 from cf_ray._engine.worker import sharded as _sharded
 from cf_ray._engine.worker.cpu_budget import CpuBudget
 from cf_ray._engine.worker.cpu_budget import mark as cpu_mark
 from cf_ray._engine.worker.rng import rng_state
+from cf_ray._engine.worker.slot_arena import SlotArena
 from cf_ray._engine.worker.timing import Timing
 
 logger = logging.getLogger("cf_ray")
@@ -84,16 +85,13 @@ logger = logging.getLogger("cf_ray")
 
 @dataclass(slots=True)
 class StagedSection:
-    """One section of a snapshot as handed to the holder: by reference to the holder's slot it was
-    copied into (``slot``; ``index`` then carries the block checksums and ``crc32`` is the data's),
-    or, without a slot, the bytes themselves (``arena``, the holder copies and checksums them)."""
+    """One section of a snapshot as handed to the holder: the holder's slot it was copied into, its
+    index with the block checksums, the data's CRC-32, and the bytes as this worker maps them."""
 
     arena: np.ndarray
     index: bytes
-    slot: _shm.SlotDesc | None = None
-    crc32: int | None = None
-    raw_index: bytes = b""
-    """The index without block checksums (a by-value hand-off adds its own)."""
+    slot: SlotDesc
+    crc32: int
 
 
 #: A part of a snapshot taken again at the next Checkpointer call: (its path in the section's tree,
@@ -142,16 +140,13 @@ class SnapshotJob:
     """Device index -> the event its side stream waits for (recorded after the optimizer step)."""
     timings: dict[str, float] = field(default_factory=dict)
     buffers: dict[str, Any] = field(default_factory=dict)
-    """Section -> its ``_Arena`` (where a late capture writes)."""
+    """Section -> its :class:`SlotArena` (where a late capture writes)."""
     late: list[LateSlot] = field(default_factory=list)
     late_ready: threading.Event = field(default_factory=threading.Event)
     """Set once the late objects were captured (or there are none)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     sealed: bool = False
     """The background thread stopped waiting for the late capture (what is there is handed off)."""
-
-
-_PAGE = 4096
 
 
 @dataclass(slots=True)
@@ -161,114 +156,12 @@ class _Prepare:
     layouts: dict[str, tuple[tuple, int]]  # section -> (layout key, nbytes)
 
 
-class _Arena:
-    def __init__(self, nbytes: int, pin: bool, *, fault_in: bool = False):
-        self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
-        self.nbytes = nbytes
-        if fault_in and not pin:  # pinned memory is resident once allocated
-            self.tensor.numpy()[::_PAGE] = 0  # one write per page: the kernel maps them all now
-
-    def numpy(self) -> np.ndarray:
-        return self.tensor.numpy()[: self.nbytes]
-
-    def dst(self, entry: _codec.TensorEntry) -> torch.Tensor:
-        raw = self.tensor[entry.offset : entry.offset + entry.nbytes]
-        if entry.kind == "numpy":
-            return raw
-        if entry.nbytes == 0:
-            return torch.empty(entry.shape, dtype=_codec.torch_dtype(entry.dtype))
-        return raw.view(_codec.torch_dtype(entry.dtype)).view(entry.shape)
-
-
 #: Bytes copied before their blocks are checksummed, while they are still in the CPU's cache.
 _CRC_WINDOW = 32 * mf.BLOCK_BYTES
 
 
-class _SlotArena:
-    """An arena in the two shared-memory slots of a section that this node's holder owns
-    (``node/shm.py``): each snapshot is copied into one of them, under its exclusive lock, while the
-    holder may persist the other. The slot to fill is the one holding the older fill (or none),
-    never one a reader holds: when both are held (a write in progress and a milestone waiting for
-    its write), :meth:`acquire` waits, and says how long.
-
-    Pinned on CUDA machines (``cudaHostRegister`` of the mapping), so device-to-host copies are DMA
-    into the holder's memory.
-    """
-
-    def __init__(self, paths: list[str], nbytes: int, pin: bool):
-        self.nbytes = nbytes
-        self.slots = [_shm.WriterSlot(p, nbytes) for p in paths]
-        self._tensors = [
-            torch.frombuffer(s.map, dtype=torch.uint8, count=max(nbytes, 1), offset=_shm.HEADER_BYTES)
-            for s in self.slots
-        ]
-        self._registered: list[int] = []
-        if pin:
-            for s in self.slots:
-                ptr, size = s.address(), len(s.map)
-                if _cudart().cudaHostRegister(ptr, size, 0) == 0:
-                    self._registered.append(ptr)
-        self.current = 0
-        self.tensor = self._tensors[0]
-
-    def acquire(self) -> float:
-        """Take a slot for the next snapshot; returns the seconds waited for one."""
-        t0 = time.perf_counter()
-        order = sorted(range(len(self.slots)), key=self._age)
-        while True:
-            for k in order:
-                if self.slots[k].try_fill():
-                    self.current, self.tensor = k, self._tensors[k]
-                    return time.perf_counter() - t0
-            time.sleep(0.002)
-
-    def _age(self, k: int) -> tuple:
-        h = _shm.read_header(self.slots[k].map)
-        return (0, 0, 0) if h.state != _shm.READY else (1, h.generation, h.step)
-
-    def seal(self, generation: int, step: int) -> _shm.SlotDesc:
-        return self.slots[self.current].seal(generation, step)
-
-    def release(self) -> None:
-        """Give up the slot being filled (the snapshot failed): it reads as empty."""
-        slot = self.slots[self.current]
-        if slot.locked:
-            _shm.write_header(slot.map, _shm.EMPTY, -1, -1, slot.seq, self.nbytes)
-            slot.release()
-
-    def numpy(self) -> np.ndarray:
-        return self.tensor.numpy()[: self.nbytes]
-
-    def dst(self, entry: _codec.TensorEntry) -> torch.Tensor:
-        return _Arena.dst(self, entry)  # pyright: ignore[reportArgumentType] - same fields
-
-    def fault_in(self) -> None:
-        """Map every page of both slots now, keeping what they hold (a restored snapshot may be there)."""
-        for t in self._tensors:
-            a = t.numpy()
-            a[::_PAGE] = a[::_PAGE]
-
-    def close(self) -> None:
-        for ptr in self._registered:
-            _cudart().cudaHostUnregister(ptr)
-        self._registered.clear()
-        self._tensors.clear()
-        self.tensor = torch.empty(0, dtype=torch.uint8)
-        for s in self.slots:
-            s.close()
-
-
-def _cudart() -> Any:
-    """CUDA's runtime API through torch (``cudaHostRegister`` pins memory torch did not allocate)."""
-    rt = torch.cuda.cudart()
-    if rt is None:
-        raise RuntimeError("CUDA runtime not available")
-    return rt
-
-
-#: Gives the shared-memory slots of a section: (section, nbytes) -> the paths of its two slot files
-#: (``None``: no slots, the snapshot goes by value).
-ArenaSource = Callable[[str, int], "list[str] | None"]
+#: Gives the shared-memory slots of a section: (section, nbytes) -> the holder's slots of it.
+ArenaSource = Callable[[str, int], "tuple[SlotDesc, ...] | list[SlotDesc]"]
 
 
 _REFS = ("__cf_tensor__", "__cf_ndarray__")  # codec's tensor references in an encoded tree
@@ -347,8 +240,7 @@ class Snapshotter:
         rank: this worker's rank (names the thread and log lines).
         hand_off: called on the background thread with the job and its sections once the bytes
             are in the arena; returns when the receiver holds its own copy.
-        arena_source: where the arenas live: the holder's shared-memory slots of each section
-            (``None``: private arenas, handed off by value).
+        arena_source: where the arenas live: the holder's shared-memory slots of each section.
         budget: where the background thread's time per part goes (``cpu_budget.py``).
     """
 
@@ -356,19 +248,18 @@ class Snapshotter:
         self,
         rank: int,
         hand_off: Callable[[SnapshotJob, dict[str, StagedSection]], None],
-        arena_source: ArenaSource | None = None,
+        arena_source: ArenaSource,
         budget: CpuBudget | None = None,
     ):
         self.rank = rank
         self._budget = budget if budget is not None else CpuBudget()
         self._hand_off = hand_off
         self._arena_source = arena_source
-        self._arenas: dict[str, tuple[tuple, _Arena | _SlotArena]] = {}
+        self._arenas: dict[str, tuple[tuple, SlotArena]] = {}
         self._pin = torch.cuda.is_available()
         # One side stream per device: a tensor is copied on its own device's stream, which first
         # waits for an event recorded on that device's current stream after the optimizer step.
         self._streams: dict[int, Any] = {}
-        self._slot_warned = False
         self._slot_wait_warned = False
         self._queue: queue.Queue[SnapshotJob | _Prepare | None] = queue.Queue(maxsize=1)
         self._copy_done = threading.Event()
@@ -419,8 +310,7 @@ class Snapshotter:
         for name, tree in sections.items():
             flat = _codec.flatten(tree)
             arena = self._arena_for(name, flat)
-            if isinstance(arena, _SlotArena):
-                slot_wait_s += arena.acquire()
+            slot_wait_s += arena.acquire()
             buffers[name] = arena
             for entry, leaf in zip(flat.entries, flat.leaves):
                 dst = arena.dst(entry)
@@ -590,49 +480,32 @@ class Snapshotter:
     def release_buffers(self) -> None:
         """Drop the host buffers (after :meth:`close`; a job still in flight keeps its own)."""
         for _, arena in self._arenas.values():
-            if isinstance(arena, _SlotArena):
-                arena.close()
+            arena.close()
         self._arenas.clear()
 
     def forget_slots(self) -> None:
         """The holder whose slots these are is gone: the next snapshot asks for new ones."""
-        for name, (_, arena) in list(self._arenas.items()):
-            if isinstance(arena, _SlotArena):
-                arena.close()
-                del self._arenas[name]
+        for _, arena in self._arenas.values():
+            arena.close()
+        self._arenas.clear()
 
     # -- internals -------------------------------------------------------------------------------
-    def _arena_for(self, name: str, flat: _codec.Flat) -> _Arena | _SlotArena:
+    def _arena_for(self, name: str, flat: _codec.Flat) -> SlotArena:
         key = flat.layout_key()
         cached = self._arenas.get(name)
         if cached is None or cached[0] != key:
-            if cached is not None and isinstance(cached[1], _SlotArena):
+            if cached is not None:
                 cached[1].close()
             cached = (key, self._new_arena(name, flat.nbytes))
             self._arenas[name] = cached
         return cached[1]
 
-    def _new_arena(self, name: str, nbytes: int, *, fault_in: bool = False) -> _Arena | _SlotArena:
-        """The holder's slots of section ``name`` when there is an arena source, else a private arena."""
-        if self._arena_source is not None:
-            try:
-                paths = self._arena_source(name, nbytes)
-                if paths:
-                    arena = _SlotArena(paths, nbytes, self._pin)
-                    if fault_in:
-                        arena.fault_in()
-                    return arena
-            except Exception as e:  # noqa: BLE001 - a private arena works too, at the cost of copies
-                if not self._slot_warned:
-                    self._slot_warned = True
-                    logger.warning(
-                        "cf_ray: rank %d: the holder's shared-memory slots for %s are not usable (%r); "
-                        "snapshots go to the holder by value (more copies on the host)",
-                        self.rank,
-                        name,
-                        e,
-                    )
-        return _Arena(nbytes, self._pin, fault_in=fault_in)
+    def _new_arena(self, name: str, nbytes: int, *, fault_in: bool = False) -> SlotArena:
+        """The holder's slots of section ``name``, mapped."""
+        arena = SlotArena(self._arena_source(name, nbytes), nbytes, self._pin)
+        if fault_in:
+            arena.fault_in()
+        return arena
 
     def _run(self) -> None:
         while True:
@@ -671,19 +544,13 @@ class Snapshotter:
                 m = budget.lap("fingerprint", m)
                 sections = {}
                 for name, flat in job.flats.items():
-                    arena = job.buffers[name]
-                    index = mf.encode_index(flat)
-                    if isinstance(arena, _SlotArena):
-                        blocks = crcs[name]
-                        sections[name] = StagedSection(
-                            job.arenas[name],
-                            mf.with_blocks(index, blocks),
-                            slot=arena.seal(job.generation, job.step),
-                            crc32=_shm.combine_blocks(blocks, mf.BLOCK_BYTES, arena.nbytes),
-                            raw_index=index,
-                        )
-                    else:
-                        sections[name] = StagedSection(job.arenas[name], index)
+                    arena, blocks = job.buffers[name], crcs[name]
+                    sections[name] = StagedSection(
+                        job.arenas[name],
+                        mf.with_blocks(mf.encode_index(flat), blocks),
+                        slot=arena.seal(job.generation, job.step),
+                        crc32=_crc.combine_blocks(blocks, mf.BLOCK_BYTES, arena.nbytes),
+                    )
                 m = budget.lap("index", m, calls=0)
                 t1 = time.perf_counter()
                 self._hand_off(job, sections)
@@ -692,8 +559,7 @@ class Snapshotter:
             except BaseException as e:  # noqa: BLE001 - surfaced at the next wait/close
                 logger.warning("cf_ray: rank %d: snapshot of step %d failed: %r", self.rank, job.step, e)
                 for arena in job.buffers.values():
-                    if isinstance(arena, _SlotArena):
-                        arena.release()
+                    arena.release()
                 with self._lock:
                     self._errors.append((job.step, e))
             finally:
@@ -748,7 +614,7 @@ class Snapshotter:
         for name, arena in job.buffers.items():
             host = [c for c in job.deferred if c.section == name and not c.src.is_cuda]
             copied += sum(c.nbytes for c in host)
-            if isinstance(arena, _SlotArena) and name not in on_device:
+            if name not in on_device:
                 crcs[name] = _copy_checksummed(
                     arena, host, after_first=_fault_mid_copy(self.rank, job.step), crc_time=job.timings
                 )
@@ -766,7 +632,7 @@ class Snapshotter:
         saw those bytes, so this is a read of the slot, done after the guard is released (the copy
         is complete; training goes on)."""
         for name, arena in job.buffers.items():
-            if isinstance(arena, _SlotArena) and name not in crcs:
+            if name not in crcs:
                 crcs[name] = mf.block_crcs(arena.numpy())
                 job.timings["crc_read_bytes"] = job.timings.get("crc_read_bytes", 0.0) + arena.nbytes
 
@@ -805,7 +671,7 @@ def _fault_mid_copy(rank: int, step: int) -> Callable[[], None] | None:
 
 
 def _copy_checksummed(
-    arena: _SlotArena,
+    arena: SlotArena,
     pieces: list[_Deferred],
     after_first: Callable[[], None] | None = None,
     crc_time: dict[str, float] | None = None,
@@ -919,12 +785,8 @@ class Phase1:
         self._timing = timing
         self._resolve_holder = resolve_holder
         self._prepared = False
-        self._snap = Snapshotter(
-            rank,
-            self._hand_off,
-            arena_source=self._slots if _env.get_int(_env.SHM_SLOTS) != 0 else None,
-            budget=timing.budget,
-        )
+        _slots.require()  # Linux: the snapshots live in the holder's memfd slots
+        self._snap = Snapshotter(rank, self._hand_off, arena_source=self._slots, budget=timing.budget)
         # Neither modules nor optimizers: their state is taken again at the next call (module doc);
         # so is the optimizers' param_groups (the learning rate a scheduler writes there).
         self._late_names = [n for n, o in state.items() if not isinstance(o, (torch.nn.Module, torch.optim.Optimizer))]
@@ -1092,8 +954,8 @@ class Phase1:
             ptrs.update(self.sharded.guarded_ptrs())  # a DTensor's own data_ptr() is 0: its local shard's
         return ptrs
 
-    def _slots(self, section: str, nbytes: int) -> list[str] | None:
-        """The holder's two shared-memory slots of ``section`` (the snapshotter's arena source)."""
+    def _slots(self, section: str, nbytes: int) -> tuple[SlotDesc, ...]:
+        """The holder's shared-memory slots of ``section`` (the snapshotter's arena source)."""
         timeout = _env.get_float(_env.ACTOR_TIMEOUT_S)
         try:
             return ray.get(self.holder.arena.remote(section, nbytes), timeout=timeout)
@@ -1104,11 +966,12 @@ class Phase1:
             return ray.get(self.holder.arena.remote(section, nbytes), timeout=timeout)
 
     def _hand_off(self, job: SnapshotJob, sections: dict[str, StagedSection]) -> None:
-        """Background thread: tell this node's holder which slots hold the snapshot (or give it the
-        bytes, without slots), and the holder persists them. When the holder is gone (a Ray actor
-        error) or is a new one that does not know the slots (Ray restarted it), this node's holder is
-        found or made again and the snapshot staged with it once, by value from the old slots; the
-        next snapshot asks it for new slots. The incident is logged with the rank and the step."""
+        """Background thread: tell this node's holder which slots hold the snapshot (a typed
+        :class:`Stage`; it returns once the holder has recorded it), and the holder persists and
+        copies them. When the holder is gone (a Ray actor error) or is a new one that does not know
+        the slots (Ray restarted it), this node's holder is found or made again, the snapshot is
+        copied from the old slots (still mapped here) into new ones and staged with it once, and the
+        next snapshot uses the new slots. The incident is logged with the rank and the step."""
         meta = dataclasses.replace(
             job.meta,
             copy_s=job.timings.get("copy_s"),
@@ -1117,38 +980,51 @@ class Phase1:
             crc_read_bytes=int(job.timings.get("crc_read_bytes", 0)),
             slot_wait_s=job.timings.get("slot_wait_s"),
         )
-        payload = {
-            name: (s.slot, s.index, s.crc32) if s.slot is not None else (s.arena, s.index)
-            for name, s in sections.items()
-        }
-        # By value, the arena is serialised into the object store: one more copy on the host.
-        by_value = sum(s.arena.nbytes for s in sections.values() if s.slot is None)
-        if by_value:
-            meta = dataclasses.replace(meta, copied_bytes=meta.copied_bytes + by_value)
+        staged = tuple(
+            StagedSlot(section=name, slot=s.slot, index=s.index, crc32=s.crc32) for name, s in sections.items()
+        )
         timeout = _env.get_float(_env.ACTOR_TIMEOUT_S)
         why = ""
         try:
-            got = ray.get(self.holder.stage.remote(self.generation, job.step, payload, meta=meta), timeout=timeout)
-            unknown = got.get("unknown_slots") if isinstance(got, dict) else None
-            if unknown:
-                why = f"it does not know the slots of {', '.join(map(str, unknown))} (it was restarted)"
+            got: StageReply = ray.get(
+                self.holder.stage.remote(Stage(generation=self.generation, step=job.step, meta=meta, sections=staged)),
+                timeout=timeout,
+            )
+            if not got.recorded:
+                why = f"it does not know the slots of {', '.join(got.unknown)} (it was restarted)"
         except ray.exceptions.RayActorError as e:
             if self._resolve_holder is None:
                 raise
             why = f"it is gone ({type(e).__name__}: {e})"
         if why:
             logger.warning(
-                "cf_ray: rank %d: this node's holder cannot take the snapshot of step %d: %s; staging it "
-                "again by value with this node's holder",
+                "cf_ray: rank %d: this node's holder cannot take the snapshot of step %d: %s; copying it into "
+                "the slots of this node's holder now and staging it again",
                 self.rank,
                 job.step,
                 why,
             )
             if self._resolve_holder is not None:
                 self.holder = self._resolve_holder()
-            again = {name: (s.arena, s.raw_index or s.index) for name, s in sections.items()}
-            extra = sum(s.arena.nbytes for s in sections.values() if s.slot is not None)
+            again = tuple(self._restage(name, s, job) for name, s in sections.items())
+            extra = sum(s.arena.nbytes for s in sections.values())
             meta = dataclasses.replace(meta, copied_bytes=meta.copied_bytes + extra)
-            ray.get(self.holder.stage.remote(self.generation, job.step, again, meta=meta), timeout=timeout)
+            ray.get(
+                self.holder.stage.remote(Stage(generation=self.generation, step=job.step, meta=meta, sections=again)),
+                timeout=timeout,
+            )
             self._snap.forget_slots()
         self._timing.handed_off(job.step, job.timings)
+
+    def _restage(self, name: str, s: StagedSection, job: SnapshotJob) -> StagedSlot:
+        """Copy a staged section from its old slot (mapped here) into a slot of the current holder."""
+        descs = self._slots(name, s.arena.nbytes)
+        slot = _slots.WriterSlot(descs[0], s.arena.nbytes)
+        try:
+            if not slot.try_fill():
+                raise RuntimeError(f"the new holder's slot of {name} is busy")
+            slot.data()[:] = s.arena.data
+            desc = slot.seal(self.generation, job.step)
+        finally:
+            slot.close()
+        return StagedSlot(section=name, slot=desc, index=s.index, crc32=s.crc32)

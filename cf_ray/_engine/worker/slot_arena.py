@@ -1,0 +1,131 @@
+"""The worker's side of its node holder's slots (``memory/slots.py``): the arena a section's
+snapshots are copied into.
+
+The holder gives each section three slots (``SlotStore.arena``): the worker fills the one of the first
+two that holds the older fill (or none), never one a reader holds; when the holder holds both (one
+being written, one pinned: a milestone waiting for its write, the protected copied step), the third,
+the spare. When all are held, :meth:`SlotArena.acquire` waits, and says how long. Each slot is
+checked to be the one the holder described before it is mapped (``WriterSlot``).
+
+Pinned on CUDA machines (``cudaHostRegister`` of each mapping — the spare's only once it is used:
+registering takes every page), so device-to-host copies are DMA into the holder's memory.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from cf_ray._engine.format import codec as _codec
+from cf_ray._engine.memory import slots as _slots
+from cf_ray._engine.protocol.messages import SlotDesc
+
+#: Slots the worker alternates between before it takes the spare.
+_REGULAR = 2
+_PAGE = 4096
+
+
+class SlotArena:
+    """The slots of one section, mapped (module doc).
+
+    Args:
+        descs: the holder's slots of the section (``holder.arena``).
+        nbytes: the section's size.
+        pin: register the mappings with CUDA.
+
+    Raises:
+        SlotGone: a slot is not the one described (the holder is gone, or restarted).
+    """
+
+    def __init__(self, descs: tuple[SlotDesc, ...] | list[SlotDesc], nbytes: int, pin: bool):
+        self.nbytes = nbytes
+        self.slots: list[_slots.WriterSlot] = []
+        try:
+            for d in descs:
+                self.slots.append(_slots.WriterSlot(d, nbytes))
+        except BaseException:
+            for s in self.slots:
+                s.close()
+            raise
+        self._tensors = [
+            torch.frombuffer(s.map, dtype=torch.uint8, count=max(nbytes, 1), offset=_slots.HEADER_BYTES)
+            for s in self.slots
+        ]
+        self._pin = pin
+        self._registered: dict[int, int] = {}  # slot -> registered address
+        for k in range(min(_REGULAR, len(self.slots))):
+            self._register(k)
+        self.current = 0
+        self.tensor = self._tensors[0]
+
+    def acquire(self) -> float:
+        """Take a slot for the next snapshot; returns the seconds waited for one."""
+        t0 = time.perf_counter()
+        regular = sorted(range(min(_REGULAR, len(self.slots))), key=self._age)
+        order = regular + list(range(len(regular), len(self.slots)))
+        while True:
+            for k in order:
+                if self.slots[k].try_fill():
+                    self._register(k)  # the spare: registered (its pages taken) only once it is used
+                    self.current, self.tensor = k, self._tensors[k]
+                    return time.perf_counter() - t0
+            time.sleep(0.002)
+
+    def _register(self, k: int) -> None:
+        if self._pin and k not in self._registered:
+            ptr, size = self.slots[k].address(), len(self.slots[k].map)
+            if _cudart().cudaHostRegister(ptr, size, 0) == 0:
+                self._registered[k] = ptr
+
+    def _age(self, k: int) -> tuple:
+        h = self.slots[k].header()
+        return (0, 0, 0) if h.state != _slots.READY else (1, h.generation, h.step)
+
+    def seal(self, generation: int, step: int) -> SlotDesc:
+        return self.slots[self.current].seal(generation, step)
+
+    def release(self) -> None:
+        """Give up the slot being filled (the snapshot failed): it reads as empty."""
+        self.slots[self.current].empty()
+
+    def numpy(self) -> np.ndarray:
+        return self.tensor.numpy()[: self.nbytes]
+
+    def dst(self, entry: _codec.TensorEntry) -> torch.Tensor:
+        """Where ``entry``'s bytes go in the slot being filled, as a tensor of its dtype and shape."""
+        raw = self.tensor[entry.offset : entry.offset + entry.nbytes]
+        if entry.kind == "numpy":
+            return raw
+        if entry.nbytes == 0:
+            return torch.empty(entry.shape, dtype=_codec.torch_dtype(entry.dtype))
+        return raw.view(_codec.torch_dtype(entry.dtype)).view(entry.shape)
+
+    def fault_in(self) -> None:
+        """Map every page of the two regular slots now, keeping what they hold (a restored snapshot
+        may be there); the spare's pages are taken only if it is ever used."""
+        for t in self._tensors[:_REGULAR]:
+            a = t.numpy()
+            a[::_PAGE] = a[::_PAGE]
+
+    def close(self) -> None:
+        for ptr in self._registered.values():
+            _cudart().cudaHostUnregister(ptr)
+        self._registered.clear()
+        self._tensors.clear()
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        for s in self.slots:
+            s.close()
+
+
+def _cudart() -> Any:
+    """CUDA's runtime API through torch (``cudaHostRegister`` pins memory torch did not allocate)."""
+    rt = torch.cuda.cudart()
+    if rt is None:
+        raise RuntimeError("CUDA runtime not available")
+    return rt
+
+
+__all__ = ["SlotArena"]
