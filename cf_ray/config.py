@@ -123,6 +123,12 @@ class CheckpointConfig:
     durability_floor_s: float = 60.0
     """The automatic limit is never below this many seconds (short intervals would otherwise alarm
     on every hiccup of the storage)."""
+    finish_timeout_s: float | None = None
+    """How long :meth:`~cf_ray.Checkpointer.finish` waits for the final checkpoint (and every other
+    one taken) to become durable. ``None``: derived from this run's persist times, as the durability
+    limit is (``durability_factor`` x the slowest persist seen, at least ``durability_floor_s``). When
+    it passes, ``finish()`` says so (a warning, ``FinishSummary.final_durable``) and the final model
+    names the newest committed step it knows of, never silently an older one."""
     allow_missing_objects: bool = False
     """Restore even when the script tracks an object (``state`` or ``data``) that the checkpoint does
     not hold (e.g. a scheduler added in a new version of the script): that object keeps its fresh
@@ -189,6 +195,11 @@ class CheckpointConfig:
             raise ConfigError(
                 f"CheckpointConfig.durability_timeout_s={self.durability_timeout_s!r} must be a number "
                 "of seconds > 0, or None (automatic)"
+            )
+        if self.finish_timeout_s is not None and not _positive(self.finish_timeout_s):
+            raise ConfigError(
+                f"CheckpointConfig.finish_timeout_s={self.finish_timeout_s!r} must be a number of seconds > 0, "
+                "or None (derived from the run's persist times)"
             )
         if not _positive(self.durability_factor) or self.durability_factor < 1:
             raise ConfigError(f"CheckpointConfig.durability_factor={self.durability_factor!r} must be a number >= 1")

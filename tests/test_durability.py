@@ -243,17 +243,17 @@ def test_a_storage_that_hangs_is_one_alarm_per_episode(ray_cluster, tmp_path, ca
         for episode in (1, 2):
             flag.touch()  # from here the storage never returns
             t0 = time.time()
-            while ck._watchdog.episodes < episode and time.time() - t0 < 30:
+            while ck._durability.watchdog.episodes < episode and time.time() - t0 < 30:
                 step()
-            assert ck._watchdog.episodes == episode, "no alarm"
+            assert ck._durability.watchdog.episodes == episode, "no alarm"
             for _ in range(20):  # training goes on; the alarm is not repeated
                 step()
-            assert len(_lost_logs(caplog)) == episode and ck._watchdog.lost
+            assert len(_lost_logs(caplog)) == episode and ck._durability.watchdog.lost
             flag.unlink()  # the storage is back
             t0 = time.time()
-            while ck._watchdog.lost and time.time() - t0 < 30:
+            while ck._durability.watchdog.lost and time.time() - t0 < 30:
                 step()
-            assert not ck._watchdog.lost, "the episode did not end"
+            assert not ck._durability.watchdog.lost, "the episode did not end"
         lost, restored = _events(ck, "durability_lost", 2), _events(ck, "durability_restored", 2)
         assert len(lost) == 2 and len(restored) == 2
         assert lost[0]["reason"] == "no_commit" and lost[0]["committed_step"] >= 6 and lost[0]["action"] == "warn"
@@ -332,5 +332,5 @@ def test_a_dead_controller_is_resolved_again_and_training_goes_on(ray_cluster, t
     for _ in range(4):
         step()
     assert ck.wait() == []  # the new controller commits what is taken from here
-    assert ck._link.known_committed >= 4 and not ck._watchdog.lost
+    assert ck._link.known_committed >= 4 and not ck._durability.watchdog.lost
     ck.finish()

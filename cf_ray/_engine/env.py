@@ -35,6 +35,13 @@ PEER_STREAM = "CF_RAY_PEER_STREAM"
 FAULT_KILL_MID_COPY = "CF_RAY_FAULT_KILL_MID_COPY"
 #: Namespace of cf_ray's named actors.
 NAMESPACE = "CF_RAY_NAMESPACE"
+#: Steps after a restore whose loss (``Checkpointer.step(..., loss=)``) is checked for NaN and
+#: infinity (``worker/trust_gate.py``); a non-finite one rolls the run back past the restored step.
+#: Only these steps read the loss's value (a GPU loss is synchronised there only); 0 turns it off.
+TRUST_STEPS = "CF_RAY_TRUST_STEPS"
+#: Seconds a snapshot waits for a free slot when the holder holds both slots of a section (one being
+#: written, one pinned until written) before it is skipped and reported (``worker/snapshot.py``).
+SLOT_WAIT_S = "CF_RAY_SLOT_WAIT_S"
 
 # -- the control plane (issue #16): liveness, recovery, bounded controller, uploads -------------
 #: Messages a holder keeps queued for the controller (part_staged, part_durable, ...) while it is
@@ -91,6 +98,8 @@ _DEFAULTS = {
     EVENTS_WINDOW: 1000,
     POLICY_SAVE_INTERVAL_S: 60.0,
     REAPER_INTERVAL_S: 5.0,
+    TRUST_STEPS: 3,
+    SLOT_WAIT_S: 60.0,
 }
 
 

@@ -329,6 +329,93 @@ class RestorePlan(Message):
     schedules: tuple[Schedule, ...] = ()
 
 
+class DistrustReason(str, enum.Enum):
+    """Why a restore stopped trusting a snapshot (the ``reason`` of a :class:`Distrust`)."""
+
+    INTEGRITY = "integrity"
+    """Its bytes failed a check before use: a block's CRC-32, or a fingerprint after loading."""
+    NON_FINITE = "non_finite"
+    """Its saved state holds non-finite parameters, or the first steps after restoring it gave a
+    non-finite loss (``Checkpointer.step(..., loss=)``): the run was rolled back past it."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IntegrityFailure(Message):
+    """One copy of a section that a restore refused because its bytes failed their block checksums
+    (worker -> controller, as an event: :meth:`event`). The restore went on with the next copy, or
+    the next candidate; nothing of these bytes was used."""
+
+    rank: int
+    """The rank that read it."""
+    generation: int
+    """The snapshot's generation (0: a committed checkpoint on storage)."""
+    step: int
+    section: str
+    holder: str
+    """Where the bytes came from: a holder's actor name, or the storage URI of the file."""
+    how: str
+    """How they came: ``in_place``, ``direct``, ``object_store``, ``storage``."""
+    blocks: tuple[int, ...] = ()
+    """The blocks that failed (indices, at most ``manifest.BLOCKS_NAMED``); empty: not a block check."""
+    block_bytes: int = 0
+    error: str = ""
+
+    def event(self) -> dict[str, Any]:
+        """As the controller records it (``events()``; counted per run: ``integrity_failures``)."""
+        return {
+            "event": "integrity_failure",
+            "rank": self.rank,
+            "generation": self.generation,
+            "step": self.step,
+            "section": self.section,
+            "holder": self.holder,
+            "how": self.how,
+            "blocks": list(self.blocks),
+            "block_bytes": self.block_bytes,
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Distrust(Message):
+    """A snapshot that no restore of the run may use again (rank 0 -> controller). The controller's
+    ``distrust(msg)`` (where it has one) takes it out of every later restore plan, and quarantines a
+    committed checkpoint of that step on storage; it records :meth:`event` either way, and a restore
+    reads those events back (``trust_gate.Distrusted``), so a controller without ``distrust`` is
+    covered too."""
+
+    step: int
+    generation: int
+    """The generation that took the snapshot (``-1``: any generation of ``step``)."""
+    source: RestoreSource
+    """Where the restore found it: a holder's snapshot (memory) or a committed checkpoint (storage).
+    For :attr:`DistrustReason.INTEGRITY` only that copy is distrusted (a bit flipped in a holder's
+    memory leaves the checkpoint on storage intact); for :attr:`DistrustReason.NON_FINITE` the
+    state itself is suspect, so the snapshot of ``(generation, step)`` and the committed checkpoint
+    whose manifest names that generation and step are both distrusted."""
+    reason: DistrustReason
+    detail: str
+    """What failed, for people (the block, the object, the loss)."""
+    rank: int
+    attempt: int = 0
+    """The generation of the attempt that stopped trusting it."""
+    restored_step: int | None = None
+    """For :attr:`DistrustReason.NON_FINITE` after a restore: the step that attempt restored (the suspect)."""
+
+    def event(self) -> dict[str, Any]:
+        return {
+            "event": "distrusted",
+            "step": self.step,
+            "generation": self.generation,
+            "source": RestoreSource(self.source).value,
+            "reason": DistrustReason(self.reason).value,
+            "detail": self.detail,
+            "rank": self.rank,
+            "attempt": self.attempt,
+            "restored_step": self.restored_step,
+        }
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Restored(Message):
     """Rank 0 reports where the attempt resumed from."""
@@ -346,8 +433,11 @@ __all__ = [
     "PROTOCOL_VERSION",
     "CheckpointKind",
     "CheckpointRequest",
+    "Distrust",
+    "DistrustReason",
     "Failure",
     "HolderState",
+    "IntegrityFailure",
     "MemorySnapshot",
     "PartReplicated",
     "Message",

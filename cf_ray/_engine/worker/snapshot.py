@@ -137,7 +137,10 @@ class SnapshotJob:
     """The attempt's generation (a slot's header names it with the step)."""
     deferred: list[_Deferred] = field(default_factory=list)
     cuda_events: dict[int, Any] = field(default_factory=dict)
-    """Device index -> the event its side stream waits for (recorded after the optimizer step)."""
+    """Device index -> the event its side stream waits for (recorded after the optimizer step and
+    after the unguarded tensors' copies of that device were queued)."""
+    cuda_sections: set[str] = field(default_factory=set)
+    """Sections that device tensors were copied into by DMA (checksummed once those copies are done)."""
     timings: dict[str, float] = field(default_factory=dict)
     buffers: dict[str, Any] = field(default_factory=dict)
     """Section -> its ``_Arena`` (where a late capture writes)."""
@@ -180,6 +183,21 @@ class _Arena:
 
 #: Bytes copied before their blocks are checksummed, while they are still in the CPU's cache.
 _CRC_WINDOW = 32 * mf.BLOCK_BYTES
+#: Seconds between two calls of a slot wait's ``on_wait`` (the watchdog, the log line).
+_WAIT_TICK_S = 0.25
+
+
+class SlotsBusy(Exception):
+    """Both slots of a section stayed held for the whole wait (or the wait was given up)."""
+
+    def __init__(self, waited_s: float, held: str):
+        super().__init__(f"both slots stayed held for {waited_s:.1f} s ({held})")
+        self.waited_s = waited_s
+        self.held = held
+
+
+class SnapshotSkipped(Exception):
+    """A snapshot not taken because a section found no free slot in time (reported by the caller)."""
 
 
 class _SlotArena:
@@ -209,16 +227,36 @@ class _SlotArena:
         self.current = 0
         self.tensor = self._tensors[0]
 
-    def acquire(self) -> float:
-        """Take a slot for the next snapshot; returns the seconds waited for one."""
+    def acquire(self, limit_s: float | None = None, on_wait: Callable[[float], bool] | None = None) -> float:
+        """Take a slot for the next snapshot; returns the seconds waited for one.
+
+        While both are held, ``on_wait(seconds waited)`` is called about every :data:`_WAIT_TICK_S`
+        (True: give up now); after ``limit_s`` it gives up. Giving up raises :class:`SlotsBusy`."""
         t0 = time.perf_counter()
+        tick = t0 + _WAIT_TICK_S
         order = sorted(range(len(self.slots)), key=self._age)
         while True:
             for k in order:
                 if self.slots[k].try_fill():
                     self.current, self.tensor = k, self._tensors[k]
                     return time.perf_counter() - t0
+            now = time.perf_counter()
+            if limit_s is not None and now - t0 >= limit_s:
+                raise SlotsBusy(now - t0, self.held())
+            if on_wait is not None and now >= tick:
+                tick = now + _WAIT_TICK_S
+                if on_wait(now - t0):
+                    raise SlotsBusy(now - t0, self.held())
             time.sleep(0.002)
+
+    def held(self) -> str:
+        """What the two slots hold, for people (``step 8 (ready), step 9 (ready)``)."""
+        out = []
+        for slot in self.slots:
+            h = _shm.read_header(slot.map)
+            state = {_shm.READY: "ready", _shm.FILLING: "being filled"}.get(h.state, "empty")
+            out.append(f"step {h.step} ({state})" if h.state != _shm.EMPTY else "empty")
+        return ", ".join(out)
 
     def _age(self, k: int) -> tuple:
         h = _shm.read_header(self.slots[k].map)
@@ -379,6 +417,10 @@ class Snapshotter:
         """How long the background thread waits for :meth:`capture_late` before the hand-off."""
         self._late_job: SnapshotJob | None = None
         self._late_warned = False
+        self.on_slot_wait: Callable[[float], bool] | None = None
+        """Called (on the training thread) while :meth:`begin` waits for a free slot, about every
+        :data:`_WAIT_TICK_S` with the seconds waited; True gives the wait up (the snapshot is skipped)."""
+        self._next_wait_log = 0.0
         self._preparing = False
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"cf_ray-snapshot-r{rank}", daemon=True)
@@ -399,9 +441,17 @@ class Snapshotter:
         Tensors for which ``is_guarded`` is true (they change only in the optimizer step) and all
         CUDA tensors are copied in the background; everything else is copied now.
 
+        A section whose two slots are both held (one being written, one pinned until written: a
+        milestone or preemption checkpoint with a storage that stalls) waits for one at most
+        ``CF_RAY_SLOT_WAIT_S``, saying so while it waits, and calls :attr:`on_slot_wait`; then the
+        snapshot is not taken: :class:`SnapshotSkipped` (never a hang of the training thread).
+
         Args:
             late: per section, the objects whose state :meth:`capture_late` takes again at the next
                 call (their state in ``sections`` reserves the room and is kept if that fails).
+
+        Raises:
+            SnapshotSkipped: no free slot within the wait; nothing of this snapshot was kept.
         """
         t_wait = time.perf_counter()
         self.capture_late()  # the previous snapshot's late objects: this is the next call
@@ -410,12 +460,13 @@ class Snapshotter:
         wait_s = t0 - t_wait
         flats, arenas, deferred, buffers = {}, {}, [], {}
         devices: set[int] = set()
+        cuda_sections: set[str] = set()
         slot_wait_s, copied = 0.0, 0
         for name, tree in sections.items():
             flat = _codec.flatten(tree)
             arena = self._arena_for(name, flat)
             if isinstance(arena, _SlotArena):
-                slot_wait_s += arena.acquire()
+                slot_wait_s += self._acquire(arena, step, name, buffers)
             buffers[name] = arena
             for entry, leaf in zip(flat.entries, flat.leaves):
                 dst = arena.dst(entry)
@@ -424,13 +475,16 @@ class Snapshotter:
                     copied += entry.nbytes
                     continue
                 assert isinstance(leaf, torch.Tensor)  # the codec gives torch tensors kind "torch"
+                if leaf.is_cuda:
+                    devices.add(leaf.device.index or 0)
+                    cuda_sections.add(name)
                 if is_guarded(leaf):
                     deferred.append(_Deferred(name, entry.offset, entry.nbytes, dst, leaf))
-                    if leaf.is_cuda:
-                        devices.add(leaf.device.index or 0)
                     continue
                 if leaf.is_cuda:
-                    # Ordered before the next forward on the compute stream, so no race with it.
+                    # Ordered before the next forward on the compute stream, so no race with it; the
+                    # event recorded below comes after it, and the background thread waits for that
+                    # event before it reads the arena (checksums, hand-off), on every device.
                     dst.copy_(leaf, non_blocking=True)
                 else:
                     dst.copy_(leaf)
@@ -446,13 +500,15 @@ class Snapshotter:
             deferred=deferred,
             buffers=buffers,
             late=_late_slots(flats, late or {}),
+            cuda_sections=cuda_sections,
         )
         if job.late:
             self._late_job = job
         else:
             job.late_ready.set()
         if devices:
-            # Each device's side stream starts after the optimizer step's kernels on that device.
+            # Each device's side stream starts after the optimizer step's kernels on that device, and
+            # after the copies of its unguarded tensors queued above (a device may have only those).
             job.cuda_events = {}
             for d in sorted(devices):
                 with torch.cuda.device(d):
@@ -480,6 +536,39 @@ class Snapshotter:
         self._queue.put(job)
         return time.perf_counter() - t_wait
 
+    def _acquire(self, arena: _SlotArena, step: int, section: str, taken: dict[str, Any]) -> float:
+        """A free slot of ``section``, waited for at most ``CF_RAY_SLOT_WAIT_S`` (said while it waits);
+        on giving up, the slots this snapshot took already (``taken``) are given back."""
+        limit = _env.get_float(_env.SLOT_WAIT_S)
+        self._next_wait_log = 1.0
+
+        def waiting(waited_s: float) -> bool:
+            if waited_s >= self._next_wait_log:
+                self._next_wait_log = waited_s + _env.get_float(_env.WARN_INTERVAL_S)
+                logger.warning(
+                    "cf_ray: rank %d: the snapshot of step %d has waited %.0f s for a free slot of section %s: "
+                    "the holder holds both (%s) until they are written, so storage is slow or stalled; "
+                    "training goes on in %.0f s at most without this checkpoint (CF_RAY_SLOT_WAIT_S)",
+                    self.rank,
+                    step,
+                    waited_s,
+                    section,
+                    arena.held(),
+                    max(0.0, limit - waited_s),
+                )
+            return bool(self.on_slot_wait(waited_s)) if self.on_slot_wait is not None else False
+
+        try:
+            return arena.acquire(limit, waiting)
+        except SlotsBusy as e:
+            for other in taken.values():
+                if isinstance(other, _SlotArena):
+                    other.release()
+            raise SnapshotSkipped(
+                f"skipped: no free snapshot slot of section {section} within {e.waited_s:.0f} s "
+                f"(the holder holds {e.held} until they are written: storage is slow or stalled)"
+            ) from None
+
     def prepare(self, sections: dict[str, Any]) -> bool:
         """Allocate and fault in the arenas for ``sections`` (the trees :meth:`begin` will get) on
         the background thread, so that the first snapshot copies into resident memory.
@@ -504,9 +593,15 @@ class Snapshotter:
         """Whether :meth:`prepare`'s job is still running (the iterations meanwhile compete with it)."""
         return self._preparing
 
-    def capture_late(self) -> float:
+    def capture_late(self, next_epoch: int | None = None) -> float:
         """At the start of the call after a snapshot's: take the late objects' state again, into the
-        slots the snapshot reserved for them. Returns seconds spent (0 when nothing was waiting)."""
+        slots the snapshot reserved for them. Returns seconds spent (0 when nothing was waiting).
+
+        Args:
+            next_epoch: the call is ``end_epoch()`` right after the snapshot's step (the epoch's last):
+                what is taken now holds the epoch's end (a per-epoch scheduler stepped before it), so
+                the snapshot's counters say it resumes at ``next_epoch`` (the resumed loop then does
+                not step them again)."""
         job, self._late_job = self._late_job, None
         if job is None:
             return 0.0
@@ -515,6 +610,8 @@ class Snapshotter:
             if not job.sealed:
                 for slot in job.late:
                     self._capture(job, slot)
+                if next_epoch is not None:
+                    _resume_at_epoch(job, next_epoch)
         job.late_ready.set()
         return time.perf_counter() - t0
 
@@ -726,7 +823,7 @@ class Snapshotter:
                 for c in job.deferred:
                     if c.src.is_cuda and (c.src.device.index or 0) == d:
                         c.dst.copy_(c.src, non_blocking=True)  # DMA into pinned (registered) memory
-        on_device = {c.section for c in job.deferred if c.src.is_cuda}
+        on_device = job.cuda_sections | {c.section for c in job.deferred if c.src.is_cuda}
         crcs: dict[str, list[int]] = {}
         copied = 0
         for name, arena in job.buffers.items():
@@ -767,6 +864,16 @@ class Snapshotter:
             for k in sorted(touched):
                 if k < len(blocks):
                     blocks[k] = _crc32(buf[k * block : (k + 1) * block].data)
+
+
+def _resume_at_epoch(job: SnapshotJob, epoch: int) -> None:
+    """The snapshot's counters (every section that has them) and its metadata say ``epoch``."""
+    for flat in job.flats.values():
+        counters = flat.tree.get(mf.COUNTERS) if isinstance(flat.tree, dict) else None
+        if isinstance(counters, dict) and "epoch" in counters:
+            counters["epoch"] = epoch
+    if dataclasses.is_dataclass(job.meta) and hasattr(job.meta, "epoch"):
+        job.meta = dataclasses.replace(job.meta, epoch=epoch)  # pyright: ignore[reportArgumentType]
 
 
 def _fault_mid_copy(rank: int, step: int) -> Callable[[], None] | None:
@@ -896,6 +1003,8 @@ class Phase1:
         # so is the optimizers' param_groups (the learning rate a scheduler writes there).
         self._late_names = [n for n, o in state.items() if not isinstance(o, (torch.nn.Module, torch.optim.Optimizer))]
         self._optimizers = [n for n, o in state.items() if isinstance(o, torch.optim.Optimizer)]
+        self.skipped: tuple[str, list[str]] | None = None
+        """Why the last :meth:`take` skipped its snapshot, and the sections it would have held."""
 
     # -- the training thread ------------------------------------------------------------------------
     def take(
@@ -908,8 +1017,9 @@ class Phase1:
         interval: int | None,
         notice: dict,
         replica_interval: int | None = None,
-    ) -> float:
-        """Start the snapshot of ``step``; returns the seconds the snapshotter spent on this thread.
+    ) -> float | None:
+        """Start the snapshot of ``step``; returns the seconds the snapshotter spent on this thread,
+        ``None`` when it was skipped (no free slot in time: :attr:`skipped` says why and which sections).
 
         Args:
             notice: a preemption notice's deadline fields for the profile row (may be empty).
@@ -933,18 +1043,34 @@ class Phase1:
             **notice,
         )
         guarded = self._guarded_ptrs()
-        return self._snap.begin(
-            step,
-            sections,
-            lambda t: t.data_ptr() in guarded,
-            meta,
-            late=self._late(sections),
-            generation=self.generation,
-        )
+        self.skipped = None
+        try:
+            return self._snap.begin(
+                step,
+                sections,
+                lambda t: t.data_ptr() in guarded,
+                meta,
+                late=self._late(sections),
+                generation=self.generation,
+            )
+        except SnapshotSkipped as e:
+            self.skipped = (str(e), sorted(sections))
+            logger.warning("cf_ray: rank %d: the checkpoint of step %d is %s; training goes on", self.rank, step, e)
+            return None
 
-    def capture_late(self) -> float:
-        """At the start of a Checkpointer call: the late objects of the last snapshot (module doc)."""
-        return self._snap.capture_late()
+    def capture_late(self, next_epoch: int | None = None) -> float:
+        """At the start of a Checkpointer call: the late objects of the last snapshot (module doc);
+        ``next_epoch`` from ``end_epoch()`` right after it (:meth:`Snapshotter.capture_late`)."""
+        return self._snap.capture_late(next_epoch)
+
+    @property
+    def on_slot_wait(self) -> Callable[[float], bool] | None:
+        """Called while a snapshot waits for a free slot (:attr:`Snapshotter.on_slot_wait`)."""
+        return self._snap.on_slot_wait
+
+    @on_slot_wait.setter
+    def on_slot_wait(self, fn: Callable[[float], bool] | None) -> None:
+        self._snap.on_slot_wait = fn
 
     @property
     def late_wait_s(self) -> float:
@@ -960,9 +1086,9 @@ class Phase1:
         if not self._late_names:
             return {}
         if self.replicated:
-            section, key = mf.SHARED, "objects"
+            section, key = mf.SHARED, mf.OBJECTS
         else:
-            section, key = mf.rank_section(self.rank), "state"
+            section, key = mf.rank_section(self.rank), mf.STATE
         if section not in sections:
             return {}
         late: list = [((key, n), self.state[n].state_dict) for n in self._late_names]
@@ -1023,10 +1149,10 @@ class Phase1:
     def _sections(self, step: int, epoch: int) -> dict[str, Any]:
         """This rank's snapshot: section name -> state tree (references; copied by the snapshotter)."""
         rank_tree = {
-            "objects": {name: obj.state_dict() for name, obj in self.data.items()},
-            "rng": rng_state(),
+            mf.OBJECTS: {name: obj.state_dict() for name, obj in self.data.items()},
+            mf.RNG: rng_state(),
             # rank and world_size: a restore checks that a rank's section is that rank's.
-            "counters": {"step": step, "epoch": epoch, "rank": self.rank, "world_size": self.world_size},
+            mf.COUNTERS: {"step": step, "epoch": epoch, "rank": self.rank, "world_size": self.world_size},
         }
         sections: dict[str, Any] = {}
         replicated = (
@@ -1036,9 +1162,9 @@ class Phase1:
         )
         if self.replicated:
             if self.rank == 0:
-                sections[mf.SHARED] = {"objects": replicated}
+                sections[mf.SHARED] = {mf.OBJECTS: replicated}
         else:
-            rank_tree["state"] = replicated
+            rank_tree[mf.STATE] = replicated
             if self.sharded is not None:
                 rank_tree[_sharded.KEY] = self.sharded.describe()
         sections[mf.rank_section(self.rank)] = rank_tree
