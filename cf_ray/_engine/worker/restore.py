@@ -262,7 +262,9 @@ class Restorer:
                 touched = where
             skipped = next(s for s in statuses if s.verdict is Verdict.SKIP)
             refused.append((where, skipped))
-            self.fallbacks.add(source, where, status, statuses, cand, self._generation)
+            distrusted = self.fallbacks.add(source, where, status, statuses, cand, self._generation)
+            if distrusted is not None:  # its other copies are not tried either (the same bytes, or state)
+                self.distrusted = self.distrusted.adding(distrusted)
         if touched:
             raise RestoreError(
                 f"cf_ray: the snapshot {touched} was damaged while it was loaded, and no other checkpoint could be "

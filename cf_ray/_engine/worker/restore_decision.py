@@ -113,8 +113,9 @@ class Fallbacks:
 
     def add(
         self, source: RestoreSource, where: str, mine: Status, statuses: list[Status], cand: Any, generation: int
-    ) -> None:
-        """Every rank skips ``cand``; ``generation``: the one that took it (-1 when unknown)."""
+    ) -> Distrust | None:
+        """Every rank skips ``cand``; ``generation``: the one that took it (-1 when unknown). Returns
+        what every rank now distrusts of it (``None``: nothing: it may be tried again later)."""
         first = next(s for s in statuses if s.verdict is Verdict.SKIP)
         why = mine.error if mine.verdict is Verdict.SKIP else f"rank {first.rank}: {first.error}"
         logger.warning("cf_ray: rank %d: cannot restore %s (%s); falling back", self.rank, where, why)
@@ -125,8 +126,20 @@ class Fallbacks:
         self.items.append(
             {"where": where, "rank": first.rank, "error": first.error[:500], "distrust": bad.distrust if bad else ""}
         )
+        own = source is RestoreSource.MEMORY or self._own(cand[0])
+        msg = None
+        if bad is not None and own and step is not None:
+            msg = Distrust(
+                step=step,
+                generation=generation,
+                source=source,
+                reason=DistrustReason(bad.distrust),
+                detail=f"rank {bad.rank}: {bad.error}"[:1000],
+                rank=self.rank,
+                attempt=self.link.generation,
+            )
         if self.rank != 0:
-            return
+            return msg
         event = {
             "event": "restore_fallback",
             "source": source.value,
@@ -140,22 +153,12 @@ class Fallbacks:
             # when it is corrupt, so that it no longer counts toward keep-last.
             event["step"] = step
         self.link.record_event(event)
-        own = source is RestoreSource.MEMORY or self._own(cand[0])
-        if bad is None or not own or step is None:
-            return
-        msg = Distrust(
-            step=step,
-            generation=generation,
-            source=source,
-            reason=DistrustReason(bad.distrust),
-            detail=f"rank {bad.rank}: {bad.error}"[:1000],
-            rank=self.rank,
-            attempt=self.link.generation,
-        )
-        try:
-            tell_controller(self.link, [msg])
-        except Exception as e:  # noqa: BLE001 - this restore goes on; a later one verifies it again
-            logger.warning("cf_ray: could not tell the controller to distrust %s: %s", where, describe(e))
+        if msg is not None:
+            try:
+                tell_controller(self.link, [msg])
+            except Exception as e:  # noqa: BLE001 - this restore goes on; a later one verifies it again
+                logger.warning("cf_ray: could not tell the controller to distrust %s: %s", where, describe(e))
+        return msg
 
     def extra(self) -> dict[str, Any]:
         """What the ``restore`` event adds: the candidates skipped and a rollback."""

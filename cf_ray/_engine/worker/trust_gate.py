@@ -79,6 +79,10 @@ class Distrusted:
                 exhausted = e
         return cls(tuple(entries), exhausted)
 
+    def adding(self, msg: Distrust) -> Distrusted:
+        """With ``msg`` too (what this restore just distrusted: its other copies are not tried)."""
+        return Distrusted((*self.entries, msg.event()), self.exhausted)
+
     def why_not(self, source: RestoreSource, generation: int, step: int) -> str | None:
         """Why a restore may not use the snapshot of ``(generation, step)`` found in ``source``
         (``None``: it may). ``generation`` -1: any generation of ``step``."""
@@ -258,13 +262,11 @@ class TrustGate:
         )
 
 
-def tell_controller(link: Any, messages: list[Distrust], *, committed: Iterable[int] = ()) -> None:
+def tell_controller(link: Any, messages: list[Distrust]) -> None:
     """Rank 0 tells the controller which snapshots to distrust, and waits until it has recorded them
-    (the next attempt's plan, asked by another process, must see them).
-
-    ``committed``: steps committed on storage; for a non-finite state, a committed checkpoint of a
-    distrusted step is quarantined too.
-    """
+    (the next attempt's plan, asked by another process, must see them). A committed checkpoint of a
+    step distrusted for a non-finite state is quarantined too (the controller ignores a step it has
+    not committed)."""
     if not messages:
         return
     # SEAM (#23, driver side): a controller with distrust(msg) leaves the snapshot out of every later
@@ -276,7 +278,6 @@ def tell_controller(link: Any, messages: list[Distrust], *, committed: Iterable[
         for msg in messages:
             link.call("distrust", msg, timeout_s=_env.get_float(_env.ACTOR_TIMEOUT_S))
         return
-    committed = set(committed)
     events = [m.event() for m in messages]
     events += [
         {
@@ -290,7 +291,7 @@ def tell_controller(link: Any, messages: list[Distrust], *, committed: Iterable[
             "distrust": True,
         }
         for m in messages
-        if m.reason is DistrustReason.NON_FINITE and m.step in committed
+        if m.reason is DistrustReason.NON_FINITE
     ]
     for event in events:
         link.record_event(event, wait=True)
