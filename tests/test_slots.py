@@ -201,3 +201,61 @@ def test_cuda_tensors_are_copied_by_dma_into_the_pinned_slot_on_their_devices_st
     assert all(torch.equal(got["model"][k], v) for k, v in expected.items())
     snap.close()
     snap.release_buffers()
+
+
+def test_a_snapshot_that_finds_both_slots_held_waits_a_bounded_time_saying_so_then_is_skipped(monkeypatch, caplog):
+    """Both slots of the section are held by the holder (one being written, one pinned until written:
+    a milestone on a storage that hangs): the training thread waits at most CF_RAY_SLOT_WAIT_S, says
+    so while it waits, lets the watchdog speak (``on_slot_wait``), and then skips the snapshot."""
+    import logging
+    import threading
+    import time
+
+    from cf_ray._engine.worker.snapshot import SnapshotSkipped
+
+    caplog.set_level(logging.WARNING, logger="cf_ray")
+    monkeypatch.setenv("CF_RAY_SLOT_WAIT_S", "2")
+    model, opt, train_step, sections, guarded = _job()
+    holder = _Holder()
+    snap = Snapshotter(0, holder, arena_source=holder.arena)
+    for step in (1, 2):  # one fill in each slot
+        train_step(snap)
+        snap.begin(step, sections(), guarded, {})
+        assert snap.wait_done(timeout=30)
+    held = [holder.read(1)[0], holder.read(2)[0]]  # the holder writes one and pins the other
+    calls: list[float] = []
+    snap.on_slot_wait = lambda waited: calls.append(waited) is None and False
+    outcome: dict = {}
+
+    def take():
+        t0 = time.monotonic()
+        try:
+            snap.begin(3, sections(), guarded, {})
+        except SnapshotSkipped as e:
+            outcome["skipped"] = str(e)
+        outcome["seconds"] = time.monotonic() - t0
+
+    try:
+        train_step(snap)
+        t = threading.Thread(target=take, daemon=True)
+        t.start()
+        t.join(timeout=20)
+        assert not t.is_alive(), "the training thread waits for a free slot without a bound"
+        assert "no free snapshot slot of section s within 2 s" in outcome["skipped"]
+        assert "step 1 (ready), step 2 (ready)" in outcome["skipped"]
+        assert 2.0 <= outcome["seconds"] < 10
+        assert len(calls) >= 4 and max(calls) < 2.5  # the watchdog was fed while it waited
+        assert "has waited 1 s for a free slot of section s" in caplog.text  # said while it waited
+        # The watchdog ends the wait early (durability lost with on_durability_lost="raise").
+        snap.on_slot_wait = lambda waited: True
+        t0 = time.monotonic()
+        with pytest.raises(SnapshotSkipped):
+            snap.begin(3, sections(), guarded, {})
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        for lk in held:
+            lk.close()
+    # The slots are free again: the next snapshot takes one at once.
+    snap.begin(4, sections(), guarded, {})
+    assert snap.wait_done(timeout=30) and snap.take_errors() == [] and 4 in holder.staged
+    snap.close()
