@@ -259,3 +259,31 @@ def test_a_snapshot_that_finds_both_slots_held_waits_a_bounded_time_saying_so_th
     snap.begin(4, sections(), guarded, {})
     assert snap.wait_done(timeout=30) and snap.take_errors() == [] and 4 in holder.staged
     snap.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_unguarded_device_tensors_land_before_their_blocks_are_checksummed_and_handed_off():
+    """A device with only unguarded tensors (a buffer): their non_blocking copies into the slot are
+    waited for before the background thread checksums the slot and hands it off (#23, item 9)."""
+    holder = _Holder()
+    snap = Snapshotter(0, holder, arena_source=holder.arena)
+    buf = torch.randn(64 << 20, device="cuda")  # 256 MB, not guarded: copied at begin(), non_blocking
+    expected = buf.cpu().numpy().view(np.uint8).copy()
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(50):  # the device is busy: the copy queued behind this lands late
+        a = torch.tanh(a @ a)
+    snap.begin(1, {"s": {"buf": buf}}, lambda t: False, {})
+    assert snap.wait_done(timeout=120) and snap.take_errors() == []
+    _, index, crc = holder.staged[1]["s"]
+    lk, _ = holder.read(1)
+    try:
+        data = np.frombuffer(lk.data, dtype=np.uint8)
+        _tree, entries, blocks = mf.parse_index_blocks(index, "test")
+        mf.verify_blocks(data, blocks, "the slot")  # the checksums are those of the landed bytes
+        assert zlib.crc32(data) == crc
+        (e,) = entries
+        assert np.array_equal(data[e.offset : e.offset + e.nbytes], expected)
+    finally:
+        lk.close()
+        snap.close()
