@@ -383,3 +383,27 @@ def test_a_restore_that_goes_non_finite_rolls_back_once_and_ends_bitwise(ray_clu
     assert 15 in quarantined_checkpoints(str(tmp_path / name))  # the suspect, with the reason
     (distrusted,) = [e for e in events if e["event"] == "distrusted"]
     assert (distrusted["step"], distrusted["generation"], distrusted["reason"]) == (15, 1, "non_finite")
+
+
+def test_a_by_value_snapshot_carries_its_block_checksums_and_bytes_changed_since_are_never_written(tmp_path):
+    """Without slots (``CF_RAY_SHM_SLOTS=0``) the worker checksums the blocks too, so a restore from
+    the holder's memory can verify them; the holder's write refuses bytes that changed since."""
+    from cf_ray._engine.storage.fs import FsStorage
+    from cf_ray._engine.worker.snapshot import Snapshotter
+
+    got = {}
+    snap = Snapshotter(0, lambda job, sections: got.update(sections))
+    snap.begin(1, {"s": {"w": torch.randn(300_000)}}, lambda t: True, {})
+    assert snap.wait_done(30) and snap.take_errors() == []
+    snap.close()
+    staged = got["s"]
+    tree, entries, blocks = mf.parse_index_blocks(staged.index, "test")
+    integrity.verify_section(mf.Section(tree, entries, staged.arena, blocks=blocks), "by value")
+    storage = FsStorage.from_uri(str(tmp_path))
+    files = mf.write_section(storage, "step_1", 1, "s", staged.arena, staged.index)  # the blocks once
+    written = storage.read_file(f"step_1/{mf.section_files(1, 's')[1]}")
+    assert mf.parse_index_blocks(written, "written")[2] == blocks and files
+    changed = staged.arena.copy()
+    changed[-1] ^= 1
+    with pytest.raises(mf.BlockMismatchError, match="changed in memory after they were checksummed"):
+        mf.write_section(storage, "step_2", 1, "s", changed, staged.index)

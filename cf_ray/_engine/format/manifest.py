@@ -393,10 +393,26 @@ def write_section(
     storage: Storage, directory: str, generation: int, section: str, arena: np.ndarray, index: bytes
 ) -> dict[str, FileInfo]:
     """Phase 2 of one section: stream the arena, then its index with the CRC-32 of every block of
-    the arena (``BLOCK_BYTES``; for ranged reads). Returns what the manifest needs."""
+    the arena (``BLOCK_BYTES``; for ranged reads). An index that carries block checksums already
+    (the worker's, taken as it copied) is checked against the arena first: bytes that changed in
+    memory since are never written as a checkpoint. Returns what the manifest needs.
+
+    Raises:
+        CorruptCheckpointError: the arena no longer matches the block checksums its index carries.
+    """
     data_name, index_name = section_files(generation, section)
+    crcs = block_crcs(arena)
+    index, known = split_blocks(index)
+    if known is not None and list(known) != crcs:
+        bad = [i for i, (a, b) in enumerate(zip(known, crcs)) if a != b] or list(range(len(crcs)))
+        raise BlockMismatchError(
+            f"section {section}: the snapshot's bytes changed in memory after they were checksummed "
+            f"(blocks {bad[:BLOCKS_NAMED]})",
+            blocks=bad,
+            block_bytes=BLOCK_BYTES,
+        )
     info_data = storage.write_file(f"{directory}/{data_name}", chunked(arena))
-    index = with_blocks(index, block_crcs(arena))
+    index = with_blocks(index, crcs)
     info_index = storage.write_file(f"{directory}/{index_name}", [index])
     return {data_name: info_data, index_name: info_index}
 
@@ -423,6 +439,21 @@ def write_section_slot(
             )
     info_index = storage.write_file(f"{directory}/{index_name}", [index])
     return {data_name: info_data, index_name: info_index}, copied
+
+
+def split_blocks(index: bytes) -> tuple[bytes, tuple[int, ...] | None]:
+    """An encoded index without the block checksums :func:`with_blocks` appended, and those
+    checksums (``None`` when it has none). No torch: the holder calls it."""
+    raw = bytes(index).rstrip()
+    at = raw.rfind(b',"blocks":{')
+    if at < 0 or not raw.endswith(b"}}"):
+        return raw, None
+    try:
+        b = json.loads(raw[at + len(b',"blocks":') : -1])
+        crcs = tuple(int(c) for c in b["crc32"]) if b.get("bytes") == BLOCK_BYTES else None
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return raw, None
+    return (raw[:at] + b"}", crcs) if crcs is not None else (raw, None)
 
 
 def with_blocks(index: bytes, crcs: list[int], block: int = BLOCK_BYTES) -> bytes:

@@ -83,15 +83,14 @@ logger = logging.getLogger("cf_ray")
 @dataclass(slots=True)
 class StagedSection:
     """One section of a snapshot as handed to the holder: by reference to the holder's slot it was
-    copied into (``slot``; ``index`` then carries the block checksums and ``crc32`` is the data's),
-    or, without a slot, the bytes themselves (``arena``, the holder copies and checksums them)."""
+    copied into (``slot``; ``crc32`` is the data's), or, without a slot, the bytes themselves
+    (``arena``, the holder copies them). ``index`` carries the CRC-32 of every block either way: a
+    restore from memory checks the bytes against them, and the holder's write too."""
 
     arena: np.ndarray
     index: bytes
     slot: _shm.SlotDesc | None = None
     crc32: int | None = None
-    raw_index: bytes = b""
-    """The index without block checksums (a by-value hand-off adds its own)."""
 
 
 #: A part of a snapshot taken again at the next Checkpointer call: (its path in the section's tree,
@@ -763,10 +762,11 @@ class Snapshotter:
                             mf.with_blocks(index, blocks),
                             slot=arena.seal(job.generation, job.step),
                             crc32=_shm.combine_blocks(blocks, mf.BLOCK_BYTES, arena.nbytes),
-                            raw_index=index,
                         )
-                    else:
-                        sections[name] = StagedSection(job.arenas[name], index)
+                    else:  # by value: the blocks are checksummed here too (a restore from memory checks them)
+                        arena_np = job.arenas[name]
+                        sections[name] = StagedSection(arena_np, mf.with_blocks(index, mf.block_crcs(arena_np)))
+                        job.timings["crc_read_bytes"] = job.timings.get("crc_read_bytes", 0.0) + arena_np.nbytes
                 t1 = time.perf_counter()
                 self._hand_off(job, sections)
                 job.timings["handoff_s"] = time.perf_counter() - t1
@@ -1239,7 +1239,7 @@ class Phase1:
             )
             if self._resolve_holder is not None:
                 self.holder = self._resolve_holder()
-            again = {name: (s.arena, s.raw_index or s.index) for name, s in sections.items()}
+            again = {name: (s.arena, s.index) for name, s in sections.items()}  # with its block checksums
             extra = sum(s.arena.nbytes for s in sections.values() if s.slot is not None)
             meta = dataclasses.replace(meta, copied_bytes=meta.copied_bytes + extra)
             ray.get(self.holder.stage.remote(self.generation, job.step, again, meta=meta), timeout=timeout)
