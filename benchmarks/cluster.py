@@ -49,7 +49,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench import _barrier, _build_model, _host, _ray_env, _state_bytes, _write_json
+from benchmarks.bench import _host, _ray_env
+from benchmarks.savers import _barrier, _build_model, _state_bytes, _write_json
 
 SCHEMA = "cf_ray.bench.cluster/1"
 JOBS = ("replication", "recovery", "preemption")
@@ -187,7 +188,7 @@ def _recovery_loop(cfg: dict) -> None:
                 keep_last=2,
                 storage_path=cfg["storage"],
                 run_name=arm["run"],
-                replicas=arm["replicas"],
+                replication=cf_ray.config.Replication(copies=arm["replicas"]),
                 final_model=None,
                 register_with_ray=False,
             ),
@@ -373,8 +374,7 @@ def _replication_loop(cfg: dict) -> None:
                     keep_last=2,
                     storage_path=cfg["storage"],
                     run_name=seg["name"],
-                    replicas=seg["replicas"],
-                    replica_every=seg.get("every", 1),
+                    replication=cf_ray.config.Replication(copies=seg["replicas"], every=seg.get("every", 1)),
                     final_model=None,
                     register_with_ray=False,
                 ),

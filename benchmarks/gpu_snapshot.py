@@ -6,8 +6,8 @@ plain ``.cpu()`` of the same state. Prints its figures.
 
 It needs torch with CUDA, and cf_ray's snapshotter and slots, which use no Ray: where Ray is not
 installed (the lent GPU machines have none), a stand-in module takes its place, as the hand-off to a
-holder actor is replaced here by an in-process one. Measured on an H100 (2026-11-25): see README,
-"How it works".
+holder actor is replaced here by an in-process one. Measured on an H100 (2026-11-25): see
+docs/benchmarks/gpu.md.
 """
 
 from __future__ import annotations

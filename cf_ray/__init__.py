@@ -5,7 +5,8 @@ The front door is small: a :class:`Checkpointer` per rank inside ``train_loop_pe
 its profile, summary, checkpoints and preemption notices), functions to read checkpoints, and the
 exceptions users catch. ``__all__`` below is the whole public surface of this module, pinned by
 ``tests/test_public_api.py``; the other public modules are ``cf_ray.policy``, ``cf_ray.data``,
-``cf_ray.preemption`` (``CheckpointBeforeResize``) and ``cf_ray.report``, each an attribute of the
+``cf_ray.preemption`` (``CheckpointBeforeResize``), ``cf_ray.config`` (``Replication``,
+``DurabilityTimeout``: the grouped parts of a ``CheckpointConfig``) and ``cf_ray.report``, each an attribute of the
 package after ``import cf_ray`` alone (imported on first use). Everything under
 ``cf_ray._engine`` is internal.
 
@@ -77,7 +78,7 @@ if TYPE_CHECKING:
 
 #: The public submodules, reachable as attributes after ``import cf_ray`` alone (``cf_ray.data``,
 #: ``cf_ray.preemption.CheckpointBeforeResize()``, ...) and imported on first use like the names above.
-_SUBMODULES = ("data", "policy", "preemption", "report")
+_SUBMODULES = ("config", "data", "policy", "preemption", "report")
 
 
 def __getattr__(name: str):

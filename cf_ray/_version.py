@@ -17,6 +17,10 @@ import os
 import re
 import sys
 
+# ``CF_RAY_ALLOW_UNTESTED_RAY``: set to ``1`` to import cf_ray with a Ray outside RAY_SUPPORTED anyway
+# (named with the other environment variables, in the one list of them).
+from cf_ray._engine.env import ALLOW_UNTESTED_RAY
+
 __version__ = "0.1.0"
 
 #: The Ray versions cf_ray was tested with, as a pip specifier (``pyproject.toml``'s ``ray[train]`` pin).
@@ -24,8 +28,6 @@ RAY_SUPPORTED = ">=2.60,<2.61"
 #: The same as ``(major, minor)`` bounds: lowest supported (inclusive), first unsupported (exclusive).
 RAY_LOWEST = (2, 60)
 RAY_BELOW = (2, 61)
-#: Set to ``1`` to import cf_ray with a Ray outside :data:`RAY_SUPPORTED` anyway.
-ALLOW_UNTESTED_RAY = "CF_RAY_ALLOW_UNTESTED_RAY"
 
 _RELEASE = re.compile(r"^(\d+)\.(\d+)")
 

@@ -35,6 +35,7 @@ import contextlib
 import enum
 import functools
 import logging
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -46,6 +47,7 @@ from cf_ray._engine.storage.fs import FsStorage
 from cf_ray._engine.worker.context import WorkerContext, check_tracked, unwrap_ddp
 from cf_ray._engine.worker.control import Agreement, ControlPlane
 from cf_ray._engine.worker.controller_link import ControllerLink
+from cf_ray._engine.worker.cpu_budget import mark as cpu_mark
 from cf_ray._engine.worker.durability import Durability
 from cf_ray._engine.worker.preemption_watcher import PreemptionWatcher
 from cf_ray._engine.worker.ray_train import RayTrainLink
@@ -109,6 +111,10 @@ class Checkpointer:
         self._sharded = ShardedState.of(self.state)
         replicated = self.config.replicated and self._sharded is None
         ctx = self._ctx = WorkerContext.resolve(self.config)
+        if "torchdata.stateful_dataloader" in sys.modules:  # a StatefulDataLoader is registered as it is
+            from cf_ray.data.stateful_loader import adapt_sources
+
+            self.data = adapt_sources(self.data, ctx.rank, ctx.world_size)
         if self._sharded is not None and ctx.rank == 0:
             logger.info(
                 "cf_ray: %s hold sharded (FSDP2/DTensor) state: every rank saves its own shards%s",
@@ -129,9 +135,9 @@ class Checkpointer:
             self._timing,
             resolve_holder=actors.resolve_holder,
             sharded=self._sharded,
-            replicas=-1 if self.config.replicas is None else self.config.replicas,
-            replica_label=self.config.replica_label or "",
-            replica_every=int(self.config.replica_every),
+            replicas=-1 if self.config.replication.copies is None else self.config.replication.copies,
+            replica_label=self.config.replication.label or "",
+            replica_every=int(self.config.replication.every),
         )
         self._link = ControllerLink(
             actors.controller,
@@ -177,7 +183,7 @@ class Checkpointer:
 
         Args:
             loss: this step's loss (a tensor or a number), for the trust gate: during the first
-                ``CF_RAY_TRUST_STEPS`` (3) steps after a restore it is read, and a non-finite one
+                ``env.TRUST_STEPS`` (3) steps after a restore it is read, and a non-finite one
                 rolls the run back past the restored checkpoint (once); at other steps it is not
                 read (no device synchronisation).
 
@@ -206,35 +212,51 @@ class Checkpointer:
     def update(self, loss=None) -> Iterator[None]:
         """Guard a custom weight update: ``with ckpt.update(): my_update()``; counts as one step
         (``loss``: as for :meth:`step`)."""
+        budget, t = self._timing.budget, cpu_mark()  # where each part's time goes (cpu_budget.py)
         self._trust.loss(self.step_count + 1, loss)  # read only in the first steps after a restore
         self._phase1.capture_late()  # the last snapshot's schedulers, ...
+        t = budget.lap("capture_late", t)
         guard_s = self._phase1.wait_copy()  # guard
+        t = budget.lap("guard", t)
         self._timing.guarded(guard_s)
+        budget.lap("timing", t)
         yield  # update
         self._after_update(guard_s)
 
     def _after_update(self, guard_s: float) -> None:
+        budget, t = self._timing.budget, cpu_mark()
         self._timing.end_iteration(guard_s, preparing=self._phase1.preparing())
         self.step_count += 1
+        t = budget.lap("timing", t, calls=0)
         if self.preemption is not None:
             self.preemption.poll(self.step_count)
+            t = budget.lap("preemption", t)
         agreement = self._agree()  # agree
+        t = budget.lap("agreement", t)
         if agreement is not None and agreement.durability_lost:
             self._durability.raise_lost(self.step_count)
         if agreement is not None and agreement.non_finite:
             self._trust.roll_back(self._link, agreement.non_finite)  # raises on every rank
         self._ray_train.on_agreement(agreement, self.epoch)
+        t = budget.lap("register", t)
         kind, milestone = self._scheduler.decide(self.step_count, self.epoch, agreement)  # decide
+        t = budget.lap("policy", t)
         if kind is not None:
             self._snapshot(kind, milestone=milestone)  # snapshot
+            t = budget.lap("begin", t)
             if kind is CheckpointKind.PREEMPT and self.preemption is not None:
                 # Wait until it is committed (bounded by the deadline), then hold or pass SIGTERM on.
                 self.preemption.after_checkpoint(self.step_count, self._wait_quiet, self._link.safe)
+                t = budget.lap("preemption", t, calls=0)
         elif self._phase1.prepare_once(self.step_count, self.epoch):
             self._timing.prepare_overlap = True
+            t = budget.lap("prepare", t)
         self._link.poll(self.step_count, self._phase1.last_timings)  # report
+        t = budget.lap("poll", t)
         self._watch()  # durability
+        t = budget.lap("watchdog", t)
         self._timing.step_end()
+        budget.lap("timing", t, calls=0)
 
     def _agree(self) -> Agreement | None:
         """Post this rank's inputs; the agreement of the previous step (``control.py``)."""
@@ -355,7 +377,7 @@ class Checkpointer:
 
         Raises:
             CheckpointMismatchError: the script tracks an object the checkpoint does not hold, or the
-                other way round (``allow_missing_objects``/``allow_unexpected_objects`` allow it).
+                other way round (``CheckpointConfig.allow_mismatch`` allows it).
             ConfigError: ``resume_from`` holds no cf_ray checkpoint (naming it).
             RestoreError: a rank failed to load a validated checkpoint, an object was not restored,
                 or no checkpoint could be used; raised on every rank, naming the rank and the cause.
@@ -364,7 +386,7 @@ class Checkpointer:
         plan = self._restorer.plan()
         self._start_attempt(plan)
         outcome = self._restorer.load(plan)
-        rollback = self._restorer.distrusted.rollback_into(self.generation)  # the attempt before asked for it
+        rollback = self._restorer.trust.rollback_into(self.generation)  # the attempt before asked for it
         self._trust.start(
             restored_step=outcome.step,
             restored_generation=outcome.generation,
@@ -433,10 +455,12 @@ class Checkpointer:
         its own (section ``timeout``, ``"not durable after N s"``) and a warning.
 
         Returns:
-            The failures of this attempt not yet reported (each reported once).
+            The failures not yet reported (each reported once): this attempt's, and those of earlier
+            attempts of the run that never committed (``earlier_attempt: True``; a step lost with
+            its node, see :class:`FinishSummary`).
 
         Raises:
-            PersistError: when ``raise_on_persist_error`` and a save failed (or timed out).
+            PersistError: when ``raise_on_persist_error`` and a save of this attempt failed (or timed out).
         """
         self._phase1.capture_late()
         return self._wait(timeout, report_timeout=True)
@@ -480,7 +504,7 @@ class Checkpointer:
         deleted by keep-last), so ``CheckpointConfig(resume_from=result.checkpoint)`` continues the
         run: model, optimizer, schedulers, RNG and data positions. The wait for durability is bounded
         by ``CheckpointConfig.finish_timeout_s``, by default derived from the persist times of this run
-        (``durability_factor`` x the slowest, at least ``durability_floor_s``); when it passes before
+        (``DurabilityTimeout.factor`` x the slowest, at least its ``floor_s``); when it passes before
         the final checkpoint commits, a warning says so and :class:`FinishSummary` has
         ``final_durable=False`` and the ``resume_step`` the final model names."""
         if self._lifecycle is not _Lifecycle.OPEN:
@@ -584,6 +608,13 @@ class Checkpointer:
     def stall_s_total(self) -> float:
         """Seconds the training thread spent on checkpoints."""
         return self._timing.stall_s_total
+
+    @property
+    def cpu_budget(self) -> dict[str, dict[str, float]]:
+        """Where this rank's checkpointing time went so far, per part of the per-step path (training
+        thread) and of each snapshot (its background thread): ``{part: {"calls", "wall_s", "cpu_s"}}``
+        (``cf_ray/_engine/worker/cpu_budget.py`` names the parts). A diagnostic, read by the benchmark."""
+        return self._timing.budget.totals()
 
     @property
     def last_save_step(self) -> int:

@@ -210,8 +210,8 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-#: The commands that read a run: their parsers (``--help``, and the README's examples are checked
-#: against them) and what they do with the parsed arguments.
+#: The commands that read a run: their parsers (``--help``, and the examples of docs/reference/cli.md
+#: are checked against them) and what they do with the parsed arguments.
 PARSERS = {"ls": ls_parser, "profile": profile_parser, "verify": verify_parser, "export": export_parser}
 _RUN = {"ls": _ls, "profile": _profile, "verify": _verify, "export": _export}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import pyarrow.fs as pafs
 
@@ -58,6 +58,72 @@ class PreemptionConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise ConfigError(f"PreemptionConfig.{name}={v!r} must be a number of seconds >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Replication:
+    """Peer copies of in-memory snapshots (``CheckpointConfig(replication=Replication(...))``): each
+    node's holder places copies of its snapshots on holders of other nodes, so that a lost node's
+    snapshot is restored from a peer's memory instead of from storage. Replication runs in the
+    holder's background and never delays training or the persist; a copy that is not done before a
+    newer snapshot arrives is skipped (counted in the profile)."""
+
+    copies: int | None = None
+    """Copies of each snapshot, 0 to 8. ``None``: 1 when the cluster has more than one node, else 0."""
+    label: str | None = None
+    """A node label naming failure domains (a spot pool or zone, e.g. ``"pool"`` when nodes are
+    started with ``--labels pool=spot-a``): a copy goes to a node whose value differs from the
+    snapshot's own node's, never to the same domain. ``None``: any other node. Draining nodes are
+    never chosen."""
+    every: int = 1
+    """Copy one snapshot in ``every`` (``1``: every one). On nodes where training uses every core the
+    copies compete with it; with ``n`` the copies, and their cost, are about ``1/n``, and the newest
+    copy after a node loss is up to ``n`` intervals older. A snapshot is copied when its step lies in
+    the first interval of a block of ``n`` intervals (``step % (n * interval) < interval``): the same
+    steps on every node, so the copied steps are complete. Preemption checkpoints, milestones and
+    checkpoints without an interval (manual, epoch boundaries) are always copied."""
+
+    def __post_init__(self):
+        if self.copies is not None and (
+            not isinstance(self.copies, int) or isinstance(self.copies, bool) or not 0 <= self.copies <= 8
+        ):
+            raise ConfigError(f"Replication.copies={self.copies!r} must be None (automatic) or an int from 0 to 8")
+        if self.label is not None and (not isinstance(self.label, str) or not self.label):
+            raise ConfigError(f"Replication.label={self.label!r} must be None or a node label name")
+        every = self.every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(
+                f"Replication.every={every!r} must be an int >= 1 (copy one snapshot in that many; 1: every one)"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DurabilityTimeout:
+    """When a rank's checkpoints count as no longer becoming durable
+    (``CheckpointConfig(durability_timeout=...)``; ``on_durability_lost`` says what happens then). The
+    time is counted from the oldest checkpoint taken since the last commit."""
+
+    seconds: float | None = None
+    """A fixed limit in seconds. ``None``: automatic, ``factor`` x (the interval in seconds + the
+    observed persist time), at least ``floor_s``."""
+    factor: float = 3.0
+    """The automatic limit's multiple of the expected time to a commit (interval + persist)."""
+    floor_s: float = 60.0
+    """The automatic limit is never below this many seconds (short intervals would otherwise alarm
+    on every hiccup of the storage)."""
+
+    def __post_init__(self):
+        if self.seconds is not None and not _positive(self.seconds):
+            raise ConfigError(
+                f"DurabilityTimeout.seconds={self.seconds!r} must be a number of seconds > 0, or None (automatic)"
+            )
+        if not _positive(self.factor) or self.factor < 1:
+            raise ConfigError(f"DurabilityTimeout.factor={self.factor!r} must be a number >= 1")
+        if not _positive(self.floor_s):
+            raise ConfigError(f"DurabilityTimeout.floor_s={self.floor_s!r} must be a number of seconds > 0")
+
+
+_MISMATCH = ("missing", "unexpected")
 
 
 _RESTORE_FROM = ("auto", "memory", "storage", "none")
@@ -111,50 +177,30 @@ class CheckpointConfig:
     with a just-in-time checkpoint; a :class:`cf_ray.preemption.PreemptionConfig` tunes how."""
     on_durability_lost: str = "warn"
     """What a rank does when nothing has committed for much longer than the schedule implies (see
-    ``durability_timeout_s``), or the controller cannot be reached: ``"warn"`` says so loudly, once
+    ``durability_timeout``), or the controller cannot be reached: ``"warn"`` says so loudly, once
     per episode, and trains on; ``"raise"`` fails the attempt with :class:`~cf_ray.errors.DurabilityLostError`
     from ``step()`` on every rank (Ray Train's ``FailureConfig`` then decides whether to restart)."""
-    durability_timeout_s: float | None = None
-    """Seconds without a commit, counted from the oldest checkpoint taken since the last commit, after
-    which durability counts as lost. ``None``: automatic, ``durability_factor`` x (the interval in
-    seconds + the observed persist time), at least ``durability_floor_s``."""
-    durability_factor: float = 3.0
-    """The automatic limit's multiple of the expected time to a commit (interval + persist)."""
-    durability_floor_s: float = 60.0
-    """The automatic limit is never below this many seconds (short intervals would otherwise alarm
-    on every hiccup of the storage)."""
+    durability_timeout: DurabilityTimeout | float | None = None
+    """When durability counts as lost: a :class:`DurabilityTimeout` (a fixed number of seconds, or the
+    automatic limit's factor and floor), or a number of seconds (``DurabilityTimeout(seconds=n)``).
+    ``None``: automatic, ``DurabilityTimeout()``. Always a :class:`DurabilityTimeout` once built."""
     finish_timeout_s: float | None = None
     """How long :meth:`~cf_ray.Checkpointer.finish` waits for the final checkpoint (and every other
-    one taken) to become durable. ``None``: derived from this run's persist times, as the durability
-    limit is (``durability_factor`` x the slowest persist seen, at least ``durability_floor_s``). When
-    it passes, ``finish()`` says so (a warning, ``FinishSummary.final_durable``) and the final model
-    names the newest committed step it knows of, never silently an older one."""
-    allow_missing_objects: bool = False
-    """Restore even when the script tracks an object (``state`` or ``data``) that the checkpoint does
-    not hold (e.g. a scheduler added in a new version of the script): that object keeps its fresh
-    state and a warning names it. False: :class:`~cf_ray.errors.CheckpointMismatchError` naming it."""
-    allow_unexpected_objects: bool = False
-    """Restore even when the checkpoint holds an object the script no longer tracks: it is ignored
-    with a warning naming it. False: :class:`~cf_ray.errors.CheckpointMismatchError` naming it."""
-    replicas: int | None = None
-    """Copies of each in-memory snapshot that its node's holder places on holders of other nodes
-    (through Ray's object transfer), so that a lost node's snapshot is restored from a peer's
-    memory instead of from storage. ``None``: 1 when the cluster has more than one node, else 0.
-    Replication runs in the holder's background and never delays training or the persist; a copy
-    that is not done before a newer snapshot arrives is skipped (counted in the profile)."""
-    replica_label: str | None = None
-    """A node label naming failure domains (a spot pool or zone, e.g. ``"pool"`` when nodes are
-    started with ``--labels pool=spot-a``): a replica goes to a node whose value differs from the
-    snapshot's own node's, never to the same domain. ``None``: any other node. Draining nodes are
-    never chosen."""
-    replica_every: int = 1
-    """Copy one snapshot in ``replica_every`` to the peers (``1``: every one). On nodes where
-    training uses every core the copies compete with it; with ``n`` the copies, and their cost, are
-    about ``1/n``, and the newest copy after a node loss is up to ``n`` intervals older. A snapshot
-    is copied when its step lies in the first interval of a block of ``n`` intervals
-    (``step % (n * interval) < interval``): the same steps on every node, so the copied steps are
-    complete. Preemption checkpoints, milestones and checkpoints without an interval (manual, epoch
-    boundaries) are always copied."""
+    one taken) to become durable. ``None``: derived from this run's persist times, as the automatic
+    durability limit is (``durability_timeout.factor`` x the slowest persist seen, at least
+    ``durability_timeout.floor_s``). When it passes, ``finish()`` says so (a warning,
+    ``FinishSummary.final_durable``) and the final model names the newest committed step, never
+    silently an older one."""
+    allow_mismatch: frozenset[str] | tuple[str, ...] | str = frozenset()
+    """Which disagreements between the script and the checkpoint a restore tolerates: ``"missing"``
+    (the script tracks an object, ``state`` or ``data``, that the checkpoint does not hold, e.g. a
+    scheduler added in a new version of the script: it keeps its fresh state and a warning names it)
+    and ``"unexpected"`` (the checkpoint holds an object the script no longer tracks: ignored with a
+    warning naming it). Empty (the default): either raises :class:`~cf_ray.errors.CheckpointMismatchError`
+    naming the object. Always a ``frozenset`` once built."""
+    replication: Replication = field(default_factory=lambda: Replication())
+    """Copies of each in-memory snapshot on holders of other nodes (:class:`Replication`): how many,
+    into which failure domains, and for one snapshot in how many."""
     release_after_fit_s: float = 120.0
     """How long the run's actors — and the snapshots they hold in memory — outlive a ``fit()`` that
     ended without ``finish()`` (Ctrl-C, ``FailureConfig(max_failures)`` exhausted, an error) while
@@ -162,6 +208,47 @@ class CheckpointConfig:
     started within that time resumes from memory; after it the actors end (what they were writing
     is drained first) and storage is the truth. ``0``: end them as soon as the ``fit()`` is seen to
     be over. A dead driver ends them at once; ``finish()`` after ``CF_RAY_CONTROLLER_LINGER_S``."""
+
+    # -- deprecated spellings, read-only, for one release -------------------------------------------------
+    @property
+    def replicas(self) -> int | None:
+        _warn_read("replicas", "replication.copies")
+        return self.replication.copies
+
+    @property
+    def replica_label(self) -> str | None:
+        _warn_read("replica_label", "replication.label")
+        return self.replication.label
+
+    @property
+    def replica_every(self) -> int:
+        _warn_read("replica_every", "replication.every")
+        return self.replication.every
+
+    @property
+    def durability_timeout_s(self) -> float | None:
+        _warn_read("durability_timeout_s", "durability_timeout.seconds")
+        return cast(DurabilityTimeout, self.durability_timeout).seconds
+
+    @property
+    def durability_factor(self) -> float:
+        _warn_read("durability_factor", "durability_timeout.factor")
+        return cast(DurabilityTimeout, self.durability_timeout).factor
+
+    @property
+    def durability_floor_s(self) -> float:
+        _warn_read("durability_floor_s", "durability_timeout.floor_s")
+        return cast(DurabilityTimeout, self.durability_timeout).floor_s
+
+    @property
+    def allow_missing_objects(self) -> bool:
+        _warn_read("allow_missing_objects", "'missing' in allow_mismatch")
+        return "missing" in self.allow_mismatch
+
+    @property
+    def allow_unexpected_objects(self) -> bool:
+        _warn_read("allow_unexpected_objects", "'unexpected' in allow_mismatch")
+        return "unexpected" in self.allow_mismatch
 
     def __post_init__(self):
         if not isinstance(self.preemption, (bool, PreemptionConfig)):
@@ -191,21 +278,17 @@ class CheckpointConfig:
             raise ConfigError(
                 f"CheckpointConfig.on_durability_lost={self.on_durability_lost!r} must be one of {_ON_DURABILITY_LOST}"
             )
-        if self.durability_timeout_s is not None and not _positive(self.durability_timeout_s):
-            raise ConfigError(
-                f"CheckpointConfig.durability_timeout_s={self.durability_timeout_s!r} must be a number "
-                "of seconds > 0, or None (automatic)"
-            )
+        self.durability_timeout = _durability_timeout(self.durability_timeout)
         if self.finish_timeout_s is not None and not _positive(self.finish_timeout_s):
             raise ConfigError(
                 f"CheckpointConfig.finish_timeout_s={self.finish_timeout_s!r} must be a number of seconds > 0, "
                 "or None (derived from the run's persist times)"
             )
-        if not _positive(self.durability_factor) or self.durability_factor < 1:
-            raise ConfigError(f"CheckpointConfig.durability_factor={self.durability_factor!r} must be a number >= 1")
-        if not _positive(self.durability_floor_s):
+        self.allow_mismatch = _allow_mismatch(self.allow_mismatch)
+        if not isinstance(self.replication, Replication):
             raise ConfigError(
-                f"CheckpointConfig.durability_floor_s={self.durability_floor_s!r} must be a number of seconds > 0"
+                f"CheckpointConfig.replication={self.replication!r} must be a cf_ray.Replication(copies=..., "
+                "label=..., every=...)"
             )
         if not (
             _positive(self.release_after_fit_s)
@@ -214,24 +297,6 @@ class CheckpointConfig:
             raise ConfigError(
                 f"CheckpointConfig.release_after_fit_s={self.release_after_fit_s!r} must be a number of seconds >= 0"
             )
-        if self.replicas is not None and (
-            not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or not 0 <= self.replicas <= 8
-        ):
-            raise ConfigError(
-                f"CheckpointConfig.replicas={self.replicas!r} must be None (automatic) or an int from 0 to 8"
-            )
-        if self.replica_label is not None and (not isinstance(self.replica_label, str) or not self.replica_label):
-            raise ConfigError(
-                f"CheckpointConfig.replica_label={self.replica_label!r} must be None or a node label name"
-            )
-        every = self.replica_every
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ConfigError(
-                f"CheckpointConfig.replica_every={every!r} must be an int >= 1 (copy one snapshot in that many; 1: every one)"
-            )
-        for name in ("allow_missing_objects", "allow_unexpected_objects"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"CheckpointConfig.{name}={getattr(self, name)!r} must be True or False")
         if self.upload == "milestones" and self.upload_path and self.milestone_every is None:
             warnings.warn(
                 "CheckpointConfig.upload='milestones' without milestone_every: only checkpoints saved "
@@ -240,9 +305,102 @@ class CheckpointConfig:
             )
 
 
+def _warn_read(old: str, new: str) -> None:
+    warnings.warn(
+        f"CheckpointConfig.{old} is deprecated and goes in the next release: read {new}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
 def _positive(v: Any) -> bool:
     """A finite int or float > 0 (not a bool)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
 
 
-__all__ = ["CheckpointConfig", "PreemptionConfig"]
+def _durability_timeout(v: Any) -> DurabilityTimeout:
+    if v is None:
+        return DurabilityTimeout()
+    if isinstance(v, DurabilityTimeout):
+        return v
+    if _positive(v):
+        return DurabilityTimeout(seconds=float(v))
+    raise ConfigError(
+        f"CheckpointConfig.durability_timeout={v!r} must be a number of seconds > 0, a "
+        "cf_ray.config.DurabilityTimeout(seconds=..., factor=..., floor_s=...), or None (automatic)"
+    )
+
+
+def _allow_mismatch(v: Any) -> frozenset[str]:
+    items = (v,) if isinstance(v, str) else v
+    try:
+        out = frozenset(items)
+    except TypeError:
+        out = None
+    if out is None or not out <= set(_MISMATCH):
+        raise ConfigError(
+            f"CheckpointConfig.allow_mismatch={v!r} must be a collection of {_MISMATCH} (e.g. "
+            "allow_mismatch={'missing'}), or empty to refuse both"
+        )
+    return out
+
+
+#: Spellings of an earlier release: old keyword -> (new field, its part). They keep working, with a
+#: DeprecationWarning, until the next release.
+_DEPRECATED = {
+    "replicas": ("replication", "copies"),
+    "replica_label": ("replication", "label"),
+    "replica_every": ("replication", "every"),
+    "durability_timeout_s": ("durability_timeout", "seconds"),
+    "durability_factor": ("durability_timeout", "factor"),
+    "durability_floor_s": ("durability_timeout", "floor_s"),
+    "allow_missing_objects": ("allow_mismatch", "missing"),
+    "allow_unexpected_objects": ("allow_mismatch", "unexpected"),
+}
+
+
+def _translate(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with the deprecated spellings folded into the grouped fields (each warned of)."""
+    old = {k: kwargs.pop(k) for k in list(kwargs) if k in _DEPRECATED}
+    if not old:
+        return kwargs
+    groups: dict[str, dict[str, Any]] = {}
+    for name, value in old.items():
+        field_name, part = _DEPRECATED[name]
+        spelled = {
+            "replication": f"replication=cf_ray.config.Replication({part}=...)",
+            "durability_timeout": f"durability_timeout=cf_ray.config.DurabilityTimeout({part}=...)",
+            "allow_mismatch": f"allow_mismatch={{{part!r}}}",
+        }[field_name]
+        warnings.warn(
+            f"CheckpointConfig({name}=...) is deprecated and goes in the next release: use {spelled}",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        if field_name in kwargs:
+            raise ConfigError(f"CheckpointConfig: pass {field_name}=... or the deprecated {name}=..., not both")
+        if field_name == "allow_mismatch" and not isinstance(value, bool):
+            raise ConfigError(f"CheckpointConfig.{name}={value!r} must be True or False")
+        groups.setdefault(field_name, {})[part] = value
+    for field_name, parts in groups.items():
+        if field_name == "replication":
+            kwargs[field_name] = Replication(**parts)
+        elif field_name == "durability_timeout":
+            kwargs[field_name] = DurabilityTimeout(**parts)
+        else:
+            kwargs[field_name] = frozenset(p for p, on in parts.items() if on)
+    return kwargs
+
+
+_dataclass_init = CheckpointConfig.__init__
+
+
+def _init(self, **kwargs: Any) -> None:
+    _dataclass_init(self, **_translate(kwargs))
+
+
+_init.__doc__ = _dataclass_init.__doc__
+CheckpointConfig.__init__ = _init  # the deprecated spellings, for one release
+
+
+__all__ = ["CheckpointConfig", "DurabilityTimeout", "PreemptionConfig", "Replication"]

@@ -49,8 +49,8 @@ DEFAULTS: dict[str, Any] = {
     "kill_after_handoff": False,  # wait until the last snapshot is in the holder before the SIGKILL
     "env": {},
     "release_after_fit_s": 120.0,  # CheckpointConfig.release_after_fit_s
-    "replicas": None,  # CheckpointConfig.replicas (None: 1 on a cluster of several nodes)
-    "replica_label": None,  # CheckpointConfig.replica_label
+    "replicas": None,  # CheckpointConfig.replication.copies (None: 1 on a cluster of several nodes)
+    "replica_label": None,  # CheckpointConfig.replication.label
     "resume_from": None,  # another run's checkpoint to start from (CheckpointConfig.resume_from)  # environment variables set in the worker before anything else (cf_ray tunables)
     "fault_hook": None,  # tests: "module:function" called after every step with (ckpt, rank, cfg)
 }
@@ -134,8 +134,7 @@ def train_loop_per_worker(config: dict) -> None:
             upload_filesystem=cfg["upload_filesystem"],
             resume_from=cfg["resume_from"],
             release_after_fit_s=cfg["release_after_fit_s"],
-            replicas=cfg["replicas"],
-            replica_label=cfg["replica_label"],
+            replication=cf_ray.config.Replication(copies=cfg["replicas"], label=cfg["replica_label"]),
         ),
     )
     resume = ckpt.restore()

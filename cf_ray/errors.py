@@ -49,4 +49,4 @@ class CheckpointMismatchError(ConfigError):
     """The script and the checkpoint track different objects: the script tracks one that the
     checkpoint does not hold, or the checkpoint holds one that the script no longer tracks, or an
     object's saved layout (keys, shapes) does not fit the tracked one. The message names it and the
-    opt-out (``CheckpointConfig(allow_missing_objects=True)`` / ``allow_unexpected_objects=True``)."""
+    opt-out (``CheckpointConfig(allow_mismatch={"missing"})`` / ``{"unexpected"}``)."""

@@ -33,21 +33,21 @@ Every rank watches three sources; one notice on one rank is enough:
 What happens then, on every rank: the notice is posted in the next exchange, and all ranks take a
 checkpoint at the step after (the exchange at step *s* is read at step *s+1*), marked ``preempt``;
 the node's holder persists it before anything else queued. Once every section is staged, the
-controller predicts from this run's measured bandwidths whether storage or a peer's memory makes
-the deadline and chooses (``cf_ray._engine.driver.jit_tier``): storage if it fits, else a peer's
-memory (safe once every section on a draining node has a copy on another node; storage goes on),
-else none. A rank that knows the deadline then waits until the checkpoint is safe in that tier
-(at most until the deadline) and holds until the deadline
+checkpoint is safe at the first of: committed on storage, or every section on a draining node
+(every section when none is known to drain) has a copy on another node — a peer's memory, from
+which the restarted group restores it; storage goes on (``cf_ray._engine.driver.jit``: derived
+from what happened, nothing predicted). A rank that knows the deadline then waits until the
+checkpoint is safe (at most until the deadline) and holds until the deadline
 (``hold``): a step taken after the checkpoint would be lost with the node anyway, and the other
 ranks stop with it at their next collective. So the work lost is at most the step in flight, plus
 the restart. If the deadline passes and the process is still alive, training goes on (the notice
 was a false alarm, or the grace was longer) and a new notice triggers a new checkpoint.
 
 Deadlines and what a user sees: the controller's profile row of a just-in-time checkpoint has
-``notice_unix``, ``notice_source``, ``deadline_unix``, the tier (``jit_tier``, ``jit_left_s``,
-``predicted_storage_s``, ``predicted_peer_s``, ``actual_storage_s``, ``actual_peer_s``) and
-``made_deadline`` (safe in the tier it chose — a peer's copy of every section on a draining node,
-or the manifest durable — before the deadline; ``safe_tier`` says which). A checkpoint that cannot be made durable in time is never
+``notice_unix``, ``notice_source``, ``deadline_unix``, ``jit_left_s`` and ``jit_needs_copy`` (when
+its last section was staged), ``actual_peer_s`` and ``actual_storage_s`` (until each happened) and
+``made_deadline`` (safe — a peer's copy of every section on a draining node, or the manifest
+durable — before the deadline; ``safe_tier`` says which came first). A checkpoint that cannot be made durable in time is never
 visible: the manifest is written only when every part is durable, so the previous committed
 checkpoint stays the latest, and the orphan files are deleted by clean-up once a newer checkpoint
 is committed. A checkpoint that becomes durable *after* its deadline (the node outlived it) is
@@ -122,11 +122,13 @@ def notify_preemption(
 
     For clusters that learn of preemption outside the workers (a cloud provider's event, a
     scheduler that is about to shrink or grow the group): every rank hears of it at its next
-    controller poll (``CF_RAY_POLL_INTERVAL_S``), takes the just-in-time checkpoint together and
+    controller poll (``env.POLL_INTERVAL_S``), takes the just-in-time checkpoint together and
     holds until the deadline (see the module doc).
 
     Args:
-        storage_path, run_name, storage_filesystem: the run, as in :func:`controller_of`.
+        storage_path: the run's storage, as in :func:`controller_of`.
+        run_name: the run's name, as in :func:`controller_of`.
+        storage_filesystem: the ``pyarrow.fs`` filesystem given with it, if any.
         deadline_s: seconds from now until the workers are expected to be gone.
         deadline_unix: the same as a UNIX time (wins over ``deadline_s``).
         detail: free text kept with the notice.
@@ -182,8 +184,11 @@ class CheckpointBeforeResize(_ControllerCallback):
 
     Args:
         timeout_s: longest wait for the checkpoint (the resize goes ahead after it regardless).
-        storage_path, run_name, storage_filesystem: the cf_ray run when ``CheckpointConfig`` set
-            its own ``storage_path``/``run_name``; by default the run's ``RunConfig``.
+        storage_path: the cf_ray run's storage when ``CheckpointConfig`` set its own
+            ``storage_path``; by default the run's ``RunConfig(storage_path=...)``.
+        run_name: the cf_ray run's name when ``CheckpointConfig`` set its own ``run_name``; by
+            default the run's ``RunConfig(name=...)``.
+        storage_filesystem: the ``pyarrow.fs`` filesystem of ``storage_path``, if any.
     """
 
     def __init__(

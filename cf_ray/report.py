@@ -3,7 +3,8 @@ the checkpoints, plotted in one call, and exported as Ray metrics.
 
 The controller owns the rows: it builds them as plain dicts (see :func:`profile_frame` for the
 columns), writes them with :func:`save_profile` through the run's storage, and feeds each
-finished row to a :class:`CheckpointMetrics`. Users read them back after the run with
+finished row to a :class:`CheckpointMetrics` (defined with the controller, in
+``cf_ray._engine.driver.metrics``; re-exported here). Users read them back after the run with
 :func:`read_run_profile` and draw them with :func:`plot_profile`::
 
     from cf_ray import report
@@ -23,12 +24,16 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import pyarrow as pa
 
+from cf_ray._engine.driver.metrics import (  # re-exported (defined by the controller's room)
+    CheckpointMetrics,
+    GoodputMetrics,
+)
 from cf_ray._engine.lazy import lazy_module
 from cf_ray._engine.storage.fs import FileInfo, FsStorage, Storage
 from cf_ray.errors import CorruptCheckpointError
 
-# pandas and parquet load on first use: the controller actor imports this module for its Ray
-# metrics at the first checkpoint and needs pandas only when it saves the profile at the end.
+# pandas and parquet load on first use: the controller actor imports this module to write profile
+# parts and the profile, and needs pandas only then (its Ray metrics live in _engine/driver/metrics.py).
 # Type checkers see the real modules, for the annotations. pandas ships no type information (no
 # pandas-stubs here), so the casts below only state what the checker cannot infer from its source.
 if TYPE_CHECKING:
@@ -88,6 +93,8 @@ RESTART_COLUMNS: dict[str, Any] = {
     "restored_unix": "float64",
     "resumed_unix": "float64",
     "recovery_s": "float64",
+    "fallbacks": "Int64",
+    "memory_failed": "Int64",
 }
 # How a per-rank value (a sequence, or a mapping rank -> value) becomes the row's value.
 _PER_RANK = {"stall_s": max, "copy_s": max, "persist_s": max, "bytes": sum}
@@ -141,7 +148,9 @@ def restarts_frame(rows: Iterable[Mapping] | pd.DataFrame) -> pd.DataFrame:
     ``restored_step``, ``restore_s``, ``lost_steps`` (steps redone), ``lost_s`` (``lost_steps``
     times the mean iteration time), ``failure_unix`` (the newest sample before the restart: the
     controller's best estimate of the failure time), ``restored_unix``, ``resumed_unix`` (the end of
-    the first iteration past ``restored_step``) and ``recovery_s`` (``resumed_unix - failure_unix``).
+    the first iteration past ``restored_step``), ``recovery_s`` (``resumed_unix - failure_unix``),
+    ``fallbacks`` (restore candidates the attempt fell back from before the one it restored) and
+    ``memory_failed`` (of those, in-memory snapshots whose bytes failed verification).
     """
     records = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else [dict(r) for r in rows]
     return _frame(records, RESTART_COLUMNS)
@@ -532,216 +541,6 @@ def _state(row) -> str:
     if getattr(row, "where", None) == "failed" or not _missing(error):
         return "failed"
     return "committed" if not _missing(committed) and bool(committed) else "memory-only / pending"
-
-
-# -- Ray metrics ------------------------------------------------------------------------------------
-
-
-class CheckpointMetrics:
-    """Ray metrics (``ray.util.metrics`` gauges) for the latest checkpoint of a run.
-
-    Gauges: ``cf_ray_checkpoint_interval`` (steps), ``cf_ray_checkpoint_stall_s``,
-    ``cf_ray_checkpoint_persist_s``, ``cf_ray_checkpoint_overhead_pct`` and
-    ``cf_ray_last_committed_step``, tagged with ``run`` (and any ``tags`` given). Ray is imported
-    when the first row is recorded, and only if it is initialised in this process; anywhere else
-    (no Ray, a plain script, a unit test) :meth:`record` does nothing. It never raises.
-
-    Args:
-        run: the run's name, as the ``run`` tag.
-        tags: more constant tags.
-    """
-
-    GAUGES = {
-        "interval": ("cf_ray_checkpoint_interval", "Checkpoint interval in force (steps)"),
-        "stall_s": ("cf_ray_checkpoint_stall_s", "Training stall of the latest checkpoint (s, slowest rank)"),
-        "persist_s": ("cf_ray_checkpoint_persist_s", "Persist time of the latest checkpoint (s, slowest rank)"),
-        "overhead_pct": ("cf_ray_checkpoint_overhead_pct", "Measured checkpoint overhead (% of training time)"),
-        "last_committed_step": ("cf_ray_last_committed_step", "Step of the newest committed checkpoint"),
-    }
-
-    def __init__(self, run: str | None = None, tags: Mapping[str, str] | None = None):
-        self._tags = {str(k): str(v) for k, v in (tags or {}).items()}
-        if run is not None:
-            self._tags["run"] = str(run)
-        self._gauges: dict | None = None
-        self.enabled: bool | None = None
-        """``None`` until the first :meth:`record`, then whether the gauges exist."""
-        self.recorded = 0
-        """How many rows were exported."""
-
-    def __reduce__(self):  # the gauges are rebuilt where the object lands
-        tags = dict(self._tags)
-        run = tags.pop("run", None)
-        return (CheckpointMetrics, (run, tags))
-
-    def _ensure(self) -> bool:
-        if self._gauges is not None:
-            return True
-        if self.enabled is False:
-            return False
-        try:
-            import ray
-
-            if not ray.is_initialized():
-                return False  # try again later: Ray may be started after this object
-            from ray.util.metrics import Gauge
-
-            gauges = {}
-            for key, (name, description) in self.GAUGES.items():
-                g = Gauge(name, description=description, tag_keys=tuple(sorted(self._tags)))
-                if self._tags:
-                    g.set_default_tags(self._tags)
-                gauges[key] = g
-            self._gauges = gauges
-            self.enabled = True
-        except Exception as e:  # noqa: BLE001 - metrics are best effort, never a reason to fail
-            logger.warning("cf_ray: Ray metrics disabled: %s", e)
-            self.enabled = False
-        return bool(self.enabled)
-
-    def record(self, row: Mapping) -> None:
-        """Export one profile row (a dict as in :func:`profile_frame`). Missing values are skipped."""
-        if not self._ensure():
-            return
-        gauges = self._gauges
-        assert gauges is not None  # _ensure() returned True: it built them
-        values = {
-            "interval": row.get("interval"),
-            "stall_s": _reduce(row.get("stall_s"), max),
-            "persist_s": _reduce(row.get("persist_s"), max),
-            "overhead_pct": row.get("overhead_pct"),
-        }
-        if row.get("committed") is True and row.get("step") is not None:
-            values["last_committed_step"] = row.get("step")
-        try:
-            for key, v in values.items():
-                if v is None or isinstance(v, bool) or _missing(v):
-                    continue
-                gauges[key].set(float(v))
-            self.recorded += 1
-        except Exception as e:  # noqa: BLE001
-            logger.warning("cf_ray: could not export checkpoint metrics: %s", e)
-
-
-class GoodputMetrics:
-    """Ray metrics (``ray.util.metrics``) of a run's goodput, tagged with ``run`` (and any ``tags``).
-
-    * ``cf_ray_restarts_total`` (counter, tag ``source``): restarts;
-    * ``cf_ray_lost_steps_total`` (counter, steps) and ``cf_ray_lost_seconds_total`` (counter, s):
-      work lost to restarts (redone; a counter only moves by more than 0);
-    * ``cf_ray_restart_lost_steps`` (gauge, steps) and ``cf_ray_restart_lost_seconds`` (gauge, s):
-      the same for the newest restart (0 included);
-    * ``cf_ray_recovery_seconds`` (gauge, s): the newest restart's time from the failure to the
-      first resumed iteration;
-    * ``cf_ray_restore_seconds`` (gauge, s, tag ``source``): the newest restore's duration, by source;
-    * ``cf_ray_effective_training_ratio`` (gauge, 0..1): useful training time / wall time;
-    * ``cf_ray_durability_lost`` (gauge, 0 or 1) and ``cf_ray_durability_lost_episodes_total``
-      (counter): the durability watchdog's state and its episodes (nothing committed for much
-      longer than the schedule implies, or the controller unreachable).
-
-    As :class:`CheckpointMetrics`: built on first use, only where Ray is initialised; never raises.
-    Prometheus shows them with Ray's ``ray_`` prefix (``ray_cf_ray_lost_steps_total``).
-    """
-
-    COUNTERS = {
-        "restarts": ("cf_ray_restarts_total", "Restarts of the run (count)", ("source",)),
-        "lost_steps": ("cf_ray_lost_steps_total", "Training steps lost to restarts and redone (steps)", ()),
-        "lost_s": ("cf_ray_lost_seconds_total", "Training time lost to restarts and redone (s)", ()),
-        "durability_episodes": (
-            "cf_ray_durability_lost_episodes_total",
-            "Episodes in which nothing became durable for much longer than the schedule implies (count)",
-            (),
-        ),
-    }
-    GAUGES = {
-        "last_lost_steps": ("cf_ray_restart_lost_steps", "Newest restart: steps lost and redone (steps)", ()),
-        "last_lost_s": ("cf_ray_restart_lost_seconds", "Newest restart: training time lost and redone (s)", ()),
-        "recovery_s": ("cf_ray_recovery_seconds", "Newest restart: failure to first resumed iteration (s)", ()),
-        "restore_s": ("cf_ray_restore_seconds", "Newest restore's duration (s), by source", ("source",)),
-        "ratio": ("cf_ray_effective_training_ratio", "Useful training time / wall time since the first iteration", ()),
-        "durability_lost": ("cf_ray_durability_lost", "1 while checkpoints are not becoming durable, else 0", ()),
-    }
-
-    def __init__(self, run: str | None = None, tags: Mapping[str, str] | None = None):
-        self._tags = {str(k): str(v) for k, v in (tags or {}).items()}
-        if run is not None:
-            self._tags["run"] = str(run)
-        self._metrics: dict | None = None
-        self.enabled: bool | None = None
-        """``None`` until first used, then whether the metrics exist."""
-
-    def __reduce__(self):
-        tags = dict(self._tags)
-        run = tags.pop("run", None)
-        return (GoodputMetrics, (run, tags))
-
-    def _ensure(self) -> bool:
-        if self._metrics is not None:
-            return True
-        if self.enabled is False:
-            return False
-        try:
-            import ray
-
-            if not ray.is_initialized():
-                return False
-            from ray.util.metrics import Counter, Gauge
-
-            metrics = {}
-            for kinds, cls in ((self.COUNTERS, Counter), (self.GAUGES, Gauge)):
-                for key, (name, description, extra) in kinds.items():
-                    m = cls(name, description=description, tag_keys=tuple(sorted({*self._tags, *extra})))
-                    if self._tags:
-                        m.set_default_tags(self._tags)
-                    metrics[key] = m
-            self._metrics = metrics
-            self.enabled = True
-        except Exception as e:  # noqa: BLE001 - metrics are best effort, never a reason to fail
-            logger.warning("cf_ray: Ray goodput metrics disabled: %s", e)
-            self.enabled = False
-        return bool(self.enabled)
-
-    def _apply(self, updates: list[tuple[str, str, Any, dict | None]]) -> None:
-        if not self._ensure():
-            return
-        metrics = self._metrics
-        assert metrics is not None
-        try:
-            for key, op, v, tags in updates:
-                if v is None or isinstance(v, bool) or _missing(v):
-                    continue
-                getattr(metrics[key], op)(float(v), tags=tags)
-        except Exception as e:  # noqa: BLE001
-            logger.warning("cf_ray: could not export goodput metrics: %s", e)
-
-    def record_restart(self, source: str, lost_steps: int, lost_s: float | None, restore_s: float | None) -> None:
-        """A restart: its source, the work lost and the restore's duration."""
-        src = {"source": str(source)}
-        self._apply(
-            [
-                ("restarts", "inc", 1, src),
-                ("lost_steps", "inc", lost_steps if lost_steps else None, None),
-                ("lost_s", "inc", lost_s if lost_s else None, None),
-                ("restore_s", "set", restore_s, src),
-                ("last_lost_steps", "set", lost_steps, None),
-                ("last_lost_s", "set", lost_s, None),
-            ]
-        )
-
-    def record_recovery(self, recovery_s: float | None) -> None:
-        """The newest restart's time from the failure to its first resumed iteration."""
-        self._apply([("recovery_s", "set", recovery_s, None)])
-
-    def record_ratio(self, ratio: float | None) -> None:
-        """The run's effective training time ratio."""
-        self._apply([("ratio", "set", ratio, None)])
-
-    def record_durability(self, lost: bool) -> None:
-        """The durability watchdog's state: an episode starts (``True``) or ends (``False``)."""
-        updates: list[tuple[str, str, Any, dict | None]] = [("durability_lost", "set", 1 if lost else 0, None)]
-        if lost:
-            updates.append(("durability_episodes", "inc", 1, None))
-        self._apply(updates)
 
 
 __all__ = [

@@ -264,7 +264,9 @@ class Run:
         """What the run has committed and what failed.
 
         Live, the controller's summary: ``generation``, ``committed_steps``, ``interval``,
-        ``schedules``, ``failures``, ``events`` and ``pending``. After the run, from storage:
+        ``schedules``, ``failures`` (of every attempt), ``events``, ``pending``, ``restore_fallbacks``
+        (``{source: {cause: n}}``) and ``distrusted`` (``[generation, step]`` of snapshots never
+        offered again). After the run, from storage:
         ``committed_steps`` (the committed resumable checkpoints), ``failures`` (profile rows that
         were not committed: ``step``, ``generation``, ``error``), ``generation`` and ``interval``
         (of the last profile row; ``None`` without a saved profile). ``source`` says which

@@ -56,6 +56,25 @@ def ray_cluster(_ray_session):
     yield ray
 
 
+@pytest.fixture
+def controller(tmp_path):
+    """Builds controllers in process, without Ray (``tests/controller_harness.py``): the actor's own
+    class on local storage under ``tmp_path`` (or the ``root`` given), holders and cluster facts as
+    stand-ins. Their maintenance threads stop at the end of the test."""
+    import controller_harness
+
+    made = []
+
+    def make(root=None, key: str = "test", **kw):
+        ctl = controller_harness.make_controller(tmp_path if root is None else root, key, **kw)
+        made.append(ctl)
+        return ctl
+
+    yield make
+    for ctl in made:
+        ctl._maintenance.stop()
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A real S3 endpoint (moto's server mode) on 127.0.0.1, for the whole session."""

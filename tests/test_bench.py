@@ -10,38 +10,20 @@ from benchmarks import bench
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_smoke(tmp_path, capsys):
+    """The smallest interleaved run: two rounds of every variant, each against the baseline of its time,
+    each overhead with its interval, cf_ray's per-checkpoint breakdown and its actors' CPU, verdicts."""
     import ray
 
     if ray.is_initialized():  # the bench starts its own local Ray with its own settings
         ray.shutdown()
     out = tmp_path / "bench"
-    rc = bench.main(
-        [
-            "--quick",
-            "--width",
-            "64",
-            "--layers",
-            "2",
-            "--batch",
-            "4",
-            "--iters",
-            "6",
-            "--warmup",
-            "1",
-            "--ks",
-            "3",
-            "--workers",
-            "1",
-            "--variants",
-            "none,ray_sync,cf_fixed,cf_auto,floor_copy",
-            "--no-recovery",
-            "--out",
-            str(out),
-        ]
-    )
+    args = ["--quick", "--width", "64", "--layers", "2", "--batch", "4", "--iters", "6", "--warmup", "1"]
+    args += ["--warmup-s", "0", "--ks", "3", "--workers", "1", "--rounds", "2", "--no-recovery", "--out", str(out)]
+    rc = bench.main([*args, "--variants", "none,ray_sync,cf_fixed,floor_copy"])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "| variant | k |" in printed and "Machine limits" in printed and "Targets" in printed
+    assert "**drift**" in printed and "time per checkpoint" in printed
 
     results = json.loads((out / "results.json").read_text())
     assert results["schema"] == bench.SCHEMA
@@ -49,47 +31,76 @@ def test_bench_smoke(tmp_path, capsys):
         assert key in results
     assert len(results["meta"]["loadavg_start"]) == 3 and len(results["meta"]["loadavg_end"]) == 3
     assert results["limits"]["memcpy_gbps"] > 0 and results["limits"]["storage_write_fsync_gbps"] > 0
-    auto = next(v for v in results["variants"] if v["variant"] == "cf_auto")
-    k = auto["chosen_interval"]
-    assert k >= 1
-    # FixedInterval at Adaptive's k and k - 1 (none when k == 1), measured over whole periods.
-    probes = {v["probe"]: v for v in results["variants"] if v.get("probe") is not None}
-    assert probes[0]["k"] == k and (k == 1) == (-1 not in probes)
-    assert probes[0]["iterations"] % k == 0 and probes[0]["checkpoints_taken"] >= 2
-    assert {t["id"] for t in results["targets"]} >= {"auto_within_budget"} | ({"auto_shortest"} if k > 1 else set())
-    ids = {v["id"] for v in results["variants"] if v.get("probe") is None}
-    assert ids == {"w1/none", "w1/ray_sync/k3", "w1/cf_fixed/k3", "w1/cf_auto", "w1/floor_copy/k3"}, ids
-    # The floor (#14): one copy of the state per checkpoint and nothing else, measured beside the others.
-    floor = next(v for v in results["variants"] if v["variant"] == "floor_copy")
-    assert floor["checkpoints_taken"] == 2 and floor["checkpoints_committed"] == 0 and floor["bytes_written"] == 0
-    for v in results["variants"]:
-        for key in (
-            "iter_median_s",
-            "iter_min_s",
-            "iter_max_s",
-            "overhead_pct",
-            "stall_per_ckpt_s",
-            "checkpoints_taken",
-            "checkpoints_committed",
-            "peak_rss_mb_per_worker",
-            "bytes_written",
-        ):
+    assert results["limits"]["memcpy_gbps_during_direct_write"] > 0  # what the holder's O_DIRECT writes leave
+    (setting,) = results["settings"]
+    # A baseline opens each round and one closes the run: three of them, their drift reported.
+    assert len(setting["baseline_segment_means_s"]) == 3 and setting["baseline_drift_pct"] is not None
+    assert setting["baseline_noise_pct"] is not None
+    by = {v["id"]: v for v in results["variants"]}
+    assert set(by) == {"w1/none", "w1/ray_sync/k3", "w1/cf_fixed/k3", "w1/floor_copy/k3"}, set(by)
+    for v in by.values():
+        for key in ("iter_mean_s", "overhead_pct", "stall_per_ckpt_s", "checkpoints_taken", "peak_rss_mb_per_worker"):
             assert key in v, (v["id"], key)
-        if v.get("probe") is None:
-            assert v["iterations"] == 6 * v["rounds"]
-    cf = next(v for v in results["variants"] if v["variant"] == "cf_fixed")
-    assert cf["checkpoints_taken"] == 2 and cf["checkpoints_committed"] >= 1 and cf["bytes_written"] > 0
+        if v["variant"] == "none":
+            continue
+        # One overhead per round, and their interval; windows of whole periods after a lead-in.
+        assert set(v["overhead_pct_per_round"]) == {"0", "1"}, v["id"]
+        iv = v["overhead_interval"]
+        assert iv["n"] == 2 and iv["lo"] <= v["overhead_pct"] <= iv["hi"] and iv["method"] == "t95"
+        assert v["iterations"] == 2 * 6 and v["checkpoints_window"] == 2 * 2 and v["lead_iterations"] == 3, v
+    # The floor (#14): one copy of the state per checkpoint and nothing else, measured beside the others.
+    floor = by["w1/floor_copy/k3"]
+    assert floor["checkpoints_committed"] == 0 and floor["bytes_written"] == 0
+    cf = by["w1/cf_fixed/k3"]
+    # Each segment's Checkpointer: 1 checkpoint in the lead-in, 2 in the window.
+    assert cf["checkpoints_taken"] == 2 * 3 and cf["checkpoints_committed"] >= 2 and cf["bytes_written"] > 0
     # #14: the copies are counted, not estimated: one copy of the state (into the holder's slot), no
     # second read to checksum, and the holder's memory for snapshots is its two slots.
     assert 0.95 <= cf["host_copied_x"] <= 1.2 and cf["host_crc_reread_x"] == 0, cf
     assert 0 < cf["held_bytes"] <= 2 * cf["state_bytes"] + (1 << 20), cf
-    assert {"host_passes", "held", "memory"} <= {t["id"] for t in results["targets"]}
-    ray_sync = next(v for v in results["variants"] if v["variant"] == "ray_sync")
-    assert ray_sync["checkpoints_committed"] == 2 and ray_sync["stall_per_ckpt_s"] > 0
+    # #25: where each checkpoint's CPU goes, on the worker's two threads, and in the holder and controller.
+    parts = cf["cpu_breakdown"]
+    for part in ("copy", "crc", "handoff", "index", "agreement", "policy", "begin", "poll", "timing"):
+        assert parts[part]["cpu_ms_per_ckpt"] >= 0 and parts[part]["wall_ms_per_ckpt"] >= 0, (part, parts)
+    assert parts["copy"]["thread"] == "snapshot" and parts["begin"]["thread"] == "training"
+    assert parts["total"]["cpu_ms_per_ckpt"] > 0
+    assert cf["holder_cpu_ms_per_ckpt"] > 0 and cf["controller_cpu_ms_per_ckpt"] > 0
+    assert cf["holder_cpu_ms_per_iter"] >= 0 and cf["cf_actors_cpu_ms_per_iter"] >= 0
+    ray_sync = by["w1/ray_sync/k3"]
+    assert ray_sync["checkpoints_committed"] == 2 * 3 and ray_sync["stall_per_ckpt_s"] > 0
+    ids = {t["id"] for t in results["targets"]}
+    assert {"drift", "vs_ray_sync", "host_passes", "held", "memory"} <= ids, ids
+    assert all(t["verdict"] in ("met", "missed", "within noise", "n/a") for t in results["targets"])
     assert (out / "results.md").exists()
     assert results["meta"]["plot"] is None or (out / "overhead.png").exists()
     assert bench.main(["--render-readme", str(out / "results.json")]) == 0
     assert "## Performance" in capsys.readouterr().out
+
+
+@pytest.mark.nightly
+@pytest.mark.timeout(600)
+def test_bench_adaptive_and_its_probes(tmp_path):
+    """cf_auto and the FixedInterval probes at the interval Adaptive chose and one less (one variant
+    each over rounds, whatever k each round's Adaptive chose), judged against the budget."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    out = tmp_path / "bench"
+    args = ["--quick", "--width", "64", "--layers", "2", "--batch", "4", "--iters", "6", "--warmup", "1"]
+    args += ["--warmup-s", "0", "--ks", "3", "--workers", "1", "--rounds", "2", "--no-recovery", "--out", str(out)]
+    assert bench.main([*args, "--variants", "none,cf_auto"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    by = {v["id"]: v for v in results["variants"]}
+    auto = by["w1/cf_auto"]
+    k = auto["chosen_interval"]
+    assert k >= 1 and len(auto["chosen_intervals"]) == 2
+    probes = {v["probe"]: v for v in results["variants"] if v.get("probe") is not None}
+    assert probes[0]["k"] == k and (k == 1) == (-1 not in probes)
+    assert set(probes[0]["k_per_round"]) == {"0", "1"}
+    assert probes[0]["checkpoints_window"] >= 2
+    ids = {t["id"] for t in results["targets"]}
+    assert {"auto_overhead", "auto_within_budget"} | ({"auto_shortest"} if k > 1 else set()) <= ids
 
 
 @pytest.mark.slow
@@ -103,7 +114,8 @@ def test_bench_fsdp2_job(tmp_path, capsys):
         ray.shutdown()
     out = tmp_path / "bench"
     common = ["--quick", "--parallel", "fsdp2", "--width", "64", "--layers", "2", "--batch", "4"]
-    common += ["--iters", "4", "--warmup", "1", "--ks", "2", "--workers", "2", "--out", str(out)]
+    common += ["--iters", "4", "--warmup", "1", "--warmup-s", "0", "--ks", "2", "--workers", "2", "--rounds", "1"]
+    common += ["--out", str(out)]
     with pytest.raises(SystemExit, match="drop them from --variants"):
         bench.main([*common, "--variants", "none,ray_sync,cf_fixed"])
     assert bench.main([*common, "--variants", "none,dcp_async,cf_fixed"]) == 0
@@ -114,8 +126,10 @@ def test_bench_fsdp2_job(tmp_path, capsys):
     by = {v["id"]: v for v in results["variants"]}
     assert set(by) == {"w2/none", "w2/dcp_async/k2", "w2/cf_fixed/k2"}, set(by)
     cf, dcp = by["w2/cf_fixed/k2"], by["w2/dcp_async/k2"]
-    assert cf["checkpoints_taken"] == 2 and cf["checkpoints_committed"] >= 1 and cf["bytes_written"] > 0
-    assert dcp["checkpoints_committed"] == 2 and dcp["bytes_written"] > 0
+    # The lead-in (4 iterations at k=2: 2 checkpoints) and the window (4 iterations: 2 more).
+    assert cf["checkpoints_taken"] == 4 and cf["checkpoints_committed"] >= 1 and cf["bytes_written"] > 0
+    assert cf["checkpoints_window"] == 2 and cf["cpu_breakdown"]["copy"]["cpu_ms_per_ckpt"] >= 0
+    assert dcp["checkpoints_committed"] == 4 and dcp["bytes_written"] > 0
     assert all(isinstance(v["overhead_pct"], float) for v in (cf, dcp))
     # Each of the 2 workers holds half of the sharded state (plus Adam's replicated step counters).
     assert cf["state_bytes"] / 2 <= cf["rank_state_bytes"] < 0.6 * cf["state_bytes"]
@@ -126,6 +140,7 @@ def test_bench_fsdp2_job(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 @pytest.mark.timeout(900)
 def test_bench_cluster_jobs(tmp_path, capsys):
     """``cf-ray bench --cluster`` (#12) at the smallest sizes, on its own test cluster (a 0-CPU head

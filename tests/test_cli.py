@@ -259,13 +259,14 @@ def test_ls_and_profile_take_the_run_the_same_way(run_dir, capsys):
     assert rc == 0 and two == one and "deprecated" in err and f"cf-ray profile {run}" in err
 
 
-def test_the_readme_command_line_reference_parses():
+def test_the_command_line_reference_parses():
     import re
     import shlex
 
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
-        section = f.read().split("## Command line", 1)[1].split("\n## ", 1)[0]
-    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    with open(
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "reference", "cli.md")
+    ) as f:
+        block = re.search(r"```bash\n(.*?)```", f.read(), re.S).group(1)
     seen = set()
     for line in block.splitlines():
         argv = shlex.split(line.split("#")[0])

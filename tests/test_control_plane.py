@@ -8,6 +8,7 @@ link); the last ones use real actors on the shared local Ray cluster, without To
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import sys
@@ -20,8 +21,8 @@ import numpy as np
 import pyarrow.fs as pafs
 import pytest
 
-from cf_ray._engine.driver import commits as commits_mod
-from cf_ray._engine.driver.controller import Controller, ControllerSettings
+from cf_ray._engine import env as _env
+from cf_ray._engine.driver import pending as pending_mod
 from cf_ray._engine.driver.recovery import CONTROL_STATE
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.protocol.messages import (
@@ -34,32 +35,25 @@ from cf_ray._engine.protocol.messages import (
     Restored,
     RestoreSource,
     SectionState,
+    Settled,
     SnapshotMeta,
     SyncRequest,
 )
 from cf_ray._engine.storage.fs import FsStorage
-from cf_ray.policy import FixedInterval
 
+from controller_harness import Holders, wait_idle
+from controller_harness import settings as _settings
 from faulty_fs import FaultyHandler
 
 SEC = mf.rank_section(0)
 META = SnapshotMeta(rank=0, world_size=1, replicated=False, epoch=0, kind=CheckpointKind.SCHEDULED, interval=1)
 
 
-def _settings(**kw) -> ControllerSettings:
-    base = dict(policy=FixedInterval(every=1), keep_last=None, tiers=[], upload_milestones_only=False)
-    return ControllerSettings(**{**base, **kw})
-
-
 def _storage(root) -> FsStorage:
     return FsStorage(pafs.LocalFileSystem(), str(root))
 
 
-def _wait_idle(ctl: Controller, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ctl.maintenance_idle():
-        assert time.monotonic() < deadline, "the controller's maintenance did not finish"
-        time.sleep(0.01)
+_wait_idle = wait_idle
 
 
 def _staged(gen: int, step: int, holder: str = "h", meta: SnapshotMeta = META, section: str = SEC) -> PartStaged:
@@ -84,44 +78,6 @@ def _fake_files(gen: int, section: str = SEC) -> dict:
     return {data: {"size": 8, "crc32": 0}, index: {"size": 2, "crc32": 0}}
 
 
-class FakeLink:
-    """The controller's view of the holders, in process: ``holders`` maps a name to a callable
-    answering ``lookup`` (``None``: the holder is gone)."""
-
-    def __init__(self):
-        self.holders: dict[str, object] = {}
-        self.states: dict[str, HolderState] = {}
-        self.calls: list[tuple] = []
-        self.forgotten: list[tuple] = []
-        self.committed_told: list[tuple] = []
-
-    def names_on_alive_nodes(self):
-        return list(self.holders)
-
-    def exists(self, name):
-        return self.holders.get(name) is not None
-
-    def resync(self, name, timeout_s):
-        self.calls.append(("resync", name))
-        return self.states.get(name)
-
-    def lookup(self, name, keys, timeout_s):
-        self.calls.append(("lookup", name, tuple(keys)))
-        answer = self.holders.get(name)
-        return None if answer is None else [answer(k) for k in keys]
-
-    def forget(self, name, keys, committed=None):
-        self.forgotten.append((name, tuple(keys)))
-        self.committed_told.append((name, committed))
-
-    def drain_all(self, names, timeout_s):
-        self.calls.append(("drain", tuple(names)))
-        return {n: {"drained": True} for n in names}
-
-    def kill(self, name):
-        self.calls.append(("kill", name))
-
-
 # -- bounded: 10,000 commits ----------------------------------------------------------------------
 
 
@@ -134,7 +90,7 @@ def _fast_root(tmp_path):
 
 
 @pytest.mark.parametrize("trace", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["blocks", "tracemalloc"])
-def test_the_controller_stays_flat_through_10000_commits(tmp_path, trace):
+def test_the_controller_stays_flat_through_10000_commits(controller, tmp_path, trace):
     """Memory and time per commit do not grow with the number of checkpoints: the first 2,000
     commits against the last 2,000 of 10,000 (a sync with the rank's timings at each, keep_last=2,
     every manifest written to a real FsStorage, the profile rows beyond the window written as
@@ -148,7 +104,7 @@ def test_the_controller_stays_flat_through_10000_commits(tmp_path, trace):
 
     root = _fast_root(tmp_path)
     try:
-        ctl = Controller("flat", _storage(root), _settings(keep_last=2))
+        ctl = controller(_storage(root), "flat", keep_last=2)
         gen = ctl.prepare_restore(1).generation
         ctl.restored(Restored(source=RestoreSource.FRESH, step=0, epoch=0))
         files = _fake_files(gen)
@@ -196,10 +152,10 @@ def test_the_controller_stays_flat_through_10000_commits(tmp_path, trace):
         # A leak of one small object per commit would be 8,000 blocks (or >= 250 KB over 3,000
         # commits: 83 bytes each, less than the smallest dict or tuple with a float in it) here.
         assert growth < (250_000 if trace else 3_000), f"memory grew by {growth} over {n - block:,} commits"
-        assert len(ctl._book._rows) <= 1000 and ctl._book.unwritten_batches() == 0
-        assert len(ctl._commits.pending) <= commits_mod.MAX_PENDING + 1
-        assert len(ctl._commits._settled) <= commits_mod.MAX_SETTLED
-        assert len(ctl._commits.committed) <= 2
+        assert len(ctl._ledger.book._rows) <= 1000 and ctl._ledger.book.unwritten_batches() == 0
+        assert len(ctl._ledger.commits.table.entries) <= pending_mod.MAX_PENDING + 1
+        assert len(ctl._ledger.commits.table.settled) <= pending_mod.MAX_SETTLED
+        assert len(ctl._ledger.commits.committed) <= 2
         assert [c.step for c in mf.list_committed(ctl.storage)] == [n - 1, n]
         rows = ctl.profile_rows()  # the parts on storage and the rows in memory
         assert [r["step"] for r in rows] == list(range(1, n + 1))
@@ -224,11 +180,11 @@ def _count_manifest_writes(monkeypatch, storage) -> list[str]:
     return writes
 
 
-def test_every_holder_message_is_idempotent(tmp_path, monkeypatch):
+def test_every_holder_message_is_idempotent(controller, tmp_path, monkeypatch):
     """A holder re-sends what it is not sure arrived: twice, late, after the step left the pending
     table. Each step commits once; nothing is counted twice."""
     storage = _storage(tmp_path)
-    ctl = Controller("idem", storage, _settings())
+    ctl = controller(storage, "idem")
     writes = _count_manifest_writes(monkeypatch, storage)
     gen = ctl.prepare_restore(1).generation
     msgs = [_staged(gen, 3), _write(storage, gen, 3)]
@@ -236,19 +192,19 @@ def test_every_holder_message_is_idempotent(tmp_path, monkeypatch):
         (ctl.part_staged if isinstance(m, PartStaged) else ctl.part_durable)(m)
     assert writes == [f"{mf.step_dir(3)}/{mf.MANIFEST}"]
     assert ctl.part_durable(msgs[1]) == SectionState.COMMITTED  # the acknowledgement says where it stands
-    assert len(ctl._schedule.samples) == 1  # the persist time went to the policy once
+    assert len(ctl._ledger.schedule.samples) == 1  # the persist time went to the policy once
     # A failure that comes after the commit changes nothing.
     ctl.part_failed(PartFailed(generation=gen, step=3, section=SEC, error="OSError: stale"))
-    assert ctl.summary()["failures"] == [] and ctl.settled(gen, [3])["committed"] == [3]
+    assert ctl.summary()["failures"] == [] and ctl.settled(gen, [3]).committed == (3,)
     # Push step 3 out of the pending table, then send everything again.
-    for step in range(10, 10 + commits_mod.MAX_PENDING + 5):
+    for step in range(10, 10 + pending_mod.MAX_PENDING + 5):
         ctl.part_staged(_staged(gen, step))
         ctl.part_durable(PartDurable(generation=gen, step=step, section=SEC, files=_fake_files(gen), persist_s=0.01))
-    assert (gen, 3) not in ctl._commits.pending
+    assert (gen, 3) not in ctl._ledger.commits.table.entries
     n = len(writes)
     for m in msgs:
         (ctl.part_staged if isinstance(m, PartStaged) else ctl.part_durable)(m)
-    assert len(writes) == n and (gen, 3) not in ctl._commits.pending
+    assert len(writes) == n and (gen, 3) not in ctl._ledger.commits.table.entries
     rows = [r for r in ctl.profile_rows() if r["step"] == 3]
     assert len(rows) == 1 and rows[0]["committed"] is True
     # The same failure twice is one failure.
@@ -258,11 +214,11 @@ def test_every_holder_message_is_idempotent(tmp_path, monkeypatch):
     assert [f["step"] for f in ctl.summary()["failures"]] == [200]
 
 
-def test_a_resynced_step_whose_files_are_gone_is_not_committed_again(tmp_path):
+def test_a_resynced_step_whose_files_are_gone_is_not_committed_again(controller, tmp_path):
     """After a restart a holder re-sends a step that was committed and then deleted by keep-last:
     its manifest must not come back (the files are gone); a resynced step whose files are there commits."""
     storage = _storage(tmp_path)
-    ctl = Controller("gone", storage, _settings(), holders=FakeLink())
+    ctl = controller(storage, "gone", holders=Holders())
     gen = 1
     durable = _write(storage, gen, 4)
     storage.delete_dir(mf.step_dir(4))  # what keep-last did before the controller died
@@ -271,24 +227,15 @@ def test_a_resynced_step_whose_files_are_gone_is_not_committed_again(tmp_path):
         HolderState(holder="h", generation=gen, staged=(_staged(gen, 4), _staged(gen, 5)), outcomes=(durable, ok))
     )
     assert [c.step for c in mf.list_committed(storage)] == [5]
-    assert ctl.settled(gen, [4, 5]) | {"resynced": None} == {
-        "generation": gen,
-        "committed": [5],
-        "failed": {},
-        "superseded": [],
-        "abandoned": [4],
-        "pending": [],
-        "unknown": [],
-        "safe": [],
-        "newest_committed": 5,
-        "resynced": None,
-    }
+    assert dataclasses.replace(ctl.settled(gen, [4, 5]), resynced=True) == Settled(
+        generation=gen, committed=(5,), abandoned=(4,), newest_committed=5, resynced=True
+    )
     assert ctl.generation >= gen
 
 
-def test_settled_says_which_steps_nothing_more_will_happen_to(tmp_path):
+def test_settled_says_which_steps_nothing_more_will_happen_to(controller, tmp_path):
     storage = _storage(tmp_path)
-    ctl = Controller("settled", storage, _settings())
+    ctl = controller(storage, "settled")
     gen = ctl.prepare_restore(1).generation
     ctl.part_staged(_staged(gen, 1))
     ctl.part_durable(_write(storage, gen, 1))
@@ -299,18 +246,19 @@ def test_settled_says_which_steps_nothing_more_will_happen_to(tmp_path):
     ctl.part_staged(_staged(gen, 4))  # staged, not durable yet
     ctl.part_durable(_write(storage, gen, 5))  # durable, its part_staged not here yet: not settled
     out = ctl.settled(gen, [1, 2, 3, 4, 5, 6])
-    assert out == {
-        "generation": gen,
-        "committed": [1],
-        "failed": {2: f"{SEC}: OSError: disk full"},
-        "superseded": [3],
-        "abandoned": [],
-        "pending": [4, 5],
-        "unknown": [6],
-        "safe": [],
-        "newest_committed": 1,
-        "resynced": True,
-    }
+    assert out == Settled(
+        generation=gen,
+        committed=(1,),
+        failed={2: f"{SEC}: OSError: disk full"},
+        superseded=(3,),
+        abandoned=(),
+        pending=(4, 5),
+        unknown=(6,),
+        safe=(),
+        newest_committed=1,
+        resynced=True,
+    )
+    assert [s for s in range(1, 7) if out.is_settled(s)] == [1, 2, 3]
     # The next attempt restores at step 1: the old attempt's steps past it are abandoned, even when
     # their messages come late.
     gen2 = ctl.prepare_restore(1).generation
@@ -318,17 +266,17 @@ def test_settled_says_which_steps_nothing_more_will_happen_to(tmp_path):
     ctl.part_staged(_staged(gen, 6))
     ctl.part_durable(_write(storage, gen, 6))
     out = ctl.settled(gen, [4, 5, 6])
-    assert out["abandoned"] == [4, 5, 6] and [c.step for c in mf.list_committed(storage)] == [1]
-    assert ctl.settled(gen2, [1])["unknown"] == [1]  # a step of another generation
+    assert out.abandoned == (4, 5, 6) and [c.step for c in mf.list_committed(storage)] == [1]
+    assert ctl.settled(gen2, [1]).unknown == (1,)  # a step of another generation
 
 
 # -- a controller that starts again ---------------------------------------------------------------
 
 
-def test_a_controller_that_starts_again_rebuilds_from_storage_and_the_holders(tmp_path):
+def test_a_controller_that_starts_again_rebuilds_from_storage_and_the_holders(controller, tmp_path):
     storage = _storage(tmp_path)
-    link = FakeLink()
-    ctl = Controller("again", storage, _settings(), holders=link)
+    link = Holders()
+    ctl = controller(storage, "again", holders=link)
     gen = ctl.prepare_restore(1).generation
     ctl.restored(Restored(source=RestoreSource.FRESH, step=0, epoch=0))
     ctl.part_staged(_staged(gen, 2))
@@ -342,15 +290,15 @@ def test_a_controller_that_starts_again_rebuilds_from_storage_and_the_holders(tm
     # The holder keeps its record of step 4 (staged); the controller dies and starts again.
     link.holders["h"] = lambda key: ("held", None, None)
     link.states["h"] = HolderState(holder="h", generation=gen, staged=(_staged(gen, 4),))
-    again = Controller("again", storage, _settings(recreated=True), holders=link)
-    again._resynced.wait(10)
+    again = controller(storage, "again", recreated=True, holders=link)
+    again._roster.resynced.wait(10)
     assert again.ping() == {"generation": gen, "resynced": True}
     assert again.summary()["committed_steps"] == [2]
-    assert again.settled(gen, [4])["pending"] == [4]
-    assert again.settled(gen - 1, [9])["abandoned"] == [9]  # the restore was saved (control_state.json)
+    assert again.settled(gen, [4]).pending == (4,)
+    assert again.settled(gen - 1, [9]).abandoned == (9,)  # the restore was saved (control_state.json)
     assert storage.exists(CONTROL_STATE)
     again.part_durable(_write(storage, gen, 4))  # the holder's message, sent again to the new controller
-    assert again.settled(gen, [4])["committed"] == [4]
+    assert again.settled(gen, [4]).committed == (4,)
     # Numbers continue above what the workers had from the dead controller.
     reply = again.sync(SyncRequest(rank=0, generation=gen, adopted_version=7, seen_failures=seen_failures))
     assert reply.schedules and all(s.schedule_version > 7 for s in reply.schedules)
@@ -366,8 +314,8 @@ def test_a_controller_that_starts_again_rebuilds_from_storage_and_the_holders(tm
     assert again.prepare_restore(1).generation == gen + 1
 
 
-def test_a_worker_that_adopted_a_version_the_controller_never_published_gets_one_above_it(tmp_path):
-    ctl = Controller("versions", _storage(tmp_path), _settings())
+def test_a_worker_that_adopted_a_version_the_controller_never_published_gets_one_above_it(controller, tmp_path):
+    ctl = controller(_storage(tmp_path), "versions")
     assert [s.schedule_version for s in ctl.sync(SyncRequest(rank=0, generation=1)).schedules] == [0]
     reply = ctl.sync(SyncRequest(rank=0, generation=1, adopted_version=5))
     assert [(s.schedule_version, s.interval) for s in reply.schedules] == [(6, ctl.summary()["interval"])]
@@ -377,11 +325,11 @@ def test_a_worker_that_adopted_a_version_the_controller_never_published_gets_one
 # -- the watch ------------------------------------------------------------------------------------
 
 
-def test_the_watch_recovers_lost_messages_and_fails_what_a_dead_holder_had(tmp_path):
+def test_the_watch_recovers_lost_messages_and_fails_what_a_dead_holder_had(controller, tmp_path):
     storage = _storage(tmp_path)
-    link = FakeLink()
-    ctl = Controller("watch", storage, _settings(), holders=link)
-    ctl._resynced.wait(10)
+    link = Holders()
+    ctl = controller(storage, "watch", holders=link)
+    ctl._roster.resynced.wait(10)
     gen = ctl.prepare_restore(1).generation
     for step, holder in ((1, "alive"), (2, "dead"), (3, "restarted"), (5, "alive")):
         ctl.part_staged(_staged(gen, step, holder=holder))
@@ -394,8 +342,8 @@ def test_the_watch_recovers_lost_messages_and_fails_what_a_dead_holder_had(tmp_p
     }
     ctl.watch_once(min_age_s=0)
     out = ctl.settled(gen, [1, 2, 3])
-    assert out["committed"] == [1] and sorted(out["failed"]) == [2, 3]
-    assert "lost: holder dead" in out["failed"][2]
+    assert out.committed == (1,) and sorted(out.failed) == [2, 3]
+    assert "lost: holder dead" in out.failed[2]
     # Later steps commit; the failed steps' directories are cleaned up.
     ctl.part_staged(_staged(gen, 4, holder="restarted"))
     ctl.part_durable(_write(storage, gen, 4, holder="restarted"))
@@ -409,38 +357,38 @@ def test_the_watch_recovers_lost_messages_and_fails_what_a_dead_holder_had(tmp_p
     ctl.prepare_restore(1)
     ctl.restored(Restored(source=RestoreSource.STORAGE, step=1, epoch=0))
     out = ctl.settled(gen, [2, 3, 5])
-    assert out["abandoned"] == [2, 3] and list(out["failed"]) == [5]
+    assert out.abandoned == (2, 3) and list(out.failed) == [5]
 
 
-def test_a_step_whose_section_no_holder_ever_had_is_abandoned_once_its_attempt_is_over(tmp_path):
+def test_a_step_whose_section_no_holder_ever_had_is_abandoned_once_its_attempt_is_over(controller, tmp_path):
     storage = _storage(tmp_path)
-    link = FakeLink()
-    ctl = Controller("orphan", storage, _settings(), holders=link)
+    link = Holders()
+    ctl = controller(storage, "orphan", holders=link)
     gen = ctl.prepare_restore(2).generation
     meta = SnapshotMeta(rank=0, world_size=2, replicated=False, epoch=0, kind=CheckpointKind.SCHEDULED)
     ctl.part_staged(_staged(gen, 7, meta=meta))  # rank 1 died before its hand-off
     link.holders = {"h": lambda key: ("held", None, None) if key[2] == SEC else ("unknown", None, None)}
     ctl.watch_once(min_age_s=0)
-    assert ctl.settled(gen, [7])["pending"] == [7]  # this attempt may still hand it off
+    assert ctl.settled(gen, [7]).pending == (7,)  # this attempt may still hand it off
     ctl.prepare_restore(2)
     ctl.watch_once(min_age_s=0)
-    assert ctl.settled(gen, [7])["abandoned"] == [7]
+    assert ctl.settled(gen, [7]).abandoned == (7,)
 
 
 # -- no storage I/O under the lock ----------------------------------------------------------------
 
 
-def test_no_storage_write_happens_under_the_controllers_lock(tmp_path, monkeypatch):
+def test_no_storage_write_happens_under_the_controllers_lock(controller, tmp_path, monkeypatch):
     storage = _storage(tmp_path)
-    monkeypatch.setenv("CF_RAY_PROFILE_WINDOW_ROWS", "8")
+    monkeypatch.setattr(_env, "PROFILE_WINDOW_ROWS", 8)
     tier = _storage(tmp_path / "tier")
-    ctl = Controller("nolock", storage, _settings(keep_last=1, tiers=[tier]))
+    ctl = controller(storage, "nolock", keep_last=1, tiers=[tier])
     under_lock: list[str] = []
     for s in (storage, tier):
         real = s.write_file
 
         def write_file(path, chunks, real=real):
-            if ctl._lock._is_owned():
+            if ctl._ledger.lock._is_owned():
                 under_lock.append(path)
             return real(path, chunks)
 
@@ -505,13 +453,13 @@ class _ChunkRecorder:
         return getattr(self.inner, name)
 
 
-def test_uploads_stream_in_chunks_and_retry_transient_errors(tmp_path, monkeypatch):
-    monkeypatch.setenv("CF_RAY_WRITE_CHUNK_BYTES", "4096")
-    monkeypatch.setenv("CF_RAY_UPLOAD_BACKOFF_S", "0.01")
+def test_uploads_stream_in_chunks_and_retry_transient_errors(controller, tmp_path, monkeypatch):
+    monkeypatch.setattr(_env, "WRITE_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(_env, "UPLOAD_BACKOFF_S", 0.01)
     storage = _storage(tmp_path / "primary")
     flaky = _FlakyHandler(fail=2)
     tier = _ChunkRecorder(FsStorage(pafs.PyFileSystem(flaky), str(tmp_path / "tier")))
-    ctl = Controller("upload", storage, _settings(tiers=[tier]))
+    ctl = controller(storage, "upload", tiers=[tier])
     gen = ctl.prepare_restore(1).generation
     ctl.part_staged(_staged(gen, 3))
     ctl.part_durable(_write(storage, gen, 3, size=100_000))
@@ -525,13 +473,13 @@ def test_uploads_stream_in_chunks_and_retry_transient_errors(tmp_path, monkeypat
     assert [e["event"] for e in ctl.events() if e["event"].startswith("upload")] == ["upload"]
 
 
-def test_the_upload_queue_is_bounded_and_drops_the_oldest_ordinary_upload(tmp_path, monkeypatch):
-    monkeypatch.setenv("CF_RAY_UPLOAD_QUEUE", "2")
+def test_the_upload_queue_is_bounded_and_drops_the_oldest_ordinary_upload(controller, tmp_path, monkeypatch):
+    monkeypatch.setattr(_env, "UPLOAD_QUEUE", 2)
     storage = _storage(tmp_path / "primary")
     flaky = _FlakyHandler()
     flaky.gate.clear()  # the tier hangs: uploads pile up
     tier = FsStorage(pafs.PyFileSystem(flaky), str(tmp_path / "tier"))
-    ctl = Controller("queue", storage, _settings(tiers=[tier]))
+    ctl = controller(storage, "queue", tiers=[tier])
     gen = ctl.prepare_restore(1).generation
     for step in range(1, 7):
         meta = SnapshotMeta(
@@ -555,20 +503,22 @@ def test_the_upload_queue_is_bounded_and_drops_the_oldest_ordinary_upload(tmp_pa
 # -- the profile beyond the window ------------------------------------------------------------------
 
 
-def test_profile_rows_beyond_the_window_go_to_parquet_parts_and_the_saved_table_has_them_all(tmp_path, monkeypatch):
+def test_profile_rows_beyond_the_window_go_to_parquet_parts_and_the_saved_table_has_them_all(
+    controller, tmp_path, monkeypatch
+):
     from cf_ray import report
 
-    monkeypatch.setenv("CF_RAY_PROFILE_WINDOW_ROWS", "8")
+    monkeypatch.setattr(_env, "PROFILE_WINDOW_ROWS", 8)
     storage = FsStorage.from_uri(str(tmp_path)).child("run/cf_ray")
-    ctl = Controller("parts", storage, _settings())
+    ctl = controller(storage, "parts")
     gen = ctl.prepare_restore(1).generation
     for step in range(1, 31):
         ctl.part_staged(_staged(gen, step))
         ctl.part_durable(PartDurable(generation=gen, step=step, section=SEC, files=_fake_files(gen), persist_s=0.5))
         ctl.sync(SyncRequest(rank=0, generation=gen, ckpt_stats=({"step": step, "stall_s": 0.01 * step},)))
     _wait_idle(ctl)
-    assert len(ctl._book._rows) <= 8
-    assert len(storage.list_dir(f"profile/{ctl._book.parts.lineage}")) >= 3
+    assert len(ctl._ledger.book._rows) <= 8
+    assert len(storage.list_dir(f"profile/{ctl._ledger.book.parts.lineage}")) >= 3
     rows = ctl.profile_rows()
     assert [r["step"] for r in rows] == list(range(1, 31))
     assert all(r["committed"] is True and r["persist_s"] == 0.5 for r in rows)
@@ -581,21 +531,21 @@ def test_profile_rows_beyond_the_window_go_to_parquet_parts_and_the_saved_table_
     df = report.read_run_profile(str(tmp_path), "run")
     assert list(df["step"]) == list(range(1, 31))
     # A controller Ray restarts (or a worker recreates) continues the table; a new run's starts afresh.
-    assert [r["step"] for r in Controller("parts", storage, _settings(recreated=True)).profile_rows()][:3] == [1, 2, 3]
-    fresh = Controller("parts", storage, _settings())
+    assert [r["step"] for r in controller(storage, "parts", recreated=True).profile_rows()][:3] == [1, 2, 3]
+    fresh = controller(storage, "parts")
     assert fresh.profile_rows() == []
     _wait_idle(fresh)
-    assert storage.list_dir("profile") == [fresh._book.parts.lineage] or storage.list_dir("profile") == []
+    assert storage.list_dir("profile") == [fresh._ledger.book.parts.lineage] or storage.list_dir("profile") == []
 
 
 # -- the end of a run -------------------------------------------------------------------------------
 
 
-def test_shutdown_drains_the_holders_before_it_kills_them(tmp_path):
-    link = FakeLink()
+def test_shutdown_drains_the_holders_before_it_kills_them(controller, tmp_path):
+    link = Holders()
     link.holders = {"a": lambda key: ("held", None, None)}
-    ctl = Controller("end", _storage(tmp_path), _settings(), holders=link)
-    ctl._resynced.wait(10)
+    ctl = controller(_storage(tmp_path), "end", holders=link)
+    ctl._roster.resynced.wait(10)
     ctl.part_staged(_staged(1, 1, holder="b"))
     ctl.shutdown()
     kinds = [c[0] for c in link.calls if c[0] in ("drain", "kill")]
@@ -671,13 +621,13 @@ def test_a_holder_killed_mid_write_never_commits_that_step_and_later_steps_commi
         holders.append(new)
         _stage(ray, new, gen, 6)
         out = _wait_for(
-            lambda: (lambda o: o if 5 in o["failed"] and 6 in o["committed"] else None)(
+            lambda: (lambda o: o if 5 in o.failed and 6 in o.committed else None)(
                 ray.get(ctl.settled.remote(gen, [5, 6]), timeout=30)
             ),
             90,
             "step 5 to fail and step 6 to commit",
         )
-        assert "lost" in out["failed"][5]
+        assert "lost" in out.failed[5]
         assert [c.step for c in mf.list_committed(storage)] == [6]
         time.sleep(1)
         assert [c.step for c in mf.list_committed(storage)] == [6]
@@ -716,7 +666,7 @@ def test_a_controller_restarted_mid_write_rebuilds_from_the_holder_and_commits(r
         )
         ray.kill(ctl, no_restart=False)  # the process dies; max_restarts=-1: Ray starts it again
         _wait_for(
-            lambda: _try(lambda: ray.get(ctl.settled.remote(gen, [5]), timeout=30)["committed"] == [5]),
+            lambda: _try(lambda: ray.get(ctl.settled.remote(gen, [5]), timeout=30).committed == (5,)),
             120,
             "step 5 to commit through the restarted controller",
         )
@@ -725,12 +675,12 @@ def test_a_controller_restarted_mid_write_rebuilds_from_the_holder_and_commits(r
         reply = ray.get(ctl.sync.remote(SyncRequest(rank=0, generation=gen, adopted_version=3)), timeout=30)
         assert reply.schedules and all(s.schedule_version > 3 for s in reply.schedules)
         _stage(ray, holder, gen, 6)
-        _wait_for(lambda: ray.get(ctl.settled.remote(gen, [6]), timeout=30)["committed"] == [6], 60, "step 6 to commit")
+        _wait_for(lambda: ray.get(ctl.settled.remote(gen, [6]), timeout=30).committed == (6,), 60, "step 6 to commit")
     finally:
         _cleanup(ray, ctl, *([holder] if holder is not None else []))
 
 
-def test_resolve_controller_makes_a_killed_controller_again(ray_cluster, tmp_path):
+def test_resolve_controller_makes_a_killed_controller_again(controller, ray_cluster, tmp_path):
     from cf_ray._engine.driver.controller import resolve_controller
 
     ray = ray_cluster
@@ -745,3 +695,71 @@ def test_resolve_controller_makes_a_killed_controller_again(ray_cluster, tmp_pat
         assert all(s.schedule_version > 2 for s in reply.schedules)
     finally:
         _cleanup(ray, ctl, *([new] if new is not None else []))
+
+
+# -- a step lost with its node is reported (#28 #2) --------------------------------------------------
+
+
+def _link_of(ctl, rank: int, generation: int, committed: int):
+    """A rank's line to this in-process controller, at the start of attempt ``generation``."""
+    import cf_ray
+    from cf_ray._engine.worker.controller_link import ControllerLink
+    from cf_ray._engine.worker.scheduler import Scheduler
+    from cf_ray._engine.worker.timing import Timing
+
+    link = ControllerLink(ctl, rank, Timing(), Scheduler(cf_ray.CheckpointConfig()), lambda r: None)
+    link.start_attempt(generation, committed)
+    return link
+
+
+@pytest.mark.parametrize("order", ["watch_first", "restore_first"])
+def test_a_step_lost_with_its_node_is_reported_to_the_next_attempt_once(controller, tmp_path, order):
+    """Rank 0's node is removed while step 15 is still unwritten (its holder gone with it); the next
+    attempt resumes at 10. The step never committed, and the user hears of it at the end of the run:
+    every rank of the new attempt reports it once in ``wait()`` and in ``FinishSummary.failures``
+    (marked ``earlier_attempt``), never as one of its own steps and never raised by
+    ``raise_on_persist_error`` (each new attempt would raise it again). Both orders: the watch finds
+    the holder gone before the restore, or the restore comes first (the step is abandoned with its
+    node, and reported as lost with it)."""
+    from controller_harness import Cluster
+
+    holders = Holders()
+    cluster = Cluster()
+    ctl = controller(_storage(tmp_path), "lost", holders=holders, cluster=cluster)
+    ctl._roster.resynced.wait(10)
+    gen = ctl.prepare_restore(2).generation
+    ctl.restored(Restored(source=RestoreSource.FRESH, step=0, epoch=0))
+    two = SnapshotMeta(rank=0, world_size=2, replicated=False, epoch=0, kind=CheckpointKind.SCHEDULED)
+    for step in (10, 15):
+        for rank, (holder, node) in enumerate((("hA", "A"), ("hB", "B"))):
+            sec = mf.rank_section(rank)
+            m = dataclasses.replace(two, rank=rank)
+            ctl.part_staged(
+                PartStaged(generation=gen, step=step, section=sec, holder=holder, nbytes=8, meta=m, node_id=node)
+            )
+            if step == 10 or rank == 1:
+                ctl.part_durable(_write(ctl.storage, gen, step, section=sec, holder=holder))
+    assert ctl.settled(gen, [10, 15]).committed == (10,) and ctl.settled(gen, [15]).pending == (15,)
+    holders.holders = {"hA": None, "hB": lambda key: ("done", None, None)}  # node A is gone, hA with it
+    cluster.alive = {"B"}
+    if order == "watch_first":
+        ctl.watch_once(min_age_s=0)
+    gen2 = ctl.prepare_restore(2).generation
+    ctl.restored(Restored(source=RestoreSource.STORAGE, step=10, epoch=0))
+    if order == "restore_first":
+        ctl.watch_once(min_age_s=0)
+    assert ctl.settled(gen, [15]).committed == ()
+    lost = [f for f in ctl.summary()["failures"] if f["step"] == 15]
+    assert len(lost) == 1 and lost[0]["generation"] == gen and "lost" in lost[0]["error"]
+    assert lost[0]["section"] == mf.rank_section(0)
+
+    for rank in (0, 1):
+        link = _link_of(ctl, rank, gen2, committed=10)
+        link._on_reply(ctl.sync(SyncRequest(rank=rank, generation=gen2)))
+        reported = link.new_failures(raise_on_error=True)  # reported, not raised
+        assert [(f["step"], f["generation"], f.get("earlier_attempt")) for f in reported] == [(15, gen, True)]
+        assert link.new_failures(raise_on_error=True) == []  # once
+        assert link.failures == reported  # what FinishSummary.failures holds
+        # This attempt's own step 15 is another checkpoint: not settled by the earlier one's failure.
+        link.track(15)
+        assert link._unsettled_locally([15], set()) == [15]

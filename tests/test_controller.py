@@ -1,5 +1,5 @@
-"""The controller's bookkeeping, driven in-process (no actor): a checkpoint commits once every
-section is durable, whatever order the holders' messages run in.
+"""The controller's bookkeeping, driven in process (no actor, no Ray: ``tests/controller_harness.py``):
+a checkpoint commits once every section is durable, whatever order the holders' messages run in.
 
 The controller actor is threaded (``max_concurrency``), so Ray does not keep the order in which a
 holder sent ``part_staged`` and ``part_durable``: a small section can be durable before the call
@@ -14,12 +14,11 @@ import itertools
 import random
 import time
 
-import pyarrow.fs as pafs
 import pytest
 import torch
 
-from cf_ray._engine.driver import jit_tier
-from cf_ray._engine.driver.controller import Controller, ControllerSettings
+from cf_ray._engine.driver import jit
+from cf_ray._engine.driver.facade import Controller
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.protocol.messages import (
@@ -35,19 +34,11 @@ from cf_ray._engine.protocol.messages import (
 )
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray._engine.worker.snapshot import _Arena
-from cf_ray.policy import FixedInterval
+
+from controller_harness import Cluster, wait_idle
 
 WORLD = 2
 SECTIONS = [mf.SHARED, mf.rank_section(0), mf.rank_section(1)]
-
-
-def _controller(root) -> Controller:
-    storage = FsStorage(pafs.LocalFileSystem(), str(root))
-    return Controller(
-        "test",
-        storage,
-        ControllerSettings(policy=FixedInterval(every=1), keep_last=None, tiers=[], upload_milestones_only=False),
-    )
 
 
 def _write(ctl: Controller, step: int, section: str) -> tuple[dict, torch.Tensor]:
@@ -87,8 +78,8 @@ ORDERS = _DURABLE_FIRST[:12] + random.Random(0).sample([o for o in _ALL if o not
 
 
 @pytest.mark.parametrize("order", ORDERS, ids=lambda o: "".join(map(str, o)))
-def test_commits_whatever_order_the_holder_messages_run_in(tmp_path, order):
-    ctl = _controller(tmp_path)
+def test_commits_whatever_order_the_holder_messages_run_in(controller, order):
+    ctl = controller()
     step = 7
     written = {sec: _write(ctl, step, sec) for sec in SECTIONS}
     msgs = _messages()
@@ -109,8 +100,8 @@ def test_commits_whatever_order_the_holder_messages_run_in(tmp_path, order):
         assert torch.equal(got, written[sec][1])
 
 
-def test_a_step_missing_a_section_stays_pending_and_uncommitted(tmp_path):
-    ctl = _controller(tmp_path)
+def test_a_step_missing_a_section_stays_pending_and_uncommitted(controller):
+    ctl = controller()
     for sec in SECTIONS[:2]:
         files, _ = _write(ctl, 3, sec)
         ctl.part_staged(_staged(ctl, 3, sec))
@@ -119,8 +110,8 @@ def test_a_step_missing_a_section_stays_pending_and_uncommitted(tmp_path):
     assert mf.list_committed(ctl.storage) == []
 
 
-def test_a_superseded_step_is_not_waited_for_nor_committed(tmp_path):
-    ctl = _controller(tmp_path)
+def test_a_superseded_step_is_not_waited_for_nor_committed(controller):
+    ctl = controller()
     files, _ = _write(ctl, 4, SECTIONS[0])
     ctl.part_durable(PartDurable(generation=ctl.generation, step=4, section=SECTIONS[0], files=files, persist_s=0.01))
     ctl.part_superseded(PartSuperseded(generation=ctl.generation, step=4, section=SECTIONS[1]))
@@ -134,30 +125,15 @@ def test_a_superseded_step_is_not_waited_for_nor_committed(tmp_path):
     assert mf.list_committed(ctl.storage) == []
 
 
-def _retaining_controller(root, keep_last: int) -> Controller:
-    storage = FsStorage(pafs.LocalFileSystem(), str(root))
-    return Controller(
-        "test",
-        storage,
-        ControllerSettings(policy=FixedInterval(every=1), keep_last=keep_last, tiers=[], upload_milestones_only=False),
-    )
+_wait_maintenance = wait_idle
 
 
-def _wait_maintenance(ctl: Controller) -> None:
-    import time
-
-    deadline = time.monotonic() + 30
-    while not ctl.maintenance_idle():
-        assert time.monotonic() < deadline, "the controller's clean-up did not finish"
-        time.sleep(0.01)
-
-
-def test_a_checkpoint_committed_during_the_clean_up_of_older_directories_is_kept(tmp_path, monkeypatch):
+def test_a_checkpoint_committed_during_the_clean_up_of_older_directories_is_kept(controller, monkeypatch):
     """Out-of-order commits: step 11 commits first (rank 1's section of the milestone step 10 came
     late to its holder), so the clean-up after it finds step 10 without a manifest, older than the
     newest. If step 10's last section turns durable between that listing and the check of what is
     still in flight, step 10 is committed: it must not be deleted (a CI run lost its milestone so)."""
-    ctl = _retaining_controller(tmp_path, keep_last=2)
+    ctl = controller(keep_last=2)
     last = {}  # step -> (files, value) of its last section, held back
     for step, milestone in ((10, True), (11, False)):
         for sec in SECTIONS:
@@ -204,12 +180,12 @@ def _commit(ctl: Controller, step: int) -> None:
     _wait_maintenance(ctl)
 
 
-def test_clean_up_deletes_a_leftover_directory_only_once_it_is_known_dead(tmp_path):
+def test_clean_up_deletes_a_leftover_directory_only_once_it_is_known_dead(controller):
     """A directory without a manifest, older than the newest commit: a crashed writer's leftover,
     or a holder's write whose part_staged has not reached the threaded controller yet. The first
     clean-up that sees it unknown keeps it; one that still finds it unknown later deletes it; a
     failed step's directory goes at once; one that became known and committed stays."""
-    ctl = _retaining_controller(tmp_path, keep_last=None)
+    ctl = controller(keep_last=None)
     _write(ctl, 3, SECTIONS[0])  # nobody ever says anything of step 3
     _write(ctl, 4, SECTIONS[0])  # step 4 is announced late, then commits
     _write(ctl, 5, SECTIONS[0])
@@ -223,10 +199,10 @@ def test_clean_up_deletes_a_leftover_directory_only_once_it_is_known_dead(tmp_pa
     assert [c.step for c in mf.list_committed(ctl.storage)] == [4, 6, 7]
 
 
-def test_keep_last_deletes_nothing_a_restore_plan_names_until_the_restore_is_done(tmp_path):
+def test_keep_last_deletes_nothing_a_restore_plan_names_until_the_restore_is_done(controller):
     """keep_last=1: while a new attempt restores from the checkpoint its plan names, a late commit of
     the previous attempt (a holder finishing its write) must not delete that checkpoint under it."""
-    ctl = _retaining_controller(tmp_path, keep_last=1)
+    ctl = controller(keep_last=1)
     _commit(ctl, 4)
     plan = ctl.prepare_restore(WORLD)
     assert plan.storage == (4,)
@@ -239,13 +215,28 @@ def test_keep_last_deletes_nothing_a_restore_plan_names_until_the_restore_is_don
     assert [c.step for c in mf.list_committed(ctl.storage)] == [6]  # deferred, not forgotten
 
 
-def test_a_checkpoint_a_restore_found_corrupt_is_quarantined_and_never_counts_toward_keep_last(tmp_path):
-    """keep_last=2 with the newest checkpoint corrupt: without quarantine, the next two commits would
-    push out the good step 6 while the corrupt step 8 still counted as one of the two kept."""
-    ctl = _retaining_controller(tmp_path, keep_last=2)
+def _damage(ctl: Controller, step: int) -> None:
+    """Flip one byte in the middle of the data file of rank 1's section of ``step`` on storage."""
+    m = mf.read_manifest(ctl.storage, mf.step_dir(step))
+    data = m.sections[mf.rank_section(1)]["data"]
+    path = f"{ctl.storage.fs_path(mf.step_dir(step))}/{data}"
+    with open(path, "r+b") as f:
+        f.seek(8)
+        b = f.read(1)
+        f.seek(8)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def test_a_checkpoint_the_controller_rereads_damaged_is_quarantined_and_never_counts_toward_keep_last(controller):
+    """keep_last=2 with the newest checkpoint damaged on storage: a rank's restore reports it, the
+    controller re-reads it (sizes and CRCs, on its maintenance thread) and finds it damaged, so it is
+    quarantined. Without quarantine, the next two commits would push out the good step 6 while the
+    corrupt step 8 still counted as one of the two kept."""
+    ctl = controller(keep_last=2)
     for step in (4, 6, 8):
         _commit(ctl, step)
     assert ctl.prepare_restore(WORLD).storage == (8, 6)
+    _damage(ctl, 8)
     # Rank 0's restore found step 8 damaged on this run's own storage and fell back to step 6.
     ctl.record_event(
         {
@@ -259,17 +250,20 @@ def test_a_checkpoint_a_restore_found_corrupt_is_quarantined_and_never_counts_to
     )
     ctl.restored(Restored(source=RestoreSource.STORAGE, step=6, epoch=0))
     _wait_maintenance(ctl)
+    (event,) = [e for e in ctl.events() if e.get("event") == "quarantined"]
+    assert event["step"] == 8 and "fails its checksum" in event["error"]  # the controller's own finding
     _commit(ctl, 9)
     steps = [c.step for c in mf.list_committed(ctl.storage)]
     assert 6 in steps and 9 in steps, steps  # the good one is kept: 8 does not count
     assert 8 in steps  # quarantined, not deleted: kept for inspection
     assert ctl.summary()["committed_steps"] == [6, 9]
-    assert any(e.get("event") == "quarantined" and e.get("step") == 8 for e in ctl.events())
+    assert ctl.summary()["restore_fallbacks"] == {"storage": {"verification": 1}}
     # A controller that starts again (a new driver) never names it either.
-    again = _retaining_controller(tmp_path, keep_last=2)
+    again = controller(keep_last=2)
     assert again.prepare_restore(WORLD).storage == (9, 6)
-    # A fallback that is not damage (a refusal of the content) quarantines nothing.
+    # A fallback that is not damage (a refusal of the content) makes nothing re-read, nothing quarantined.
     again.record_event({"event": "restore_fallback", "source": "storage", "step": 9, "corrupt": False})
+    _wait_maintenance(again)
     assert again.summary()["committed_steps"] == [6, 9]
     # What users read of the run says the same: not listed, not loaded by default, refused by step.
     from cf_ray import cli
@@ -278,17 +272,62 @@ def test_a_checkpoint_a_restore_found_corrupt_is_quarantined_and_never_counts_to
 
     root = ctl.storage.root
     assert [c.step for c in list_checkpoints(root)] == [6, 9]
-    assert quarantined_checkpoints(root) == {8: "CorruptCheckpointError: crc mismatch"}
+    (why,) = quarantined_checkpoints(root).values()
+    assert list(quarantined_checkpoints(root)) == [8] and "fails its checksum" in why
     with pytest.raises(CorruptCheckpointError, match="step 8 .* quarantined"):
         load_state(root, step=8)
     assert cli.main(["ls", root]) == 0
 
 
-def test_a_memory_restore_takes_a_peers_copy_of_a_lost_nodes_section(tmp_path):
+def test_one_ranks_read_error_never_quarantines_a_checkpoint_that_reads_back_intact(controller, monkeypatch):
+    """Issue 23 #7: a rank's restore could not read step 8 (a file missing for a moment: a flaky
+    mount, an object store's listing lag) and reported it as corrupt. The controller re-reads it,
+    finds every file there with its size and CRC, and leaves it: not quarantined, still restorable,
+    still counted by keep-last; it says so (a log line, a ``verified`` event). A storage that cannot
+    be read at all during the re-read proves nothing either: left as well."""
+    from cf_ray._engine.driver import quarantine
+
+    ctl = controller(keep_last=2)
+    for step in (6, 8):
+        _commit(ctl, step)
+    ctl.prepare_restore(WORLD)
+    event = {
+        "event": "restore_fallback",
+        "source": "storage",
+        "step": 8,
+        "corrupt": True,
+        "error": "CorruptCheckpointError: .../step_000000000008/rank_00001.g1.data is missing",
+    }
+    ctl.record_event(event)
+    _wait_maintenance(ctl)
+    assert ctl.summary()["committed_steps"] == [6, 8]
+    assert not ctl.storage.exists(mf.QUARANTINE)
+    (verified,) = [e for e in ctl.events() if e.get("event") == "verified"]
+    assert verified["step"] == 8 and verified["intact"] is True and "is missing" in verified["error"]
+    assert ctl.prepare_restore(WORLD).storage == (8, 6)
+
+    def unreachable(*a, **k):
+        raise ConnectionError("storage unreachable")
+
+    monkeypatch.setattr(ctl.storage, "read_range", unreachable)
+    ctl.record_event(event)
+    _wait_maintenance(ctl)
+    assert ctl.summary()["committed_steps"] == [6, 8]
+    assert [e.get("intact") for e in ctl.events() if e.get("event") == "verified"] == [True, None]
+    monkeypatch.undo()
+    # Only the controller's own re-read decides: damage found there quarantines it.
+    _damage(ctl, 8)
+    assert quarantine.damage_of(ctl.storage, 8) is not None
+    ctl.record_event(event)
+    _wait_maintenance(ctl)
+    assert ctl.summary()["committed_steps"] == [6]
+
+
+def test_a_memory_restore_takes_a_peers_copy_of_a_lost_nodes_section(controller):
     """Peer replicas (#12): a snapshot whose section's holder is on a lost node is still restorable
     from memory when a holder of a surviving node has a copy; without a copy the newest snapshot
     whose every section survives is chosen; a copy that failed or was skipped counts for nothing."""
-    ctl = _controller(tmp_path)
+    ctl = controller()
     meta = {"world_size": 2, "replicated": False, "epoch": 0, "kind": CheckpointKind.SCHEDULED}
 
     def stage(step, sec, holder, node):
@@ -312,7 +351,7 @@ def test_a_memory_restore_takes_a_peers_copy_of_a_lost_nodes_section(tmp_path):
     replica(5, r1, "hA", "A", "hB", seconds=0.01)  # step 5's rank 1 section has a copy on node A
     replica(10, r1, "hA", "A", "hB", error="RayActorError: the peer died")  # step 10's copy failed
     replica(10, r0, "", "", "hA", skipped=True)
-    books = ctl._commits
+    books = ctl._ledger.commits
     assert books.newest_in_memory({"A", "B"}).step == 10  # every node alive: the newest
     lost_b = books.newest_in_memory({"A"})
     assert lost_b.step == 5 and lost_b.sections == {r0: "hA", r1: "hA"} and lost_b.replicas == {}
@@ -325,7 +364,7 @@ def test_a_memory_restore_takes_a_peers_copy_of_a_lost_nodes_section(tmp_path):
     assert "the peer died" in rows[10]["replica_error"]
 
 
-def test_a_restarted_controller_learns_the_peers_copies_from_their_holders(tmp_path, ray_cluster):
+def test_a_restarted_controller_learns_the_peers_copies_from_their_holders(controller, tmp_path, ray_cluster):
     """A controller that starts again learns what each holder holds from its ``resync``; the copies
     a holder keeps for other nodes are in it too (#12: a restarted controller used to forget them,
     so a node lost before the next copy meant storage). Here node B is lost with the controller:
@@ -334,6 +373,7 @@ def test_a_restarted_controller_learns_the_peers_copies_from_their_holders(tmp_p
     alone, and counts no copy twice. And a holder drops the copies a commit made stale (those of a
     lost node's holder included: they used to stay until the run ended)."""
     import numpy as np
+    import pyarrow.fs as pafs
     import ray
 
     from cf_ray._engine.node.holder import Holder
@@ -360,21 +400,21 @@ def test_a_restarted_controller_learns_the_peers_copies_from_their_holders(tmp_p
     holder.forget([], committed=(2, 12))  # a newer generation committed: the old one's copies are stale
     assert holder.resync().replicas == ()
 
-    ctl = _controller(tmp_path)  # the controller that started again
-    assert ctl._commits.newest_in_memory({"A"}) is None
+    ctl = controller()  # the controller that started again
+    books = ctl._ledger.commits
+    assert books.newest_in_memory({"A"}) is None
     ctl.apply_holder_state(state)
-    snap = ctl._commits.newest_in_memory({"A"})
+    snap = books.newest_in_memory({"A"})
     assert snap is not None and snap.step == 10 and snap.sections == {r0: "hA", r1: "hA"}, snap
     ctl.apply_holder_state(state)  # said again: nothing changes, nothing counted
-    assert ctl._commits.newest_in_memory({"A"}) == snap
+    assert books.newest_in_memory({"A"}) == snap
     assert not any(r.get("replica_bytes") for r in ctl.profile_rows())
-    assert not ctl._commits.bandwidths._peer  # no bandwidth learnt from a resync
 
 
 def test_replica_every_copies_the_same_steps_on_every_node():
-    """``CheckpointConfig.replica_every``: one snapshot in n is copied, the same steps on every rank
-    (decided by the step and the interval alone, so the copied steps are complete), also when the
-    interval changes; preemption checkpoints, milestones and snapshots without an interval always."""
+    """``Replication.every``: one snapshot in n is copied, the same steps on every rank (decided by
+    the step and the interval alone, so the copied steps are complete), also when the interval
+    changes; preemption checkpoints, milestones and snapshots without an interval always."""
     from cf_ray._engine.worker.snapshot import replica_due
 
     steps = range(5, 205, 5)
@@ -387,15 +427,14 @@ def test_replica_every_copies_the_same_steps_on_every_node():
     assert replica_due(7, 4, 5, always=True) and replica_due(7, 4, None)
 
 
-# -- the tier of a just-in-time checkpoint (#12) ---------------------------------------------------------
+# -- when a just-in-time checkpoint is safe (#12, #24: derived, not predicted) -----------------------------
 
 MB = 1_000_000
 
 
-def _jit_controller(tmp_path, draining: set[str]) -> Controller:
-    ctl = _controller(tmp_path)
+def _jit_controller(controller, draining: set[str]) -> Controller:
+    ctl = controller(cluster=Cluster(draining=draining))  # what Ray's GCS says inside the actor
     ctl.generation = 1
-    ctl._commits.draining = lambda: set(draining)  # what Ray's GCS says inside the actor
     return ctl
 
 
@@ -449,8 +488,8 @@ def _copied(ctl: Controller, step: int, rank: int, nbytes: int, seconds: float) 
     )
 
 
-def _measured_run(ctl: Controller) -> None:
-    """Step 5: 10 MB per rank, 2 s per holder on storage (5 MB/s) and 50 ms per peer copy (200 MB/s)."""
+def _committed_run(ctl: Controller) -> None:
+    """Step 5 staged, copied and committed."""
     _stage2(ctl, 5, 10 * MB)
     _copied(ctl, 5, 0, 10 * MB, 0.05)
     _copied(ctl, 5, 1, 10 * MB, 0.05)
@@ -459,29 +498,26 @@ def _measured_run(ctl: Controller) -> None:
     assert ctl.summary()["committed_steps"] == [5]
 
 
-def test_a_jit_checkpoint_whose_deadline_fits_only_a_peer_copy_is_safe_once_copied(tmp_path):
-    """Storage measured at 2 s per checkpoint, peer copies at 50 ms; node B drains with 2.5 s left.
-    Storage does not fit (2 s x 1.5 margin), a peer copy does: the controller chooses the peer tier.
-    The checkpoint is safe — the preempted rank's wait ends, it is the memory restore point when B is
-    lost — as soon as B's section has a copy on A; rank 0's section (node A, not draining) needs
-    nothing more from rank 0 or its holder. Storage goes on and commits later; the row keeps the
-    prediction, both actual times and made_deadline from the peer copy."""
-    ctl = _jit_controller(tmp_path, {"B"})
-    _measured_run(ctl)
+def test_a_jit_checkpoint_is_safe_once_the_draining_nodes_sections_have_a_copy_elsewhere(controller):
+    """Node B drains with 2.5 s left. The just-in-time checkpoint is safe — the preempted rank's wait
+    ends, it is the memory restore point when B is lost — as soon as B's section has a copy on A;
+    rank 0's section (node A, not draining) needs nothing more from rank 0 or its holder. No
+    prediction decides it: what happened does. Storage goes on and commits later; the row keeps both
+    actual times and made_deadline from the peer copy, the first safe tier."""
+    ctl = _jit_controller(controller, {"B"})
+    _committed_run(ctl)
     deadline = time.time() + 2.5
     _stage2(ctl, 7, 10 * MB, kind=CheckpointKind.PREEMPT, priority=True, deadline_unix=deadline)
     row = {r["step"]: r for r in ctl.profile_rows()}[7]
-    assert row["jit_tier"] == "peer", row
-    assert row["predicted_storage_s"] == pytest.approx(2.0 + ctl._commits.bandwidths.commit_s(), rel=0.05)
-    assert row["predicted_peer_s"] == pytest.approx(0.05, rel=0.05)  # only B's section needs a copy
-    assert row["jit_defaults"] is None and 2.0 < row["jit_left_s"] <= 2.5
-    assert ctl.settled(1, [7])["pending"] == [7] and ctl.settled(1, [7])["safe"] == []
-    assert ctl._commits.newest_in_memory({"A"}).step == 5  # B lost now: step 7's rank 1 section is gone
+    assert row["jit_needs_copy"] == 1 and 2.0 < row["jit_left_s"] <= 2.5, row  # only B's section
+    assert "jit_tier" not in row and "predicted_storage_s" not in row  # nothing predicted any more
+    assert ctl.settled(1, [7]).pending == (7,) and ctl.settled(1, [7]).safe == ()
+    assert ctl._ledger.commits.newest_in_memory({"A"}).step == 5  # B lost now: step 7's rank 1 section is gone
 
     _copied(ctl, 7, 1, 10 * MB, 0.04)  # B's holder copies its section to A: nothing else happens
     report = ctl.settled(1, [7])
-    assert report["pending"] == [7] and report["safe"] == [7]  # not committed, yet safe
-    snap = ctl._commits.newest_in_memory({"A"})
+    assert report.pending == (7,) and report.safe == (7,)  # not committed, yet safe
+    snap = ctl._ledger.commits.newest_in_memory({"A"})
     assert snap.step == 7 and snap.sections == {mf.rank_section(0): "hA", mf.rank_section(1): "hA"}
     row = {r["step"]: r for r in ctl.profile_rows()}[7]
     assert row["safe_tier"] == "peer" and row["made_deadline"] is True and row["actual_peer_s"] < 2.5
@@ -491,31 +527,28 @@ def test_a_jit_checkpoint_whose_deadline_fits_only_a_peer_copy_is_safe_once_copi
     _wait_maintenance(ctl)
     row = {r["step"]: r for r in ctl.profile_rows()}[7]
     assert row["committed"] and row["actual_storage_s"] >= 0 and row["made_deadline"] is True
-    assert row["safe_tier"] == "peer"  # safe first in the tier it chose
-    (event,) = [e for e in ctl.events() if e["event"] == "jit_tier"]
-    assert event["step"] == 7 and event["jit_tier"] == "peer"
+    assert row["safe_tier"] == "peer"  # safe first in a peer's memory
+    (event,) = [e for e in ctl.events() if e["event"] == "jit_safe"]
+    assert event["step"] == 7 and event["tier"] == "peer" and event["made_deadline"] is True
 
 
-def test_a_jit_checkpoint_chooses_storage_when_it_fits_and_none_when_nothing_does(tmp_path):
-    """The same measurements: with 10 s left storage fits and is chosen (a peer copy then does not
-    make it count as safe: only the commit does); with 0.02 s left and replication off nothing fits:
-    the tier is none, the checkpoint is never safe, and when its section fails (the node went mid-write)
-    nothing of it is committed and the previous checkpoint stays the newest."""
-    ctl = _jit_controller(tmp_path, {"B"})
-    _measured_run(ctl)
+def test_a_jit_checkpoint_committed_first_is_safe_in_storage_and_one_that_is_neither_never_is(controller):
+    """Committed before any copy: safe in storage (a later copy changes nothing: the first wins).
+    With replication off and 0.02 s left, nothing happens in time: the checkpoint is never safe, and
+    when its section fails (the node went mid-write) nothing of it is committed and the previous
+    checkpoint stays the newest."""
+    ctl = _jit_controller(controller, {"B"})
+    _committed_run(ctl)
     _stage2(ctl, 6, 10 * MB, kind=CheckpointKind.PREEMPT, priority=True, deadline_unix=time.time() + 10)
-    _copied(ctl, 6, 1, 10 * MB, 0.04)
-    rows = {r["step"]: r for r in ctl.profile_rows()}
-    assert rows[6]["jit_tier"] == "storage" and ctl.settled(1, [6])["safe"] == []
-    assert rows[6]["actual_peer_s"] >= 0 and "made_deadline" not in rows[6]
     _durable2(ctl, 6, 0.5)
     _wait_maintenance(ctl)
+    _copied(ctl, 6, 1, 10 * MB, 0.04)
     row = {r["step"]: r for r in ctl.profile_rows()}[6]
     assert row["committed"] and row["safe_tier"] == "storage" and row["made_deadline"] is True
+    assert row["actual_storage_s"] >= 0 and ctl.settled(1, [6]).committed == (6,)
 
     _stage2(ctl, 8, 10 * MB, replicas=0, kind=CheckpointKind.PREEMPT, priority=True, deadline_unix=time.time() + 0.02)
-    row = {r["step"]: r for r in ctl.profile_rows()}[8]
-    assert row["jit_tier"] == "none" and row["predicted_peer_s"] is None, row
+    assert ctl.settled(1, [8]).safe == ()
     files, _ = _write(ctl, 8, mf.rank_section(0))
     ctl.part_durable(
         PartDurable(generation=1, step=8, section=mf.rank_section(0), files=files, persist_s=0.1, holder="hA")
@@ -530,32 +563,18 @@ def test_a_jit_checkpoint_chooses_storage_when_it_fits_and_none_when_nothing_doe
     assert not ctl.storage.exists(f"{mf.step_dir(8)}/{mf.MANIFEST}")
 
 
-def test_the_jit_tier_prediction_without_measurements_and_without_a_known_draining_node():
-    """The pure prediction: before anything is measured, the documented conservative defaults are
-    used and named; when no node is known to drain (a SIGTERM, a driver's notice) every section needs
-    a copy on another node; with no other node holding a holder of the run there is no peer tier; a
-    drain of a node without a section of the run leaves nothing to copy."""
-    bw = jit_tier.Bandwidths()
-    secs = {"rank_00000": ("hA", "A", 40 * MB), "rank_00001": ("hB", "B", 40 * MB)}
-    p = jit_tier.plan(
-        now_unix=0.0, deadline_unix=30.0, sections=secs, draining=(), peer_nodes={"A", "B"}, bandwidths=bw
-    )
-    assert p.predicted_storage_s == pytest.approx(40 * MB / jit_tier.DEFAULT_STORAGE_BPS + jit_tier.DEFAULT_COMMIT_S)
-    assert p.predicted_peer_s == pytest.approx(40 * MB / jit_tier.DEFAULT_PEER_BPS + jit_tier.DEFAULT_PEER_CALL_S)
-    assert p.defaults == ("storage", "peer") and p.needs_copy == set(secs) and p.tier is jit_tier.JitTier.STORAGE
-    p = jit_tier.plan(
-        now_unix=0.0, deadline_unix=3.0, sections=secs, draining={"B"}, peer_nodes={"A", "B"}, bandwidths=bw
-    )
-    assert p.tier is jit_tier.JitTier.PEER and p.needs_copy == {"rank_00001"}
-    assert not p.peer_safe({"rank_00001": "B"}, {"rank_00001": {"hB2": "B"}})  # a copy on its own node
-    assert p.peer_safe({"rank_00001": "B"}, {"rank_00001": {"hA": "A"}})
-    p = jit_tier.plan(now_unix=0.0, deadline_unix=3.0, sections=secs, draining={"B"}, peer_nodes={"B"}, bandwidths=bw)
-    assert p.predicted_peer_s is None and p.tier is jit_tier.JitTier.NONE  # no usable node to copy to
-    p = jit_tier.plan(now_unix=0.0, deadline_unix=3.0, sections=secs, draining={"C"}, peer_nodes=None, bandwidths=bw)
-    assert p.predicted_peer_s == 0.0 and p.tier is jit_tier.JitTier.PEER and p.peer_safe({}, {})
-    bw.add_storage("hA", 40 * MB, 0.4)  # 100 MB/s measured on hA; hB predicted from it
-    p = jit_tier.plan(now_unix=0.0, deadline_unix=3.0, sections=secs, draining={"B"}, peer_nodes={"A"}, bandwidths=bw)
-    assert p.tier is jit_tier.JitTier.STORAGE and p.predicted_storage_s == pytest.approx(
-        0.4 + jit_tier.DEFAULT_COMMIT_S
-    )
-    assert p.defaults == ("peer",)
+def test_which_sections_of_a_jit_checkpoint_need_a_copy():
+    """The pure rule: when no node is known to drain (a SIGTERM, a driver's notice) every section
+    needs a copy on another node; with a draining node only its sections do, and a copy on its own
+    node does not count; a drain of a node without a section of the run leaves nothing to copy."""
+    nodes = {"rank_00000": "A", "rank_00001": "B"}
+    w = jit.watch(now_unix=0.0, deadline_unix=30.0, nodes=nodes, draining=())
+    assert w.needs_copy == set(nodes) and w.left_s == 30.0
+    assert not w.peer_safe(nodes, {"rank_00001": {"hA": "A"}})  # rank 0's section has no copy yet
+    assert w.peer_safe(nodes, {"rank_00000": {"hB": "B"}, "rank_00001": {"hA": "A"}})
+    w = jit.watch(now_unix=0.0, deadline_unix=3.0, nodes=nodes, draining={"B"})
+    assert w.needs_copy == {"rank_00001"}
+    assert not w.peer_safe(nodes, {"rank_00001": {"hB2": "B"}})  # a copy on its own node
+    assert w.peer_safe(nodes, {"rank_00001": {"hA": "A"}})
+    w = jit.watch(now_unix=0.0, deadline_unix=3.0, nodes=nodes, draining={"C"})
+    assert w.needs_copy == set() and w.peer_safe({}, {})

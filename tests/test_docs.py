@@ -1,8 +1,24 @@
-"""The README's commands and snippets stay true: snippets come from files that run in CI."""
+"""The README and the documentation site stay true: their commands and snippets come from files that
+run in CI, their Python blocks run here, and every page is in the site's navigation with its links
+resolving.
+
+Every ```python block of the README and of docs/ carries one of these markers on the line above it:
+
+* ``<!-- snippet: PATH -->``: every line of the block (the ``+`` and context lines of a ``diff``)
+  is a line of PATH, a file that runs in CI (an example);
+* ``<!-- runnable -->``: the page's runnable blocks run in order, in one namespace, in a fresh
+  directory that holds ``cf_ray_runs/my-run`` (a run with committed checkpoints of a small model);
+* ``<!-- runnable: ray -->``: the same on the tests' local Ray cluster (a ``Checkpointer`` outside
+  Ray Train);
+
+or is a whole example included as it is (``--8<-- "examples/train_ddp.py"``, which the site's build
+resolves).
+"""
 
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -10,6 +26,12 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = pathlib.Path(ROOT) / "docs"
+
+#: ``<!-- marker -->`` (optional) on the line above a fenced block at any indent, the language, the body.
+_BLOCK = re.compile(
+    r"(?:^<!-- (?P<marker>[^>]*?) -->\n)?^(?P<indent>[ ]*)```(?P<lang>\w*)\n(?P<body>.*?)^(?P=indent)```", re.S | re.M
+)
 
 
 def _readme() -> str:
@@ -17,21 +39,48 @@ def _readme() -> str:
         return f.read()
 
 
+def _pages() -> list[pathlib.Path]:
+    """The README and every page of the site."""
+    return [pathlib.Path(ROOT) / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+
+def _rel(path: pathlib.Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _blocks(path: pathlib.Path):
+    """(marker or None, language, body) of every fenced block of a page, in order."""
+    for m in _BLOCK.finditer(path.read_text()):
+        body = "\n".join(line[len(m.group("indent")) :] for line in m.group("body").splitlines())
+        yield m.group("marker"), m.group("lang"), body
+
+
 def test_readme_opens_with_the_two_commands_and_ci_runs_the_test_one():
     first_block = re.search(r"```bash\n(.*?)```", _readme(), re.S).group(1)
     commands = [line.split("#")[0].strip() for line in first_block.splitlines() if line.strip()]
     assert commands == ["make demo", "make test"]
     with open(os.path.join(ROOT, ".ci", "run")) as f:
-        assert "make test" in f.read()
+        ci = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    assert ci[-1] == "exec make test", "the README's test command is what CI runs, last"
+    assert ci.index("make lint") < ci.index("make docs") < len(ci) - 1, (
+        "CI builds the docs after lint, before the tests"
+    )
+
+
+def test_the_readme_is_a_front_page():
+    lines = _readme().splitlines()
+    assert len(lines) <= 260, f"README.md has {len(lines)} lines: move the detail into docs/"
 
 
 def _snippets():
-    for m in re.finditer(r"<!-- snippet: (\S+) -->\n```(\w+)\n(.*?)```", _readme(), re.S):
-        yield m.group(1), m.group(2), m.group(3)
+    for page in _pages():
+        for marker, lang, body in _blocks(page):
+            if marker and marker.startswith("snippet: "):
+                yield pytest.param(marker.split(": ", 1)[1], lang, body, id=f"{_rel(page)}:{marker[9:]}")
 
 
 @pytest.mark.parametrize("path, lang, body", list(_snippets()))
-def test_readme_snippets_are_taken_from_files_that_run(path, lang, body):
+def test_snippets_are_taken_from_files_that_run(path, lang, body):
     with open(os.path.join(ROOT, path)) as f:
         source_lines = [line.strip() for line in f]
     for line in body.splitlines():
@@ -40,7 +89,153 @@ def test_readme_snippets_are_taken_from_files_that_run(path, lang, body):
                 continue
             line = line[1:]
         if line.strip():
-            assert line.strip() in source_lines, f"README line not in {path}: {line.strip()!r}"
+            assert line.strip() in source_lines, f"snippet line not in {path}: {line.strip()!r}"
+
+
+#: A block that is a whole file of the repository (pymdownx.snippets: ``--8<-- "examples/train_ddp.py"``).
+_INCLUDE = re.compile(r'--8<-- "([^"]+)"')
+
+
+def test_every_python_block_is_a_snippet_or_runs():
+    unmarked = [
+        f"{_rel(page)}: {body.splitlines()[0] if body else ''!r}"
+        for page in _pages()
+        for marker, lang, body in _blocks(page)
+        if lang == "python"
+        and not (marker and re.fullmatch(r"snippet: \S+|runnable(: ray)?", marker))
+        and not _INCLUDE.fullmatch(body.strip())
+    ]
+    assert unmarked == [], "mark each block <!-- snippet: PATH --> or <!-- runnable -->: " + "; ".join(unmarked)
+
+
+def _runnable_pages():
+    for page in _pages():
+        blocks = [(marker, body) for marker, lang, body in _blocks(page) if marker and marker.startswith("runnable")]
+        if blocks:
+            ray = any(marker == "runnable: ray" for marker, _ in blocks)
+            # A Checkpointer on Ray starts its controller and holder actors: a few seconds each.
+            marks = [pytest.mark.slow] if ray else []
+            yield pytest.param(page, [body for _, body in blocks], ray, id=_rel(page), marks=marks)
+
+
+@pytest.fixture
+def docs_workspace(tmp_path, monkeypatch):
+    """A directory with ``cf_ray_runs/my-run``: committed checkpoints of steps 5 and 10 of
+    ``Sequential(Linear(4, 8), ReLU(), Linear(8, 2))`` and its final model at step 12, as the
+    engine writes them, and a profile table."""
+    import torch
+
+    from cf_ray import report
+    from cf_ray._engine.format import manifest as mf
+    from cf_ray._engine.format.safetensors import write_final_model
+    from cf_ray._engine.storage.fs import FsStorage
+
+    from storage_helpers import write_checkpoint
+
+    def model(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+    storage = FsStorage.from_uri(str(tmp_path / "cf_ray_runs")).child("my-run/cf_ray")
+    for step in (5, 10):
+        write_checkpoint(storage, step, model(step))
+    write_final_model(storage, mf.step_dir(12, "final"), model(12), step=12, epoch=1)
+    rows = [
+        {"step": s, "epoch": 0, "kind": "scheduled", "generation": 1, "interval": 5, "stall_s": 0.01, "committed": True}
+        for s in (5, 10)
+    ]
+    report.save_profile(storage, rows, [])
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("page, blocks, ray", list(_runnable_pages()))
+def test_runnable_blocks_run(page, blocks, ray, docs_workspace, request):
+    if ray:
+        request.getfixturevalue("ray_cluster")
+    namespace: dict = {"__name__": "__docs__"}
+    for i, body in enumerate(blocks, 1):
+        code = compile(body, f"{_rel(page)} (runnable block {i})", "exec")
+        exec(code, namespace)  # noqa: S102 - the documentation's own examples
+
+
+def test_the_configuration_page_names_every_field_and_environment_variable():
+    import dataclasses
+
+    from cf_ray import _version
+    from cf_ray._engine import env
+    from cf_ray.config import CheckpointConfig, PreemptionConfig
+
+    page = (DOCS / "guides" / "configuration.md").read_text()
+    fields = [f.name for cls in (CheckpointConfig, PreemptionConfig) for f in dataclasses.fields(cls)]
+    variables = [v for k, v in vars(env).items() if k.isupper() and isinstance(v, str) and v.startswith("CF_RAY_")]
+    variables.append(_version.ALLOW_UNTESTED_RAY)
+    missing = [name for name in fields + variables if f"| `{name}` |" not in page]
+    assert missing == [], f"docs/guides/configuration.md has no row for {missing}"
+
+
+def _help_blocks():
+    for marker, _, body in _blocks(DOCS / "reference" / "cli.md"):
+        if marker and marker.startswith("help: "):
+            yield pytest.param(marker[len("help: ") :].split(), body, id=marker)
+
+
+@pytest.mark.parametrize("argv, body", list(_help_blocks()))
+def test_the_command_line_reference_shows_the_current_help(argv, body, monkeypatch, capsys):
+    from cf_ray import cli
+
+    monkeypatch.setenv("COLUMNS", "100")  # argparse wraps to the terminal's width
+    try:
+        cli.main(argv)
+    except SystemExit as e:  # argparse's --help
+        assert e.code == 0
+    assert capsys.readouterr().out.rstrip("\n") == body, f"regenerate docs/reference/cli.md: cf-ray {' '.join(argv)}"
+
+
+def _nav_pages(nav) -> list[str]:
+    out = []
+    for item in nav:
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, dict):
+            for value in item.values():
+                out += _nav_pages(value) if isinstance(value, list) else [value]
+    return out
+
+
+def test_every_page_is_in_the_nav_once():
+    import yaml
+
+    class Loader(yaml.SafeLoader):  # mkdocs.yml may hold !!python/name tags; the nav does not need them
+        pass
+
+    Loader.add_multi_constructor("", lambda loader, suffix, node: None)
+    with open(os.path.join(ROOT, "mkdocs.yml")) as f:
+        config = yaml.load(f, Loader=Loader)
+    nav = _nav_pages(config["nav"])
+    pages = sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md"))
+    not_pages, not_in_nav = sorted(set(nav) - set(pages)), sorted(set(pages) - set(nav))
+    assert sorted(set(nav)) == pages, f"in the nav, not a page: {not_pages}; a page, not in the nav: {not_in_nav}"
+    assert len(nav) == len(set(nav)), "a page is in the nav twice"
+
+
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def test_every_relative_link_resolves():
+    """Links between pages and to the repository's files (the README's; the site's own pages link only
+    inside docs/, which mkdocs --strict checks with their anchors)."""
+    broken = []
+    for page in _pages():
+        text = re.sub(r"^([ ]*)```.*?^\1```", "", page.read_text(), flags=re.S | re.M)  # not inside code blocks
+        for target in _LINK.findall(text):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+                continue
+            path = (page.parent / target.split("#", 1)[0]).resolve()
+            inside = DOCS.resolve() in path.parents or page.name == "README.md" and page.parent == pathlib.Path(ROOT)
+            if not path.exists() or not inside:
+                broken.append(f"{_rel(page)} -> {target}")
+    assert broken == [], broken
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from cf_ray._engine.worker.controller_link import ControllerLink
 from cf_ray._engine.worker.scheduler import Scheduler
 from cf_ray._engine.worker.timing import Timing
 from cf_ray._engine.worker.watchdog import DurabilitySettings, DurabilityWatchdog, Knowledge, LostReason
+from cf_ray.config import DurabilityTimeout
 from cf_ray.errors import DurabilityLostError
 
 # -- the watchdog alone ----------------------------------------------------------------------------------
@@ -131,10 +132,9 @@ def test_the_limit_follows_the_schedule_and_a_fixed_timeout_wins():
     "kwargs, field",
     [
         ({"on_durability_lost": "crash"}, "on_durability_lost"),
-        ({"durability_timeout_s": 0}, "durability_timeout_s"),
-        ({"durability_factor": 0.5}, "durability_factor"),
-        ({"durability_floor_s": -1}, "durability_floor_s"),
-        ({"allow_missing_objects": "yes"}, "allow_missing_objects"),
+        ({"durability_timeout": 0}, "durability_timeout"),
+        ({"durability_timeout": "soon"}, "durability_timeout"),
+        ({"allow_mismatch": ("missing", "yes")}, "allow_mismatch"),
         ({"release_after_fit_s": -1}, "release_after_fit_s"),
         ({"release_after_fit_s": False}, "release_after_fit_s"),
         ({"release_after_fit_s": float("inf")}, "release_after_fit_s"),
@@ -190,7 +190,7 @@ def test_wait_treats_a_step_the_controller_has_not_heard_of_as_not_settled_and_r
 
 def _ckpt(tmp_path, name, mode, **cfg):
     flag = tmp_path / f"{name}.flag"
-    cfg.setdefault("durability_floor_s", 1.0)
+    cfg.setdefault("durability_timeout", DurabilityTimeout(floor_s=1.0))
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -286,7 +286,7 @@ def test_a_storage_that_fails_every_write_with_raise_fails_the_attempt_saying_wh
         msg = str(info.value)
         assert "no checkpoint has committed since step 4" in msg
         assert "injected fault" in msg  # the last failures, as reported
-        assert "durability_timeout_s" in msg and "on_durability_lost" in msg  # what to change
+        assert "durability_timeout" in msg and "on_durability_lost" in msg  # what to change
         (event,) = _events(ck, "durability_lost", 1)
         assert event["action"] == "raise" and event["failures"]
         assert cf_ray.list_checkpoints(str(tmp_path / "failing"))[-1].step == 4
@@ -300,7 +300,7 @@ def test_a_dead_holder_is_made_again_and_the_next_snapshot_goes_to_it(ray_cluste
     import ray
 
     caplog.set_level(logging.WARNING, logger="cf_ray")
-    ck, step, _ = _ckpt(tmp_path, "holder", "fail", durability_floor_s=60.0)
+    ck, step, _ = _ckpt(tmp_path, "holder", "fail", durability_timeout=DurabilityTimeout(floor_s=60.0))
     for _ in range(2):
         step()
     ck.wait()
@@ -319,7 +319,9 @@ def test_a_dead_controller_is_resolved_again_and_training_goes_on(ray_cluster, t
     import ray
 
     caplog.set_level(logging.WARNING, logger="cf_ray")
-    ck, step, _ = _ckpt(tmp_path, "ctl", "fail", durability_floor_s=60.0)  # a re-resolve is not an episode
+    ck, step, _ = _ckpt(
+        tmp_path, "ctl", "fail", durability_timeout=DurabilityTimeout(floor_s=60.0)
+    )  # a re-resolve is not an episode
     for _ in range(2):
         step()
     ck.wait()

@@ -613,7 +613,7 @@ def _worker(rank: int, port: int, root: str) -> None:
 
         refs: list = []
         st._write_hook = hook
-        # The storage's O_DIRECT bounce buffer (CF_RAY_WRITE_CHUNK_BYTES, 16 MiB, once per thread and
+        # The storage's O_DIRECT bounce buffer (env.WRITE_CHUNK_BYTES, 16 MiB, once per thread and
         # reused) is touched before the measurement: it does not grow with the model.
         import numpy as np
 

@@ -14,7 +14,9 @@ import textwrap
 import pytest
 
 from cf_ray import report
-from cf_ray._engine.driver.profile_book import Goodput, ProfileBook, ProfileParts
+from cf_ray._engine.driver.goodput import Goodput
+from cf_ray._engine.driver.profile_book import ProfileBook
+from cf_ray._engine.driver.profile_parts import ProfileParts
 from cf_ray._engine.protocol.messages import CheckpointKind, SnapshotMeta
 from cf_ray._engine.storage.fs import FsStorage
 

@@ -42,6 +42,13 @@ def test_no_module_of_the_node_and_driver_rooms_imports_torch_or_pandas():
     assert out.strip() == "[]"
 
 
+def test_the_ray_data_split_modules_do_not_import_torch():
+    # They run in Ray Train's dataset manager and in the block-stream actor (Ray Data imports pandas there).
+    code = "import sys, cf_ray._engine.data.block_stream; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
 def test_public_names_load_on_first_use():
     assert set(cf_ray.__all__) <= set(dir(cf_ray))
     for name in cf_ray.__all__:
@@ -100,6 +107,6 @@ def test_every_documented_dotted_expression_works_after_import_cf_ray_alone():
 
 
 def test_public_submodules_are_attributes_of_the_package():
-    for name in ("data", "policy", "preemption", "report"):
+    for name in ("config", "data", "policy", "preemption", "report"):
         assert name in dir(cf_ray)
         assert getattr(cf_ray, name).__name__ == f"cf_ray.{name}"

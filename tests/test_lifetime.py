@@ -100,7 +100,7 @@ def start_run(slow):
     arena = np.arange(4096, dtype=np.uint8)
     index = b'{"entries":[],"tree":null}'
     ray.get(holder.stage.remote(gen, 1, {SEC: (arena, index)}, meta=META), timeout=60)
-    ok = wait_for(lambda: ray.get(ctl.settled.remote(gen, [1]), timeout=30)["committed"] == [1], 60)
+    ok = wait_for(lambda: ray.get(ctl.settled.remote(gen, [1]), timeout=30).committed == (1,), 60)
     if slow:  # step 2 stays in the holder's memory: its write stalls
         ray.get(holder.stage.remote(gen, 2, {SEC: (arena, index)}, meta=META), timeout=60)
     return {"task_node": ray.get_runtime_context().get_node_id(), "committed": bool(ok),

@@ -8,18 +8,16 @@ import json
 import pickle
 
 import numpy as np
-import pyarrow.fs as pafs
 import pytest
 
-from cf_ray._engine.driver.controller import Controller, ControllerSettings
+from cf_ray._engine.driver.facade import Controller
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.protocol import messages as msgs
 from cf_ray._engine.protocol.messages import (
     PROTOCOL_VERSION,
     CheckpointKind,
     CheckpointRequest,
-    Distrust,
-    DistrustReason,
+    Distrusted,
     Failure,
     HolderState,
     IntegrityFailure,
@@ -37,13 +35,12 @@ from cf_ray._engine.protocol.messages import (
     RestoreSource,
     Schedule,
     SectionState,
+    Settled,
     SnapshotMeta,
     SyncReply,
     SyncRequest,
 )
-from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.errors import CfRayError
-from cf_ray.policy import FixedInterval
 
 META = SnapshotMeta(
     rank=0,
@@ -126,15 +123,19 @@ EXAMPLES: list[Message] = [
         block_bytes=mf.BLOCK_BYTES,
         error="block 3 fails its CRC-32",
     ),
-    Distrust(
-        step=10,
+    Settled(
         generation=2,
-        source=RestoreSource.MEMORY,
-        reason=DistrustReason.INTEGRITY,
-        detail="rank 1: block 3",
-        rank=0,
-        attempt=3,
+        committed=(5,),
+        failed={6: "rank_00001: OSError: disk full"},
+        superseded=(7,),
+        abandoned=(8,),
+        pending=(10,),
+        unknown=(11,),
+        safe=(10,),
+        newest_committed=5,
+        resynced=False,
     ),
+    Distrusted(generation=2, step=10, memory=True, quarantined=True),
     HolderState(
         holder="cf_ray.holder.k.n1",
         node_id="n1",
@@ -236,15 +237,6 @@ WORLD = 2
 SECTIONS = [mf.SHARED, mf.rank_section(0), mf.rank_section(1)]
 
 
-def _controller(root) -> Controller:
-    storage = FsStorage(pafs.LocalFileSystem(), str(root))
-    return Controller(
-        "test",
-        storage,
-        ControllerSettings(policy=FixedInterval(every=1), keep_last=None, tiers=[], upload_milestones_only=False),
-    )
-
-
 def _stage_and_write(ctl: Controller, step: int, kind: CheckpointKind, sections=SECTIONS, **meta) -> None:
     for sec in sections:
         files = mf.write_section(
@@ -273,8 +265,8 @@ def _stage_and_write(ctl: Controller, step: int, kind: CheckpointKind, sections=
         )
 
 
-def test_enum_members_reach_storage_and_the_profile_table_as_plain_strings(tmp_path):
-    ctl = _controller(tmp_path)
+def test_enum_members_reach_storage_and_the_profile_table_as_plain_strings(controller):
+    ctl = controller()
     ctl.prepare_restore(WORLD)
     _stage_and_write(ctl, 3, CheckpointKind.EPOCH)
     _stage_and_write(ctl, 4, CheckpointKind.PREEMPT, sections=SECTIONS[:2], deadline_unix=1e12)

@@ -179,9 +179,9 @@ def _slow_first_attempt_cfg(tmp_path, replicas: int, stall=None) -> dict:
 
 
 def test_a_drain_too_short_for_any_tier_leaves_the_previous_checkpoint_the_latest(multinode, reference, tmp_path):
-    """Storage measured at 3 s per section, replication off, and a 6 s drain deadline: no tier fits
-    the time left when the just-in-time checkpoint is staged, and the controller says so (tier none,
-    both predictions in the row). Node B goes at the deadline, its holder in the middle of writing
+    """Storage at 3 s per section, replication off, and a 6 s drain deadline: the just-in-time
+    checkpoint can be safe only on storage, which does not make it (the row: never safe, the
+    deadline missed). Node B goes at the deadline, its holder in the middle of writing
     (storage stalls from the drain on, so whichever node B is, its sections are never finished):
     nothing of the checkpoint is visible — no manifest of its step, not listed by
     ``cf_ray.list_checkpoints``, the committed steps are the scheduled ones — and the restarted group
@@ -207,8 +207,7 @@ def test_a_drain_too_short_for_any_tier_leaves_the_previous_checkpoint_the_lates
     res = e2e.result_of(out)
     (jit,) = [r for r in res["profile"] if r.get("kind") == "preempt"]
     assert jit["notice_source"] == "ray" and jit["generation"] == 1, jit
-    assert jit["jit_tier"] == "none" and jit["predicted_peer_s"] is None, jit
-    assert jit["predicted_storage_s"] * 1.5 > jit["jit_left_s"], jit
+    assert jit["jit_needs_copy"] >= 1 and 0 < jit["jit_left_s"] <= 6, jit  # the drained node's sections
     assert not jit["committed"] and jit["made_deadline"] is False and jit.get("safe_tier") is None, jit
     jit_step = jit["step"]
     # Right after the node went: the committed steps are scheduled ones (every 5 steps), none of the JIT step.
@@ -231,12 +230,11 @@ def test_a_drain_too_short_for_any_tier_leaves_the_previous_checkpoint_the_lates
 
 
 def test_a_drain_that_fits_a_peer_copy_but_not_storage_restores_from_the_peer(multinode, reference, tmp_path):
-    """Storage measured at 3-6 s per holder (too slow for a 6 s drain deadline), peer copies at
-    milliseconds: the controller chooses the peer tier, the just-in-time checkpoint is safe once the
-    drained node's sections have a copy in node A's holder (before the deadline; storage goes on in
-    the background, and cannot finish before the node goes), the row records both predictions and the actual
-    peer time, and the restarted group restores that checkpoint from the peer's memory: no step
-    lost, every sample once, bitwise."""
+    """Storage at 3-6 s per holder (too slow for a 6 s drain deadline), peer copies at milliseconds:
+    the just-in-time checkpoint is safe once the drained node's sections have a copy in node A's
+    holder (before the deadline; storage goes on in the background, and cannot finish before the
+    node goes), the row records the time to that copy, and the restarted group restores that
+    checkpoint from the peer's memory: no step lost, every sample once, bitwise."""
     name = "peertier"
     cfg = _slow_first_attempt_cfg(tmp_path, replicas=1)
     root = tmp_path / "ckpts" / name / "cf_ray"
@@ -246,14 +244,12 @@ def test_a_drain_that_fits_a_peer_copy_but_not_storage_restores_from_the_peer(mu
     out = run["out"]
     res = e2e.result_of(out)
     (jit,) = [r for r in res["profile"] if r.get("kind") == "preempt"]
-    assert jit["notice_source"] == "ray" and jit["jit_tier"] == "peer", jit
-    assert jit["predicted_storage_s"] * 1.5 > jit["jit_left_s"] >= jit["predicted_peer_s"] * 1.5, jit
+    assert jit["notice_source"] == "ray" and jit["jit_needs_copy"] >= 1, jit
     assert jit["safe_tier"] == "peer" and jit["made_deadline"] is True, jit
     assert jit["actual_peer_s"] <= jit["jit_left_s"] and jit["safe_unix"] <= jit["deadline_unix"], jit
     print(
-        f"JIT tier: left {jit['jit_left_s']:.2f} s, storage predicted {jit['predicted_storage_s']:.2f} s "
-        f"(actual {jit.get('actual_storage_s')}), peer predicted {jit['predicted_peer_s']:.3f} s, "
-        f"actual {jit['actual_peer_s']:.3f} s"
+        f"JIT: left {jit['jit_left_s']:.2f} s, safe in a peer's memory after {jit['actual_peer_s']:.3f} s "
+        f"(storage: {jit.get('actual_storage_s')})"
     )
     jit_step = jit["step"]
     assert f"step_{jit_step}" not in run["manifests_at_removal"]  # storage did not make it before the node went

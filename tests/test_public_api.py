@@ -62,6 +62,8 @@ DATA = [
     "ResumableSampler",
     "ShardedDataset",
     "Stateful",
+    "StatefulDataLoaderSource",
+    "elastic_data_config",
     "ordered_data_config",
 ]
 

@@ -132,18 +132,20 @@ def _snapshot(objs):
 
 
 class _Link:
-    """The controller, as far as a restore needs it (one without ``distrust``: the events say it)."""
+    """The controller, as far as a restore needs it."""
 
     def __init__(self):
         self.events: list[dict] = []
+        self.distrusted: list[tuple] = []
         self.controller = self
         self.generation = 2
 
     def record_event(self, event, wait=False):
         self.events.append(event)
 
-    def has(self, method):
-        return False
+    def call(self, method, *args, **kwargs):
+        assert method == "distrust", method
+        self.distrusted.append(args)
 
 
 def _restorer(tmp_path, state, data, **cfg):
@@ -299,10 +301,10 @@ def test_an_object_the_checkpoint_does_not_hold_is_a_clear_error_unless_allowed(
     restorer, storage, _ = _restorer(tmp_path, state, data)
     _write(storage, 4, _trees(saved, saved_data, 4))
     with pytest.raises(
-        CheckpointMismatchError, match=r"tracks state object\(s\) \['scheduler'\].*allow_missing_objects"
+        CheckpointMismatchError, match=r"tracks state object\(s\) \['scheduler'\].*allow_mismatch=\{'missing'\}"
     ):
         restorer.load(_plan(4))
-    restorer, _, _ = _restorer(tmp_path, state, data, allow_missing_objects=True)
+    restorer, _, _ = _restorer(tmp_path, state, data, allow_mismatch={"missing"})
     out = restorer.load(_plan(4))
     assert out.step == 4 and state["scheduler"].last_epoch == 0  # kept as built
     assert "scheduler" not in restorer.verified and "model" in restorer.verified
@@ -314,10 +316,10 @@ def test_an_object_the_script_no_longer_tracks_is_a_clear_error_unless_allowed(t
     restorer, storage, _ = _restorer(tmp_path, state, data)
     _write(storage, 4, _trees(saved, saved_data, 4))
     with pytest.raises(
-        CheckpointMismatchError, match=r"holds state object\(s\) \['scheduler'\].*allow_unexpected_objects"
+        CheckpointMismatchError, match=r"holds state object\(s\) \['scheduler'\].*allow_mismatch=\{'unexpected'\}"
     ):
         restorer.load(_plan(4))
-    restorer, _, _ = _restorer(tmp_path, state, data, allow_unexpected_objects=True)
+    restorer, _, _ = _restorer(tmp_path, state, data, allow_mismatch={"unexpected"})
     assert restorer.load(_plan(4)).step == 4
 
 
@@ -719,7 +721,7 @@ def test_tracked_objects_must_match_the_checkpoint_unless_allowed(ray_cluster, t
     with pytest.raises(CheckpointMismatchError, match=r"\['scheduler'\]"):
         ck.restore()
     ck.close()
-    ck, _, _ = build("v1", scheduler=True, allow_missing_objects=True)
+    ck, _, _ = build("v1", scheduler=True, allow_mismatch={"missing"})
     assert ck.restore().step == 2
     ck.close()
 

@@ -16,6 +16,7 @@ from test_snapshot import _clone, _equal_trees, _job
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.node import shm
 from cf_ray._engine.storage.fs import FsStorage
+from cf_ray._engine.worker.cpu_budget import CpuBudget
 from cf_ray._engine.worker.snapshot import Snapshotter
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs Linux memfd_create")
@@ -78,6 +79,28 @@ def test_a_snapshot_lands_once_in_the_holders_slot_with_its_checksums(tmp_path):
     assert files[data_name].crc32 == crc and files[data_name].size == desc.nbytes
     with open(os.path.join(str(tmp_path), "step_1", data_name), "rb") as f:
         assert zlib.crc32(f.read()) == crc
+    snap.close()
+    snap.release_buffers()
+
+
+def test_each_snapshot_says_where_its_background_time_went():
+    """The per-checkpoint budget (#25): the copy, its block CRCs (folded into the copy's windows, but
+    timed apart), the fingerprints, the index and the hand-off, once per snapshot, in wall and CPU time."""
+    _model, _opt, train_step, sections, guarded = _job()
+    holder, budget = _Holder(), CpuBudget()
+    snap = Snapshotter(0, holder, arena_source=holder.arena, budget=budget)
+    train_step()
+    for step in (1, 2):
+        snap.begin(step, sections(), guarded, {})
+        train_step(snap)
+        assert snap.wait_done(timeout=30) and snap.take_errors() == []
+    parts = budget.totals()
+    for part in ("copy", "crc", "fingerprint", "index", "handoff"):
+        assert parts[part]["calls"] == 2, (part, parts)
+        assert parts[part]["wall_s"] >= 0 and parts[part]["cpu_s"] >= 0, (part, parts)
+    # The CRCs are a part of the copy's windows: what the copy reports is the rest.
+    assert parts["crc"]["cpu_s"] > 0 and parts["copy"]["cpu_s"] > 0
+    assert snap.last_timings["crc_s"] > 0 and snap.last_timings["crc_s"] <= snap.last_timings["copy_s"]
     snap.close()
     snap.release_buffers()
 
@@ -205,7 +228,7 @@ def test_cuda_tensors_are_copied_by_dma_into_the_pinned_slot_on_their_devices_st
 
 def test_a_snapshot_that_finds_both_slots_held_waits_a_bounded_time_saying_so_then_is_skipped(monkeypatch, caplog):
     """Both slots of the section are held by the holder (one being written, one pinned until written:
-    a milestone on a storage that hangs): the training thread waits at most CF_RAY_SLOT_WAIT_S, says
+    a milestone on a storage that hangs): the training thread waits at most env.SLOT_WAIT_S, says
     so while it waits, lets the watchdog speak (``on_slot_wait``), and then skips the snapshot."""
     import logging
     import threading
@@ -214,7 +237,9 @@ def test_a_snapshot_that_finds_both_slots_held_waits_a_bounded_time_saying_so_th
     from cf_ray._engine.worker.snapshot import SnapshotSkipped
 
     caplog.set_level(logging.WARNING, logger="cf_ray")
-    monkeypatch.setenv("CF_RAY_SLOT_WAIT_S", "2")
+    from cf_ray._engine import env
+
+    monkeypatch.setattr(env, "SLOT_WAIT_S", 2.0)
     model, opt, train_step, sections, guarded = _job()
     holder = _Holder()
     snap = Snapshotter(0, holder, arena_source=holder.arena)

@@ -222,7 +222,9 @@ def test_large_local_writes_go_direct_and_stay_exact(tmp_path, monkeypatch):
     from cf_ray._engine.storage.base import chunked
 
     chunk = 64 * 1024
-    monkeypatch.setenv("CF_RAY_WRITE_CHUNK_BYTES", str(chunk))
+    from cf_ray._engine import env as _env
+
+    monkeypatch.setattr(_env, "WRITE_CHUNK_BYTES", chunk)
     s = FsStorage.from_uri(str(tmp_path / "root"))
     rng = np.random.default_rng(0)
     for n in (0, 1, 4096, chunk - 1, chunk, chunk + 1, 3 * chunk + 4097):

@@ -22,9 +22,9 @@ import torch
 import cf_ray
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.node import shm, stream
-from cf_ray._engine.protocol.messages import Distrust, DistrustReason, RestorePlan, RestoreSource
+from cf_ray._engine.protocol.messages import RestoreSource
 from cf_ray._engine.worker import integrity, restore_checks
-from cf_ray._engine.worker.trust_gate import Distrusted, NonFiniteAfterRestore, TrustGate
+from cf_ray._engine.worker.trust_gate import NonFiniteAfterRestore, Reason, RunTrust, Suspect, TrustGate
 from cf_ray.errors import CorruptCheckpointError, RestoreError
 from cf_ray.load import quarantined_checkpoints
 
@@ -105,9 +105,10 @@ def test_a_non_finite_saved_state_is_refused_and_the_restore_goes_back_in_place(
     (skipped,) = restorer.fallbacks.items
     assert skipped["distrust"] == "non_finite" and "'model' holds infinity in 0.weight" in skipped["error"]
     fallback = next(e for e in link.events if e["event"] == "restore_fallback")
-    assert fallback["corrupt"] and fallback["step"] == 10  # the controller quarantines it
-    (distrusted,) = [e for e in link.events if e["event"] == "distrusted"]
-    assert (distrusted["step"], distrusted["reason"], distrusted["source"]) == (10, "non_finite", "storage")
+    assert fallback["non_finite"] and fallback["step"] == 10 and fallback["generation"] == 1
+    # The controller never offers it again and quarantines its checkpoint, with the reason.
+    ((generation, step, reason),) = link.distrusted
+    assert (generation, step) == (1, 10) and reason.startswith("non_finite: rank 0: NonFiniteStateError")
     # A huge but finite weight is not refused here (the first steps' loss is what catches that).
     restore_checks_state = {"model": _blown_up(4, 1e30)[0]["model"].state_dict()}
     integrity.check_finite(restore_checks_state, {"model": state["model"]})
@@ -142,43 +143,45 @@ def test_bytes_that_change_under_the_load_fall_back_instead_of_blaming_load_stat
 # -- distrusted snapshots are never tried again -------------------------------------------------------------------
 
 
-def test_a_distrusted_snapshot_is_never_tried_again_by_any_restore_of_the_run(tmp_path):
+def test_a_refused_memory_snapshot_is_reported_for_the_controller_to_never_offer_it_again(tmp_path, monkeypatch):
+    """A memory candidate whose bytes fail: rank 0's restore_fallback event names its generation and
+    step with ``verification`` (the controller takes it out of every later plan); the checkpoint of
+    the same step on storage is intact and is the next candidate. A non-finite state is the same on
+    every tier: the storage copy of that snapshot is not read again by the same restore."""
+    from cf_ray._engine.worker.restore import Restorer
+
     state, data = tr._objects(seed=2)
     restorer, storage, link = tr._restorer(tmp_path, state, data)
-    old, old_data = tr._objects(seed=3)
-    tr._write(storage, 5, tr._trees(old, old_data, 5), generation=1)
-    tr._write(storage, 10, tr._trees(*tr._objects(seed=4), 10), generation=1)
-    events = [
-        Distrust(
-            step=10,
-            generation=1,
-            source=RestoreSource.MEMORY,
-            reason=DistrustReason.NON_FINITE,
-            detail="loss nan",
-            rank=0,
-            attempt=2,
-            restored_step=10,
-        ).event()
-    ]
-    restorer.distrusted = Distrusted.from_events(events)
-    out = restorer.load(tr._plan(10, 5))
-    assert out.step == 5 and "distrusted" in restorer.fallbacks.items[0]["error"]
-    # A bit flipped in a holder's memory distrusts that copy only: storage's copy of the step is used.
-    flipped = Distrust(
-        step=10,
-        generation=1,
-        source=RestoreSource.MEMORY,
-        reason=DistrustReason.INTEGRITY,
-        detail="block 3",
-        rank=0,
-        attempt=2,
+    saved, saved_data = tr._objects(seed=4)
+    tr._write(storage, 5, tr._trees(*tr._objects(seed=3), 5), generation=1)
+    tr._write(storage, 10, tr._trees(saved, saved_data, 10), generation=1)
+    flipped = mf.BlockMismatchError("section shared of step 10 from h (in_place): block 0 ...", blocks=[0])
+
+    def damaged(self, cand, section):
+        raise mf.CorruptCheckpointError(f"no intact copy of section {section} of step 10: h: {flipped}")
+
+    monkeypatch.setattr(Restorer, "_fetch_memory", damaged)
+    plan = tr._plan(10, 5)
+    plan = type(plan)(generation=3, memory=_memory(10, generation=1), storage=plan.storage)
+    out = restorer.load(plan)
+    assert (out.source, out.step) == (RestoreSource.STORAGE, 10)  # the intact copy of the same step
+    fallback = next(e for e in link.events if e["event"] == "restore_fallback")
+    assert (fallback["source"], fallback["step"], fallback["generation"], fallback["verification"]) == (
+        "memory",
+        10,
+        1,
+        True,
     )
-    restorer.distrusted = Distrusted.from_events([flipped.event()])
-    assert restorer.load(tr._plan(10, 5)).step == 10
-    memory = tr._plan(10, 5)
-    memory = RestorePlan(generation=3, memory=_memory(10, generation=1), storage=memory.storage)
-    assert [c[0] for c in restorer._candidates(memory)] == [RestoreSource.STORAGE] * 2  # memory left out
-    assert restorer.distrusted.trusts(RestoreSource.MEMORY, 2, 10)  # the replay of step 10 by a later attempt
+    assert link.distrusted == []  # the event is enough for a memory snapshot (no quarantine: storage is fine)
+    # What this restore refused itself covers the other copies of the same state, not another generation's.
+    trust = RunTrust().adding(Suspect(10, 1, RestoreSource.MEMORY, Reason.NON_FINITE, "inf"))
+    assert trust.why_not(RestoreSource.STORAGE, 1, 10) and not trust.why_not(RestoreSource.STORAGE, 2, 10)
+    flip = RunTrust().adding(Suspect(10, 1, RestoreSource.MEMORY, Reason.INTEGRITY, "block 0"))
+    assert flip.why_not(RestoreSource.MEMORY, 1, 10) and not flip.why_not(RestoreSource.STORAGE, 1, 10)
+    # A rollback is read back from the controller's events: the next attempt knows it is one.
+    events = [{"event": "rolled_back", "attempt": 4, "restored_step": 15}, {"event": "distrusted", "step": 15}]
+    assert RunTrust.from_events(events).rollback_into(5)["restored_step"] == 15
+    assert RunTrust.from_events(events).rollback_into(6) is None
 
 
 def _memory(step: int, generation: int):
@@ -214,10 +217,10 @@ def test_the_trust_gate_reads_the_loss_only_in_the_first_steps_after_a_restore()
     gate.loss(12, float("inf"))
     assert gate.posted == 12
     gate.taken(15)
-    msgs = gate.distrusts("loss inf")
-    assert [(m.step, m.generation, m.reason) for m in msgs] == [
-        (10, 1, DistrustReason.NON_FINITE),
-        (15, 2, DistrustReason.NON_FINITE),
+    suspects = gate.suspects("loss inf")
+    assert [(s.step, s.generation, s.reason) for s in suspects] == [
+        (10, 1, Reason.NON_FINITE),
+        (15, 2, Reason.NON_FINITE),
     ]
     err = gate.error(12)
     assert isinstance(err, NonFiniteAfterRestore) and isinstance(err, RestoreError)
@@ -293,9 +296,8 @@ def test_a_bit_flipped_in_a_held_slot_is_refused_and_the_intact_copy_on_storage_
             assert (copy["section"], copy["how"], copy["blocks"]) == (mf.SHARED, "in_place", [at // mf.BLOCK_BYTES])
             assert resume.fallbacks[0]["distrust"] == "integrity"
             assert f"refused section shared of step 5 from {copy['holder']} (in_place): section shared" in caplog.text
-        else:  # a later attempt is not offered the snapshot that failed (the controller still holds it)
+        else:  # a later attempt is not offered the snapshot that failed (the holder still has it)
             assert resume.refused_copies == [] and resume.fallbacks == []
-            assert "the memory snapshot of step 5 is distrusted" in caplog.text
         ck.close()
     events = [e["event"] for e in ck.events()]
     assert events.count("integrity_failure") == 1 and events.count("distrusted") == 1
@@ -382,7 +384,7 @@ def test_a_restore_that_goes_non_finite_rolls_back_once_and_ends_bitwise(ray_clu
     assert rollback["suspect_step"] == 15 and not rollback["stopped"]
     assert 15 in quarantined_checkpoints(str(tmp_path / name))  # the suspect, with the reason
     (distrusted,) = [e for e in events if e["event"] == "distrusted"]
-    assert (distrusted["step"], distrusted["generation"], distrusted["reason"]) == (15, 1, "non_finite")
+    assert (distrusted["step"], distrusted["generation"]) == (15, 1) and distrusted["reason"].startswith("non_finite")
 
 
 def test_a_by_value_snapshot_carries_its_block_checksums_and_bytes_changed_since_are_never_written(tmp_path):

@@ -11,10 +11,14 @@ Source                                 Class                                   E
 map-style dataset, ``DataLoader``      :class:`ResumableDistributedSampler`,    yes
                                        :class:`ResumableDataLoader`
 dataset too large for one worker       :class:`ShardedDataset`                  yes
-Ray Data (``get_dataset_shard``)       :class:`ResumableRayDataIterator`        at epoch ends
+Ray Data (``get_dataset_shard``)       :class:`ResumableRayDataIterator`        at epoch ends;
+                                                                               yes under
+                                                                               :func:`elastic_data_config`
 Parquet files (pyarrow)                :class:`ResumableParquetReader`          yes
 NVIDIA DALI                            :class:`DALIExternalSource`,             yes
                                        :class:`ResumableDALIIterator`
+torchdata ``StatefulDataLoader``       the loader itself (wrapped in            at epoch ends
+                                       :class:`StatefulDataLoaderSource`)
 =====================================  ======================================  ===============
 """
 
@@ -23,8 +27,10 @@ from cf_ray.data.loader import ResumableDataLoader
 from cf_ray.data.parquet import ResumableParquetReader
 from cf_ray.data.protocols import DataOrderError, ElasticStateful, Stateful
 from cf_ray.data.ray_data import ResumableRayDataIterator, ordered_data_config
+from cf_ray.data.ray_elastic import elastic_data_config
 from cf_ray.data.sampler import ResumableDistributedSampler, ResumableSampler
 from cf_ray.data.sharded import ShardedDataset
+from cf_ray.data.stateful_loader import StatefulDataLoaderSource
 
 __all__ = [
     "DALIExternalSource",
@@ -38,5 +44,7 @@ __all__ = [
     "ResumableSampler",
     "ShardedDataset",
     "Stateful",
+    "StatefulDataLoaderSource",
+    "elastic_data_config",
     "ordered_data_config",
 ]

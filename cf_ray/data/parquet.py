@@ -18,7 +18,7 @@ import json
 import math
 import posixpath
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +32,14 @@ from cf_ray.errors import ConfigError
 _FORMATS = ("pyarrow", "numpy", "pandas")
 
 Interval = list[int]  # [start, stop) in stream rows; a list, not a tuple, to stay JSON-shaped
+
+
+class _Layout(NamedTuple):
+    """One epoch's order of the row groups (units) and the first stream row of each, in that order."""
+
+    epoch: int
+    order: np.ndarray
+    starts: list[int]
 
 
 class ResumableParquetReader(EpochCursor):
@@ -113,9 +121,8 @@ class ResumableParquetReader(EpochCursor):
         self.num_rows = sum(n for _, _, n in self._units)
         # Names and row counts identify the data: the same files under another mount still match.
         self._digest = hashlib.sha256(json.dumps(per_file).encode()).hexdigest()[:16]
-        self._layout_epoch: int | None = None
-        self._order = np.empty(0, dtype=np.int64)
-        self._starts: list[int] = [0]
+        self._layout: _Layout | None = None
+        """The epoch's order of the units and their first rows (made by :meth:`_set_layout`)."""
         self._open: tuple[int, Any, pq.ParquetFile] | None = None  # (file, handle, reader)
         self._cached: tuple[tuple[int, int], pa.Table] | None = None
 
@@ -168,15 +175,15 @@ class ResumableParquetReader(EpochCursor):
 
     def __iter__(self) -> Iterator[Any]:
         start = self._begin_pass()
-        self._set_layout(self.epoch)
+        layout = self._set_layout(self.epoch)
         pending: list[pa.Table] = []
         pending_rows = 0
         for a, b in _skip(self._plan(), start):
             s = a
             while s < b:
-                u = bisect.bisect_right(self._starts, s) - 1
-                take = min(b, self._starts[u + 1]) - s
-                pending.append(self._read_unit(int(self._order[u])).slice(s - self._starts[u], take))
+                u = bisect.bisect_right(layout.starts, s) - 1
+                take = min(b, layout.starts[u + 1]) - s
+                pending.append(self._read_unit(int(layout.order[u])).slice(s - layout.starts[u], take))
                 pending_rows += take
                 s += take
                 while pending_rows >= self.batch_size:
@@ -203,19 +210,20 @@ class ResumableParquetReader(EpochCursor):
             return table.to_pandas()
         return table.combine_chunks()
 
-    def _set_layout(self, epoch: int) -> None:
-        if self._layout_epoch == epoch:
-            return
+    def _set_layout(self, epoch: int) -> _Layout:
+        if self._layout is not None and self._layout.epoch == epoch:
+            return self._layout
         n_units = len(self._units)
         if self.shuffle:
-            self._order = np.random.default_rng([self.seed, epoch]).permutation(n_units)
+            order = np.random.default_rng([self.seed, epoch]).permutation(n_units)
         else:
-            self._order = np.arange(n_units)
-        self._starts = [0]
-        for u in self._order:
-            self._starts.append(self._starts[-1] + self._units[u][2])
-        self._layout_epoch = epoch
+            order = np.arange(n_units)
+        starts = [0]
+        for u in order:
+            starts.append(starts[-1] + self._units[u][2])
+        self._layout = _Layout(epoch, order, starts)
         self._cached = None
+        return self._layout
 
     def _read_unit(self, unit: int) -> pa.Table:
         f, g, n = self._units[unit]
@@ -232,8 +240,8 @@ class ResumableParquetReader(EpochCursor):
                 f"said {n}: the file changed while the reader was open"
             )
         if self.shuffle:
-            assert self._layout_epoch is not None, "__iter__ sets the layout before it reads a unit"
-            perm = np.random.default_rng([self.seed, self._layout_epoch, unit]).permutation(n)
+            assert self._layout is not None, "__iter__ sets the layout before it reads a unit"
+            perm = np.random.default_rng([self.seed, self._layout.epoch, unit]).permutation(n)
             table = table.take(pa.array(perm))
         self._cached = ((f, g), table)
         return table

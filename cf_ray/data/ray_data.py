@@ -36,8 +36,9 @@ of the ids consumed, and a resume whose skipped rows do not have the same digest
 Elastic resume: at an epoch boundary (every old rank at the start, or every old rank at the end of
 the same epoch) a resume on another world size is accepted; in the middle of an epoch it raises
 :class:`~cf_ray.errors.ElasticResumeError`, because the rows the old ranks consumed cannot be told
-apart in Ray's new split. Use :class:`~cf_ray.data.ResumableParquetReader` or
-:class:`~cf_ray.data.ResumableDistributedSampler` when mid-epoch elasticity matters.
+apart in Ray's new split. When mid-epoch elasticity matters, let cf_ray split the dataset:
+``TorchTrainer(dataset_config=cf_ray.data.elastic_data_config())`` (this class then builds a
+:class:`cf_ray.data.ray_elastic.ElasticRayDataIterator`; see that module for what it costs).
 
 Compared with Ray's own Data checkpointing (Ray 2.60)
 -----------------------------------------------------
@@ -69,6 +70,7 @@ rows of the interrupted epoch on resume and of requiring a deterministic order.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -139,6 +141,18 @@ class ResumableRayDataIterator:
     """
 
     FORMAT = "cf_ray.ResumableRayDataIterator/1"
+
+    def __new__(cls, shard: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """A shard of :func:`cf_ray.data.elastic_data_config` gets the elastic iterator
+        (:class:`cf_ray.data.ray_elastic.ElasticRayDataIterator`, same arguments); any other shard
+        this class."""
+        # An ElasticShard was unpickled (or built) only if its module is loaded: no import otherwise.
+        stream = sys.modules.get("cf_ray._engine.data.block_stream")
+        if cls is ResumableRayDataIterator and stream is not None and isinstance(shard, stream.ElasticShard):
+            from cf_ray.data.ray_elastic import ElasticRayDataIterator
+
+            return ElasticRayDataIterator(shard, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -345,7 +359,8 @@ class ResumableRayDataIterator:
                 f"the epoch (old ranks had consumed {consumed} rows): Ray Data re-splits the "
                 "dataset when the number of workers changes, so the consumed rows cannot be told "
                 f"apart. Resume with {old_world} workers, or checkpoint at epoch ends only "
-                "(cf_ray.EpochEnd), or read the data with ResumableParquetReader, which is elastic"
+                "(cf_ray.EpochEnd), or let cf_ray split the dataset, which re-splits mid-epoch: "
+                "TorchTrainer(dataset_config=cf_ray.data.elastic_data_config())"
             )
         self._resumed = True
 

@@ -2,30 +2,41 @@
 
 * :class:`HolderLink`: the controller's calls to the run's holders, found by name on every alive
   node (``naming.holder_name``): ``resync`` (what a holder holds and has done lately, when the
-  controller starts or first hears of a holder), ``lookup`` (the controller's watch: what became
-  of sections pending too long), ``owner`` (which run it belongs to, :mod:`cf_ray._engine.protocol.cluster`), ``forget`` (steps that settled: the holder stops keeping their
-  record), ``drain`` and kill (the controller's shutdown).
+  controller starts or first hears of a holder), ``lookup`` (the controller's watch, :mod:`.watch`:
+  what became of sections pending too long), ``owner`` (which run it belongs to,
+  :mod:`cf_ray._engine.protocol.cluster`), ``forget`` (steps that settled: the holder stops keeping
+  their record), ``drain`` and kill (the controller's shutdown).
+* :class:`Roster`: the holders this controller knows of, and the resync — at start it asks the
+  run's holder on every alive node what it holds and has done lately (the controller's restore plans
+  wait for that, ``env.RESYNC_TIMEOUT_S``), and it asks a holder first heard of later, once, in the
+  background; a holder left by a run whose driver is gone is drained and killed instead. It tells
+  holders which of their steps settled. One lock of its own (the set of names), never held while it
+  calls a holder.
 * :class:`ControlState`: the controller's own small state on storage, ``control_state.json`` — the
-  newest generation handed out and the step each recent attempt restored — so that a controller
-  that starts again never hands out a generation twice and never commits a step of a timeline that
-  a later attempt replays.
+  newest generation handed out, the step each recent attempt restored, and the in-memory snapshots
+  never to offer again (:mod:`.quarantine`) — so that a controller that starts again never hands out a
+  generation twice, never commits a step of a timeline that a later attempt replays, and never
+  restores a snapshot that failed verification.
 
 No torch here; Ray only in :class:`HolderLink`.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import ray
 import ray.exceptions
 
+from cf_ray._engine import env as _env
 from cf_ray._engine.protocol import cluster
-from cf_ray._engine.protocol.cluster import Owner
-from cf_ray._engine.protocol.messages import HolderState
+from cf_ray._engine.protocol.cluster import Owner, owner_gone
+from cf_ray._engine.protocol.messages import HolderState, SectionState
 from cf_ray._engine.protocol.naming import holder_name
 from cf_ray._engine.storage.fs import Storage
 
@@ -172,10 +183,173 @@ class HolderLink:
                 pass
 
 
+class Roster:
+    """The holders of one run this controller knows of, and what they hold.
+
+    Args:
+        key: the run key (for logs).
+        link: how to reach the holders (``None``: in process, no holders to ask).
+        apply: applies a holder's :class:`HolderState` to the controller's bookkeeping.
+        owner: the run this controller belongs to (a holder of another, dead run is retired).
+    """
+
+    def __init__(
+        self,
+        key: str,
+        link: HolderLink | None,
+        *,
+        apply: Callable[[HolderState], None],
+        owner: Callable[[], Owner | None],
+    ):
+        self.key = key
+        self.link = link
+        self._apply = apply
+        self._owner = owner
+        self._lock = threading.Lock()
+        self._names: set[str] = set()
+        self._resyncing: set[str] = set()
+        self.resynced = threading.Event()
+        """Set once the holders alive at the start were asked what they hold."""
+
+    def start(self) -> None:
+        """Ask the holders alive now what they hold, in the background (at once done in process)."""
+        if self.link is None:
+            self.resynced.set()
+            return
+        threading.Thread(target=self._rebuild, name="cf_ray-resync", daemon=True).start()
+
+    def note(self, name: str) -> bool:
+        """Remember a holder; True when it is new to this controller."""
+        with self._lock:
+            if not name or name in self._names:
+                return False
+            self._names.add(name)
+            return True
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._names)
+
+    def drop(self, names: set[str]) -> None:
+        """These holders are gone."""
+        with self._lock:
+            self._names -= names
+
+    def resync_if_new(self, name: str, new: bool) -> None:
+        """A holder first heard of after this controller started: ask it what it holds (once, in
+        the background: never from an RPC thread that holds the controller's lock)."""
+        if not new or self.link is None or not self.resynced.is_set():
+            return  # the start-up resync asks every holder anyway
+        with self._lock:
+            if name in self._resyncing:
+                return
+            self._resyncing.add(name)
+        threading.Thread(target=self.resync_one, args=(name,), name="cf_ray-resync", daemon=True).start()
+
+    def resync_one(self, name: str) -> bool:
+        link = self.link
+        if link is None:
+            return False
+        try:
+            state = link.resync(name, timeout_s=_env.get_float(_env.ACTOR_TIMEOUT_S))
+            if state is not None:
+                self._apply(state)
+            return state is not None
+        except HolderBusy:
+            logger.warning("cf_ray: holder %s did not answer a resync in time", name)
+            return False
+        except Exception:  # noqa: BLE001
+            logger.exception("cf_ray: resync of holder %s failed", name)
+            return False
+        finally:
+            with self._lock:
+                self._resyncing.discard(name)
+
+    def _rebuild(self) -> None:
+        """At start: ask the run's holder on every alive node what it holds and has done lately."""
+        link = self.link
+        try:
+            names = link.names_on_alive_nodes() if link is not None else []
+            found = [n for n in names if link is not None and link.exists(n) and self._of_this_run(n)]
+            for name in found:
+                self.resync_one(name)
+            if found:
+                logger.info("cf_ray: controller %s re-learnt the state of %d holder(s)", self.key, len(found))
+        except Exception:  # noqa: BLE001
+            logger.exception("cf_ray: could not resync the holders")
+        finally:
+            self.resynced.set()
+
+    def _of_this_run(self, name: str) -> bool:
+        """Whether holder ``name`` belongs to this run. One left by a run whose driver is gone is
+        drained and killed: its snapshots are that run's, never this one's (storage is the truth)."""
+        mine = self._owner()
+        if self.link is None or mine is None:
+            return True
+        theirs = self.link.owner(name, timeout_s=_env.get_float(_env.ACTOR_TIMEOUT_S))
+        if mine.same_run(theirs):
+            return True
+        if owner_gone(theirs) is not None:
+            logger.warning(
+                "cf_ray: holder %s belongs to a run whose driver is gone (job %s); draining and "
+                "killing it, its snapshots are not used",
+                name,
+                theirs.job_id if theirs else "?",
+            )
+            self.link.drain_all([name], _env.get_float(_env.DRAIN_TIMEOUT_S))
+            self.link.kill(name)
+        return False
+
+    def tell(self, settled: list[tuple[int, int, SectionState, tuple[str, ...]]]) -> None:
+        """The steps that settled: their holders drop their record (fire-and-forget). When one
+        committed, every holder of the run hears of it too: the peers' copies older than it can no
+        longer be restored (storage has newer), those of a lost node's holder included."""
+        if self.link is None or not settled:
+            return
+        by_holder: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
+        for gen, step, _state, holders in settled:
+            for h in holders:
+                by_holder[h].append((gen, step))
+        committed = max(((g, s) for g, s, state, _ in settled if state == SectionState.COMMITTED), default=None)
+        if committed is not None:
+            for h in self.names():
+                by_holder.setdefault(h, [])
+        for h, keys in by_holder.items():
+            self.link.forget(h, keys, committed)
+
+    def drain(self, timeout_s: float) -> list[str]:
+        """The end of the run: ask every holder (known, or on an alive node) to finish what it is
+        writing, in parallel, at most ``timeout_s`` (logged when one does not). Returns their names."""
+        link = self.link
+        if link is None:
+            return []
+        known = set(self.names())
+        names = sorted(known | {n for n in link.names_on_alive_nodes() if n not in known and link.exists(n)})
+        for name, answer in link.drain_all(names, timeout_s).items():
+            if answer is not None and not answer.get("drained"):
+                logger.warning(
+                    "cf_ray: holder %s had not finished within %s=%.0f s when the run ended "
+                    "(writing %s, waiting %s, %s messages unsent); what it did not write is lost, "
+                    "the committed checkpoints stand",
+                    name,
+                    _env.DRAIN_TIMEOUT_S,
+                    timeout_s,
+                    answer.get("writing"),
+                    answer.get("waiting"),
+                    answer.get("unsent"),
+                )
+        return names
+
+    def kill(self, names: list[str]) -> None:
+        for name in names:
+            if self.link is not None:
+                self.link.kill(name)
+
+
 class ControlState:
-    """``control_state.json``: the newest generation and the recent restores (generation -> the
-    step it restored). Written after the controller's lock is released; writes are ordered (an
-    older state never overwrites a newer one).
+    """``control_state.json``: the newest generation, the recent restores (generation -> the step it
+    restored) and the distrusted in-memory snapshots (``[generation, step]``). Written after the
+    controller's lock is released; writes are ordered (an older state never overwrites a newer one).
 
     Args:
         storage: the run's storage.
@@ -186,21 +360,31 @@ class ControlState:
         self._lock = threading.Lock()
         self._written = -1
 
-    def load(self) -> tuple[int, dict[int, int]]:
-        """``(generation, restores)``; ``(0, {})`` when there is none or it is unreadable."""
+    def load(self) -> tuple[int, dict[int, int], list[tuple[int, int]]]:
+        """``(generation, restores, distrusted)``; ``(0, {}, [])`` when there is none or it is unreadable."""
         try:
             if not self.storage.exists(CONTROL_STATE):
-                return 0, {}
+                return 0, {}, []
             d = json.loads(bytes(self.storage.read_file(CONTROL_STATE)))
-            return int(d.get("generation", 0)), {int(g): int(s) for g, s in (d.get("restores") or {}).items()}
+            restores = {int(g): int(s) for g, s in (d.get("restores") or {}).items()}
+            distrusted = [(int(g), int(s)) for g, s in (d.get("distrusted") or [])]
+            return int(d.get("generation", 0)), restores, distrusted
         except Exception as e:  # noqa: BLE001 - a damaged file: start from the manifests and the holders
             logger.warning("cf_ray: ignoring %s: %s", self.storage.uri(CONTROL_STATE), e)
-            return 0, {}
+            return 0, {}, []
 
-    def write(self, seq: int, generation: int, restores: dict[int, int]) -> None:
+    def write(
+        self, seq: int, generation: int, restores: dict[int, int], distrusted: list[tuple[int, int]] | None = None
+    ) -> None:
         """Write state number ``seq`` (taken under the controller's lock) unless a newer one was
         written. Never raises."""
-        body = json.dumps({"generation": generation, "restores": {str(g): s for g, s in restores.items()}})
+        body = json.dumps(
+            {
+                "generation": generation,
+                "restores": {str(g): s for g, s in restores.items()},
+                "distrusted": [list(k) for k in distrusted or []],
+            }
+        )
         with self._lock:
             if seq <= self._written:
                 return
@@ -213,4 +397,12 @@ class ControlState:
                 )
 
 
-__all__ = ["CONTROL_STATE", "ControlState", "HolderBusy", "HolderLink", "in_ray_actor", "was_reconstructed"]
+__all__ = [
+    "CONTROL_STATE",
+    "ControlState",
+    "HolderBusy",
+    "HolderLink",
+    "Roster",
+    "in_ray_actor",
+    "was_reconstructed",
+]

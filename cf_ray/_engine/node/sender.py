@@ -12,7 +12,7 @@ message that did arrive before its acknowledgement was lost does no harm when it
 Nothing given up is lost for good: the holder keeps a record of what it holds and what became of
 it, which a controller that starts again asks for (``Holder.resync``) and which the controller's
 watch asks about sections pending too long (``Holder.lookup``). The queue holds at most
-``CF_RAY_SEND_QUEUE`` messages; past that the oldest is dropped with a warning (the same recovery
+``env.SEND_QUEUE`` messages; past that the oldest is dropped with a warning (the same recovery
 applies), so a long-unreachable controller never grows the holder's memory.
 
 No torch here.
@@ -98,7 +98,7 @@ class Sender:
                     "cf_ray: the holder's queue to the controller is full (%d, %s); dropping the oldest "
                     "message (%s); the controller recovers it from the holder's record",
                     limit,
-                    _env.SEND_QUEUE,
+                    "env.SEND_QUEUE",
                     dropped[0],
                 )
             self._queue.append((method, msg, done))

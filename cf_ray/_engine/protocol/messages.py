@@ -18,8 +18,8 @@ from typing import Any
 from cf_ray.errors import CfRayError
 
 #: Bumped whenever a message below changes shape (2: the holder's name on every holder message,
-#: :class:`HolderState`).
-PROTOCOL_VERSION = 2
+#: :class:`HolderState`; 3: :class:`Settled` and :class:`Distrusted` replace dicts).
+PROTOCOL_VERSION = 3
 
 
 class ProtocolError(CfRayError):
@@ -329,26 +329,16 @@ class RestorePlan(Message):
     schedules: tuple[Schedule, ...] = ()
 
 
-class DistrustReason(str, enum.Enum):
-    """Why a restore stopped trusting a snapshot (the ``reason`` of a :class:`Distrust`)."""
-
-    INTEGRITY = "integrity"
-    """Its bytes failed a check before use: a block's CRC-32, or a fingerprint after loading."""
-    NON_FINITE = "non_finite"
-    """Its saved state holds non-finite parameters, or the first steps after restoring it gave a
-    non-finite loss (``Checkpointer.step(..., loss=)``): the run was rolled back past it."""
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class IntegrityFailure(Message):
     """One copy of a section that a restore refused because its bytes failed their block checksums
-    (worker -> controller, as an event: :meth:`event`). The restore went on with the next copy, or
-    the next candidate; nothing of these bytes was used."""
+    (worker -> controller, as an ``integrity_failure`` event: :meth:`event`). The restore went on
+    with the next copy, or the next candidate; nothing of these bytes was used."""
 
     rank: int
     """The rank that read it."""
     generation: int
-    """The snapshot's generation (0: a committed checkpoint on storage)."""
+    """The snapshot's generation."""
     step: int
     section: str
     holder: str
@@ -361,7 +351,7 @@ class IntegrityFailure(Message):
     error: str = ""
 
     def event(self) -> dict[str, Any]:
-        """As the controller records it (``events()``; counted per run: ``integrity_failures``)."""
+        """As the controller records it (``events()``)."""
         return {
             "event": "integrity_failure",
             "rank": self.rank,
@@ -377,43 +367,49 @@ class IntegrityFailure(Message):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Distrust(Message):
-    """A snapshot that no restore of the run may use again (rank 0 -> controller). The controller's
-    ``distrust(msg)`` (where it has one) takes it out of every later restore plan, and quarantines a
-    committed checkpoint of that step on storage; it records :meth:`event` either way, and a restore
-    reads those events back (``trust_gate.Distrusted``), so a controller without ``distrust`` is
-    covered too."""
+class Settled(Message):
+    """The controller's answer to ``settled(generation, steps)``: which of those steps of one
+    generation are settled — nothing more will happen to them — and how. A step is settled when it
+    is in ``committed``, ``failed``, ``superseded`` or ``abandoned``."""
 
-    step: int
     generation: int
-    """The generation that took the snapshot (``-1``: any generation of ``step``)."""
-    source: RestoreSource
-    """Where the restore found it: a holder's snapshot (memory) or a committed checkpoint (storage).
-    For :attr:`DistrustReason.INTEGRITY` only that copy is distrusted (a bit flipped in a holder's
-    memory leaves the checkpoint on storage intact); for :attr:`DistrustReason.NON_FINITE` the
-    state itself is suspect, so the snapshot of ``(generation, step)`` and the committed checkpoint
-    whose manifest names that generation and step are both distrusted."""
-    reason: DistrustReason
-    detail: str
-    """What failed, for people (the block, the object, the loss)."""
-    rank: int
-    attempt: int = 0
-    """The generation of the attempt that stopped trusting it."""
-    restored_step: int | None = None
-    """For :attr:`DistrustReason.NON_FINITE` after a restore: the step that attempt restored (the suspect)."""
+    committed: tuple[int, ...] = ()
+    """The manifest is written (or on storage)."""
+    failed: dict[int, str] = field(default_factory=dict)
+    """step -> ``"section: error"``: a section or the manifest could not be written."""
+    superseded: tuple[int, ...] = ()
+    """Replaced by a newer snapshot before it was written (or held in memory only)."""
+    abandoned: tuple[int, ...] = ()
+    """Past a later attempt's restore point, or its files were gone when a restarted controller
+    re-learnt it."""
+    pending: tuple[int, ...] = ()
+    """Known, some section not durable yet (not settled)."""
+    unknown: tuple[int, ...] = ()
+    """Never heard of (not settled: its ``part_staged`` may not have arrived yet, or the controller
+    restarted)."""
+    safe: tuple[int, ...] = ()
+    """Just-in-time checkpoints still pending on storage but safe in a peer's memory (#12): every
+    section of a draining node has a copy on another node."""
+    newest_committed: int | None = None
+    """The newest committed step of any generation."""
+    resynced: bool = True
+    """False while a controller that just started is still asking the holders what they hold."""
 
-    def event(self) -> dict[str, Any]:
-        return {
-            "event": "distrusted",
-            "step": self.step,
-            "generation": self.generation,
-            "source": RestoreSource(self.source).value,
-            "reason": DistrustReason(self.reason).value,
-            "detail": self.detail,
-            "rank": self.rank,
-            "attempt": self.attempt,
-            "restored_step": self.restored_step,
-        }
+    def is_settled(self, step: int) -> bool:
+        return step in self.committed or step in self.failed or step in self.superseded or step in self.abandoned
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Distrusted(Message):
+    """The controller's answer to ``distrust(generation, step, reason)``: what it took out of use."""
+
+    generation: int
+    step: int
+    memory: bool
+    """The in-memory snapshot is never offered to a restore plan again (always true)."""
+    quarantined: bool
+    """It was committed, and the checkpoint on storage is quarantined (kept for inspection, listed in
+    ``quarantine.json`` with the reason, never restored from nor counted by keep-last)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -433,8 +429,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "CheckpointKind",
     "CheckpointRequest",
-    "Distrust",
-    "DistrustReason",
+    "Distrusted",
     "Failure",
     "HolderState",
     "IntegrityFailure",
@@ -452,6 +447,7 @@ __all__ = [
     "Restored",
     "Schedule",
     "SectionState",
+    "Settled",
     "SnapshotMeta",
     "SyncReply",
     "SyncRequest",

@@ -1,7 +1,7 @@
 """How bytes reach a local file: ``O_DIRECT`` writes through a page-aligned bounce buffer, and the
 CRC-32 computed on a second thread while the bytes are written.
 
-Files of at least one chunk (``CF_RAY_WRITE_CHUNK_BYTES``, 16 MiB) are written with ``O_DIRECT``
+Files of at least one chunk (``env.WRITE_CHUNK_BYTES``, 16 MiB) are written with ``O_DIRECT``
 through a page-aligned bounce buffer where the file system allows it: the kernel then DMAs from
 that buffer instead of copying every byte into the page cache, which measured 0.07 s instead of
 0.1-1.0 s of CPU for 300 MB here — CPU that a checkpoint otherwise takes from training when every
@@ -43,7 +43,7 @@ class _DirectWriter:
     """Writes a stream to ``fd``: whole chunks with ``O_DIRECT`` from a page-aligned bounce buffer,
     the rest (small files, the tail) through the page cache.
 
-    The bounce buffer (one per thread, ``CF_RAY_WRITE_CHUNK_BYTES``) is filled from the stream and
+    The bounce buffer (one per thread, ``env.WRITE_CHUNK_BYTES``) is filled from the stream and
     written when full; O_DIRECT needs an aligned address, length and file offset, which a full
     buffer at a multiple of its size always has. ``O_DIRECT`` is switched on with ``fcntl`` at the
     first full buffer and off again before the tail, so a file smaller than one chunk never uses it.

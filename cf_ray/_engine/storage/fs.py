@@ -4,7 +4,7 @@ over ``pyarrow.fs``.
 Durability:
 * local disk: data goes to a temporary name in the same directory, is fsynced, renamed into place,
   and the directory is fsynced. A reader never sees a half-written file under its final name.
-  Files of at least one chunk (``CF_RAY_WRITE_CHUNK_BYTES``, 16 MiB) are written with ``O_DIRECT``
+  Files of at least one chunk (``env.WRITE_CHUNK_BYTES``, 16 MiB) are written with ``O_DIRECT``
   through a page-aligned bounce buffer where the file system allows it (see
   :mod:`cf_ray._engine.storage.direct_io`); ``CF_RAY_DIRECT_IO=0`` turns it off.
 * object stores (S3, GCS): an object becomes visible only when its upload completes, so a plain

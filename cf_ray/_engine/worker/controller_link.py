@@ -1,6 +1,6 @@
 """This rank's line to the run's controller actor, without blocking the training thread.
 
-Every ``CF_RAY_POLL_INTERVAL_S`` a step sends a :class:`SyncRequest` (the timing samples since the
+Every ``env.POLL_INTERVAL_S`` a step sends a :class:`SyncRequest` (the timing samples since the
 last one) and picks the previous :class:`SyncReply` up only once it has arrived: new schedule
 versions, the newest committed step, failed checkpoints, and checkpoint requests from outside
 the workers (``cf_ray.preemption.notify_preemption``). Blocking calls are for the ends of a run:
@@ -34,7 +34,7 @@ import ray.exceptions
 
 from cf_ray._engine import env as _env
 from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.protocol.messages import CheckpointRequest, PartFailed, SyncReply, SyncRequest
+from cf_ray._engine.protocol.messages import CheckpointRequest, PartFailed, Settled, SyncReply, SyncRequest
 from cf_ray._engine.worker.scheduler import Scheduler
 from cf_ray._engine.worker.timing import Timing
 from cf_ray.errors import PersistError
@@ -74,7 +74,9 @@ class ControllerLink:
         self.known_committed = 0
         """The newest committed step this rank knows of."""
         self.failures: list[dict] = []
-        """Failed checkpoints of this attempt, oldest first (``step``, ``section``, ``rank``, ``error``, ...)."""
+        """Failed checkpoints of this attempt, oldest first (``step``, ``section``, ``rank``, ``error``,
+        ``generation``), and those of earlier attempts of the run as the controller tells of them
+        (marked ``earlier_attempt: True``)."""
         self.taken: list[int] = []
         self.safe_steps: set[int] = set()
         """Just-in-time checkpoints the controller said are safe in a peer's memory (storage goes on)."""
@@ -122,7 +124,7 @@ class ControllerLink:
     def _prune(self) -> None:
         """Between two waits, forget the steps known settled from the replies: failed, or older than a
         commit (a long run that never calls ``wait()`` keeps a short list)."""
-        failed = {f["step"] for f in self.failures[-_PRUNE_AT:]}
+        failed = self._failed_steps(self.failures[-_PRUNE_AT:])
         self.taken = [s for s in self.taken if s > self.known_committed and s not in failed]
 
     def in_flight_s(self, now: float) -> float:
@@ -209,6 +211,20 @@ class ControllerLink:
                     f.section,
                     f.error,
                 )
+            elif 0 < f.generation < self.generation:
+                # An earlier attempt's checkpoint that never committed (a step lost with its node, a
+                # failed write its ranks did not live to report): reported once by wait() and in
+                # FinishSummary.failures, marked, never counted as one of this attempt's steps.
+                self.failures.append({**f.as_dict(), "earlier_attempt": True})
+                if self.rank == 0:
+                    logger.warning(
+                        "cf_ray: checkpoint of step %d of an earlier attempt (generation %d) was never "
+                        "committed (%s): %s",
+                        f.step,
+                        f.generation,
+                        f.section,
+                        f.error,
+                    )
         for r in reply.requests:  # cf_ray.preemption.notify_preemption() from the driver
             self._seen_requests = max(self._seen_requests, r.seq)
             self._on_request(r)
@@ -352,7 +368,7 @@ class ControllerLink:
             self.poll_blocking(step, copy_timings)
         except Exception as e:  # noqa: BLE001 - the failures known so far stand
             logger.warning("cf_ray: rank %d: controller poll failed: %r", self.rank, e)
-        failed = {f["step"] for f in self.failures}
+        failed = self._failed_steps(self.failures)
         unsettled = [s for s in unsettled if s not in failed and s > self.known_committed]
         if unsettled and report_timeout:
             waited = time.monotonic() - t0
@@ -381,17 +397,16 @@ class ControllerLink:
         """Which of ``steps`` are not settled yet (committed, failed, superseded or abandoned)."""
         if not steps:
             return []
-        failed = {f["step"] for f in self.failures}
+        failed = self._failed_steps(self.failures)
         # SEAM (#16, driver side): the controller's settled(generation, steps) says it exactly. A
         # controller without it (older code) is asked for its pending steps, and this rank judges
         # the steps it has not heard of yet itself (_unsettled_locally).
         if _has_method(self.controller, "settled"):
-            report = cast(dict, self.call("settled", self.generation, steps, step=step))
-            newest = report.get("newest_committed")
-            if isinstance(newest, int):
-                self.known_committed = max(self.known_committed, newest)
-            waiting = set(report.get("pending", ())) | set(report.get("unknown", ()))
-            safe = set(report.get("safe", ()))
+            report = cast(Settled, self.call("settled", self.generation, steps, step=step))
+            if report.newest_committed is not None:
+                self.known_committed = max(self.known_committed, report.newest_committed)
+            waiting = set(report.pending) | set(report.unknown)
+            safe = set(report.safe)
             self.safe_steps |= safe
             if safe_ok and safe:  # older checkpoints are moot once a newer one is safe
                 waiting = {s for s in waiting if s > max(safe)}
@@ -403,22 +418,29 @@ class ControllerLink:
         """Without ``settled``: a step is not settled while the controller lists it pending, or when it
         is newer than the newest committed step known and than every failed one (the controller may
         not have heard of it yet; one superseded by a newer failed one is settled)."""
-        failed = {f["step"] for f in self.failures}
+        failed = self._failed_steps(self.failures)
         newest_failed = max(failed, default=-1)
         return [
             s for s in steps if s not in failed and (s in pending or (s > self.known_committed and s > newest_failed))
         ]
 
+    @staticmethod
+    def _failed_steps(failures: list[dict]) -> set[int]:
+        """The steps of this attempt's failures (an earlier attempt's step of the same number is another checkpoint)."""
+        return {f["step"] for f in failures if not f.get("earlier_attempt")}
+
     def new_failures(self, raise_on_error: bool) -> list[dict]:
-        """The failures not yet reported (each is reported once).
+        """The failures not yet reported (each is reported once), an earlier attempt's included.
 
         Raises:
-            PersistError: when ``raise_on_error`` and there is one.
+            PersistError: when ``raise_on_error`` and one of this attempt's is among them (an earlier
+                attempt's is reported, never raised: every new attempt would raise it again).
         """
         new = self.failures[self._reported_failures :]
         self._reported_failures = len(self.failures)
-        if new and raise_on_error:
-            raise PersistError("; ".join(f"step {f['step']} ({f['section']}): {f['error']}" for f in new))
+        own = [f for f in new if not f.get("earlier_attempt")]
+        if own and raise_on_error:
+            raise PersistError("; ".join(f"step {f['step']} ({f['section']}): {f['error']}" for f in own))
         return new
 
     @contextlib.contextmanager

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from cf_ray._engine.worker.controller_link import ControllerLink
 from cf_ray._engine.worker.watchdog import DurabilitySettings, DurabilityWatchdog, Knowledge
-from cf_ray.config import CheckpointConfig
+from cf_ray.config import CheckpointConfig, DurabilityTimeout
 from cf_ray.errors import DurabilityLostError
 
 logger = logging.getLogger("cf_ray")
@@ -30,7 +30,7 @@ class Durability:
     agreement says some rank lost durability with ``on_durability_lost="raise"``.
 
     Args:
-        config: the run's settings (``durability_*``, ``on_durability_lost``, ``finish_timeout_s``).
+        config: the run's settings (``durability_timeout``, ``on_durability_lost``, ``finish_timeout_s``).
         rank: this rank.
         link: the line to the controller (what it knows; rank 0 records the events through it).
         storage_uri: where checkpoints go (for the messages).
@@ -41,12 +41,9 @@ class Durability:
         self.rank = rank
         self.link = link
         self.storage_uri = storage_uri
+        self.timeout = cast(DurabilityTimeout, config.durability_timeout)
         self.watchdog = DurabilityWatchdog(
-            DurabilitySettings(
-                timeout_s=config.durability_timeout_s,
-                factor=config.durability_factor,
-                floor_s=config.durability_floor_s,
-            )
+            DurabilitySettings(timeout_s=self.timeout.seconds, factor=self.timeout.factor, floor_s=self.timeout.floor_s)
         )
         self._lost_reported = False  # rank 0 recorded the episode in progress with the controller
 
@@ -144,7 +141,7 @@ class Durability:
         self._record_lost(step)
         raise DurabilityLostError(
             self._lost_message(step, action=False) + ". The attempt fails because CheckpointConfig(on_durability_lost="
-            "'raise'); to tolerate longer stalls set CheckpointConfig(durability_timeout_s=...), or "
+            "'raise'); to tolerate longer stalls set CheckpointConfig(durability_timeout=<seconds>), or "
             "on_durability_lost='warn' to train on without durable checkpoints"
         )
 
@@ -175,10 +172,10 @@ class Durability:
         config = self.config
         if ep is not None:
             what = f"cf_ray: rank {self.rank}: durability lost at step {step}: {ep.describe()}"
-            if config.durability_timeout_s is None:
+            if self.timeout.seconds is None:
                 what += (
-                    f" ({config.durability_factor:g} x the expected {ep.expected_s:.1f} s to a commit, "
-                    f"at least durability_floor_s={config.durability_floor_s:g})"
+                    f" ({self.timeout.factor:g} x the expected {ep.expected_s:.1f} s to a commit, "
+                    f"at least DurabilityTimeout.floor_s={self.timeout.floor_s:g})"
                 )
         else:
             what = (

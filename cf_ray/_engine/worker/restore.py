@@ -7,8 +7,8 @@ recorded.
 Verified before use (``integrity.py``): every byte that came from memory against its block's CRC-32
 (a copy that fails is refused, the next copy tried, then the next candidate), every file from
 storage against the manifest's CRC-32, and the saved parameters and optimizer state for NaN and
-infinity. A candidate the run distrusts (an earlier restore refused it: ``trust_gate.Distrusted``)
-is never tried.
+infinity. A snapshot that failed is never offered again (the controller's plans leave it out; this
+restore skips the other copies of what it refused itself: ``trust_gate.RunTrust``).
 
 One decision, shared (``restore_decision.py``): every phase (the plan, the candidates, each
 candidate's read and validation, the load) ends with an exchange of every rank's outcome (a small
@@ -49,7 +49,7 @@ from cf_ray._engine import env as _env
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.node import shm as _shm
 from cf_ray._engine.node import stream as _stream
-from cf_ray._engine.protocol.messages import DistrustReason, MemorySnapshot, Restored, RestorePlan, RestoreSource
+from cf_ray._engine.protocol.messages import MemorySnapshot, Restored, RestorePlan, RestoreSource
 from cf_ray._engine.worker import integrity as _integrity
 from cf_ray._engine.worker import restore_checks as _checks
 from cf_ray._engine.worker import sharded as _sharded
@@ -59,7 +59,7 @@ from cf_ray._engine.worker.controller_link import ControllerLink
 from cf_ray._engine.worker.restore_decision import Fallbacks, PlanFailed, Status, Verdict, decide, fail_status
 from cf_ray._engine.worker.restore_storage import describe, load_section, other_run_checkpoint, read
 from cf_ray._engine.worker.rng import rng_state, set_rng_state  # noqa: F401 - re-exported (older imports)
-from cf_ray._engine.worker.trust_gate import Distrusted, stopped_error
+from cf_ray._engine.worker.trust_gate import Reason, RunTrust, stopped_error
 from cf_ray.config import CheckpointConfig
 from cf_ray.errors import CheckpointMismatchError, CorruptCheckpointError, RestoreError
 
@@ -101,7 +101,7 @@ class Restorer:
 
     Args:
         ctx: this rank's context (storage, tiers, whether Ray Train hands it a checkpoint).
-        config: ``restore_from``, ``resume_from``, ``allow_missing_objects``, ``allow_unexpected_objects``.
+        config: ``restore_from``, ``resume_from``, ``allow_mismatch``.
         link: this rank's line to the controller (re-resolved when the controller is gone).
         control: the agreement (the plan is broadcast, every phase's outcome shared).
         state, data: the tracked objects to load into.
@@ -121,8 +121,8 @@ class Restorer:
         self.ctx = ctx
         self.restore_from = config.restore_from
         self.resume_from = config.resume_from
-        self.allow_missing = config.allow_missing_objects
-        self.allow_unexpected = config.allow_unexpected_objects
+        self.allow_missing = "missing" in config.allow_mismatch
+        self.allow_unexpected = "unexpected" in config.allow_mismatch
         self.link = link
         self.control = control
         self.state = state
@@ -138,7 +138,7 @@ class Restorer:
         """Bytes this rank read in the last restore, by how: ``in_place`` (its node's holder's memory:
         a slot mapped, or its object store), ``direct`` (streamed from a holder of another node),
         ``object_store`` (Ray's object transfer), ``storage``."""
-        self.distrusted = Distrusted()
+        self.trust = RunTrust()
         """What the run's restores must not use (the controller's events, read by rank 0 at :meth:`plan`)."""
         self.refusals = _integrity.Refusals(ctx.rank, link.record_event)
         """The copies of sections this rank refused in the last restore (their bytes failed a check)."""
@@ -175,7 +175,7 @@ class Restorer:
         plan: Any = None
         if self.rank == 0:
             try:
-                plan = (self.link.call("prepare_restore", self.world_size), self._read_distrusted())
+                plan = (self.link.call("prepare_restore", self.world_size), self._read_trust())
             except Exception as e:  # noqa: BLE001 - shared with every rank below, never a hang
                 plan = PlanFailed(describe(e))
         plan = self.control.broadcast(plan)
@@ -184,32 +184,25 @@ class Restorer:
             raise RestoreError(
                 f"cf_ray: rank 0 could not get a restore plan from the controller ({plan.error}); every rank stops here"
             )
-        plan, self.distrusted = plan
-        if self.distrusted.exhausted is not None:
-            raise stopped_error(self.distrusted.exhausted)
+        plan, self.trust = plan
+        if self.trust.exhausted is not None:
+            raise stopped_error(self.trust.exhausted)
         return cast(RestorePlan, plan)
 
-    def _read_distrusted(self) -> Distrusted:
-        """The snapshots the run's restores must not use, from the controller's events (rank 0)."""
+    def _read_trust(self) -> RunTrust:
+        """What the trust gate recorded of this run (a rollback, a stopped run), from the controller's
+        events (rank 0)."""
         try:
-            return Distrusted.from_events(cast(list, self.link.call("events")))
+            return RunTrust.from_events(cast(list, self.link.call("events")))
         except Exception as e:  # noqa: BLE001 - the plan stands; every candidate is verified anyway
-            logger.warning("cf_ray: could not read which snapshots the run distrusts (%s)", describe(e))
-            return Distrusted()
+            logger.warning("cf_ray: could not read the run's events (%s)", describe(e))
+            return RunTrust()
 
     def _candidates(self, plan: RestorePlan) -> list[tuple[RestoreSource, Any]]:
         """Newest first: the memory snapshot (when not older than storage), then storage steps."""
         candidates: list[tuple[RestoreSource, Any]] = []
         newest_storage = _newest_stored(plan)
         mem = plan.memory
-        if mem and not self.distrusted.trusts(RestoreSource.MEMORY, mem.generation, mem.step):
-            if self.rank == 0:
-                logger.warning(
-                    "cf_ray: the memory snapshot of step %d is distrusted (an earlier restore refused it); "
-                    "not restoring from it",
-                    mem.step,
-                )
-            mem = None
         if (
             mem
             and self.restore_from in ("auto", "memory")
@@ -262,9 +255,9 @@ class Restorer:
                 touched = where
             skipped = next(s for s in statuses if s.verdict is Verdict.SKIP)
             refused.append((where, skipped))
-            distrusted = self.fallbacks.add(source, where, status, statuses, cand, self._generation)
-            if distrusted is not None:  # its other copies are not tried either (the same bytes, or state)
-                self.distrusted = self.distrusted.adding(distrusted)
+            suspect = self.fallbacks.add(source, where, status, statuses, cand, self._generation)
+            if suspect is not None:  # its other copies are not tried either (the same bytes, or state)
+                self.trust = self.trust.adding(suspect)
         if touched:
             raise RestoreError(
                 f"cf_ray: the snapshot {touched} was damaged while it was loaded, and no other checkpoint could be "
@@ -293,7 +286,7 @@ class Restorer:
                 e, (CorruptCheckpointError, FileNotFoundError, LookupError, OSError, ray.exceptions.RayError)
             )
             corrupt = isinstance(e, CorruptCheckpointError)
-            distrust = DistrustReason.INTEGRITY.value if corrupt and memory else ""
+            distrust = Reason.INTEGRITY.value if corrupt and memory else ""
             return None, Status(Verdict.SKIP, self.rank, describe(e), damage=damage, corrupt=corrupt, distrust=distrust)
         finally:
             self._timed("read", t0)
@@ -317,9 +310,9 @@ class Restorer:
         except Exception as e:  # noqa: BLE001 - a checkpoint that cannot be applied is skipped like a corrupt one
             corrupt = isinstance(e, CorruptCheckpointError)
             distrust = (
-                DistrustReason.NON_FINITE.value
+                Reason.NON_FINITE.value
                 if isinstance(e, _integrity.NonFiniteStateError)
-                else DistrustReason.INTEGRITY.value
+                else Reason.INTEGRITY.value
                 if corrupt and memory
                 else ""
             )
@@ -356,7 +349,7 @@ class Restorer:
                     "the snapshot is damaged (not the objects' load_state_dict())",
                     damage=True,
                     corrupt=True,
-                    distrust=DistrustReason.INTEGRITY.value if source is RestoreSource.MEMORY else "",
+                    distrust=Reason.INTEGRITY.value if source is RestoreSource.MEMORY else "",
                 )
             else:
                 status = Status(
@@ -439,9 +432,9 @@ class Restorer:
         storage, directory = cand
         manifest = read(mf.read_manifest, storage, directory)
         self._generation = manifest.generation
-        why = self.distrusted.why_not(RestoreSource.STORAGE, manifest.generation, manifest.step)
+        why = self.trust.why_not(RestoreSource.STORAGE, manifest.generation, manifest.step)
         if why is not None and (storage is self.ctx.storage or storage in self.ctx.tiers):
-            raise LookupError(f"step {manifest.step} is distrusted by an earlier restore of this run ({why})")
+            raise LookupError(f"step {manifest.step} holds the state this restore refused already ({why})")
         if manifest.kind == "final":
             raise CorruptCheckpointError(
                 f"{storage.uri(directory)} holds only final model weights; load it "

@@ -74,7 +74,7 @@ class Prepared:
     fingerprints: dict[str, dict[str, str]] = field(default_factory=dict)
     """``{"state": {name: fp}, "data": {name: fp}}`` of the objects to verify after loading."""
     fresh: list[str] = field(default_factory=list)
-    """Tracked objects the checkpoint does not hold (``allow_missing_objects``): left as they are."""
+    """Tracked objects the checkpoint does not hold (``allow_mismatch`` with ``"missing"``): left as they are."""
     elastic: bool = False
     """Saved by another number of ranks: the data objects are re-split (``load_elastic_state``)."""
     sharded: _sharded.ShardedState | None = None
@@ -106,7 +106,7 @@ def validate(
         saved_world, replicated: the checkpoint's world size and replication (manifest or memory snapshot).
         rank, world_size: this rank and the number of ranks now.
         state, data: the tracked objects (not modified).
-        allow_missing, allow_unexpected: ``CheckpointConfig.allow_missing_objects`` / ``allow_unexpected_objects``.
+        allow_missing, allow_unexpected: ``"missing"`` / ``"unexpected"`` in ``CheckpointConfig.allow_mismatch``.
         sharded: the tracked objects whose state is sharded (``sharded.py``; ``None``: none).
     """
     if not isinstance(saved_world, int) or isinstance(saved_world, bool) or saved_world < 1:
@@ -262,7 +262,7 @@ def apply(prep: Prepared, state: dict[str, Any], data: dict[str, Any], rank: int
     prep.releasable.clear()
     if prep.fresh:
         logger.warning(
-            "cf_ray: rank %d: %s not in the checkpoint: kept as built (allow_missing_objects=True)",
+            "cf_ray: rank %d: %s not in the checkpoint: kept as built (allow_mismatch={'missing'})",
             rank,
             ", ".join(repr(n) for n in prep.fresh),
         )
@@ -304,18 +304,18 @@ def check_names(objs: dict[str, Any], saved: Any, what: str, allow_missing: bool
         raise CheckpointMismatchError(
             f"this script tracks {what} object(s) {missing} that the checkpoint does not hold (it holds "
             f"{sorted(saved)}): a new object, or a renamed one? Track the same names as the run that saved it, "
-            "or pass CheckpointConfig(allow_missing_objects=True) to start them fresh"
+            "or pass CheckpointConfig(allow_mismatch={'missing'}) to start them fresh"
         )
     if unexpected and not allow_unexpected:
         raise CheckpointMismatchError(
             f"the checkpoint holds {what} object(s) {unexpected} that this script does not track (it tracks "
             f"{sorted(objs)}): an object removed or renamed? Track them, or pass "
-            "CheckpointConfig(allow_unexpected_objects=True) to ignore them"
+            "CheckpointConfig(allow_mismatch={'unexpected'}) to ignore them"
         )
     if unexpected:
         logger.warning(
             "cf_ray: the checkpoint also has %s %s, which this Checkpointer does not track; ignored "
-            "(allow_unexpected_objects=True)",
+            "(allow_mismatch={'unexpected'})",
             what,
             unexpected,
         )

@@ -2,10 +2,12 @@
 
 Every phase of a restore ends with an exchange of every rank's :class:`Status` (an all-gather on
 cf_ray's own group). :func:`decide` raises on every rank when some rank failed; a candidate some
-rank skipped is skipped by every rank, and :class:`Fallbacks` says so: a warning per rank, a
-``restore_fallback`` event (rank 0), and, when the snapshot itself failed a check (its bytes, or a
-non-finite state), a :class:`~cf_ray._engine.protocol.messages.Distrust` so that no later restore
-of the run offers it again (``trust_gate.py``).
+rank skipped is skipped by every rank, and :class:`Fallbacks` says so: a warning per rank and a
+``restore_fallback`` event (rank 0). When the snapshot itself failed a check, no later restore of
+the run is offered it (``trust_gate.py``): the event of a memory snapshot whose bytes failed says
+``verification`` with its ``generation`` and ``step`` (the controller takes it out of every later
+plan), and a non-finite state is distrusted through ``controller.distrust`` (its checkpoint on
+storage quarantined too).
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.protocol.messages import Distrust, DistrustReason, RestoreSource
+from cf_ray._engine.protocol.messages import RestoreSource
 from cf_ray._engine.worker.restore_storage import describe
-from cf_ray._engine.worker.trust_gate import tell_controller
+from cf_ray._engine.worker.trust_gate import Reason, Suspect, tell_controller
 from cf_ray.errors import CfRayError, RestoreError
 
 logger = logging.getLogger("cf_ray")
@@ -47,8 +49,8 @@ class Status:
     corrupt: bool = False
     """For ``SKIP``: the cause was a :class:`CorruptCheckpointError` (the event says so; the controller quarantines it)."""
     distrust: str = ""
-    """For ``SKIP``: why the snapshot itself is not to be trusted again (a ``DistrustReason`` value:
-    its bytes failed their checks, or its state is non-finite); ``""``: it may be tried again later."""
+    """For ``SKIP``: why the snapshot itself is not to be trusted again (a ``trust_gate.Reason``
+    value: its bytes failed their checks, or its state is non-finite); ``""``: it may be tried again."""
     epoch: int = -1
     """For ``OK`` after validation: the epoch this rank's section says to resume at (rank 0's wins:
     its late capture at ``end_epoch()`` decides whether a checkpoint of an epoch's last step resumes
@@ -113,52 +115,50 @@ class Fallbacks:
 
     def add(
         self, source: RestoreSource, where: str, mine: Status, statuses: list[Status], cand: Any, generation: int
-    ) -> Distrust | None:
+    ) -> Suspect | None:
         """Every rank skips ``cand``; ``generation``: the one that took it (-1 when unknown). Returns
-        what every rank now distrusts of it (``None``: nothing: it may be tried again later)."""
+        what every rank now distrusts of it (``None``: nothing; it may be tried again later)."""
         first = next(s for s in statuses if s.verdict is Verdict.SKIP)
         why = mine.error if mine.verdict is Verdict.SKIP else f"rank {first.rank}: {first.error}"
         logger.warning("cf_ray: rank %d: cannot restore %s (%s); falling back", self.rank, where, why)
         bad = next((s for s in statuses if s.distrust), None)  # the snapshot itself failed a check
-        step = cand.step if source is RestoreSource.MEMORY else mf.parse_step_dir(cand[1])
-        if bad is not None and bad.distrust == DistrustReason.NON_FINITE.value and step is not None:
+        memory = source is RestoreSource.MEMORY
+        step = cand.step if memory else mf.parse_step_dir(cand[1])
+        reason = Reason(bad.distrust) if bad is not None else None
+        if reason is Reason.NON_FINITE and step is not None:
             self.rolled_back_from = max(step, self.rolled_back_from or step)
         self.items.append(
-            {"where": where, "rank": first.rank, "error": first.error[:500], "distrust": bad.distrust if bad else ""}
+            {"where": where, "rank": first.rank, "error": first.error[:500], "distrust": reason.value if reason else ""}
         )
-        own = source is RestoreSource.MEMORY or self._own(cand[0])
-        msg = None
-        if bad is not None and own and step is not None:
-            msg = Distrust(
-                step=step,
-                generation=generation,
-                source=source,
-                reason=DistrustReason(bad.distrust),
-                detail=f"rank {bad.rank}: {bad.error}"[:1000],
-                rank=self.rank,
-                attempt=self.link.generation,
-            )
+        suspect = None
+        if bad is not None and reason is not None and step is not None and (memory or self._own(cand[0])):
+            suspect = Suspect(step, generation, source, reason, f"rank {bad.rank}: {bad.error}"[:1000])
         if self.rank != 0:
-            return msg
+            return suspect
         event = {
             "event": "restore_fallback",
             "source": source.value,
             "where": where,
             "error": first.error,
             "rank": first.rank,
-            "corrupt": first.corrupt,
+            "corrupt": first.corrupt and reason is not Reason.NON_FINITE,
         }
-        if source is RestoreSource.STORAGE and cand[0] is self._primary and step is not None:
-            # A committed checkpoint of this run's own storage: the controller quarantines it
-            # when it is corrupt, so that it no longer counts toward keep-last.
-            event["step"] = step
+        if memory:
+            # The controller takes a memory snapshot whose bytes failed out of every later plan.
+            event.update(step=step, generation=generation, verification=reason is Reason.INTEGRITY)
+        elif cand[0] is self._primary and step is not None:
+            # A committed checkpoint of this run's own storage: a corrupt one makes the controller
+            # re-read it (and quarantine it only if it is damaged).
+            event.update(step=step, generation=generation)
+        if reason is Reason.NON_FINITE:
+            event["non_finite"] = True
         self.link.record_event(event)
-        if msg is not None:
-            try:
-                tell_controller(self.link, [msg])
-            except Exception as e:  # noqa: BLE001 - this restore goes on; a later one verifies it again
+        if suspect is not None and reason is Reason.NON_FINITE:
+            try:  # never offered again, and its checkpoint on storage quarantined with the reason
+                tell_controller(self.link, [suspect])
+            except Exception as e:  # noqa: BLE001 - this restore goes on; a later one checks it again
                 logger.warning("cf_ray: could not tell the controller to distrust %s: %s", where, describe(e))
-        return msg
+        return suspect
 
     def extra(self) -> dict[str, Any]:
         """What the ``restore`` event adds: the candidates skipped and a rollback."""

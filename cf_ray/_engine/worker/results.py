@@ -58,7 +58,11 @@ class FinishSummary:
     committed_steps: list[int]
     """Every committed checkpoint of the run, oldest first."""
     failures: list[dict]
-    """Checkpoints of this attempt that did not commit (``step``, ``section``, ``rank``, ``error``)."""
+    """Checkpoints that did not commit (``step``, ``section``, ``rank``, ``error``, ``generation``):
+    this attempt's, and those of earlier attempts of the same run that the controller knows of (a
+    step lost with its node, a write that failed after its ranks were gone), marked
+    ``earlier_attempt: True``. The controller keeps the newest 1,000; the profile table
+    (``committed``, ``where``, ``error``) and the restarts table (``lost_steps``) have them all."""
     final_step: int = 0
     """The step training ended at (the final checkpoint's)."""
     final_durable: bool = True

@@ -74,6 +74,8 @@ from cf_ray._engine.protocol.messages import CheckpointKind, SnapshotMeta
 from cf_ray._engine.storage.base import _crc32
 from cf_ray._engine.worker import fingerprint as _fp
 from cf_ray._engine.worker import sharded as _sharded
+from cf_ray._engine.worker.cpu_budget import CpuBudget
+from cf_ray._engine.worker.cpu_budget import mark as cpu_mark
 from cf_ray._engine.worker.rng import rng_state
 from cf_ray._engine.worker.timing import Timing
 
@@ -384,6 +386,7 @@ class Snapshotter:
             are in the arena; returns when the receiver holds its own copy.
         arena_source: where the arenas live: the holder's shared-memory slots of each section
             (``None``: private arenas, handed off by value).
+        budget: where the background thread's time per part goes (``cpu_budget.py``).
     """
 
     def __init__(
@@ -391,8 +394,10 @@ class Snapshotter:
         rank: int,
         hand_off: Callable[[SnapshotJob, dict[str, StagedSection]], None],
         arena_source: ArenaSource | None = None,
+        budget: CpuBudget | None = None,
     ):
         self.rank = rank
+        self._budget = budget if budget is not None else CpuBudget()
         self._hand_off = hand_off
         self._arena_source = arena_source
         self._arenas: dict[str, tuple[tuple, _Arena | _SlotArena]] = {}
@@ -442,7 +447,7 @@ class Snapshotter:
 
         A section whose two slots are both held (one being written, one pinned until written: a
         milestone or preemption checkpoint with a storage that stalls) waits for one at most
-        ``CF_RAY_SLOT_WAIT_S``, saying so while it waits, and calls :attr:`on_slot_wait`; then the
+        ``env.SLOT_WAIT_S`` (60 s), saying so while it waits, and calls :attr:`on_slot_wait`; then the
         snapshot is not taken: :class:`SnapshotSkipped` (never a hang of the training thread).
 
         Args:
@@ -536,7 +541,7 @@ class Snapshotter:
         return time.perf_counter() - t_wait
 
     def _acquire(self, arena: _SlotArena, step: int, section: str, taken: dict[str, Any]) -> float:
-        """A free slot of ``section``, waited for at most ``CF_RAY_SLOT_WAIT_S`` (said while it waits);
+        """A free slot of ``section``, waited for at most ``env.SLOT_WAIT_S`` (said while it waits);
         on giving up, the slots this snapshot took already (``taken``) are given back."""
         limit = _env.get_float(_env.SLOT_WAIT_S)
         self._next_wait_log = 1.0
@@ -547,7 +552,7 @@ class Snapshotter:
                 logger.warning(
                     "cf_ray: rank %d: the snapshot of step %d has waited %.0f s for a free slot of section %s: "
                     "the holder holds both (%s) until they are written, so storage is slow or stalled; "
-                    "training goes on in %.0f s at most without this checkpoint (CF_RAY_SLOT_WAIT_S)",
+                    "training goes on in %.0f s at most without this checkpoint",
                     self.rank,
                     step,
                     waited_s,
@@ -734,15 +739,23 @@ class Snapshotter:
                 self._run_prepare(job)
                 continue
             try:
+                budget, m = self._budget, cpu_mark()
                 t0 = time.perf_counter()
                 try:
                     crcs = self._copy(job)
                 finally:
                     job.timings["copy_s"] = time.perf_counter() - t0
                     self._copy_done.set()
+                m = budget.lap("copy", m)
+                crc_wall, crc_cpu = job.timings.get("crc_s", 0.0), job.timings.get("crc_cpu_s", 0.0)
+                budget.add("copy", -crc_wall, -crc_cpu, calls=0)  # the copy's windows, less their CRCs
+                budget.add("crc", crc_wall, crc_cpu)
                 self._checksum_dma(job, crcs)  # after the guard: the weights may change meanwhile
+                m = budget.lap("crc", m, calls=0)
                 self._seal(job)
+                m = budget.lap("seal_wait", m)
                 self._checksum_late(job, crcs)
+                m = budget.lap("index", m)
                 for name, flat in job.flats.items():
                     fps = (
                         _fp.section_fingerprints(flat.tree, flat.entries, job.arenas[name])
@@ -751,6 +764,7 @@ class Snapshotter:
                     )
                     if fps:
                         flat.tree[_fp.KEY] = fps
+                m = budget.lap("fingerprint", m)
                 sections = {}
                 for name, flat in job.flats.items():
                     arena = job.buffers[name]
@@ -767,9 +781,11 @@ class Snapshotter:
                         arena_np = job.arenas[name]
                         sections[name] = StagedSection(arena_np, mf.with_blocks(index, mf.block_crcs(arena_np)))
                         job.timings["crc_read_bytes"] = job.timings.get("crc_read_bytes", 0.0) + arena_np.nbytes
+                m = budget.lap("index", m, calls=0)
                 t1 = time.perf_counter()
                 self._hand_off(job, sections)
                 job.timings["handoff_s"] = time.perf_counter() - t1
+                budget.lap("handoff", m)
             except BaseException as e:  # noqa: BLE001 - surfaced at the next wait/close
                 logger.warning("cf_ray: rank %d: snapshot of step %d failed: %r", self.rank, job.step, e)
                 for arena in job.buffers.values():
@@ -830,7 +846,9 @@ class Snapshotter:
             host = [c for c in job.deferred if c.section == name and not c.src.is_cuda]
             copied += sum(c.nbytes for c in host)
             if isinstance(arena, _SlotArena) and name not in on_device:
-                crcs[name] = _copy_checksummed(arena, host, after_first=_fault_mid_copy(self.rank, job.step))
+                crcs[name] = _copy_checksummed(
+                    arena, host, after_first=_fault_mid_copy(self.rank, job.step), crc_time=job.timings
+                )
             else:
                 for c in host:
                     c.dst.copy_(c.src)
@@ -894,12 +912,16 @@ def _fault_mid_copy(rank: int, step: int) -> Callable[[], None] | None:
 
 
 def _copy_checksummed(
-    arena: _SlotArena, pieces: list[_Deferred], after_first: Callable[[], None] | None = None
+    arena: _SlotArena,
+    pieces: list[_Deferred],
+    after_first: Callable[[], None] | None = None,
+    crc_time: dict[str, float] | None = None,
 ) -> list[int]:
     """Copy ``pieces`` into ``arena`` window by window (:data:`_CRC_WINDOW`), checksumming each
     window's blocks right after its copy, while the bytes are still in the CPU's cache: the CRC-32
     then costs no second pass over memory. Returns the CRC-32 of every block of the arena.
-    ``after_first`` is called after the first piece's copy (fault injection only)."""
+    ``after_first`` is called after the first piece's copy (fault injection only); the CRCs' wall and
+    thread-CPU seconds are added to ``crc_time["crc_s"]`` and ``crc_time["crc_cpu_s"]`` when given."""
     block = mf.BLOCK_BYTES
     buf = arena.numpy()
     whole = arena.tensor
@@ -914,6 +936,7 @@ def _copy_checksummed(
     runs.sort(key=lambda r: r[0])
     crcs: list[int] = []
     i, total = 0, arena.nbytes
+    crc_wall = crc_cpu = 0.0
     for w0 in range(0, total, _CRC_WINDOW):
         w1 = min(total, w0 + _CRC_WINDOW)
         while i < len(runs) and runs[i][0] + runs[i][1] <= w0:
@@ -927,8 +950,15 @@ def _copy_checksummed(
                 after_first()
                 after_first = None
             j += 1
+        c0 = cpu_mark()
         for k in range(w0, w1, block):
             crcs.append(_crc32(buf[k : min(k + block, total)].data))
+        c1 = cpu_mark()
+        crc_wall += c1[0] - c0[0]
+        crc_cpu += c1[1] - c0[1]
+    if crc_time is not None:
+        crc_time["crc_s"] = crc_time.get("crc_s", 0.0) + crc_wall
+        crc_time["crc_cpu_s"] = crc_time.get("crc_cpu_s", 0.0) + crc_cpu
     return crcs
 
 
@@ -997,7 +1027,10 @@ class Phase1:
         self._resolve_holder = resolve_holder
         self._prepared = False
         self._snap = Snapshotter(
-            rank, self._hand_off, arena_source=self._slots if _env.get_int(_env.SHM_SLOTS) != 0 else None
+            rank,
+            self._hand_off,
+            arena_source=self._slots if _env.get_int(_env.SHM_SLOTS) != 0 else None,
+            budget=timing.budget,
         )
         # Neither modules nor optimizers: their state is taken again at the next call (module doc);
         # so is the optimizers' param_groups (the learning rate a scheduler writes there).

@@ -11,6 +11,8 @@ import collections
 import time
 from typing import Any
 
+from cf_ray._engine.worker.cpu_budget import CpuBudget
+
 
 class Timing:
     """One rank's measurements between two polls of the controller.
@@ -34,6 +36,8 @@ class Timing:
         self._last_step_end: float | None = None
         self._pending_guard_step: int | None = None
         self._last_ckpt: dict[str, Any] = {}
+        self.budget = CpuBudget()
+        """Wall and thread-CPU seconds per part of the checkpoint path (``cpu_budget.py``)."""
 
     # -- the training thread ------------------------------------------------------------------------
     def guarded(self, guard_s: float) -> None:

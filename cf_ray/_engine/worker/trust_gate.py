@@ -2,19 +2,19 @@
 a restore, watched.
 
 **Distrusted snapshots.** A snapshot whose bytes failed a check (a block's CRC-32, a fingerprint
-after loading: ``integrity.py``) or whose state went non-finite is *distrusted*: rank 0 tells the
-controller (:class:`~cf_ray._engine.protocol.messages.Distrust`: its ``distrust()`` where it has one,
-and the ``distrusted`` event it records either way), and every later restore plan of the run leaves it
-out. The worker does not rely on the controller for that: at the start of every restore rank 0
-reads the controller's events back (:class:`Distrusted`), and the restore skips a candidate named
-there. A bit flipped in a holder's memory distrusts that memory copy only (the checkpoint of the same
-step on storage is intact and is the next candidate); a non-finite state distrusts the step on every
-tier (the same bytes).
+after loading: ``integrity.py``) or whose state went non-finite is never offered to a restore of the
+run again. The controller keeps that list (``driver/quarantine.py``): a memory ``restore_fallback``
+event whose bytes failed verification (rank 0's, with the snapshot's ``generation`` and ``step``)
+takes that in-memory snapshot out of every later plan; ``controller.distrust(generation, step,
+reason)`` (:func:`tell_controller`: a non-finite state) does that and quarantines the checkpoint of
+that snapshot on storage too. A bit flipped in a holder's memory leaves the checkpoint on storage
+intact (it is the next candidate); a non-finite state is the same on every tier. Within one restore
+the worker skips the other copies of what it just refused itself (:class:`RunTrust`), and it reads
+the controller's events back for what the trust gate recorded (a rollback, a stopped run).
 
 **The first steps after a restore.** The loop tells cf_ray its loss (``ckpt.step(optimizer,
-loss=loss)``, a tensor or a float). During the first :data:`DEFAULT_STEPS` steps after a restore
-(``CF_RAY_TRUST_STEPS``; the only steps whose loss is read, so a GPU loss is synchronised only
-there), a non-finite loss is posted in the agreement (``control.NON_FINITE``), and one step later
+loss=loss)``, a tensor or a float). During the first ``env.TRUST_STEPS`` (3) steps after a restore
+(the only steps whose loss is read, so a GPU loss is synchronised only there), a non-finite loss is posted in the agreement (``control.NON_FINITE``), and one step later
 every rank acts on it at the same step: rank 0 distrusts the restored step and every snapshot this
 attempt took (they descend from it), records a ``rolled_back`` event, logs once, and every rank
 raises :class:`NonFiniteAfterRestore` (a :class:`~cf_ray.errors.RestoreError`). Ray Train starts the
@@ -33,6 +33,7 @@ same at its restore instead of training (Ray Train's remaining ``max_failures`` 
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 from collections.abc import Iterable
@@ -40,13 +41,11 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from cf_ray._engine import env as _env
-from cf_ray._engine.protocol.messages import Distrust, DistrustReason, RestoreSource
+from cf_ray._engine.protocol.messages import RestoreSource
 from cf_ray.errors import RestoreError
 
 logger = logging.getLogger("cf_ray")
 
-#: Steps after a restore whose loss is checked (``CF_RAY_TRUST_STEPS``).
-DEFAULT_STEPS = 3
 #: The event of a rollback (rank 0, once per suspect).
 ROLLED_BACK = "rolled_back"
 #: The event that stops the run: a non-finite loss after a rollback.
@@ -58,58 +57,77 @@ class NonFiniteAfterRestore(RestoreError):
     restores an older checkpoint (or, after a rollback already, the run stops)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Distrusted:
-    """What the run's restores must not use, as the controller's events say."""
+class Reason(str, enum.Enum):
+    """Why a restore stopped trusting a snapshot."""
 
-    entries: tuple[dict, ...] = ()
-    """The ``distrusted`` events (``Distrust.event()``), oldest first."""
+    INTEGRITY = "integrity"
+    """Its bytes failed a check before use (a block's CRC-32), or changed under the load."""
+    NON_FINITE = "non_finite"
+    """Its saved state holds NaN or infinity, or the first steps after restoring it gave a
+    non-finite loss: the run went back past it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Suspect:
+    """A snapshot a restore (or the trust gate) stopped trusting."""
+
+    step: int
+    generation: int
+    """The generation that took it (-1: unknown)."""
+    source: RestoreSource
+    """Where it was found: a holder's memory, or a committed checkpoint on storage."""
+    reason: Reason
+    detail: str
+
+    def covers(self, source: RestoreSource, generation: int, step: int) -> bool:
+        """Whether the snapshot of ``(generation, step)`` found in ``source`` is this one, or the same
+        state: a bit flipped in memory leaves the storage copy intact; a non-finite state is on every tier."""
+        if step != self.step or -1 not in (generation, self.generation) and generation != self.generation:
+            return False
+        return self.reason is Reason.NON_FINITE or source is self.source
+
+
+@dataclass(frozen=True, slots=True)
+class RunTrust:
+    """What one restore knows of the run's trust: the trust gate's own events (a rollback, a stopped
+    run), read back from the controller by rank 0 at the plan, and what this restore refused."""
+
+    rollbacks: tuple[dict, ...] = ()
+    """The ``rolled_back`` events, oldest first."""
     exhausted: dict | None = None
     """The ``trust_exhausted`` event, when the run was stopped."""
+    suspects: tuple[Suspect, ...] = ()
+    """What this restore refused itself (its other copies are not tried)."""
 
     @classmethod
-    def from_events(cls, events: Iterable[dict]) -> Distrusted:
-        entries, exhausted = [], None
+    def from_events(cls, events: Iterable[dict]) -> RunTrust:
+        rollbacks, exhausted = [], None
         for e in events:
-            if not isinstance(e, dict):
-                continue
-            if e.get("event") == "distrusted" and isinstance(e.get("step"), int):
-                entries.append(e)
-            elif e.get("event") == EXHAUSTED:
+            if isinstance(e, dict) and e.get("event") == ROLLED_BACK:
+                rollbacks.append(e)
+            elif isinstance(e, dict) and e.get("event") == EXHAUSTED:
                 exhausted = e
-        return cls(tuple(entries), exhausted)
+        return cls(tuple(rollbacks), exhausted)
 
-    def adding(self, msg: Distrust) -> Distrusted:
-        """With ``msg`` too (what this restore just distrusted: its other copies are not tried)."""
-        return Distrusted((*self.entries, msg.event()), self.exhausted)
+    def adding(self, suspect: Suspect) -> RunTrust:
+        return RunTrust(self.rollbacks, self.exhausted, (*self.suspects, suspect))
 
     def why_not(self, source: RestoreSource, generation: int, step: int) -> str | None:
-        """Why a restore may not use the snapshot of ``(generation, step)`` found in ``source``
-        (``None``: it may). ``generation`` -1: any generation of ``step``."""
-        for e in self.entries:
-            gen = e.get("generation", -1)
-            if e["step"] != step or (gen != generation and -1 not in (gen, generation)):
-                continue
-            if e.get("reason") == DistrustReason.NON_FINITE.value or e.get("source") == source.value:
-                return f"{e.get('reason')}: {e.get('detail', '')}"
+        """Why this restore may not use the snapshot of ``(generation, step)`` found in ``source``
+        (``None``: it may)."""
+        for s in self.suspects:
+            if s.covers(source, generation, step):
+                return f"{s.reason.value}: {s.detail}"
         return None
-
-    def trusts(self, source: RestoreSource, generation: int, step: int) -> bool:
-        """Whether a restore may use the snapshot of ``(generation, step)`` found in ``source``."""
-        return self.why_not(source, generation, step) is None
 
     def rollback_into(self, attempt: int) -> dict | None:
-        """The ``distrusted`` event (non-finite, after a restore) of the attempt before ``attempt``:
-        this attempt is the rollback it asked for (``None``: it is not)."""
-        for e in reversed(self.entries):
-            if e.get("reason") == DistrustReason.NON_FINITE.value and e.get("attempt") == attempt - 1:
-                if e.get("restored_step") is not None:
-                    return e
-        return None
+        """The ``rolled_back`` event of the attempt before ``attempt``: this attempt is the rollback it
+        asked for (``None``: it is not)."""
+        return next((e for e in reversed(self.rollbacks) if e.get("attempt") == attempt - 1), None)
 
 
 def trust_steps() -> int:
-    return max(0, _env.get_int(_env.TRUST_STEPS))
+    return max(0, int(_env.TRUST_STEPS))
 
 
 def is_finite(loss: Any) -> bool:
@@ -126,8 +144,8 @@ class TrustGate:
     """The first steps after a restore, on one rank.
 
     Call order (training thread): :meth:`start` after a restore; :meth:`loss` with each step's
-    loss; :attr:`posted` into each exchange; :meth:`taken` for each snapshot; :meth:`distrusts` and
-    :meth:`error` when the agreement says some rank's loss went non-finite.
+    loss; :attr:`posted` into each exchange; :meth:`taken` for each snapshot; :meth:`roll_back` (which
+    raises :meth:`error`) when the agreement says some rank's loss went non-finite.
     """
 
     rank: int
@@ -184,31 +202,18 @@ class TrustGate:
         """A rollback happened already for this attempt: another non-finite loss stops the run."""
         return self.rolled_back_from is not None
 
-    def distrusts(self, detail: str) -> list[Distrust]:
-        """Rank 0's messages to the controller when the agreement says the loss went non-finite: the
-        restored step and every snapshot taken since (they descend from it)."""
+    def suspects(self, detail: str) -> list[Suspect]:
+        """What rank 0 distrusts when the agreement says the loss went non-finite: the restored step
+        and every snapshot taken since (they descend from it)."""
         assert self.restored_step is not None
-        out = [
-            Distrust(
-                step=self.restored_step,
-                generation=self.restored_generation,
-                source=self.source,
-                reason=DistrustReason.NON_FINITE,
-                detail=detail,
-                rank=self.rank,
-                attempt=self.attempt,
-                restored_step=self.restored_step,
-            )
-        ]
+        out = [Suspect(self.restored_step, self.restored_generation, self.source, Reason.NON_FINITE, detail)]
         out += [
-            Distrust(
-                step=s,
-                generation=self.attempt,
-                source=RestoreSource.MEMORY,
-                reason=DistrustReason.NON_FINITE,
-                detail=f"taken after the restore of step {self.restored_step}, whose loss went non-finite",
-                rank=self.rank,
-                attempt=self.attempt,
+            Suspect(
+                s,
+                self.attempt,
+                RestoreSource.MEMORY,
+                Reason.NON_FINITE,
+                f"taken after the restore of step {self.restored_step}, whose loss went non-finite",
             )
             for s in sorted(set(self.taken_steps))
         ]
@@ -237,7 +242,7 @@ class TrustGate:
                 "detail": self.describe(at_step),
             }
             try:
-                tell_controller(link, self.distrusts(self.describe(at_step)))
+                tell_controller(link, self.suspects(self.describe(at_step)))
                 link.record_event(event, wait=True)
             except Exception as e:  # noqa: BLE001 - the error below is raised whatever happens here
                 logger.warning("cf_ray: could not tell the controller about the rollback: %r", e)
@@ -262,39 +267,13 @@ class TrustGate:
         )
 
 
-def tell_controller(link: Any, messages: list[Distrust]) -> None:
-    """Rank 0 tells the controller which snapshots to distrust, and waits until it has recorded them
-    (the next attempt's plan, asked by another process, must see them). A committed checkpoint of a
-    step distrusted for a non-finite state is quarantined too (the controller ignores a step it has
-    not committed)."""
-    if not messages:
-        return
-    # SEAM (#23, driver side): a controller with distrust(msg) leaves the snapshot out of every later
-    # plan, quarantines its committed checkpoint, and records msg.event(). Until then the worker
-    # records the events itself (restores read them back: Distrusted), and a committed checkpoint of
-    # a non-finite step is quarantined through the corrupt restore_fallback event the controller
-    # already handles (marked "distrust": the restore did not fall back from it).
-    if link.has("distrust"):
-        for msg in messages:
-            link.call("distrust", msg, timeout_s=_env.get_float(_env.ACTOR_TIMEOUT_S))
-        return
-    events = [m.event() for m in messages]
-    events += [
-        {
-            "event": "restore_fallback",
-            "source": RestoreSource.STORAGE.value,
-            "where": f"step {m.step}",
-            "error": f"distrusted ({m.reason.value}): {m.detail}",
-            "rank": m.rank,
-            "corrupt": True,
-            "step": m.step,
-            "distrust": True,
-        }
-        for m in messages
-        if m.reason is DistrustReason.NON_FINITE
-    ]
-    for event in events:
-        link.record_event(event, wait=True)
+def tell_controller(link: Any, suspects: list[Suspect]) -> None:
+    """Rank 0 has the controller distrust each suspect (``distrust(generation, step, reason)``: never
+    offered to a restore again, its committed checkpoint quarantined), and waits for each answer (the
+    next attempt's plan, asked by another process, must not offer it)."""
+    timeout = _env.get_float(_env.ACTOR_TIMEOUT_S)
+    for s in suspects:
+        link.call("distrust", s.generation, s.step, f"{s.reason.value}: {s.detail}"[:500], timeout_s=timeout)
 
 
 def rollbacks(events: Iterable[dict]) -> list[dict]:
@@ -336,9 +315,10 @@ def stopped_error(exhausted: dict) -> NonFiniteAfterRestore:
 
 
 __all__ = [
-    "DEFAULT_STEPS",
-    "Distrusted",
     "NonFiniteAfterRestore",
+    "Reason",
+    "RunTrust",
+    "Suspect",
     "TrustGate",
     "is_finite",
     "rollbacks",

@@ -1,0 +1,82 @@
+"""The run's events and the failures the workers learn of, kept by the controller (bounded windows).
+
+* Events: restores, fallbacks, notices, interval changes, uploads, quarantines, in order; the
+  newest ``env.EVENTS_WINDOW`` (1,000).
+* Failures: a checkpoint that did not commit (a section or the manifest could not be written, a
+  holder lost what it held), as the workers learn of them from ``sync`` (:class:`Failure`, each with
+  a ``seq`` that keeps counting across controllers: workers ask for the failures after the last one
+  they saw) and as ``summary()`` lists them: the newest ``env.EVENTS_WINDOW``. A failure of an
+  earlier attempt reaches the ranks of the later one too: ``FinishSummary.failures`` and ``wait()``
+  report it once (``earlier_attempt: True``), so a step lost with its node is never silent.
+* The restores that fell back from a candidate, counted by source and cause (``verification``: the
+  bytes failed their block checksums or the fingerprints after loading, or the read found damage;
+  ``refused``: anything else), for the summary and the metrics.
+
+No Ray, no storage: the profile (:class:`~.profile_book.ProfileBook`) calls it under the controller's lock.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from cf_ray._engine.protocol.messages import Failure
+
+#: The causes of a restore fallback (``summary()["restore_fallbacks"]``, the metric's ``cause`` tag).
+VERIFICATION, REFUSED = "verification", "refused"
+
+
+def fallback_cause(event: dict) -> str:
+    """Why a ``restore_fallback`` event fell back: :data:`VERIFICATION` when the bytes did not verify
+    (``corrupt``, or ``verification`` as the worker's restore says of a block checksum or fingerprint
+    mismatch), else :data:`REFUSED`."""
+    return VERIFICATION if event.get("corrupt") or event.get("verification") else REFUSED
+
+
+class EventLog:
+    """Events, failures and restore fallbacks of one run.
+
+    Args:
+        window: how many events (and failures) are kept, the newest.
+        seq_base: the first failure's ``seq`` (a controller that starts again during a run counts
+            above its predecessor).
+    """
+
+    def __init__(self, window: int, seq_base: int = 0):
+        self.events: collections.deque[dict] = collections.deque(maxlen=max(1, window))
+        """Restores, fallbacks, notices, interval changes, uploads, in order (the newest)."""
+        self._failures: collections.deque[Failure] = collections.deque(maxlen=max(1, window))
+        self._next_seq = int(seq_base)
+        self.fallbacks: collections.Counter[tuple[str, str]] = collections.Counter()
+        """(source, cause) -> restore candidates an attempt fell back from."""
+
+    def add(self, event: dict) -> None:
+        self.events.append(event)
+        if event.get("event") == "restore_fallback":
+            self.fallbacks[(str(event.get("source")), fallback_cause(event))] += 1
+
+    def add_failure(self, *, generation: int, step: int, section: str, rank: int, error: str) -> Failure:
+        failure = Failure(seq=self._next_seq, step=step, section=section, rank=rank, error=error, generation=generation)
+        self._next_seq += 1
+        self._failures.append(failure)
+        return failure
+
+    def continue_above(self, seen_seq: int) -> None:
+        """A rank has seen failure ``seen_seq`` of an earlier controller: count above it."""
+        self._next_seq = max(self._next_seq, int(seen_seq) + 1)
+
+    def failures_since(self, seen_seq: int) -> tuple[Failure, ...]:
+        return tuple(f for f in self._failures if f.seq > seen_seq)
+
+    def failure_dicts(self) -> list[dict]:
+        """The failures as the controller's summary has them."""
+        return [f.as_dict() for f in self._failures]
+
+    def fallback_counts(self) -> dict[str, dict[str, int]]:
+        """``{source: {cause: n}}`` of the restores that fell back (the summary's ``restore_fallbacks``)."""
+        out: dict[str, dict[str, int]] = {}
+        for (source, cause), n in sorted(self.fallbacks.items()):
+            out.setdefault(source, {})[cause] = n
+        return out
+
+
+__all__ = ["REFUSED", "VERIFICATION", "EventLog", "fallback_cause"]

@@ -1,0 +1,209 @@
+"""Goodput of a run (issue #15): each restart's cost (work lost, recovery time, restore source and
+time) and the run's effective training time ratio, from the iteration samples and restore events
+the controller's profile already sees. Exported as Ray metrics (:mod:`.metrics`) and saved as
+``restarts.parquet`` (``cf_ray.report.read_run_restarts``).
+
+No Ray, no storage, no lock: the profile (:class:`~.profile_book.ProfileBook`) calls it under the
+controller's lock.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Restart:
+    """One restart of the run (after a failure, a preemption or a resize) and what it cost."""
+
+    generation: int
+    """The attempt that resumed."""
+    source: str
+    """Where it resumed from (``RestoreSource`` value: ``memory``, ``storage``, ``fresh``)."""
+    restored_step: int
+    """The step it resumed from."""
+    restore_s: float
+    """Seconds the restore took (rank 0's measure)."""
+    lost_steps: int
+    """Steps of the previous timeline redone: the newest step the controller saw reached since the
+    previous restore (a rank's sample or a staged snapshot), minus ``restored_step`` (at least 0)."""
+    lost_s: float | None
+    """``lost_steps`` times the run's mean iteration time (``None`` before any iteration time)."""
+    failure_unix: float | None
+    """The best estimate of the failure time the controller has: the newest sign of life of the
+    previous attempt before the restore — a sample or a staged snapshot reaching it, else that
+    attempt's own restore (the failure happened after it)."""
+    restored_unix: float
+    """When the restore was reported."""
+    resumed_unix: float | None = None
+    """When the first iteration past ``restored_step`` ended (estimated from the first such sample:
+    its arrival less the iterations it covers after the first); ``None`` until then."""
+    recovery_s: float | None = None
+    """``resumed_unix - failure_unix``: from the failure to the first resumed iteration."""
+    fallbacks: int = 0
+    """Restore candidates this attempt tried and fell back from before the one it restored."""
+    memory_failed: int = 0
+    """Of those, in-memory snapshots whose bytes failed verification (block checksums, fingerprints)."""
+
+
+class Goodput:
+    """Goodput of one run from the iteration samples and restore events (no Ray, no storage).
+
+    Definitions (also in docs/guides/metrics.md):
+
+    * mean iteration time: the ``iters``-weighted mean of every sample's ``iter_s`` (checkpoint
+      stalls excluded, as the workers measure it);
+    * progress: the newest step reached on the current timeline (a sample's step, or a staged
+      snapshot's) minus the step the run started from (the first attempt's restored step, or where
+      the first sample's iterations began);
+    * useful seconds: progress times the mean iteration time — each step that survives counts once,
+      steps redone after a restart count once, the stalls, restores and lost work not at all;
+    * wall seconds: from the start of the run's first iteration (the first sample's arrival less
+      the iterations it covers; when the first attempt ended before any of its samples arrived,
+      its restore) to the newest sample or staged snapshot;
+    * effective training time ratio: useful seconds / wall seconds, clipped to [0, 1].
+
+    The first restore this object sees is the run's start, whatever reached the controller before
+    it; every later one is a restart (an attempt may fail before its first sample is sent: its
+    restart still counts, with the work lost that the controller saw).
+
+    Args:
+        max_restarts: how many restarts are kept (the newest).
+    """
+
+    def __init__(self, max_restarts: int = 1000):
+        self.restarts: collections.deque[Restart] = collections.deque(maxlen=max(1, max_restarts))
+        self._start_step: int | None = None
+        """The step the run started from."""
+        self._reached_step: int | None = None
+        """The newest step reported on the current timeline (since the newest restore)."""
+        self._first_unix: float | None = None
+        """When the run's first iteration started (estimated)."""
+        self._last_unix: float | None = None
+        """When the newest sample or staged snapshot arrived."""
+        self._started = False
+        """Whether the run's start (its first restore, or a sample before any) was seen."""
+        self._start_unix: float | None = None
+        """When the run's first attempt restored (its start)."""
+        self._attempt_unix: float | None = None
+        """When the current attempt restored: a sign of life when nothing newer came from it."""
+        self._generation: int | None = None
+        """The generation of the newest restore: staged snapshots of older ones are late news."""
+        self._iter_total_s = 0.0
+        self._iters = 0
+        self._pending: Restart | None = None
+        """The newest restart until its first resumed iteration."""
+        self.lost_steps_total = 0
+        self.lost_s_total = 0.0
+        self._fallbacks: list[tuple[str, str]] = []
+        """(source, cause) of the restore fallbacks since the newest restore (the next restart's)."""
+
+    def mean_iter_s(self) -> float | None:
+        return self._iter_total_s / self._iters if self._iters else None
+
+    def on_sample(self, step: int, iter_s: float, iters: int, now_unix: float) -> Restart | None:
+        """A rank's sample; returns the pending restart when this sample is its first resumed iteration."""
+        step, iters = int(step), int(iters)
+        timed = iters > 0 and iter_s > 0
+        self._started = True
+        if self._first_unix is None:
+            self._first_unix = now_unix - (iters * iter_s if timed else 0.0)
+            if self._start_step is None:
+                self._start_step = max(0, step - max(iters, 0))
+        self._seen(step, now_unix)
+        if timed:
+            self._iter_total_s += iters * iter_s
+            self._iters += iters
+        resumed = self._pending
+        if resumed is None or step <= resumed.restored_step:
+            return None
+        self._pending = None
+        covered = min(iters, step - resumed.restored_step) if timed else 1
+        resumed.resumed_unix = max(resumed.restored_unix, now_unix - max(0, covered - 1) * (iter_s if timed else 0))
+        if resumed.failure_unix is not None:
+            resumed.recovery_s = max(0.0, resumed.resumed_unix - resumed.failure_unix)
+        return resumed
+
+    def on_progress(self, generation: int, step: int, now_unix: float) -> None:
+        """A snapshot of ``step`` was staged: the run reached it (no timing; the samples may not
+        have arrived yet, e.g. when an attempt fails before its first sync). Snapshots of an
+        earlier generation than the newest restore's are late news of an ended timeline: ignored."""
+        if self._generation is not None and int(generation) < self._generation:
+            return
+        self._seen(int(step), now_unix)
+
+    def _seen(self, step: int, now_unix: float) -> None:
+        self._last_unix = now_unix if self._last_unix is None else max(self._last_unix, now_unix)
+        self._reached_step = step if self._reached_step is None else max(self._reached_step, step)
+
+    def on_fallback(self, source: str, cause: str) -> None:
+        """The attempt now restoring fell back from a candidate (counted in its restart's row)."""
+        self._fallbacks.append((str(source), str(cause)))
+
+    def on_restore(
+        self, *, generation: int, source: str, step: int, restore_s: float, now_unix: float
+    ) -> Restart | None:
+        """An attempt restored ``step``; returns the restart it makes (``None`` for the run's start:
+        the first restore, unless samples came before it)."""
+        step, previous_attempt_unix = int(step), self._attempt_unix
+        self._generation = max(int(generation), self._generation or 0)
+        self._attempt_unix = now_unix
+        if not self._started:  # where the run starts
+            self._fallbacks = []
+            self._started = True
+            self._start_step = self._reached_step = step
+            self._start_unix = now_unix
+            return None
+        if self._first_unix is None:  # the first attempt ended before its first sample came
+            self._first_unix = self._start_unix if self._start_unix is not None else previous_attempt_unix
+        lost = max(0, (self._reached_step if self._reached_step is not None else step) - step)
+        mean = self.mean_iter_s()
+        alive = [t for t in (self._last_unix, previous_attempt_unix) if t is not None]
+        restart = Restart(
+            generation=int(generation),
+            source=str(source),
+            restored_step=step,
+            restore_s=float(restore_s or 0.0),
+            lost_steps=lost,
+            lost_s=None if mean is None else lost * mean,
+            failure_unix=max(alive, default=None),
+            restored_unix=now_unix,
+            fallbacks=len(self._fallbacks),
+            memory_failed=sum(1 for src, cause in self._fallbacks if src == "memory" and cause == "verification"),
+        )
+        self._fallbacks = []
+        self.lost_steps_total += lost
+        self.lost_s_total += restart.lost_s or 0.0
+        self._reached_step = step
+        self.restarts.append(restart)
+        self._pending = restart
+        return restart
+
+    def progress_steps(self) -> int | None:
+        if self._start_step is None or self._reached_step is None:
+            return None
+        return max(0, self._reached_step - self._start_step)
+
+    def useful_s(self) -> float | None:
+        progress, mean = self.progress_steps(), self.mean_iter_s()
+        return None if progress is None or mean is None else progress * mean
+
+    def wall_s(self) -> float | None:
+        if self._first_unix is None or self._last_unix is None:
+            return None
+        return max(0.0, self._last_unix - self._first_unix)
+
+    def effective_ratio(self) -> float | None:
+        """Useful seconds / wall seconds, in [0, 1]; ``None`` before there is wall time."""
+        useful, wall = self.useful_s(), self.wall_s()
+        if useful is None or not wall:
+            return None
+        return min(1.0, max(0.0, useful / wall))
+
+    def rows(self) -> list[dict]:
+        """The restarts as the ``restarts`` table has them (``cf_ray.report.restarts_frame``)."""
+        return [asdict(r) for r in self.restarts]
+
+
+__all__ = ["Goodput", "Restart"]

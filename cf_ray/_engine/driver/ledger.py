@@ -1,0 +1,380 @@
+"""The controller's bookkeeping, under its one lock: the generation, the schedule (:mod:`.schedule`),
+the commits (:mod:`.commits`), the profile (:mod:`.profile_book`), the checkpoint requests, and the
+controller's own small state on storage (:class:`~.recovery.ControlState`).
+
+Every method takes the lock for the bookkeeping only: storage I/O (a manifest, the control state)
+happens after it is released (a commit is decided under the lock, written without it, and recorded
+under it again). Methods that settle steps return them, ``(generation, step, state, holders)``,
+for the caller to tell the holders (:meth:`~.recovery.Roster.tell`), also without the lock.
+
+No Ray here: the controller (:mod:`.controller`) passes the cluster's facts in, and tests build a
+ledger in process.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from cf_ray._engine.driver.commits import CommitBook
+from cf_ray._engine.driver.committed import CommitJob, load_committed
+from cf_ray._engine.driver.profile_book import ProfileBook
+from cf_ray._engine.driver.recovery import ControlState
+from cf_ray._engine.driver.schedule import ScheduleBook
+from cf_ray._engine.driver.schedule import explain as explain_policy
+from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.protocol.messages import (
+    CheckpointRequest,
+    HolderState,
+    Message,
+    PartDurable,
+    PartFailed,
+    PartReplicated,
+    PartStaged,
+    PartSuperseded,
+    Restored,
+    RestoreSource,
+    SectionState,
+    Settled,
+    SyncReply,
+    SyncRequest,
+)
+from cf_ray._engine.storage.fs import Storage
+from cf_ray.policy import FrequencyPolicy, Sample
+
+logger = logging.getLogger("cf_ray")
+
+SettledList = list[tuple[int, int, SectionState, tuple[str, ...]]]
+
+
+class Ledger:
+    """The run's bookkeeping (see the module doc).
+
+    Args:
+        key: the run key.
+        storage: the run's storage.
+        policy: the checkpoint-frequency policy.
+        resumed: this controller replaces one that died while workers ran (it numbers schedule
+            versions, failures and requests above anything the earlier one handed out, and
+            continues its profile).
+        lineage: the profile's lineage to continue (``None``: a new one).
+        on_commit: called with ``(step, manifest)`` after each commit, under the lock.
+        on_profile_batch: called when profile rows left memory (the maintenance thread writes them).
+    """
+
+    def __init__(
+        self,
+        key: str,
+        storage: Storage,
+        policy: FrequencyPolicy,
+        *,
+        resumed: bool,
+        lineage: str | None,
+        on_commit: Callable[[int, mf.Manifest], None],
+        on_profile_batch: Callable[[], None],
+    ):
+        self.key = key
+        self.storage = storage
+        self.lock = threading.RLock()
+        committed, newest_generation = load_committed(storage)
+        self.control = ControlState(storage)
+        saved_generation, restores, distrusted = self.control.load()
+        self.generation = max(newest_generation, saved_generation)
+        self._state_seq = 0
+        base = int(time.time() * 1000) if resumed else 0  # numbers above a predecessor's (see .schedule)
+        self.schedule = ScheduleBook(policy, storage, version_base=base)
+        self.book = ProfileBook(key, storage, self.schedule, lineage=lineage, seq_base=base, on_batch=on_profile_batch)
+        self.commits = CommitBook(
+            storage,
+            committed,
+            book=self.book,
+            schedule=self.schedule,
+            on_commit=on_commit,
+            restores=restores,
+            distrusted=distrusted,
+        )
+        self.requests: collections.deque[CheckpointRequest] = collections.deque(maxlen=64)
+        """Checkpoint requests from outside the workers (``notify_preemption``), the newest."""
+        self._request_seq = base
+        self.world_size: int | None = None
+
+    # -- attempts --------------------------------------------------------------------------------------
+    def new_attempt(self, world_size: int, alive_nodes: set[str] | None) -> tuple[int, Any, tuple[int, ...], tuple]:
+        """An attempt starts (rank 0's ``prepare_restore``): a new generation; returns it, the newest
+        snapshot in memory on ``alive_nodes``, the committed steps (newest first) and the schedules.
+        Writes the control state (outside the lock)."""
+        with self.lock:
+            self.generation += 1
+            self._event(self.schedule.reprofile_if_resized(self.world_size, world_size))
+            self.world_size = world_size
+            self.requests.clear()  # a notice for the previous attempt is moot
+            memory = self.commits.newest_in_memory(alive_nodes)  # copies on lost nodes do not count
+            out = (self.generation, memory, tuple(self.commits.committed_steps(newest_first=True)), self.schedule.all())
+            state = self._control_state()
+        self.control.write(*state)
+        return out
+
+    def restored(self, info: Restored, alive_nodes: set[str] | None) -> SettledList:
+        """Rank 0 reports where the attempt resumed from: snapshots of earlier generations past that
+        step belong to a timeline this attempt replays and are abandoned (:meth:`CommitBook.abandon_after`)."""
+        with self.lock:
+            self.book.add_event(
+                {
+                    "source": RestoreSource(info.source).value,
+                    "step": info.step,
+                    "epoch": info.epoch,
+                    "seconds": info.seconds,
+                    "world_size": info.world_size,
+                    "saved_world_size": info.saved_world_size,
+                    **info.extra,
+                    "event": "restore",
+                    "generation": self.generation,
+                    "time": time.time(),
+                }
+            )
+            self.commits.abandon_after(self.generation, info.step, alive_nodes)
+            state = self._control_state()
+            settled = self.commits.table.take_settled()
+        self.control.write(*state)
+        return settled
+
+    def write_control_state(self) -> None:
+        with self.lock:
+            state = self._control_state()
+        self.control.write(*state)
+
+    def _control_state(self) -> tuple[int, int, dict[int, int], list[tuple[int, int]]]:
+        self._state_seq += 1
+        return self._state_seq, self.generation, dict(self.commits.table.restores), list(self.commits.distrusted)
+
+    # -- workers ---------------------------------------------------------------------------------------
+    def sync(self, req: SyncRequest) -> SyncReply:
+        """A worker's poll: its samples in, the schedule and commit state out."""
+        with self.lock:
+            # A controller that started again continues above what the workers have seen.
+            self.generation = max(self.generation, req.generation)
+            self._event(self.schedule.continue_above(req.adopted_version))
+            self.book.log.continue_above(req.seen_failures)
+            self._request_seq = max(self._request_seq, req.seen_requests)
+            for s in req.samples:
+                sample = Sample(**s)
+                self.schedule.add_sample(sample)
+                self.book.add_iteration(req.rank, sample.step, sample.iter_s, sample.iters)
+            for stats in req.ckpt_stats:
+                self.book.add_rank_timings(req.generation, req.rank, stats)
+            self._event(self.schedule.replan())
+            return SyncReply(
+                schedules=self.schedule.since(req.adopted_version),
+                committed_step=self.commits.newest_step() or 0,
+                failures=self.book.log.failures_since(req.seen_failures),
+                requests=tuple(r for r in self.requests if r.seq > req.seen_requests),
+            )
+
+    def request(self, deadline_unix: float | None, detail: str) -> CheckpointRequest:
+        with self.lock:
+            self._request_seq += 1
+            req = CheckpointRequest(
+                seq=self._request_seq,
+                deadline_unix=deadline_unix,
+                detail=str(detail),
+                time_unix=time.time(),
+                generation=self.generation,
+            )
+            self.requests.append(req)
+            self.book.add_event(
+                {
+                    "seq": req.seq,
+                    "deadline_unix": req.deadline_unix,
+                    "detail": req.detail,
+                    "time": req.time_unix,
+                    "generation": req.generation,
+                    "event": "notice",
+                }
+            )
+            return req
+
+    def settled(self, generation: int, steps: list[int]) -> Settled:
+        with self.lock:
+            return self.commits.settled_report(int(generation), [int(s) for s in steps])
+
+    # -- holders ---------------------------------------------------------------------------------------
+    # Each returns the step's state after the message (None when this controller knows nothing of it)
+    # and the steps that settled; every one is idempotent (a holder re-sends what it is unsure arrived).
+    def staged(self, msg: PartStaged, draining: set[str] | None) -> tuple[SectionState | None, SettledList]:
+        with self.lock:
+            self.generation = max(self.generation, msg.generation)
+            job = self._staged(msg, resync=False, draining=draining)
+            settled = self.commits.table.take_settled()
+        return self._complete([job], settled, msg.generation, msg.step)
+
+    def superseded(self, msg: PartSuperseded) -> tuple[SectionState | None, SettledList]:
+        with self.lock:
+            self.commits.superseded(msg.generation, msg.step, msg.section)
+            return self.commits.table.state_of(msg.generation, msg.step), self.commits.table.take_settled()
+
+    def replicated(self, msg: PartReplicated) -> SectionState | None:
+        with self.lock:
+            self.commits.replicated(msg)
+            return self.commits.table.state_of(msg.generation, msg.step)
+
+    def durable(self, msg: PartDurable) -> tuple[SectionState | None, SettledList]:
+        with self.lock:
+            job = self.commits.durable(
+                msg.generation, msg.step, msg.section, msg.files, msg.persist_s, holder=msg.holder
+            )
+            self.book.note_host_copies(
+                msg.generation, msg.step, ("durable", msg.section), msg.copied_bytes, msg.crc_read_bytes
+            )
+            settled = self.commits.table.take_settled()
+        return self._complete([job], settled, msg.generation, msg.step)
+
+    def failed(self, msg: PartFailed) -> tuple[SectionState | None, SettledList]:
+        with self.lock:
+            self.commits.failed(msg.generation, msg.step, msg.section, msg.error, holder=msg.holder)
+            return self.commits.table.state_of(msg.generation, msg.step), self.commits.table.take_settled()
+
+    def apply_state(self, state: HolderState) -> SettledList:
+        """What a holder holds and did (``Holder.resync``), applied as if each message came again."""
+        with self.lock:
+            self.generation = max(self.generation, state.generation)
+            # The origins of the copies first (one whose node is lost can no longer say it staged them).
+            jobs = self._apply((*state.staged, *state.replica_origins), state.outcomes)
+            for msg in state.replicas:
+                if self.commits.table.accepts(msg.generation, msg.step):
+                    self.commits.replicated(msg, resync=True)
+            settled = self.commits.table.take_settled()
+        return self._complete(jobs, settled)[1]
+
+    def apply_watch(
+        self,
+        staged: list[PartStaged],
+        outcomes: list[Message],
+        lost: list[tuple[tuple[int, int, str], str]],
+        unfound: Iterable[tuple[int, int, str]],
+    ) -> SettledList:
+        """What the watch learnt (:mod:`.watch`): missed messages, sections whose holder lost them,
+        and sections of an ended attempt that no holder ever had."""
+        with self.lock:
+            jobs = self._apply(staged, outcomes)
+            for (gen, step, sec), name in lost:
+                self.commits.failed(
+                    gen,
+                    step,
+                    sec,
+                    f"lost: holder {name} died or was restarted before it had written this section",
+                    holder=name,
+                    lost=True,
+                )
+            for gen, step in sorted({(g, s) for g, s, _ in unfound}):
+                if gen < self.generation and self.commits.table.abandon(gen, step):
+                    self.book.note_abandoned(gen, step)
+                    logger.info(
+                        "cf_ray: step %d of generation %d abandoned: a section was never handed to a "
+                        "holder and its attempt is over",
+                        step,
+                        gen,
+                    )
+            settled = self.commits.table.take_settled()
+        return self._complete(jobs, settled)[1]
+
+    def _staged(self, msg: PartStaged, *, resync: bool, draining: set[str] | None = None) -> CommitJob | None:
+        if not self.commits.table.accepts(msg.generation, msg.step):
+            return None
+        job = self.commits.staged(msg, resync=resync, draining=draining)
+        self.book.note_staged(msg.generation, msg.step, msg.meta)
+        self.book.note_host_copies(msg.generation, msg.step, ("staged", msg.section), msg.holder_copied_bytes, 0)
+        return job
+
+    def _apply(self, staged: tuple | list, outcomes: tuple | list) -> list[CommitJob | None]:
+        jobs = [self._staged(m, resync=True) for m in staged]
+        for o in outcomes:
+            if isinstance(o, PartDurable):
+                jobs.append(
+                    self.commits.durable(
+                        o.generation, o.step, o.section, o.files, o.persist_s, holder=o.holder, resync=True
+                    )
+                )
+            elif isinstance(o, PartFailed):
+                self.commits.failed(o.generation, o.step, o.section, o.error, holder=o.holder, resync=True)
+            elif isinstance(o, PartSuperseded):
+                self.commits.superseded(o.generation, o.step, o.section, resync=True)
+        return jobs
+
+    def _complete(
+        self, jobs: list[CommitJob | None], settled: SettledList, generation: int | None = None, step: int | None = None
+    ) -> tuple[SectionState | None, SettledList]:
+        """Write the manifests of the steps that became complete (outside the lock), record the
+        results (under it). Returns the state of ``(generation, step)`` afterwards (when given) and
+        every step that settled."""
+        for job in jobs:
+            if job is None:
+                continue
+            result = self.commits.write(job)
+            with self.lock:
+                self.commits.finish(job, result)
+                settled = settled + self.commits.table.take_settled()
+        state = None
+        if generation is not None and step is not None:
+            with self.lock:
+                state = self.commits.table.state_of(generation, step)
+        return state, settled
+
+    # -- what users read -----------------------------------------------------------------------------------
+    def record_event(self, event: dict) -> None:
+        with self.lock:
+            self.book.add_event(dict(event, time=event.get("time", time.time())))
+
+    def _event(self, event: dict | None) -> None:
+        if event is not None:
+            self.book.add_event(event)
+
+    def events(self) -> list[dict]:
+        with self.lock:
+            return list(self.book.events)
+
+    def iteration_rows(self) -> list[dict]:
+        with self.lock:
+            return self.book.iteration_rows()
+
+    def profile_rows(self) -> list[dict]:
+        """Every row of this run's profile so far: the parts on storage and the rows in memory."""
+        return self.book.all_rows(self.lock)
+
+    def explain(self) -> Any:
+        with self.lock:
+            return explain_policy(self.schedule.policy)
+
+    def pending_steps(self, generation: int) -> list[int]:
+        with self.lock:
+            return self.commits.table.awaited_steps(generation)
+
+    def summary(self) -> dict:
+        with self.lock:
+            return {
+                "generation": self.generation,
+                "committed_steps": self.commits.committed_steps(),
+                "interval": self.schedule.current_interval,
+                "schedules": self.schedule.as_dicts(),
+                "failures": self.book.log.failure_dicts(),
+                "events": list(self.book.events),
+                "pending": self.commits.table.pending_steps(),
+                "restore_fallbacks": self.book.log.fallback_counts(),
+                "distrusted": [list(k) for k in self.commits.distrusted],
+            }
+
+    def save_profile(self) -> None:
+        """Write the profile table and the policy's state to storage (never raises)."""
+        self.book.save(self.lock)
+        self.save_policy_state()
+
+    def save_policy_state(self) -> None:
+        with self.lock:
+            raw = self.schedule.state_bytes()
+        self.schedule.write_state(raw)
+
+
+__all__ = ["Ledger"]
