@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import functools
 import logging
 import sys
 import time
@@ -59,7 +58,7 @@ from cf_ray._engine.worker.sharded import ShardedState
 from cf_ray._engine.worker.snapshot import Phase1
 from cf_ray._engine.worker.timing import Timing
 from cf_ray._engine.worker.trust_gate import TrustGate, rollbacks
-from cf_ray.config import CheckpointConfig, PreemptionConfig
+from cf_ray.config import CheckpointConfig
 from cf_ray.errors import ConfigError
 
 logger = logging.getLogger("cf_ray")
@@ -150,13 +149,7 @@ class Checkpointer:
         self._durability = Durability(self.config, ctx.rank, self._link, ctx.storage.uri())
         self._trust = TrustGate(ctx.rank)  # the first steps after a restore (trust_gate.py)
         self._phase1.on_slot_wait = self._during_slot_wait
-        final_module = self.state.get(self.config.final_model) if self.config.final_model else None
-        final_sharded = None
-        if self._sharded is not None and self.config.final_model in self._sharded.modules:
-            # A sharded final model: every rank gathers one tensor at a time, rank 0 writes it (#13).
-            final_sharded = functools.partial(self._sharded.state_dict, self.config.final_model)
-            final_module = None
-        self._ray_train = RayTrainLink(ctx, self.config.register_with_ray, final_module, final_sharded)
+        self._ray_train = RayTrainLink.for_run(ctx, self.config, self.state, self._sharded)
         self._restorer = Restorer(
             ctx, self.config, self._link, self._control, self.state, self.data, sharded=self._sharded
         )
@@ -164,14 +157,10 @@ class Checkpointer:
         self.epoch = 0
         self.resume: Resume | None = None
         self._lifecycle = _Lifecycle.OPEN
-        self.preemption: PreemptionWatcher | None = None
+        self.preemption: PreemptionWatcher | None = PreemptionWatcher.started(
+            self.config.preemption, ctx.rank, lambda: self._scheduler.want(RequestLevel.PREEMPT)
+        )
         """This rank's preemption watcher (its ``notices`` and ``outcomes``), ``None`` when disabled."""
-        if self.config.preemption:
-            pcfg = (
-                self.config.preemption if isinstance(self.config.preemption, PreemptionConfig) else PreemptionConfig()
-            )
-            self.preemption = PreemptionWatcher(pcfg, ctx.rank, lambda: self._scheduler.want(RequestLevel.PREEMPT))
-            self.preemption.install()
 
     # -- the training step: guard, update, agree, decide, snapshot, report --------------------------------
     def step(self, *optimizers, scaler=None, loss=None) -> bool:
@@ -412,20 +401,9 @@ class Checkpointer:
         if outcome.source is not RestoreSource.FRESH:
             self.step_count, self.epoch = outcome.step, outcome.epoch
         self._scheduler.saved(outcome.step)
-        return Resume(
-            source=outcome.source.value,
-            step=outcome.step,
-            epoch=outcome.epoch,
-            generation=self.generation,
-            path=outcome.path,
-            saved_world_size=outcome.saved_world_size,
-            data=outcome.data,
-            seconds=seconds,
-            phases=dict(self._restorer.phases),
-            read_bytes=dict(self._restorer.read_bytes),
-            fallbacks=list(self._restorer.fallbacks.items),
-            refused_copies=[f.event() for f in self._restorer.refusals.items],
-            rolled_back_from=self._trust.rolled_back_from,
+        rolled_back_from = self._trust.rolled_back_from
+        return self._restorer.resume_of(
+            outcome, generation=self.generation, seconds=seconds, rolled_back_from=rolled_back_from
         )
 
     # -- what happened ------------------------------------------------------------------------------------

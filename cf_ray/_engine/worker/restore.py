@@ -58,6 +58,7 @@ from cf_ray._engine.worker.control import ControlPlane
 from cf_ray._engine.worker.controller_link import ControllerLink
 from cf_ray._engine.worker.restore_decision import Fallbacks, PlanFailed, Status, Verdict, decide, fail_status
 from cf_ray._engine.worker.restore_storage import describe, load_section, other_run_checkpoint, read
+from cf_ray._engine.worker.results import Resume
 from cf_ray._engine.worker.rng import rng_state, set_rng_state  # noqa: F401 - re-exported (older imports)
 from cf_ray._engine.worker.trust_gate import Reason, RunTrust, stopped_error
 from cf_ray.config import CheckpointConfig
@@ -384,6 +385,25 @@ class Restorer:
             generation=self._generation,
         )
         return outcome, status, statuses
+
+    def resume_of(self, outcome: Outcome, *, generation: int, seconds: float, rolled_back_from: int | None) -> Resume:
+        """What ``Checkpointer.restore()`` returns for ``outcome``: where, and what this restore read,
+        skipped and refused on the way."""
+        return Resume(
+            source=outcome.source.value,
+            step=outcome.step,
+            epoch=outcome.epoch,
+            generation=generation,
+            path=outcome.path,
+            saved_world_size=outcome.saved_world_size,
+            data=outcome.data,
+            seconds=seconds,
+            phases=dict(self.phases),
+            read_bytes=dict(self.read_bytes),
+            fallbacks=list(self.fallbacks.items),
+            refused_copies=[f.event() for f in self.refusals.items],
+            rolled_back_from=rolled_back_from,
+        )
 
     def _agree(self, status: Status) -> list[Status]:
         """Every rank's outcome of this phase (an all-gather; every rank reaches it, whatever happened)."""
