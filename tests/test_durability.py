@@ -347,7 +347,7 @@ def test_a_pinned_milestone_on_a_hung_storage_never_stops_training_silently(ray_
     import threading
 
     caplog.set_level(logging.WARNING, logger="cf_ray")
-    ck, step, flag = _ckpt(tmp_path, "pinned", "hang", on_durability_lost="raise", durability_timeout_s=4.0)
+    ck, step, flag = _ckpt(tmp_path, "pinned", "hang", on_durability_lost="raise", durability_timeout=4.0)
     released = threading.Timer(90.0, lambda: flag.unlink(missing_ok=True))  # a hang on main ends some day
     released.daemon = True
     try:
@@ -415,7 +415,7 @@ def test_finish_waits_for_the_final_checkpoint_by_the_runs_persist_times_or_says
             register_with_ray=False,
             preemption=False,
             policy=cf_ray.FixedInterval(every=2),
-            durability_floor_s=1.0,
+            durability_timeout=DurabilityTimeout(floor_s=1.0),
             storage_filesystem=pafs.PyFileSystem(slow),
         ),
     )
