@@ -24,111 +24,44 @@ A failed save never fails the job, and is never silent: each failure is logged a
 says so once per episode (``CheckpointConfig(on_durability_lost="raise")`` fails the attempt instead).
 
 :class:`Checkpointer` is a facade: each step of that sequence is one part under
-``cf_ray/_engine/worker/`` (context, control, scheduler, timing, snapshot, controller_link,
-ray_train, restore, preemption_watcher).
+``cf_ray/_engine/worker/`` (run_actors, context, control, scheduler, timing, snapshot,
+controller_link, durability, ray_train, restore, trust_gate, preemption_watcher; what it returns is
+in results).
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
-import functools
 import logging
 import sys
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any, cast
-
-import ray
+from typing import Any
 
 from cf_ray._engine import env as _env
-from cf_ray._engine.driver import controller as _controller
-from cf_ray._engine.driver.controller import ControllerSettings, get_or_create_controller
 from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.node.holder import get_or_create_holder
 from cf_ray._engine.protocol.messages import CheckpointKind, CheckpointRequest, RequestLevel, RestorePlan, RestoreSource
-from cf_ray._engine.protocol.naming import controller_name
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray._engine.worker.context import WorkerContext, check_tracked, unwrap_ddp
 from cf_ray._engine.worker.control import Agreement, ControlPlane
 from cf_ray._engine.worker.controller_link import ControllerLink
 from cf_ray._engine.worker.cpu_budget import mark as cpu_mark
+from cf_ray._engine.worker.durability import Durability
 from cf_ray._engine.worker.preemption_watcher import PreemptionWatcher
 from cf_ray._engine.worker.ray_train import RayTrainLink
 from cf_ray._engine.worker.restore import Outcome, Restorer, newest_committed
+from cf_ray._engine.worker.results import FinishSummary, Resume
+from cf_ray._engine.worker.run_actors import connect
 from cf_ray._engine.worker.scheduler import Scheduler
 from cf_ray._engine.worker.sharded import ShardedState
 from cf_ray._engine.worker.snapshot import Phase1
 from cf_ray._engine.worker.timing import Timing
-from cf_ray._engine.worker.watchdog import DurabilitySettings, DurabilityWatchdog, Knowledge
-from cf_ray.config import CheckpointConfig, DurabilityTimeout, PreemptionConfig
-from cf_ray.errors import ConfigError, DurabilityLostError
+from cf_ray._engine.worker.trust_gate import TrustGate, rollbacks
+from cf_ray.config import CheckpointConfig
+from cf_ray.errors import ConfigError
 
 logger = logging.getLogger("cf_ray")
-
-
-def _controller_resolver(key: str, storage, settings: ControllerSettings):
-    """What a rank calls when the controller is gone: a live handle, made again if needed."""
-
-    def resolve():
-        # SEAM (#16, driver side): resolve_controller() waits for a live controller and makes it
-        # again when it is gone for good; without it, the same get-or-create as at the start.
-        resolve_controller = getattr(_controller, "resolve_controller", None)
-        if resolve_controller is not None:
-            return resolve_controller(key, storage, settings)
-        return get_or_create_controller(key, storage, settings)
-
-    return resolve
-
-
-@dataclass(frozen=True, slots=True)
-class Resume:
-    """Where a run resumes: returned by :meth:`Checkpointer.restore`."""
-
-    source: str
-    """``fresh`` (nothing to restore), ``memory`` (a holder's snapshot) or ``storage``."""
-    step: int
-    """Optimizer steps already taken; the next ``step()`` makes it ``step + 1``."""
-    epoch: int
-    """The epoch to continue (mid-epoch when the data objects say so)."""
-    generation: int
-    """This attempt's generation (1 for the first start of a run)."""
-    path: str | None = None
-    """The checkpoint's location when restored from storage."""
-    saved_world_size: int | None = None
-    """Number of ranks that saved the checkpoint."""
-    data: dict = field(default_factory=dict)
-    """This rank's restored data-object states by name."""
-    seconds: float = 0.0
-    """Time spent restoring on this rank."""
-    phases: dict = field(default_factory=dict)
-    """Of ``seconds``, those of each phase on this rank: ``plan`` (the controller's plan), ``read``
-    (fetching and checking the bytes of every candidate tried), ``validate``, ``apply`` (loading
-    into the tracked objects), ``verify`` (the fingerprints); the rest is the ranks' agreement."""
-    read_bytes: dict = field(default_factory=dict)
-    """Bytes this rank read, by how: ``in_place`` (its node's holder's memory, mapped), ``direct``
-    (streamed from a holder of another node: a lost node's sections, a peer's copy), ``storage``."""
-
-    @property
-    def fresh(self) -> bool:
-        return self.source == "fresh"
-
-
-@dataclass(frozen=True, slots=True)
-class FinishSummary:
-    """What :meth:`Checkpointer.finish` reports."""
-
-    final_path: str | None
-    """Where the consolidated model was written (``None``: not written)."""
-    committed_steps: list[int]
-    """Every committed checkpoint of the run, oldest first."""
-    failures: list[dict]
-    """Checkpoints that did not commit (``step``, ``section``, ``rank``, ``error``, ``generation``):
-    this attempt's, and those of earlier attempts of the same run that the controller knows of (a
-    step lost with its node, a write that failed after its ranks were gone), marked
-    ``earlier_attempt: True``. The controller keeps the newest 1,000; the profile table
-    (``committed``, ``where``, ``error``) and the restarts table (``lost_steps``) have them all."""
 
 
 class _Lifecycle(enum.Enum):
@@ -187,17 +120,7 @@ class Checkpointer:
                 sorted(self._sharded.names),
                 " (replicated=True is ignored for this run)" if self.config.replicated else "",
             )
-        if not ray.is_initialized():
-            ray.init(ignore_reinit_error=True)
-        settings = ControllerSettings(
-            policy=self.config.policy,
-            keep_last=self.config.keep_last,
-            tiers=list(ctx.tiers),
-            upload_milestones_only=self.config.upload == "milestones",
-            release_after_fit_s=float(self.config.release_after_fit_s),
-        )
-        controller = get_or_create_controller(ctx.key, ctx.storage, settings)
-        holder = get_or_create_holder(ctx.key, ctx.storage, controller_name(ctx.key), _env.namespace())
+        actors = connect(ctx, self.config)
         self._control = ControlPlane(ctx.rank, ctx.world_size)
         self._timing = Timing()
         self._scheduler = Scheduler(self.config)
@@ -207,36 +130,26 @@ class Checkpointer:
             replicated,
             self.state,
             self.data,
-            holder,
+            actors.holder,
             self._timing,
-            resolve_holder=lambda: get_or_create_holder(
-                ctx.key, ctx.storage, controller_name(ctx.key), _env.namespace()
-            ),
+            resolve_holder=actors.resolve_holder,
             sharded=self._sharded,
             replicas=-1 if self.config.replication.copies is None else self.config.replication.copies,
             replica_label=self.config.replication.label or "",
             replica_every=int(self.config.replication.every),
         )
         self._link = ControllerLink(
-            controller,
+            actors.controller,
             ctx.rank,
             self._timing,
             self._scheduler,
             self._heard_from_driver,
-            resolve=_controller_resolver(ctx.key, ctx.storage, settings),
+            resolve=actors.resolve_controller,
         )
-        timeout = cast(DurabilityTimeout, self.config.durability_timeout)
-        self._watchdog = DurabilityWatchdog(
-            DurabilitySettings(timeout_s=timeout.seconds, factor=timeout.factor, floor_s=timeout.floor_s)
-        )
-        self._lost_reported = False  # rank 0 recorded the episode in progress with the controller
-        final_module = self.state.get(self.config.final_model) if self.config.final_model else None
-        final_sharded = None
-        if self._sharded is not None and self.config.final_model in self._sharded.modules:
-            # A sharded final model: every rank gathers one tensor at a time, rank 0 writes it (#13).
-            final_sharded = functools.partial(self._sharded.state_dict, self.config.final_model)
-            final_module = None
-        self._ray_train = RayTrainLink(ctx, self.config.register_with_ray, final_module, final_sharded)
+        self._durability = Durability(self.config, ctx.rank, self._link, ctx.storage.uri())
+        self._trust = TrustGate(ctx.rank)  # the first steps after a restore (trust_gate.py)
+        self._phase1.on_slot_wait = self._during_slot_wait
+        self._ray_train = RayTrainLink.for_run(ctx, self.config, self.state, self._sharded)
         self._restorer = Restorer(
             ctx, self.config, self._link, self._control, self.state, self.data, sharded=self._sharded
         )
@@ -244,33 +157,37 @@ class Checkpointer:
         self.epoch = 0
         self.resume: Resume | None = None
         self._lifecycle = _Lifecycle.OPEN
-        self.preemption: PreemptionWatcher | None = None
+        self.preemption: PreemptionWatcher | None = PreemptionWatcher.started(
+            self.config.preemption, ctx.rank, lambda: self._scheduler.want(RequestLevel.PREEMPT)
+        )
         """This rank's preemption watcher (its ``notices`` and ``outcomes``), ``None`` when disabled."""
-        if self.config.preemption:
-            pcfg = (
-                self.config.preemption if isinstance(self.config.preemption, PreemptionConfig) else PreemptionConfig()
-            )
-            self.preemption = PreemptionWatcher(pcfg, ctx.rank, lambda: self._scheduler.want(RequestLevel.PREEMPT))
-            self.preemption.install()
 
     # -- the training step: guard, update, agree, decide, snapshot, report --------------------------------
-    def step(self, *optimizers, scaler=None) -> bool:
+    def step(self, *optimizers, scaler=None, loss=None) -> bool:
         """Call in place of ``optimizer.step()`` (once per update, after gradient accumulation).
 
         Waits for an in-flight snapshot copy (the weight-update guard), steps every optimizer
         (through ``scaler`` when AMP's ``GradScaler`` is given, then ``scaler.update()``), and takes
         a checkpoint if this is a checkpoint step.
 
+        Args:
+            loss: this step's loss (a tensor or a number), for the trust gate: during the first
+                ``env.TRUST_STEPS`` (3) steps after a restore it is read, and a non-finite one
+                rolls the run back past the restored checkpoint (once); at other steps it is not
+                read (no device synchronisation).
+
         Returns:
             True when a checkpoint was started at this step.
 
         Raises:
             DurabilityLostError: ``on_durability_lost="raise"`` and some rank lost durability.
+            RestoreError: the loss went non-finite in the first steps after a restore, on some rank:
+                the attempt ends so that the next one restores an older checkpoint.
         """
         if not optimizers:
             raise ConfigError("Checkpointer.step() needs the optimizer(s) to step, e.g. ckpt.step(optimizer)")
         taken = self.checkpoints_taken
-        with self.update():
+        with self.update(loss=loss):
             for opt in optimizers:
                 if scaler is not None:
                     scaler.step(opt)
@@ -281,9 +198,11 @@ class Checkpointer:
         return self.checkpoints_taken > taken
 
     @contextlib.contextmanager
-    def update(self) -> Iterator[None]:
-        """Guard a custom weight update: ``with ckpt.update(): my_update()``; counts as one step."""
+    def update(self, loss=None) -> Iterator[None]:
+        """Guard a custom weight update: ``with ckpt.update(): my_update()``; counts as one step
+        (``loss``: as for :meth:`step`)."""
         budget, t = self._timing.budget, cpu_mark()  # where each part's time goes (cpu_budget.py)
+        self._trust.loss(self.step_count + 1, loss)  # read only in the first steps after a restore
         self._phase1.capture_late()  # the last snapshot's schedulers, ...
         t = budget.lap("capture_late", t)
         guard_s = self._phase1.wait_copy()  # guard
@@ -304,7 +223,9 @@ class Checkpointer:
         agreement = self._agree()  # agree
         t = budget.lap("agreement", t)
         if agreement is not None and agreement.durability_lost:
-            self._raise_durability_lost()
+            self._durability.raise_lost(self.step_count)
+        if agreement is not None and agreement.non_finite:
+            self._trust.roll_back(self._link, agreement.non_finite)  # raises on every rank
         self._ray_train.on_agreement(agreement, self.epoch)
         t = budget.lap("register", t)
         kind, milestone = self._scheduler.decide(self.step_count, self.epoch, agreement)  # decide
@@ -334,7 +255,8 @@ class Checkpointer:
             save_request=self._scheduler.local_request,
             committed_step=committed,
             register=self.rank == 0 and self._ray_train.due(committed),
-            durability_lost=self._watchdog.lost and self.config.on_durability_lost == "raise",
+            durability_lost=self._durability.raising,
+            non_finite=self._trust.posted,
         )
 
     def _snapshot(self, kind: CheckpointKind, *, milestone: bool = False) -> None:
@@ -352,123 +274,37 @@ class Checkpointer:
             replica_interval=self._scheduler.interval or getattr(self.config.policy, "every", None),
         )
         self._scheduler.saved(self.step_count)
+        if sync_s is None or self._phase1.skipped is not None:  # no free slot in time (snapshot.py)
+            if self._phase1.skipped is not None:
+                self._link.report_skipped(self.step_count, *self._phase1.skipped)
+            return
         self._link.track(self.step_count)
-        self._watchdog.taken(self.step_count, time.monotonic())
+        self._durability.taken(self.step_count)
+        self._trust.taken(self.step_count)
         self._timing.snapshot_taken(self.step_count, sync_s, time.perf_counter() - t0, self._phase1.last_begin)
 
-    # -- durability: the watchdog's episodes ---------------------------------------------------------------
+    # -- durability and trust ------------------------------------------------------------------------------
     def _watch(self) -> None:
-        """Feed the watchdog what this rank knows; say so when an episode starts or ends."""
-        now = time.monotonic()
-        change = self._watchdog.observe(
-            Knowledge(
-                now=now,
-                step=self.step_count,
-                committed_step=self._link.known_committed,
-                info_time=self._link.info_time,
-                in_flight_s=self._link.in_flight_s(now),
-                poll_failures=self._link.poll_failures,
-                interval_steps=self._scheduler.interval,
-            )
-        )
-        iter_s = self._watchdog.iter_s
-        self._phase1.late_wait_s = max(5.0, 4 * iter_s) if iter_s else 5.0
-        if change is None:
-            return
-        if change.started:
-            logger.warning("%s", self._lost_message(action=True))
-            self._record_lost()
-        else:
-            ep = change.episode
-            logger.warning(
-                "cf_ray: rank %d: durability restored at step %d: step %d committed, %.0f s after the alarm (%s)",
-                self.rank,
-                self.step_count,
-                change.committed_step,
-                change.lost_s,
-                ep.reason.value,
-            )
-            if self.rank == 0 and self._lost_reported:
-                self._link.record_event(
-                    {
-                        "event": "durability_restored",
-                        "rank": self.rank,
-                        "step": self.step_count,
-                        "committed_step": change.committed_step,
-                        "lost_s": change.lost_s,
-                        "reason": ep.reason.value,
-                        "generation": self.generation,
-                    }
-                )
-            self._lost_reported = False
+        """Feed the durability watchdog what this rank knows (``worker/durability.py`` says what it finds)."""
+        self._durability.observe(self.step_count, self._scheduler.interval)
+        self._phase1.late_wait_s = self._durability.late_wait_s()
 
-    def _record_lost(self) -> None:
-        """Rank 0 tells the controller (its events, profile and metrics), once per episode."""
-        if self.rank != 0 or self._lost_reported:
-            return
-        self._lost_reported = True
-        ep = self._watchdog.episode
-        event: dict[str, Any] = {
-            "event": "durability_lost",
-            "rank": self.rank,
-            "step": self.step_count,
-            "committed_step": self._link.known_committed,
-            "generation": self.generation,
-            "action": self.config.on_durability_lost,
-            "failures": [f"step {f['step']} ({f['section']}): {f['error']}" for f in self._link.failures[-3:]],
-        }
-        if ep is not None:
-            event.update(reason=ep.reason.value, since_step=ep.since_step, waited_s=ep.waited_s, limit_s=ep.limit_s)
-        else:
-            event.update(reason="another_rank")
-        self._link.record_event(event)
-
-    def _lost_message(self, *, action: bool) -> str:
-        """What happened, as this rank knows it, and (``action``) what cf_ray does about it."""
-        ep = self._watchdog.episode
-        if ep is not None:
-            what = f"cf_ray: rank {self.rank}: durability lost at step {self.step_count}: {ep.describe()}"
-            timeout = cast(DurabilityTimeout, self.config.durability_timeout)
-            if timeout.seconds is None:
-                what += (
-                    f" ({timeout.factor:g} x the expected {ep.expected_s:.1f} s to a commit, "
-                    f"at least DurabilityTimeout.floor_s={timeout.floor_s:g})"
-                )
-        else:
-            what = (
-                f"cf_ray: rank {self.rank}: durability lost on another rank at step {self.step_count} (this rank "
-                f"knows of no commit since step {self._link.known_committed})"
-            )
-        failures = self._link.failures[-3:]
-        what += ". Last failures: " + (
-            "; ".join(f"step {f['step']} ({f['section']}): {f['error']}" for f in failures)
-            if failures
-            else "none reported (a storage that hangs, or the controller)"
-        )
-        what += (
-            f". Checkpoints go to {self.storage.uri()}: check that it is reachable and writable, and that the "
-            "cf_ray controller actor is alive"
-        )
-        if not action:
-            return what
-        if self.config.on_durability_lost == "raise":
-            return what + "; the attempt fails (CheckpointConfig(on_durability_lost='raise'))"
-        return (
-            what + "; training goes on, the newest committed checkpoint stays the one a restart would use "
-            "(warned once per episode; on_durability_lost='raise' fails the attempt instead)"
-        )
-
-    def _raise_durability_lost(self) -> None:
-        self._record_lost()
-        raise DurabilityLostError(
-            self._lost_message(action=False) + ". The attempt fails because CheckpointConfig(on_durability_lost="
-            "'raise'); to tolerate longer stalls set CheckpointConfig(durability_timeout=<seconds>), or "
-            "on_durability_lost='warn' to train on without durable checkpoints"
-        )
+    def _during_slot_wait(self, waited_s: float) -> bool:
+        """While the training thread waits for a free snapshot slot: the controller's news and the
+        watchdog, so that a storage that hangs is said now; True ends the wait (the attempt is to fail)."""
+        del waited_s
+        self._link.poll(self.step_count, self._phase1.last_timings)
+        self._durability.observe(self.step_count, self._scheduler.interval)
+        return self._durability.raising
 
     def end_epoch(self) -> bool:
-        """Mark the end of an epoch; takes the checkpoint that ``EpochEnd`` asks for."""
-        self._phase1.capture_late()
+        """Mark the end of an epoch; takes the checkpoint that ``EpochEnd`` asks for.
+
+        A checkpoint of the epoch's last step whose late objects (schedulers, ...) are taken here holds
+        them as they are at the epoch's end (a per-epoch scheduler stepped before ``end_epoch()``
+        included), so it resumes at the next epoch: the resumed loop does not step them again."""
+        last = self._scheduler.last_save_step == self.step_count  # a checkpoint of this very step
+        self._phase1.capture_late(next_epoch=self.epoch + 1 if last else None)
         self.epoch += 1
         if self._scheduler.epoch_end_due(self.step_count, self.epoch):
             self._snapshot(CheckpointKind.EPOCH)
@@ -539,6 +375,15 @@ class Checkpointer:
         plan = self._restorer.plan()
         self._start_attempt(plan)
         outcome = self._restorer.load(plan)
+        rollback = self._restorer.trust.rollback_into(self.generation)  # the attempt before asked for it
+        self._trust.start(
+            restored_step=outcome.step,
+            restored_generation=outcome.generation,
+            source=outcome.source,
+            attempt=self.generation,
+            rolled_back_from=self._restorer.fallbacks.rolled_back_from
+            or (rollback["restored_step"] if rollback else None),
+        )
         self.resume = self._resumed(outcome, seconds=time.perf_counter() - t0)
         self._restorer.report(outcome, self.resume.seconds)
         return self.resume
@@ -547,7 +392,7 @@ class Checkpointer:
         """This attempt's generation, every schedule version so far, and what is already committed."""
         committed = newest_committed(plan)
         self._link.start_attempt(plan.generation, committed)
-        self._watchdog.start_attempt(committed, time.monotonic())
+        self._durability.start_attempt(committed)
         self._phase1.generation = plan.generation
         self._scheduler.start_attempt(plan.schedules)
         self._ray_train.start_attempt(committed)
@@ -556,17 +401,9 @@ class Checkpointer:
         if outcome.source is not RestoreSource.FRESH:
             self.step_count, self.epoch = outcome.step, outcome.epoch
         self._scheduler.saved(outcome.step)
-        return Resume(
-            source=outcome.source.value,
-            step=outcome.step,
-            epoch=outcome.epoch,
-            generation=self.generation,
-            path=outcome.path,
-            saved_world_size=outcome.saved_world_size,
-            data=outcome.data,
-            seconds=seconds,
-            phases=dict(self._restorer.phases),
-            read_bytes=dict(self._restorer.read_bytes),
+        rolled_back_from = self._trust.rolled_back_from
+        return self._restorer.resume_of(
+            outcome, generation=self.generation, seconds=seconds, rolled_back_from=rolled_back_from
         )
 
     # -- what happened ------------------------------------------------------------------------------------
@@ -606,13 +443,25 @@ class Checkpointer:
         self._phase1.capture_late()
         return self._wait(timeout, report_timeout=True)
 
-    def _wait(self, timeout: float | None, *, report_timeout: bool, safe_ok: bool = False) -> list[dict]:
+    def _wait(
+        self,
+        timeout: float | None,
+        *,
+        report_timeout: bool,
+        safe_ok: bool = False,
+        hint: str = "wait(timeout=...) or CF_RAY_ACTOR_TIMEOUT_S",
+    ) -> list[dict]:
         limit = timeout if timeout is not None else _env.get_float(_env.ACTOR_TIMEOUT_S)
         deadline = time.monotonic() + limit
         self._phase1.wait_done(limit)
         self._link.add_local_failures(self._phase1.take_errors())
         self._link.wait_durable(
-            deadline, self.step_count, self._phase1.last_timings, report_timeout=report_timeout, safe_ok=safe_ok
+            deadline,
+            self.step_count,
+            self._phase1.last_timings,
+            report_timeout=report_timeout,
+            safe_ok=safe_ok,
+            hint=hint,
         )
         return self._link.new_failures(self.config.raise_on_persist_error)
 
@@ -631,7 +480,11 @@ class Checkpointer:
 
         The final model's manifest names the newest committed full checkpoint (a milestone, never
         deleted by keep-last), so ``CheckpointConfig(resume_from=result.checkpoint)`` continues the
-        run: model, optimizer, schedulers, RNG and data positions."""
+        run: model, optimizer, schedulers, RNG and data positions. The wait for durability is bounded
+        by ``CheckpointConfig.finish_timeout_s``, by default derived from the persist times of this run
+        (``DurabilityTimeout.factor`` x the slowest, at least its ``floor_s``); when it passes before
+        the final checkpoint commits, a warning says so and :class:`FinishSummary` has
+        ``final_durable=False`` and the ``resume_step`` the final model names."""
         if self._lifecycle is not _Lifecycle.OPEN:
             raise RuntimeError(
                 "Checkpointer.finish() was already called"
@@ -642,15 +495,13 @@ class Checkpointer:
         if self.step_count > 0 and self._scheduler.last_save_step != self.step_count:  # agreed: same on every rank
             self._snapshot(CheckpointKind.MANUAL, milestone=True)  # every rank, at the same step (like save())
             self._phase1.capture_late()  # nothing runs between this checkpoint and the end
-        failures = self.wait()
+        limit = self._durability.finish_limit_s()
+        failures = self._wait(limit, report_timeout=True, hint="CheckpointConfig(finish_timeout_s=...)")
         self._control.drain()
-        resume = mf.step_dir(self._link.known_committed) if self._link.known_committed > 0 else None
-        if self.rank == 0 and self._link.known_committed < self.step_count:
-            logger.warning(
-                "cf_ray: the final state (step %d) is not committed; the final model names %s for resume_from",
-                self.step_count,
-                f"the newest committed checkpoint, {resume}" if resume else "no checkpoint",
-            )
+        committed = int(self._control.broadcast(self._link.known_committed))  # rank 0's, who writes the model
+        resume = mf.step_dir(committed) if committed > 0 else None
+        if self.rank == 0 and committed < self.step_count:
+            self._durability.not_durable_at_finish(self.step_count, committed, limit)
         final_path, final_failures = self._ray_train.final_model(
             self.step_count, self.epoch, self._control, resume=resume
         )
@@ -664,6 +515,10 @@ class Checkpointer:
             final_path=final_path,
             committed_steps=summary["committed_steps"],
             failures=self._link.failures or failures + final_failures,
+            final_step=self.step_count,
+            final_durable=committed >= self.step_count,
+            resume_step=committed if committed > 0 else None,
+            rollbacks=rollbacks(summary.get("events", ())),
         )
 
     def close(self) -> None:

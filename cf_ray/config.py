@@ -184,6 +184,13 @@ class CheckpointConfig:
     """When durability counts as lost: a :class:`DurabilityTimeout` (a fixed number of seconds, or the
     automatic limit's factor and floor), or a number of seconds (``DurabilityTimeout(seconds=n)``).
     ``None``: automatic, ``DurabilityTimeout()``. Always a :class:`DurabilityTimeout` once built."""
+    finish_timeout_s: float | None = None
+    """How long :meth:`~cf_ray.Checkpointer.finish` waits for the final checkpoint (and every other
+    one taken) to become durable. ``None``: derived from this run's persist times, as the automatic
+    durability limit is (``durability_timeout.factor`` x the slowest persist seen, at least
+    ``durability_timeout.floor_s``). When it passes, ``finish()`` says so (a warning,
+    ``FinishSummary.final_durable``) and the final model names the newest committed step, never
+    silently an older one."""
     allow_mismatch: frozenset[str] | tuple[str, ...] | str = frozenset()
     """Which disagreements between the script and the checkpoint a restore tolerates: ``"missing"``
     (the script tracks an object, ``state`` or ``data``, that the checkpoint does not hold, e.g. a
@@ -272,6 +279,11 @@ class CheckpointConfig:
                 f"CheckpointConfig.on_durability_lost={self.on_durability_lost!r} must be one of {_ON_DURABILITY_LOST}"
             )
         self.durability_timeout = _durability_timeout(self.durability_timeout)
+        if self.finish_timeout_s is not None and not _positive(self.finish_timeout_s):
+            raise ConfigError(
+                f"CheckpointConfig.finish_timeout_s={self.finish_timeout_s!r} must be a number of seconds > 0, "
+                "or None (derived from the run's persist times)"
+            )
         self.allow_mismatch = _allow_mismatch(self.allow_mismatch)
         if not isinstance(self.replication, Replication):
             raise ConfigError(

@@ -202,14 +202,14 @@ def load_state(
     out: dict[str, Any] = {}
     if m.replicated:
         shared = mf.load_section(run, directory, m, mf.SHARED)
-        objs = _select(shared, ("objects",), wanted, keyset)
+        objs = _select(shared, (mf.OBJECTS,), wanted, keyset)
     else:
         sec = mf.load_section(run, directory, m, mf.rank_section(rank))
-        objs = _select(sec, ("state",), wanted, keyset)
+        objs = _select(sec, (mf.STATE,), wanted, keyset)
     out.update(objs)
     if wanted is not None and wanted - set(out):
         sec = mf.load_section(run, directory, m, mf.rank_section(rank))
-        out.update(_select(sec, ("objects",), wanted - set(out), keyset))
+        out.update(_select(sec, (mf.OBJECTS,), wanted - set(out), keyset))
     missing = (wanted or set()) - set(out)
     if missing:
         raise CheckpointNotFoundError(f"checkpoint {run.uri(directory)} has no objects {sorted(missing)}")

@@ -243,17 +243,17 @@ def test_a_storage_that_hangs_is_one_alarm_per_episode(ray_cluster, tmp_path, ca
         for episode in (1, 2):
             flag.touch()  # from here the storage never returns
             t0 = time.time()
-            while ck._watchdog.episodes < episode and time.time() - t0 < 30:
+            while ck._durability.watchdog.episodes < episode and time.time() - t0 < 30:
                 step()
-            assert ck._watchdog.episodes == episode, "no alarm"
+            assert ck._durability.watchdog.episodes == episode, "no alarm"
             for _ in range(20):  # training goes on; the alarm is not repeated
                 step()
-            assert len(_lost_logs(caplog)) == episode and ck._watchdog.lost
+            assert len(_lost_logs(caplog)) == episode and ck._durability.watchdog.lost
             flag.unlink()  # the storage is back
             t0 = time.time()
-            while ck._watchdog.lost and time.time() - t0 < 30:
+            while ck._durability.watchdog.lost and time.time() - t0 < 30:
                 step()
-            assert not ck._watchdog.lost, "the episode did not end"
+            assert not ck._durability.watchdog.lost, "the episode did not end"
         lost, restored = _events(ck, "durability_lost", 2), _events(ck, "durability_restored", 2)
         assert len(lost) == 2 and len(restored) == 2
         assert lost[0]["reason"] == "no_commit" and lost[0]["committed_step"] >= 6 and lost[0]["action"] == "warn"
@@ -334,5 +334,111 @@ def test_a_dead_controller_is_resolved_again_and_training_goes_on(ray_cluster, t
     for _ in range(4):
         step()
     assert ck.wait() == []  # the new controller commits what is taken from here
-    assert ck._link.known_committed >= 4 and not ck._watchdog.lost
+    assert ck._link.known_committed >= 4 and not ck._durability.watchdog.lost
     ck.finish()
+
+
+@pytest.mark.slow
+def test_a_pinned_milestone_on_a_hung_storage_never_stops_training_silently(ray_cluster, tmp_path, caplog):
+    """Storage stops answering after a commit; a milestone a step later is pinned until written, so
+    the next scheduled snapshot finds both slots of its sections held. The training thread says so
+    while it waits, the watchdog speaks during the wait, the snapshot is skipped (reported), and
+    on_durability_lost="raise" fails the attempt: never a silent stop."""
+    import threading
+
+    caplog.set_level(logging.WARNING, logger="cf_ray")
+    ck, step, flag = _ckpt(tmp_path, "pinned", "hang", on_durability_lost="raise", durability_timeout=4.0)
+    released = threading.Timer(90.0, lambda: flag.unlink(missing_ok=True))  # a hang on main ends some day
+    released.daemon = True
+    try:
+        for _ in range(4):
+            step()
+        ck.wait()
+        assert ck._link.known_committed == 4
+        flag.touch()  # from here the storage never returns
+        released.start()
+        step()
+        step()  # step 6: the holder starts writing it, and hangs
+        ck.wait_snapshot()
+        time.sleep(1.0)
+        step()
+        ck.save(milestone=True)  # step 7: pinned until written
+        t0 = time.time()
+        with pytest.raises(DurabilityLostError, match="no checkpoint has committed since step 4"):
+            while time.time() - t0 < 60:
+                step()  # step 8 finds both slots held
+        elapsed = time.time() - t0
+        assert elapsed < 30, f"training stopped for {elapsed:.0f} s"
+        text = caplog.text
+        waited = text.index("has waited 1 s for a free slot")
+        lost = text.index("durability lost at step 8")
+        skipped = text.index("the checkpoint of step 8 is skipped: no free snapshot slot")
+        assert waited < lost < skipped  # said while it waited, then the way out, then the raise
+        assert _failures_reported(ck, 8), "the skipped snapshot is a reported failure"
+    finally:
+        released.cancel()
+        flag.unlink(missing_ok=True)
+        ck.close()
+
+
+def _failures_reported(ck, step, timeout=15.0):
+    """The controller's failures of ``step`` (the skipped snapshot reaches every rank through it)."""
+    deadline = time.time() + timeout
+    while True:
+        got = [f for f in ck._link.call("summary")["failures"] if f["step"] == step]
+        if got or time.time() > deadline:
+            return got
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("final_slower", [False, True], ids=["slow_storage", "slower_final_persist"])
+def test_finish_waits_for_the_final_checkpoint_by_the_runs_persist_times_or_says_it_did_not(
+    ray_cluster, tmp_path, caplog, monkeypatch, final_slower
+):
+    """The RPC timeout scaled down to 2 s: with every persist slow (~3 s), finish() waits for the
+    final checkpoint (its bound comes from the persist times it measured) and the final model names
+    the final step; with a final persist much slower than those measured, finish() says so and the
+    summary names the step the final model resumes from (never silently an older one)."""
+    from faulty_fs import SlowHandler
+
+    caplog.set_level(logging.WARNING, logger="cf_ray")
+    slow = SlowHandler(slow_from=6, slow_to=7, delay_s=30.0) if final_slower else SlowHandler(0, 10**6, 3.0)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ck = cf_ray.Checkpointer(
+        {"model": model, "optimizer": opt},
+        config=cf_ray.CheckpointConfig(
+            storage_path=str(tmp_path),
+            run_name="final",
+            register_with_ray=False,
+            preemption=False,
+            policy=cf_ray.FixedInterval(every=2),
+            durability_timeout=DurabilityTimeout(floor_s=1.0),
+            storage_filesystem=pafs.PyFileSystem(slow),
+        ),
+    )
+    ck.restore()
+    monkeypatch.setenv("CF_RAY_ACTOR_TIMEOUT_S", "2")  # the RPC timeout, scaled down from 120 s
+    for _ in range(5):
+        model(torch.randn(2, 4)).sum().backward()
+        ck.step(opt)
+        opt.zero_grad()
+        time.sleep(0.05)
+    t0 = time.time()
+    while ck._durability.watchdog.slowest_persist_s is None and time.time() - t0 < 60:
+        ck._link.poll(ck.step_count, {}, force=True)  # a commit seen: a persist time measured
+        time.sleep(0.2)
+        ck._durability.observe(ck.step_count, 2)
+    model(torch.randn(2, 4)).sum().backward()
+    ck.step(opt)  # step 6, the final step: finish() takes no other checkpoint
+    summary = ck.finish()
+    assert summary.final_step == 6
+    if not final_slower:
+        assert summary.final_durable and summary.resume_step == 6 and 6 in summary.committed_steps
+        assert "was not committed within finish()'s wait" not in caplog.text
+    else:
+        assert not summary.final_durable and summary.resume_step == 4, summary
+        assert "the final state (step 6) was not committed within finish()'s wait" in caplog.text
+        assert "names step 4, the newest committed one" in caplog.text and "finish_timeout_s" in caplog.text

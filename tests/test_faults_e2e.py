@@ -310,3 +310,40 @@ def test_holder_killed_mid_write_that_step_never_commits_later_ones_do_bitwise(r
     assert result["committed_steps"] == on_storage
     assert demo.states_equal(reference / "final_state.pt", out / "final_state.pt")
     assert e2e.lineage(out) == e2e.lineage(reference)
+
+
+# -- a bit flipped in a holder's memory, then a worker killed ------------------------------------------------
+
+
+def test_a_bit_flipped_in_a_holders_slot_then_a_worker_killed_restores_the_intact_copy_bitwise(
+    ray_cluster, reference, tmp_path
+):
+    """Twice in one run, rank 1 waits until the newest checkpoint is committed (storage holds it
+    intact), flips one bit of the model's 16 KiB weight in the holder's slot of that step, and is
+    SIGKILLed: first in the middle of the weight (no fingerprint window samples it: restored silently
+    before #23), then in its first floats (caught by the fingerprint before #23, and fatal). Each time
+    every byte is checked against its block's CRC-32 before use: the memory copy is refused (the block
+    named, an event), the restore takes the intact copy on storage, and the run ends bitwise equal to
+    an uninterrupted one."""
+    name = "flipped"
+    out = tmp_path / "out" / name
+    flips = [{"at": 12, "where": "middle"}, {"at": 22, "where": "first"}]
+    cfg = dict(e2e.SMALL, keep_last=None, fault_hook="trust_faults:flip_then_kill", flips=flips)
+    demo.run(name, str(tmp_path), cfg)
+    flipped = [json.load(open(out / f"flipped{i}.json")) for i in range(2)]
+    assert [f["step"] for f in flipped] == [10, 20]
+    first, second, third = e2e.resumes(out)
+    assert first["source"] == "fresh"
+    assert (second["source"], second["step"]) == ("storage", 10), second  # not memory: its copy is refused
+    assert (third["source"], third["step"]) == ("storage", 20), third
+    assert demo.states_equal(reference / "final_state.pt", out / "final_state.pt")
+    assert e2e.lineage(out) == e2e.lineage(reference)
+    events = e2e.result_of(out)["events"]
+    # Each rank reads the shared section, and each says which block of it failed, read how and from where.
+    refused = [e for e in events if e["event"] == "integrity_failure"]
+    assert sorted((e["step"], e["rank"], e["section"], e["how"], e["blocks"]) for e in refused) == [
+        (f["step"], r, mf.SHARED, "in_place", [f["block"]]) for f in flipped for r in (0, 1)
+    ]
+    # The controller never offers those memory snapshots again (their checkpoints on storage are intact).
+    distrusted = [(e["generation"], e["step"], e["source"]) for e in events if e["event"] == "distrusted"]
+    assert distrusted == [(f["generation"], f["step"], "memory") for f in flipped]

@@ -20,6 +20,7 @@ from cf_ray._engine.protocol.messages import (
     Distrusted,
     Failure,
     HolderState,
+    IntegrityFailure,
     MemorySnapshot,
     Message,
     PartDurable,
@@ -138,6 +139,17 @@ EXAMPLES: list[Message] = [
     ),
     Restored(
         source=RestoreSource.MEMORY, step=10, epoch=1, seconds=0.2, world_size=2, saved_world_size=2, extra={"note": 1}
+    ),
+    IntegrityFailure(
+        rank=1,
+        generation=2,
+        step=10,
+        section=mf.SHARED,
+        holder="cf_ray.holder.k.n1",
+        how="in_place",
+        blocks=(3,),
+        block_bytes=mf.BLOCK_BYTES,
+        error="block 3 fails its CRC-32",
     ),
     Settled(
         generation=2,

@@ -136,10 +136,16 @@ class _Link:
 
     def __init__(self):
         self.events: list[dict] = []
+        self.distrusted: list[tuple] = []
         self.controller = self
+        self.generation = 2
 
-    def record_event(self, event):
+    def record_event(self, event, wait=False):
         self.events.append(event)
+
+    def call(self, method, *args, **kwargs):
+        assert method == "distrust", method
+        self.distrusted.append(args)
 
 
 def _restorer(tmp_path, state, data, **cfg):

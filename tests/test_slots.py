@@ -286,3 +286,93 @@ def test_cuda_copies_into_the_spare_slot_register_it_on_first_use():
     assert all(torch.equal(got["model"][k], v) for k, v in expected.items())
     snap.close()
     snap.release_buffers()
+
+
+def test_a_snapshot_that_finds_every_slot_held_waits_a_bounded_time_saying_so_then_is_skipped(monkeypatch, caplog):
+    """Every slot of the section is held by the holder (one being written, one pinned until written:
+    a milestone on a storage that hangs, and the spare): the training thread waits at most
+    env.SLOT_WAIT_S, says so while it waits, lets the watchdog speak (``on_slot_wait``), and then
+    skips the snapshot."""
+    import logging
+    import threading
+    import time
+
+    from cf_ray._engine.worker.snapshot import SnapshotSkipped
+
+    caplog.set_level(logging.WARNING, logger="cf_ray")
+    from cf_ray._engine import env
+
+    monkeypatch.setattr(env, "SLOT_WAIT_S", 2.0)
+    model, opt, train_step, sections, guarded = _job()
+    holder = _Holder()
+    snap = Snapshotter(0, holder, arena_source=holder.arena)
+    held = []
+    for step in (1, 2, 3):  # one fill in each slot, each held: written, pinned, and the spare
+        train_step(snap)
+        snap.begin(step, sections(), guarded, {})
+        assert snap.wait_done(timeout=30)
+        held.append(holder.read(step)[0])
+    calls: list[float] = []
+    snap.on_slot_wait = lambda waited: calls.append(waited) is None and False
+    outcome: dict = {}
+
+    def take():
+        t0 = time.monotonic()
+        try:
+            snap.begin(4, sections(), guarded, {})
+        except SnapshotSkipped as e:
+            outcome["skipped"] = str(e)
+        outcome["seconds"] = time.monotonic() - t0
+
+    try:
+        train_step(snap)
+        t = threading.Thread(target=take, daemon=True)
+        t.start()
+        t.join(timeout=20)
+        assert not t.is_alive(), "the training thread waits for a free slot without a bound"
+        assert "no free snapshot slot of section s within 2 s" in outcome["skipped"]
+        assert "step 1 (ready), step 2 (ready), step 3 (ready)" in outcome["skipped"]
+        assert 2.0 <= outcome["seconds"] < 10
+        assert len(calls) >= 4 and max(calls) < 2.5  # the watchdog was fed while it waited
+        assert "has waited 1 s for a free slot of section s" in caplog.text  # said while it waited
+        # The watchdog ends the wait early (durability lost with on_durability_lost="raise").
+        snap.on_slot_wait = lambda waited: True
+        t0 = time.monotonic()
+        with pytest.raises(SnapshotSkipped):
+            snap.begin(4, sections(), guarded, {})
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        for lk in held:
+            lk.close()
+    # The slots are free again: the next snapshot takes one at once.
+    snap.begin(5, sections(), guarded, {})
+    assert snap.wait_done(timeout=30) and snap.take_errors() == [] and 5 in holder.staged
+    snap.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_unguarded_device_tensors_land_before_their_blocks_are_checksummed_and_handed_off():
+    """A device with only unguarded tensors (a buffer): their non_blocking copies into the slot are
+    waited for before the background thread checksums the slot and hands it off (#23, item 9)."""
+    holder = _Holder()
+    snap = Snapshotter(0, holder, arena_source=holder.arena)
+    buf = torch.randn(64 << 20, device="cuda")  # 256 MB, not guarded: copied at begin(), non_blocking
+    expected = buf.cpu().numpy().view(np.uint8).copy()
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(50):  # the device is busy: the copy queued behind this lands late
+        a = torch.tanh(a @ a)
+    snap.begin(1, {"s": {"buf": buf}}, lambda t: False, {})
+    assert snap.wait_done(timeout=120) and snap.take_errors() == []
+    _, index, crc = holder.staged[1]["s"]
+    lk, _ = holder.read(1)
+    try:
+        data = np.frombuffer(lk.data, dtype=np.uint8)
+        _tree, entries, blocks = mf.parse_index_blocks(index, "test")
+        mf.verify_blocks(data, blocks, "the slot")  # the checksums are those of the landed bytes
+        assert zlib.crc32(data) == crc
+        (e,) = entries
+        assert np.array_equal(data[e.offset : e.offset + e.nbytes], expected)
+    finally:
+        lk.close()
+        snap.close()

@@ -123,6 +123,14 @@ EVENTS_WINDOW: int = _deprecated("EVENTS_WINDOW", 1000)
 #: controller does not profile again from scratch).
 POLICY_SAVE_INTERVAL_S: float = _deprecated("POLICY_SAVE_INTERVAL_S", 60.0)
 
+#: Steps after a restore whose loss (``Checkpointer.step(..., loss=)``) is read and checked for NaN and
+#: infinity (``worker/trust_gate.py``); a non-finite one rolls the run back past the restored step.
+#: Only these steps read the loss's value (a GPU loss is synchronised there only).
+TRUST_STEPS: int = 3
+#: Seconds a snapshot waits for a free slot when the holder holds both slots of a section (one being
+#: written, one pinned until written) before it is skipped and reported (``worker/snapshot.py``).
+SLOT_WAIT_S: float = 60.0
+
 CONSTANTS = (
     "POLL_INTERVAL_S",
     "WARN_INTERVAL_S",

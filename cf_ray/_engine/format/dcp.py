@@ -245,8 +245,8 @@ def _sections_of(manifest: mf.Manifest, where: str) -> tuple[list[str], str]:
     if manifest.kind == "final":
         raise CfRayError(f"{where} holds only the final model's weights; DCP needs a full checkpoint")
     if manifest.replicated:
-        return [mf.SHARED], "objects"
-    return [mf.rank_section(r) for r in range(manifest.world_size)], "state"
+        return [mf.SHARED], mf.OBJECTS
+    return [mf.rank_section(r) for r in range(manifest.world_size)], mf.STATE
 
 
 class CfRayReader(StorageReader):

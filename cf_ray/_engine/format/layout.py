@@ -31,6 +31,15 @@ LATEST = "latest"
 REGISTERED = "registered"
 POINTER = "cf_ray_checkpoint.json"
 SHARED = "shared"
+#: The keys of a section's state tree, as snapshots write them and restores read them: the
+#: replicated tracked objects (``shared``) or a rank's data objects (``rank_NNNNN``) by name ...
+OBJECTS = "objects"
+#: ... a rank's own tracked state (``replicated=False``, sharded state) by name ...
+STATE = "state"
+#: ... its RNG states ...
+RNG = "rng"
+#: ... and its counters (``step``, ``epoch``, ``rank``, ``world_size``).
+COUNTERS = "counters"
 #: The final model's one section and file (``final_<step>/``): what ``write_final_model`` writes.
 FINAL_SECTION = "model"
 FINAL_MODEL_FILE = "model.safetensors"

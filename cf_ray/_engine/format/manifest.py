@@ -31,6 +31,7 @@ from cf_ray._engine.format.layout import (  # noqa: F401 - re-exported: callers 
     _FILE_RE,
     _SECTION_RE,
     CHECKPOINTS,
+    COUNTERS,
     FINAL_MODEL_FILE,
     FINAL_SECTION,
     FORMAT,
@@ -38,9 +39,12 @@ from cf_ray._engine.format.layout import (  # noqa: F401 - re-exported: callers 
     LATEST,
     MANIFEST,
     MAX_WORLD_SIZE,
+    OBJECTS,
     POINTER,
     REGISTERED,
+    RNG,
     SHARED,
+    STATE,
     VERSION,
     parse_step_dir,
     rank_section,
@@ -389,10 +393,26 @@ def write_section(
     storage: Storage, directory: str, generation: int, section: str, arena: np.ndarray, index: bytes
 ) -> dict[str, FileInfo]:
     """Phase 2 of one section: stream the arena, then its index with the CRC-32 of every block of
-    the arena (``BLOCK_BYTES``; for ranged reads). Returns what the manifest needs."""
+    the arena (``BLOCK_BYTES``; for ranged reads). An index that carries block checksums already
+    (the worker's, taken as it copied) is checked against the arena first: bytes that changed in
+    memory since are never written as a checkpoint. Returns what the manifest needs.
+
+    Raises:
+        CorruptCheckpointError: the arena no longer matches the block checksums its index carries.
+    """
     data_name, index_name = section_files(generation, section)
+    crcs = block_crcs(arena)
+    index, known = split_blocks(index)
+    if known is not None and list(known) != crcs:
+        bad = [i for i, (a, b) in enumerate(zip(known, crcs)) if a != b] or list(range(len(crcs)))
+        raise BlockMismatchError(
+            f"section {section}: the snapshot's bytes changed in memory after they were checksummed "
+            f"(blocks {bad[:BLOCKS_NAMED]})",
+            blocks=bad,
+            block_bytes=BLOCK_BYTES,
+        )
     info_data = storage.write_file(f"{directory}/{data_name}", chunked(arena))
-    index = with_blocks(index, block_crcs(arena))
+    index = with_blocks(index, crcs)
     info_index = storage.write_file(f"{directory}/{index_name}", [index])
     return {data_name: info_data, index_name: info_index}
 
@@ -419,6 +439,21 @@ def write_section_slot(
             )
     info_index = storage.write_file(f"{directory}/{index_name}", [index])
     return {data_name: info_data, index_name: info_index}, copied
+
+
+def split_blocks(index: bytes) -> tuple[bytes, tuple[int, ...] | None]:
+    """An encoded index without the block checksums :func:`with_blocks` appended, and those
+    checksums (``None`` when it has none). No torch: the holder calls it."""
+    raw = bytes(index).rstrip()
+    at = raw.rfind(b',"blocks":{')
+    if at < 0 or not raw.endswith(b"}}"):
+        return raw, None
+    try:
+        b = json.loads(raw[at + len(b',"blocks":') : -1])
+        crcs = tuple(int(c) for c in b["crc32"]) if b.get("bytes") == BLOCK_BYTES else None
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return raw, None
+    return (raw[:at] + b"}", crcs) if crcs is not None else (raw, None)
 
 
 def with_blocks(index: bytes, crcs: list[int], block: int = BLOCK_BYTES) -> bytes:
@@ -640,11 +675,18 @@ def read_manifest(storage: Storage, directory: str) -> Manifest:
     return m
 
 
-def read_verified(storage: Storage, directory: str, manifest: Manifest, name: str) -> np.ndarray:
+def read_verified(
+    storage: Storage, directory: str, manifest: Manifest, name: str, *, blocks: Blocks | None = None
+) -> np.ndarray:
     """Read one file and check its size and CRC-32 against the manifest *before* anyone parses it.
 
+    Args:
+        blocks: the file's block checksums (a section's data file), used only when the file fails
+            its checksum, to say which blocks differ.
+
     Raises:
-        CorruptCheckpointError: missing, truncated, extended or altered file.
+        CorruptCheckpointError: missing, truncated, extended or altered file (:class:`BlockMismatchError`
+            naming the blocks when ``blocks`` are given).
     """
     info = manifest.files.get(name)
     if info is None:
@@ -665,9 +707,11 @@ def read_verified(storage: Storage, directory: str, manifest: Manifest, name: st
         )
     crc = crc32_of(buf)
     if crc != info.crc32:
-        raise CorruptCheckpointError(
-            f"{storage.uri(directory)}/{name} fails its checksum (crc32 {crc:#x} != {info.crc32:#x})"
-        )
+        what = f"{storage.uri(directory)}/{name} fails its checksum (crc32 {crc:#x} != {info.crc32:#x})"
+        bad = bad_blocks(buf, blocks) if blocks is not None else []
+        if bad:  # the failure path only: a second pass, to say where
+            raise BlockMismatchError(what, blocks=bad, block_bytes=blocks.size if blocks else 0)
+        raise CorruptCheckpointError(what)
     return buf
 
 
@@ -685,6 +729,9 @@ class Section:
     private: bool = False
     """``buf`` is memory of this process that nothing else uses (a section streamed from another
     node): the restore keeps views into it instead of copying what it keeps (optimizer state)."""
+    blocks: Blocks | None = None
+    """The CRC-32 of every block of ``buf`` (from the index; ``None`` for checkpoints written before
+    them): what :func:`verify_blocks` checks bytes that came from memory against."""
 
     def materialize(self, *, copy: bool = False) -> Any:
         """The state tree with tensors (views into ``buf`` unless ``copy``)."""
@@ -732,6 +779,66 @@ def parse_index_blocks(raw: bytes | np.ndarray, where: str) -> tuple[Any, list[_
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as e:
         # UnicodeDecodeError and json.JSONDecodeError are ValueErrors.
         raise CorruptCheckpointError(f"index {where} is malformed: {type(e).__name__}: {e}") from None
+
+
+class BlockMismatchError(CorruptCheckpointError):
+    """Bytes of a section that fail the CRC-32 of their blocks (``Blocks``): ``blocks`` are the
+    indices of the blocks that differ (the first :data:`BLOCKS_NAMED`), each ``block_bytes`` long."""
+
+    def __init__(self, message: str, *, blocks: list[int] | tuple[int, ...] = (), block_bytes: int = 0):
+        super().__init__(message)
+        self.blocks = list(blocks)
+        self.block_bytes = int(block_bytes)
+
+    def __reduce__(self):
+        return (_block_mismatch, (self.args[0] if self.args else "", self.blocks, self.block_bytes))
+
+
+def _block_mismatch(message: str, blocks: list[int], block_bytes: int) -> BlockMismatchError:
+    return BlockMismatchError(message, blocks=blocks, block_bytes=block_bytes)
+
+
+#: Blocks a :class:`BlockMismatchError` names at most (the count of the others is said).
+BLOCKS_NAMED = 8
+
+
+def bad_blocks(buf: np.ndarray, blocks: Blocks) -> list[int]:
+    """The indices of the blocks of ``buf`` whose CRC-32 differs from ``blocks`` (all of them when
+    the number of blocks does not fit ``buf``'s size)."""
+    n = math.ceil(buf.nbytes / blocks.size)
+    if len(blocks.crc32) != n:
+        return list(range(max(n, len(blocks.crc32))))
+    b = blocks.size
+    return [i for i in range(n) if crc32_of(buf[i * b : (i + 1) * b]) != blocks.crc32[i]]
+
+
+def verify_blocks(buf: np.ndarray, blocks: Blocks | None, where: str) -> None:
+    """Check every byte of ``buf`` against the CRC-32 of its block before anything uses it: what a
+    restore does with a section that came from memory (a slot mapped in place, a stream from another
+    node, an object-store copy), whatever the path. Fails closed: bytes without block checksums
+    cannot be verified and are refused.
+
+    Raises:
+        BlockMismatchError: naming the blocks that differ and their byte ranges.
+        CorruptCheckpointError: ``blocks`` is ``None``, or does not fit the size of ``buf``.
+    """
+    if blocks is None:
+        raise CorruptCheckpointError(f"{where}: its index carries no block checksums, so its bytes cannot be verified")
+    if len(blocks.crc32) != math.ceil(buf.nbytes / blocks.size):
+        raise CorruptCheckpointError(
+            f"{where}: its index has {len(blocks.crc32)} block checksums for {buf.nbytes} bytes in blocks of {blocks.size}"
+        )
+    bad = bad_blocks(buf, blocks)
+    if bad:
+        b = blocks.size
+        named = ", ".join(f"{i} (bytes {i * b}..{min((i + 1) * b, buf.nbytes) - 1})" for i in bad[:BLOCKS_NAMED])
+        more = f" and {len(bad) - BLOCKS_NAMED} more" if len(bad) > BLOCKS_NAMED else ""
+        raise BlockMismatchError(
+            f"{where}: block{'s' if len(bad) > 1 else ''} {named}{more} of {len(blocks.crc32)} fail"
+            f"{'' if len(bad) > 1 else 's'} its CRC-32 (blocks of {b} bytes)",
+            blocks=bad,
+            block_bytes=b,
+        )
 
 
 class RangedData:
@@ -788,9 +895,11 @@ class RangedData:
         for i in range(first, last + 1):
             crc = crc32_of(raw[(i - first) * b : (i - first + 1) * b])
             if crc != self.blocks.crc32[i]:
-                raise CorruptCheckpointError(
+                raise BlockMismatchError(
                     f"{self.storage.uri(self.path)}: block {i} (bytes {i * b}..) fails its checksum "
-                    f"(crc32 {crc:#x} != {self.blocks.crc32[i]:#x})"
+                    f"(crc32 {crc:#x} != {self.blocks.crc32[i]:#x})",
+                    blocks=[i],
+                    block_bytes=b,
                 )
         self.bytes_read += raw.nbytes
         self._last = (last, raw[(last - first) * b :].copy())
@@ -852,11 +961,11 @@ def load_section(
             raise UnsafeCheckpointError(f"{storage.uri(directory)}/{names['data']} is a symbolic link")
         buf = RangedData(storage, f"{directory}/{names['data']}", info.size, blocks)
     else:
-        buf = read_verified(storage, directory, manifest, names["data"])
+        buf = read_verified(storage, directory, manifest, names["data"], blocks=blocks)
     for e in entries:
         if e.offset + e.nbytes > buf.nbytes:
             raise CorruptCheckpointError(f"entry {e.name} lies beyond the end of {names['data']}")
-    return Section(tree, entries, buf)
+    return Section(tree, entries, buf, blocks=blocks)
 
 
 def verify_all(storage: Storage, directory: str, manifest: Manifest) -> None:

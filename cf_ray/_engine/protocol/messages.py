@@ -446,6 +446,43 @@ class RestorePlan(Message):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class IntegrityFailure(Message):
+    """One copy of a section that a restore refused because its bytes failed their block checksums
+    (worker -> controller, as an ``integrity_failure`` event: :meth:`event`). The restore went on
+    with the next copy, or the next candidate; nothing of these bytes was used."""
+
+    rank: int
+    """The rank that read it."""
+    generation: int
+    """The snapshot's generation."""
+    step: int
+    section: str
+    holder: str
+    """Where the bytes came from: a holder's actor name, or the storage URI of the file."""
+    how: str
+    """How they came: ``in_place``, ``direct``, ``object_store``, ``storage``."""
+    blocks: tuple[int, ...] = ()
+    """The blocks that failed (indices, at most ``manifest.BLOCKS_NAMED``); empty: not a block check."""
+    block_bytes: int = 0
+    error: str = ""
+
+    def event(self) -> dict[str, Any]:
+        """As the controller records it (``events()``)."""
+        return {
+            "event": "integrity_failure",
+            "rank": self.rank,
+            "generation": self.generation,
+            "step": self.step,
+            "section": self.section,
+            "holder": self.holder,
+            "how": self.how,
+            "blocks": list(self.blocks),
+            "block_bytes": self.block_bytes,
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Settled(Message):
     """The controller's answer to ``settled(generation, steps)``: which of those steps of one
     generation are settled — nothing more will happen to them — and how. A step is settled when it
@@ -519,6 +556,7 @@ __all__ = [
     "Distrusted",
     "Failure",
     "HolderState",
+    "IntegrityFailure",
     "MemorySnapshot",
     "PartReplicated",
     "Message",

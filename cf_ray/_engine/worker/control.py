@@ -2,7 +2,8 @@
 
 Every decision that must be identical on all ranks (adopt schedule version v, take a checkpoint
 now because of a preemption notice or a manual request, register committed step C with Ray Train,
-fail the attempt because durability is lost and ``on_durability_lost="raise"``)
+fail the attempt because durability is lost and ``on_durability_lost="raise"``, roll back because
+the first steps after a restore gave a non-finite loss)
 travels in a tiny int64 vector. At each step every rank launches an *asynchronous* all-reduce
 (MIN) of its local vector on a dedicated gloo group and collects the result of the previous step's
 all-reduce, which is long finished by then because the ranks move in lockstep anyway (DDP
@@ -27,8 +28,9 @@ SAVE_REQUEST = 1  # MAX (negated): a RequestLevel (0 none, 1 manual request, 2 p
 COMMITTED_STEP = 2  # MIN: the newest committed step every rank knows of
 REGISTER = 3  # MAX (negated): rank 0 asks to register with Ray Train
 DURABILITY_LOST = 4  # MAX (negated): a rank lost durability and the attempt is to fail
-_N = 5
-_NEGATED = (SAVE_REQUEST, REGISTER, DURABILITY_LOST)
+NON_FINITE = 5  # MAX (negated): the step at which a rank's loss went non-finite after a restore (0: none)
+_N = 6
+_NEGATED = (SAVE_REQUEST, REGISTER, DURABILITY_LOST, NON_FINITE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +47,9 @@ class Agreement:
     """Rank 0 asks every rank to register ``committed_step`` with Ray Train."""
     durability_lost: bool = False
     """Some rank lost durability with ``on_durability_lost="raise"``: every rank fails the attempt."""
+    non_finite: int = 0
+    """The newest step at which some rank's loss went non-finite in the first steps after a restore
+    (``worker/trust_gate.py``; 0: none): every rank rolls back."""
 
 
 class ControlPlane:
@@ -76,6 +81,7 @@ class ControlPlane:
         committed_step: int,
         register: bool,
         durability_lost: bool = False,
+        non_finite: int = 0,
     ) -> Agreement | None:
         local = [0] * _N
         local[SCHEDULE_VERSION] = schedule_version
@@ -83,6 +89,7 @@ class ControlPlane:
         local[COMMITTED_STEP] = committed_step
         local[REGISTER] = int(register)
         local[DURABILITY_LOST] = int(durability_lost)
+        local[NON_FINITE] = int(non_finite)
         if self._group is None:
             return _agreement(local)
         previous = None
@@ -144,4 +151,5 @@ def _agreement(v: list[int]) -> Agreement:
         committed_step=v[COMMITTED_STEP],
         register=bool(v[REGISTER]),
         durability_lost=bool(v[DURABILITY_LOST]),
+        non_finite=v[NON_FINITE],
     )

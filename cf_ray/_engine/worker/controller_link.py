@@ -34,7 +34,7 @@ import ray.exceptions
 
 from cf_ray._engine import env as _env
 from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.protocol.messages import CheckpointRequest, Settled, SyncReply, SyncRequest
+from cf_ray._engine.protocol.messages import CheckpointRequest, PartFailed, Settled, SyncReply, SyncRequest
 from cf_ray._engine.worker.scheduler import Scheduler
 from cf_ray._engine.worker.timing import Timing
 from cf_ray.errors import PersistError
@@ -321,6 +321,7 @@ class ControllerLink:
         *,
         report_timeout: bool = True,
         safe_ok: bool = False,
+        hint: str = "wait(timeout=...) or CF_RAY_ACTOR_TIMEOUT_S",
     ) -> list[int]:
         """Block until every checkpoint this rank took in this attempt is settled (committed, failed,
         superseded or abandoned) or ``deadline`` (``time.monotonic()``) passed, then poll once (the
@@ -332,6 +333,7 @@ class ControllerLink:
             safe_ok: a just-in-time checkpoint safe in a peer's memory counts as settled, and so
                 do the older ones still pending (the preempted rank's wait; ``finish()`` waits for
                 storage).
+            hint: the setting that makes the wait longer (named in the warnings).
 
         Returns:
             The steps not settled at the deadline.
@@ -354,10 +356,11 @@ class ControllerLink:
                 break
             if time.monotonic() > warn_at:
                 logger.warning(
-                    "cf_ray: rank %d still waiting for steps %s to become durable; raise "
-                    "CF_RAY_ACTOR_TIMEOUT_S to wait longer",
+                    "cf_ray: rank %d still waiting for steps %s to become durable (%.0f s left; %s waits longer)",
                     self.rank,
                     unsettled,
+                    max(0.0, deadline - time.monotonic()),
+                    hint,
                 )
                 warn_at = time.monotonic() + _env.get_float(_env.WARN_INTERVAL_S)
             time.sleep(0.05)
@@ -381,11 +384,11 @@ class ControllerLink:
                 )
             logger.warning(
                 "cf_ray: rank %d: checkpoints of steps %s were neither committed nor failed after %.0f s; "
-                "reported as failed (timeout). Raise CF_RAY_ACTOR_TIMEOUT_S or pass wait(timeout=...) "
-                "to wait longer",
+                "reported as failed (timeout); %s waits longer",
                 self.rank,
                 unsettled,
                 waited,
+                hint,
             )
             self.taken = [s for s in self.taken if s not in unsettled]
         return unsettled
@@ -477,12 +480,37 @@ class ControllerLink:
         )
         return left
 
-    def record_event(self, event: dict) -> None:
-        """Fire-and-forget: an event for the controller's event list (and profile)."""
+    def record_event(self, event: dict, *, wait: bool = False) -> None:
+        """An event for the controller's event list (and profile): fire-and-forget, or (``wait``) once
+        the controller has recorded it (what another process must see next: a distrusted snapshot)."""
         try:
-            self.controller.record_event.remote(event)
+            if wait:
+                self.call("record_event", event)
+            else:
+                self.controller.record_event.remote(event)
         except Exception as e:  # noqa: BLE001 - bookkeeping never fails training
             logger.warning("cf_ray: rank %d: could not record event %s: %r", self.rank, event.get("event"), e)
+
+    def report_skipped(self, step: int, error: str, sections: list[str]) -> None:
+        """A snapshot this rank did not take (no free slot in time): the controller fails its step, so
+        that nobody waits for it and the failure reaches every rank (``wait()``, ``FinishSummary``)."""
+        try:
+            for section in sections:
+                self.controller.part_failed.remote(
+                    PartFailed(generation=self.generation, step=step, section=section, error=error)
+                )
+        except Exception as e:  # noqa: BLE001 - the warning said it; the local list keeps it
+            logger.warning(
+                "cf_ray: rank %d: could not report the skipped checkpoint of step %d: %r", self.rank, step, e
+            )
+            self.failures.extend(
+                {"step": step, "section": sec, "rank": self.rank, "error": error, "generation": self.generation}
+                for sec in sections
+            )
+
+    def has(self, method: str) -> bool:
+        """Whether the controller has ``method`` (one of older code may not)."""
+        return _has_method(self.controller, method)
 
     # -- what happened, and the end -----------------------------------------------------------------
     def profile_rows(self) -> list[dict]:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from cf_ray._engine.format import codec as _codec
+from cf_ray._engine.format import layout as _layout
 
 #: Tensors up to this many bytes are hashed whole.
 FULL_BYTES = 4096
@@ -42,7 +43,7 @@ WINDOW_BYTES = 1024
 KEY = "fingerprints"
 #: The tree paths whose objects are fingerprinted: replicated (``objects`` of the shared section,
 #: or data ``objects`` of a rank section) and per-rank model state (``state``).
-PATHS = ("objects", "state")
+PATHS = (_layout.OBJECTS, _layout.STATE)
 
 _REFS = ("__cf_tensor__", "__cf_ndarray__")
 _DICT = "__cf_dict__"

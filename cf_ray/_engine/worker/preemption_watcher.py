@@ -113,6 +113,16 @@ class PreemptionWatcher:
         self._closed = False
 
     # -- set-up ------------------------------------------------------------------------------------
+    @classmethod
+    def started(cls, setting: Any, rank: int, request: Callable[[], None]) -> PreemptionWatcher | None:
+        """The watcher ``CheckpointConfig.preemption`` asks for (``True`` or a :class:`PreemptionConfig`),
+        installed; ``None`` when it is off."""
+        if not setting:
+            return None
+        watcher = cls(setting if isinstance(setting, PreemptionConfig) else PreemptionConfig(), rank, request)
+        watcher.install()
+        return watcher
+
     def install(self) -> None:
         """Find Ray's signal and install the SIGTERM handler (see :mod:`cf_ray.preemption` for how)."""
         if self.config.ray_signal != "off":

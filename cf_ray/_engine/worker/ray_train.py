@@ -7,6 +7,7 @@ Ray Train's run directory (``WorkerContext.ray_storage``) and ``register_with_ra
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -56,6 +57,16 @@ class RayTrainLink:
         """User metrics sent with each registration of a checkpoint with Ray Train."""
         self._registered = 0
         self._last_register = time.monotonic()
+
+    @classmethod
+    def for_run(cls, ctx: WorkerContext, config: Any, state: dict[str, Any], sharded: Any) -> RayTrainLink:
+        """The link for ``CheckpointConfig`` (``register_with_ray``, ``final_model``): a sharded final
+        model is gathered by every rank one tensor at a time and written by rank 0 (#13)."""
+        name = config.final_model
+        module = state.get(name) if name else None
+        if sharded is not None and name in sharded.modules:
+            return cls(ctx, config.register_with_ray, None, functools.partial(sharded.state_dict, name))
+        return cls(ctx, config.register_with_ray, module)
 
     def start_attempt(self, committed_step: int) -> None:
         """At restore: what was committed before this attempt counts as registered."""

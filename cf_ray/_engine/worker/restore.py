@@ -4,17 +4,29 @@ checkpoint), each one read, verified and *validated* on every rank before any tr
 touched (``restore_checks.py``), then applied and checked against the fingerprints the snapshot
 recorded.
 
-One decision, shared: every phase (the plan, the candidates, each candidate's read and validation,
-the load) ends with an exchange of every rank's outcome (a small all-gather on cf_ray's own group),
-so an error on any rank reaches every rank within seconds, never as a hang in a collective:
+Verified before use (``integrity.py``): every byte that came from memory against its block's CRC-32
+(a copy that fails is refused, the next copy tried, then the next candidate), every file from
+storage against the manifest's CRC-32, and the saved parameters and optimizer state for NaN and
+infinity. A snapshot that failed is never offered again (the controller's plans leave it out; this
+restore skips the other copies of what it refused itself: ``trust_gate.RunTrust``).
+
+One decision, shared (``restore_decision.py``): every phase (the plan, the candidates, each
+candidate's read and validation, the load) ends with an exchange of every rank's outcome (a small
+all-gather on cf_ray's own group), so an error on any rank reaches every rank within seconds, never
+as a hang in a collective:
 
 * reading failed (damage, a file or a holder gone, an I/O error that three tries with backoff did
   not get past) or validation refused the candidate: every rank falls back to the next one (rank
-  0 records a ``restore_fallback`` event, with ``corrupt: true`` when the cause was damage; the
-  the step of a damaged checkpoint of this run's own storage, which the controller then quarantines);
+  0 records a ``restore_fallback`` event, with ``corrupt: true`` when the cause was damage, and the
+  step of a damaged checkpoint of this run's own storage, which the controller then quarantines; a
+  snapshot whose bytes or state failed a check is distrusted);
+* a loaded object differs from its fingerprint and the snapshot's blocks no longer match (its
+  memory changed under the load): every rank falls back too, and the next candidate overwrites what
+  was loaded (with none left, every rank raises: the objects are partly overwritten);
 * the script and the checkpoint disagree on what is tracked (:class:`~cf_ray.errors.CheckpointMismatchError`),
   a bad ``resume_from`` (:class:`~cf_ray.errors.ConfigError`), no plan, or a load that failed after
-  validation (objects may be partly overwritten): every rank raises, naming the rank and the cause
+  validation (objects may be partly overwritten; an object not restored while the bytes are intact:
+  its ``load_state_dict()``): every rank raises, naming the rank and the cause
   (:class:`~cf_ray.errors.RestoreError` unless the cause has a type of its own);
 * no candidate left: a fresh start when every refusal was damage or a missing file; a
   :class:`~cf_ray.errors.RestoreError` when one was refused for another reason (a checkpoint
@@ -23,7 +35,6 @@ so an error on any rank reaches every rank within seconds, never as a hang in a 
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import time
@@ -33,7 +44,6 @@ from typing import Any, cast
 import numpy as np
 import ray
 import ray.exceptions
-import ray.train
 
 from cf_ray._engine import env as _env
 from cf_ray._engine.format import manifest as mf
@@ -48,22 +58,21 @@ from cf_ray._engine.protocol.messages import (
     SlotDesc,
     StreamDesc,
 )
-from cf_ray._engine.storage.base import Storage
+from cf_ray._engine.worker import integrity as _integrity
 from cf_ray._engine.worker import restore_checks as _checks
 from cf_ray._engine.worker import sharded as _sharded
 from cf_ray._engine.worker.context import WorkerContext
 from cf_ray._engine.worker.control import ControlPlane
 from cf_ray._engine.worker.controller_link import ControllerLink
+from cf_ray._engine.worker.restore_decision import Fallbacks, PlanFailed, Status, Verdict, decide, fail_status
+from cf_ray._engine.worker.restore_storage import describe, load_section, other_run_checkpoint, read
+from cf_ray._engine.worker.results import Resume
 from cf_ray._engine.worker.rng import rng_state, set_rng_state  # noqa: F401 - re-exported (older imports)
+from cf_ray._engine.worker.trust_gate import Reason, RunTrust, stopped_error
 from cf_ray.config import CheckpointConfig
-from cf_ray.errors import CfRayError, CheckpointMismatchError, ConfigError, CorruptCheckpointError, RestoreError
+from cf_ray.errors import CheckpointMismatchError, CorruptCheckpointError, RestoreError
 
 logger = logging.getLogger("cf_ray")
-
-#: Tries of one read on a transient error (an ``OSError`` that is not "not found"), with backoff.
-READ_TRIES = 3
-#: Seconds before the second try (doubled for the next).
-READ_BACKOFF_S = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,37 +91,8 @@ class Outcome:
     """Number of ranks that saved it."""
     data: dict = field(default_factory=dict)
     """This rank's restored data-object states by name."""
-
-
-class _Verdict(enum.IntEnum):
-    OK = 0
-    SKIP = 1
-    """This candidate cannot be used: every rank goes on with the next one."""
-    FAIL = 2
-    """Every rank raises."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Status:
-    """One rank's outcome of a phase, as exchanged with every rank."""
-
-    verdict: _Verdict
-    rank: int
-    error: str = ""
-    """``Type: message`` of what went wrong."""
-    error_type: type | None = None
-    """For ``FAIL``: the cf_ray error type every rank raises (``None``: RestoreError)."""
-    damage: bool = False
-    """For ``SKIP``: the cause was damage or a missing file, not a refusal of the content."""
-    corrupt: bool = False
-    """For ``SKIP``: the cause was a :class:`CorruptCheckpointError` (the event says so; the controller quarantines it)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _PlanFailed:
-    """What rank 0 broadcasts instead of a plan when it could not get one."""
-
-    error: str
+    generation: int = -1
+    """The generation that took the restored snapshot (-1: fresh, or another run's checkpoint)."""
 
 
 def newest_committed(plan: RestorePlan) -> int:
@@ -123,10 +103,6 @@ def newest_committed(plan: RestorePlan) -> int:
 
 def _newest_stored(plan: RestorePlan) -> int:
     return max([plan.storage[0] if plan.storage else -1] + [t[0] for t in plan.tiers if t])
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
 
 
 class Restorer:
@@ -170,6 +146,14 @@ class Restorer:
         self.read_bytes: dict[str, int] = {}
         """Bytes this rank read in the last restore, by how: ``in_place`` (a slot of a holder of its
         node, mapped), ``direct`` (streamed from a holder of another node), ``storage``."""
+        self.trust = RunTrust()
+        """What the run's restores must not use (the controller's events, read by rank 0 at :meth:`plan`)."""
+        self.refusals = _integrity.Refusals(ctx.rank, link.record_event)
+        """The copies of sections this rank refused in the last restore (their bytes failed a check)."""
+        self.fallbacks = Fallbacks(ctx.rank, link, lambda st: st is ctx.storage or st in ctx.tiers, ctx.storage)
+        """The candidates every rank skipped in the last restore, and a rollback past a non-finite state."""
+        self._sections: dict[str, mf.Section] = {}  # the candidate being applied (rechecked on a mismatch)
+        self._generation = -1  # the generation that took the candidate being read
 
     def _count(self, how: str, nbytes: int) -> None:
         self.read_bytes[how] = self.read_bytes.get(how, 0) + int(nbytes)
@@ -194,19 +178,33 @@ class Restorer:
         """
         t0 = time.perf_counter()
         self.phases, self.read_bytes = {}, {}
+        self.refusals.items.clear()
+        self.fallbacks.clear()
         plan: Any = None
         if self.rank == 0:
             try:
-                plan = self.link.call("prepare_restore", self.world_size)
+                plan = (self.link.call("prepare_restore", self.world_size), self._read_trust())
             except Exception as e:  # noqa: BLE001 - shared with every rank below, never a hang
-                plan = _PlanFailed(_describe(e))
+                plan = PlanFailed(describe(e))
         plan = self.control.broadcast(plan)
         self._timed("plan", t0)
-        if isinstance(plan, _PlanFailed):
+        if isinstance(plan, PlanFailed):
             raise RestoreError(
                 f"cf_ray: rank 0 could not get a restore plan from the controller ({plan.error}); every rank stops here"
             )
+        plan, self.trust = plan
+        if self.trust.exhausted is not None:
+            raise stopped_error(self.trust.exhausted)
         return cast(RestorePlan, plan)
+
+    def _read_trust(self) -> RunTrust:
+        """What the trust gate recorded of this run (a rollback, a stopped run), from the controller's
+        events (rank 0)."""
+        try:
+            return RunTrust.from_events(cast(list, self.link.call("events")))
+        except Exception as e:  # noqa: BLE001 - the plan stands; every candidate is verified anyway
+            logger.warning("cf_ray: could not read the run's events (%s)", describe(e))
+            return RunTrust()
 
     def _candidates(self, plan: RestorePlan) -> list[tuple[RestoreSource, Any]]:
         """Newest first: the memory snapshot (when not older than storage), then storage steps."""
@@ -230,7 +228,7 @@ class Restorer:
             )
             if not found:
                 # A new run started from another run's checkpoint.
-                other = self._other_run_checkpoint()
+                other = other_run_checkpoint(self.resume_from, self.ctx.ray_storage)
                 if other is not None:
                     candidates.append((RestoreSource.STORAGE, other))
         return candidates
@@ -245,23 +243,35 @@ class Restorer:
         candidates: list[tuple[RestoreSource, Any]] = []
         try:
             candidates = self._candidates(plan)
-            status = _Status(_Verdict.OK, self.rank)
+            status = Status(Verdict.OK, self.rank)
         except Exception as e:  # noqa: BLE001 - shared below
-            status = self._fail(e)
-        self._decide(self._agree(status), "")
-        refused: list[tuple[str, _Status]] = []
+            status = fail_status(self.rank, e)
+        decide(self._agree(status), "")
+        refused: list[tuple[str, Status]] = []
+        touched = ""  # a candidate refused after it was loaded in part (its bytes changed under the load)
         for source, cand in candidates:
             where = f"step {cand.step} in memory" if source is RestoreSource.MEMORY else cand[0].uri(cand[1])
             prepared, status = self._prepare(source, cand)
             statuses = self._agree(status)
-            self._decide(statuses, where)
-            skipped = next((s for s in statuses if s.verdict is _Verdict.SKIP), None)
-            if skipped is not None:
-                refused.append((where, skipped))
-                self._fall_back(source, where, status, skipped, cand)
-                continue
-            assert prepared is not None  # this rank's own verdict was OK
-            return self._apply(source, cand, where, prepared)
+            decide(statuses, where)
+            if all(s.verdict is Verdict.OK for s in statuses):
+                assert prepared is not None  # this rank's own verdict was OK
+                prepared.epoch = statuses[0].epoch  # every rank resumes in rank 0's epoch
+                outcome, status, statuses = self._apply(source, cand, where, prepared)
+                if outcome is not None:
+                    return outcome
+                touched = where
+            skipped = next(s for s in statuses if s.verdict is Verdict.SKIP)
+            refused.append((where, skipped))
+            suspect = self.fallbacks.add(source, where, status, statuses, cand, self._generation)
+            if suspect is not None:  # its other copies are not tried either (the same bytes, or state)
+                self.trust = self.trust.adding(suspect)
+        if touched:
+            raise RestoreError(
+                f"cf_ray: the snapshot {touched} was damaged while it was loaded, and no other checkpoint could be "
+                "restored: the tracked objects are partly overwritten, so training cannot start fresh from them; "
+                "every rank stops here"
+            )
         config_like = [(w, s) for w, s in refused if not s.damage]
         if config_like:
             reasons = "; ".join(f"{w}: rank {s.rank}: {s.error}" for w, s in config_like)
@@ -272,18 +282,20 @@ class Restorer:
             )
         return Outcome(source=RestoreSource.FRESH)
 
-    def _prepare(self, source: RestoreSource, cand) -> tuple[_checks.Prepared | None, _Status]:
-        """Read and validate one candidate on this rank (nothing tracked is touched)."""
+    def _prepare(self, source: RestoreSource, cand) -> tuple[_checks.Prepared | None, Status]:
+        """Read, verify and validate one candidate on this rank (nothing tracked is touched)."""
         t0 = time.perf_counter()
+        memory = source is RestoreSource.MEMORY
+        self._generation = cand.generation if memory else -1
         try:
             loaded, saved_world, replicated = self._fetch(source, cand)
         except Exception as e:  # noqa: BLE001 - reading failed: fall back
             damage = isinstance(
                 e, (CorruptCheckpointError, FileNotFoundError, LookupError, OSError, ray.exceptions.RayError)
             )
-            return None, _Status(
-                _Verdict.SKIP, self.rank, _describe(e), damage=damage, corrupt=isinstance(e, CorruptCheckpointError)
-            )
+            corrupt = isinstance(e, CorruptCheckpointError)
+            distrust = Reason.INTEGRITY.value if corrupt and memory else ""
+            return None, Status(Verdict.SKIP, self.rank, describe(e), damage=damage, corrupt=corrupt, distrust=distrust)
         finally:
             self._timed("read", t0)
         t0 = time.perf_counter()
@@ -300,16 +312,31 @@ class Restorer:
                 allow_unexpected=self.allow_unexpected,
                 sharded=self.sharded,
             )
+            _integrity.check_finite(prepared.state, self.state)  # a transient state cannot be trained from
         except CheckpointMismatchError as e:
-            return None, self._fail(e)
+            return None, fail_status(self.rank, e)
         except Exception as e:  # noqa: BLE001 - a checkpoint that cannot be applied is skipped like a corrupt one
             corrupt = isinstance(e, CorruptCheckpointError)
-            return None, _Status(_Verdict.SKIP, self.rank, _describe(e), damage=corrupt, corrupt=corrupt)
+            distrust = (
+                Reason.NON_FINITE.value
+                if isinstance(e, _integrity.NonFiniteStateError)
+                else Reason.INTEGRITY.value
+                if corrupt and memory
+                else ""
+            )
+            return None, Status(
+                Verdict.SKIP, self.rank, describe(e), damage=corrupt, corrupt=corrupt, distrust=distrust
+            )
         finally:
             self._timed("validate", t0)
-        return prepared, _Status(_Verdict.OK, self.rank)
+        self._sections = loaded
+        return prepared, Status(Verdict.OK, self.rank, epoch=prepared.epoch)
 
-    def _apply(self, source: RestoreSource, cand, where: str, prepared: _checks.Prepared) -> Outcome:
+    def _apply(
+        self, source: RestoreSource, cand, where: str, prepared: _checks.Prepared
+    ) -> tuple[Outcome | None, Status, list[Status]]:
+        """Load a validated candidate; ``(None, ...)`` when a rank found its bytes changed under the
+        load (every rank then falls back: the next candidate overwrites what was loaded)."""
         data_states: dict = {}
         try:
             t0 = time.perf_counter()
@@ -318,12 +345,30 @@ class Restorer:
             t0 = time.perf_counter()
             self.verified = _checks.verify(prepared, self.state, self.data)
             self._timed("verify", t0)
-            status = _Status(_Verdict.OK, self.rank)
+            status = Status(Verdict.OK, self.rank)
         except Exception as e:  # noqa: BLE001 - objects may be partly overwritten: every rank stops
-            status = _Status(
-                _Verdict.FAIL, self.rank, _describe(e), error_type=type(e) if isinstance(e, RestoreError) else None
-            )
-        self._decide(self._agree(status), where)
+            # Not restored as saved: the bytes changed under the load (damage), or the load is incomplete.
+            damage = _integrity.recheck(self._sections) if isinstance(e, RestoreError) else ""
+            if damage:
+                status = Status(
+                    Verdict.SKIP,
+                    self.rank,
+                    f"CorruptCheckpointError: the snapshot's bytes changed while they were loaded ({damage}): "
+                    "the snapshot is damaged (not the objects' load_state_dict())",
+                    damage=True,
+                    corrupt=True,
+                    distrust=Reason.INTEGRITY.value if source is RestoreSource.MEMORY else "",
+                )
+            else:
+                status = Status(
+                    Verdict.FAIL, self.rank, describe(e), error_type=type(e) if isinstance(e, RestoreError) else None
+                )
+        finally:
+            self._sections = {}
+        statuses = self._agree(status)
+        decide(statuses, where)
+        if any(s.verdict is Verdict.SKIP for s in statuses):
+            return None, status, statuses
         if self.rank == 0:
             fresh = f"; kept as built: {', '.join(prepared.fresh)}" if prepared.fresh else ""
             logger.warning(
@@ -337,66 +382,44 @@ class Restorer:
                 fresh,
             )
         path = None if source is RestoreSource.MEMORY else cand[0].uri(cand[1])
-        return Outcome(
+        outcome = Outcome(
             source=source,
             step=prepared.step,
             epoch=prepared.epoch,
             path=path,
             saved_world_size=prepared.saved_world,
             data=data_states,
+            generation=self._generation,
+        )
+        return outcome, status, statuses
+
+    def resume_of(self, outcome: Outcome, *, generation: int, seconds: float, rolled_back_from: int | None) -> Resume:
+        """What ``Checkpointer.restore()`` returns for ``outcome``: where, and what this restore read,
+        skipped and refused on the way."""
+        return Resume(
+            source=outcome.source.value,
+            step=outcome.step,
+            epoch=outcome.epoch,
+            generation=generation,
+            path=outcome.path,
+            saved_world_size=outcome.saved_world_size,
+            data=outcome.data,
+            seconds=seconds,
+            phases=dict(self.phases),
+            read_bytes=dict(self.read_bytes),
+            fallbacks=list(self.fallbacks.items),
+            refused_copies=[f.event() for f in self.refusals.items],
+            rolled_back_from=rolled_back_from,
         )
 
-    # -- the shared decision ----------------------------------------------------------------------------
-    def _fail(self, e: BaseException) -> _Status:
-        keep = isinstance(e, CfRayError) and type(e) is not CfRayError
-        return _Status(_Verdict.FAIL, self.rank, _describe(e), error_type=type(e) if keep else None)
-
-    def _agree(self, status: _Status) -> list[_Status]:
+    def _agree(self, status: Status) -> list[Status]:
         """Every rank's outcome of this phase (an all-gather; every rank reaches it, whatever happened)."""
         return cast(list, self.control.all_gather(status))
-
-    def _decide(self, statuses: list[_Status], where: str) -> None:
-        """Raise on every rank when some rank failed; the error names that rank and its cause."""
-        failed = next((s for s in statuses if s.verdict is _Verdict.FAIL), None)
-        if failed is None:
-            return
-        at = f" restoring {where}" if where else ""
-        msg = failed.error.split(": ", 1)[1] if ": " in failed.error else failed.error
-        text = (
-            f"{msg} (rank {failed.rank}{at}; raised on every rank)"
-            if failed.error_type is not None
-            else f"cf_ray: restore failed on rank {failed.rank}{at}: {failed.error}; every rank stops here"
-        )
-        cls = failed.error_type if failed.error_type is not None else RestoreError
-        try:
-            err = cls(text)
-        except Exception:  # noqa: BLE001 - a type that takes other arguments
-            err = RestoreError(text)
-        raise err
-
-    def _fall_back(self, source: RestoreSource, where: str, mine: _Status, first: _Status, cand: Any) -> None:
-        why = mine.error if mine.verdict is _Verdict.SKIP else f"rank {first.rank}: {first.error}"
-        logger.warning("cf_ray: rank %d: cannot restore %s (%s); falling back", self.rank, where, why)
-        if self.rank == 0:
-            event = {
-                "event": "restore_fallback",
-                "source": source.value,
-                "where": where,
-                "error": first.error,
-                "rank": first.rank,
-                "corrupt": first.corrupt,
-            }
-            if source is RestoreSource.STORAGE and cand[0] is self.ctx.storage:
-                # A committed checkpoint of this run's own storage: the controller quarantines it
-                # when it is corrupt, so that it no longer counts toward keep-last.
-                step = mf.parse_step_dir(cand[1])
-                if step is not None:
-                    event["step"] = step
-            self.link.record_event(event)
 
     def report(self, outcome: Outcome, seconds: float) -> None:
         """Tell the controller where the attempt resumed from (rank 0) and log it."""
         if self.rank == 0:
+            extra = self.fallbacks.extra()  # the candidates skipped, and why (the restart's event)
             self.link.controller.restored.remote(
                 Restored(
                     source=outcome.source,
@@ -405,6 +428,7 @@ class Restorer:
                     seconds=seconds,
                     world_size=self.world_size,
                     saved_world_size=outcome.saved_world_size,
+                    extra=extra,
                 )
             )
         logger.info(
@@ -414,41 +438,6 @@ class Restorer:
             outcome.epoch,
             outcome.source.value,
         )
-
-    def _other_run_checkpoint(self) -> tuple[Storage, str] | None:
-        """``CheckpointConfig.resume_from``, else the checkpoint Ray Train hands this run, if any.
-        A final model is followed to the full checkpoint its manifest names.
-
-        Raises:
-            ConfigError: ``resume_from`` holds no cf_ray checkpoint to resume from (naming it).
-        """
-        from cf_ray.load import resumable_checkpoint
-
-        source = self.resume_from
-        if source is not None:
-            try:
-                return resumable_checkpoint(source)
-            except Exception as e:  # noqa: BLE001 - whatever it is, the user's setting is wrong
-                raise ConfigError(
-                    f"CheckpointConfig.resume_from={_source_name(source)!r} holds no cf_ray checkpoint to "
-                    f"resume from ({_describe(e)}); pass a run directory, a checkpoint directory or a "
-                    "ray.train.Checkpoint of a cf_ray run (e.g. result.checkpoint)"
-                ) from None
-        if self.ctx.ray_storage is None:
-            return None
-        try:
-            source = ray.train.get_checkpoint()
-        except Exception:  # noqa: BLE001
-            source = None
-        if source is None:
-            return None
-        try:
-            return resumable_checkpoint(source)
-        except Exception as e:  # noqa: BLE001 - not a cf_ray checkpoint: Ray Train's own, for instance
-            logger.warning(
-                "cf_ray: %s is not a committed cf_ray checkpoint (%s); starting fresh", _source_name(source), e
-            )
-            return None
 
     def _sections_needed(self, saved_world: int, replicated: bool) -> list[str]:
         needed = [mf.SHARED] if replicated else []
@@ -463,12 +452,16 @@ class Restorer:
         if source is RestoreSource.MEMORY:
             saved_world, replicated = cand.world_size, bool(cand.replicated)
             needed = self._sections_needed(int(saved_world), replicated)
-            out = {sec: _read(self._fetch_memory, cand, sec) for sec in needed}
+            out = {sec: read(self._fetch_memory, cand, sec) for sec in needed}
             for sec in self._also_needed(out, int(saved_world), replicated):
-                out[sec] = _read(self._fetch_memory, cand, sec)
+                out[sec] = read(self._fetch_memory, cand, sec)
             return out, saved_world, replicated
         storage, directory = cand
-        manifest = _read(mf.read_manifest, storage, directory)
+        manifest = read(mf.read_manifest, storage, directory)
+        self._generation = manifest.generation
+        why = self.trust.why_not(RestoreSource.STORAGE, manifest.generation, manifest.step)
+        if why is not None and (storage is self.ctx.storage or storage in self.ctx.tiers):
+            raise LookupError(f"step {manifest.step} holds the state this restore refused already ({why})")
         if manifest.kind == "final":
             raise CorruptCheckpointError(
                 f"{storage.uri(directory)} holds only final model weights; load it "
@@ -478,9 +471,9 @@ class Restorer:
         # At another number of ranks every old rank section is needed, but of its shards only the parts
         # that overlap this rank's new ones: those sections are read by range (block by block verified).
         ranged = manifest.world_size != self.world_size and not manifest.replicated
-        out = {sec: _read(_load_section, storage, directory, manifest, sec, ranged) for sec in needed}
+        out = {sec: read(load_section, storage, directory, manifest, sec, ranged) for sec in needed}
         for sec in self._also_needed(out, manifest.world_size, manifest.replicated):
-            out[sec] = _read(_load_section, storage, directory, manifest, sec, True)
+            out[sec] = read(load_section, storage, directory, manifest, sec, True)
         for sec in out.values():
             if isinstance(sec.buf, np.ndarray):  # a section read by range counts nothing here
                 self._count("storage", sec.buf.nbytes)
@@ -527,8 +520,10 @@ class Restorer:
         first = cand.sections.get(section)
         if first is None:
             raise LookupError(f"no holder has section {section}")
-        errors = []
-        for holder_name in (first, *cand.replicas.get(section, ())):
+        errors: list[str] = []
+        bad: list[CorruptCheckpointError] = []
+        holders = (first, *cand.replicas.get(section, ()))
+        for holder_name in holders:
             try:
                 holder = ray.get_actor(holder_name, namespace=_env.namespace())
                 at = self._ask(holder, holder_name, cand, section)
@@ -542,22 +537,42 @@ class Restorer:
                 else:
                     arena, how = self._map_slot(at.where, cand, section), "in_place"
             except (ValueError, LookupError, OSError, ray.exceptions.RayError) as e:
-                errors.append(f"{holder_name}: {_describe(e)}")
+                errors.append(f"{holder_name}: {describe(e)}")
+                continue
+            try:  # every byte checked against its block's CRC-32 before anything uses it (integrity.py)
+                got = self._memory_section(at, arena, section)
+                _integrity.verify_section(got, f"section {section} of step {cand.step} from {holder_name} ({how})")
+            except CorruptCheckpointError as e:
+                errors.append(f"{holder_name}: {describe(e)}")
+                bad.append(e)
+                self.refusals.refuse(
+                    e,
+                    generation=cand.generation,
+                    step=cand.step,
+                    section=section,
+                    holder=holder_name,
+                    how=how,
+                    next_="trying the next copy" if holder_name != holders[-1] else "trying the next checkpoint",
+                )
                 continue
             if holder_name != first:
                 logger.warning(
                     "cf_ray: rank %d: %s of step %d from a peer's copy (%s)", self.rank, section, cand.step, holder_name
                 )
             self._count(how, arena.nbytes)
-            return self._memory_section(at, arena, section)
+            return got
+        if bad:  # damage, not a copy gone: the snapshot is refused as damaged
+            raise CorruptCheckpointError(
+                f"no intact copy of section {section} of step {cand.step}: {'; '.join(errors)}"
+            )
         raise LookupError(f"no copy of section {section} of step {cand.step} could be read: {'; '.join(errors)}")
 
     @staticmethod
     def _memory_section(at: SectionAt, arena: np.ndarray, section: str) -> mf.Section:
         """The section from the bytes a holder gave and its index (which carries the CRC-32 of every
         block: ``at.index``; of the whole: ``at.crc32``). A streamed buffer is this process's own."""
-        tree, entries = mf.parse_index(at.index, f"memory:{section}")
-        return mf.Section(tree, entries, arena, private=isinstance(at.where, StreamDesc))
+        tree, entries, blocks = mf.parse_index_blocks(at.index, f"memory:{section}")
+        return mf.Section(tree, entries, arena, private=isinstance(at.where, StreamDesc), blocks=blocks)
 
     def _ask(self, holder, holder_name: str, cand: MemorySnapshot, section: str) -> SectionAt:
         """Where ``holder`` has ``section`` of the candidate's step."""
@@ -568,31 +583,3 @@ class Restorer:
         if got is None:
             raise LookupError(f"holder {holder_name} no longer has section {section} of step {cand.step}")
         return cast(SectionAt, got)
-
-
-def _read(fn, *args):
-    """``fn(*args)``, tried again (``READ_TRIES`` in all, with backoff) on a transient I/O error."""
-    delay = READ_BACKOFF_S
-    for attempt in range(READ_TRIES):
-        try:
-            return fn(*args)
-        except (CfRayError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError):
-            raise  # not transient
-        except OSError as e:
-            if attempt == READ_TRIES - 1:
-                raise
-            logger.warning("cf_ray: reading a checkpoint failed (%s); trying again in %.1f s", _describe(e), delay)
-            time.sleep(delay)
-            delay *= 2
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _load_section(storage: Storage, directory: str, manifest: mf.Manifest, section: str, ranged: bool) -> mf.Section:
-    if ranged:
-        return mf.load_section(storage, directory, manifest, section, ranged=True)
-    return mf.load_section(storage, directory, manifest, section)
-
-
-def _source_name(source: Any) -> str:
-    """A resume source as a user wrote it: a path, or a ``ray.train.Checkpoint``'s path."""
-    return str(getattr(source, "path", source))

@@ -123,17 +123,17 @@ def validate(
     same_world = saved_world == world_size
     wanted = [rank] if same_world else list(range(saved_world))
     trees = {r: _rank_tree(loaded, r, saved_world) for r in wanted}
-    steps = {int(t["counters"]["step"]) for t in trees.values()}
+    steps = {int(t[mf.COUNTERS]["step"]) for t in trees.values()}
     if len(steps) != 1:
         raise CorruptCheckpointError(f"the ranks' sections disagree on the step: {sorted(steps)}")
     mine = trees[rank] if rank in trees else trees[0]
     # -- the tracked state (model, optimizer, schedulers, ...) ----------------------------------------
     if replicated:
-        section, where, fp_tree = _section(loaded, mf.SHARED), ("objects",), _section(loaded, mf.SHARED).tree
+        section, where, fp_tree = _section(loaded, mf.SHARED), (mf.OBJECTS,), _section(loaded, mf.SHARED).tree
     elif reshard:
-        section, where, fp_tree = _section(loaded, mf.rank_section(0)), ("state",), trees[0]
+        section, where, fp_tree = _section(loaded, mf.rank_section(0)), (mf.STATE,), trees[0]
     else:
-        section, where, fp_tree = _section(loaded, mf.rank_section(rank)), ("state",), mine
+        section, where, fp_tree = _section(loaded, mf.rank_section(rank)), (mf.STATE,), mine
     saved_state = _encoded_at(section, where)
     fresh_state = check_names(state, saved_state, "state", allow_missing, allow_unexpected)
     # Saved sharded (FSDP2), unsharded here (DDP, a plain module): gathered whole from every old rank.
@@ -192,20 +192,20 @@ def validate(
             sharded.check(name, saved)
             states[name] = sharded.to_live(name, saved)
     # -- RNG --------------------------------------------------------------------------------------------
-    rng = mine["rng"] if (same_world or rank < saved_world) else None
+    rng = mine[mf.RNG] if (same_world or rank < saved_world) else None
     if rng is not None:
         check_rng_state(rng, f"rank {rank if same_world else min(rank, saved_world - 1)}")
     # -- the data objects -----------------------------------------------------------------------------
     data_states: dict[str, Any] = {}
-    fresh_data = check_names(data, mine["objects"], "data", allow_missing, allow_unexpected)
+    fresh_data = check_names(data, mine[mf.OBJECTS], "data", allow_missing, allow_unexpected)
     for name, obj in data.items():
         if name in fresh_data:
             continue
         if same_world:
-            data_states[name] = mine["objects"][name]
+            data_states[name] = mine[mf.OBJECTS][name]
             dry_run(obj, "load_state_dict", data_states[name])
         else:
-            olds = [trees[r]["objects"].get(name) for r in range(saved_world)]
+            olds = [trees[r][mf.OBJECTS].get(name) for r in range(saved_world)]
             if any(s is None for s in olds):
                 raise CorruptCheckpointError(f"data object {name!r} is missing from some old rank's section")
             if not hasattr(obj, "load_elastic_state"):
@@ -216,12 +216,12 @@ def validate(
                 )
             data_states[name] = olds
             dry_run(obj, "load_elastic_state", olds, rank, world_size)
-    fps = _fingerprints(fp_tree, "objects" if replicated else "state")
+    fps = _fingerprints(fp_tree, mf.OBJECTS if replicated else mf.STATE)
     prep = Prepared(
         saved_world=saved_world,
         replicated=replicated,
-        step=int(mine["counters"]["step"]),
-        epoch=int(mine["counters"]["epoch"]),
+        step=int(mine[mf.COUNTERS]["step"]),
+        epoch=int(mine[mf.COUNTERS]["epoch"]),
         state=states,
         data=data_states,
         rng=rng,
@@ -229,7 +229,9 @@ def validate(
             # Resharded, gathered or split objects differ from what any one old rank held: checked by the
             # load (DCP's set_*_state_dict, load_state_dict), not by fingerprints.
             "state": {n: f for n, f in fps.items() if n in states and n not in converted},
-            "data": {n: f for n, f in _fingerprints(mine, "objects").items() if n in data_states} if same_world else {},
+            "data": {n: f for n, f in _fingerprints(mine, mf.OBJECTS).items() if n in data_states}
+            if same_world
+            else {},
         },
         fresh=fresh_state + fresh_data,
         elastic=not same_world,
@@ -367,7 +369,7 @@ def _saved_sharded_names(loaded: dict[str, mf.Section]) -> dict[str, dict]:
 
 def _held(loaded: dict[str, mf.Section], r: int, name: str) -> Any:
     """The encoded state of tracked object ``name`` in old rank ``r``'s section."""
-    held = _encoded_at(_section(loaded, mf.rank_section(r)), ("state",))
+    held = _encoded_at(_section(loaded, mf.rank_section(r)), (mf.STATE,))
     if name not in held:
         raise CorruptCheckpointError(f"{name!r} is missing from section {mf.rank_section(r)}")
     return held[name]
@@ -412,16 +414,16 @@ def _rank_tree(loaded: dict[str, mf.Section], r: int, saved_world: int) -> dict:
     name = mf.rank_section(r)
     try:
         sec = _section(loaded, name)
-        if isinstance(sec.tree, dict) and isinstance(sec.tree.get("state"), dict):
+        if isinstance(sec.tree, dict) and isinstance(sec.tree.get(mf.STATE), dict):
             # The tracked state stays encoded here (its names are what is looked at); it is decoded
             # object by object where it is loaded, so that a section read by range is read only there.
-            tree = mf.Section({k: v for k, v in sec.tree.items() if k != "state"}, sec.entries, sec.buf).materialize()
-            tree["state"] = sec.tree["state"]
+            tree = mf.Section({k: v for k, v in sec.tree.items() if k != mf.STATE}, sec.entries, sec.buf).materialize()
+            tree[mf.STATE] = sec.tree[mf.STATE]
         else:
             tree = sec.materialize(copy=False)
-        if not isinstance(tree, dict) or not isinstance(tree.get("objects"), dict) or "rng" not in tree:
+        if not isinstance(tree, dict) or not isinstance(tree.get(mf.OBJECTS), dict) or mf.RNG not in tree:
             raise TypeError("expected objects, rng and counters")
-        counters = tree["counters"]
+        counters = tree[mf.COUNTERS]
         step, epoch = counters["step"], counters["epoch"]
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (step, epoch)):
             raise TypeError(f"bad counters {counters!r}")

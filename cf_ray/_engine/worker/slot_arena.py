@@ -14,6 +14,7 @@ registering takes every page), so device-to-host copies are DMA into the holder'
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,17 @@ from cf_ray._engine.protocol.messages import SlotDesc
 #: Slots the worker alternates between before it takes the spare.
 _REGULAR = 2
 _PAGE = 4096
+#: Seconds between two calls of a slot wait's ``on_wait`` (the watchdog, the log line).
+WAIT_TICK_S = 0.25
+
+
+class SlotsBusy(Exception):
+    """Every slot of a section stayed held for the whole wait (or the wait was given up)."""
+
+    def __init__(self, waited_s: float, held: str):
+        super().__init__(f"every slot stayed held for {waited_s:.1f} s ({held})")
+        self.waited_s = waited_s
+        self.held = held
 
 
 class SlotArena:
@@ -61,9 +73,14 @@ class SlotArena:
         self.current = 0
         self.tensor = self._tensors[0]
 
-    def acquire(self) -> float:
-        """Take a slot for the next snapshot; returns the seconds waited for one."""
+    def acquire(self, limit_s: float | None = None, on_wait: Callable[[float], bool] | None = None) -> float:
+        """Take a slot for the next snapshot; returns the seconds waited for one.
+
+        While every slot is held, ``on_wait(seconds waited)`` is called about every
+        :data:`WAIT_TICK_S` (True: give up now); after ``limit_s`` it gives up. Giving up raises
+        :class:`SlotsBusy`: the wait is bounded, and says so while it lasts."""
         t0 = time.perf_counter()
+        tick = t0 + WAIT_TICK_S
         regular = sorted(range(min(_REGULAR, len(self.slots))), key=self._age)
         order = regular + list(range(len(regular), len(self.slots)))
         while True:
@@ -72,7 +89,23 @@ class SlotArena:
                     self._register(k)  # the spare: registered (its pages taken) only once it is used
                     self.current, self.tensor = k, self._tensors[k]
                     return time.perf_counter() - t0
+            now = time.perf_counter()
+            if limit_s is not None and now - t0 >= limit_s:
+                raise SlotsBusy(now - t0, self.held())
+            if on_wait is not None and now >= tick:
+                tick = now + WAIT_TICK_S
+                if on_wait(now - t0):
+                    raise SlotsBusy(now - t0, self.held())
             time.sleep(0.002)
+
+    def held(self) -> str:
+        """What the slots hold, for people (``step 8 (ready), step 9 (ready), empty``)."""
+        out = []
+        for slot in self.slots:
+            h = slot.header()
+            state = {_slots.READY: "ready", _slots.FILLING: "being filled"}.get(h.state, "empty")
+            out.append(f"step {h.step} ({state})" if h.state != _slots.EMPTY else "empty")
+        return ", ".join(out)
 
     def _register(self, k: int) -> None:
         if self._pin and k not in self._registered:
@@ -128,4 +161,4 @@ def _cudart() -> Any:
     return rt
 
 
-__all__ = ["SlotArena"]
+__all__ = ["WAIT_TICK_S", "SlotArena", "SlotsBusy"]

@@ -21,7 +21,7 @@ Hand-off: the arenas are the node's holder's shared-memory slots (``slot_arena.p
 copies each section once, into a slot the holder owns (so the snapshot outlives this worker), and
 hands over a typed :class:`~cf_ray._engine.protocol.messages.Stage` naming the slots, the indexes
 with their block CRC-32s and each section's CRC-32 (``HolderActor.stage``): no bytes travel. (Until
-issue 24 a platform without ``memfd_create``, or ``CF_RAY_SHM_SLOTS=0``, passed the arena by value
+issue 24 a platform without ``memfd_create``, or ``SHM_SLOTS=0``, passed the arena by value
 through the object store, re-``put`` by the holder: two more passes on the host; cf_ray needs
 Linux now, where Ray runs GPU training, and says so at once elsewhere.)
 
@@ -77,7 +77,7 @@ from cf_ray._engine.worker import sharded as _sharded
 from cf_ray._engine.worker.cpu_budget import CpuBudget
 from cf_ray._engine.worker.cpu_budget import mark as cpu_mark
 from cf_ray._engine.worker.rng import rng_state
-from cf_ray._engine.worker.slot_arena import SlotArena
+from cf_ray._engine.worker.slot_arena import SlotArena, SlotsBusy
 from cf_ray._engine.worker.timing import Timing
 
 logger = logging.getLogger("cf_ray")
@@ -86,7 +86,8 @@ logger = logging.getLogger("cf_ray")
 @dataclass(slots=True)
 class StagedSection:
     """One section of a snapshot as handed to the holder: the holder's slot it was copied into, its
-    index with the block checksums, the data's CRC-32, and the bytes as this worker maps them."""
+    index with the block checksums (a restore from memory checks the bytes against them, and the
+    holder's write too), the data's CRC-32, and the bytes as this worker maps them."""
 
     arena: np.ndarray
     index: bytes
@@ -137,7 +138,10 @@ class SnapshotJob:
     """The attempt's generation (a slot's header names it with the step)."""
     deferred: list[_Deferred] = field(default_factory=list)
     cuda_events: dict[int, Any] = field(default_factory=dict)
-    """Device index -> the event its side stream waits for (recorded after the optimizer step)."""
+    """Device index -> the event its side stream waits for (recorded after the optimizer step and
+    after the unguarded tensors' copies of that device were queued)."""
+    cuda_sections: set[str] = field(default_factory=set)
+    """Sections that device tensors were copied into by DMA (checksummed once those copies are done)."""
     timings: dict[str, float] = field(default_factory=dict)
     buffers: dict[str, Any] = field(default_factory=dict)
     """Section -> its :class:`SlotArena` (where a late capture writes)."""
@@ -158,6 +162,10 @@ class _Prepare:
 
 #: Bytes copied before their blocks are checksummed, while they are still in the CPU's cache.
 _CRC_WINDOW = 32 * mf.BLOCK_BYTES
+
+
+class SnapshotSkipped(Exception):
+    """A snapshot not taken because a section found no free slot in time (reported by the caller)."""
 
 
 #: Gives the shared-memory slots of a section: (section, nbytes) -> the holder's slots of it.
@@ -275,6 +283,10 @@ class Snapshotter:
         """How long the background thread waits for :meth:`capture_late` before the hand-off."""
         self._late_job: SnapshotJob | None = None
         self._late_warned = False
+        self.on_slot_wait: Callable[[float], bool] | None = None
+        """Called (on the training thread) while :meth:`begin` waits for a free slot, about every
+        :data:`~cf_ray._engine.worker.slot_arena.WAIT_TICK_S` with the seconds waited; True gives the wait up (the snapshot is skipped)."""
+        self._next_wait_log = 0.0
         self._preparing = False
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"cf_ray-snapshot-r{rank}", daemon=True)
@@ -295,9 +307,17 @@ class Snapshotter:
         Tensors for which ``is_guarded`` is true (they change only in the optimizer step) and all
         CUDA tensors are copied in the background; everything else is copied now.
 
+        A section whose two slots are both held (one being written, one pinned until written: a
+        milestone or preemption checkpoint with a storage that stalls) waits for one at most
+        ``env.SLOT_WAIT_S`` (60 s), saying so while it waits, and calls :attr:`on_slot_wait`; then the
+        snapshot is not taken: :class:`SnapshotSkipped` (never a hang of the training thread).
+
         Args:
             late: per section, the objects whose state :meth:`capture_late` takes again at the next
                 call (their state in ``sections`` reserves the room and is kept if that fails).
+
+        Raises:
+            SnapshotSkipped: no free slot within the wait; nothing of this snapshot was kept.
         """
         t_wait = time.perf_counter()
         self.capture_late()  # the previous snapshot's late objects: this is the next call
@@ -306,11 +326,12 @@ class Snapshotter:
         wait_s = t0 - t_wait
         flats, arenas, deferred, buffers = {}, {}, [], {}
         devices: set[int] = set()
+        cuda_sections: set[str] = set()
         slot_wait_s, copied = 0.0, 0
         for name, tree in sections.items():
             flat = _codec.flatten(tree)
             arena = self._arena_for(name, flat)
-            slot_wait_s += arena.acquire()
+            slot_wait_s += self._acquire(arena, step, name, buffers)
             buffers[name] = arena
             for entry, leaf in zip(flat.entries, flat.leaves):
                 dst = arena.dst(entry)
@@ -319,13 +340,16 @@ class Snapshotter:
                     copied += entry.nbytes
                     continue
                 assert isinstance(leaf, torch.Tensor)  # the codec gives torch tensors kind "torch"
+                if leaf.is_cuda:
+                    devices.add(leaf.device.index or 0)
+                    cuda_sections.add(name)
                 if is_guarded(leaf):
                     deferred.append(_Deferred(name, entry.offset, entry.nbytes, dst, leaf))
-                    if leaf.is_cuda:
-                        devices.add(leaf.device.index or 0)
                     continue
                 if leaf.is_cuda:
-                    # Ordered before the next forward on the compute stream, so no race with it.
+                    # Ordered before the next forward on the compute stream, so no race with it; the
+                    # event recorded below comes after it, and the background thread waits for that
+                    # event before it reads the arena (checksums, hand-off), on every device.
                     dst.copy_(leaf, non_blocking=True)
                 else:
                     dst.copy_(leaf)
@@ -341,13 +365,15 @@ class Snapshotter:
             deferred=deferred,
             buffers=buffers,
             late=_late_slots(flats, late or {}),
+            cuda_sections=cuda_sections,
         )
         if job.late:
             self._late_job = job
         else:
             job.late_ready.set()
         if devices:
-            # Each device's side stream starts after the optimizer step's kernels on that device.
+            # Each device's side stream starts after the optimizer step's kernels on that device, and
+            # after the copies of its unguarded tensors queued above (a device may have only those).
             job.cuda_events = {}
             for d in sorted(devices):
                 with torch.cuda.device(d):
@@ -375,6 +401,38 @@ class Snapshotter:
         self._queue.put(job)
         return time.perf_counter() - t_wait
 
+    def _acquire(self, arena: SlotArena, step: int, section: str, taken: dict[str, Any]) -> float:
+        """A free slot of ``section``, waited for at most ``env.SLOT_WAIT_S`` (said while it waits);
+        on giving up, the slots this snapshot took already (``taken``) are given back."""
+        limit = _env.get_float(_env.SLOT_WAIT_S)
+        self._next_wait_log = 1.0
+
+        def waiting(waited_s: float) -> bool:
+            if waited_s >= self._next_wait_log:
+                self._next_wait_log = waited_s + _env.get_float(_env.WARN_INTERVAL_S)
+                logger.warning(
+                    "cf_ray: rank %d: the snapshot of step %d has waited %.0f s for a free slot of section %s: "
+                    "the holder holds every slot (%s) until they are written, so storage is slow or stalled; "
+                    "training goes on in %.0f s at most without this checkpoint",
+                    self.rank,
+                    step,
+                    waited_s,
+                    section,
+                    arena.held(),
+                    max(0.0, limit - waited_s),
+                )
+            return bool(self.on_slot_wait(waited_s)) if self.on_slot_wait is not None else False
+
+        try:
+            return arena.acquire(limit, waiting)
+        except SlotsBusy as e:
+            for other in taken.values():
+                other.release()
+            raise SnapshotSkipped(
+                f"skipped: no free snapshot slot of section {section} within {e.waited_s:.0f} s "
+                f"(the holder holds {e.held} until they are written: storage is slow or stalled)"
+            ) from None
+
     def prepare(self, sections: dict[str, Any]) -> bool:
         """Allocate and fault in the arenas for ``sections`` (the trees :meth:`begin` will get) on
         the background thread, so that the first snapshot copies into resident memory.
@@ -399,9 +457,15 @@ class Snapshotter:
         """Whether :meth:`prepare`'s job is still running (the iterations meanwhile compete with it)."""
         return self._preparing
 
-    def capture_late(self) -> float:
+    def capture_late(self, next_epoch: int | None = None) -> float:
         """At the start of the call after a snapshot's: take the late objects' state again, into the
-        slots the snapshot reserved for them. Returns seconds spent (0 when nothing was waiting)."""
+        slots the snapshot reserved for them. Returns seconds spent (0 when nothing was waiting).
+
+        Args:
+            next_epoch: the call is ``end_epoch()`` right after the snapshot's step (the epoch's last):
+                what is taken now holds the epoch's end (a per-epoch scheduler stepped before it), so
+                the snapshot's counters say it resumes at ``next_epoch`` (the resumed loop then does
+                not step them again)."""
         job, self._late_job = self._late_job, None
         if job is None:
             return 0.0
@@ -410,6 +474,8 @@ class Snapshotter:
             if not job.sealed:
                 for slot in job.late:
                     self._capture(job, slot)
+                if next_epoch is not None:
+                    _resume_at_epoch(job, next_epoch)
         job.late_ready.set()
         return time.perf_counter() - t0
 
@@ -608,7 +674,7 @@ class Snapshotter:
                 for c in job.deferred:
                     if c.src.is_cuda and (c.src.device.index or 0) == d:
                         c.dst.copy_(c.src, non_blocking=True)  # DMA into pinned (registered) memory
-        on_device = {c.section for c in job.deferred if c.src.is_cuda}
+        on_device = job.cuda_sections | {c.section for c in job.deferred if c.src.is_cuda}
         crcs: dict[str, list[int]] = {}
         copied = 0
         for name, arena in job.buffers.items():
@@ -651,6 +717,16 @@ class Snapshotter:
             for k in sorted(touched):
                 if k < len(blocks):
                     blocks[k] = _crc32(buf[k * block : (k + 1) * block].data)
+
+
+def _resume_at_epoch(job: SnapshotJob, epoch: int) -> None:
+    """The snapshot's counters (every section that has them) and its metadata say ``epoch``."""
+    for flat in job.flats.values():
+        counters = flat.tree.get(mf.COUNTERS) if isinstance(flat.tree, dict) else None
+        if isinstance(counters, dict) and "epoch" in counters:
+            counters["epoch"] = epoch
+    if dataclasses.is_dataclass(job.meta) and hasattr(job.meta, "epoch"):
+        job.meta = dataclasses.replace(job.meta, epoch=epoch)  # pyright: ignore[reportArgumentType]
 
 
 def _fault_mid_copy(rank: int, step: int) -> Callable[[], None] | None:
@@ -791,6 +867,8 @@ class Phase1:
         # so is the optimizers' param_groups (the learning rate a scheduler writes there).
         self._late_names = [n for n, o in state.items() if not isinstance(o, (torch.nn.Module, torch.optim.Optimizer))]
         self._optimizers = [n for n, o in state.items() if isinstance(o, torch.optim.Optimizer)]
+        self.skipped: tuple[str, list[str]] | None = None
+        """Why the last :meth:`take` skipped its snapshot, and the sections it would have held."""
 
     # -- the training thread ------------------------------------------------------------------------
     def take(
@@ -803,8 +881,9 @@ class Phase1:
         interval: int | None,
         notice: dict,
         replica_interval: int | None = None,
-    ) -> float:
-        """Start the snapshot of ``step``; returns the seconds the snapshotter spent on this thread.
+    ) -> float | None:
+        """Start the snapshot of ``step``; returns the seconds the snapshotter spent on this thread,
+        ``None`` when it was skipped (no free slot in time: :attr:`skipped` says why and which sections).
 
         Args:
             notice: a preemption notice's deadline fields for the profile row (may be empty).
@@ -828,18 +907,34 @@ class Phase1:
             **notice,
         )
         guarded = self._guarded_ptrs()
-        return self._snap.begin(
-            step,
-            sections,
-            lambda t: t.data_ptr() in guarded,
-            meta,
-            late=self._late(sections),
-            generation=self.generation,
-        )
+        self.skipped = None
+        try:
+            return self._snap.begin(
+                step,
+                sections,
+                lambda t: t.data_ptr() in guarded,
+                meta,
+                late=self._late(sections),
+                generation=self.generation,
+            )
+        except SnapshotSkipped as e:
+            self.skipped = (str(e), sorted(sections))
+            logger.warning("cf_ray: rank %d: the checkpoint of step %d is %s; training goes on", self.rank, step, e)
+            return None
 
-    def capture_late(self) -> float:
-        """At the start of a Checkpointer call: the late objects of the last snapshot (module doc)."""
-        return self._snap.capture_late()
+    def capture_late(self, next_epoch: int | None = None) -> float:
+        """At the start of a Checkpointer call: the late objects of the last snapshot (module doc);
+        ``next_epoch`` from ``end_epoch()`` right after it (:meth:`Snapshotter.capture_late`)."""
+        return self._snap.capture_late(next_epoch)
+
+    @property
+    def on_slot_wait(self) -> Callable[[float], bool] | None:
+        """Called while a snapshot waits for a free slot (:attr:`Snapshotter.on_slot_wait`)."""
+        return self._snap.on_slot_wait
+
+    @on_slot_wait.setter
+    def on_slot_wait(self, fn: Callable[[float], bool] | None) -> None:
+        self._snap.on_slot_wait = fn
 
     @property
     def late_wait_s(self) -> float:
@@ -855,9 +950,9 @@ class Phase1:
         if not self._late_names:
             return {}
         if self.replicated:
-            section, key = mf.SHARED, "objects"
+            section, key = mf.SHARED, mf.OBJECTS
         else:
-            section, key = mf.rank_section(self.rank), "state"
+            section, key = mf.rank_section(self.rank), mf.STATE
         if section not in sections:
             return {}
         late: list = [((key, n), self.state[n].state_dict) for n in self._late_names]
@@ -918,10 +1013,10 @@ class Phase1:
     def _sections(self, step: int, epoch: int) -> dict[str, Any]:
         """This rank's snapshot: section name -> state tree (references; copied by the snapshotter)."""
         rank_tree = {
-            "objects": {name: obj.state_dict() for name, obj in self.data.items()},
-            "rng": rng_state(),
+            mf.OBJECTS: {name: obj.state_dict() for name, obj in self.data.items()},
+            mf.RNG: rng_state(),
             # rank and world_size: a restore checks that a rank's section is that rank's.
-            "counters": {"step": step, "epoch": epoch, "rank": self.rank, "world_size": self.world_size},
+            mf.COUNTERS: {"step": step, "epoch": epoch, "rank": self.rank, "world_size": self.world_size},
         }
         sections: dict[str, Any] = {}
         replicated = (
@@ -931,9 +1026,9 @@ class Phase1:
         )
         if self.replicated:
             if self.rank == 0:
-                sections[mf.SHARED] = {"objects": replicated}
+                sections[mf.SHARED] = {mf.OBJECTS: replicated}
         else:
-            rank_tree["state"] = replicated
+            rank_tree[mf.STATE] = replicated
             if self.sharded is not None:
                 rank_tree[_sharded.KEY] = self.sharded.describe()
         sections[mf.rank_section(self.rank)] = rank_tree

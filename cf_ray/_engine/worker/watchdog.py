@@ -138,6 +138,8 @@ class DurabilityWatchdog:
         self._pending: list[tuple[int, float]] = []
         self._taken_since = 0
         self._persist_s: float | None = None  # EMA of taken -> seen committed
+        self.slowest_persist_s: float | None = None
+        """The longest time from a checkpoint taken to its commit seen, on this run (``None``: none seen)."""
         self._iter_s: float | None = None  # EMA of seconds per step
         self._gap_steps: float | None = None  # EMA of steps between two checkpoints taken
         self._last: tuple[int, float] | None = None  # (step, now) of the previous observe
@@ -171,6 +173,11 @@ class DurabilityWatchdog:
         if self.settings.timeout_s is not None:
             return float(self.settings.timeout_s), expected
         return max(self.settings.floor_s, self.settings.factor * expected), expected
+
+    def finish_limit_s(self) -> float:
+        """How long the end of a run waits for its checkpoints to commit, from what this run measured:
+        ``factor`` x the slowest persist seen, at least ``floor_s``."""
+        return max(self.settings.floor_s, self.settings.factor * (self.slowest_persist_s or self._persist_s or 0.0))
 
     def expected_s(self, interval_steps: int | None = None) -> float:
         """The interval in seconds (steps x seconds per step) plus the observed persist time."""
@@ -232,7 +239,9 @@ class DurabilityWatchdog:
         if done:
             newest_done = done[-1]
             if newest_done[0] == committed:  # its own commit: a persist time (with the poll delay)
-                self._persist_s = _ema(self._persist_s, max(seen_at - newest_done[1], 0.0))
+                persist = max(seen_at - newest_done[1], 0.0)
+                self._persist_s = _ema(self._persist_s, persist)
+                self.slowest_persist_s = max(persist, self.slowest_persist_s or 0.0)
         self._pending = [(s, t) for s, t in self._pending if s > committed]
         self._taken_since = len(self._pending)
         self._committed = committed
