@@ -462,9 +462,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RESULTS_JSON",
         help="print the performance tables of docs/benchmarks/single-node.md, generated from RESULTS_JSON, and exit",
     )
-    from benchmarks import cluster  # the multi-node jobs (#12) and their options live there
+    from benchmarks import cluster, failure_run, failure_sim  # the multi-node jobs (#12), failures (#26)
 
     cluster.add_arguments(p)
+    failure_sim.add_arguments(p)
+    failure_run.add_arguments(p)
     return p
 
 
@@ -477,6 +479,14 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import cluster
 
         return cluster.main(args, argv if argv is not None else sys.argv[1:])
+    if args.simulate:
+        from benchmarks import failure_sim
+
+        return failure_sim.main(args, argv if argv is not None else sys.argv[1:])
+    if args.failures:
+        from benchmarks import failure_run
+
+        return failure_run.main(args, argv if argv is not None else sys.argv[1:])
     if args.user_loop:
         return _user_loop(args)
     results = run(args, argv if argv is not None else sys.argv[1:])

@@ -30,6 +30,7 @@ from cf_ray._engine.driver.metrics import (  # re-exported (defined by the contr
 )
 from cf_ray._engine.lazy import lazy_module
 from cf_ray._engine.storage.fs import FileInfo, FsStorage, Storage
+from cf_ray._report_goodput import GOODPUT_FILE, badput_frame, load_goodput, plot_badput, save_goodput
 from cf_ray.errors import CorruptCheckpointError
 
 # pandas and parquet load on first use: the controller actor imports this module to write profile
@@ -261,6 +262,7 @@ def save_profile(
     iter_rows: Iterable[Mapping] | pd.DataFrame | None = None,
     *,
     restarts: Iterable[Mapping] | pd.DataFrame | None = None,
+    goodput: Mapping | None = None,
 ) -> dict[str, FileInfo]:
     """Write the profile (and the iteration times) as Parquet at the storage's root.
 
@@ -272,6 +274,7 @@ def save_profile(
         rows: checkpoint rows (see :func:`profile_frame`).
         iter_rows: iteration samples (see :func:`iterations_frame`); ``None`` writes an empty table.
         restarts: the restarts (see :func:`restarts_frame`), written as ``restarts.parquet`` when given.
+        goodput: where the wall time went (:func:`badput_frame`), written as ``goodput.json`` when given.
 
     Returns:
         ``{path: FileInfo}`` of the files written.
@@ -280,6 +283,8 @@ def save_profile(
     out[ITERATIONS_FILE] = storage.write_file(ITERATIONS_FILE, [_parquet_bytes(iterations_frame(iter_rows or []))])
     if restarts is not None:
         out[RESTARTS_FILE] = storage.write_file(RESTARTS_FILE, [_parquet_bytes(restarts_frame(restarts))])
+    if goodput is not None:
+        out[GOODPUT_FILE] = save_goodput(storage, goodput)
     return out
 
 
@@ -401,6 +406,13 @@ def read_run_restarts(storage_path: str, run_name: str, filesystem=None) -> pd.D
     """The restarts table of a run (goodput: work lost, recovery time, restore source and time per
     restart; see :func:`restarts_frame`), written at the run's end. Arguments as :func:`read_run_profile`."""
     return load_restarts(_run_storage(storage_path, run_name, filesystem))
+
+
+def read_run_goodput(storage_path: str, run_name: str, filesystem=None) -> dict | None:
+    """Where a run's wall time went (productive and badput seconds by category, see
+    :func:`badput_frame`), as saved at its end; ``None`` when it saved none. Arguments as
+    :func:`read_run_profile`."""
+    return load_goodput(_run_storage(storage_path, run_name, filesystem))
 
 
 def _run_storage(storage_path: str, run_name: str, filesystem) -> FsStorage:
@@ -545,15 +557,20 @@ def _state(row) -> str:
 
 __all__ = [
     "CheckpointMetrics",
+    "GOODPUT_FILE",
     "GoodputMetrics",
     "ITERATIONS_FILE",
     "PROFILE_FILE",
     "RESTARTS_FILE",
     "iterations_frame",
+    "badput_frame",
+    "load_goodput",
     "load_profile",
     "load_restarts",
+    "plot_badput",
     "plot_profile",
     "profile_frame",
+    "read_run_goodput",
     "read_run_iterations",
     "read_run_profile",
     "read_run_restarts",

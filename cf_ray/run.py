@@ -265,8 +265,8 @@ class Run:
 
         Live, the controller's summary: ``generation``, ``committed_steps``, ``interval``,
         ``schedules``, ``failures`` (of every attempt), ``events``, ``pending``, ``restore_fallbacks``
-        (``{source: {cause: n}}``) and ``distrusted`` (``[generation, step]`` of snapshots never
-        offered again). After the run, from storage:
+        (``{source: {cause: n}}``), ``distrusted`` (``[generation, step]`` of snapshots never
+        offered again) and ``goodput`` (:meth:`goodput`). After the run, from storage:
         ``committed_steps`` (the committed resumable checkpoints), ``failures`` (profile rows that
         were not committed: ``step``, ``generation``, ``error``), ``generation`` and ``interval``
         (of the last profile row; ``None`` without a saved profile). ``source`` says which
@@ -298,6 +298,32 @@ class Run:
             out["generation"] = max((r["generation"] for r in rows if r.get("generation") is not None), default=None)
             out["interval"] = rows[-1].get("interval")
         return out
+
+    def goodput(self) -> dict | None:
+        """Where the run's wall time went: productive training and the badput by category
+        (checkpoint save, checkpoint restore, wasted progress, recovery, start-up, other), as
+        ``{"wall_s", "productive_s", "effective_training_ratio", "badput_s": {category: s},
+        "shares", "restarts"}``; ``cf_ray.report.badput_frame`` makes it a table,
+        ``cf_ray.report.plot_badput`` a plot.
+
+        Live from the controller, else what the run saved at its end (``goodput.json``); ``None`` when
+        it saved none (a run older than this cf_ray, or one whose controller never ended).
+
+        Raises:
+            RunUnavailableError: the live controller did not answer in time.
+
+        Example::
+
+            from cf_ray import report
+
+            report.badput_frame(cf_ray.Run("/mnt/runs", "my-run").goodput())
+        """
+        found, live = self._ask("summary", what="its summary")
+        if found and live.get("goodput") is not None:
+            return live["goodput"]
+        from cf_ray import report
+
+        return report.read_run_goodput(self.storage_path, self.name, self.storage_filesystem)
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every committed checkpoint of the run (resumable ones and the final model), oldest first.

@@ -37,7 +37,9 @@ laptop), written the way you would write your own:
    within a budget;
 2. **a failure** injected from this notebook: a worker process SIGKILLs itself at a step chosen
    below; Ray Train restarts the workers and cf_ray resumes them where the last checkpoint left off;
-3. **the profile table and the plot** of the run, from `cf_ray.Run`;
+3. **the profile table and the plots** of the run, from `cf_ray.Run`: its checkpoints, and where its
+   wall time went (productive training and the badput: checkpoint save, restore, wasted progress,
+   recovery, start-up);
 4. **an interrupted kernel**: the same job with a tighter budget, interrupted mid-run and started
    again, resumes;
 5. **the effect of the budget**, and the run's checkpoints checked and exported with the `cf-ray`
@@ -195,6 +197,25 @@ measured overhead against the budget.""",
     ("code", """fig = report.plot_profile(profile5, run5.iterations(), budget_pct=5.0)"""),
     (
         "md",
+        """Where the run's wall time went, as the controller measured it (the categories of Google's ML
+Goodput Measurement): productive training, and the badput — the training thread's checkpoint
+stalls, the restores, the work redone after the failure, the recovery (Ray Train noticing the
+failure and starting the workers again), the start-up. The same figures are the Ray metrics
+`cf_ray_productive_seconds` and `cf_ray_badput_seconds{category=...}` while the run lives, and
+`goodput.json` next to the profile afterwards. The controller also counted the failure: the
+`failure_rate` event says what the policy now estimates of how often this run fails, which its
+interval takes into account.""",
+    ),
+    (
+        "code",
+        """split5 = run5.goodput()
+fig = report.plot_badput({"budget5": split5})
+rate = [e for e in run5.events() if e["event"] == "failure_rate"]
+print(f"failures counted: {rate[-1]['failures']}; estimated time up between failures: {rate[-1]['mtbf_s']:.0f} s")
+report.badput_frame(split5).round(3)""",
+    ),
+    (
+        "md",
         """## 4. Interrupt the kernel, run the cell again: it resumes
 
 The same job with a 1 % budget. **Interrupt the kernel** while the next cell runs
@@ -257,17 +278,23 @@ time one checkpoint costs, its background copy and persist) is loaded into a fre
 each budget, as a restarted run loads it, and `explain()` says what the policy decides from it: the
 interval, the rule that set it (`budget`, or `persist_in_flight`: never a checkpoint before the
 previous one has persisted), the overhead it predicts, and the training time between two
-checkpoints, which is also the most a failure can lose.""",
+checkpoints, which is also the most a failure can lose.
+
+The profile also keeps the run's failure history (here one failure in a minute or two of training).
+With it, the policy takes the interval that maximises goodput given how often the run fails, and
+the budget is a cap rather than the target; to see the budget alone, `decide` leaves the history
+out, and the last line shows the decision with it.""",
     ),
     (
         "code",
         """with open(os.path.join(storage_path, "budget5", "cf_ray", "policy_state.json")) as f:
-    measured = json.load(f)  # what the first run measured: its policy's state_dict()
+    saved = json.load(f)  # what the first run measured and went through: its policy's state_dict()
+measured = {k: v for k, v in saved.items() if k != "hazard"}  # its costs, without its failure history
 print(f"measured: {1000 * measured['iter_s']:.1f} ms per iteration; a checkpoint costs "
       f"{1000 * measured['cost_s']:.1f} ms of training time and {1000 * measured['background_s']:.0f} ms in the background")
 
 
-def decide(budget_pct):
+def decide(budget_pct, measured=measured):
     policy = cf_ray.Adaptive(budget_pct=budget_pct)
     policy.load_state_dict(measured)
     policy.plan([], None)  # no new samples: decide from the loaded profile
@@ -277,6 +304,9 @@ def decide(budget_pct):
 decisions = {budget: decide(budget) for budget in (5.0, 2.0, 1.0)}
 i5, i2, i1 = (decisions[b]["interval"] for b in (5.0, 2.0, 1.0))
 print(f"a 1 % budget makes the policy choose a longer interval than a 5 % one: {i1 > i5} ({i1} vs {i5} steps)")
+known = decide(5.0, saved)
+print(f"with the failure history ({known['hazard']['failures']} in {known['hazard']['exposure_s']:.0f} s up): "
+      f"interval {known['interval']} ({known['binding']} binds; the budget alone: {known['candidates']['budget']})")
 pd.DataFrame.from_dict(
     {f"budget {b:g} %": {"interval": d["interval"], "set by": d["binding"],
                          "predicted overhead %": round(d["predicted_overhead_pct"], 2),

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -104,6 +105,80 @@ def test_profile_book_records_restarts_and_saves_them(tmp_path):
     assert len(report.load_restarts(FsStorage.from_uri(str(tmp_path / "none")))) == 0
 
 
+def test_the_books_feed_the_runs_failures_to_the_policy_and_split_the_wall_time(tmp_path):
+    """The controller's books (no Ray): the run's start, a restart, its recovery and a driver's notice
+    reach the policy's failure-rate estimate (one ``failure_rate`` event per failure counted), and the
+    wall time splits into productive time and badput categories that add up to it."""
+    import threading
+
+    from cf_ray._engine.driver.schedule import ScheduleBook
+    from cf_ray.policy import Adaptive
+
+    storage = FsStorage.from_uri(str(tmp_path))
+    schedule = ScheduleBook(Adaptive(budget_pct=5.0, mtbf_s=3600.0), storage)
+    book = ProfileBook("run", storage, schedule)
+    t0 = book.goodput.started_unix
+    book.add_event({"event": "restore", "source": "fresh", "step": 0, "seconds": 0.5, "generation": 1, "time": t0 + 2})
+    for step in (5, 10, 15):
+        book.add_iteration(0, step, 0.01, 5)
+        book.add_rank_timings(1, 0, {"step": step, "stall_s": 0.02, "guard_s": 0.01})
+        book.add_rank_timings(1, 1, {"step": step, "stall_s": 0.01})  # the slowest rank's stall counts
+    book.add_event({"event": "restore", "source": "memory", "step": 10, "seconds": 0.2, "generation": 2})
+    book.add_iteration(0, 20, 0.01, 5)  # resumed: the recovery is measured
+    hazard = schedule.hazard()
+    assert hazard["failures"] == 1 and hazard["measured_recoveries"] == 1 and "memory" in hazard["recovery_by_source"]
+    book.add_event({"event": "notice", "seq": 1, "generation": 2, "time": time.time(), "detail": ""})
+    book.add_event({"event": "notice", "seq": 2, "generation": 2, "time": time.time(), "detail": ""})  # same attempt
+    rates = [e for e in book.events if e["event"] == "failure_rate"]
+    assert [(e["why"], e["failures"]) for e in rates] == [("restart", 1), ("notice", 2)]
+    assert rates[-1]["mtbf_s"] < 3600.0  # two failures within seconds: a much higher rate than the prior
+    b = book.goodput.breakdown()
+    assert b["badput_s"]["checkpoint_save"] == pytest.approx(3 * 0.03)
+    assert b["badput_s"]["checkpoint_restore"] == pytest.approx(0.5 + 0.2)
+    assert b["badput_s"]["wasted_progress"] == pytest.approx(5 * 0.01)
+    assert b["badput_s"]["startup"] >= 0 and b["restarts"] == 1
+    book.save(threading.RLock())
+    assert report.load_goodput(storage)["badput_s"] == pytest.approx(b["badput_s"], abs=0.5)
+    assert report.load_goodput(FsStorage.from_uri(str(tmp_path / "none"))) is None
+
+
+def test_badput_categories_add_up_to_the_wall_time():
+    """A timeline whose times agree with each other: 20 steps of 0.5 s and one stall of 0.2 s, a
+    failure, 10 steps lost, a recovery of 21.8 s with a 2 s restore, 5 steps more."""
+    from cf_ray._engine.driver.badput import CATEGORIES, Badput
+
+    g = Badput(started_unix=90.0)  # the controller started at 90
+    g.on_restore(generation=1, source="fresh", step=0, restore_s=1.0, now_unix=100.0)  # the run's start
+    g.on_sample(10, 0.5, 10, 106.0)  # the first iteration started at 101
+    g.note_stall(1, 0, {"step": 10, "stall_s": 0.15, "guard_s": 0.05})
+    g.note_stall(1, 1, {"step": 10, "stall_s": 0.1})  # the slowest rank's stall counts
+    g.on_sample(20, 0.5, 10, 111.2)
+    r = g.on_restore(generation=2, source="memory", step=10, restore_s=2.0, now_unix=130.0)
+    assert r is not None and r.failure_unix == 111.2
+    g.on_sample(15, 0.5, 5, 135.0)  # the first resumed iteration ended at 133
+    out = g.breakdown()
+    bad = out["badput_s"]
+    assert out["wall_s"] == pytest.approx(45.0) and out["productive_s"] == pytest.approx(7.5)
+    assert bad == pytest.approx(
+        {
+            "checkpoint_save": 0.2,
+            "checkpoint_restore": 3.0,
+            "wasted_progress": 5.0,
+            "recovery": 19.3,
+            "startup": 10.0,
+            "other": 0.0,
+        }
+    )
+    frame = report.badput_frame(out)
+    assert frame["category"].tolist() == ["productive", *CATEGORIES]
+    assert frame["seconds"].sum() == pytest.approx(out["wall_s"]) and frame["share"].sum() == pytest.approx(1.0)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = report.plot_badput({"cf_ray": out, "another": out})
+    assert len(fig.axes[0].patches) == 2 * len(frame)
+
+
 def _row(gen, step, **kw):
     return {"step": step, "generation": gen, "committed": True, "where": "x", **kw}
 
@@ -141,6 +216,7 @@ def test_goodput_metrics_is_a_no_op_outside_ray(monkeypatch):
     m.record_restart("memory", 3, 0.3, 0.1)
     m.record_recovery(1.0)
     m.record_ratio(0.5)
+    m.record_badput({"productive_s": 1.0, "badput_s": {"checkpoint_save": 0.1}})
     assert m.enabled in (None, False)
 
 
@@ -158,7 +234,8 @@ _DRIVER = textwrap.dedent("""
     # the newest line of every cf_ray series seen.
     seen, done = {}, threading.Event()
     wanted = ("cf_ray_recovery_seconds", "cf_ray_effective_training_ratio", "cf_ray_restart_lost_steps",
-              "cf_ray_restore_seconds", "cf_ray_restarts")
+              "cf_ray_restore_seconds", "cf_ray_restarts", "cf_ray_badput_seconds", "cf_ray_productive_seconds",
+              "cf_ray_failure_mtbf_seconds")
     def scrape():
         while not done.is_set():
             try:
@@ -232,3 +309,10 @@ def test_goodput_is_exported_to_rays_metrics_endpoint(tmp_path):
     assert ratio and 0 < ratio[0] <= 1, lines
     assert _values(lines, "cf_ray_restore_seconds") and _values(lines, "cf_ray_restarts"), lines
     assert any('source="memory"' in ln for ln in lines if "cf_ray_restore_seconds" in ln), lines
+    # Where the wall time went (#26), and the failure rate the controller estimated from the restart.
+    assert _values(lines, "cf_ray_productive_seconds")[0] > 0, lines
+    restore_badput = [ln for ln in lines if "cf_ray_badput_seconds" in ln and 'category="checkpoint_restore"' in ln]
+    assert restore_badput and float(restore_badput[0].rsplit(" ", 1)[1]) > 0, lines
+    (rate,) = [e for e in got["events"] if e.get("event") == "failure_rate"]
+    assert rate["failures"] == 1 and rate["why"] == "restart" and rate["mtbf_s"] > 0
+    assert _values(lines, "cf_ray_failure_mtbf_seconds")[0] == pytest.approx(rate["mtbf_s"], rel=1e-6), lines

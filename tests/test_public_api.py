@@ -49,7 +49,18 @@ CF_RAY = [
     "load_state",
     "notify_preemption",
 ]
-POLICY = ["Adaptive", "AnyOf", "EpochEnd", "FixedInterval", "FrequencyPolicy", "PolicyWarning", "Sample", "SaveContext"]
+POLICY = [
+    "Adaptive",
+    "AnyOf",
+    "EpochEnd",
+    "FixedInterval",
+    "FrequencyPolicy",
+    "PolicyWarning",
+    "RunEvent",
+    "RunEventKind",
+    "Sample",
+    "SaveContext",
+]
 DATA = [
     "DALIExternalSource",
     "DataOrderError",

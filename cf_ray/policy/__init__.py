@@ -2,9 +2,12 @@
 
 :mod:`cf_ray.policy.base` holds the protocol (:class:`FrequencyPolicy`, :class:`SaveContext`,
 :class:`Sample`) and the fixed policies (:class:`FixedInterval`, :class:`EpochEnd`,
-:class:`AnyOf`); :mod:`cf_ray.policy.adaptive` holds :class:`Adaptive`.
+:class:`AnyOf`); :mod:`cf_ray.policy.adaptive` holds :class:`Adaptive`, and
+:mod:`cf_ray.policy._hazard` the failure side of it (:class:`RunEvent`, what the controller tells
+it of the run's failures).
 """
 
+from cf_ray.policy._hazard import RunEvent, RunEventKind
 from cf_ray.policy.adaptive import Adaptive
 from cf_ray.policy.base import AnyOf, EpochEnd, FixedInterval, FrequencyPolicy, PolicyWarning, Sample, SaveContext
 
@@ -15,6 +18,8 @@ __all__ = [
     "FixedInterval",
     "FrequencyPolicy",
     "PolicyWarning",
+    "RunEvent",
+    "RunEventKind",
     "Sample",
     "SaveContext",
 ]

@@ -15,9 +15,12 @@ import numbers
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cf_ray.policy.base import Sample
+
+if TYPE_CHECKING:
+    from cf_ray.policy._hazard import HazardEstimate
 
 _DETAIL = frozenset({"copy", "persist", "nbytes", "rate", "measured_pct", "drift"})
 """The keys of :meth:`Estimator._summary` that go into :class:`EstimateDetail`."""
@@ -543,6 +546,8 @@ class Estimate:
     """``measured`` or ``saved profile``."""
     detail: EstimateDetail = field(default_factory=EstimateDetail)
     """Copy and persist times, bytes, throughput, measured overhead and drift (reported only)."""
+    hazard: HazardEstimate | None = None
+    """How often the run fails and what a recovery takes (set by :meth:`Adaptive.plan`)."""
 
 
 # -- numeric helpers ----------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """The decision ladder of :class:`~cf_ray.policy.adaptive.Adaptive`: estimates -> the interval.
 
-:func:`target` turns an :class:`~cf_ray.policy._estimator.Estimate` into the interval the rules
-ask for (and the rule that binds); :func:`decide` walks the ladder that says whether to publish it
-now: profiling, provisional, restored, the first measured decision, and once tuned the hysteresis
-(outside the bounds, too much lost work, persist in flight, over budget, room to shorten). The
-first rung that applies decides; :class:`RuleState` is what the ladder remembers between plans.
+:func:`candidates` says what each rule would choose alone (goodput, budget, max_lost_s, persist in
+flight); :func:`target` combines them into the interval the rules ask for (and the rule that binds);
+:func:`decide` walks the ladder that says whether to publish it now: profiling, provisional,
+restored, the first measured decision, and once tuned the hysteresis (outside the bounds, too much
+lost work, persist in flight, over budget, the failure rate moved, room to shorten). The first rung
+that applies decides; :class:`RuleState` is what the ladder remembers between plans.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from cf_ray.policy._estimator import Estimate, _ceil
+from cf_ray.policy._hazard import best_steps, expected_goodput, young_daly_work_s
 from cf_ray.policy.base import PolicyWarning
 
 if TYPE_CHECKING:
@@ -65,6 +67,8 @@ class RuleState:
     """The explanation of the last plan."""
     last_change: dict | None = None
     """The last change of the interval: from, to, reason, checkpoint count and step."""
+    binding: str | None = None
+    """The rule that set the interval in force (``explain()["binding"]`` when it was published)."""
 
     def published(self, decision: int, current: int, info: dict, ckpt_clock: int, at_step: int) -> None:
         """Record that ``decision`` replaces ``current`` (and say so in ``info``)."""
@@ -77,6 +81,7 @@ class RuleState:
         }
         self.changed_at = ckpt_clock
         self.shrink_since = self.widen_since = None
+        self.binding = info.get("binding")
         info.update(interval=decision, previous=current)
         info["lost_work_s"] = decision * info["iter_s"] if info.get("iter_s") else None
         info["predicted_overhead_pct"] = (
@@ -87,25 +92,49 @@ class RuleState:
         self.current = decision
 
 
-def target(
-    cfg: Adaptive, est: Estimate, cost: float | None = None, bg: float | None = None
-) -> tuple[int, str, list[tuple[str, str]]]:
-    """The shortest interval that meets the rules, in their order of precedence, the rule that
-    binds, and the ``(kind, message)`` of every rule that gave way (see :class:`Adaptive`)."""
+def candidates(cfg: Adaptive, est: Estimate, cost: float | None = None, bg: float | None = None) -> dict:
+    """What each rule would choose on its own (``explain()["candidates"]``): ``goodput`` (the
+    interval that maximises the expected goodput; ``None`` while the failure rate is unknown),
+    ``budget`` (the shortest within the overhead budget), ``max_lost_s`` (the longest within the
+    bound on lost work; ``None`` without one) and ``persist_in_flight`` (the shortest that keeps one
+    persist in flight)."""
     t = est.t
     cost = max(est.cost if cost is None else cost, 0.0)
     bg = max(est.bg if bg is None else bg, 0.0)
-    budget = cfg.budget_pct / 100.0
-    aim = budget * (1.0 - cfg.headroom)
-    k_budget = max(_ceil(cost / (aim * t)), 1)
-    k_flight = max(_ceil(bg * (1.0 + cfg.headroom) / t), 1)
-    k_flight_strict = max(_ceil(bg / t), 1)
-    conflicts: list[tuple[str, str]] = []
-    k, binding = (k_budget, "budget") if k_budget >= k_flight else (k_flight, "persist_in_flight")
+    aim = cfg.budget_pct / 100.0 * (1.0 - cfg.headroom)
+    k_lost = None
     if cfg.max_lost_s is not None:
         k_lost = math.floor(cfg.max_lost_s * (1.0 - cfg.headroom) / t + 1e-9)
         if k_lost < 1 and t <= cfg.max_lost_s:
             k_lost = 1
+    hz = est.hazard
+    return {
+        "goodput": best_steps(t, cost, hz.mtbf_s) if hz is not None and hz.known else None,
+        "budget": max(_ceil(cost / (aim * t)), 1),
+        "max_lost_s": k_lost,
+        "persist_in_flight": max(_ceil(bg * (1.0 + cfg.headroom) / t), 1),
+    }
+
+
+def target(
+    cfg: Adaptive, est: Estimate, cost: float | None = None, bg: float | None = None
+) -> tuple[int, str, list[tuple[str, str]]]:
+    """The interval the rules ask for, in their order of precedence (the goodput interval, no
+    shorter than the budget and the persist in flight allow, no longer than ``max_lost_s``), the rule
+    that binds, and the ``(kind, message)`` of every rule that gave way (see :class:`Adaptive`)."""
+    t = est.t
+    cost = max(est.cost if cost is None else cost, 0.0)
+    bg = max(est.bg if bg is None else bg, 0.0)
+    budget = cfg.budget_pct / 100.0
+    cand = candidates(cfg, est, cost, bg)
+    k_budget, k_flight = cand["budget"], cand["persist_in_flight"]
+    k_flight_strict = max(_ceil(bg / t), 1)
+    conflicts: list[tuple[str, str]] = []
+    k, binding = (k_budget, "budget") if k_budget >= k_flight else (k_flight, "persist_in_flight")
+    if cand["goodput"] is not None and cand["goodput"] > k:
+        k, binding = cand["goodput"], "goodput"
+    k_lost = cand["max_lost_s"]
+    if cfg.max_lost_s is not None and k_lost is not None:
         if k > k_lost:
             if k_lost < 1:
                 k, binding = max(k_flight_strict, 1), "max_lost_s" if k_flight_strict <= 1 else "persist_in_flight"
@@ -193,8 +222,47 @@ def prior_check(cfg: Adaptive, prior: dict, est: Estimate) -> str:
     return "saved profile confirmed by new measurements"
 
 
-def info(cfg: Adaptive, est: Estimate, k: int, binding: str, conflicts, current: int) -> dict:
-    """The explanation of a decision (see :meth:`Adaptive.explain`), before its ``phase``/``reason``."""
+def hazard_info(est: Estimate, cost: float, current: int | None, k: int) -> dict | None:
+    """``explain()["hazard"]``: the failure rate and recovery, the goodput the interval in force and
+    the target are expected to give, and Young/Daly's closed form for comparison (``None``: no
+    hazard estimate)."""
+    hz = est.hazard
+    if hz is None:
+        return None
+    out = hz.as_dict()
+    t, d = est.t, est.detail
+    copy = d.copy or 0.0
+    # A checkpoint is restorable from memory once copied, from storage once persisted too.
+    lag = (1.0 - hz.storage_share) * copy + hz.storage_share * max(est.bg, copy)
+    mtbf = hz.mtbf_s
+
+    def goodput(steps: int | None) -> float | None:
+        if not steps or not hz.known:
+            return None
+        return expected_goodput(steps * t, cost, mtbf, hz.recovery_s, lag)
+
+    yd = young_daly_work_s(cost, mtbf, hz.recovery_s) if hz.known else math.inf
+    out.update(
+        lag_s=lag,
+        predicted_goodput=goodput(current),
+        predicted_goodput_target=goodput(k),
+        young_daly_interval=max(round(yd / t), 1) if math.isfinite(yd) else None,
+    )
+    return out
+
+
+def info(
+    cfg: Adaptive,
+    est: Estimate,
+    k: int,
+    binding: str,
+    conflicts,
+    current: int,
+    cost: float | None = None,
+    bg: float | None = None,
+) -> dict:
+    """The explanation of a decision (see :meth:`Adaptive.explain`), before its ``phase``/``reason``
+    (``cost``/``bg``: the values the decision used when not the estimates')."""
     t = est.t
     d = est.detail
     cf = max(_ceil(((d.copy or 0.0) + (d.persist or 0.0)) / t), 1)
@@ -202,6 +270,8 @@ def info(cfg: Adaptive, est: Estimate, k: int, binding: str, conflicts, current:
         "interval": current,
         "target": k,
         "binding": binding,
+        "candidates": candidates(cfg, est, cost, bg),
+        "hazard": hazard_info(est, est.cost if cost is None else cost, current, k),
         "conflicts": [m for _, m in conflicts],
         "budget_pct": cfg.budget_pct,
         "predicted_overhead_pct": 100.0 * est.cost / (current * t) if current else None,
@@ -282,6 +352,7 @@ class _Ladder:
             self._too_much_lost_work,
             self._persist_does_not_fit,
             self._over_budget,
+            self._failure_rate_moved,
             self._room_to_shorten,
         ):
             verdict = rung()
@@ -316,8 +387,9 @@ class _Ladder:
             # core trains): the first interval then errs wide, not short (a few checkpoints
             # that each cost a whole persist); the measured cost replaces it as soon as the
             # first checkpoint's overlap is over.
-            k, binding, conflicts = target(self.cfg, est, max(est.cost, est.bg), est.bg)
-            info_ = dict(info(self.cfg, est, k, binding, conflicts, self.current), phase=self.phase.value)
+            cost = max(est.cost, est.bg)
+            k, binding, conflicts = target(self.cfg, est, cost, est.bg)
+            info_ = dict(info(self.cfg, est, k, binding, conflicts, self.current, cost), phase=self.phase.value)
         info_["reason"] = f"first checkpoint profiled: interval {k} ({binding} binds), provisional"
         return self._publish(k), info_
 
@@ -396,6 +468,25 @@ class _Ladder:
             return None, self.info
         st.widen_since = None
         return None
+
+    def _failure_rate_moved(self) -> Verdict | None:
+        """The goodput interval moved (a failure, a notice, time up without one) by the
+        ``shrink_ratio`` either way from an interval it set or to one it sets: move at once (the
+        failure rate changes by events, not by noise; a small move buys little goodput)."""
+        st, k, current = self.st, self.k, self.current
+        goodput = self.info["candidates"]["goodput"]
+        if goodput is None or not (self.binding == "goodput" or st.binding == "goodput"):
+            return None
+        ratio = self.cfg.shrink_ratio
+        if k > math.floor(current * ratio) and k < math.ceil(current / ratio):
+            return None
+        hz = self.est.hazard
+        assert hz is not None  # a goodput candidate needs a hazard estimate
+        self.info["reason"] = (
+            f"failure rate: one failure every {hz.mtbf_s:.3g} s up ({hz.failures} in {hz.exposure_s:.3g} s): "
+            f"{'shortening' if k < current else 'widening'} from {current} to {k} ({self.binding} binds)"
+        )
+        return k, self.info
 
     def _room_to_shorten(self) -> Verdict | None:
         st, est, t, current = self.st, self.est, self.est.t, self.current

@@ -1,11 +1,12 @@
-"""The adaptive frequency policy: :class:`Adaptive`, an automatic checkpoint interval under an
-overhead budget.
+"""The adaptive frequency policy: :class:`Adaptive`, the checkpoint interval that maximises
+goodput given how often the run fails, under an overhead budget and a bound on lost work.
 
 The user-facing configuration, the worker side (:meth:`Adaptive.should_save`,
 :meth:`Adaptive.initial_interval`: pure, configuration only) and the controller side
-(:meth:`Adaptive.plan` and the optional methods). What the samples teach lives in
-:mod:`cf_ray.policy._estimator` (samples -> estimates); the decision ladder that turns estimates
-into the interval lives in :mod:`cf_ray.policy._rules`.
+(:meth:`Adaptive.plan`, :meth:`Adaptive.observe` and the optional methods). What the samples teach
+lives in :mod:`cf_ray.policy._estimator` (samples -> estimates); what the run's failures teach in
+:mod:`cf_ray.policy._hazard` (events -> failure rate, recovery time); the decision ladder that turns
+both into the interval lives in :mod:`cf_ray.policy._rules`.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ from dataclasses import dataclass, field
 from cf_ray.errors import ConfigError
 from cf_ray.policy import _rules
 from cf_ray.policy._estimator import Estimator, _max_or_none, _nonneg, _pos
+from cf_ray.policy._hazard import HazardModel, RunEvent
 from cf_ray.policy.base import Sample, SaveContext
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+"""2: the failure history (``hazard``) is kept with the profile; version 1 profiles are still read."""
 
 
 @dataclass(kw_only=True, slots=True)
 class Adaptive:
-    """Automatic checkpoint interval under an overhead budget, decided by the controller.
+    """The checkpoint interval that maximises goodput, under an overhead budget, decided by the controller.
 
     The worker side checkpoints when ``step - last_save_step >= interval`` where ``interval`` is
     the value the controller last published and every rank adopted (before that:
@@ -48,25 +51,40 @@ class Adaptive:
     older values are then dropped, so a change of level (interference, a slower disk, a larger
     state) is followed within two checkpoints. ``t`` follows drift continuously (16 samples).
 
-    **The interval** is the shortest ``k`` that meets, in this order of precedence:
+    **What it learns of the run's failures** (from :meth:`observe`, fed by the controller: the
+    run's start, its restarts, their recoveries, preemption notices, the clock): the failure rate
+    ``λ`` — a Gamma-Poisson posterior, prior ``Gamma(mtbf_weight, mtbf_weight * mtbf_s)`` (none
+    without ``mtbf_s``: no estimate before the run's first failure), updated with the failures
+    counted over the seconds the run was up — and the recovery time ``R`` of this run's restarts,
+    memory and storage restores apart (:mod:`cf_ray.policy._hazard` has the rule).
+
+    **The interval** is, in this order of precedence:
 
     1. ``min_interval <= k <= max_interval`` (always);
     2. one persist in flight: ``k * t >= B * (1 + headroom)``, so never below CheckFreq's
        ``ceil((t_full - t_stall) / t)``;
-    3. ``k * t <= max_lost_s * (1 - headroom)`` when a bound on lost work is set;
+    3. ``k * t <= max_lost_s * (1 - headroom)`` when a bound on lost work is set (a cap);
     4. the budget: ``C / (k * t) <= budget_pct * (1 - headroom)`` (``k * t`` is the useful
-       training time between two checkpoints).
+       training time between two checkpoints; a cap on the overhead: a floor on ``k``);
+    5. within those, the ``k`` that maximises the expected goodput given ``C``, ``λ`` and ``R``
+       (Daly's model, :func:`cf_ray.policy._hazard.expected_goodput`); while ``λ`` is unknown
+       (no prior and no failure yet), the shortest ``k`` the rules above allow, as CheckFreq does.
 
-    When a rule gives way to a stronger one, :meth:`explain` says so in ``conflicts`` and a
-    :class:`PolicyWarning` is issued once per kind of conflict.
+    So with frequent failures the budget caps how often it checkpoints, with rare ones the interval
+    grows as far as goodput says (``max_lost_s`` caps it). :meth:`explain` says which rule set the
+    interval (``binding``) and what each would have chosen (``candidates``). When a rule gives way
+    to a stronger one, :meth:`explain` says so in ``conflicts`` and a :class:`PolicyWarning` is
+    issued once per kind of conflict.
 
     **Hysteresis.** Once tuned, the interval is *widened* when the current one breaks a rule by
     more than the noise (``(C - se) / (k * t) > budget_pct``, or ``k * t < B - se``): at once for
     a clear overrun, at the next checkpoint for a marginal one. It is *shortened* at once when it
-    exceeds ``max_lost_s``; otherwise only to the interval that pessimistic estimates (``C`` and
-    ``B`` plus two standard errors, at least three checkpoints since the last drift) allow, when
-    that is at most ``shrink_ratio * current`` at two checkpoints in a row. The gap between the
-    limits and the aims (``headroom``) is the dead band.
+    exceeds ``max_lost_s``; it moves at once to the goodput interval when that is off the current
+    one by the ``shrink_ratio`` either way (a failure is an event, not noise); otherwise it is
+    shortened only to the interval that pessimistic estimates (``C`` and ``B`` plus two standard
+    errors, at least three checkpoints since the last drift) allow, when that is at most
+    ``shrink_ratio * current`` at two checkpoints in a row. The gap between the limits and the aims
+    (``headroom``) is the dead band.
 
     **Profiling** is the first checkpoint, at ``first_checkpoint_step``: once its stall and persist
     time are known (or a second checkpoint has been seen without a persist time) a *provisional*
@@ -80,12 +98,14 @@ class Adaptive:
     from then on. A profile kept
     with the run (:meth:`state_dict` / :meth:`load_state_dict`) makes :meth:`plan` return the
     previous interval (re-derived for this configuration) on its first call; it is replaced by new
-    measurements once they are in, at once if they differ by more than ``drift_ratio``.
+    measurements once they are in, at once if they differ by more than ``drift_ratio``. The
+    profile keeps the failure history too.
 
-    **Optional methods for the controller:** :meth:`explain` (a JSON-able dict of why the interval
-    is what it is, as of the last :meth:`plan`), :meth:`checkpoint_stats` (what one checkpoint
-    cost, for the profile table), :meth:`state_dict` (keep with the run) and
-    :meth:`load_state_dict` (into a freshly built policy, before the first :meth:`plan`).
+    **Optional methods for the controller:** :meth:`observe` (the run's failures),
+    :meth:`explain` (a JSON-able dict of why the interval is what it is, as of the last
+    :meth:`plan`), :meth:`checkpoint_stats` (what one checkpoint cost, for the profile table),
+    :meth:`state_dict` (keep with the run) and :meth:`load_state_dict` (into a freshly built
+    policy, before the first :meth:`plan`).
 
     The object is mutable on the controller (``plan`` updates it); the copies on the workers only
     ever run :meth:`should_save` and :meth:`initial_interval`, which depend on configuration only.
@@ -119,12 +139,22 @@ class Adaptive:
     warmup_steps: int = 2
     """Iterations ignored for timing at the start of a run and after a restore (compilation,
     cache warm-up)."""
+    mtbf_s: float | None = None
+    """Prior mean time between failures of the run, in seconds up (e.g. ``3600`` on spot nodes
+    reclaimed about hourly). ``None``: no prior; until this run fails, the overhead budget alone sets
+    the interval, and from its first failure on, the failures it had over the time it was up (see
+    the class docstring). Observed failures outweigh a prior as they accumulate."""
+    mtbf_weight: float = 1.0
+    """How many observed failures the ``mtbf_s`` prior is worth: after that many, the run's own
+    failures weigh as much as the prior."""
 
     _est: Estimator = field(init=False, repr=False, compare=False)
     """What :meth:`plan` has learnt from the samples (controller side only; not configuration)."""
     _rule_state: _rules.RuleState = field(init=False, repr=False, compare=False)
     """What the decision ladder remembers: the interval in force, hysteresis, warnings, the last
     explanation (controller side only; not configuration)."""
+    _hazard: HazardModel = field(init=False, repr=False, compare=False)
+    """What :meth:`observe` has learnt of the run's failures (controller side only)."""
 
     def __post_init__(self):
         b = self.budget_pct
@@ -156,8 +186,22 @@ class Adaptive:
             raise ConfigError(f"Adaptive.shrink_ratio={self.shrink_ratio!r} must be > 0 and < 1 (e.g. 0.75)")
         if not (isinstance(self.drift_ratio, (int, float)) and self.drift_ratio > 1):
             raise ConfigError(f"Adaptive.drift_ratio={self.drift_ratio!r} must be > 1 (e.g. 1.6)")
+        mtbf, w = self.mtbf_s, self.mtbf_weight
+        if mtbf is not None and (
+            isinstance(mtbf, bool) or not isinstance(mtbf, (int, float)) or not math.isfinite(mtbf) or mtbf <= 0
+        ):
+            raise ConfigError(
+                f"Adaptive.mtbf_s={mtbf!r} must be a number of seconds > 0 (the mean time between the run's "
+                "failures you expect), or None to let the run's own failures tell"
+            )
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+            raise ConfigError(
+                f"Adaptive.mtbf_weight={w!r} must be a number > 0 (how many observed failures the mtbf_s "
+                "prior is worth; 1 is a good default)"
+            )
         self._est = Estimator(window=self.window, warmup_steps=self.warmup_steps, drift_ratio=self.drift_ratio)
         self._rule_state = _rules.RuleState()
+        self._hazard = HazardModel(self.mtbf_s, self.mtbf_weight)
 
     # -- worker side: pure ----------------------------------------------------------------------
     def should_save(self, step: int, ctx: SaveContext) -> bool:
@@ -191,22 +235,52 @@ class Adaptive:
             current = self.initial_interval()
         estimator.ingest(samples, current, profiling=not rules.decided)
         rules.current = current
-        decision, info = _rules.decide(
-            self, rules, estimator.estimate(), estimator.prior, estimator.ckpt_clock, current
-        )
+        est = estimator.estimate()
+        if est is not None:
+            est.hazard = self._hazard.estimate()
+        decision, info = _rules.decide(self, rules, est, estimator.prior, estimator.ckpt_clock, current)
         rules.info = info
         if decision is not None and decision != current:
             rules.published(decision, current, info, estimator.ckpt_clock, estimator.max_step)
             return decision
         return None
 
+    def observe(self, event: RunEvent) -> None:
+        """Take in what the controller saw of the run's failures: its start, each restart, each
+        first resumed iteration, each preemption notice, and the clock (see
+        :mod:`cf_ray.policy._hazard`). The next :meth:`plan` decides with it.
+
+        Args:
+            event: a :class:`~cf_ray.policy.RunEvent`; a malformed one is ignored.
+        """
+        try:
+            self._hazard.observe(event)
+        except (TypeError, ValueError, AttributeError):  # a report must never break the policy
+            return
+
+    def hazard(self) -> dict:
+        """The failure-rate estimate as of now (JSON-able; ``explain()["hazard"]`` is as of the last
+        :meth:`plan`): ``mtbf_s``, ``failures_per_hour``, ``failures``, ``notices``, ``exposure_s``,
+        ``prior``, ``recovery_s``, ``recovery_by_source``, ``storage_share``."""
+        return self._hazard.estimate().as_dict()
+
+    def adopt_failures(self, other: object) -> None:
+        """Continue ``other``'s failure history (a fresh copy of the policy after a resize: the
+        costs are measured again, the failure rate is the run's)."""
+        if isinstance(other, Adaptive):
+            self._hazard.load_state_dict(other._hazard.state_dict())
+
     def explain(self) -> dict:
         """Why the interval is what it is, as of the last :meth:`plan` (JSON-able).
 
         Keys: ``phase`` (``profiling``/``provisional``/``tuned``/``restored``), ``interval`` (in force),
         ``target`` (what the rules ask for now), ``binding`` (the rule that set the target:
-        ``budget``, ``persist_in_flight``, ``max_lost_s``, ``min_interval``, ``max_interval``,
-        ``profiling``), ``reason`` (one sentence), ``conflicts`` (rules that gave way),
+        ``goodput``, ``budget``, ``persist_in_flight``, ``max_lost_s``, ``min_interval``,
+        ``max_interval``, ``profiling``), ``candidates`` (what ``goodput``, ``budget``,
+        ``max_lost_s`` and ``persist_in_flight`` would each have chosen alone; ``None``: no
+        opinion), ``hazard`` (the failure rate, MTBF, failures, exposure, prior and recovery times,
+        the goodput the interval is expected to give and Young/Daly's closed form for comparison),
+        ``reason`` (one sentence), ``conflicts`` (rules that gave way),
         ``budget_pct``, ``predicted_overhead_pct`` (at the interval in force),
         ``measured_overhead_pct`` (recent checkpoints), ``lost_work_s``, the estimates
         (``iter_s``, ``slowest_rank``, ``stall_s``, ``slowdown_s``, ``cost_s``, ``copy_s``,
@@ -257,7 +331,7 @@ class Adaptive:
         """
         prior = self._est.prior
         est = self._est.estimate()
-        out = {"version": _STATE_VERSION, "interval": self._rule_state.current}
+        out = {"version": _STATE_VERSION, "interval": self._rule_state.current, "hazard": self._hazard.state_dict()}
         if est is not None:
             out.update(iter_s=est.t, stall_s=est.stall, cost_s=est.cost, background_s=est.bg, bytes=est.detail.nbytes)
         elif prior:
@@ -274,11 +348,17 @@ class Adaptive:
         Raises:
             ConfigError: ``state`` is not a profile of a version this cf_ray can read.
         """
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+        if not isinstance(state, dict) or state.get("version") not in (1, _STATE_VERSION):
             raise ConfigError(
                 f"Adaptive.load_state_dict: not a version-{_STATE_VERSION} policy profile: {state!r}; "
                 "delete the saved policy state to profile again"
             )
+        hazard = state.get("hazard")
+        if isinstance(hazard, dict):
+            try:
+                self._hazard.load_state_dict(hazard)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"Adaptive.load_state_dict: unreadable failure history {hazard!r}: {e}") from e
         t, cost = _pos(state.get("iter_s")), _nonneg(state.get("cost_s"))
         if t is None or cost is None:
             self._est.prior = None  # nothing measured in the saved run: profile as usual

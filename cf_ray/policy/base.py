@@ -171,7 +171,7 @@ class EpochEnd:
 class AnyOf:
     """Checkpoint when any of ``policies`` says so; an adaptive member's plan is used.
 
-    The optional methods (``explain``, ``checkpoint_stats``, ``state_dict``,
+    The optional methods (``observe``, ``explain``, ``checkpoint_stats``, ``state_dict``,
     ``load_state_dict``) are forwarded to the members that have them.
     """
 
@@ -210,6 +210,12 @@ class AnyOf:
         out: dict[str, Any] = dict(driver) if driver else {"interval": None}
         out.update(policy="AnyOf", members=parts)
         return out
+
+    def observe(self, event) -> None:
+        """Pass the run's failure events (:meth:`Adaptive.observe`) to the members that take them."""
+        for p in self.policies:
+            if hasattr(p, "observe"):
+                p.observe(event)
 
     def checkpoint_stats(self, step: int) -> dict | None:
         """The first member's :meth:`Adaptive.checkpoint_stats` that knows ``step``."""

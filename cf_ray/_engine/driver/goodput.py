@@ -102,6 +102,16 @@ class Goodput:
     def mean_iter_s(self) -> float | None:
         return self._iter_total_s / self._iters if self._iters else None
 
+    @property
+    def first_unix(self) -> float | None:
+        """When the run's first iteration started (estimated; ``None`` before any)."""
+        return self._first_unix
+
+    @property
+    def last_unix(self) -> float | None:
+        """When the newest sample or staged snapshot arrived."""
+        return self._last_unix
+
     def on_sample(self, step: int, iter_s: float, iters: int, now_unix: float) -> Restart | None:
         """A rank's sample; returns the pending restart when this sample is its first resumed iteration."""
         step, iters = int(step), int(iters)

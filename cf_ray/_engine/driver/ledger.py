@@ -364,6 +364,7 @@ class Ledger:
                 "pending": self.commits.table.pending_steps(),
                 "restore_fallbacks": self.book.log.fallback_counts(),
                 "distrusted": [list(k) for k in self.commits.distrusted],
+                "goodput": self.book.goodput.breakdown(),
             }
 
     def save_profile(self) -> None:

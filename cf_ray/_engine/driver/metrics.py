@@ -150,7 +150,12 @@ class GoodputMetrics:
       for bytes that failed their checksums or fingerprints, ``refused`` for anything else): restore
       candidates an attempt could not use and fell back from;
     * ``cf_ray_taken_out_total`` (counter, tag ``what``: ``memory`` for an in-memory snapshot never
-      offered again, ``quarantined`` for a committed checkpoint quarantined on storage).
+      offered again, ``quarantined`` for a committed checkpoint quarantined on storage);
+    * ``cf_ray_productive_seconds`` (gauge, s) and ``cf_ray_badput_seconds`` (gauge, s, tag
+      ``category``: ``checkpoint_save``, ``checkpoint_restore``, ``wasted_progress``, ``recovery``,
+      ``startup``, ``other``): where the wall time went (issue #26, ``cf_ray.report.badput_frame``);
+    * ``cf_ray_failure_mtbf_seconds`` (gauge, s): the estimated mean time up between the run's
+      failures (the policy's, or the controller's own without a prior), after each failure counted.
 
     As :class:`CheckpointMetrics`: built on first use, only where Ray is initialised; never raises.
     Prometheus shows them with Ray's ``ray_`` prefix (``ray_cf_ray_lost_steps_total``).
@@ -183,6 +188,13 @@ class GoodputMetrics:
         "restore_s": ("cf_ray_restore_seconds", "Newest restore's duration (s), by source", ("source",)),
         "ratio": ("cf_ray_effective_training_ratio", "Useful training time / wall time since the first iteration", ()),
         "durability_lost": ("cf_ray_durability_lost", "1 while checkpoints are not becoming durable, else 0", ()),
+        "productive_s": ("cf_ray_productive_seconds", "Productive training time since the run started (s)", ()),
+        "badput_s": (
+            "cf_ray_badput_seconds",
+            "Wall time not spent on productive training (s), by category",
+            ("category",),
+        ),
+        "mtbf_s": ("cf_ray_failure_mtbf_seconds", "Estimated mean time up between the run's failures (s)", ()),
     }
 
     def __init__(self, run: str | None = None, tags: Mapping[str, str] | None = None):
@@ -259,6 +271,19 @@ class GoodputMetrics:
         """The run's effective training time ratio."""
         self._apply([("ratio", "set", ratio, None)])
 
+    def record_badput(self, breakdown: Mapping) -> None:
+        """Where the wall time went: productive seconds and the badput seconds by category."""
+        updates: list[tuple[str, str, Any, dict | None]] = [
+            ("productive_s", "set", breakdown.get("productive_s"), None)
+        ]
+        for category, seconds in (breakdown.get("badput_s") or {}).items():
+            updates.append(("badput_s", "set", seconds, {"category": str(category)}))
+        self._apply(updates)
+
+    def record_mtbf(self, mtbf_s: float | None) -> None:
+        """The estimated mean time between the run's failures (after each failure it counted)."""
+        self._apply([("mtbf_s", "set", mtbf_s, None)])
+
     def record_fallback(self, source: str, cause: str) -> None:
         """A restore fell back from a candidate of ``source`` (``verification`` or ``refused``)."""
         self._apply([("fallbacks", "inc", 1, {"source": str(source), "cause": str(cause)})])
@@ -307,9 +332,11 @@ class MetricsExport:
         """Whether the ratio gauge is due again (at most every :data:`RATIO_EXPORT_PERIOD_S`)."""
         return now_unix - self._ratio_unix >= RATIO_EXPORT_PERIOD_S
 
-    def restart(self, restart: Any, ratio: float | None, *, resumed: bool = False) -> None:
-        """A restart (when it happens; its recovery time once resumed), and the ratio; ``restart``
-        ``None``: the ratio only."""
+    def restart(
+        self, restart: Any, ratio: float | None, *, resumed: bool = False, badput: Mapping | None = None
+    ) -> None:
+        """A restart (when it happens; its recovery time once resumed), the ratio and (``badput``)
+        where the wall time went; ``restart`` ``None``: the ratio and the split only."""
         try:
             self._ratio_unix = time.time()
             if restart is not None:
@@ -318,8 +345,17 @@ class MetricsExport:
                 else:
                     self.goodput.record_restart(restart.source, restart.lost_steps, restart.lost_s, restart.restore_s)
             self.goodput.record_ratio(ratio)
+            if badput is not None:
+                self.goodput.record_badput(badput)
         except Exception:  # noqa: BLE001
             logger.debug("cf_ray: goodput metrics export failed", exc_info=True)
+
+    def mtbf(self, mtbf_s: float | None) -> None:
+        """The failure rate's estimate after a failure was counted (issue #26)."""
+        try:
+            self.goodput.record_mtbf(mtbf_s)
+        except Exception:  # noqa: BLE001
+            logger.debug("cf_ray: failure-rate metric export failed", exc_info=True)
 
     def durability(self, lost: bool) -> None:
         try:

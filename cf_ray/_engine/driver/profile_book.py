@@ -1,6 +1,7 @@
 """The controller's record of the run: one profile row per checkpoint and the iteration rows,
 exported to Ray metrics and written to storage (``cf_ray.report``); the events and failures
-(:mod:`.events`) and the goodput (:mod:`.goodput`) it feeds.
+(:mod:`.events`), the goodput and badput (:mod:`.goodput`, :mod:`.badput`) it feeds, and the run's
+failures it passes on to the policy (``ScheduleBook.failures``, issue #26).
 
 A row is a plain dict keyed by ``(generation, step)``; its columns and values are the profile
 table's (``cf_ray.report.profile_frame``). Keys starting with ``_`` are per-rank inputs folded
@@ -32,8 +33,9 @@ import time
 from collections.abc import Callable
 
 from cf_ray._engine import env as _env
+from cf_ray._engine.driver.badput import Badput
 from cf_ray._engine.driver.events import EventLog, fallback_cause
-from cf_ray._engine.driver.goodput import Goodput, Restart
+from cf_ray._engine.driver.goodput import Restart
 from cf_ray._engine.driver.jit import JitWatch, SafeTier
 from cf_ray._engine.driver.metrics import MetricsExport
 from cf_ray._engine.driver.profile_parts import ProfileParts, merge_rows, new_lineage
@@ -91,8 +93,9 @@ class ProfileBook:
         self.log = EventLog(events_window, seq_base)
         """The events, the failures and the restore fallbacks."""
         self._iters: collections.deque = collections.deque(maxlen=20000)
-        self.goodput = Goodput(events_window)
+        self.goodput = Badput(events_window)
         self._export = MetricsExport(key)
+        schedule.failures.attach(self.log, self._export)
         self._lost_since: tuple[int, int] | None = None
         """``(generation, step)`` from which checkpoints were taken while the watchdog's episode was
         open (``None``: no episode): their rows say ``durability_lost``."""
@@ -139,12 +142,14 @@ class ProfileBook:
                 row.setdefault(f"_{k}", {})[rank] = stats[k]
         if "nbytes" in stats:
             row.setdefault("_rank_bytes", {})[rank] = stats["nbytes"]
+        self.goodput.note_stall(generation, rank, stats)
 
     def note_staged(self, generation: int, step: int, meta: SnapshotMeta) -> None:
         try:
             self.goodput.on_progress(generation, step, time.time())
         except Exception:  # noqa: BLE001 - goodput is a report, never a reason to fail
             logger.debug("cf_ray: goodput bookkeeping failed", exc_info=True)
+        self.schedule.failures.staged(generation, meta)
         row = self.row(generation, step)
         row.update(
             epoch=meta.epoch,
@@ -347,6 +352,7 @@ class ProfileBook:
         try:
             resumed = self.goodput.on_sample(step, iter_s, iters, now)
             if resumed is not None:
+                self.schedule.failures.resumed(resumed)
                 self._export_goodput(resumed, resumed=True)
             elif self._export.ratio_due(now):
                 self._export_goodput(None)
@@ -397,8 +403,11 @@ class ProfileBook:
                 )
                 if restart is not None:
                     self._export_goodput(restart)
+                self.schedule.failures.restore(event, restart)
             except Exception:  # noqa: BLE001
                 logger.debug("cf_ray: goodput bookkeeping failed", exc_info=True)
+        elif kind == "notice":  # the driver's notify_preemption: a failure, for the failure rate
+            self.schedule.failures.notice(event)
 
     @property
     def events(self):
@@ -423,7 +432,7 @@ class ProfileBook:
 
     def _export_goodput(self, restart: Restart | None, *, resumed: bool = False) -> None:
         """Export a restart (when it happens; its recovery time once resumed) and the ratio to Ray metrics."""
-        self._export.restart(restart, self.goodput.effective_ratio(), resumed=resumed)
+        self._export.restart(restart, self.goodput.effective_ratio(), resumed=resumed, badput=self.goodput.breakdown())
 
     def save(self, lock: threading.RLock) -> None:
         """Write the profile table (every row of this lineage) and the iteration rows to storage;
@@ -434,9 +443,9 @@ class ProfileBook:
 
             with lock:
                 iterations = self.iteration_rows()
-                restarts = self.restart_rows()
+                restarts, goodput = self.restart_rows(), self.goodput.breakdown()
             rows = self.all_rows(lock)
-            report.save_profile(self.storage, rows, iterations, restarts=restarts)
+            report.save_profile(self.storage, rows, iterations, restarts=restarts, goodput=goodput)
         except Exception as e:  # noqa: BLE001 - the profile is a report, never a reason to fail
             logger.warning("cf_ray: could not save the profile table: %s", e)
 

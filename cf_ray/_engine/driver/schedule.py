@@ -23,9 +23,11 @@ import logging
 import time
 from typing import Any
 
+from cf_ray._engine.driver.badput import FailureFeed
 from cf_ray._engine.protocol.messages import Schedule
 from cf_ray._engine.storage.fs import Storage
-from cf_ray.policy import FrequencyPolicy, Sample
+from cf_ray.policy import FrequencyPolicy, RunEvent, RunEventKind, Sample
+from cf_ray.policy._hazard import HazardModel
 
 logger = logging.getLogger("cf_ray")
 
@@ -51,6 +53,11 @@ class ScheduleBook:
         self.storage = storage
         self.samples: collections.deque[Sample] = collections.deque(maxlen=256)
         """The newest timing samples, the policy's input."""
+        self._hazard = HazardModel()
+        """The run's failure rate as the controller reports it when the policy keeps none
+        (``FixedInterval``, ``EpochEnd``): the same rule, without a prior."""
+        self.failures = FailureFeed(self)
+        """The run's failures, as the profile book sees them, passed on to :meth:`observe`."""
         self._base = int(version_base)
         self._schedules: list[Schedule] = [
             Schedule(schedule_version=self._base, interval=self.policy.initial_interval())
@@ -105,10 +112,33 @@ class ScheduleBook:
     def add_sample(self, sample: Sample) -> None:
         self.samples.append(sample)
 
+    def observe(self, event: RunEvent) -> None:
+        """Pass one of the run's failure events to the policy (``observe``, when it has one; a report
+        that never fails the caller)."""
+        self._hazard.observe(event)
+        if hasattr(self.policy, "observe"):
+            try:
+                self.policy.observe(event)  # pyright: ignore[reportAttributeAccessIssue] - hasattr above
+            except Exception:  # noqa: BLE001 - a policy bug must not stop checkpointing
+                logger.exception("cf_ray: policy.observe failed")
+
+    def hazard(self) -> dict:
+        """The failure-rate estimate of the policy (or of its first member that has one), else the
+        controller's own (:class:`~cf_ray.policy._hazard.HazardModel` without a prior)."""
+        for p in (self.policy, *getattr(self.policy, "policies", ())):
+            if hasattr(p, "hazard"):
+                try:
+                    return p.hazard()  # pyright: ignore[reportAttributeAccessIssue] - hasattr above
+                except Exception:  # noqa: BLE001 - a report, never a failure
+                    break
+        return self._hazard.estimate().as_dict()
+
     def replan(self) -> dict | None:
         """Ask the policy; a new interval is published as a new version. Returns the ``interval``
-        event to record, or ``None`` when nothing changed."""
+        event to record, or ``None`` when nothing changed. The policy first learns the time (the run
+        is up while its workers poll: its exposure to failures)."""
         current = self.current_interval
+        self.observe(RunEvent(kind=RunEventKind.TICK, time_unix=time.time()))
         try:
             k = self.policy.plan(list(self.samples), current)
         except Exception:  # noqa: BLE001 - a policy bug must not stop checkpointing
@@ -132,7 +162,10 @@ class ScheduleBook:
             return None
         self.samples.clear()
         try:
+            old = self.policy
             self.policy = dataclasses.replace(self.policy) if dataclasses.is_dataclass(self.policy) else self.policy
+            if self.policy is not old and hasattr(self.policy, "adopt_failures"):
+                self.policy.adopt_failures(old)  # pyright: ignore[reportAttributeAccessIssue] - the failure rate is the run's
         except Exception:  # noqa: BLE001 - keep the old one rather than fail a restore
             logger.warning("cf_ray: could not reset the policy for the new world size", exc_info=True)
         first = self.policy.initial_interval()

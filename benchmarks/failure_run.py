@@ -1,0 +1,491 @@
+"""``cf-ray bench --failures``: a real training job on this machine with SIGKILLs drawn from a Poisson
+process (and one with drains), cf_ray's ``Adaptive`` against Ray Train's periodic checkpoint (issue #26).
+
+Each *arm* is one ``TorchTrainer.fit()`` of the same job (2 workers, gloo, DDP, ``layers x
+Linear(width)`` + Adam on a fixed synthetic batch) that trains for the same time from its first step
+(``--fail-duration``; the start-up before it counts as badput), with the same failures:
+
+* ``cf_adaptive``: ``cf_ray.Checkpointer`` with ``cf_ray.Adaptive()`` (its defaults: no failure
+  prior, a 5 % budget);
+* ``ray_default``: Ray Train's documented way — rank 0 ``torch.save`` into a temporary directory,
+  every rank ``ray.train.report(checkpoint=...)`` (SYNC) — at its periodic default, once per epoch
+  (``--epoch-steps``; Ray Train has no frequency setting: ``CheckpointConfig.checkpoint_frequency``
+  is deprecated and its documented loop and Lightning callback report once per epoch); restored
+  with ``ray.train.get_checkpoint()``;
+* ``ray_fixed``: the same every ``k`` steps, for every ``k`` of ``--fail-grid`` (the best is
+  reported as Ray's best fixed interval).
+
+The failures: rank 1 SIGKILLs itself after gaps of time up drawn from an exponential distribution
+of mean ``--fail-mtbf`` (a Poisson process in the time the job trains; the same gaps, same seed,
+for every arm), Ray Train restarts the worker group (``FailureConfig``). Mode ``drains``: the
+same, and ``--fail-grace`` seconds before each kill the rank gets a preemption notice — cf_ray's
+``ckpt.request_checkpoint(preemption=True, deadline_s=grace)``, as a drain or SIGTERM handler would
+pass it on; Ray Train's loop has no such hook and carries on.
+
+Measured from rank 0's per-step log (the same for every arm), as Google's ML Goodput Measurement
+splits it: productive time (final step x the median step time without a checkpoint), checkpoint
+save (the training thread's time in ``report``/``torch.save``, or cf_ray's stall), checkpoint
+restore (``restore()`` / ``get_checkpoint`` + ``torch.load``), wasted progress (the steps redone
+after each kill, their own durations), recovery (kill to the next attempt's first step, less its
+restore) and start-up (``fit()`` to the first step, less the first restore); ``other`` is the rest.
+The effective training time ratio is productive / wall. For the cf_ray arm, the split the run's
+controller exported (``cf_ray.Run(...).goodput()``) is kept beside it.
+
+Run it in a quiet window; ``--fail-preset tiny`` is a smoke test (about 3 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "cf_ray.failure_run/1"
+ARMS = ("cf_adaptive", "ray_default", "ray_fixed")
+MODES = ("kills", "drains")
+
+FAIL_PRESETS: dict[str, dict[str, Any]] = {
+    # A smoke test: a tiny model, a few kills, one fixed interval for Ray.
+    "tiny": dict(width=64, layers=2, batch=4, duration_s=40.0, mtbf_s=12.0, grace_s=3.0, grid=[20], epoch_steps=200),
+    # The issue's run: the quick bench model (6 x Linear(1024) + Adam, ~76 MB), kills every 90 s on
+    # average, 15 minutes per arm; Ray over a grid of fixed intervals.
+    "real": dict(
+        width=1024,
+        layers=6,
+        batch=32,
+        duration_s=900.0,
+        mtbf_s=90.0,
+        grace_s=10.0,
+        grid=[10, 25, 50, 100],
+        epoch_steps=1000,
+    ),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("a real job with failures (--failures, issue #26)")
+    g.add_argument(
+        "--failures",
+        action="store_true",
+        help="cf_ray Adaptive against Ray Train's periodic checkpoint, "
+        "with SIGKILLs drawn from a Poisson process (and drains)",
+    )
+    g.add_argument("--fail-preset", choices=sorted(FAIL_PRESETS), default="real", help="sizes (default: %(default)s)")
+    g.add_argument("--fail-arms", default=",".join(ARMS), help="comma-separated subset of %(default)s")
+    g.add_argument("--fail-modes", default=",".join(MODES), help="comma-separated subset of %(default)s")
+    g.add_argument("--fail-mtbf", type=float, help="mean seconds of training between two kills")
+    g.add_argument("--fail-duration", type=float, help="wall seconds each arm trains")
+    g.add_argument("--fail-grace", type=float, help="drains: seconds between the notice and the kill")
+    g.add_argument("--fail-grid", help="ray_fixed's intervals, e.g. 10,25,50,100")
+    g.add_argument("--epoch-steps", type=int, help="ray_default: steps per epoch (a checkpoint per epoch)")
+
+
+# ================================================================================================
+# Worker side
+# ================================================================================================
+
+
+def _kills_done(out: str) -> int:
+    return sum(1 for n in os.listdir(out) if n.startswith("kill_"))
+
+
+def _failure_loop(cfg: dict) -> None:
+    import ray.train
+    import ray.train.torch
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.bench import _build_model
+
+    torch.set_num_threads(1)
+    attempt_t = time.time()
+    ctx = ray.train.get_context()
+    rank = ctx.get_world_rank()
+    out = cfg["out_dir"]
+    torch.manual_seed(cfg["seed"])
+    model = ray.train.torch.prepare_model(_build_model(cfg["width"], cfg["layers"]))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(cfg["seed"] + 1)
+    x = torch.randn(cfg["batch"], cfg["width"], generator=g)
+    y = torch.randn(cfg["batch"], cfg["width"], generator=g)
+    arm, k = cfg["arm"], cfg.get("k")
+    ckpt = None
+    t0 = time.time()
+    if arm == "cf_adaptive":
+        import cf_ray
+
+        ckpt = cf_ray.Checkpointer(
+            {"model": model, "optimizer": opt},
+            # Not registered with Ray Train: its num_to_keep would delete what cf_ray's keep_last did
+            # (as in the bench's own cf_ray variants); no consolidated final model (not timed anyway).
+            config=cf_ray.CheckpointConfig(
+                policy=cf_ray.Adaptive(), keep_last=2, final_model=None, register_with_ray=False
+            ),
+        )
+        resume = ckpt.restore()
+        step, source = resume.step, resume.source
+    else:
+        step, source = 0, "fresh"
+        got = ray.train.get_checkpoint()
+        if got is not None:
+            with got.as_directory() as d:
+                state = torch.load(os.path.join(d, "checkpoint.pt"), weights_only=True)
+            getattr(model, "module", model).load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            step, source = int(state["step"]), "storage"
+    restore_s = time.time() - t0
+    log = open(os.path.join(out, f"steps_rank{rank}.jsonl"), "a", buffering=1) if rank == 0 else None
+    if log is not None:
+        log.write(
+            json.dumps({"ev": "attempt", "t": attempt_t, "restore_s": restore_s, "step": step, "source": source}) + "\n"
+        )
+    kill_rank = 1 if ctx.get_world_size() > 1 else 0
+    n_kill = _kills_done(out)
+    gaps = cfg["gaps"]
+    kill_at = notice_at = math.inf
+    noticed = False
+    flag = torch.zeros(1)
+    end_unix = _end_unix(out, cfg["duration_s"]) if rank == 0 else math.inf
+    while True:
+        t_step = time.time()
+        if kill_at == math.inf and n_kill < len(gaps):
+            kill_at = t_step + gaps[n_kill]  # a gap of time up, from this attempt's first step
+            notice_at = kill_at - cfg["grace_s"] if cfg["mode"] == "drains" else math.inf
+        flag[0] = 1.0 if t_step >= end_unix else 0.0
+        dist.all_reduce(flag)  # every rank stops at the same step
+        if flag[0] > 0:
+            break
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        save_s = 0.0
+        if ckpt is not None:
+            before = ckpt.stall_s_total
+            ckpt.step(opt)
+            save_s = ckpt.stall_s_total - before
+        else:
+            opt.step()
+        step += 1
+        if ckpt is None and step % k == 0:
+            t_save = time.time()
+            _ray_report(model, opt, step, rank)
+            save_s = time.time() - t_save
+        opt.zero_grad()
+        if log is not None:
+            log.write(json.dumps({"s": step, "t0": t_step, "t1": time.time(), "save": save_s}) + "\n")
+        now = time.time()
+        if rank == kill_rank and not noticed and now >= notice_at:
+            noticed = True
+            if ckpt is not None:
+                ckpt.request_checkpoint(preemption=True, deadline_s=cfg["grace_s"])
+            with open(os.path.join(out, f"notice_{n_kill:04d}.json"), "w") as f:
+                json.dump({"t": now, "step": step}, f)
+        if rank == kill_rank and now >= kill_at:
+            fd = os.open(os.path.join(out, f"kill_{n_kill:04d}.json"), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            os.write(fd, json.dumps({"t": now, "step": step}).encode())
+            os.close(fd)
+            os.kill(os.getpid(), signal.SIGKILL)
+    if log is not None:  # the training ends here (cf_ray's finish() writes the final model: not timed)
+        log.write(json.dumps({"ev": "end", "t": time.time(), "step": step}) + "\n")
+        log.close()
+    if ckpt is not None:
+        ckpt.finish()
+
+
+def _end_unix(out: str, duration_s: float) -> float:
+    """When the arm stops training: ``duration_s`` after the first attempt's first step (so that a
+    slow start-up on a busy machine does not eat the arm's training time; it counts as badput)."""
+    path = os.path.join(out, "start.json")
+    if not os.path.exists(path):
+        with open(path, "w") as f:
+            json.dump({"t": time.time()}, f)
+    with open(path) as f:
+        return json.load(f)["t"] + duration_s
+
+
+def _ray_report(model, opt, step: int, rank: int) -> None:
+    """Ray Train's documented SYNC checkpoint: rank 0 ``torch.save`` into a temporary directory,
+    every rank ``ray.train.report``."""
+    import ray.train
+    import torch
+    from ray.train import Checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="cfbench-fail-") as tmp:
+        ckpt = None
+        if rank == 0:
+            module = getattr(model, "module", model)
+            torch.save(
+                {"model": module.state_dict(), "optimizer": opt.state_dict(), "step": step},
+                os.path.join(tmp, "checkpoint.pt"),
+            )
+            ckpt = Checkpoint.from_directory(tmp)
+        ray.train.report({"step": step}, checkpoint=ckpt)
+
+
+# ================================================================================================
+# Driver side: the analysis (pure, tested on synthetic logs)
+# ================================================================================================
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut by the SIGKILL
+    return out
+
+
+def analyse(records: list[dict], kills: list[dict], fit_start: float) -> dict:
+    """The effective training time ratio, the wasted work and the badput split of one arm, from
+    rank 0's log (``attempt``/step/``end`` records, in order) and the kill records.
+
+    Returns ``{"wall_s", "productive_s", "effective_training_ratio", "final_step", "ideal_step_s",
+    "kills", "wasted_steps", "badput_s": {category: s}}``.
+    """
+    attempts: list[dict] = []
+    for r in records:
+        if r.get("ev") == "attempt":
+            attempts.append({**r, "steps": []})
+        elif "s" in r and attempts:
+            attempts[-1]["steps"].append(r)
+    ends = [r for r in records if r.get("ev") == "end"]
+    all_steps = [s for a in attempts for s in a["steps"]]
+    if not attempts or not all_steps:
+        return {"error": "no step was logged"}
+    clean = [s["t1"] - s["t0"] for s in all_steps if not s.get("save")]
+    ideal = statistics.median(clean) if clean else statistics.median(s["t1"] - s["t0"] for s in all_steps)
+    end_t = ends[-1]["t"] if ends else all_steps[-1]["t1"]
+    final = attempts[-1]["steps"][-1]["s"] if attempts[-1]["steps"] else attempts[-1]["step"]
+    wall = end_t - fit_start
+    bad = dict.fromkeys(("checkpoint_save", "checkpoint_restore", "wasted_progress", "recovery", "startup"), 0.0)
+    wasted_steps = 0
+    kills = sorted(kills, key=lambda kk: kk["t"])
+    for i, a in enumerate(attempts):
+        first = a["steps"][0]["t0"] if a["steps"] else None
+        bad["checkpoint_restore"] += a["restore_s"]
+        nxt = attempts[i + 1] if i + 1 < len(attempts) else None
+        if nxt is not None:  # this attempt was killed: its steps past the next restore are redone
+            lost = [s for s in a["steps"] if s["s"] > nxt["step"]]
+            wasted_steps += len(lost)
+            bad["wasted_progress"] += sum(s["t1"] - s["t0"] for s in lost)
+            kept = [s for s in a["steps"] if s["s"] <= nxt["step"]]
+        else:
+            kept = a["steps"]
+        bad["checkpoint_save"] += sum(s.get("save") or 0.0 for s in kept)
+        if i == 0:
+            if first is not None:
+                bad["startup"] += max(0.0, first - fit_start - a["restore_s"])
+        else:
+            killed_at = kills[i - 1]["t"] if i - 1 < len(kills) else attempts[i - 1]["steps"][-1]["t1"]
+            start = first if first is not None else a["t"] + a["restore_s"]
+            bad["recovery"] += max(0.0, start - killed_at - a["restore_s"])
+    productive = final * ideal
+    bad["other"] = wall - productive - sum(bad.values())
+    return {
+        "wall_s": wall,
+        "productive_s": productive,
+        "effective_training_ratio": productive / wall if wall > 0 else None,
+        "final_step": final,
+        "ideal_step_s": ideal,
+        "kills": len(attempts) - 1,
+        "wasted_steps": wasted_steps,
+        "badput_s": bad,
+    }
+
+
+# ================================================================================================
+# Driver side: the runs
+# ================================================================================================
+
+
+def _arms(arms: list[str], grid: list[int], epoch_steps: int) -> list[tuple[str, int | None]]:
+    out: list[tuple[str, int | None]] = []
+    for arm in arms:
+        if arm == "cf_adaptive":
+            out.append((arm, None))
+        elif arm == "ray_default":
+            out.append((arm, epoch_steps))
+        elif arm == "ray_fixed":
+            out += [(arm, k) for k in grid]
+        else:
+            raise SystemExit(f"unknown arm {arm!r}; choose from {','.join(ARMS)}")
+    return out
+
+
+def _one(mode: str, arm: str, k: int | None, p: dict, gaps: list[float], root: Path, seed: int) -> dict:
+    from benchmarks.bench import _fit
+
+    name = f"{mode}-{arm}" + (f"-k{k}" if arm == "ray_fixed" else "")
+    out = root / "logs" / name
+    out.mkdir(parents=True, exist_ok=True)
+    fit_start = time.time()
+    cfg = {
+        "arm": arm,
+        "k": k,
+        "mode": mode,
+        "width": p["width"],
+        "layers": p["layers"],
+        "batch": p["batch"],
+        "seed": seed,
+        "gaps": gaps,
+        "grace_s": p["grace_s"],
+        "out_dir": str(out),
+        "duration_s": p["duration_s"],
+    }
+    error = None
+    try:
+        _fit(_failure_loop, cfg, 2, name, root / "storage", max_failures=len(gaps) + 5, num_to_keep=2)
+    except Exception as e:  # noqa: BLE001 - one arm failing must not lose the others' figures
+        error = repr(e)
+    kills = [json.loads((out / n).read_text()) for n in sorted(os.listdir(out)) if n.startswith("kill_")]
+    res = analyse(_read_jsonl(out / "steps_rank0.jsonl"), kills, fit_start)
+    res.update(mode=mode, arm=arm, k=k, name=name, fit_error=error)
+    if arm == "cf_adaptive":
+        res["controller_goodput"] = _controller_goodput(root / "storage", name)
+    return res
+
+
+def _controller_goodput(storage: Path, name: str) -> dict | None:
+    """What the cf_ray run's controller exported (its goodput.json, written as it ends)."""
+    from cf_ray import report
+
+    for _ in range(30):
+        try:
+            got = report.read_run_goodput(str(storage), name)
+        except Exception:  # noqa: BLE001
+            got = None
+        if got is not None:
+            return got
+        time.sleep(1.0)
+    return None
+
+
+def _targets(rows: list[dict]) -> list[dict]:
+    out = []
+    for mode in sorted({r["mode"] for r in rows}):
+        got = {(r["arm"], r["k"]): r.get("effective_training_ratio") for r in rows if r["mode"] == mode}
+        cf = next((v for (a, _), v in got.items() if a == "cf_adaptive"), None)
+        default = next((v for (a, _), v in got.items() if a == "ray_default"), None)
+        fixed = [v for (a, _), v in got.items() if a == "ray_fixed" and v is not None]
+        if cf is None:
+            continue
+        if default is not None:
+            out.append(
+                {
+                    "mode": mode,
+                    "target": "cf_ray's ratio above Ray's periodic default",
+                    "cf": cf,
+                    "ray": default,
+                    "met": cf > default,
+                }
+            )
+        if fixed:
+            out.append(
+                {
+                    "mode": mode,
+                    "target": "cf_ray's ratio above Ray's best fixed interval",
+                    "cf": cf,
+                    "ray": max(fixed),
+                    "met": cf > max(fixed),
+                }
+            )
+    return out
+
+
+def render(res: dict) -> str:
+    cats = ("checkpoint_save", "checkpoint_restore", "wasted_progress", "recovery", "startup", "other")
+    lines = [
+        f"# Real run with failures ({res['preset']}: mean {res['mtbf_s']:g} s between kills, "
+        f"{res['duration_s']:g} s per arm)",
+        "",
+        "| mode | arm | k | ratio | final step | kills | wasted steps | " + " | ".join(cats) + " |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(cats),
+    ]
+    for r in res["rows"]:
+        if r.get("wall_s") is None:
+            why = r.get("error") or r.get("fit_error")
+            lines.append(f"| {r['mode']} | {r['arm']} | {r.get('k') or '–'} | error: {why} |")
+            continue
+        bad = r["badput_s"]
+        lines.append(
+            f"| {r['mode']} | {r['arm']} | {r.get('k') or 'auto'} | {r['effective_training_ratio']:.3f} | "
+            f"{r['final_step']} | {r['kills']} | {r['wasted_steps']} | "
+            + " | ".join(f"{bad[c]:.1f} s" for c in cats)
+            + " |"
+        )
+    lines += ["", "| mode | target | cf_ray | Ray | met |", "|---|---|---|---|---|"]
+    for t in res["targets"]:
+        lines.append(
+            f"| {t['mode']} | {t['target']} | {t['cf']:.3f} | {t['ray']:.3f} | {'yes' if t['met'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace, argv: list[str]) -> int:
+    import ray
+
+    from benchmarks.bench import _host, _ray_env
+
+    p = dict(FAIL_PRESETS[args.fail_preset])
+    for key, val in (
+        ("mtbf_s", args.fail_mtbf),
+        ("duration_s", args.fail_duration),
+        ("grace_s", args.fail_grace),
+        ("epoch_steps", args.epoch_steps),
+    ):
+        if val is not None:
+            p[key] = val
+    if args.fail_grid:
+        p["grid"] = [int(x) for x in args.fail_grid.split(",") if x.strip()]
+    modes = [m for m in args.fail_modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"unknown mode(s) {bad}; choose from {','.join(MODES)}")
+    arms = _arms([a for a in args.fail_arms.split(",") if a], p["grid"], p["epoch_steps"])
+    rng = random.Random(args.seed)
+    gaps = [rng.expovariate(1.0 / p["mtbf_s"]) for _ in range(int(3 * p["duration_s"] / p["mtbf_s"]) + 10)]
+    root = Path(args.out)
+    root.mkdir(parents=True, exist_ok=True)
+    if ray.is_initialized():
+        raise SystemExit("cf-ray bench --failures starts its own local Ray; call it without Ray initialised")
+    env = _ray_env()
+    os.environ.update(env)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    t0 = time.time()
+    rows = []
+    try:
+        for mode in modes:
+            for arm, k in arms:
+                rows.append(_one(mode, arm, k, p, gaps, root, args.seed))
+                print(f"{rows[-1]['name']}: ratio {rows[-1].get('effective_training_ratio')}", file=sys.stderr)
+    finally:
+        ray.shutdown()
+    res = {
+        "schema": SCHEMA,
+        "command": "cf-ray bench " + " ".join(argv),
+        "preset": args.fail_preset,
+        **{k: p[k] for k in ("mtbf_s", "duration_s", "grace_s", "epoch_steps", "grid", "width", "layers", "batch")},
+        "gaps_s": gaps,
+        "host": _host(),
+        "loadavg_start": os.getloadavg(),
+        "wall_s": time.time() - t0,
+        "rows": rows,
+    }
+    res["targets"] = _targets(rows)
+    path = Path(args.json) if args.json else root / "failures.json"
+    path.write_text(json.dumps(res, indent=1, default=str))
+    print(render(res))
+    print(f"JSON: {path}")
+    return 0
