@@ -196,9 +196,11 @@ class Soak:
 
     # -- the reference --------------------------------------------------------------------------
     def reference(self) -> dict:
+        import torch
+
         from cf_ray import demo
 
-        math = {k: self.cfg.get(k, demo.DEFAULTS.get(k)) for k in _MATH}
+        math = {k: self.cfg.get(k, demo.DEFAULTS.get(k)) for k in _MATH} | {"torch": torch.__version__}
         d = self.out / "reference" / _digest(math)
         meta = d / "meta.json"
         if meta.exists():
