@@ -231,6 +231,11 @@ def test_committed_kept_allows_keep_last_and_the_soaks_own_damage_only():
     assert [x["step"] for x in q["lost"]] == [20] and "quarantined" in q["lost"][0]["why"]
     assert checks.committed_kept(seen, [15, 20, 25], {20: "damaged"}, {}, 3, {20})["ok"]
     assert not checks.committed_kept(seen, [15, 20, 25], {}, {25: ["CRC-32 mismatch"]}, 3, set())["ok"]
+    # A milestone is never removed by keep-last, nor counted among the newer ones.
+    got = checks.committed_kept(seen, [15, 20, 25], {}, {}, 3, set(), 10)  # 20 a milestone: two ordinary newer
+    assert [x["step"] for x in got["lost"]] == [5, 10]
+    assert checks.committed_kept(seen, [10, 20, 25, 30, 35, 45], {}, {}, 3, set(), 10)["ok"]
+    assert not checks.committed_kept(seen, [10, 20, 25, 30], {}, {}, 3, set(), 10)["ok"]  # 15: 2 ordinary newer
 
 
 def _fault(kind: str, **kw) -> dict:

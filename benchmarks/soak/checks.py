@@ -12,8 +12,8 @@ Checks (each ``{"ok": bool, ...}``):
   as in the reference.
 * ``committed_kept``: every checkpoint seen committed during the run (the monitor lists the manifests
   every 50 ms) is still listed, unquarantined and intact (``cf-ray verify``) at the end, unless
-  keep-last removed it by design (``keep_last`` newer ones are listed) or the soak itself damaged it
-  (``file_flip``).
+  keep-last removed it by design (it is not a milestone and ``keep_last`` newer ones that are not are
+  listed) or the soak itself damaged it (``file_flip``).
 * ``no_silent``: every fault the soak injected was seen (:func:`judge`).
 * ``memory``: in every sample taken once the newest attempt had committed (1 s after) with all its
   ranks placed, and in one taken after the run ended (before its holders go), each holder's
@@ -72,8 +72,14 @@ def committed_kept(
     problems: dict[int, list[str]],
     keep_last: int | None,
     damaged_by_soak: set[int],
+    milestone_every: int | None = None,
 ) -> dict:
-    """See the module doc; ``problems``: what ``cf-ray verify`` found per step at the end."""
+    """See the module doc; ``problems``: what ``cf-ray verify`` found per step at the end. Keep-last
+    keeps the newest ``keep_last`` checkpoints that are not milestones, and every milestone."""
+
+    def milestone(step: int) -> bool:
+        return bool(milestone_every) and step % int(milestone_every) == 0
+
     lost, by_design, damaged = [], [], []
     listed_set = set(listed)
     for step in sorted(seen):
@@ -82,8 +88,8 @@ def committed_kept(
             continue
         if step in listed_set and step not in quarantined and not problems.get(step):
             continue
-        newer = sum(1 for s in listed_set if s > step)
-        if step not in listed_set and keep_last is not None and newer >= keep_last:
+        newer = sum(1 for s in listed_set if s > step and not milestone(s))
+        if step not in listed_set and keep_last is not None and newer >= keep_last and not milestone(step):
             by_design.append(step)
             continue
         why = "quarantined: " + quarantined[step] if step in quarantined else "; ".join(problems.get(step, []))

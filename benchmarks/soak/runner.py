@@ -42,9 +42,19 @@ OBJECT_STORE_BYTES = 150 * _MiB
 PRESETS: dict[str, dict[str, Any]] = {
     # tests/test_engine_e2e.py's SMALL: 26 steps, a checkpoint every 5, sections of one block.
     "quick": dict(samples=202, epochs=2, batch_size=8, hidden=64, depth=2, interval=5, keep_last=3, step_sleep=0.1),
-    # The same run with a wider model (the shared section spans four 256 KiB blocks) and a checkpoint
-    # every 4 steps.
-    "standard": dict(samples=202, epochs=2, batch_size=8, hidden=256, depth=2, interval=4, keep_last=3, step_sleep=0.1),
+    # The same run with a wider model (the shared section spans four 256 KiB blocks), a checkpoint
+    # every 4 steps, and milestones (pinned in their slots until written) at steps 12 and 24.
+    "standard": dict(
+        samples=202,
+        epochs=2,
+        batch_size=8,
+        hidden=256,
+        depth=2,
+        interval=4,
+        keep_last=3,
+        milestone_every=12,
+        step_sleep=0.1,
+    ),
 }
 #: The keys of a preset that change the numbers (the reference is shared by configurations equal on these).
 _MATH = ("samples", "epochs", "batch_size", "hidden", "depth", "seed", "lr")
@@ -325,7 +335,13 @@ class Soak:
         listed, quarantined, problems = self._storage_state(paths.ckpt_root)
         damaged = {f["landed"]["step"] for f in faults if f["kind"] == "file_flip" and "step" in f["landed"]}
         res["committed_kept"] = checks.committed_kept(
-            mon["committed_seen"], listed, quarantined, problems, self.cfg["keep_last"], damaged
+            mon["committed_seen"],
+            listed,
+            quarantined,
+            problems,
+            self.cfg["keep_last"],
+            damaged,
+            self.cfg.get("milestone_every"),
         )
         run = {"resumes": resumes, "result": result, "fit_error": fit_error, "quarantined": quarantined}
         for f in faults:
