@@ -269,6 +269,30 @@ def test_judge_sees_a_fault_only_where_the_run_reports_it():
     assert checks.judge(hang, slow)["outcome"] == "seen"
 
 
+def test_a_stall_of_training_counts_what_cf_ray_said_while_it_stood_still(tmp_path):
+    from benchmarks.soak.monitor import LogTail, Monitor, RunPaths
+
+    log = tmp_path / "worker-abc-01000000-42.err"
+    log.write_text("cf_ray: rank 0 resumes at step 0 epoch 0 from fresh\n")
+    tail = LogTail(str(tmp_path))
+    mon = Monitor(RunPaths("r", str(tmp_path), str(tmp_path)), memory=False, logs=tail)
+    marks = [(0.0, tail.mark())]
+    with open(log, "a") as f:
+        f.write("cf_ray: rank 1: waited 5 s for a free slot (storage slow?)\n")
+    marks.append((8.0, tail.mark()))
+    with open(log, "a") as f:
+        f.write("cf_ray: rank 1: waited 20 s for a free slot\n")  # as the wait ended: not while waiting
+    marks.append((21.0, tail.mark()))
+    mon.s.log_marks = marks
+    # Steps 1..5, 20 s standing still at step 5, then on; a restart (another generation) is no stall.
+    mon.s.progress = [(0.0, 1, 5), (20.5, 1, 6), (21.0, 1, 7), (60.0, 2, 5)]
+    (stall,) = mon.stalls(10.0)
+    assert (stall["seconds"], stall["generation"]) == (20.5, 1)
+    assert stall["lines"] == ["cf_ray: rank 1: waited 5 s for a free slot (storage slow?)"]
+    mon.s.log_marks = [marks[0], (8.0, marks[0][1]), marks[2]]  # nothing said before the wait ended
+    assert mon.stalls(10.0)[0]["lines"] == []
+
+
 def test_memory_is_checked_against_the_ranks_on_each_node_once_the_attempt_committed():
     sizes = {"shared": 1000, "rank_00000": 100, "rank_00001": 100}
     assert checks.memory_bound([0], sizes) == 64 * 1024 + 3 * 1100 + 2 * 100

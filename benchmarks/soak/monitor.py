@@ -88,12 +88,17 @@ class _State:
     committed_now: set[int] = field(default_factory=set)
     placements: list[Placement] = field(default_factory=list)
     memory: list[MemorySample] = field(default_factory=list)
+    progress: list[tuple[float, int, int]] = field(default_factory=list)
+    """(when, generation, newest step) each time the newest attempt's newest step changed."""
+    log_marks: list[tuple[float, dict[str, int]]] = field(default_factory=list)
+    """(when, :meth:`LogTail.mark`), every :data:`MEMORY_S`."""
 
 
 class Monitor(threading.Thread):
-    def __init__(self, run: RunPaths, *, memory: bool = True, world: int = 2):
+    def __init__(self, run: RunPaths, *, memory: bool = True, world: int = 2, logs: LogTail | None = None):
         super().__init__(name="soak-monitor", daemon=True)
         self.run_paths = run
+        self.logs = logs
         self.world = world
         self._full: Placement | None = None
         """The newest placement with every rank of the newest attempt."""
@@ -126,6 +131,10 @@ class Monitor(threading.Thread):
         now = time.time()
         if now >= self._next_memory:
             self._next_memory = now + MEMORY_S
+            if self.logs is not None:
+                mark = self.logs.mark()
+                with self._lock:
+                    self.s.log_marks.append((now, mark))
             self._poll_placement(now)
 
     def _poll_steps(self) -> None:
@@ -152,6 +161,11 @@ class Monitor(threading.Thread):
                         per[rank] = max(per.get(rank, 0), json.loads(line)["step"])
                     except (ValueError, KeyError):
                         pass
+        with self._lock:
+            gen = max(self.s.steps, default=0)
+            now = (gen, max(self.s.steps.get(gen, {}).values(), default=0))
+            if not self.s.progress or self.s.progress[-1][1:] != now:
+                self.s.progress.append((time.time(), *now))
 
     def _poll_committed(self) -> None:
         found = {
@@ -247,6 +261,25 @@ class Monitor(threading.Thread):
         """Where the run's processes are now (asked of Ray's actor table)."""
         return self._poll_placement(time.time(), memory=False)
 
+    def stalls(self, min_s: float) -> list[dict]:
+        """Every time the newest attempt went ``min_s`` or longer without a step (not counting the way
+        to a restart, which ends in another attempt's step, nor the end of the run), with the lines
+        cf_ray wrote while it stood still (between the log marks around it, up to a second before the
+        next step: a line written as the wait ended does not count)."""
+        with self._lock:
+            progress, marks = list(self.s.progress), list(self.s.log_marks)
+        out = []
+        for (t1, g1, _), (t2, g2, _) in zip(progress, progress[1:]):
+            if g1 != g2 or t2 - t1 < min_s:
+                continue
+            # Said *while* it stood still: a line written as the wait ended (within the last second) is
+            # not counted.
+            before = [m for t, m in marks if t <= t1]
+            during = [m for t, m in marks if t1 < t <= t2 - 1.0]
+            lines = self.logs.between(before[-1], during[-1]) if self.logs and before and during else None
+            out.append({"from": t1, "seconds": round(t2 - t1, 1), "generation": g1, "lines": lines})
+        return out
+
     def snapshot(self) -> dict:
         """Everything recorded, for the schedule's JSON and the checks."""
         with self._lock:
@@ -293,12 +326,20 @@ class LogTail:
         return out
 
     def since(self, mark: dict[str, int], limit: int = 400) -> list[str]:
+        return self.between(mark, None, limit)
+
+    def between(self, mark: dict[str, int], end: dict[str, int] | None, limit: int = 400) -> list[str]:
+        """The lines written after ``mark`` (and before ``end``, when given)."""
         lines: list[str] = []
         for p in sorted(glob.glob(os.path.join(self.logs_dir, "worker-*"))):
+            start = mark.get(p, 0)
+            stop = None if end is None else end.get(p, start)
+            if stop is not None and stop <= start:
+                continue
             try:
                 with open(p, errors="replace") as f:
-                    f.seek(mark.get(p, 0))
-                    chunk = f.read()
+                    f.seek(start)
+                    chunk = f.read() if stop is None else f.read(stop - start)
             except OSError:
                 continue
             for line in chunk.splitlines():

@@ -55,6 +55,7 @@ def summarise(records: list[dict]) -> dict:
         "samples_wrong": checks["exactly_once"]["fail"],
         "committed_lost": sum(len(r["checks"].get("committed_kept", {}).get("lost", [])) for r in records),
         "silent_faults": sum(1 for r in records for f in r["faults"] if f.get("outcome") == "silent"),
+        "silent_stalls": sum(len(r["checks"].get("no_silent", {}).get("silent_stalls", [])) for r in records),
     }
 
 
@@ -79,6 +80,8 @@ def render(doc: dict) -> str:
         "| not bitwise | duplicated or skipped samples | committed checkpoints lost | silent faults |",
         "|---|---|---|---|",
         f"| {s['not_bitwise']} | {s['samples_wrong']} | {s['committed_lost']} | {s['silent_faults']} |",
+        "",
+        f"Training stood still 10 s or more with nothing said: {s.get('silent_stalls', 0)} times.",
         "",
         "| check | passed | failed |",
         "|---|---|---|",

@@ -36,6 +36,9 @@ from benchmarks.soak.schedule import KINDS, Schedule, draw
 SCHEMA = "cf_ray.soak/1"
 _MiB = 1024 * 1024
 OBJECT_STORE_BYTES = 150 * _MiB
+#: Seconds without a step of the newest attempt (not on the way to a restart) that count as a stall:
+#: training stood still, and cf_ray must have said something meanwhile.
+STALL_S = 10.0
 
 #: The job (the demo's loop, ``cf_ray/demo.py``; ``tests/test_engine_e2e.py``'s SMALL is ``quick``).
 #: ``step_sleep`` paces the steps so that faults land between checkpoints; it changes no number.
@@ -273,7 +276,7 @@ class Soak:
             except BaseException as e:  # noqa: BLE001 - recorded: a run that fails is a finding
                 fitted["error"] = f"{type(e).__name__}: {e}"
 
-        mon = Monitor(paths)
+        mon = Monitor(paths, logs=self.logs)
         mark = self.logs.mark()
         trainer = threading.Thread(target=fit, name=f"soak-fit-{seed}", daemon=True)
         mon.start()
@@ -296,7 +299,9 @@ class Soak:
         for f in faults:
             inj.collect(f)
             f["log_lines"] = self.logs.since(f.pop("log_mark", mark), limit=40)
-        rec = self._check(seed, sched, paths, ref, mon.snapshot(), faults, fitted.get("error"), hung)
+        snap = mon.snapshot()
+        snap["stalls"] = mon.stalls(STALL_S)
+        rec = self._check(seed, sched, paths, ref, snap, faults, fitted.get("error"), hung)
         if not rec["ok"]:
             rec["log_lines"] = self.logs.since(mark, limit=80)
         rec["durations"] = {"fit_s": round(fit_s, 1), "total_s": round(time.time() - t0, 1)}
@@ -347,7 +352,9 @@ class Soak:
         for f in faults:
             f.update(checks.judge(f, run))
         silent = [f["id"] for f in faults if f["outcome"] == "silent"]
-        res["no_silent"] = {"ok": not silent, "silent": silent}
+        stalls = [dict(x, lines=(x["lines"] or [])[:5]) for x in mon["stalls"]]
+        quiet = [x for x in stalls if not x["lines"]]
+        res["no_silent"] = {"ok": not silent and not quiet, "silent": silent, "silent_stalls": quiet, "stalls": stalls}
         sizes: dict[str, int] = {}
         for s in mon["memory"]:
             for sec, d in s["sections"].items():
