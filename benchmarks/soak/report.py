@@ -28,6 +28,8 @@ def summarise(records: list[dict]) -> dict:
     kinds: dict[str, collections.Counter] = {}
     points: dict[str, collections.Counter] = {}
     for r in records:
+        if r.get("soak_error"):  # the soak itself failed on this seed: no verdict on cf_ray
+            continue
         for c in CHECKS:
             checks[c]["pass" if r["checks"].get(c, {}).get("ok") else "fail"] += 1
         for f in r["faults"]:
@@ -44,8 +46,11 @@ def summarise(records: list[dict]) -> dict:
         "kinds": {k: dict(v) for k, v in sorted(kinds.items())},
         "points": {k: dict(v) for k, v in sorted(points.items())},
         "failed_seeds": {
-            str(r["seed"]): [c for c in CHECKS if not r["checks"].get(c, {}).get("ok")] for r in records if not r["ok"]
+            str(r["seed"]): [c for c in CHECKS if not r["checks"].get(c, {}).get("ok")]
+            for r in records
+            if not r["ok"] and not r.get("soak_error")
         },
+        "soak_errors": {str(r["seed"]): r["soak_error"] for r in records if r.get("soak_error")},
         "seconds_per_schedule": {
             "median": round(statistics.median(totals), 1) if totals else None,
             "max": round(max(totals), 1) if totals else None,
@@ -60,6 +65,8 @@ def summarise(records: list[dict]) -> dict:
 
 
 def line(rec: dict) -> str:
+    if rec.get("soak_error"):
+        return f"  seed {rec['seed']:>4}: SOAK ERROR {rec['soak_error']}"
     faults = ", ".join(f"{f['kind']}@{f['point']}:{f.get('outcome')}" for f in rec["faults"])
     bad = [c for c in CHECKS if not rec["checks"].get(c, {}).get("ok")]
     took = rec.get("durations", {}).get("with_cleanup_s")
@@ -93,6 +100,12 @@ def render(doc: dict) -> str:
     out += ["", "| injection point | drawn | landed there | fell back |", "|---|---|---|---|"]
     for k, v in s["points"].items():
         out.append(f"| {k} | {v.get('drawn', 0)} | {v.get('aimed', 0)} | {v.get('missed', 0)} |")
+    if s.get("soak_errors"):
+        out += [
+            "",
+            "The soak itself failed on seeds (no verdict): "
+            + "; ".join(f"{k}: {v}" for k, v in s["soak_errors"].items()),
+        ]
     if s["failed_seeds"]:
         out += [
             "",

@@ -316,6 +316,28 @@ class Soak:
             rec["kept"] = root
         return rec
 
+    def safe_schedule(self, seed: int, ref: dict) -> dict:
+        """:meth:`run_schedule`; an error of the soak itself (not of the run) is recorded as such, the
+        run is ended and the cluster put back in shape, and the soak goes on."""
+        t0 = time.time()
+        try:
+            return self.run_schedule(seed, ref)
+        except Exception as e:  # noqa: BLE001 - recorded: the soak goes on with the next seed
+            import traceback
+
+            self._abort()
+            self._wait_actors_gone(f"soak{seed}")
+            self._keep_three_nodes()
+            return {
+                "seed": seed,
+                "ok": False,
+                "soak_error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc()[-3000:],
+                "faults": [],
+                "checks": {},
+                "durations": {"with_cleanup_s": round(time.time() - t0, 1)},
+            }
+
     def _check(self, seed, sched, paths, ref, mon, faults, fit_error, hung) -> dict:
         from cf_ray import demo
 
@@ -488,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             f"cf_ray soak: {len(soak.seeds())} schedules, preset {args.preset}; reference {ref['digests']}", flush=True
         )
         for seed in soak.seeds():
-            rec = soak.run_schedule(seed, ref)
+            rec = soak.safe_schedule(seed, ref)
             soak.records.append(rec)
             print(report.line(rec), flush=True)
             soak.write(ref, t_start, done=False)
