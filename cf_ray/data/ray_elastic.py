@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -92,6 +93,19 @@ def elastic_data_config(
     return ElasticDataConfig(
         chunk_rows=chunk_rows, equal=equal, datasets_to_split=datasets_to_split, execution_options=execution_options
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Batching:
+    """How an :class:`ElasticRayDataIterator` cuts its rows into batches (fixed at construction)."""
+
+    chunk_rows: int
+    """Rows dealt to a rank at a time (the shard's, else one batch)."""
+    equal: bool
+    """Every rank gets the same number of rows (a few at the end of an epoch are dropped)."""
+    drop_last: bool
+    batch_format: str
+    torch_batches: bool
 
 
 class ElasticRayDataIterator:
@@ -148,12 +162,14 @@ class ElasticRayDataIterator:
             )
         self.shard = shard
         self.batch_size = batch_size
-        self.chunk_rows = shard.chunk_rows or batch_size
-        self.equal = shard.equal
         self.id_column = id_column
-        self.drop_last = drop_last
-        self.batch_format = fmt
-        self.torch_batches = torch_batches
+        self.batching = _Batching(
+            chunk_rows=shard.chunk_rows or batch_size,
+            equal=shard.equal,
+            drop_last=drop_last,
+            batch_format=fmt,
+            torch_batches=torch_batches,
+        )
         self.epoch = 0
         self._rows = 0
         self._complete = False
@@ -185,9 +201,15 @@ class ElasticRayDataIterator:
             self._rows, self._complete, self._history, self._last = 0, False, [], None
         self._resumed = False
         npass = self._passes[self.epoch] = self._passes.get(self.epoch, -1) + 1
-        reader = _Reader(self.shard, (self.epoch, npass), 2 * self.world_size * self.chunk_rows)
+        reader = _Reader(self.shard, (self.epoch, npass), 2 * self.world_size * self.batching.chunk_rows)
         history = [(h["world_size"], h["consumed"]) for h in self._history]
-        plan = RowPlan(chunk=self.chunk_rows, equal=self.equal, history=history, world=self.world_size, rank=self.rank)
+        plan = RowPlan(
+            chunk=self.batching.chunk_rows,
+            equal=self.batching.equal,
+            history=history,
+            world=self.world_size,
+            rank=self.rank,
+        )
         try:
             yield from self._pass(reader, plan)
         finally:  # the last batch, or the loop left: the actor lets go of the pass once every rank has
@@ -228,7 +250,7 @@ class ElasticRayDataIterator:
                 "checkpoint had consumed: the data or the pipeline changed. Use the same, deterministic "
                 "pipeline (see cf_ray.data.ray_elastic)"
             ) from None
-        if have and not self.drop_last:
+        if have and not self.batching.drop_last:
             yield self._emit(parts, runs, k)
         self._complete = True
 
@@ -238,7 +260,7 @@ class ElasticRayDataIterator:
         table = parts[0] if len(parts) == 1 else pa.concat_tables(parts, promote_options="default")
         self._rows = k  # counted as the loop receives it: a state taken after its step includes it
         self._last = {"rows": runs, "digest": _digest(table, self.id_column)}
-        return _format(table, self.batch_format, self.torch_batches)
+        return _format(table, self.batching.batch_format, self.batching.torch_batches)
 
     def _check_rows(self, reader: _Reader, check: Mapping[str, Any]) -> None:
         runs = [(int(a), int(b)) for a, b in check["rows"]]
@@ -259,10 +281,10 @@ class ElasticRayDataIterator:
     def _settings(self) -> dict[str, Any]:
         return {
             "batch_size": self.batch_size,
-            "chunk_rows": self.chunk_rows,
-            "equal": self.equal,
+            "chunk_rows": self.batching.chunk_rows,
+            "equal": self.batching.equal,
             "id_column": self.id_column,
-            "drop_last": self.drop_last,
+            "drop_last": self.batching.drop_last,
         }
 
     def state_dict(self) -> dict[str, Any]:
