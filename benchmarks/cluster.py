@@ -413,9 +413,10 @@ def _replication_loop(cfg: dict) -> None:
 
 
 class _TestCluster:
-    """A head with no CPUs and 1-CPU worker nodes on loopback, this process its driver."""
+    """A head with no CPUs and 1-CPU worker nodes on loopback, this process its driver (``runtime_env``:
+    more of the job's runtime environment, e.g. the soak's ``worker_process_setup_hook``)."""
 
-    def __init__(self, nodes: int, object_store_bytes: int, env: dict[str, str]):
+    def __init__(self, nodes: int, object_store_bytes: int, env: dict[str, str], runtime_env: dict | None = None):
         import ray
         from ray._private import ray_constants
         from ray.cluster_utils import Cluster
@@ -443,7 +444,7 @@ class _TestCluster:
             logging_level="ERROR",
             log_to_driver=False,
             _node_ip_address="127.0.0.1",
-            runtime_env={"env_vars": env},
+            runtime_env={"env_vars": env, **(runtime_env or {})},
         )
         self.nodes_added = nodes
         self.nodes_removed = 0

@@ -7,6 +7,7 @@ example for each.
 
     cf-ray demo                                  the main job (a worker SIGKILLed part-way)
     cf-ray bench                                 the benchmark (from a clone of the repository)
+    cf-ray soak                                  the fault soak (from a clone of the repository)
     cf-ray ls RUN                                the committed checkpoints
     cf-ray profile RUN                           the profile table
     cf-ray verify RUN [--step N]                 every file's size and checksum; exit 1 on damage
@@ -27,6 +28,7 @@ _RUN_HELP = (
 COMMANDS = {
     "demo": "run the main job: a TorchTrainer run with a worker SIGKILLed part-way",
     "bench": "benchmark cf_ray against Ray Train's own checkpointing and DCP",
+    "soak": "fault soak: seeded fault schedules, each run checked against an uninterrupted one",
     "ls": "list a run's committed checkpoints",
     "profile": "print a run's checkpoint profile table",
     "verify": "check every file of a run's checkpoints (size, CRC-32, manifest) without loading them",
@@ -216,24 +218,26 @@ PARSERS = {"ls": ls_parser, "profile": profile_parser, "verify": verify_parser, 
 _RUN = {"ls": _ls, "profile": _profile, "verify": _verify, "export": _export}
 
 
-def _bench(argv: list[str]) -> int:
-    """The benchmark lives in the repository's ``benchmarks/`` package, not in the installed one."""
-    try:
-        from benchmarks.bench import main as bench_main
-    except ImportError:
-        import pathlib
+def _from_repo(cmd: str, module: str, argv: list[str]) -> int:
+    """``cf-ray bench`` and ``cf-ray soak`` live in the repository's ``benchmarks/`` package, not in the
+    installed one."""
+    import importlib
+    import pathlib
 
+    try:
+        main = importlib.import_module(module).main
+    except ImportError:
         root = pathlib.Path(__file__).resolve().parents[1]
-        if not (root / "benchmarks" / "bench.py").exists():
+        if not (root / "benchmarks" / "__init__.py").exists():
             print(
-                "cf-ray bench runs from a clone of the cf_ray repository (it is not part of the installed "
-                "package): git clone it, `pip install -e .` there and run `cf-ray bench` again",
+                f"cf-ray {cmd} runs from a clone of the cf_ray repository (it is not part of the installed "
+                f"package): git clone it, `pip install -e .` there and run `cf-ray {cmd}` again",
                 file=sys.stderr,
             )
             return 2
         sys.path.insert(0, str(root))
-        from benchmarks.bench import main as bench_main
-    return bench_main(argv)
+        main = importlib.import_module(module).main
+    return main(argv)
 
 
 def _usage() -> str:
@@ -263,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(rest)
     if cmd == "bench":
-        return _bench(rest)
+        return _from_repo("bench", "benchmarks.bench", rest)
+    if cmd == "soak":
+        return _from_repo("soak", "benchmarks.soak.runner", rest)
     return _RUN[cmd](PARSERS[cmd]().parse_args(rest))
 
 

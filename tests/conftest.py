@@ -153,7 +153,7 @@ def reference(_ray_session, tmp_path_factory):
 
 #: Modules that shut the shared local cluster down for clusters of their own: run last, so that the
 #: shared cluster is started once (starting it again after them cost ~25 s of suite time).
-_RUN_LAST = ("test_bench.py", "test_multinode.py")
+_RUN_LAST = ("test_bench.py", "test_multinode.py", "test_soak.py")
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest's hook signature

@@ -241,7 +241,7 @@ def test_every_command_has_help_with_an_example(command, capsys):
 
 def test_the_top_level_help_lists_every_command(capsys):
     rc, out, _ = _cli(capsys, "--help")
-    assert rc == 0 and all(f"  {c} " in out for c in (*COMMANDS, "demo", "bench")) and "RUN" in out
+    assert rc == 0 and all(f"  {c} " in out for c in (*COMMANDS, "demo", "bench", "soak")) and "RUN" in out
     rc, _, err = _cli(capsys, "nonsense")
     assert rc == 2 and "unknown command" in err
 

@@ -1,0 +1,130 @@
+"""The soak's tables: counts per check, per fault kind and per injection point (where each landed),
+from the schedules' records (``soak.json``). No Ray, no torch: ``python -m benchmarks.soak.report
+soak.json`` prints them again."""
+
+from __future__ import annotations
+
+import collections
+import json
+import statistics
+import sys
+
+CHECKS = ("finished", "bitwise", "exactly_once", "committed_kept", "no_silent", "memory")
+OUTCOMES = ("seen", "silent", "unexercised", "not_injected")
+
+
+def _aimed(fault: dict) -> bool:
+    """Whether the fault landed at the point it was drawn for (not a fallback to "at the step")."""
+    point = str(fault.get("landed", {}).get("point", ""))
+    if fault["point"] in ("step", "outage", "stall", "then_kill", "then_node_loss"):
+        return bool(fault.get("injected"))
+    if fault["point"] == "mid_restore":
+        return point.startswith("mid-restore")
+    return bool(fault.get("injected")) and not point.startswith("at the step")
+
+
+def summarise(records: list[dict]) -> dict:
+    checks = {c: {"pass": 0, "fail": 0} for c in CHECKS}
+    kinds: dict[str, collections.Counter] = {}
+    points: dict[str, collections.Counter] = {}
+    for r in records:
+        if r.get("soak_error"):  # the soak itself failed on this seed: no verdict on cf_ray
+            continue
+        for c in CHECKS:
+            checks[c]["pass" if r["checks"].get(c, {}).get("ok") else "fail"] += 1
+        for f in r["faults"]:
+            kinds.setdefault(f["kind"], collections.Counter())["drawn"] += 1
+            kinds[f["kind"]][f.get("outcome", "not_injected")] += 1
+            key = f"{f['kind']}@{f['point']}"
+            points.setdefault(key, collections.Counter())["drawn"] += 1
+            points[key]["aimed" if _aimed(f) else "missed"] += 1
+    totals = [r["durations"]["with_cleanup_s"] for r in records if "durations" in r]
+    return {
+        "schedules": len(records),
+        "ok": sum(1 for r in records if r["ok"]),
+        "checks": checks,
+        "kinds": {k: dict(v) for k, v in sorted(kinds.items())},
+        "points": {k: dict(v) for k, v in sorted(points.items())},
+        "failed_seeds": {
+            str(r["seed"]): [c for c in CHECKS if not r["checks"].get(c, {}).get("ok")]
+            for r in records
+            if not r["ok"] and not r.get("soak_error")
+        },
+        "soak_errors": {str(r["seed"]): r["soak_error"] for r in records if r.get("soak_error")},
+        "seconds_per_schedule": {
+            "median": round(statistics.median(totals), 1) if totals else None,
+            "max": round(max(totals), 1) if totals else None,
+        },
+        # The issue's four numbers (issue 23: all 0 when done).
+        "not_bitwise": checks["bitwise"]["fail"],
+        "samples_wrong": checks["exactly_once"]["fail"],
+        "committed_lost": sum(len(r["checks"].get("committed_kept", {}).get("lost", [])) for r in records),
+        "silent_faults": sum(1 for r in records for f in r["faults"] if f.get("outcome") == "silent"),
+        "silent_stalls": sum(len(r["checks"].get("no_silent", {}).get("silent_stalls", [])) for r in records),
+    }
+
+
+def line(rec: dict) -> str:
+    if rec.get("soak_error"):
+        return f"  seed {rec['seed']:>4}: SOAK ERROR {rec['soak_error']}"
+    faults = ", ".join(f"{f['kind']}@{f['point']}:{f.get('outcome')}" for f in rec["faults"])
+    bad = [c for c in CHECKS if not rec["checks"].get(c, {}).get("ok")]
+    took = rec.get("durations", {}).get("with_cleanup_s")
+    return f"  seed {rec['seed']:>4}: {'ok  ' if rec['ok'] else 'FAIL'} {took:>5.0f} s  [{faults}]" + (
+        f"  failed: {', '.join(bad)}" if bad else ""
+    )
+
+
+def render(doc: dict) -> str:
+    s = doc["summary"]
+    meta = doc.get("meta", {})
+    out = [
+        f"## cf_ray fault soak: {s['schedules']} schedules, {s['ok']} passed every check",
+        "",
+        f"{meta.get('command', '')} — preset {meta.get('preset')}, {meta.get('date')}, "
+        f"{s['seconds_per_schedule']['median']} s per schedule (median, max {s['seconds_per_schedule']['max']} s)",
+        "",
+        "| not bitwise | duplicated or skipped samples | committed checkpoints lost | silent faults |",
+        "|---|---|---|---|",
+        f"| {s['not_bitwise']} | {s['samples_wrong']} | {s['committed_lost']} | {s['silent_faults']} |",
+        "",
+        f"Training stood still 10 s or more with nothing said: {s.get('silent_stalls', 0)} times.",
+        "",
+        "| check | passed | failed |",
+        "|---|---|---|",
+    ]
+    out += [f"| {c} | {v['pass']} | {v['fail']} |" for c, v in s["checks"].items()]
+    out += ["", "| fault | drawn | " + " | ".join(OUTCOMES) + " |", "|---|---|" + "---|" * len(OUTCOMES)]
+    for k, v in s["kinds"].items():
+        out.append(f"| {k} | {v.get('drawn', 0)} | " + " | ".join(str(v.get(o, 0)) for o in OUTCOMES) + " |")
+    out += ["", "| injection point | drawn | landed there | fell back |", "|---|---|---|---|"]
+    for k, v in s["points"].items():
+        out.append(f"| {k} | {v.get('drawn', 0)} | {v.get('aimed', 0)} | {v.get('missed', 0)} |")
+    if s.get("soak_errors"):
+        out += [
+            "",
+            "The soak itself failed on seeds (no verdict): "
+            + "; ".join(f"{k}: {v}" for k, v in s["soak_errors"].items()),
+        ]
+    if s["failed_seeds"]:
+        out += [
+            "",
+            "Failed schedules (seed: checks): "
+            + "; ".join(f"{k}: {', '.join(v)}" for k, v in s["failed_seeds"].items()),
+        ]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0]) as f:
+        doc = json.load(f)
+    print(render(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["CHECKS", "line", "render", "summarise"]
