@@ -165,7 +165,7 @@ def train_loop_per_worker(config: dict) -> None:
         for ids, x, y in loader:
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
-            ckpt.step(optimizer)
+            ckpt.step(optimizer, loss=loss)  # the loss is checked in the first steps after a restore
             optimizer.zero_grad()
             ids_log.write(json.dumps({"step": ckpt.step_count, "epoch": epoch, "ids": ids.tolist()}) + "\n")
             if cfg["step_sleep"]:

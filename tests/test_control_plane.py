@@ -620,7 +620,7 @@ def test_a_holder_killed_mid_write_never_commits_that_step_and_later_steps_commi
         # The hand-off returned before the controller heard of step 5 (the holder's sender delivers
         # it): the holder dies once it has. (Dying before, it leaves a step the controller never heard
         # of, which is never settled: test_settled_says_which_steps_nothing_more_will_happen_to.)
-        _wait_for(lambda: 5 in ray.get(ctl.settled.remote(gen, [5]), timeout=30)["pending"], 60, "step 5 known")
+        _wait_for(lambda: 5 in ray.get(ctl.settled.remote(gen, [5]), timeout=30).pending, 60, "step 5 known")
         ray.kill(holder, no_restart=True)
         new = _wait_for(lambda: _try(lambda: resolve_holder(key, storage, cname, ns, timeout_s=10)), 60, "a new holder")
         holders.append(new)

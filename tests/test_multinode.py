@@ -567,7 +567,7 @@ def test_elastic_two_one_two_with_real_num_workers_range(multinode, tmp_path, mo
     on_a = {node_a.node_id}
 
     def newest_on_a(self):
-        snap = self._commits.newest_in_memory(on_a)
+        snap = self._ledger.commits.newest_in_memory(on_a)
         return None if snap is None else snap.step
 
     deadline = time.time() + 60
@@ -672,7 +672,7 @@ def test_node_loss_while_a_copy_is_in_flight_never_restores_that_step(multinode,
     ctl = ray.get_actor(ctl_name, namespace=ctl_ns)
 
     def newest_in_memory(self, alive):
-        snap = self._commits.newest_in_memory(alive)
+        snap = self._ledger.commits.newest_in_memory(alive)
         return None if snap is None else snap.step
 
     while (ray.get(ctl.__ray_call__.remote(newest_in_memory, None), timeout=30) or 0) < 10:

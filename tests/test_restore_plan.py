@@ -9,9 +9,9 @@ import json
 
 from cf_ray._engine.driver.recovery import CONTROL_STATE
 from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.protocol.messages import CheckpointKind, PartFailed, Restored, RestoreSource
+from cf_ray._engine.protocol.messages import CheckpointKind, PartFailed, PartSuperseded, Restored, RestoreSource
 
-from controller_harness import commit, durable, meta, staged, wait_idle
+from controller_harness import commit, durable, meta, replicated, staged, wait_idle
 
 R0, R1 = mf.rank_section(0), mf.rank_section(1)
 
@@ -43,6 +43,38 @@ def test_a_plan_never_names_a_snapshot_whose_step_failed_or_was_abandoned(contro
     # Steps 5 (gen 1) and 8 (gen 2) are past the third attempt's restore point: abandoned, never offered.
     assert ctl.settled(gen2, [8]).abandoned == (8,) and ctl.settled(gen, [5]).abandoned == (5,)
     assert ctl.prepare_restore(2).memory is None
+
+
+def test_a_step_that_failed_only_because_its_node_was_lost_is_offered_from_the_peer_copies(controller):
+    """Node B is lost while its holder still had to write rank 1's section of step 10: the watch fails
+    that section as lost. A peer copy of it on node A makes step 10 a memory restore (what the
+    copies are for), read from the copy; without one, the newest step whose every section
+    survives is offered instead."""
+    ctl = controller()
+    gen = ctl.prepare_restore(2).generation
+    ctl.restored(Restored(source=RestoreSource.FRESH, step=0, epoch=0))
+    for step in (5, 10):
+        _stage_both(ctl, gen, step)
+        ctl.part_replicated(replicated(gen, step, R1, peer="hA", node="A", origin="hB", seconds=0.01))
+    _stage_both(ctl, gen, 15)  # not copied yet when B goes
+    books = ctl._ledger.commits
+    with ctl._ledger.lock:
+        for step in (10, 15):
+            books.failed(gen, step, R1, "lost: holder hB is gone", holder="hB", lost=True)
+    snap = books.newest_in_memory({"A"})
+    assert snap is not None and snap.step == 10 and snap.sections == {R0: "hA", R1: "hA"}, snap
+    # A failure of the write itself (not a lost holder) is never offered.
+    _stage_both(ctl, gen, 20)
+    ctl.part_replicated(replicated(gen, 20, R1, peer="hA", node="A", origin="hB", seconds=0.01))
+    ctl.part_failed(PartFailed(generation=gen, step=20, section=R1, error="OSError: disk full", holder="hB"))
+    assert books.newest_in_memory({"A", "B"}).step == 10
+    # A step a newer one superseded in the write queue is still in memory: offered (the newest copied
+    # step, which storage may never get while it is slow).
+    _stage_both(ctl, gen, 25)
+    ctl.part_replicated(replicated(gen, 25, R1, peer="hA", node="A", origin="hB", seconds=0.01))
+    for sec, holder in ((R0, "hA"), (R1, "hB")):
+        ctl.part_superseded(PartSuperseded(generation=gen, step=25, section=sec, holder=holder))
+    assert books.newest_in_memory({"A", "B"}).step == 25
 
 
 def test_a_memory_snapshot_that_failed_verification_is_never_offered_again(controller, tmp_path):

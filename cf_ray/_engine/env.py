@@ -127,8 +127,8 @@ POLICY_SAVE_INTERVAL_S: float = _deprecated("POLICY_SAVE_INTERVAL_S", 60.0)
 #: infinity (``worker/trust_gate.py``); a non-finite one rolls the run back past the restored step.
 #: Only these steps read the loss's value (a GPU loss is synchronised there only).
 TRUST_STEPS: int = 3
-#: Seconds a snapshot waits for a free slot when the holder holds both slots of a section (one being
-#: written, one pinned until written) before it is skipped and reported (``worker/snapshot.py``).
+#: Seconds a snapshot waits for a free slot when the holder holds every slot of a section (one being
+#: written, one pinned until written, the spare) before it is skipped and reported (``worker/snapshot.py``).
 SLOT_WAIT_S: float = 60.0
 
 CONSTANTS = (

@@ -18,9 +18,10 @@ after releasing the lock and reports back (:meth:`CommitBook.finish`, under the 
 step is *committing* it counts as in flight (never cleaned up, never abandoned, never failed by a
 late message), and keep-last never sees it (it is not in the committed index yet).
 
-Memory restores (:meth:`CommitBook.newest_in_memory`) offer only snapshots whose step is pending or
-committed — never one abandoned, failed, or distrusted (a snapshot whose bytes failed a restore's
-verification, or that the run went non-finite after: ``Controller.distrust``).
+Memory restores (:meth:`CommitBook.newest_in_memory`) offer only snapshots whose step is pending,
+committed or superseded (not written, still held), or failed only because a holder died (its
+sections then from peer copies) — never one abandoned, failed otherwise, or distrusted (a snapshot whose bytes failed a restore's verification,
+or that the run went non-finite after: ``Controller.distrust``).
 
 Not thread-safe on its own: the controller calls it under its lock (so does the maintenance
 thread, for the committed index and the states of the steps in flight), except :meth:`write`.
@@ -138,21 +139,32 @@ class CommitBook:
     def newest_in_memory(self, alive_nodes: set[str] | None = None) -> MemorySnapshot | None:
         """The newest snapshot every section of which some holder has (a memory restore): its own
         holder, or a peer's replica. With ``alive_nodes``, a copy on a node not in it does not count
-        (the node is lost: a snapshot whose section had no surviving copy is passed over). A snapshot
-        whose step was abandoned or failed, or that was distrusted, is never offered."""
+        (the node is lost: a snapshot whose section had no surviving copy is passed over).
+
+        Never offered: a snapshot whose step was abandoned (another timeline), one distrusted, and one
+        that failed, unless only because a holder died (``Pending.lost``: a node lost before its
+        holder wrote its part; the sections that holder had then count only by their copies on other
+        nodes' holders, which is what peer copies are for). One superseded (a newer step took its
+        place in the write queue) still is, from the memory that holds it: the holder protects the
+        newest copied step, which storage may never get. Every byte is verified by the restore."""
 
         def alive(node: str | None) -> bool:
             return alive_nodes is None or not node or node in alive_nodes
 
         entries = sorted(self.table.entries.items(), key=lambda kv: (kv[0][1], kv[0][0]), reverse=True)
         for (gen, step), p in entries:
-            if p.state not in (SectionState.PENDING, SectionState.COMMITTED) or (gen, step) in self.distrusted:
+            if (gen, step) in self.distrusted:
+                continue
+            if p.state == SectionState.ABANDONED:
+                continue
+            if p.state == SectionState.FAILED and not p.lost:
                 continue
             if not (p.parts.expected and p.parts.expected <= set(p.parts.staged) and p.meta is not None):
                 continue
             copies: dict[str, list[str]] = {}
             for sec in p.parts.expected:
-                found = [p.parts.staged[sec]] if alive(p.parts.staged_nodes.get(sec)) else []
+                own = alive(p.parts.staged_nodes.get(sec)) and sec not in p.parts.failed
+                found = [p.parts.staged[sec]] if own else []
                 found += [
                     h for h, node in sorted(p.parts.replicas.get(sec, {}).items()) if alive(node) and h not in found
                 ]

@@ -67,6 +67,8 @@ from cf_ray._engine.storage.fs import Storage
 logger = logging.getLogger("cf_ray")
 
 _AUTO = object()
+#: Seconds a restore plan waits for the holders to deliver the messages they queued (``Roster.flush``).
+FLUSH_TIMEOUT_S = 5.0
 
 
 class Controller:
@@ -169,6 +171,7 @@ class Controller:
         restored, keep-last deletes nothing: the plan names checkpoints that a late commit of the
         previous attempt would otherwise push out (``keep_last=1``)."""
         self._roster.resynced.wait(timeout=_env.get_float(_env.RESYNC_TIMEOUT_S))
+        self._roster.flush(FLUSH_TIMEOUT_S)  # snapshots handed off just before the failure are known
         alive = self._cluster.alive_node_ids()
         self._maintenance.defer_deletions()
         self._lifetime.new_attempt(world_size)

@@ -174,6 +174,28 @@ class HolderLink:
                 out[name] = None
         return out
 
+    def flush_all(self, names: list[str], timeout_s: float) -> list[str]:
+        """Have every holder deliver its queued messages to this controller, in parallel, for at most
+        ``timeout_s``. Returns the names of those that could not in time (gone ones are not named)."""
+        refs = {}
+        for name in names:
+            h = self._handle(name)
+            if h is not None:
+                try:
+                    refs[name] = h.flush.remote(timeout_s)
+                except Exception:  # noqa: BLE001 - a holder that cannot be asked is gone
+                    continue
+        late = []
+        for name, ref in refs.items():
+            try:
+                if not ray.get(ref, timeout=timeout_s + 5):
+                    late.append(name)
+            except _GONE:
+                self._drop(name)
+            except Exception:  # noqa: BLE001 - busy or timed out: named, the plan goes on
+                late.append(name)
+        return late
+
     def kill(self, name: str) -> None:
         h = self._handle(name, fresh=True)
         if h is not None:
@@ -234,6 +256,20 @@ class Roster:
         """These holders are gone."""
         with self._lock:
             self._names -= names
+
+    def flush(self, timeout_s: float) -> None:
+        """Have the holders deliver what they queued for this controller (a restore plan then knows
+        every snapshot whose hand-off returned); a holder that cannot in time is logged, not waited for."""
+        if self.link is None:
+            return
+        late = self.link.flush_all(self.names(), timeout_s)
+        if late:
+            logger.warning(
+                "cf_ray: holder(s) %s did not deliver their queued messages within %.0f s; the restore plan "
+                "may not offer their newest snapshots",
+                ", ".join(late),
+                timeout_s,
+            )
 
     def resync_if_new(self, name: str, new: bool) -> None:
         """A holder first heard of after this controller started: ask it what it holds (once, in

@@ -259,6 +259,12 @@ class Holder:
         unsent = self._sender.pending()
         return {"drained": not got["waiting"] and got["writing"] is None and sent, **got, "unsent": unsent}
 
+    def flush(self, timeout_s: float) -> bool:
+        """Deliver the messages queued for the controller (``part_staged`` of a snapshot just handed
+        off, ...), waiting at most ``timeout_s``: a restore plan asks for it first, so that a snapshot
+        the hand-off already returned for is one the plan knows of. True when nothing is left."""
+        return self._sender.wait_idle(timeout_s)
+
     def ping(self) -> str:
         """This holder's name (a cheap liveness check)."""
         return self._name
