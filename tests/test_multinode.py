@@ -678,7 +678,15 @@ def test_node_loss_while_a_copy_is_in_flight_never_restores_that_step(multinode,
     while (ray.get(ctl.__ray_call__.remote(newest_in_memory, None), timeout=30) or 0) < 10:
         assert time.time() < deadline, "step 10 was never staged"
         time.sleep(0.05)
-    assert ray.get(ctl.__ray_call__.remote(newest_in_memory, {node_x.node_id}), timeout=30) == 5
+
+    def table(self):  # what the controller knows of each step (the assertion's message)
+        return {
+            step: (p.state.value, p.lost, dict(p.parts.staged_nodes), {s: dict(r) for s, r in p.parts.replicas.items()})
+            for (_gen, step), p in self._ledger.commits.table.entries.items()
+        }
+
+    got = ray.get(ctl.__ray_call__.remote(newest_in_memory, {node_x.node_id}), timeout=30)
+    assert got == 5, (node_x.node_id, ray.get(ctl.__ray_call__.remote(table), timeout=30))
     cluster.remove_node(node_a)  # before step 15 (3 s): X still holds its own sections of step 5
     nodes[0] = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=OBJECT_STORE_BYTES)
     trainer.join(400)

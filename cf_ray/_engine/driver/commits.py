@@ -141,12 +141,9 @@ class CommitBook:
         holder, or a peer's replica. With ``alive_nodes``, a copy on a node not in it does not count
         (the node is lost: a snapshot whose section had no surviving copy is passed over).
 
-        Never offered: a snapshot whose step was abandoned (another timeline), one distrusted, and one
-        that failed, unless only because a holder died (``Pending.lost``: a node lost before its
-        holder wrote its part; the sections that holder had then count only by their copies on other
-        nodes' holders, which is what peer copies are for). One superseded (a newer step took its
-        place in the write queue) still is, from the memory that holds it: the holder protects the
-        newest copied step, which storage may never get. Every byte is verified by the restore."""
+        Never offered: an abandoned step (another timeline), a distrusted one, one that failed unless
+        only because a holder died (``Pending.lost``: then its sections count by their peer copies). A
+        superseded one still is (in memory; storage may never get it). The restore verifies every byte."""
 
         def alive(node: str | None) -> bool:
             return alive_nodes is None or not node or node in alive_nodes

@@ -75,6 +75,9 @@ logger = logging.getLogger("cf_ray")
 CALLS = 16
 #: Threads of the ``peer`` concurrency group (other holders' ``hold_replica``).
 PEER_CALLS = 4
+#: Seconds the first copy of a run waits for a holder of another node to appear (their workers make
+#: them as they start, maybe a moment after this one's first snapshot).
+FIRST_PEER_WAIT_S = 5.0
 
 __all__ = [
     "LOOKUP_DONE",
@@ -128,6 +131,7 @@ class Holder:
             self._store, self._name, self._node, self._server.get, peers or self._actor_peers, self._sender.send
         )
         self._no_peer_logged = False
+        self._first_lookup = True
 
     # -- called by workers ---------------------------------------------------------------------
     def arena(self, section: str, nbytes: int) -> tuple[SlotDesc, ...]:
@@ -282,6 +286,14 @@ class Holder:
     def _peers(self, wanted: int, label: str, section: str) -> list[tuple[str, Any]]:
         """The holders that copies of ``section`` go to: ``[(node id, handle)]`` (``find_peers``)."""
         found = find_peers(self._node, self._name, self.namespace, wanted, label, section)
+        if self._first_lookup:
+            # The run's first snapshot: the holders of the other nodes are made by their workers as they
+            # start, maybe a moment after this one; wait for one (on the replication thread only).
+            self._first_lookup = False
+            deadline = time.monotonic() + FIRST_PEER_WAIT_S
+            while not found and wanted != 0 and time.monotonic() < deadline:
+                time.sleep(0.25)
+                found = find_peers(self._node, self._name, self.namespace, wanted, label, section)
         if not found and wanted != 0:
             if not self._no_peer_logged:
                 self._no_peer_logged = True
