@@ -156,7 +156,66 @@ def reference(_ray_session, tmp_path_factory):
 _RUN_LAST = ("test_bench.py", "test_multinode.py", "test_soak.py")
 
 
+#: The long end-to-end runs that ``make test`` leaves to ``make test-all`` (the nightly run), beside the
+#: tests marked ``nightly`` where they are written (the benchmark jobs). The default suite keeps one
+#: real run of each promise (a SIGKILL restored bitwise from memory and from S3, a node lost and
+#: restored from a peer's copy, exactly-once data across failures, FSDP2 resharded, a SIGTERM notice,
+#: the docs' examples and the notebook) and the in-process tests of everything below; each of these
+#: asserts a behaviour that one of those, or an in-process test, also covers at a smaller scale.
+NIGHTLY = {
+    # fault matrix under TorchTrainer; in process: test_trust, test_durability, test_control_plane, test_lifetime
+    "test_faults_e2e.py::*",
+    "test_engine_e2e.py::test_a_worker_killed_mid_copy_resumes_from_the_previous_snapshot_in_memory_bitwise",
+    "test_engine_e2e.py::test_damaged_newest_checkpoints_are_skipped_on_restore",  # test_restore, test_storage
+    "test_engine_e2e.py::test_failed_persist_never_fails_training",  # test_durability
+    "test_engine_e2e.py::test_keep_last_and_milestones_while_training",  # test_controller
+    "test_engine_e2e.py::test_registered_with_ray_and_a_new_run_resumes_from_one_of_them",
+    "test_engine_e2e.py::test_resume_from_the_result_checkpoint_continues_bitwise_and_a_bad_one_raises_before_training",
+    "test_engine_e2e.py::test_upload_tier_serves_the_restore_when_the_primary_is_lost",
+    "test_restore.py::test_a_restore_error_on_one_rank_fails_every_rank_within_seconds",
+    # several nodes on one machine: the default suite keeps a node loss restored from a peer's copy
+    "test_multinode.py::test_a_drain_that_fits_a_peer_copy_but_not_storage_restores_from_the_peer",
+    "test_multinode.py::test_a_drain_too_short_for_any_tier_leaves_the_previous_checkpoint_the_latest",
+    "test_multinode.py::test_elastic_two_one_two_with_real_num_workers_range",
+    "test_multinode.py::test_node_loss_restores_from_a_peer_copy_bitwise[2]",
+    "test_multinode.py::test_node_loss_restores_from_a_peer_copy_bitwise[4]",
+    "test_multinode.py::test_node_loss_while_a_copy_is_in_flight_never_restores_that_step",
+    "test_multinode.py::test_replicas_go_to_another_pool_never_to_a_draining_node",
+    "test_spot.py::test_deadline_too_short_for_the_persist_keeps_the_previous_checkpoint",  # test_controller (JIT)
+    "test_spot.py::test_two_one_two_workers_within_an_epoch_exactly_once_and_same_weights[fsdp2]",  # test_restore (elastic)
+    "test_docs.py::test_example_spot_training_runs",
+    "test_docs.py::test_example_train_fsdp_runs_and_resumes_resharded",  # test_fsdp2 scenarios
+    "test_fsdp2.py::test_sharded_worker_sigkilled_resumes_bitwise[fsdp1-memory]",
+    # frameworks and data sources under TorchTrainer; in process: test_integrations, tests/data/
+    "test_integrations_e2e.py::*",
+    "test_e2e_data.py::test_ray_data_shards_exactly_once_across_a_failure",
+    "test_ray_elastic.py::test_ray_data_two_one_two_workers_mid_epoch_reads_every_row_once",
+    "test_stateful_dataloader.py::test_stateful_dataloader_exactly_once_after_a_sigkill",
+    "test_data_examples.py::test_data_sources_example_ray_data_runs",
+    # the policy and the controller at scale; in process: test_policy, test_control_plane[blocks]
+    "test_adaptive_e2e.py::*",
+    "test_control_plane.py::test_the_controller_stays_flat_through_10000_commits[tracemalloc]",
+    "test_soak.py::test_the_soak_runs_a_schedule_on_a_multinode_cluster_and_every_check_holds",
+    "test_bench.py::test_bench_fsdp2_job",  # a benchmark job; test_bench_smoke stays
+}
+
+
+def _nightly(item) -> bool:
+    name = os.path.basename(str(item.fspath))
+    return f"{name}::*" in NIGHTLY or f"{name}::{item.name}" in NIGHTLY
+
+
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest's hook signature
+    known = {f"{os.path.basename(str(i.fspath))}::{i.name}" for i in items} | {
+        f"{os.path.basename(str(i.fspath))}::*" for i in items
+    }
+    if len(items) > 600:  # the whole suite was collected: a name that no longer exists is a mistake
+        stale = sorted(NIGHTLY - known)
+        assert not stale, f"tests/conftest.py NIGHTLY names tests that do not exist: {stale}"
+    for item in items:
+        if _nightly(item):
+            item.add_marker(pytest.mark.nightly)
+
     def order(item) -> int:
         name = os.path.basename(str(item.fspath))
         return _RUN_LAST.index(name) + 1 if name in _RUN_LAST else 0
