@@ -5,6 +5,7 @@ storage that hangs and one that fails every write for a while (``slow``: Ray act
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 import pyarrow.fs as pafs
@@ -340,8 +341,9 @@ def test_a_dead_controller_is_resolved_again_and_training_goes_on(ray_cluster, t
 
 @pytest.mark.slow
 def test_a_pinned_milestone_on_a_hung_storage_never_stops_training_silently(ray_cluster, tmp_path, caplog):
-    """Storage stops answering after a commit; a milestone a step later is pinned until written, so
-    the next scheduled snapshot finds both slots of its sections held. The training thread says so
+    """Storage stops answering after a commit; two milestones a step later are pinned until written
+    (one in the spare slot), so the next scheduled snapshot finds every slot of its sections held (one
+    being written, two pinned). The training thread says so
     while it waits, the watchdog speaks during the wait, the snapshot is skipped (reported), and
     on_durability_lost="raise" fails the attempt: never a silent stop."""
     import threading
@@ -363,18 +365,25 @@ def test_a_pinned_milestone_on_a_hung_storage_never_stops_training_silently(ray_
         time.sleep(1.0)
         step()
         ck.save(milestone=True)  # step 7: pinned until written
+        ck.wait_snapshot()
+        step()
+        ck.save(milestone=True)  # step 8: pinned too, in the spare slot
+        ck.wait_snapshot()
         t0 = time.time()
         with pytest.raises(DurabilityLostError, match="no checkpoint has committed since step 4"):
             while time.time() - t0 < 60:
-                step()  # step 8 finds both slots held
+                step()  # the next scheduled snapshot finds every slot held
         elapsed = time.time() - t0
         assert elapsed < 30, f"training stopped for {elapsed:.0f} s"
         text = caplog.text
         waited = text.index("has waited 1 s for a free slot")
-        lost = text.index("durability lost at step 8")
-        skipped = text.index("the checkpoint of step 8 is skipped: no free snapshot slot")
-        assert waited < lost < skipped  # said while it waited, then the way out, then the raise
-        assert _failures_reported(ck, 8), "the skipped snapshot is a reported failure"
+        found = re.search(r"the checkpoint of step (\d+) is skipped: no free snapshot slot", text)
+        assert found is not None, text
+        at = int(found.group(1))
+        assert at > 8
+        lost = text.index(f"durability lost at step {at}")
+        assert waited < lost < found.start()  # said while it waited, then the way out, then the raise
+        assert _failures_reported(ck, at), "the skipped snapshot is a reported failure"
     finally:
         released.cancel()
         flag.unlink(missing_ok=True)

@@ -136,6 +136,8 @@ def check_finite(saved: dict[str, Any], live: dict[str, Any]) -> int:
         if not isinstance(state, dict):
             continue
         for key, t in _checked_tensors(obj, state):
+            if t.numel() == 0:
+                continue  # an empty shard (FSDP2 on a rank with no rows of a tensor): nothing to check
             lo, hi = torch.aminmax(t.detach().reshape(-1))
             checked += t.numel() * t.element_size()
             if not (torch.isfinite(lo) and torch.isfinite(hi)):
