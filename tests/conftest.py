@@ -160,7 +160,7 @@ _RUN_LAST = ("test_bench.py", "test_multinode.py", "test_soak.py")
 #: tests marked ``nightly`` where they are written (the benchmark jobs). The default suite keeps one
 #: real run of each promise (a SIGKILL restored bitwise from memory and from S3, a node lost and
 #: restored from a peer's copy, exactly-once data across failures, FSDP2, the DDP example and the
-#: runnable guide blocks) and the in-process tests of everything below; each of these
+#: runnable guide blocks, a dead driver's actors reaped) and the in-process tests of everything below; each of these
 #: asserts a behaviour that one of those, or an in-process test, also covers at a smaller scale.
 NIGHTLY = {
     # fault matrix under TorchTrainer; in process: test_trust, test_durability, test_control_plane, test_lifetime
@@ -198,11 +198,10 @@ NIGHTLY = {
     "test_soak.py::test_the_soak_runs_a_schedule_on_a_multinode_cluster_and_every_check_holds",
     "test_bench.py::test_bench_fsdp2_job",  # a benchmark job; test_bench_smoke stays
     "test_control_plane.py::test_the_controller_stays_flat_through_10000_commits[blocks]",  # 10,000 commits
-    # minutes each on 2 cores; in process: test_report (metrics in an actor), test_lifetime's reaper
-    # unit tests, test_spot (SIGTERM in the main thread), the notebook's code in test_docs
+    # minutes each on 2 cores; in the default suite: test_report (metrics in an actor), test_spot
+    # (SIGTERM in the main thread), test_notebooks (the committed notebook is the generated one)
     "test_notebooks.py::test_the_notebook_runs_and_gives_the_committed_outputs",
     "test_goodput.py::test_goodput_is_exported_to_rays_metrics_endpoint",
-    "test_lifetime.py::test_a_dead_drivers_actors_are_reaped_and_never_reused",
     "test_spot.py::test_sigterm_notice_checkpoint_durable_then_resume_loses_at_most_one_step",
 }
 
