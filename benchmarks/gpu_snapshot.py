@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         with_ckpt = time.perf_counter() - t0
         snap.wait_done()
         tm = snap.last_timings
-        pinned = snap._arenas["s"][1].tensor.is_pinned()
+        pinned = snap.arenas.of("s").tensor.is_pinned()
         print(
             f"checkpoint {k + 1}: training thread {begin * 1e3:.1f} ms; DMA into the pinned slot "
             f"{tm['copy_s'] * 1e3:.0f} ms = {state / tm['copy_s'] / 1e9:.1f} GB/s (pinned: {pinned}); "

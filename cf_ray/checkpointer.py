@@ -93,7 +93,7 @@ class Checkpointer:
     a user object) is saved as it is at the start of the next Checkpointer call after a checkpoint
     (``step()``, ``end_epoch()``, ...), so a scheduler stepped right after ``ckpt.step(optimizer)``
     resumes bitwise; the model, the optimizer, the RNG states and the data positions are saved as
-    they are at the checkpoint's step (``cf_ray/_engine/worker/snapshot.py``).
+    they are at the checkpoint's step (``cf_ray/_engine/worker/late_capture.py``).
     """
 
     def __init__(

@@ -53,5 +53,5 @@ def in_process_slots(phase1):
     from cf_ray._engine.node.slot_store import SlotStore
 
     store = SlotStore("test")
-    phase1._snap._arena_source = store.arena
+    phase1._snap.arenas.source = store.arena
     return store

@@ -94,7 +94,7 @@ def test_close_releases_the_handler_the_thread_and_the_buffers_and_is_idempotent
     thread = ck._phase1._snap._thread
     ck.close()
     assert signal.getsignal(signal.SIGTERM) is previous
-    assert not thread.is_alive() and ck._phase1._snap._arenas == {}
+    assert not thread.is_alive() and ck._phase1._snap.arenas.sections() == []
     assert ck._lifecycle is _Lifecycle.CLOSED
     ck.close()  # a second close does nothing
     with pytest.raises(RuntimeError, match="after close"):

@@ -223,7 +223,7 @@ def test_cuda_tensors_are_copied_by_dma_into_the_pinned_slot_on_their_devices_st
     sections = {"s": {"model": model.state_dict(), "opt": opt.state_dict()}}
     expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     snap.begin(1, sections, guarded, {})
-    assert snap._arenas["s"][1].tensor.is_pinned()  # the holder's memory, registered with CUDA
+    assert snap.arenas.of("s").tensor.is_pinned()  # the holder's memory, registered with CUDA
     train_step()  # weights change only after the guard: the DMA saw the step-1 weights
     assert snap.wait_done(timeout=60) and snap.take_errors() == []
     lk, index = holder.read(1)
@@ -267,7 +267,7 @@ def test_cuda_copies_into_the_spare_slot_register_it_on_first_use():
         snap.begin(step, sections(), guarded, {})
         train_step()
         assert snap.wait_done(timeout=60) and snap.take_errors() == []
-    arena = snap._arenas["s"][1]
+    arena = snap.arenas.of("s")
     assert sorted(arena._registered) == [0, 1]  # the spare not yet
     locks = [holder.read(1)[0], holder.read(2)[0]]
     expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}

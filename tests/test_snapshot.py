@@ -104,7 +104,7 @@ def test_prepared_buffers_are_the_ones_the_first_snapshot_copies_into():
     assert snap.prepare(sections()) is True
     assert snap.wait_done(timeout=30)
     assert snap.prepare_s is not None
-    prepared = snap._arenas["s"][1].tensor.data_ptr()
+    prepared = snap.arenas.of("s").tensor.data_ptr()
     assert snap.prepare(sections()) is False  # buffers exist: nothing to do
     train_step(snap)
     expected = _clone(sections()["s"])
@@ -121,11 +121,11 @@ def test_a_layout_that_changed_after_prepare_gets_new_buffers_and_a_correct_snap
     snap = Snapshotter(0, got, arena_source=got.arena)
     assert snap.prepare(sections())  # before the first optimizer step: Adam has no state yet
     assert snap.wait_done(timeout=30)
-    small = snap._arenas["s"][1].nbytes
+    small = snap.arenas.of("s").nbytes
     train_step(snap)
     expected = _clone(sections()["s"])
     snap.begin(1, sections(), guarded, {})
     train_step(snap)
     snap.close()
-    assert snap._arenas["s"][1].nbytes > small
+    assert snap.arenas.of("s").nbytes > small
     assert _equal_trees(got.tree(1), expected)

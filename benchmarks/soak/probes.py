@@ -6,7 +6,7 @@ A probe does nothing unless the soak's driver *arms* it (a file ``arm/<probe>.js
 directory that ``SOAK_CONTROL_DIR`` names); the first process that reaches the probe's point claims
 the arm (an atomic rename), writes ``at/<fault>.json`` (its pid, what it was doing) and:
 
-* ``mid_copy`` (the snapshot thread's copy into a holder's slot, ``worker/snapshot.py``'s
+* ``mid_copy`` (the snapshot thread's copy into a holder's slot, ``worker/copy_engine.py``'s
   ``_copy_checksummed``): holds there, after the first tensor landed when the function lets a
   callback in after it (else before the deferred tensors are copied: the slot is already being
   filled), until the driver SIGKILLs the process (at most :data:`HOLD_S`).
@@ -257,7 +257,7 @@ def _desc(desc) -> dict:
 
 
 PATCHES = {
-    "cf_ray._engine.worker.snapshot": _patch_snapshot,
+    "cf_ray._engine.worker.copy_engine": _patch_snapshot,
     "cf_ray.checkpointer": _patch_checkpointer,
     "cf_ray._engine.memory.wire": _patch_wire,
     "cf_ray._engine.node.stream": _patch_stream,

@@ -13,144 +13,68 @@ while the layout stays the same. They are allocated and faulted in ahead of the 
 (:meth:`Snapshotter.prepare`, on the background thread, a few steps before it): the first write
 to new memory page-faults, and faulting in a 300 MB arena while the backward pass allocates and
 frees its own buffers took ~1 s here (against ~30 ms for the copy into a warm arena), all of it a
-guard wait on the training thread at the first checkpoint. On CUDA the copies are
-``non_blocking`` on a side stream that first waits for the compute stream, so they overlap with
-compute; on CPU they are plain ``copy_`` calls, which release the GIL.
+guard wait on the training thread at the first checkpoint. How the bytes are copied and
+checksummed: ``copy_engine.py``.
 
-Hand-off: the arenas are the node's holder's shared-memory slots (``slot_arena.py``): the worker
-copies each section once, into a slot the holder owns (so the snapshot outlives this worker), and
-hands over a typed :class:`~cf_ray._engine.protocol.messages.Stage` naming the slots, the indexes
-with their block CRC-32s and each section's CRC-32 (``HolderActor.stage``): no bytes travel. (Until
-issue 24 a platform without ``memfd_create``, or ``SHM_SLOTS=0``, passed the arena by value
-through the object store, re-``put`` by the holder: two more passes on the host; cf_ray needs
-Linux now, where Ray runs GPU training, and says so at once elsewhere.)
+Hand-off: the arenas are the node's holder's shared-memory slots: the worker copies each section
+once, into a slot the holder owns, and hands over a typed ``Stage`` naming them (``holder_handoff.py``).
 
-Late state: the tracked objects that are neither modules nor optimizers (LR schedulers, AMP's grad
-scaler, user objects) are small and cannot change the weights, and users step a per-iteration
-scheduler *after* ``ckpt.step(optimizer)``. So their ``state_dict()`` (and the optimizers'
-``param_groups``, where a scheduler writes the learning rate) is taken again at the start
-of the next Checkpointer call (``step()``, ``update()``, ``end_epoch()``, ``save()``, ``wait()``,
-``finish()``, ...; :meth:`Snapshotter.capture_late`), before that call's guard, and written into
-the slots the snapshot reserved for them: a checkpoint then holds the scheduler as it is after the
-scheduler's step of that iteration, and ``resume`` continues bitwise. The model, the optimizer, the
-RNG states and the data positions stay those of the checkpoint's step. The background thread waits
-for that capture (at most ``late_wait_s``) before the hand-off; when the next call does not come in
-time (or the object's layout changed), the state taken at the step is kept, with a warning once.
-A preemption checkpoint captures it at once (its ``wait()`` is the next call).
+Late state: the small objects that are neither modules nor optimizers (schedulers, ...) are taken
+again at the start of the next Checkpointer call, into the slots the snapshot reserved for them
+(``late_capture.py`` says why and how).
 
 Fingerprints: after the copy (and the late capture), the background thread records a fingerprint of
 every tracked object in its section's tree (``fingerprint.py``): the restore checks each object
 against it once it is loaded.
 
-Two classes: :class:`Snapshotter`, the copy engine (no Ray; it calls back a ``hand_off``), and
-:class:`Phase1`, what the Checkpointer drives (what a snapshot holds, its metadata, and the
-hand-off to the holder, made again with a new holder of this node once when the holder died).
+Here: :class:`Snapshotter`, the background thread and its queue (no Ray; it calls back a
+``hand_off``), and :class:`Phase1`, what the Checkpointer drives (what a snapshot holds and its
+metadata). Their parts, one job each: the arenas of each section and the wait for a free slot
+(``snapshot_arenas.py``), the copies and block checksums (``copy_engine.py``), the late capture
+(``late_capture.py``), the hand-off to the holder, made again with a new holder of this node once
+when the holder died (``holder_handoff.py``), and the job they share (``snapshot_job.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import queue
-import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import ray
-import ray.exceptions
 import torch
 
-from cf_ray._engine import env as _env
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.memory import crc as _crc
 from cf_ray._engine.memory import slots as _slots
-from cf_ray._engine.protocol.messages import CheckpointKind, SlotDesc, SnapshotMeta, Stage, StagedSlot, StageReply
-from cf_ray._engine.storage.base import _crc32
+from cf_ray._engine.protocol.messages import CheckpointKind, SnapshotMeta
 from cf_ray._engine.worker import fingerprint as _fp
 from cf_ray._engine.worker import sharded as _sharded
+from cf_ray._engine.worker.copy_engine import CopyEngine
 from cf_ray._engine.worker.cpu_budget import CpuBudget
 from cf_ray._engine.worker.cpu_budget import mark as cpu_mark
+from cf_ray._engine.worker.holder_handoff import HolderHandOff, ReplicaPlan, replica_due
+from cf_ray._engine.worker.late_capture import LateCapture, late_slots
 from cf_ray._engine.worker.rng import rng_state
-from cf_ray._engine.worker.slot_arena import SlotArena, SlotsBusy
+from cf_ray._engine.worker.snapshot_arenas import ArenaSource, SectionArenas, SnapshotSkipped
+from cf_ray._engine.worker.snapshot_job import LateObject, SnapshotJob, StagedSection
 from cf_ray._engine.worker.timing import Timing
 
 logger = logging.getLogger("cf_ray")
 
-
-@dataclass(slots=True)
-class StagedSection:
-    """One section of a snapshot as handed to the holder: the holder's slot it was copied into, its
-    index with the block checksums (a restore from memory checks the bytes against them, and the
-    holder's write too), the data's CRC-32, and the bytes as this worker maps them."""
-
-    arena: np.ndarray
-    index: bytes
-    slot: SlotDesc
-    crc32: int
-
-
-#: A part of a snapshot taken again at the next Checkpointer call: (its path in the section's tree,
-#: e.g. ``("objects", "scheduler")`` or ``("objects", "optimizer", "param_groups")``, and what
-#: returns its state now, e.g. ``scheduler.state_dict``).
-LateObject = tuple[tuple[str, ...], Callable[[], Any]]
-
-
-@dataclass(slots=True)
-class LateSlot:
-    """Where a late object's state lies in a snapshot: its subtree and its entries in the arena."""
-
-    section: str
-    path: tuple[str, ...]
-    state_fn: Callable[[], Any]
-    first: int
-    """Index of its first tensor entry in the section's table (its entries are contiguous)."""
-    layout: tuple
-    """(name, dtype, shape, kind) of each of its entries: a new state must have the same."""
-
-
-@dataclass(slots=True)
-class _Deferred:
-    """A guarded tensor copied by the background thread: its section, where it goes, what it is."""
-
-    section: str
-    offset: int
-    nbytes: int
-    dst: torch.Tensor
-    src: torch.Tensor
-
-
-@dataclass(slots=True)
-class SnapshotJob:
-    """A snapshot in flight: what to copy, and what the hand-off needs."""
-
-    step: int
-    meta: Any
-    """What the hand-off passes on (a :class:`SnapshotMeta` from the Checkpointer)."""
-    flats: dict[str, _codec.Flat]
-    arenas: dict[str, np.ndarray]
-    generation: int = 0
-    """The attempt's generation (a slot's header names it with the step)."""
-    deferred: list[_Deferred] = field(default_factory=list)
-    cuda_events: dict[int, Any] = field(default_factory=dict)
-    """Device index -> the event its side stream waits for (recorded after the optimizer step and
-    after the unguarded tensors' copies of that device were queued)."""
-    cuda_sections: set[str] = field(default_factory=set)
-    """Sections that device tensors were copied into by DMA (checksummed once those copies are done)."""
-    timings: dict[str, float] = field(default_factory=dict)
-    buffers: dict[str, Any] = field(default_factory=dict)
-    """Section -> its :class:`SlotArena` (where a late capture writes)."""
-    late: list[LateSlot] = field(default_factory=list)
-    late_ready: threading.Event = field(default_factory=threading.Event)
-    """Set once the late objects were captured (or there are none)."""
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    sealed: bool = False
-    """The background thread stopped waiting for the late capture (what is there is handed off)."""
+__all__ = [
+    "ArenaSource",
+    "LateObject",
+    "Phase1",
+    "SnapshotJob",
+    "SnapshotSkipped",
+    "Snapshotter",
+    "StagedSection",
+    "replica_due",
+]
 
 
 @dataclass(slots=True)
@@ -158,83 +82,6 @@ class _Prepare:
     """A background job: allocate and fault in the arenas of these layouts."""
 
     layouts: dict[str, tuple[tuple, int]]  # section -> (layout key, nbytes)
-
-
-#: Bytes copied before their blocks are checksummed, while they are still in the CPU's cache.
-_CRC_WINDOW = 32 * mf.BLOCK_BYTES
-
-
-class SnapshotSkipped(Exception):
-    """A snapshot not taken because a section found no free slot in time (reported by the caller)."""
-
-
-#: Gives the shared-memory slots of a section: (section, nbytes) -> the holder's slots of it.
-ArenaSource = Callable[[str, int], "tuple[SlotDesc, ...] | list[SlotDesc]"]
-
-
-_REFS = ("__cf_tensor__", "__cf_ndarray__")  # codec's tensor references in an encoded tree
-
-
-def _refs(tree: Any) -> list[int]:
-    """The tensor indices an encoded (sub)tree refers to, in order."""
-    out: list[int] = []
-
-    def walk(v: Any) -> None:
-        if isinstance(v, list):
-            for x in v:
-                walk(x)
-        elif isinstance(v, dict):
-            if len(v) == 1:
-                ((k, x),) = v.items()
-                if k in _REFS and isinstance(x, int):
-                    out.append(x)
-                    return
-            for x in v.values():
-                walk(x)
-
-    walk(tree)
-    return out
-
-
-def _shift_refs(tree: Any, by: int) -> Any:
-    """An encoded (sub)tree whose tensor references are moved by ``by``."""
-    if isinstance(tree, list):
-        return [_shift_refs(x, by) for x in tree]
-    if isinstance(tree, dict):
-        if len(tree) == 1:
-            ((k, x),) = tree.items()
-            if k in _REFS and isinstance(x, int):
-                return {k: x + by}
-        return {k: _shift_refs(x, by) for k, x in tree.items()}
-    return tree
-
-
-def _subtree(tree: Any, path: tuple[str, ...]) -> Any:
-    """The encoded subtree at ``path`` (``None`` when there is none)."""
-    for key in path:
-        if not isinstance(tree, dict) or key not in tree:
-            return None
-        tree = tree[key]
-    return tree
-
-
-def _late_slots(flats: dict[str, _codec.Flat], late: dict[str, list[LateObject]]) -> list[LateSlot]:
-    slots = []
-    for section, objs in late.items():
-        flat = flats.get(section)
-        if flat is None or not isinstance(flat.tree, dict):
-            continue
-        for path, state_fn in objs:
-            sub = _subtree(flat.tree, path)
-            if sub is None or not isinstance(_subtree(flat.tree, path[:-1]), dict):
-                continue
-            refs = _refs(sub)
-            first = min(refs) if refs else 0
-            if refs and refs != list(range(first, first + len(refs))):
-                continue  # not contiguous (cannot happen with codec.flatten): keep the state at the step
-            layout = tuple((e.name, e.dtype, e.shape, e.kind) for e in flat.entries[first : first + len(refs)])
-            slots.append(LateSlot(section=section, path=path, state_fn=state_fn, first=first, layout=layout))
-    return slots
 
 
 class Snapshotter:
@@ -262,13 +109,9 @@ class Snapshotter:
         self.rank = rank
         self._budget = budget if budget is not None else CpuBudget()
         self._hand_off = hand_off
-        self._arena_source = arena_source
-        self._arenas: dict[str, tuple[tuple, SlotArena]] = {}
-        self._pin = torch.cuda.is_available()
-        # One side stream per device: a tensor is copied on its own device's stream, which first
-        # waits for an event recorded on that device's current stream after the optimizer step.
-        self._streams: dict[int, Any] = {}
-        self._slot_wait_warned = False
+        self.arenas = SectionArenas(rank, arena_source)
+        self._engine = CopyEngine(rank)
+        self._late = LateCapture(rank)
         self._queue: queue.Queue[SnapshotJob | _Prepare | None] = queue.Queue(maxsize=1)
         self._copy_done = threading.Event()
         self._copy_done.set()
@@ -278,19 +121,33 @@ class Snapshotter:
         self._lock = threading.Lock()
         self.last_timings: dict[str, float] = {}
         self.last_begin: dict[str, float] = {}
-        self.prepare_s: float | None = None  # seconds the background thread spent in prepare()
-        self.late_wait_s = 5.0
-        """How long the background thread waits for :meth:`capture_late` before the hand-off."""
-        self._late_job: SnapshotJob | None = None
-        self._late_warned = False
-        self.on_slot_wait: Callable[[float], bool] | None = None
-        """Called (on the training thread) while :meth:`begin` waits for a free slot, about every
-        :data:`~cf_ray._engine.worker.slot_arena.WAIT_TICK_S` with the seconds waited; True gives the wait up (the snapshot is skipped)."""
-        self._next_wait_log = 0.0
-        self._preparing = False
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"cf_ray-snapshot-r{rank}", daemon=True)
         self._thread.start()
+
+    @property
+    def late_wait_s(self) -> float:
+        """How long the background thread waits for :meth:`capture_late` before the hand-off."""
+        return self._late.wait_s
+
+    @late_wait_s.setter
+    def late_wait_s(self, seconds: float) -> None:
+        self._late.wait_s = seconds
+
+    @property
+    def on_slot_wait(self) -> Callable[[float], bool] | None:
+        """Called (on the training thread) while :meth:`begin` waits for a free slot
+        (:attr:`SectionArenas.on_slot_wait <cf_ray._engine.worker.snapshot_arenas.SectionArenas.on_slot_wait>`)."""
+        return self.arenas.on_slot_wait
+
+    @on_slot_wait.setter
+    def on_slot_wait(self, fn: Callable[[float], bool] | None) -> None:
+        self.arenas.on_slot_wait = fn
+
+    @property
+    def prepare_s(self) -> float | None:
+        """Seconds the background thread spent in :meth:`prepare`'s job (``None`` before it ran)."""
+        return self.arenas.prepare_s
 
     # -- training thread ---------------------------------------------------------------------
     def begin(
@@ -324,114 +181,32 @@ class Snapshotter:
         self.wait_done()  # at most one snapshot in flight: wait for the previous hand-off
         t0 = time.perf_counter()
         wait_s = t0 - t_wait
-        flats, arenas, deferred, buffers = {}, {}, [], {}
+        job = SnapshotJob(step=step, meta=meta, generation=generation, flats={}, arenas={})
         devices: set[int] = set()
-        cuda_sections: set[str] = set()
         slot_wait_s, copied = 0.0, 0
         for name, tree in sections.items():
             flat = _codec.flatten(tree)
-            arena = self._arena_for(name, flat)
-            slot_wait_s += self._acquire(arena, step, name, buffers)
-            buffers[name] = arena
-            for entry, leaf in zip(flat.entries, flat.leaves):
-                dst = arena.dst(entry)
-                if entry.kind == "numpy":
-                    dst.numpy()[:] = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
-                    copied += entry.nbytes
-                    continue
-                assert isinstance(leaf, torch.Tensor)  # the codec gives torch tensors kind "torch"
-                if leaf.is_cuda:
-                    devices.add(leaf.device.index or 0)
-                    cuda_sections.add(name)
-                if is_guarded(leaf):
-                    deferred.append(_Deferred(name, entry.offset, entry.nbytes, dst, leaf))
-                    continue
-                if leaf.is_cuda:
-                    # Ordered before the next forward on the compute stream, so no race with it; the
-                    # event recorded below comes after it, and the background thread waits for that
-                    # event before it reads the arena (checksums, hand-off), on every device.
-                    dst.copy_(leaf, non_blocking=True)
-                else:
-                    dst.copy_(leaf)
-                copied += entry.nbytes
-            flats[name] = flat
-            arenas[name] = arena.numpy()
-        job = SnapshotJob(
-            step=step,
-            meta=meta,
-            generation=generation,
-            flats=flats,
-            arenas=arenas,
-            deferred=deferred,
-            buffers=buffers,
-            late=_late_slots(flats, late or {}),
-            cuda_sections=cuda_sections,
-        )
-        if job.late:
-            self._late_job = job
-        else:
-            job.late_ready.set()
+            arena = self.arenas.for_flat(name, flat)
+            slot_wait_s += self.arenas.acquire(arena, step, name, job.buffers)
+            job.buffers[name] = arena
+            copied += self._engine.copy_unguarded(name, flat, arena, is_guarded, job, devices)
+            job.flats[name] = flat
+            job.arenas[name] = arena.numpy()
+        job.late = late_slots(job.flats, late or {})
+        self._late.expect(job)
         if devices:
-            # Each device's side stream starts after the optimizer step's kernels on that device, and
-            # after the copies of its unguarded tensors queued above (a device may have only those).
-            job.cuda_events = {}
-            for d in sorted(devices):
-                with torch.cuda.device(d):
-                    ev = torch.cuda.Event()
-                    ev.record()
-                    job.cuda_events[d] = ev
+            job.cuda_events = self._engine.record_events(devices)
         job.timings["sync_s"] = time.perf_counter() - t0
         job.timings["wait_s"] = wait_s
         job.timings["slot_wait_s"] = slot_wait_s
-        if slot_wait_s > 0.1 and not self._slot_wait_warned:
-            self._slot_wait_warned = True
-            logger.warning(
-                "cf_ray: rank %d: the snapshot of step %d waited %.2f s for a free slot (the holder still "
-                "persists the previous ones: the interval is shorter than a persist); the profile's "
-                "slot_wait_s column has every wait",
-                self.rank,
-                step,
-                slot_wait_s,
-            )
+        self.arenas.waited(step, slot_wait_s)
         job.timings["copied_bytes"] = float(copied)
-        job.timings["nbytes"] = float(sum(a.nbytes for a in arenas.values()))
+        job.timings["nbytes"] = float(sum(a.nbytes for a in job.arenas.values()))
         self.last_begin = dict(job.timings)
         self._copy_done.clear()
         self._job_done.clear()
         self._queue.put(job)
         return time.perf_counter() - t_wait
-
-    def _acquire(self, arena: SlotArena, step: int, section: str, taken: dict[str, Any]) -> float:
-        """A free slot of ``section``, waited for at most ``env.SLOT_WAIT_S`` (said while it waits);
-        on giving up, the slots this snapshot took already (``taken``) are given back."""
-        limit = _env.get_float(_env.SLOT_WAIT_S)
-        self._next_wait_log = 1.0
-
-        def waiting(waited_s: float) -> bool:
-            if waited_s >= self._next_wait_log:
-                self._next_wait_log = waited_s + _env.get_float(_env.WARN_INTERVAL_S)
-                logger.warning(
-                    "cf_ray: rank %d: the snapshot of step %d has waited %.0f s for a free slot of section %s: "
-                    "the holder holds every slot (%s) until they are written, so storage is slow or stalled; "
-                    "training goes on in %.0f s at most without this checkpoint",
-                    self.rank,
-                    step,
-                    waited_s,
-                    section,
-                    arena.held(),
-                    max(0.0, limit - waited_s),
-                )
-            return bool(self.on_slot_wait(waited_s)) if self.on_slot_wait is not None else False
-
-        try:
-            return arena.acquire(limit, waiting)
-        except SlotsBusy as e:
-            for other in taken.values():
-                other.release()
-            raise SnapshotSkipped(
-                f"skipped: no free snapshot slot of section {section} within {e.waited_s:.0f} s "
-                f"(the holder holds {e.held} until they are written: storage is slow or stalled)"
-            ) from None
 
     def prepare(self, sections: dict[str, Any]) -> bool:
         """Allocate and fault in the arenas for ``sections`` (the trees :meth:`begin` will get) on
@@ -442,75 +217,26 @@ class Snapshotter:
         (and does nothing) when arenas exist or a job is in flight. A later :meth:`begin` waits for
         it; a section whose layout changed by then gets a new arena there, as without it.
         """
-        if self._arenas or self.in_flight():
+        if self.arenas.sections() or self.in_flight():
             return False
         layouts = {}
         for name, tree in sections.items():
             flat = _codec.flatten(tree)
             layouts[name] = (flat.layout_key(), flat.nbytes)
-        self._preparing = True
+        self.arenas.preparing = True
         self._job_done.clear()
         self._queue.put(_Prepare(layouts))
         return True
 
     def preparing(self) -> bool:
         """Whether :meth:`prepare`'s job is still running (the iterations meanwhile compete with it)."""
-        return self._preparing
+        return self.arenas.preparing
 
     def capture_late(self, next_epoch: int | None = None) -> float:
         """At the start of the call after a snapshot's: take the late objects' state again, into the
-        slots the snapshot reserved for them. Returns seconds spent (0 when nothing was waiting).
-
-        Args:
-            next_epoch: the call is ``end_epoch()`` right after the snapshot's step (the epoch's last):
-                what is taken now holds the epoch's end (a per-epoch scheduler stepped before it), so
-                the snapshot's counters say it resumes at ``next_epoch`` (the resumed loop then does
-                not step them again)."""
-        job, self._late_job = self._late_job, None
-        if job is None:
-            return 0.0
-        t0 = time.perf_counter()
-        with job.lock:
-            if not job.sealed:
-                for slot in job.late:
-                    self._capture(job, slot)
-                if next_epoch is not None:
-                    _resume_at_epoch(job, next_epoch)
-        job.late_ready.set()
-        return time.perf_counter() - t0
-
-    def _capture(self, job: SnapshotJob, slot: LateSlot) -> None:
-        try:
-            new = _codec.flatten(slot.state_fn(), prefix=".".join(slot.path))
-        except Exception as e:  # noqa: BLE001 - the state taken at the step is kept
-            self._warn_late(f"state_dict() of {'.'.join(slot.path[1:])!r} failed at the next call ({e!r})")
-            return
-        layout = tuple((e.name, e.dtype, e.shape, e.kind) for e in new.entries)
-        if layout != slot.layout:
-            self._warn_late(
-                f"the state of {'.'.join(slot.path[1:])!r} changed its tensors between the step and the next call"
-            )
-            return
-        flat, arena = job.flats[slot.section], job.buffers[slot.section]
-        for k, (entry, leaf) in enumerate(zip(new.entries, new.leaves)):
-            dst = arena.dst(flat.entries[slot.first + k])
-            if entry.kind == "numpy":
-                dst.numpy()[:] = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
-            else:
-                dst.copy_(leaf)
-            job.timings["copied_bytes"] = job.timings.get("copied_bytes", 0.0) + entry.nbytes
-        _subtree(flat.tree, slot.path[:-1])[slot.path[-1]] = _shift_refs(new.tree, slot.first)
-
-    def _warn_late(self, why: str) -> None:
-        if not self._late_warned:
-            self._late_warned = True
-            logger.warning(
-                "cf_ray: rank %d: %s; the checkpoint keeps that object's state as it was at the "
-                "checkpoint's step (a scheduler stepped after ckpt.step() then resumes one step behind; "
-                "step it inside `with ckpt.update():` instead)",
-                self.rank,
-                why,
-            )
+        slots the snapshot reserved for them (:meth:`LateCapture.capture
+        <cf_ray._engine.worker.late_capture.LateCapture.capture>`). Returns seconds spent."""
+        return self._late.capture(next_epoch)
 
     def wait_copy(self) -> float:
         """The weight-update guard: block until the in-flight copy is done. Returns seconds waited."""
@@ -545,83 +271,27 @@ class Snapshotter:
 
     def release_buffers(self) -> None:
         """Drop the host buffers (after :meth:`close`; a job still in flight keeps its own)."""
-        for _, arena in self._arenas.values():
-            arena.close()
-        self._arenas.clear()
+        self.arenas.close()
 
     def forget_slots(self) -> None:
         """The holder whose slots these are is gone: the next snapshot asks for new ones."""
-        for _, arena in self._arenas.values():
-            arena.close()
-        self._arenas.clear()
+        self.arenas.close()
 
-    # -- internals -------------------------------------------------------------------------------
-    def _arena_for(self, name: str, flat: _codec.Flat) -> SlotArena:
-        key = flat.layout_key()
-        cached = self._arenas.get(name)
-        if cached is None or cached[0] != key:
-            if cached is not None:
-                cached[1].close()
-            cached = (key, self._new_arena(name, flat.nbytes))
-            self._arenas[name] = cached
-        return cached[1]
-
-    def _new_arena(self, name: str, nbytes: int, *, fault_in: bool = False) -> SlotArena:
-        """The holder's slots of section ``name``, mapped."""
-        arena = SlotArena(self._arena_source(name, nbytes), nbytes, self._pin)
-        if fault_in:
-            arena.fault_in()
-        return arena
-
+    # -- the background thread ---------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             job = self._queue.get()
             if job is None:
                 return
             if isinstance(job, _Prepare):
-                self._run_prepare(job)
+                try:
+                    self.arenas.fault_in(job.layouts)
+                finally:
+                    self.arenas.preparing = False
+                    self._job_done.set()
                 continue
             try:
-                budget, m = self._budget, cpu_mark()
-                t0 = time.perf_counter()
-                try:
-                    crcs = self._copy(job)
-                finally:
-                    job.timings["copy_s"] = time.perf_counter() - t0
-                    self._copy_done.set()
-                m = budget.lap("copy", m)
-                crc_wall, crc_cpu = job.timings.get("crc_s", 0.0), job.timings.get("crc_cpu_s", 0.0)
-                budget.add("copy", -crc_wall, -crc_cpu, calls=0)  # the copy's windows, less their CRCs
-                budget.add("crc", crc_wall, crc_cpu)
-                self._checksum_dma(job, crcs)  # after the guard: the weights may change meanwhile
-                m = budget.lap("crc", m, calls=0)
-                self._seal(job)
-                m = budget.lap("seal_wait", m)
-                self._checksum_late(job, crcs)
-                m = budget.lap("index", m)
-                for name, flat in job.flats.items():
-                    fps = (
-                        _fp.section_fingerprints(flat.tree, flat.entries, job.arenas[name])
-                        if isinstance(flat.tree, dict)
-                        else None
-                    )
-                    if fps:
-                        flat.tree[_fp.KEY] = fps
-                m = budget.lap("fingerprint", m)
-                sections = {}
-                for name, flat in job.flats.items():
-                    arena, blocks = job.buffers[name], crcs[name]
-                    sections[name] = StagedSection(
-                        job.arenas[name],
-                        mf.with_blocks(mf.encode_index(flat), blocks),
-                        slot=arena.seal(job.generation, job.step),
-                        crc32=_crc.combine_blocks(blocks, mf.BLOCK_BYTES, arena.nbytes),
-                    )
-                m = budget.lap("index", m, calls=0)
-                t1 = time.perf_counter()
-                self._hand_off(job, sections)
-                job.timings["handoff_s"] = time.perf_counter() - t1
-                budget.lap("handoff", m)
+                self._snapshot(job)
             except BaseException as e:  # noqa: BLE001 - surfaced at the next wait/close
                 logger.warning("cf_ray: rank %d: snapshot of step %d failed: %r", self.rank, job.step, e)
                 for arena in job.buffers.values():
@@ -633,178 +303,41 @@ class Snapshotter:
                 self._copy_done.set()
                 self._job_done.set()
 
-    def _seal(self, job: SnapshotJob) -> None:
-        """Wait (at most ``late_wait_s``) for the late capture; from here on the job is not changed."""
-        if not job.late:
-            return
-        captured = job.late_ready.wait(self.late_wait_s)
-        with job.lock:
-            job.sealed = True
-        if not captured:
-            self._warn_late(
-                f"the next Checkpointer call did not come within {self.late_wait_s:.0f} s of the "
-                f"checkpoint of step {job.step}"
-            )
-
-    def _run_prepare(self, job: _Prepare) -> None:
+    def _snapshot(self, job: SnapshotJob) -> None:
+        """One job: the deferred copy (then the guard is released), the checksums, the late
+        capture's seal, the fingerprints, the index, the hand-off; each part's time in the budget."""
+        budget, m = self._budget, cpu_mark()
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
-            for name, (key, nbytes) in job.layouts.items():
-                self._arenas[name] = (key, self._new_arena(name, nbytes, fault_in=True))
-            self.prepare_s = time.perf_counter() - t0
-        except BaseException as e:  # noqa: BLE001 - not fatal: begin() allocates what is missing
-            logger.warning("cf_ray: rank %d: could not allocate snapshot buffers ahead: %r", self.rank, e)
-            self._arenas.clear()
+            crcs = self._engine.copy(job)
         finally:
-            self._preparing = False
-            self._job_done.set()
-
-    def _copy(self, job: SnapshotJob) -> dict[str, list[int]]:
-        """Copy the deferred tensors; returns, per section in a shared-memory slot, the CRC-32 of
-        each of its blocks (``manifest.BLOCK_BYTES``), computed as the copy lands (see
-        :func:`_copy_checksummed`) — or after it, for sections that had device tensors."""
-        streams = []
-        for d, ev in job.cuda_events.items():
-            stream = self._streams.get(d)
-            if stream is None:
-                stream = self._streams[d] = torch.cuda.Stream(device=d)
-            streams.append(stream)
-            with torch.cuda.stream(stream):
-                stream.wait_event(ev)
-                for c in job.deferred:
-                    if c.src.is_cuda and (c.src.device.index or 0) == d:
-                        c.dst.copy_(c.src, non_blocking=True)  # DMA into pinned (registered) memory
-        on_device = job.cuda_sections | {c.section for c in job.deferred if c.src.is_cuda}
-        crcs: dict[str, list[int]] = {}
-        copied = 0
-        for name, arena in job.buffers.items():
-            host = [c for c in job.deferred if c.section == name and not c.src.is_cuda]
-            copied += sum(c.nbytes for c in host)
-            if name not in on_device:
-                crcs[name] = _copy_checksummed(
-                    arena, host, after_first=_fault_mid_copy(self.rank, job.step), crc_time=job.timings
-                )
-            else:
-                for c in host:
-                    c.dst.copy_(c.src)
-        for stream in streams:
-            stream.synchronize()
-        copied += sum(c.nbytes for c in job.deferred if c.src.is_cuda)
-        job.timings["copied_bytes"] = job.timings.get("copied_bytes", 0.0) + copied
-        return crcs
-
-    def _checksum_dma(self, job: SnapshotJob, crcs: dict[str, list[int]]) -> None:
-        """The block checksums of sections that device tensors were copied into by DMA: the CPU never
-        saw those bytes, so this is a read of the slot, done after the guard is released (the copy
-        is complete; training goes on)."""
-        for name, arena in job.buffers.items():
-            if name not in crcs:
-                crcs[name] = mf.block_crcs(arena.numpy())
-                job.timings["crc_read_bytes"] = job.timings.get("crc_read_bytes", 0.0) + arena.nbytes
-
-    def _checksum_late(self, job: SnapshotJob, crcs: dict[str, list[int]]) -> None:
-        """Checksum again the blocks that the late capture wrote after the copy."""
-        block = mf.BLOCK_BYTES
-        for slot in job.late:
-            blocks = crcs.get(slot.section)
-            if blocks is None:
-                continue
-            flat, buf = job.flats[slot.section], job.arenas[slot.section]
-            entries = flat.entries[slot.first : slot.first + len(slot.layout)]
-            touched = {
-                k for e in entries for k in range(e.offset // block, (e.offset + max(e.nbytes, 1) - 1) // block + 1)
-            }
-            for k in sorted(touched):
-                if k < len(blocks):
-                    blocks[k] = _crc32(buf[k * block : (k + 1) * block].data)
-
-
-def _resume_at_epoch(job: SnapshotJob, epoch: int) -> None:
-    """The snapshot's counters (every section that has them) and its metadata say ``epoch``."""
-    for flat in job.flats.values():
-        counters = flat.tree.get(mf.COUNTERS) if isinstance(flat.tree, dict) else None
-        if isinstance(counters, dict) and "epoch" in counters:
-            counters["epoch"] = epoch
-    if dataclasses.is_dataclass(job.meta) and hasattr(job.meta, "epoch"):
-        job.meta = dataclasses.replace(job.meta, epoch=epoch)  # pyright: ignore[reportArgumentType]
-
-
-def _fault_mid_copy(rank: int, step: int) -> Callable[[], None] | None:
-    """The fault injection of ``CF_RAY_FAULT_KILL_MID_COPY`` (env.py) for this rank and step, if set."""
-    spec = os.environ.get(_env.FAULT_KILL_MID_COPY)
-    if not spec:
-        return None
-    at, who, marker = spec.split("@", 2)
-    if int(at) != step or int(who) != rank or os.path.exists(marker):
-        return None
-
-    def kill() -> None:
-        with open(marker, "w") as f:
-            f.write(f"{step}\n")
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    return kill
-
-
-def _copy_checksummed(
-    arena: SlotArena,
-    pieces: list[_Deferred],
-    after_first: Callable[[], None] | None = None,
-    crc_time: dict[str, float] | None = None,
-) -> list[int]:
-    """Copy ``pieces`` into ``arena`` window by window (:data:`_CRC_WINDOW`), checksumming each
-    window's blocks right after its copy, while the bytes are still in the CPU's cache: the CRC-32
-    then costs no second pass over memory. Returns the CRC-32 of every block of the arena.
-    ``after_first`` is called after the first piece's copy (fault injection only); the CRCs' wall and
-    thread-CPU seconds are added to ``crc_time["crc_s"]`` and ``crc_time["crc_cpu_s"]`` when given."""
-    block = mf.BLOCK_BYTES
-    buf = arena.numpy()
-    whole = arena.tensor
-    runs = []  # (offset, nbytes, source bytes) of contiguous sources, in arena order
-    for c in pieces:
-        if c.nbytes == 0:
-            continue
-        if c.src.is_contiguous() and c.src.dtype == c.dst.dtype:
-            runs.append((c.offset, c.nbytes, c.src.reshape(-1).view(torch.uint8)))
-        else:
-            c.dst.copy_(c.src)  # strided or cast: copied whole, checksummed with its window
-    runs.sort(key=lambda r: r[0])
-    crcs: list[int] = []
-    i, total = 0, arena.nbytes
-    crc_wall = crc_cpu = 0.0
-    for w0 in range(0, total, _CRC_WINDOW):
-        w1 = min(total, w0 + _CRC_WINDOW)
-        while i < len(runs) and runs[i][0] + runs[i][1] <= w0:
-            i += 1
-        j = i
-        while j < len(runs) and runs[j][0] < w1:
-            off, n, src = runs[j]
-            a, b = max(off, w0), min(off + n, w1)
-            whole[a:b].copy_(src[a - off : b - off])
-            if after_first is not None:
-                after_first()
-                after_first = None
-            j += 1
-        c0 = cpu_mark()
-        for k in range(w0, w1, block):
-            crcs.append(_crc32(buf[k : min(k + block, total)].data))
-        c1 = cpu_mark()
-        crc_wall += c1[0] - c0[0]
-        crc_cpu += c1[1] - c0[1]
-    if crc_time is not None:
-        crc_time["crc_s"] = crc_time.get("crc_s", 0.0) + crc_wall
-        crc_time["crc_cpu_s"] = crc_time.get("crc_cpu_s", 0.0) + crc_cpu
-    return crcs
-
-
-def replica_due(step: int, every: int, interval: int | None, *, always: bool = False) -> bool:
-    """Whether the snapshot of ``step`` is copied to peers (``CheckpointConfig.replica_every``):
-    one in ``every``, those whose step lies in the first interval of a block of ``every`` intervals
-    (the same steps on every rank and node, so the copied steps are complete); ``always`` (preemption
-    checkpoints, milestones) and snapshots without an interval (manual, epoch boundaries) always."""
-    if every <= 1 or always or not interval:
-        return True
-    return step % (every * interval) < interval
+            job.timings["copy_s"] = time.perf_counter() - t0
+            self._copy_done.set()
+        m = budget.lap("copy", m)
+        crc_wall, crc_cpu = job.timings.get("crc_s", 0.0), job.timings.get("crc_cpu_s", 0.0)
+        budget.add("copy", -crc_wall, -crc_cpu, calls=0)  # the copy's windows, less their CRCs
+        budget.add("crc", crc_wall, crc_cpu)
+        self._engine.checksum_dma(job, crcs)  # after the guard: the weights may change meanwhile
+        m = budget.lap("crc", m, calls=0)
+        self._late.seal(job)
+        m = budget.lap("seal_wait", m)
+        self._engine.checksum_late(job, crcs)
+        m = budget.lap("index", m)
+        for name, flat in job.flats.items():
+            fps = (
+                _fp.section_fingerprints(flat.tree, flat.entries, job.arenas[name])
+                if isinstance(flat.tree, dict)
+                else None
+            )
+            if fps:
+                flat.tree[_fp.KEY] = fps
+        m = budget.lap("fingerprint", m)
+        sections = self._engine.staged(job, crcs)
+        m = budget.lap("index", m, calls=0)
+        t1 = time.perf_counter()
+        self._hand_off(job, sections)
+        job.timings["handoff_s"] = time.perf_counter() - t1
+        budget.lap("handoff", m)
 
 
 class Phase1:
@@ -847,22 +380,17 @@ class Phase1:
         replica_every: int = 1,
     ):
         self.rank = rank
-        self._replicas = replicas
-        self._replica_label = replica_label
-        self._replica_every = replica_every
+        self._replicas = ReplicaPlan(replicas, replica_label, replica_every)
         self.world_size = world_size
         self.sharded = sharded
         self.replicated = replicated and sharded is None
         self.state = state
         self.data = data
-        self.holder = holder
-        self.generation = 0
-        """This attempt's generation (names the snapshot in the holder)."""
-        self._timing = timing
-        self._resolve_holder = resolve_holder
+        self._holder = HolderHandOff(rank, holder, timing, resolve_holder)
         self._prepared = False
         _slots.require()  # Linux: the snapshots live in the holder's memfd slots
-        self._snap = Snapshotter(rank, self._hand_off, arena_source=self._slots, budget=timing.budget)
+        self._snap = Snapshotter(rank, self._holder.hand_off, arena_source=self._holder.slots, budget=timing.budget)
+        self._holder.on_new_holder = self._snap.forget_slots
         # Neither modules nor optimizers: their state is taken again at the next call (module doc);
         # so is the optimizers' param_groups (the learning rate a scheduler writes there).
         self._late_names = [n for n, o in state.items() if not isinstance(o, (torch.nn.Module, torch.optim.Optimizer))]
@@ -889,9 +417,7 @@ class Phase1:
             notice: a preemption notice's deadline fields for the profile row (may be empty).
             replica_interval: the interval ``replica_every`` counts in (the policy's, fixed or adaptive).
         """
-        due = replica_due(
-            step, self._replica_every, replica_interval, always=milestone or kind is CheckpointKind.PREEMPT
-        )
+        due = self._replicas.due(step, replica_interval, always=milestone or kind is CheckpointKind.PREEMPT)
         sections = self._sections(step, epoch)
         meta = SnapshotMeta(
             rank=self.rank,
@@ -902,8 +428,8 @@ class Phase1:
             milestone=milestone,
             priority=kind is CheckpointKind.PREEMPT,
             interval=interval,
-            replicas=self._replicas if due else 0,
-            replica_label=self._replica_label,
+            replicas=self._replicas.replicas if due else 0,
+            replica_label=self._replicas.label,
             **notice,
         )
         guarded = self._guarded_ptrs()
@@ -915,12 +441,26 @@ class Phase1:
                 lambda t: t.data_ptr() in guarded,
                 meta,
                 late=self._late(sections),
-                generation=self.generation,
+                generation=self._holder.generation,
             )
         except SnapshotSkipped as e:
             self.skipped = (str(e), sorted(sections))
             logger.warning("cf_ray: rank %d: the checkpoint of step %d is %s; training goes on", self.rank, step, e)
             return None
+
+    @property
+    def holder(self) -> Any:
+        """This node's holder actor (a new one after the old one died)."""
+        return self._holder.holder
+
+    @property
+    def generation(self) -> int:
+        """This attempt's generation (names the snapshot in the holder)."""
+        return self._holder.generation
+
+    @generation.setter
+    def generation(self, generation: int) -> None:
+        self._holder.generation = generation
 
     def capture_late(self, next_epoch: int | None = None) -> float:
         """At the start of a Checkpointer call: the late objects of the last snapshot (module doc);
@@ -1048,78 +588,3 @@ class Phase1:
         if self.sharded is not None:
             ptrs.update(self.sharded.guarded_ptrs())  # a DTensor's own data_ptr() is 0: its local shard's
         return ptrs
-
-    def _slots(self, section: str, nbytes: int) -> tuple[SlotDesc, ...]:
-        """The holder's shared-memory slots of ``section`` (the snapshotter's arena source)."""
-        timeout = _env.get_float(_env.ACTOR_TIMEOUT_S)
-        try:
-            return ray.get(self.holder.arena.remote(section, nbytes), timeout=timeout)
-        except ray.exceptions.RayActorError:
-            if self._resolve_holder is None:
-                raise
-            self.holder = self._resolve_holder()
-            return ray.get(self.holder.arena.remote(section, nbytes), timeout=timeout)
-
-    def _hand_off(self, job: SnapshotJob, sections: dict[str, StagedSection]) -> None:
-        """Background thread: tell this node's holder which slots hold the snapshot (a typed
-        :class:`Stage`; it returns once the holder has recorded it), and the holder persists and
-        copies them. When the holder is gone (a Ray actor error) or is a new one that does not know
-        the slots (Ray restarted it), this node's holder is found or made again, the snapshot is
-        copied from the old slots (still mapped here) into new ones and staged with it once, and the
-        next snapshot uses the new slots. The incident is logged with the rank and the step."""
-        meta = dataclasses.replace(
-            job.meta,
-            copy_s=job.timings.get("copy_s"),
-            sync_s=job.timings.get("sync_s"),
-            copied_bytes=int(job.timings.get("copied_bytes", 0)),
-            crc_read_bytes=int(job.timings.get("crc_read_bytes", 0)),
-            slot_wait_s=job.timings.get("slot_wait_s"),
-        )
-        staged = tuple(
-            StagedSlot(section=name, slot=s.slot, index=s.index, crc32=s.crc32) for name, s in sections.items()
-        )
-        timeout = _env.get_float(_env.ACTOR_TIMEOUT_S)
-        why = ""
-        try:
-            got: StageReply = ray.get(
-                self.holder.stage.remote(Stage(generation=self.generation, step=job.step, meta=meta, sections=staged)),
-                timeout=timeout,
-            )
-            if not got.recorded:
-                why = f"it does not know the slots of {', '.join(got.unknown)} (it was restarted)"
-        except ray.exceptions.RayActorError as e:
-            if self._resolve_holder is None:
-                raise
-            why = f"it is gone ({type(e).__name__}: {e})"
-        if why:
-            logger.warning(
-                "cf_ray: rank %d: this node's holder cannot take the snapshot of step %d: %s; copying it into "
-                "the slots of this node's holder now and staging it again",
-                self.rank,
-                job.step,
-                why,
-            )
-            if self._resolve_holder is not None:
-                self.holder = self._resolve_holder()
-            again = tuple(self._restage(name, s, job) for name, s in sections.items())
-            extra = sum(s.arena.nbytes for s in sections.values())
-            meta = dataclasses.replace(meta, copied_bytes=meta.copied_bytes + extra)
-            ray.get(
-                self.holder.stage.remote(Stage(generation=self.generation, step=job.step, meta=meta, sections=again)),
-                timeout=timeout,
-            )
-            self._snap.forget_slots()
-        self._timing.handed_off(job.step, job.timings)
-
-    def _restage(self, name: str, s: StagedSection, job: SnapshotJob) -> StagedSlot:
-        """Copy a staged section from its old slot (mapped here) into a slot of the current holder."""
-        descs = self._slots(name, s.arena.nbytes)
-        slot = _slots.WriterSlot(descs[0], s.arena.nbytes)
-        try:
-            if not slot.try_fill():
-                raise RuntimeError(f"the new holder's slot of {name} is busy")
-            slot.data()[:] = s.arena.data
-            desc = slot.seal(self.generation, job.step)
-        finally:
-            slot.close()
-        return StagedSlot(section=name, slot=desc, index=s.index, crc32=s.crc32)

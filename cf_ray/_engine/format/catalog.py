@@ -1,0 +1,139 @@
+"""The committed checkpoints of a run's root: listing them (safely: a link or an unreadable entry is
+skipped with a warning), the quarantine list of those a restore found corrupt, and keep-last."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+from cf_ray._engine.format.commit import UnsafeCheckpointError, _uri
+from cf_ray._engine.format.layout import _DIR_RE, CHECKPOINTS, MANIFEST
+from cf_ray._engine.storage.base import Storage, is_symlink
+from cf_ray.errors import UnsafePathError
+
+logger = logging.getLogger("cf_ray")
+
+
+@dataclass(frozen=True, slots=True)
+class CommittedCheckpoint:
+    """A committed checkpoint found in storage."""
+
+    name: str
+    """Directory name, e.g. ``step_000000000120``."""
+    kind: str
+    """``step`` (resumable) or ``final`` (model weights only)."""
+    step: int
+    """Optimizer steps taken when it was written."""
+
+    @property
+    def path(self) -> str:
+        return f"{CHECKPOINTS}/{self.name}"
+
+
+#: Committed checkpoints that a restore found corrupt: ``{"version": 1, "steps": {"<step>": "<why>"}}``
+#: at the run's root. They stay on storage for inspection, are never restored from again, never
+#: count toward keep-last, and are never deleted by it.
+QUARANTINE = "quarantine.json"
+
+
+def load_quarantine(storage: Storage) -> dict[int, str]:
+    """The quarantined steps and why (empty when there is no file; a damaged file is reported)."""
+    try:
+        if not storage.exists(QUARANTINE):
+            return {}
+        raw = json.loads(bytes(storage.read_file(QUARANTINE)))
+        return {int(k): str(v) for k, v in raw["steps"].items()}
+    except Exception as e:  # noqa: BLE001 - a damaged list quarantines nothing; say so
+        logger.warning("cf_ray: cannot read %s (%s); no checkpoint is quarantined", storage.uri(QUARANTINE), e)
+        return {}
+
+
+def write_quarantine(storage: Storage, steps: dict[int, str]) -> None:
+    """Write the quarantine list (storage I/O: never under the controller's lock)."""
+    raw = json.dumps({"version": 1, "steps": {str(k): v for k, v in sorted(steps.items())}}).encode()
+    storage.write_file(QUARANTINE, [raw])
+
+
+def list_committed(
+    storage: Storage, *, kinds: tuple[str, ...] = ("step",), skip_quarantined: bool = False
+) -> list[CommittedCheckpoint]:
+    """Committed checkpoints (those with a manifest), oldest first; ``skip_quarantined``: without the
+    step checkpoints listed in :data:`QUARANTINE` (found corrupt by a restore; never restored from).
+
+    An entry that is unsafe (a symbolic link, a path that leaves the root) or cannot be examined is
+    skipped with one warning naming it: one bad entry never stops a listing, a restore or a run.
+    """
+    out = []
+    for name in storage.list_dir(CHECKPOINTS):
+        m = _DIR_RE.match(name)
+        if not m or m.group(1) not in kinds:
+            continue
+        if _has_manifest(storage, name) is True:
+            out.append(CommittedCheckpoint(name, m.group(1), int(m.group(2))))
+    out.sort(key=lambda c: (c.step, c.kind))
+    if skip_quarantined and out:
+        quarantined = load_quarantine(storage)
+        out = [c for c in out if not (c.kind == "step" and c.step in quarantined)]
+    return out
+
+
+def list_uncommitted(storage: Storage) -> list[tuple[str, int]]:
+    """Checkpoint directories without a manifest: (name, step). Unsafe or unreadable entries are
+    skipped as in :func:`list_committed` (and so never deleted through a link)."""
+    out = []
+    for name in storage.list_dir(CHECKPOINTS):
+        m = _DIR_RE.match(name)
+        if m and _has_manifest(storage, name) is False:
+            out.append((name, int(m.group(2))))
+    return out
+
+
+def _has_manifest(storage: Storage, name: str) -> bool | None:
+    """Whether ``checkpoints/<name>`` holds a manifest; None (after a warning) when the entry is a
+    symbolic link, leads out of the root, or cannot be examined."""
+    directory = f"{CHECKPOINTS}/{name}"
+    try:
+        for path in (directory, f"{directory}/{MANIFEST}"):
+            if is_symlink(storage, path):
+                raise UnsafeCheckpointError(f"{path} is a symbolic link")
+        return storage.exists(f"{directory}/{MANIFEST}")
+    except (UnsafePathError, OSError) as e:
+        _warn_skipped(storage, name, e)
+        return None
+
+
+#: Entries already reported by _warn_skipped: listings run after every commit, one warning is enough.
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_skipped(storage: Storage, name: str, error: Exception) -> None:
+    where = _uri(storage, CHECKPOINTS)
+    if (where, name) in _WARNED:
+        return
+    if len(_WARNED) > 10_000:
+        _WARNED.clear()
+    _WARNED.add((where, name))
+    logger.warning(
+        "cf_ray: skipped the entry %s/%s of the checkpoint listing, which is unsafe or unreadable "
+        "(%s: %s); it is not used as a checkpoint and not deleted",
+        where,
+        name,
+        type(error).__name__,
+        error,
+    )
+
+
+def to_delete(committed: list[tuple[int, bool]], keep_last: int | None) -> list[int]:
+    """Steps to delete under keep-last-N; milestones and the newest are never chosen.
+
+    Args:
+        committed: (step, milestone) of every committed checkpoint.
+        keep_last: how many non-milestone checkpoints to keep; None keeps all.
+    """
+    if keep_last is None:
+        return []
+    ordinary = sorted(s for s, milestone in committed if not milestone)
+    newest = max((s for s, _ in committed), default=None)
+    doomed = ordinary[:-keep_last] if keep_last > 0 else ordinary
+    return [s for s in doomed if s != newest]

@@ -1,0 +1,147 @@
+"""The snapshot arenas of one rank: per section, the holder's slots mapped here (a
+:class:`~cf_ray._engine.worker.slot_arena.SlotArena`), reused while the section's layout stays the
+same, faulted in ahead of the first snapshot (``snapshot.py``'s module doc says why), and a free
+slot of each waited for at most ``env.SLOT_WAIT_S`` (said while it waits) before a snapshot is
+skipped (:class:`SnapshotSkipped`, never a hang of the training thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from cf_ray._engine import env as _env
+from cf_ray._engine.format import codec as _codec
+from cf_ray._engine.protocol.messages import SlotDesc
+from cf_ray._engine.worker.slot_arena import SlotArena, SlotsBusy
+
+logger = logging.getLogger("cf_ray")
+
+#: Gives the shared-memory slots of a section: (section, nbytes) -> the holder's slots of it.
+ArenaSource = Callable[[str, int], "tuple[SlotDesc, ...] | list[SlotDesc]"]
+
+
+class SnapshotSkipped(Exception):
+    """A snapshot not taken because a section found no free slot in time (reported by the caller)."""
+
+
+class SectionArenas:
+    """Section name -> its arena (the layout it was made for, the mapped slots).
+
+    Args:
+        rank: this worker's rank (log lines).
+        source: where the arenas live: the holder's shared-memory slots of each section.
+    """
+
+    def __init__(self, rank: int, source: ArenaSource):
+        self.rank = rank
+        self.source = source
+        self._cache: dict[str, tuple[tuple, SlotArena]] = {}
+        self._pin = torch.cuda.is_available()
+        self.on_slot_wait: Callable[[float], bool] | None = None
+        """Called (on the training thread) while a snapshot waits for a free slot, about every
+        :data:`~cf_ray._engine.worker.slot_arena.WAIT_TICK_S` with the seconds waited; True gives the wait up (the snapshot is skipped)."""
+        self._next_wait_log = 0.0
+        self._slot_wait_warned = False
+        self.prepare_s: float | None = None
+        """Seconds the background thread spent in :meth:`fault_in`."""
+        self.preparing = False
+        """A :meth:`fault_in` is queued or running (set by the snapshotter, cleared when it is done)."""
+
+    def of(self, name: str) -> SlotArena | None:
+        """The arena of section ``name`` now (``None`` when it has none)."""
+        cached = self._cache.get(name)
+        return cached[1] if cached is not None else None
+
+    def sections(self) -> list[str]:
+        """The sections that have an arena."""
+        return sorted(self._cache)
+
+    def for_flat(self, name: str, flat: _codec.Flat) -> SlotArena:
+        """The arena of section ``name`` for a state of ``flat``'s layout (a new one when it changed)."""
+        key = flat.layout_key()
+        cached = self._cache.get(name)
+        if cached is None or cached[0] != key:
+            if cached is not None:
+                cached[1].close()
+            cached = (key, self._new(name, flat.nbytes))
+            self._cache[name] = cached
+        return cached[1]
+
+    def fault_in(self, layouts: dict[str, tuple[tuple, int]]) -> None:
+        """Allocate and fault in the arenas of these layouts (section -> (layout key, nbytes)); on a
+        failure, none (logged: not fatal, a snapshot allocates what is missing)."""
+        try:
+            t0 = time.perf_counter()
+            for name, (key, nbytes) in layouts.items():
+                self._cache[name] = (key, self._new(name, nbytes, fault_in=True))
+            self.prepare_s = time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001 - not fatal: begin() allocates what is missing
+            logger.warning("cf_ray: rank %d: could not allocate snapshot buffers ahead: %r", self.rank, e)
+            self._cache.clear()
+
+    def close(self) -> None:
+        """Drop every arena (a job still in flight keeps its own); the next snapshot asks for new ones."""
+        for _, arena in self._cache.values():
+            arena.close()
+        self._cache.clear()
+
+    def acquire(self, arena: SlotArena, step: int, section: str, taken: dict[str, Any]) -> float:
+        """A free slot of ``section``, waited for at most ``env.SLOT_WAIT_S`` (said while it waits);
+        on giving up, the slots this snapshot took already (``taken``) are given back.
+
+        Raises:
+            SnapshotSkipped: no free slot within the wait.
+        """
+        limit = _env.get_float(_env.SLOT_WAIT_S)
+        self._next_wait_log = 1.0
+
+        def waiting(waited_s: float) -> bool:
+            if waited_s >= self._next_wait_log:
+                self._next_wait_log = waited_s + _env.get_float(_env.WARN_INTERVAL_S)
+                logger.warning(
+                    "cf_ray: rank %d: the snapshot of step %d has waited %.0f s for a free slot of section %s: "
+                    "the holder holds every slot (%s) until they are written, so storage is slow or stalled; "
+                    "training goes on in %.0f s at most without this checkpoint",
+                    self.rank,
+                    step,
+                    waited_s,
+                    section,
+                    arena.held(),
+                    max(0.0, limit - waited_s),
+                )
+            return bool(self.on_slot_wait(waited_s)) if self.on_slot_wait is not None else False
+
+        try:
+            return arena.acquire(limit, waiting)
+        except SlotsBusy as e:
+            for other in taken.values():
+                other.release()
+            raise SnapshotSkipped(
+                f"skipped: no free snapshot slot of section {section} within {e.waited_s:.0f} s "
+                f"(the holder holds {e.held} until they are written: storage is slow or stalled)"
+            ) from None
+
+    def waited(self, step: int, slot_wait_s: float) -> None:
+        """A snapshot waited ``slot_wait_s`` for its slots: said once, when it is long."""
+        if slot_wait_s > 0.1 and not self._slot_wait_warned:
+            self._slot_wait_warned = True
+            logger.warning(
+                "cf_ray: rank %d: the snapshot of step %d waited %.2f s for a free slot (the holder still "
+                "persists the previous ones: the interval is shorter than a persist); the profile's "
+                "slot_wait_s column has every wait",
+                self.rank,
+                step,
+                slot_wait_s,
+            )
+
+    def _new(self, name: str, nbytes: int, *, fault_in: bool = False) -> SlotArena:
+        """The holder's slots of section ``name``, mapped."""
+        arena = SlotArena(self.source(name, nbytes), nbytes, self._pin)
+        if fault_in:
+            arena.fault_in()
+        return arena
