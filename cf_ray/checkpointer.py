@@ -381,7 +381,7 @@ class Checkpointer:
             restored_generation=outcome.generation,
             source=outcome.source,
             attempt=self.generation,
-            rolled_back_from=self._restorer.fallbacks.rolled_back_from
+            rolled_back_from=self._restorer.record.fallbacks.rolled_back_from
             or (rollback["restored_step"] if rollback else None),
         )
         self.resume = self._resumed(outcome, seconds=time.perf_counter() - t0)

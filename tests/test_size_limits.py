@@ -27,11 +27,7 @@ EXEMPT = {
     "_engine/worker/sharded.py",  # being split
     "_engine/format/manifest.py",  # being split
     "checkpointer.py",  # being split
-    # Not in the lead's list, and not the driver's to carve: both are being changed by ``trust``
-    # right now (restore verification and fallback; the finish() wait). Restorer is 445 lines,
-    # ControllerLink 432 lines with 22 attributes.
-    "_engine/worker/restore.py",
-    "_engine/worker/controller_link.py",
+    "_engine/worker/controller_link.py",  # being split
 }
 
 ROOT = pathlib.Path(cf_ray.__file__).parent
