@@ -27,7 +27,6 @@ EXEMPT = {
     "_engine/worker/sharded.py",  # being split
     "_engine/format/manifest.py",  # being split
     "checkpointer.py",  # being split
-    "_engine/worker/controller_link.py",  # being split
 }
 
 ROOT = pathlib.Path(cf_ray.__file__).parent
