@@ -26,7 +26,6 @@ EXEMPT = {
     "_engine/worker/snapshot.py",  # trust / node: the copy engine stops knowing the file format
     "_engine/worker/sharded.py",  # being split
     "_engine/format/manifest.py",  # being split
-    "checkpointer.py",  # being split
 }
 
 ROOT = pathlib.Path(cf_ray.__file__).parent
