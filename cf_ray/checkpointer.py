@@ -26,7 +26,7 @@ says so once per episode (``CheckpointConfig(on_durability_lost="raise")`` fails
 :class:`Checkpointer` is a facade: each step of that sequence is one part under
 ``cf_ray/_engine/worker/`` (run_actors, context, control, scheduler, timing, snapshot,
 controller_link, durability, ray_train, restore, trust_gate, preemption_watcher; what it returns is
-in results).
+in results), and ``step_path.py`` builds the parts of a step and runs the sequence over them.
 """
 
 from __future__ import annotations
@@ -39,25 +39,16 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from cf_ray._engine import env as _env
 from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.protocol.messages import CheckpointKind, CheckpointRequest, RequestLevel, RestorePlan, RestoreSource
+from cf_ray._engine.protocol.messages import CheckpointKind, CheckpointRequest, RequestLevel, RestoreSource
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray._engine.worker.context import WorkerContext, check_tracked, unwrap_ddp
-from cf_ray._engine.worker.control import Agreement, ControlPlane
-from cf_ray._engine.worker.controller_link import ControllerLink
-from cf_ray._engine.worker.cpu_budget import mark as cpu_mark
-from cf_ray._engine.worker.durability import Durability
 from cf_ray._engine.worker.preemption_watcher import PreemptionWatcher
-from cf_ray._engine.worker.ray_train import RayTrainLink
 from cf_ray._engine.worker.restore import Outcome, Restorer, newest_committed
 from cf_ray._engine.worker.results import FinishSummary, Resume
-from cf_ray._engine.worker.run_actors import connect
-from cf_ray._engine.worker.scheduler import Scheduler
 from cf_ray._engine.worker.sharded import ShardedState
-from cf_ray._engine.worker.snapshot import Phase1
-from cf_ray._engine.worker.timing import Timing
-from cf_ray._engine.worker.trust_gate import TrustGate, rollbacks
+from cf_ray._engine.worker.step_path import StepPath
+from cf_ray._engine.worker.trust_gate import rollbacks
 from cf_ray.config import CheckpointConfig
 from cf_ray.errors import ConfigError
 
@@ -107,58 +98,31 @@ class Checkpointer:
         self.data = check_tracked(data or {}, "data", allow_empty=True)
         # FSDP2 / DTensor state: each rank saves its own shards (per-rank sections), whatever
         # `replicated` says; taken and loaded with torch.distributed.checkpoint.state_dict.
-        self._sharded = ShardedState.of(self.state)
-        replicated = self.config.replicated and self._sharded is None
+        sharded = ShardedState.of(self.state)
         ctx = self._ctx = WorkerContext.resolve(self.config)
         if "torchdata.stateful_dataloader" in sys.modules:  # a StatefulDataLoader is registered as it is
             from cf_ray.data.stateful_loader import adapt_sources
 
             self.data = adapt_sources(self.data, ctx.rank, ctx.world_size)
-        if self._sharded is not None and ctx.rank == 0:
+        if sharded is not None and ctx.rank == 0:
             logger.info(
                 "cf_ray: %s hold sharded (FSDP2/DTensor) state: every rank saves its own shards%s",
-                sorted(self._sharded.names),
+                sorted(sharded.names),
                 " (replicated=True is ignored for this run)" if self.config.replicated else "",
             )
-        actors = connect(ctx, self.config)
-        self._control = ControlPlane(ctx.rank, ctx.world_size)
-        self._timing = Timing()
-        self._scheduler = Scheduler(self.config)
-        self._phase1 = Phase1(
-            ctx.rank,
-            ctx.world_size,
-            replicated,
-            self.state,
-            self.data,
-            actors.holder,
-            self._timing,
-            resolve_holder=actors.resolve_holder,
-            sharded=self._sharded,
-            replicas=-1 if self.config.replication.copies is None else self.config.replication.copies,
-            replica_label=self.config.replication.label or "",
-            replica_every=int(self.config.replication.every),
-        )
-        self._link = ControllerLink(
-            actors.controller,
-            ctx.rank,
-            self._timing,
-            self._scheduler,
-            self._heard_from_driver,
-            resolve=actors.resolve_controller,
-        )
-        self._durability = Durability(self.config, ctx.rank, self._link, ctx.storage.uri())
-        self._trust = TrustGate(ctx.rank)  # the first steps after a restore (trust_gate.py)
+        # The parts of a step (step_path.py); the ones this facade calls itself are named here too.
+        self._steps = StepPath(ctx, self.config, self.state, self.data, sharded, self._heard_from_driver)
+        self._phase1, self._link, self._durability = self._steps.phase1, self._steps.link, self._steps.durability
         self._phase1.on_slot_wait = self._during_slot_wait
-        self._ray_train = RayTrainLink.for_run(ctx, self.config, self.state, self._sharded)
         self._restorer = Restorer(
-            ctx, self.config, self._link, self._control, self.state, self.data, sharded=self._sharded
+            ctx, self.config, self._link, self._steps.control, self.state, self.data, sharded=sharded
         )
         self.step_count = 0
         self.epoch = 0
         self.resume: Resume | None = None
         self._lifecycle = _Lifecycle.OPEN
         self.preemption: PreemptionWatcher | None = PreemptionWatcher.started(
-            self.config.preemption, ctx.rank, lambda: self._scheduler.want(RequestLevel.PREEMPT)
+            self.config.preemption, ctx.rank, lambda: self._steps.scheduler.want(RequestLevel.PREEMPT)
         )
         """This rank's preemption watcher (its ``notices`` and ``outcomes``), ``None`` when disabled."""
 
@@ -201,101 +165,22 @@ class Checkpointer:
     def update(self, loss=None) -> Iterator[None]:
         """Guard a custom weight update: ``with ckpt.update(): my_update()``; counts as one step
         (``loss``: as for :meth:`step`)."""
-        budget, t = self._timing.budget, cpu_mark()  # where each part's time goes (cpu_budget.py)
-        self._trust.loss(self.step_count + 1, loss)  # read only in the first steps after a restore
-        self._phase1.capture_late()  # the last snapshot's schedulers, ...
-        t = budget.lap("capture_late", t)
-        guard_s = self._phase1.wait_copy()  # guard
-        t = budget.lap("guard", t)
-        self._timing.guarded(guard_s)
-        budget.lap("timing", t)
+        guard_s = self._steps.before_update(self.step_count, loss)  # the trust gate's loss, the guard
         yield  # update
         self._after_update(guard_s)
 
     def _after_update(self, guard_s: float) -> None:
-        budget, t = self._timing.budget, cpu_mark()
-        self._timing.end_iteration(guard_s, preparing=self._phase1.preparing())
+        t = self._steps.end_iteration(guard_s)
         self.step_count += 1
-        t = budget.lap("timing", t, calls=0)
-        if self.preemption is not None:
-            self.preemption.poll(self.step_count)
-            t = budget.lap("preemption", t)
-        agreement = self._agree()  # agree
-        t = budget.lap("agreement", t)
-        if agreement is not None and agreement.durability_lost:
-            self._durability.raise_lost(self.step_count)
-        if agreement is not None and agreement.non_finite:
-            self._trust.roll_back(self._link, agreement.non_finite)  # raises on every rank
-        self._ray_train.on_agreement(agreement, self.epoch)
-        t = budget.lap("register", t)
-        kind, milestone = self._scheduler.decide(self.step_count, self.epoch, agreement)  # decide
-        t = budget.lap("policy", t)
-        if kind is not None:
-            self._snapshot(kind, milestone=milestone)  # snapshot
-            t = budget.lap("begin", t)
-            if kind is CheckpointKind.PREEMPT and self.preemption is not None:
-                # Wait until it is committed (bounded by the deadline), then hold or pass SIGTERM on.
-                self.preemption.after_checkpoint(self.step_count, self._wait_quiet, self._link.safe)
-                t = budget.lap("preemption", t, calls=0)
-        elif self._phase1.prepare_once(self.step_count, self.epoch):
-            self._timing.prepare_overlap = True
-            t = budget.lap("prepare", t)
-        self._link.poll(self.step_count, self._phase1.last_timings)  # report
-        t = budget.lap("poll", t)
-        self._watch()  # durability
-        t = budget.lap("watchdog", t)
-        self._timing.step_end()
-        budget.lap("timing", t, calls=0)
-
-    def _agree(self) -> Agreement | None:
-        """Post this rank's inputs; the agreement of the previous step (``control.py``)."""
-        committed = self._link.known_committed
-        return self._control.exchange(
-            schedule_version=self._scheduler.received,
-            save_request=self._scheduler.local_request,
-            committed_step=committed,
-            register=self.rank == 0 and self._ray_train.due(committed),
-            durability_lost=self._durability.raising,
-            non_finite=self._trust.posted,
-        )
+        self._steps.after_step(self.step_count, self.epoch, t, self.preemption, self._wait_quiet)
 
     def _snapshot(self, kind: CheckpointKind, *, milestone: bool = False) -> None:
-        t0 = time.perf_counter()
-        notice = (
-            self.preemption.snapshot_meta() if kind is CheckpointKind.PREEMPT and self.preemption is not None else {}
-        )
-        sync_s = self._phase1.take(
-            self.step_count,
-            self.epoch,
-            kind,
-            milestone=milestone,
-            interval=self._scheduler.interval,
-            notice=notice,
-            replica_interval=self._scheduler.interval or getattr(self.config.policy, "every", None),
-        )
-        self._scheduler.saved(self.step_count)
-        if sync_s is None or self._phase1.skipped is not None:  # no free slot in time (snapshot.py)
-            if self._phase1.skipped is not None:
-                self._link.report_skipped(self.step_count, *self._phase1.skipped)
-            return
-        self._link.track(self.step_count)
-        self._durability.taken(self.step_count)
-        self._trust.taken(self.step_count)
-        self._timing.snapshot_taken(self.step_count, sync_s, time.perf_counter() - t0, self._phase1.last_begin)
-
-    # -- durability and trust ------------------------------------------------------------------------------
-    def _watch(self) -> None:
-        """Feed the durability watchdog what this rank knows (``worker/durability.py`` says what it finds)."""
-        self._durability.observe(self.step_count, self._scheduler.interval)
-        self._phase1.late_wait_s = self._durability.late_wait_s()
+        self._steps.snapshot(kind, self.step_count, self.epoch, self.preemption, milestone=milestone)
 
     def _during_slot_wait(self, waited_s: float) -> bool:
-        """While the training thread waits for a free snapshot slot: the controller's news and the
-        watchdog, so that a storage that hangs is said now; True ends the wait (the attempt is to fail)."""
+        """While the training thread waits for a free snapshot slot (``step_path.py``): True ends the wait."""
         del waited_s
-        self._link.poll(self.step_count, self._phase1.last_timings)
-        self._durability.observe(self.step_count, self._scheduler.interval)
-        return self._durability.raising
+        return self._steps.during_slot_wait(self.step_count)
 
     def end_epoch(self) -> bool:
         """Mark the end of an epoch; takes the checkpoint that ``EpochEnd`` asks for.
@@ -303,10 +188,10 @@ class Checkpointer:
         A checkpoint of the epoch's last step whose late objects (schedulers, ...) are taken here holds
         them as they are at the epoch's end (a per-epoch scheduler stepped before ``end_epoch()``
         included), so it resumes at the next epoch: the resumed loop does not step them again."""
-        last = self._scheduler.last_save_step == self.step_count  # a checkpoint of this very step
+        last = self._steps.scheduler.last_save_step == self.step_count  # a checkpoint of this very step
         self._phase1.capture_late(next_epoch=self.epoch + 1 if last else None)
         self.epoch += 1
-        if self._scheduler.epoch_end_due(self.step_count, self.epoch):
+        if self._steps.scheduler.epoch_end_due(self.step_count, self.epoch):
             self._snapshot(CheckpointKind.EPOCH)
             return True
         return False
@@ -342,14 +227,14 @@ class Checkpointer:
         if preemption and self.preemption is not None:
             self.preemption.notify("user", deadline_s=deadline_s, deadline_unix=deadline_unix, detail=detail)
             return
-        self._scheduler.want(RequestLevel.PREEMPT if preemption else RequestLevel.MANUAL)
+        self._steps.scheduler.want(RequestLevel.PREEMPT if preemption else RequestLevel.MANUAL)
 
     def _heard_from_driver(self, req: CheckpointRequest) -> None:
         """A checkpoint request from ``cf_ray.preemption.notify_preemption`` (via a controller poll)."""
         if self.preemption is not None:  # every rank keeps the deadline; rank 0 asks (ranks poll apart)
             self.preemption.notify("driver", deadline_unix=req.deadline_unix, detail=req.detail, request=self.rank == 0)
         elif self.rank == 0:
-            self._scheduler.want(RequestLevel.PREEMPT)
+            self._steps.scheduler.want(RequestLevel.PREEMPT)
 
     # -- restore ------------------------------------------------------------------------------------------
     def restore(self) -> Resume:
@@ -373,35 +258,26 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         plan = self._restorer.plan()
-        self._start_attempt(plan)
+        self._steps.start_attempt(plan.generation, newest_committed(plan), plan.schedules)
         outcome = self._restorer.load(plan)
         rollback = self._restorer.trust.rollback_into(self.generation)  # the attempt before asked for it
-        self._trust.start(
+        self._steps.trust.start(
             restored_step=outcome.step,
             restored_generation=outcome.generation,
             source=outcome.source,
             attempt=self.generation,
-            rolled_back_from=self._restorer.fallbacks.rolled_back_from
+            rolled_back_from=self._restorer.record.fallbacks.rolled_back_from
             or (rollback["restored_step"] if rollback else None),
         )
         self.resume = self._resumed(outcome, seconds=time.perf_counter() - t0)
         self._restorer.report(outcome, self.resume.seconds)
         return self.resume
 
-    def _start_attempt(self, plan: RestorePlan) -> None:
-        """This attempt's generation, every schedule version so far, and what is already committed."""
-        committed = newest_committed(plan)
-        self._link.start_attempt(plan.generation, committed)
-        self._durability.start_attempt(committed)
-        self._phase1.generation = plan.generation
-        self._scheduler.start_attempt(plan.schedules)
-        self._ray_train.start_attempt(committed)
-
     def _resumed(self, outcome: Outcome, seconds: float) -> Resume:
         if outcome.source is not RestoreSource.FRESH:
             self.step_count, self.epoch = outcome.step, outcome.epoch
-        self._scheduler.saved(outcome.step)
-        rolled_back_from = self._trust.rolled_back_from
+        self._steps.scheduler.saved(outcome.step)
+        rolled_back_from = self._steps.trust.rolled_back_from
         return self._restorer.resume_of(
             outcome, generation=self.generation, seconds=seconds, rolled_back_from=rolled_back_from
         )
@@ -441,29 +317,7 @@ class Checkpointer:
             PersistError: when ``raise_on_persist_error`` and a save of this attempt failed (or timed out).
         """
         self._phase1.capture_late()
-        return self._wait(timeout, report_timeout=True)
-
-    def _wait(
-        self,
-        timeout: float | None,
-        *,
-        report_timeout: bool,
-        safe_ok: bool = False,
-        hint: str = "wait(timeout=...) or CF_RAY_ACTOR_TIMEOUT_S",
-    ) -> list[dict]:
-        limit = timeout if timeout is not None else _env.get_float(_env.ACTOR_TIMEOUT_S)
-        deadline = time.monotonic() + limit
-        self._phase1.wait_done(limit)
-        self._link.add_local_failures(self._phase1.take_errors())
-        self._link.wait_durable(
-            deadline,
-            self.step_count,
-            self._phase1.last_timings,
-            report_timeout=report_timeout,
-            safe_ok=safe_ok,
-            hint=hint,
-        )
-        return self._link.new_failures(self.config.raise_on_persist_error)
+        return self._steps.wait(self.step_count, timeout, report_timeout=True)
 
     def _wait_quiet(self, timeout: float) -> None:
         """``wait()`` for the preemption watcher: failures stay unreported for the user's next ``wait()``,
@@ -471,7 +325,7 @@ class Checkpointer:
         the tier the controller chose for it (a peer's memory) ends the wait."""
         self._phase1.capture_late()
         with self._link.failures_kept_unreported():
-            self._wait(timeout, report_timeout=False, safe_ok=True)
+            self._steps.wait(self.step_count, timeout, report_timeout=False, safe_ok=True)
 
     def finish(self) -> FinishSummary:
         """End of training: checkpoint the final state (unless the last checkpoint is of this step),
@@ -492,22 +346,26 @@ class Checkpointer:
                 else "Checkpointer.finish() after close()"
             )
         self._phase1.capture_late()
-        if self.step_count > 0 and self._scheduler.last_save_step != self.step_count:  # agreed: same on every rank
+        if (
+            self.step_count > 0 and self._steps.scheduler.last_save_step != self.step_count
+        ):  # agreed: same on every rank
             self._snapshot(CheckpointKind.MANUAL, milestone=True)  # every rank, at the same step (like save())
             self._phase1.capture_late()  # nothing runs between this checkpoint and the end
         limit = self._durability.finish_limit_s()
-        failures = self._wait(limit, report_timeout=True, hint="CheckpointConfig(finish_timeout_s=...)")
-        self._control.drain()
-        committed = int(self._control.broadcast(self._link.known_committed))  # rank 0's, who writes the model
+        failures = self._steps.wait(
+            self.step_count, limit, report_timeout=True, hint="CheckpointConfig(finish_timeout_s=...)"
+        )
+        self._steps.control.drain()
+        committed = int(self._steps.control.broadcast(self._link.known_committed))  # rank 0's, who writes the model
         resume = mf.step_dir(committed) if committed > 0 else None
         if self.rank == 0 and committed < self.step_count:
             self._durability.not_durable_at_finish(self.step_count, committed, limit)
-        final_path, final_failures = self._ray_train.final_model(
-            self.step_count, self.epoch, self._control, resume=resume
+        final_path, final_failures = self._steps.ray_train.final_model(
+            self.step_count, self.epoch, self._steps.control, resume=resume
         )
         if self.rank == 0 and self._ctx.tiers:
             self._link.wait_maintenance(self.step_count)  # uploads to the tiers finish before fit() returns
-        self._control.broadcast(None)  # every rank leaves together, after the uploads
+        self._steps.control.broadcast(None)  # every rank leaves together, after the uploads
         summary = self._link.finish(self.rank, self.world_size)
         self.close()
         self._lifecycle = _Lifecycle.FINISHED
@@ -530,7 +388,7 @@ class Checkpointer:
         self._phase1.close(timeout=5)  # its snapshot in flight takes the late objects' state first
         if self.preemption is not None:
             self.preemption.close()
-        self._control.close()
+        self._steps.control.close()
         self._lifecycle = _Lifecycle.CLOSED
 
     def __enter__(self) -> Checkpointer:
@@ -576,24 +434,24 @@ class Checkpointer:
     @property
     def metrics(self) -> dict[str, Any]:
         """User metrics sent with each registration of a checkpoint with Ray Train."""
-        return self._ray_train.metrics
+        return self._steps.ray_train.metrics
 
     @property
     def checkpoints_taken(self) -> int:
-        return self._timing.checkpoints_taken
+        return self._steps.timing.checkpoints_taken
 
     @property
     def stall_s_total(self) -> float:
         """Seconds the training thread spent on checkpoints."""
-        return self._timing.stall_s_total
+        return self._steps.timing.stall_s_total
 
     @property
     def cpu_budget(self) -> dict[str, dict[str, float]]:
         """Where this rank's checkpointing time went so far, per part of the per-step path (training
         thread) and of each snapshot (its background thread): ``{part: {"calls", "wall_s", "cpu_s"}}``
         (``cf_ray/_engine/worker/cpu_budget.py`` names the parts). A diagnostic, read by the benchmark."""
-        return self._timing.budget.totals()
+        return self._steps.timing.budget.totals()
 
     @property
     def last_save_step(self) -> int:
-        return self._scheduler.last_save_step
+        return self._steps.scheduler.last_save_step

@@ -197,7 +197,7 @@ def test_the_newest_candidate_refused_falls_back_to_the_next_one(tmp_path):
     for k, v in old["model"].state_dict().items():
         assert torch.equal(state["model"].state_dict()[k], v)
     assert [e["where"].rsplit("/", 1)[1] for e in link.events] == ["step_000000000010"]
-    assert sorted(restorer.verified) == ["model", "optimizer", "sampler", "scheduler"]
+    assert sorted(restorer.record.verified) == ["model", "optimizer", "sampler", "scheduler"]
 
 
 @pytest.mark.parametrize(
@@ -307,7 +307,7 @@ def test_an_object_the_checkpoint_does_not_hold_is_a_clear_error_unless_allowed(
     restorer, _, _ = _restorer(tmp_path, state, data, allow_mismatch={"missing"})
     out = restorer.load(_plan(4))
     assert out.step == 4 and state["scheduler"].last_epoch == 0  # kept as built
-    assert "scheduler" not in restorer.verified and "model" in restorer.verified
+    assert "scheduler" not in restorer.record.verified and "model" in restorer.record.verified
 
 
 def test_an_object_the_script_no_longer_tracks_is_a_clear_error_unless_allowed(tmp_path):
@@ -351,7 +351,7 @@ def test_an_object_that_was_not_restored_raises_naming_it(tmp_path):
         restorer.load(_plan(4))
     state["counter"].ignore_load = False
     restorer.load(_plan(4))
-    assert state["counter"].n == 5 and "counter" in restorer.verified
+    assert state["counter"].n == 5 and "counter" in restorer.record.verified
 
 
 def test_a_checkpoint_without_fingerprints_still_restores(tmp_path):
@@ -359,7 +359,7 @@ def test_a_checkpoint_without_fingerprints_still_restores(tmp_path):
     state, data = _objects(seed=2)
     restorer, storage, _ = _restorer(tmp_path, state, data)
     _write(storage, 4, _trees(saved, saved_data, 4, fingerprints=False))
-    assert restorer.load(_plan(4)).step == 4 and restorer.verified == []
+    assert restorer.load(_plan(4)).step == 4 and restorer.record.verified == []
 
 
 def test_fingerprints_of_the_snapshot_match_the_live_objects_and_catch_a_fresh_one():

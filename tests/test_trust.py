@@ -111,8 +111,8 @@ def test_a_non_finite_saved_state_is_refused_and_the_restore_goes_back_in_place(
     out = restorer.load(tr._plan(10, 5))
     assert (out.source, out.step) == (RestoreSource.STORAGE, 5)  # in place: no restart, no error
     assert torch.equal(state["model"][0].weight, old["model"][0].weight)
-    assert restorer.fallbacks.rolled_back_from == 10
-    (skipped,) = restorer.fallbacks.items
+    assert restorer.record.fallbacks.rolled_back_from == 10
+    (skipped,) = restorer.record.fallbacks.items
     assert skipped["distrust"] == "non_finite" and "'model' holds infinity in 0.weight" in skipped["error"]
     fallback = next(e for e in link.events if e["event"] == "restore_fallback")
     assert fallback["non_finite"] and fallback["step"] == 10 and fallback["generation"] == 1
@@ -144,7 +144,7 @@ def test_bytes_that_change_under_the_load_fall_back_instead_of_blaming_load_stat
     out = restorer.load(tr._plan(10, 5))
     assert calls == [10, 5] and out.step == 5  # the next candidate overwrote what was loaded
     assert torch.equal(state["model"][0].weight, old["model"][0].weight)
-    (skipped,) = restorer.fallbacks.items
+    (skipped,) = restorer.record.fallbacks.items
     assert (
         "changed while they were loaded" in skipped["error"] and "not the objects' load_state_dict" in skipped["error"]
     )
@@ -158,7 +158,7 @@ def test_a_refused_memory_snapshot_is_reported_for_the_controller_to_never_offer
     step with ``verification`` (the controller takes it out of every later plan); the checkpoint of
     the same step on storage is intact and is the next candidate. A non-finite state is the same on
     every tier: the storage copy of that snapshot is not read again by the same restore."""
-    from cf_ray._engine.worker.restore import Restorer
+    from cf_ray._engine.worker.restore_memory import MemoryReader
 
     state, data = tr._objects(seed=2)
     restorer, storage, link = tr._restorer(tmp_path, state, data)
@@ -170,7 +170,7 @@ def test_a_refused_memory_snapshot_is_reported_for_the_controller_to_never_offer
     def damaged(self, cand, section):
         raise mf.CorruptCheckpointError(f"no intact copy of section {section} of step 10: h: {flipped}")
 
-    monkeypatch.setattr(Restorer, "_fetch_memory", damaged)
+    monkeypatch.setattr(MemoryReader, "section", damaged)
     plan = tr._plan(10, 5)
     plan = type(plan)(generation=3, memory=_memory(10, generation=1), storage=plan.storage)
     out = restorer.load(plan)

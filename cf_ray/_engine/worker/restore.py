@@ -1,8 +1,8 @@
 """Restore at the start of an attempt: the controller's plan, the candidates it names (a holder's
 snapshot in memory, committed checkpoints on storage and the upload tiers, another run's
-checkpoint), each one read, verified and *validated* on every rank before any tracked object is
-touched (``restore_checks.py``), then applied and checked against the fingerprints the snapshot
-recorded.
+checkpoint), each one read (``restore_memory.py``, ``restore_storage.py``), verified and *validated*
+on every rank before any tracked object is touched (``restore_checks.py``), then applied and checked
+against the fingerprints the snapshot recorded; what it did is kept in ``restore_record.py``.
 
 Verified before use (``integrity.py``): every byte that came from memory against its block's CRC-32
 (a copy that fails is refused, the next copy tried, then the next candidate), every file from
@@ -36,7 +36,6 @@ as a hang in a collective:
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -45,19 +44,8 @@ import numpy as np
 import ray
 import ray.exceptions
 
-from cf_ray._engine import env as _env
 from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.memory import slots as _slots
-from cf_ray._engine.memory import wire as _wire
-from cf_ray._engine.protocol.messages import (
-    MemorySnapshot,
-    Restored,
-    RestorePlan,
-    RestoreSource,
-    SectionAt,
-    SlotDesc,
-    StreamDesc,
-)
+from cf_ray._engine.protocol.messages import Restored, RestorePlan, RestoreSource
 from cf_ray._engine.worker import integrity as _integrity
 from cf_ray._engine.worker import restore_checks as _checks
 from cf_ray._engine.worker import sharded as _sharded
@@ -65,6 +53,8 @@ from cf_ray._engine.worker.context import WorkerContext
 from cf_ray._engine.worker.control import ControlPlane
 from cf_ray._engine.worker.controller_link import ControllerLink
 from cf_ray._engine.worker.restore_decision import Fallbacks, PlanFailed, Status, Verdict, decide, fail_status
+from cf_ray._engine.worker.restore_memory import MemoryReader
+from cf_ray._engine.worker.restore_record import RestoreRecord
 from cf_ray._engine.worker.restore_storage import describe, load_section, other_run_checkpoint, read
 from cf_ray._engine.worker.results import Resume
 from cf_ray._engine.worker.rng import rng_state, set_rng_state  # noqa: F401 - re-exported (older imports)
@@ -93,6 +83,25 @@ class Outcome:
     """This rank's restored data-object states by name."""
     generation: int = -1
     """The generation that took the restored snapshot (-1: fresh, or another run's checkpoint)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """What a restore takes from the user's configuration, as it was when the Checkpointer was built."""
+
+    restore_from: str
+    resume_from: Any
+    allow_missing: bool
+    allow_unexpected: bool
+
+    @staticmethod
+    def of(config: CheckpointConfig) -> Options:
+        return Options(
+            restore_from=config.restore_from,
+            resume_from=config.resume_from,
+            allow_missing="missing" in config.allow_mismatch,
+            allow_unexpected="unexpected" in config.allow_mismatch,
+        )
 
 
 def newest_committed(plan: RestorePlan) -> int:
@@ -128,38 +137,22 @@ class Restorer:
         sharded: _sharded.ShardedState | None = None,
     ):
         self.ctx = ctx
-        self.restore_from = config.restore_from
-        self.resume_from = config.resume_from
-        self.allow_missing = "missing" in config.allow_mismatch
-        self.allow_unexpected = "unexpected" in config.allow_mismatch
+        self.options = Options.of(config)
         self.link = link
         self.control = control
         self.state = state
         self.data = data
         self.sharded = sharded
-        self.verified: list[str] = []
-        """The objects checked against their fingerprints by the last :meth:`load`."""
-        self.phases: dict[str, float] = {}
-        """Seconds this rank spent in each phase of the restore (``plan``, ``read``, ``validate``,
-        ``apply``, ``verify``; ``read`` and ``validate`` summed over the candidates tried)."""
-
-        self.read_bytes: dict[str, int] = {}
-        """Bytes this rank read in the last restore, by how: ``in_place`` (a slot of a holder of its
-        node, mapped), ``direct`` (streamed from a holder of another node), ``storage``."""
         self.trust = RunTrust()
         """What the run's restores must not use (the controller's events, read by rank 0 at :meth:`plan`)."""
-        self.refusals = _integrity.Refusals(ctx.rank, link.record_event)
-        """The copies of sections this rank refused in the last restore (their bytes failed a check)."""
-        self.fallbacks = Fallbacks(ctx.rank, link, lambda st: st is ctx.storage or st in ctx.tiers, ctx.storage)
-        """The candidates every rank skipped in the last restore, and a rollback past a non-finite state."""
+        self.record = RestoreRecord(
+            _integrity.Refusals(ctx.rank, link.record_event),
+            Fallbacks(ctx.rank, link, lambda st: st is ctx.storage or st in ctx.tiers, ctx.storage),
+        )
+        """What the last restore did: phases timed, bytes read, copies refused, candidates skipped, objects verified."""
+        self.memory = MemoryReader(ctx.rank, self.record)
         self._sections: dict[str, mf.Section] = {}  # the candidate being applied (rechecked on a mismatch)
         self._generation = -1  # the generation that took the candidate being read
-
-    def _count(self, how: str, nbytes: int) -> None:
-        self.read_bytes[how] = self.read_bytes.get(how, 0) + int(nbytes)
-
-    def _timed(self, phase: str, t0: float) -> None:
-        self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - t0
 
     @property
     def rank(self) -> int:
@@ -177,9 +170,7 @@ class Restorer:
             RestoreError: rank 0 could not get one (on every rank).
         """
         t0 = time.perf_counter()
-        self.phases, self.read_bytes = {}, {}
-        self.refusals.items.clear()
-        self.fallbacks.clear()
+        self.record.clear()
         plan: Any = None
         if self.rank == 0:
             try:
@@ -187,7 +178,7 @@ class Restorer:
             except Exception as e:  # noqa: BLE001 - shared with every rank below, never a hang
                 plan = PlanFailed(describe(e))
         plan = self.control.broadcast(plan)
-        self._timed("plan", t0)
+        self.record.timed("plan", t0)
         if isinstance(plan, PlanFailed):
             raise RestoreError(
                 f"cf_ray: rank 0 could not get a restore plan from the controller ({plan.error}); every rank stops here"
@@ -213,11 +204,11 @@ class Restorer:
         mem = plan.memory
         if (
             mem
-            and self.restore_from in ("auto", "memory")
-            and (self.restore_from == "memory" or mem.step >= newest_storage)
+            and self.options.restore_from in ("auto", "memory")
+            and (self.options.restore_from == "memory" or mem.step >= newest_storage)
         ):
             candidates.append((RestoreSource.MEMORY, mem))
-        if self.restore_from in ("auto", "storage"):
+        if self.options.restore_from in ("auto", "storage"):
             # Newest step first; for the same step, the primary storage before the upload tiers
             # (fastest first), so a checkpoint lost or damaged on the primary is taken from a tier.
             found = [(s, 0, self.ctx.storage) for s in plan.storage]
@@ -228,7 +219,7 @@ class Restorer:
             )
             if not found:
                 # A new run started from another run's checkpoint.
-                other = other_run_checkpoint(self.resume_from, self.ctx.ray_storage)
+                other = other_run_checkpoint(self.options.resume_from, self.ctx.ray_storage)
                 if other is not None:
                     candidates.append((RestoreSource.STORAGE, other))
         return candidates
@@ -263,7 +254,7 @@ class Restorer:
                 touched = where
             skipped = next(s for s in statuses if s.verdict is Verdict.SKIP)
             refused.append((where, skipped))
-            suspect = self.fallbacks.add(source, where, status, statuses, cand, self._generation)
+            suspect = self.record.fallbacks.add(source, where, status, statuses, cand, self._generation)
             if suspect is not None:  # its other copies are not tried either (the same bytes, or state)
                 self.trust = self.trust.adding(suspect)
         if touched:
@@ -297,7 +288,7 @@ class Restorer:
             distrust = Reason.INTEGRITY.value if corrupt and memory else ""
             return None, Status(Verdict.SKIP, self.rank, describe(e), damage=damage, corrupt=corrupt, distrust=distrust)
         finally:
-            self._timed("read", t0)
+            self.record.timed("read", t0)
         t0 = time.perf_counter()
         try:
             prepared = _checks.validate(
@@ -308,8 +299,8 @@ class Restorer:
                 world_size=self.world_size,
                 state=self.state,
                 data=self.data,
-                allow_missing=self.allow_missing,
-                allow_unexpected=self.allow_unexpected,
+                allow_missing=self.options.allow_missing,
+                allow_unexpected=self.options.allow_unexpected,
                 sharded=self.sharded,
             )
             _integrity.check_finite(prepared.state, self.state)  # a transient state cannot be trained from
@@ -328,7 +319,7 @@ class Restorer:
                 Verdict.SKIP, self.rank, describe(e), damage=corrupt, corrupt=corrupt, distrust=distrust
             )
         finally:
-            self._timed("validate", t0)
+            self.record.timed("validate", t0)
         self._sections = loaded
         return prepared, Status(Verdict.OK, self.rank, epoch=prepared.epoch)
 
@@ -341,10 +332,10 @@ class Restorer:
         try:
             t0 = time.perf_counter()
             data_states = _checks.apply(prepared, self.state, self.data, self.rank, self.world_size)
-            self._timed("apply", t0)
+            self.record.timed("apply", t0)
             t0 = time.perf_counter()
-            self.verified = _checks.verify(prepared, self.state, self.data)
-            self._timed("verify", t0)
+            self.record.verified = _checks.verify(prepared, self.state, self.data)
+            self.record.timed("verify", t0)
             status = Status(Verdict.OK, self.rank)
         except Exception as e:  # noqa: BLE001 - objects may be partly overwritten: every rank stops
             # Not restored as saved: the bytes changed under the load (damage), or the load is incomplete.
@@ -377,8 +368,8 @@ class Restorer:
                 prepared.epoch,
                 source.value,
                 where,
-                len(self.verified),
-                f" ({', '.join(self.verified)})" if self.verified else " (the checkpoint has none)",
+                len(self.record.verified),
+                f" ({', '.join(self.record.verified)})" if self.record.verified else " (the checkpoint has none)",
                 fresh,
             )
         path = None if source is RestoreSource.MEMORY else cand[0].uri(cand[1])
@@ -405,10 +396,10 @@ class Restorer:
             saved_world_size=outcome.saved_world_size,
             data=outcome.data,
             seconds=seconds,
-            phases=dict(self.phases),
-            read_bytes=dict(self.read_bytes),
-            fallbacks=list(self.fallbacks.items),
-            refused_copies=[f.event() for f in self.refusals.items],
+            phases=dict(self.record.phases),
+            read_bytes=dict(self.record.read_bytes),
+            fallbacks=list(self.record.fallbacks.items),
+            refused_copies=[f.event() for f in self.record.refusals.items],
             rolled_back_from=rolled_back_from,
         )
 
@@ -419,7 +410,7 @@ class Restorer:
     def report(self, outcome: Outcome, seconds: float) -> None:
         """Tell the controller where the attempt resumed from (rank 0) and log it."""
         if self.rank == 0:
-            extra = self.fallbacks.extra()  # the candidates skipped, and why (the restart's event)
+            extra = self.record.fallbacks.extra()  # the candidates skipped, and why (the restart's event)
             self.link.controller.restored.remote(
                 Restored(
                     source=outcome.source,
@@ -452,9 +443,9 @@ class Restorer:
         if source is RestoreSource.MEMORY:
             saved_world, replicated = cand.world_size, bool(cand.replicated)
             needed = self._sections_needed(int(saved_world), replicated)
-            out = {sec: read(self._fetch_memory, cand, sec) for sec in needed}
+            out = {sec: read(self.memory.section, cand, sec) for sec in needed}
             for sec in self._also_needed(out, int(saved_world), replicated):
-                out[sec] = read(self._fetch_memory, cand, sec)
+                out[sec] = read(self.memory.section, cand, sec)
             return out, saved_world, replicated
         storage, directory = cand
         manifest = read(mf.read_manifest, storage, directory)
@@ -476,7 +467,7 @@ class Restorer:
             out[sec] = read(load_section, storage, directory, manifest, sec, True)
         for sec in out.values():
             if isinstance(sec.buf, np.ndarray):  # a section read by range counts nothing here
-                self._count("storage", sec.buf.nbytes)
+                self.record.count("storage", sec.buf.nbytes)
         return out, manifest.world_size, manifest.replicated
 
     def _also_needed(self, loaded: dict[str, mf.Section], saved_world: int, replicated: bool) -> list[str]:
@@ -490,96 +481,3 @@ class Restorer:
         if not isinstance(saved, dict) or not any(n in self.state and n not in live for n in saved):
             return []
         return [mf.rank_section(r) for r in range(saved_world) if r != self.rank]
-
-    @staticmethod
-    def _node_id() -> str:
-        try:
-            return ray.get_runtime_context().get_node_id()
-        except Exception:  # noqa: BLE001 - outside Ray: every memory read is then a stream
-            return ""
-
-    def _map_slot(self, desc: SlotDesc, cand: MemorySnapshot, section: str) -> np.ndarray:
-        """A section in a snapshot slot of a holder of this node, mapped read-only and read in place
-        (the restore loads from it: no copy out of the slot first). The mapping stays as long as
-        the arrays that view it."""
-        lk = _slots.ReadLock.take(desc, cand.generation, cand.step, wait_s=1.0, populate=True)
-        if lk is None:
-            raise LookupError(f"the slot of section {section} of step {cand.step} was filled again since")
-        arr = np.frombuffer(lk.data, dtype=np.uint8)
-        # No snapshot is taken while this attempt restores, so nothing fills the slot meanwhile; the
-        # shared lock is released now (a reader never blocks the next snapshot); the mapping stays
-        # as long as the array that views it.
-        _slots.unlock(lk.fd)
-        os.close(lk.fd)
-        return arr
-
-    def _fetch_memory(self, cand: MemorySnapshot, section: str) -> mf.Section:
-        """A section from the memory of its holder, else of a holder of another node with a copy
-        (a peer replica: the section's own node may be lost): in place from a slot of a holder of
-        this node, over a direct transfer from a holder of another node (``memory/wire.py``)."""
-        first = cand.sections.get(section)
-        if first is None:
-            raise LookupError(f"no holder has section {section}")
-        errors: list[str] = []
-        bad: list[CorruptCheckpointError] = []
-        holders = (first, *cand.replicas.get(section, ()))
-        for holder_name in holders:
-            try:
-                holder = ray.get_actor(holder_name, namespace=_env.namespace())
-                at = self._ask(holder, holder_name, cand, section)
-                if isinstance(at.where, StreamDesc):
-                    try:
-                        arena = _wire.fetch(at.where, _env.get_float(_env.ACTOR_TIMEOUT_S))
-                    except (OSError, LookupError):
-                        holder.withdraw_offer.remote(at.where.token)  # its slot is released now
-                        raise
-                    how = "direct"
-                else:
-                    arena, how = self._map_slot(at.where, cand, section), "in_place"
-            except (ValueError, LookupError, OSError, ray.exceptions.RayError) as e:
-                errors.append(f"{holder_name}: {describe(e)}")
-                continue
-            try:  # every byte checked against its block's CRC-32 before anything uses it (integrity.py)
-                got = self._memory_section(at, arena, section)
-                _integrity.verify_section(got, f"section {section} of step {cand.step} from {holder_name} ({how})")
-            except CorruptCheckpointError as e:
-                errors.append(f"{holder_name}: {describe(e)}")
-                bad.append(e)
-                self.refusals.refuse(
-                    e,
-                    generation=cand.generation,
-                    step=cand.step,
-                    section=section,
-                    holder=holder_name,
-                    how=how,
-                    next_="trying the next copy" if holder_name != holders[-1] else "trying the next checkpoint",
-                )
-                continue
-            if holder_name != first:
-                logger.warning(
-                    "cf_ray: rank %d: %s of step %d from a peer's copy (%s)", self.rank, section, cand.step, holder_name
-                )
-            self._count(how, arena.nbytes)
-            return got
-        if bad:  # damage, not a copy gone: the snapshot is refused as damaged
-            raise CorruptCheckpointError(
-                f"no intact copy of section {section} of step {cand.step}: {'; '.join(errors)}"
-            )
-        raise LookupError(f"no copy of section {section} of step {cand.step} could be read: {'; '.join(errors)}")
-
-    @staticmethod
-    def _memory_section(at: SectionAt, arena: np.ndarray, section: str) -> mf.Section:
-        """The section from the bytes a holder gave and its index (which carries the CRC-32 of every
-        block: ``at.index``; of the whole: ``at.crc32``). A streamed buffer is this process's own."""
-        tree, entries, blocks = mf.parse_index_blocks(at.index, f"memory:{section}")
-        return mf.Section(tree, entries, arena, private=isinstance(at.where, StreamDesc), blocks=blocks)
-
-    def _ask(self, holder, holder_name: str, cand: MemorySnapshot, section: str) -> SectionAt:
-        """Where ``holder`` has ``section`` of the candidate's step."""
-        got = ray.get(
-            holder.get_section.remote(cand.generation, cand.step, section, self._node_id()),
-            timeout=_env.get_float(_env.ACTOR_TIMEOUT_S),
-        )
-        if got is None:
-            raise LookupError(f"holder {holder_name} no longer has section {section} of step {cand.step}")
-        return cast(SectionAt, got)
