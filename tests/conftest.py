@@ -33,7 +33,13 @@ def _ray_session():
     on PYTHONPATH so workers can import test helpers, and short timings.
     """
     import ray
+    from ray._private import auto_init_hook
 
+    # Every test starts the Ray it uses itself (ray_cluster, the benchmark's own, a multi-node
+    # Cluster): no call of a thread a test left behind (a Checkpointer's poll, a holder part in
+    # process) may start a local Ray of its own after a test shut the shared one down, which would
+    # then run beside the next test's cluster (or make the benchmark's ray.init fail).
+    auto_init_hook.enable_auto_connect = False
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
     os.environ.setdefault("CF_RAY_CONTROLLER_LINGER_S", "5")
     os.environ.setdefault("CF_RAY_REAPER_INTERVAL_S", "1")

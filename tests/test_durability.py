@@ -255,6 +255,9 @@ def test_a_storage_that_hangs_is_one_alarm_per_episode(ray_cluster, tmp_path, ca
             while ck._durability.watchdog.lost and time.time() - t0 < 30:
                 step()
             assert not ck._durability.watchdog.lost, "the episode did not end"
+        for _ in range(4):  # checkpoints after the all-clear (the loop above stops at the commit that ends it)
+            step()
+        ck.wait()
         lost, restored = _events(ck, "durability_lost", 2), _events(ck, "durability_restored", 2)
         assert len(lost) == 2 and len(restored) == 2
         assert lost[0]["reason"] == "no_commit" and lost[0]["committed_step"] >= 6 and lost[0]["action"] == "warn"
