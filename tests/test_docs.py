@@ -303,3 +303,14 @@ def test_example_train_fsdp_runs_and_resumes_resharded(tmp_path):
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     out = second.stdout + second.stderr
     assert re.search(r"resumed at step \d+ from storage, saved by 2 workers", out), out[-3000:]
+
+
+def test_the_architecture_layout_names_every_module():
+    """docs/ARCHITECTURE.md's layout section lists every module of cf_ray/ (issue 24): a module added
+    or moved without its line there fails here."""
+    text = (DOCS / "ARCHITECTURE.md").read_text()
+    start = text.index("## Package layout")
+    layout = text[start : text.index("\n## ", start + 1)]
+    modules = sorted(p for p in (pathlib.Path(ROOT) / "cf_ray").rglob("*.py") if p.name != "__init__.py")
+    missing = [str(p.relative_to(ROOT)) for p in modules if not re.search(rf"\b{re.escape(p.name)}\b", layout)]
+    assert missing == [], f"docs/ARCHITECTURE.md's layout has no line for {missing}"
