@@ -30,7 +30,8 @@ def _ray_session():
     """Environment for every local Ray cluster the tests start, and a shutdown at the end.
 
     Set here, it reaches the cluster's processes (they inherit it at start): the tests' directory
-    on PYTHONPATH so workers can import test helpers, and short timings.
+    and the repository's root on PYTHONPATH so workers can import test helpers and the soak's probes
+    (``benchmarks/``), and short timings.
     """
     import ray
     from ray._private import auto_init_hook
@@ -40,7 +41,8 @@ def _ray_session():
     # process) may start a local Ray of its own after a test shut the shared one down, which would
     # then run beside the next test's cluster (or make the benchmark's ray.init fail).
     auto_init_hook.enable_auto_connect = False
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
+    paths = (TESTS_DIR, os.environ.get("PYTHONPATH"), os.path.dirname(TESTS_DIR))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     os.environ.setdefault("CF_RAY_CONTROLLER_LINGER_S", "5")
     os.environ.setdefault("CF_RAY_REAPER_INTERVAL_S", "1")
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import cf_ray
+from benchmarks.soak import probes
 from cf_ray import demo
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.storage.fs import FsStorage
@@ -101,11 +102,17 @@ def test_a_worker_killed_mid_copy_resumes_from_the_previous_snapshot_in_memory_b
     slot (the model and optimizer, rank 0 saves them) reads as being filled and step 10 is never restored; the previous snapshot (step 5) is
     still whole in the other slots of the node's holder, and the run resumes from it, in place from
     memory, bitwise equal to the uninterrupted run, every sample once."""
-    marker = tmp_path / "killed_mid_copy"
-    env = {"CF_RAY_FAULT_KILL_MID_COPY": f"10@0@{marker}"}
-    demo.run("midcopy", str(tmp_path), dict(SMALL, restore_from="memory", env=env))
+    # The soak's mid-copy probe, installed from the training loop (demo's fault_hook), armed to
+    # SIGKILL its own process after the first tensor of rank 0's copy of step 10 landed, once.
+    control = str(tmp_path / "control")
+    probes.arm(control, "mid_copy", {"fault": "midcopy", "rank": 0, "step": 10, "kill": True})
+    cfg = dict(SMALL, restore_from="memory", env={probes.CONTROL_ENV: control}, fault_hook="trust_faults:soak_probes")
+    demo.run("midcopy", str(tmp_path), cfg)
     out = tmp_path / "out" / "midcopy"
-    assert marker.read_text().strip() == "10"  # killed inside the copy of step 10
+    fired = probes.fired(control, "midcopy")
+    assert fired is not None, "the mid-copy probe never fired"
+    assert (fired["rank"], fired["step"]) == (0, 10), fired  # killed inside rank 0's copy of step 10
+    assert fired["point"] == "after the first tensor of the deferred copy landed"
     first, second = resumes(out)
     assert first["source"] == "fresh"
     assert second["source"] == "memory" and second["step"] == 5, second

@@ -206,6 +206,53 @@ def test_probes_patch_a_module_right_after_its_first_import_and_fire_once_when_a
         sys.modules.pop("soak_fake_module", None)
 
 
+def test_the_mid_copy_probe_kills_after_the_first_tensor_of_the_armed_step_landed_once(tmp_path, monkeypatch):
+    """The mid-copy fault of tests/test_engine_e2e.py, on cf_ray's own ``_copy_checksummed``: the probe
+    leaves other steps alone, then at the armed step copies the first tensor into the slot and
+    SIGKILLs its process (here an exception, to look at the slot): the second tensor never landed."""
+    import types
+
+    import torch
+
+    from cf_ray._engine.worker import copy_engine
+    from cf_ray._engine.worker.snapshot_job import Deferred
+
+    control = str(tmp_path / "control")
+    monkeypatch.setenv(probes.CONTROL_ENV, control)
+    probes.arm(control, "mid_copy", {"fault": "midcopy", "step": 10, "kill": True})
+    module = types.SimpleNamespace(_copy_checksummed=copy_engine._copy_checksummed)
+    assert probes._patch_snapshot(module) == "mid_copy"
+    whole = torch.zeros(2 * 4096, dtype=torch.uint8)
+    arena = types.SimpleNamespace(tensor=whole, nbytes=whole.numel(), numpy=whole.numpy)
+    srcs = [torch.full((1024,), 1.5), torch.full((1024,), 2.5)]
+    pieces = [
+        Deferred("shared", 4096 * i, 4096, whole[4096 * i : 4096 * (i + 1)].view(torch.float32), s)
+        for i, s in enumerate(srcs)
+    ]
+
+    class Killed(Exception):
+        pass
+
+    def kill(pid, sig):
+        assert pid == os.getpid()
+        raise Killed(sig)
+
+    def snapshot_copy(job):  # CopyEngine.copy's frame: the probe reads the step from its ``job``
+        return module._copy_checksummed(arena, pieces, crc_time={})
+
+    monkeypatch.setattr(probes.os, "kill", kill)
+    snapshot_copy(types.SimpleNamespace(step=5))  # not the armed step: copied whole, arm kept
+    assert whole.view(torch.float32)[1024:].eq(2.5).all()
+    assert probes.fired(control, "midcopy") is None
+    whole.zero_()
+    with pytest.raises(Killed):
+        snapshot_copy(types.SimpleNamespace(step=10))
+    assert whole.view(torch.float32)[:1024].eq(1.5).all() and not whole[4096:].any()  # mid-copy
+    fired = probes.fired(control, "midcopy")
+    assert fired is not None and fired["step"] == 10 and fired["pid"] == os.getpid()
+    assert snapshot_copy(types.SimpleNamespace(step=10)) == copy_engine._copy_checksummed(arena, pieces)  # once
+
+
 # -- the checks ------------------------------------------------------------------------------------------
 
 

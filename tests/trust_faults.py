@@ -50,3 +50,11 @@ def flip_then_kill(ckpt, rank: int, cfg: dict) -> None:
         with open(marker, "w") as f:
             json.dump({"step": step, "offset": at, "block": at // mf.BLOCK_BYTES, "generation": ckpt.generation}, f)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def soak_probes(ckpt, rank: int, cfg: dict) -> None:
+    """Installs the soak's probes (``benchmarks/soak/probes.py``) in this worker process, once: they
+    fire where the control directory that ``SOAK_CONTROL_DIR`` (from ``cfg["env"]``) names arms them."""
+    from benchmarks.soak import probes
+
+    probes.install()

@@ -30,14 +30,13 @@ stream_flip        the ``stream_flip`` probe armed (the next direct transfer get
 from __future__ import annotations
 
 import glob
-import json
 import os
 import signal
 import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.soak import procs
+from benchmarks.soak import probes, procs
 from benchmarks.soak import storage as soak_storage
 from benchmarks.soak.monitor import LogTail, Monitor, RunPaths, wait_for
 from benchmarks.soak.schedule import Fault
@@ -138,12 +137,7 @@ class Injector:
         ]
 
     def _arm(self, probe: str, spec: dict) -> None:
-        d = os.path.join(self.run.control, "arm")
-        os.makedirs(d, exist_ok=True)
-        tmp = os.path.join(d, f".{probe}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(spec, f)
-        os.replace(tmp, os.path.join(d, f"{probe}.json"))
+        probes.arm(self.run.control, probe, spec)
 
     def _disarm(self, probe: str) -> None:
         try:
@@ -152,11 +146,7 @@ class Injector:
             pass
 
     def _at(self, fault: Fault, suffix: str = "") -> dict | None:
-        try:
-            with open(os.path.join(self.run.control, "at", f"{fault.id}{suffix}.json")) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None
+        return probes.fired(self.run.control, fault.id, suffix)
 
     def _wait_at(self, fault: Fault, timeout_s: float = POINT_WAIT_S) -> dict | None:
         got: dict = {}

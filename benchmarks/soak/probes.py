@@ -7,9 +7,12 @@ directory that ``SOAK_CONTROL_DIR`` names); the first process that reaches the p
 the arm (an atomic rename), writes ``at/<fault>.json`` (its pid, what it was doing) and:
 
 * ``mid_copy`` (the snapshot thread's copy into a holder's slot, ``worker/copy_engine.py``'s
-  ``_copy_checksummed``): holds there, after the first tensor landed when the function lets a
-  callback in after it (else before the deferred tensors are copied: the slot is already being
-  filled), until the driver SIGKILLs the process (at most :data:`HOLD_S`).
+  ``_copy_checksummed``): at the first copy of a section with tensors to copy (of rank ``rank`` if
+  the arm names one, at step ``step`` if it names one, else at the first step from ``min_step`` on)
+  it copies the first of those tensors into the slot itself, so the slot is part filled and not
+  sealed, and holds there until the driver SIGKILLs the process (at most :data:`HOLD_S`); an arm
+  with ``"kill": true`` SIGKILLs its own process there instead (tests/test_engine_e2e.py's fault,
+  installed by demo's ``fault_hook``: no driver to kill it).
 * ``restore`` (``Checkpointer.restore``): holds inside the restore's first ``load_state_dict`` (the
   bytes read and checked, nothing loaded yet) until the driver SIGKILLs the process; ``at/<fault>.done.json``
   says when a restore ended without loading anything (a fresh start).
@@ -17,6 +20,9 @@ the arm (an atomic rename), writes ``at/<fault>.json`` (its pid, what it was doi
   bit of the bytes as they arrive, before any of cf_ray's checks sees them (a bit flipped on the wire),
   and goes on.
 
+:func:`arm` arms a probe and :func:`fired` reads where it fired. The end-to-end tests install the
+probes through demo's ``fault_hook`` instead (tests/trust_faults.py's ``soak_probes``), once the
+training loop has set ``SOAK_CONTROL_DIR`` from its ``env``.
 The modules are patched right after their first import (an import hook), so that a process that
 never imports them (a holder never imports torch) pays nothing.
 """
@@ -26,9 +32,9 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
-import inspect
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -48,6 +54,23 @@ def _write(path: str, rec: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(rec, f, default=str)
     os.replace(tmp, path)
+
+
+def arm(control: str, probe: str, spec: dict) -> None:
+    """Arm ``probe`` (``mid_copy``, ``restore``, ``stream_flip``) in control directory ``control``;
+    ``spec["fault"]`` names the ``at/<fault>.json`` it writes where it fires."""
+    d = os.path.join(control, "arm")
+    os.makedirs(d, exist_ok=True)
+    _write(os.path.join(d, f"{probe}.json"), spec)
+
+
+def fired(control: str, fault: str, suffix: str = "") -> dict | None:
+    """What the probe armed for ``fault`` wrote where it fired (its pid, rank, step, point), or ``None``."""
+    try:
+        with open(os.path.join(control, "at", f"{fault}{suffix}.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def _claim(probe: str) -> dict | None:
@@ -91,6 +114,23 @@ def _hold() -> None:
         time.sleep(0.01)
 
 
+def _fire(spec: dict) -> None:
+    """SIGKILL this process (an arm with ``"kill": true``), else hold for the driver to kill it."""
+    if spec.get("kill"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    _hold()
+
+
+def _rank() -> int | None:
+    """This process's Ray Train rank (``None`` outside Ray Train)."""
+    try:
+        import ray.train
+
+        return ray.train.get_context().get_world_rank()
+    except Exception:  # noqa: BLE001 - outside Ray Train: no rank
+        return None
+
+
 def _frame_value(name: str, attr: str, depth: int = 6) -> Any:
     """``<local name>.<attr>`` of the nearest caller frame that has the local (best effort)."""
     f = sys._getframe(2)
@@ -108,27 +148,22 @@ def _patch_snapshot(module) -> str:
     orig = getattr(module, "_copy_checksummed", None)
     if orig is None:
         return "no _copy_checksummed: mid-copy probe not installed"
-    has_cb = "after_first" in inspect.signature(orig).parameters
 
     @functools.wraps(orig)
     def copy(arena, pieces, *args, **kw):
-        spec = _claim("mid_copy")
+        spec = _claim("mid_copy") if pieces else None
         if spec is not None:
-            rank, step = _frame_value("self", "rank"), _frame_value("job", "step")
+            rank, step = _rank(), _frame_value("job", "step")
             ok_rank = spec.get("rank") is None or rank is None or rank == spec["rank"]
-            ok_step = step is None or step >= spec.get("min_step", 0)
+            if "step" in spec:
+                ok_step = step == spec["step"]
+            else:
+                ok_step = step is None or step >= spec.get("min_step", 0)
             if ok_rank and ok_step and _take("mid_copy"):
-                rec = {"rank": rank, "step": step, "arena_bytes": getattr(arena, "nbytes", None)}
-                if has_cb and pieces and kw.get("after_first") is None and len(args) == 0:
-
-                    def after_first() -> None:
-                        _at(spec, dict(rec, point="after the first tensor of the deferred copy landed"))
-                        _hold()
-
-                    kw["after_first"] = after_first
-                else:
-                    _at(spec, dict(rec, point="before the deferred copy (the slot is being filled)"))
-                    _hold()
+                orig(arena, pieces[:1])  # the first tensor lands in the slot (CRCs of this pass unused)
+                point = "after the first tensor of the deferred copy landed"
+                _at(spec, {"rank": rank, "step": step, "arena_bytes": getattr(arena, "nbytes", None), "point": point})
+                _fire(spec)
         return orig(arena, pieces, *args, **kw)
 
     module._copy_checksummed = copy
@@ -147,12 +182,7 @@ def _patch_checkpointer(module) -> str:
         spec = _claim("restore")
         if spec is None:
             return orig(self, *args, **kw)
-        try:
-            import ray.train
-
-            rank = ray.train.get_context().get_world_rank()
-        except Exception:  # noqa: BLE001 - outside Ray Train: no rank
-            rank = None
+        rank = _rank()
         if spec.get("rank") is not None and rank is not None and rank != spec["rank"]:
             return orig(self, *args, **kw)
         if not _take("restore"):
@@ -304,7 +334,8 @@ def _apply(name: str, module) -> None:
 
 
 def install() -> None:
-    """Ray's ``worker_process_setup_hook``: the probes, in a process of the soak's job."""
+    """Ray's ``worker_process_setup_hook``: the probes, in a process of the soak's job (or of a test's
+    run, called from its training loop); once per process, nothing while ``SOAK_CONTROL_DIR`` is unset."""
     if _control() is None or any(isinstance(f, _Finder) for f in sys.meta_path):
         return
     sys.meta_path.insert(0, _Finder())
@@ -313,4 +344,4 @@ def install() -> None:
             _apply(name, sys.modules[name])
 
 
-__all__ = ["CONTROL_ENV", "HOLD_S", "install"]
+__all__ = ["CONTROL_ENV", "HOLD_S", "arm", "fired", "install"]

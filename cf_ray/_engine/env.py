@@ -28,8 +28,8 @@ changes one with ``monkeypatch.setattr(env, "UPLOAD_QUEUE", 2)`` (in the test's 
 actor's process imports its own copy). Until the next release, the variable a constant used to be
 (``CF_RAY_<NAME>``) is still honoured when it is set at import, with a :class:`DeprecationWarning`.
 
-**Test hook** (the last name): fault injection that tests need in another process; it is to
-leave production code (see its comment).
+No fault injection is read here: tests inject their faults from outside cf_ray's code (the soak's
+probes, ``benchmarks/soak/probes.py``, also serve the end-to-end tests).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ VARIABLES: dict[str, float] = {
     DIRECT_IO: 1,
     ALLOW_UNTESTED_RAY: 0,
 }
-"""Every environment variable cf_ray reads (besides the test hooks), with its default."""
+"""Every environment variable cf_ray reads, with its default."""
 
 
 def _deprecated(name: str, default: _T) -> _T:
@@ -147,12 +147,6 @@ CONSTANTS = (
     "POLICY_SAVE_INTERVAL_S",
 )
 """The names of the module constants above (once environment variables)."""
-
-# -- test hooks read on production paths (undocumented; to leave production code) -----------------------
-#: Fault injection for tests: ``"<step>@<rank>@<marker file>"`` SIGKILLs that rank's process in the
-#: middle of its copy of that step's snapshot into a slot, once (the marker file records it). Read
-#: by ``worker/snapshot.py``; its owner moves it to a test plugin.
-FAULT_KILL_MID_COPY = "CF_RAY_FAULT_KILL_MID_COPY"
 
 
 def get_float(name: str | float) -> float:

@@ -18,15 +18,12 @@ and how an index carries their checksums, is the format's (``format/blocks.py``,
 
 from __future__ import annotations
 
-import os
-import signal
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from cf_ray._engine import env as _env
 from cf_ray._engine.format import blocks as _blocks
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format import sections as _sections
@@ -39,14 +36,9 @@ CRC_WINDOW_BLOCKS = 32
 
 
 class CopyEngine:
-    """The copies and checksums of one rank's snapshots; one side stream per CUDA device, reused.
+    """The copies and checksums of one rank's snapshots; one side stream per CUDA device, reused."""
 
-    Args:
-        rank: this worker's rank (the fault hook of ``CF_RAY_FAULT_KILL_MID_COPY`` names it).
-    """
-
-    def __init__(self, rank: int):
-        self.rank = rank
+    def __init__(self):
         # One side stream per device: a tensor is copied on its own device's stream, which first
         # waits for an event recorded on that device's current stream after the optimizer step.
         self._streams: dict[int, Any] = {}
@@ -123,9 +115,7 @@ class CopyEngine:
             host = [c for c in job.deferred if c.section == name and not c.src.is_cuda]
             copied += sum(c.nbytes for c in host)
             if name not in on_device:
-                crcs[name] = _copy_checksummed(
-                    arena, host, after_first=_fault_mid_copy(self.rank, job.step), crc_time=job.timings
-                )
+                crcs[name] = _copy_checksummed(arena, host, crc_time=job.timings)
             else:
                 for c in host:
                     c.dst.copy_(c.src)
@@ -175,34 +165,15 @@ class CopyEngine:
         return out
 
 
-def _fault_mid_copy(rank: int, step: int) -> Callable[[], None] | None:
-    """The fault injection of ``CF_RAY_FAULT_KILL_MID_COPY`` (env.py) for this rank and step, if set."""
-    spec = os.environ.get(_env.FAULT_KILL_MID_COPY)
-    if not spec:
-        return None
-    at, who, marker = spec.split("@", 2)
-    if int(at) != step or int(who) != rank or os.path.exists(marker):
-        return None
-
-    def kill() -> None:
-        with open(marker, "w") as f:
-            f.write(f"{step}\n")
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    return kill
-
-
 def _copy_checksummed(
     arena: SlotArena,
     pieces: list[Deferred],
-    after_first: Callable[[], None] | None = None,
     crc_time: dict[str, float] | None = None,
 ) -> list[int]:
     """Copy ``pieces`` into ``arena`` window by window (:data:`CRC_WINDOW_BLOCKS` blocks, laid out by
     ``format/blocks.py``'s :func:`~cf_ray._engine.format.blocks.windows`), checksumming each window's
     blocks right after its copy, while the bytes are still in the CPU's cache: the CRC-32 then costs
-    no second pass over memory. Returns the CRC-32 of every block of the arena.
-    ``after_first`` is called after the first piece's copy (fault injection only); the CRCs' wall and
+    no second pass over memory. Returns the CRC-32 of every block of the arena. The CRCs' wall and
     thread-CPU seconds are added to ``crc_time["crc_s"]`` and ``crc_time["crc_cpu_s"]`` when given."""
     buf = arena.numpy()
     whole = arena.tensor
@@ -226,9 +197,6 @@ def _copy_checksummed(
             off, n, src = runs[j]
             a, b = max(off, w0), min(off + n, w1)
             whole[a:b].copy_(src[a - off : b - off])
-            if after_first is not None:
-                after_first()
-                after_first = None
             j += 1
         c0 = cpu_mark()
         crcs += _blocks.block_crcs(buf[w0:w1])

@@ -110,7 +110,7 @@ class Snapshotter:
         self._budget = budget if budget is not None else CpuBudget()
         self._hand_off = hand_off
         self.arenas = SectionArenas(rank, arena_source)
-        self._engine = CopyEngine(rank)
+        self._engine = CopyEngine()
         self._late = LateCapture(rank)
         self._queue: queue.Queue[SnapshotJob | _Prepare | None] = queue.Queue(maxsize=1)
         self._copy_done = threading.Event()
