@@ -167,7 +167,7 @@ _RUN_LAST = ("test_bench.py", "test_multinode.py", "test_soak.py")
 #: The long end-to-end runs that ``make test`` leaves to ``make test-all`` (the nightly run), beside the
 #: tests marked ``nightly`` where they are written (the benchmark jobs). The default suite keeps one
 #: real run of each promise (a SIGKILL restored bitwise from memory and from S3, a node lost and
-#: restored from a peer's copy, exactly-once data across failures, FSDP2, the DDP example and the
+#: restored from a peer's copy (each exactly once against the reference), FSDP2, the DDP example and the
 #: runnable guide blocks, a dead driver's actors reaped) and the in-process tests of everything below; each of these
 #: asserts a behaviour that one of those, or an in-process test, also covers at a smaller scale.
 NIGHTLY = {
@@ -197,6 +197,8 @@ NIGHTLY = {
     # frameworks and data sources under TorchTrainer; in process: test_integrations, tests/data/
     "test_integrations_e2e.py::*",
     "test_e2e_data.py::test_ray_data_shards_exactly_once_across_a_failure",
+    # every default SIGKILL run above checks exactly-once against the reference's lineage
+    "test_e2e_data.py::test_exactly_once_per_epoch_across_injected_failures",
     "test_ray_elastic.py::test_ray_data_two_one_two_workers_mid_epoch_reads_every_row_once",
     "test_stateful_dataloader.py::test_stateful_dataloader_exactly_once_after_a_sigkill",
     "test_data_examples.py::test_data_sources_example_ray_data_runs",
