@@ -154,19 +154,24 @@ class HolderLink:
             except Exception:  # noqa: BLE001
                 pass
 
+    def _ask_all(self, names: list[str], method: str, timeout_s: float, *, fresh: bool) -> dict[str, Any]:
+        """Call ``method(timeout_s)`` on every holder in ``names`` at once; name -> its object ref
+        (a holder that does not exist or cannot be asked is left out)."""
+        refs = {}
+        for name in names:
+            h = self._handle(name, fresh=fresh)
+            if h is not None:
+                try:
+                    refs[name] = getattr(h, method).remote(timeout_s)
+                except Exception:  # noqa: BLE001 - a holder that cannot be asked is gone
+                    continue
+        return refs
+
     def drain_all(self, names: list[str], timeout_s: float) -> dict[str, dict | None]:
         """Ask every holder to finish what it is writing and sending, in parallel; wait at most
         ``timeout_s`` (plus a margin). Returns name -> the holder's answer (``None``: gone or no answer)."""
-        refs = {}
-        for name in names:
-            h = self._handle(name, fresh=True)
-            if h is not None:
-                try:
-                    refs[name] = h.drain.remote(timeout_s)
-                except Exception:  # noqa: BLE001
-                    continue
         out: dict[str, dict | None] = {}
-        for name, ref in refs.items():
+        for name, ref in self._ask_all(names, "drain", timeout_s, fresh=True).items():
             try:
                 out[name] = ray.get(ref, timeout=timeout_s + 30)
             except Exception as e:  # noqa: BLE001 - a holder that cannot answer is killed anyway
@@ -177,16 +182,8 @@ class HolderLink:
     def flush_all(self, names: list[str], timeout_s: float) -> list[str]:
         """Have every holder deliver its queued messages to this controller, in parallel, for at most
         ``timeout_s``. Returns the names of those that could not in time (gone ones are not named)."""
-        refs = {}
-        for name in names:
-            h = self._handle(name)
-            if h is not None:
-                try:
-                    refs[name] = h.flush.remote(timeout_s)
-                except Exception:  # noqa: BLE001 - a holder that cannot be asked is gone
-                    continue
         late = []
-        for name, ref in refs.items():
+        for name, ref in self._ask_all(names, "flush", timeout_s, fresh=False).items():
             try:
                 if not ray.get(ref, timeout=timeout_s + 5):
                     late.append(name)
