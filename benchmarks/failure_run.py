@@ -104,7 +104,7 @@ def _failure_loop(cfg: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.bench import _build_model
+    from benchmarks.savers import _build_model
 
     torch.set_num_threads(1)
     attempt_t = time.time()
