@@ -1,24 +1,26 @@
 """A real pyarrow filesystem that fails on purpose: local disk underneath, faults injected per path.
 
 Used through ``pyarrow.fs.PyFileSystem(FaultyHandler(...))`` so the whole engine (holder writer,
-controller commit) runs for real against it. Importable by Ray workers (tests/ is on PYTHONPATH).
+controller commit) runs for real against it. Importable by Ray workers (tests/ and the repository's
+root are on PYTHONPATH). The delegation to local disk is :class:`benchmarks.local_disk.LocalDiskHandler`,
+which the soak's storage shares.
 """
 
 from __future__ import annotations
 
 import re
 
-import pyarrow.fs as pafs
+from benchmarks.local_disk import LocalDiskHandler
 
 
-class FaultyHandler(pafs.FileSystemHandler):
+class FaultyHandler(LocalDiskHandler):
     """Delegates to the local filesystem; ``open_output_stream`` raises for paths matching ``fail``
     whose checkpoint step is at least ``from_step``."""
 
     def __init__(self, fail: str = r"checkpoints/(step|final)_(\d+)", from_step: int = 0):
+        super().__init__()
         self.fail = fail
         self.from_step = from_step
-        self.fs = pafs.LocalFileSystem()
 
     def __reduce__(self):
         return (FaultyHandler, (self.fail, self.from_step))
@@ -30,53 +32,6 @@ class FaultyHandler(pafs.FileSystemHandler):
 
     def get_type_name(self):
         return "faulty"
-
-    def equals(self, other):
-        return isinstance(other, FaultyHandler) and other.fail == self.fail and other.from_step == self.from_step
-
-    def normalize_path(self, path):
-        return path
-
-    def get_file_info(self, paths):
-        return self.fs.get_file_info(paths)
-
-    def get_file_info_selector(self, selector):
-        return self.fs.get_file_info(selector)
-
-    def create_dir(self, path, recursive):
-        self.fs.create_dir(path, recursive=recursive)
-
-    def delete_dir(self, path):
-        self.fs.delete_dir(path)
-
-    def delete_dir_contents(self, path, missing_dir_ok=False):
-        self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
-
-    def delete_root_dir_contents(self):
-        raise OSError("refusing to delete the root")
-
-    def delete_file(self, path):
-        self.fs.delete_file(path)
-
-    def move(self, src, dest):
-        self.fs.move(src, dest)
-
-    def copy_file(self, src, dest):
-        self.fs.copy_file(src, dest)
-
-    def open_input_stream(self, path):
-        return self.fs.open_input_stream(path)
-
-    def open_input_file(self, path):
-        return self.fs.open_input_file(path)
-
-    def open_output_stream(self, path, metadata):
-        self._check(path)
-        return self.fs.open_output_stream(path, metadata=metadata)
-
-    def open_append_stream(self, path, metadata):
-        self._check(path)
-        return self.fs.open_append_stream(path, metadata=metadata)
 
 
 class SlowHandler(FaultyHandler):

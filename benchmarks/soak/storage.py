@@ -25,7 +25,7 @@ import os
 import re
 import time
 
-import pyarrow.fs as pafs
+from benchmarks.local_disk import LocalDiskHandler
 
 #: The rule the driver sets (JSON: ``fault``, ``mode``, ``until``, ``match``, ``hold_s``).
 RULE = "storage_rule.json"
@@ -73,12 +73,12 @@ def _append(control: str, rec: dict) -> None:
         os.close(fd)
 
 
-class SoakStorage(pafs.FileSystemHandler):
+class SoakStorage(LocalDiskHandler):
     """Local disk; checkpoint writes obey the rule in ``control`` (module doc)."""
 
     def __init__(self, control: str):
+        super().__init__()
         self.control = control
-        self.fs = pafs.LocalFileSystem()
 
     def __reduce__(self):
         return (SoakStorage, (self.control,))
@@ -129,56 +129,8 @@ class SoakStorage(pafs.FileSystemHandler):
             time.sleep(0.01)
         _append(self.control, dict(rec, outcome="held", t1=time.time(), blocked_s=time.time() - rec["t0"]))
 
-    # -- pyarrow's handler interface: local disk underneath ------------------------------------------
     def get_type_name(self):
         return "cf-ray-soak"
-
-    def equals(self, other):
-        return isinstance(other, SoakStorage) and other.control == self.control
-
-    def normalize_path(self, path):
-        return path
-
-    def get_file_info(self, paths):
-        return self.fs.get_file_info(paths)
-
-    def get_file_info_selector(self, selector):
-        return self.fs.get_file_info(selector)
-
-    def create_dir(self, path, recursive):
-        self.fs.create_dir(path, recursive=recursive)
-
-    def delete_dir(self, path):
-        self.fs.delete_dir(path)
-
-    def delete_dir_contents(self, path, missing_dir_ok=False):
-        self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
-
-    def delete_root_dir_contents(self):
-        raise OSError("refusing to delete the root")
-
-    def delete_file(self, path):
-        self.fs.delete_file(path)
-
-    def move(self, src, dest):
-        self.fs.move(src, dest)
-
-    def copy_file(self, src, dest):
-        self.fs.copy_file(src, dest)
-
-    def open_input_stream(self, path):
-        return self.fs.open_input_stream(path)
-
-    def open_input_file(self, path):
-        return self.fs.open_input_file(path)
-
-    def open_output_stream(self, path, metadata):
-        self._check(path)
-        return self.fs.open_output_stream(path, metadata=metadata)
-
-    def open_append_stream(self, path, metadata):
-        self._check(path)
-        return self.fs.open_append_stream(path, metadata=metadata)
 
 
 __all__ = ["EVENTS", "RULE", "SoakStorage", "clear_rule", "read_events", "step_of", "write_rule"]
