@@ -319,8 +319,12 @@ def test_node_loss_restores_from_a_peer_copy_bitwise(multinode, reference, tmp_p
     wait_for_step(1)  # both ranks placed, one on each node: capacity for the restarted group now
     new_node = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=OBJECT_STORE_BYTES)
     wait_for_step(12 if every == 1 else 25)
-    # The newest snapshot's hand-off and copies are made in the background (milliseconds for this state).
-    time.sleep(2.0 if every == 1 else 0.4)
+    if every == 1:
+        # The copies are made in the background (milliseconds for this state, seconds on a loaded
+        # machine): the node goes once a step from 10 on has a copy of every section of its holder's.
+        _wait_copied(name, node_b.unique_id, node_a.unique_id, since=10, deadline=deadline)
+    else:
+        time.sleep(0.4)
     lost_at = newest()
     cluster.remove_node(node_b)  # a spot node reclaimed: its raylet, object store, worker and holder gone
     multinode[1][1] = new_node  # the node a later test of this module takes away
@@ -472,6 +476,35 @@ def elastic_loop(cfg: dict) -> None:
             json.dump({"profile": ck.profile_rows(), "events": ck.events(), "steps": ck.step_count}, f, default=str)
         torch.save(final, f"{out}/final_model.pt")
     ck.finish()
+
+
+def _holder_of(run: str, node_id: str):
+    """The holder actor of run ``run`` (its name) on node ``node_id``."""
+    import ray
+
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["name"].startswith(f"cf_ray.holder.{run}-") and a["name"].endswith(f".{node_id}"):
+            return ray.get_actor(a["name"], namespace=a["namespace"])
+    return None
+
+
+def _wait_copied(run: str, origin_node: str, peer_node: str, *, since: int, deadline: float) -> None:
+    """Wait until, for some step ``>= since``, every section the holder of ``origin_node`` staged has
+    a copy in the holder of ``peer_node`` (asked of both holders: what they hold, not what they said)."""
+    import ray
+
+    while time.time() < deadline:
+        origin, peer = _holder_of(run, origin_node), _holder_of(run, peer_node)
+        if origin is not None and peer is not None:
+            staged: dict[int, set[str]] = {}
+            for m in ray.get(origin.resync.remote(), timeout=30).staged:
+                if m.step >= since:
+                    staged.setdefault(m.step, set()).add(m.section)
+            held = {(m.step, m.section) for m in ray.get(peer.resync.remote(), timeout=30).replicas}
+            if any(all((step, sec) in held for sec in secs) for step, secs in staged.items()):
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"no step from {since} on was copied whole from node {origin_node} to {peer_node}")
 
 
 def _coordinator_sees(node_ids_alive: set[str], node_ids_dead: set[str], timeout_s: float = 60.0) -> None:

@@ -168,6 +168,29 @@ def test_a_copy_moves_once_over_the_stream_into_a_sealed_slot_of_the_peers_own(t
     assert np.array_equal(_readable(b, 1, 10, "rank_00000"), data)
 
 
+def test_the_peer_itself_tells_the_controller_of_each_copy_it_received(tmp_path):
+    """Issue 28: the origin's ``part_replicated`` waits in the origin's queue to the controller; an
+    origin whose node goes right after a copy ended would take the only word of that copy with it,
+    and the restore would go back to storage although the survivor holds the step. The peer says it
+    too, through its own line, as soon as the copy is sealed: which copy, where, and the section as
+    its origin staged it (what a controller that never heard from the origin needs)."""
+    a, b = _pair(_local(tmp_path, "a"), _local(tmp_path, "b"))
+    nbytes = 2 * mf.BLOCK_BYTES + 7
+    meta = _meta(0, replicas=1, persist=False)
+    _stage(a, 1, 10, {"rank_00000": _data(10, "rank_00000", nbytes), "shared": _data(10, "shared", 99)}, meta)
+    said = b._sender.wait_for("apply_holder_state", lambda m: True, count=2)
+    copies = sorted(
+        (s.replicas[0].section, s.replicas[0].holder, s.replicas[0].node_id, s.replicas[0].origin) for s in said
+    )
+    assert copies == [("rank_00000", b._name, "B", a._name), ("shared", b._name, "B", a._name)], said
+    for s in said:
+        (origin,) = s.replica_origins
+        (copy,) = s.replicas
+        assert (origin.holder, origin.node_id, origin.step, origin.section) == (a._name, "A", 10, copy.section)
+        assert origin.nbytes == copy.nbytes and origin.meta == meta and s.holder == b._name
+    assert [m for m in a._sender.of("apply_holder_state")] == []  # the origin says it the usual way
+
+
 def test_a_copy_whose_bytes_changed_in_the_origins_memory_is_never_kept(tmp_path):
     """A stray write into the origin's slot after the worker checksummed it: the peer checks every
     block as it lands, refuses the copy (the error names the block), and keeps nothing."""

@@ -43,7 +43,7 @@ import ray.exceptions
 from cf_ray._engine import env as _env
 from cf_ray._engine.memory.slots import HEADER_BYTES
 from cf_ray._engine.node.record import LOOKUP_DONE, LOOKUP_HELD, LOOKUP_UNKNOWN, Record
-from cf_ray._engine.node.replicator import ActorPeer, Peer, Replicator, find_peers
+from cf_ray._engine.node.replicator import ActorPeer, Peer, Replicator, copy_said, find_peers
 from cf_ray._engine.node.sender import Sender
 from cf_ray._engine.node.slot_store import Held, SlotStore
 from cf_ray._engine.node.stream import LazyServer
@@ -55,7 +55,6 @@ from cf_ray._engine.protocol.messages import (
     Message,
     PartDurable,
     PartFailed,
-    PartReplicated,
     PartStaged,
     PartSuperseded,
     ReplicaHeld,
@@ -226,7 +225,7 @@ class Holder:
         settled) and what became of it, and the copies it keeps for other nodes, for a controller
         that starts again. The controller's handlers are idempotent: what it knew is harmless."""
         staged, outcomes = self._record.said()
-        said = [_copy_said(h, self._name, self._node) for h in self._store.copies()]
+        said = [copy_said(h, self._name, self._node) for h in self._store.copies()]
         return HolderState(
             holder=self._name,
             node_id=self._node,
@@ -308,19 +307,6 @@ class Holder:
 
     def _actor_peers(self, meta: SnapshotMeta, section: str) -> list[Peer]:
         return [ActorPeer(nid, h) for nid, h in self._peers(meta.replicas, meta.replica_label, section)]
-
-
-def _copy_said(h: Held, holder: str, node: str) -> tuple[PartReplicated, PartStaged]:
-    """What was said of a copy a holder keeps: by it (``part_replicated``) and, of the section, by
-    its origin (``part_staged``)."""
-    gen, step, sec, n = h.generation, h.step, h.section, h.nbytes
-    return (
-        PartReplicated(
-            generation=gen, step=step, section=sec, nbytes=n, holder=holder, node_id=node, origin=h.origin,
-            seconds=h.copy_s,
-        ),
-        PartStaged(generation=gen, step=step, section=sec, nbytes=n, holder=h.origin, meta=h.meta, node_id=h.origin_node),
-    )  # fmt: skip
 
 
 def _actor_name() -> str:

@@ -13,7 +13,10 @@ Peer side (:meth:`Replicator.receive`): the bytes go from the origin's slot (``s
 into a slot file of the peer's own (``SlotStore.new_copy``), each block checked against the index's
 CRC-32 as it lands; the slot is then marked complete and sealed, and only then does the call return.
 So the controller, which counts a copy only from ``part_replicated``, never counts a copy that is not
-complete in a peer's memory: a copy in flight when the origin's node goes fails (the stream breaks)
+complete in a peer's memory. The peer says so itself too (:func:`copy_said`, sent as a one-copy
+``HolderState`` through its own line to the controller): the origin's ``part_replicated`` waits in the
+origin's queue, and an origin whose node goes right after a copy ended would take the only word of
+that copy with it — the survivor's is what a restore plan relies on. Besides: a copy in flight when the origin's node goes fails (the stream breaks)
 and is never reported (the origin is gone), and a step half-copied at a node loss is passed over for
 the newest step every section of which has a copy. One pass over the bytes on each host, by the
 kernel (Ray's object transfer made three: the origin's ``put``, the transfer, the peer's ``put``).
@@ -40,7 +43,15 @@ from cf_ray._engine.memory.crc import BlockCheck
 from cf_ray._engine.memory.slots import HEADER_BYTES
 from cf_ray._engine.node.slot_store import Held, SlotStore
 from cf_ray._engine.node.stream import Offer, SectionServer
-from cf_ray._engine.protocol.messages import Message, PartReplicated, ReplicaHeld, ReplicaOffer, SnapshotMeta
+from cf_ray._engine.protocol.messages import (
+    HolderState,
+    Message,
+    PartReplicated,
+    PartStaged,
+    ReplicaHeld,
+    ReplicaOffer,
+    SnapshotMeta,
+)
 
 logger = logging.getLogger("cf_ray")
 
@@ -149,6 +160,11 @@ class Replicator:
         )
         self._store.add_copy(held, slot)
         self.copied_bytes += nbytes
+        said, origin = copy_said(held, self._holder, self._node)
+        self._send(
+            "apply_holder_state",
+            HolderState(holder=self._holder, node_id=self._node, replicas=(said,), replica_origins=(origin,)),
+        )
         return ReplicaHeld(holder=self._holder, node_id=self._node, nbytes=nbytes, seconds=seconds)
 
     # -- origin side ---------------------------------------------------------------------------------
@@ -251,6 +267,19 @@ class ActorPeer:
                     raise TimeoutError("the peer did not answer after the transfer")
 
 
+def copy_said(h: Held, holder: str, node: str) -> tuple[PartReplicated, PartStaged]:
+    """What is said of a copy a holder keeps: by it (``part_replicated``) and, of the section, by
+    its origin (``part_staged``) — as the copy is received, and again in ``Holder.resync``."""
+    gen, step, sec, n = h.generation, h.step, h.section, h.nbytes
+    return (
+        PartReplicated(
+            generation=gen, step=step, section=sec, nbytes=n, holder=holder, node_id=node, origin=h.origin,
+            seconds=h.copy_s,
+        ),
+        PartStaged(generation=gen, step=step, section=sec, nbytes=n, holder=h.origin, meta=h.meta, node_id=h.origin_node),
+    )  # fmt: skip
+
+
 def find_peers(node: str, holder: str, namespace: str, wanted: int, label: str, section: str) -> list[tuple[str, Any]]:
     """Up to ``wanted`` holders of this run on other alive, not draining nodes (``-1``: one when the
     cluster has more than one node), in another failure domain when ``label`` names one:
@@ -283,4 +312,4 @@ def find_peers(node: str, holder: str, namespace: str, wanted: int, label: str, 
     return (found[start:] + found[:start])[:wanted]
 
 
-__all__ = ["ActorPeer", "Peer", "Replicator", "find_peers"]
+__all__ = ["ActorPeer", "Peer", "Replicator", "copy_said", "find_peers"]
