@@ -322,7 +322,7 @@ def test_node_loss_restores_from_a_peer_copy_bitwise(multinode, reference, tmp_p
     if every == 1:
         # The copies are made in the background (milliseconds for this state, seconds on a loaded
         # machine): the node goes once a step from 10 on has a copy of every section of its holder's.
-        _wait_copied(name, node_b.unique_id, node_a.unique_id, since=10, deadline=deadline)
+        _wait_copied(name, node_b.node_id, node_a.node_id, since=10, deadline=deadline)
     else:
         time.sleep(0.4)
     lost_at = newest()
