@@ -371,7 +371,12 @@ def test_a_restore_that_goes_non_finite_rolls_back_once_and_ends_bitwise(ray_clu
     model, opt = _linear()
     ck = cf_ray.Checkpointer({"model": model, "optimizer": opt}, config=_config(tmp_path, name))
     ck.restore()
-    _spiky_loop(ck, model, opt, 17, spike_at=15, blow=blow, memo={})
+    memo: dict = {}
+    _spiky_loop(ck, model, opt, 12, spike_at=15, blow=blow, memo=memo)
+    # Step 10 committed before 15 is taken: on a loaded machine the writer, still on step 5, would
+    # otherwise let 15 supersede 10 (never written), and the rollback would rightly go back to 5.
+    ck.wait()
+    _spiky_loop(ck, model, opt, 17, spike_at=15, blow=blow, memo=memo)
     ck.wait()  # 10 and 15 committed; 15 is held in memory too
     ck.close()  # the worker dies at 17
 
