@@ -14,11 +14,11 @@ into a slot file of the peer's own (``SlotStore.new_copy``), each block checked 
 CRC-32 as it lands; the slot is then marked complete and sealed, and only then does the call return.
 So the controller, which counts a copy only from ``part_replicated``, never counts a copy that is not
 complete in a peer's memory. The peer says so itself too (:func:`copy_said`, sent as a one-copy
-``HolderState`` through its own line to the controller): the origin's ``part_replicated`` waits in the
-origin's queue, and an origin whose node goes right after a copy ended would take the only word of
-that copy with it — the survivor's is what a restore plan relies on. Besides: a copy in flight when the origin's node goes fails (the stream breaks)
-and is never reported (the origin is gone), and a step half-copied at a node loss is passed over for
-the newest step every section of which has a copy. One pass over the bytes on each host, by the
+``HolderState`` through its own line to the controller): the origin's ``part_replicated`` waits in
+the origin's queue, and an origin whose node goes right after a copy ended would take the only word
+of that copy with it — the survivor's is what a restore plan relies on. A copy in flight when the
+origin's node goes fails (the stream breaks) and is never reported (the origin is gone), and a step
+half-copied at a node loss is passed over for the newest step every section of which has a copy. One pass over the bytes on each host, by the
 kernel (Ray's object transfer made three: the origin's ``put``, the transfer, the peer's ``put``).
 
 Time limits: the peer's pull stalls out after ``STALL_TIMEOUT_S`` without progress (no cap on the
