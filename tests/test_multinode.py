@@ -479,12 +479,18 @@ def elastic_loop(cfg: dict) -> None:
 
 
 def _holder_of(run: str, node_id: str):
-    """The holder actor of run ``run`` (its name) on node ``node_id``."""
+    """The holder actor of run ``run`` (its name) on node ``node_id`` (``None``: none yet), named as
+    cf_ray names it (``naming.holder_name``) from the run's key, which its controller's name carries."""
     import ray
 
-    for a in ray.util.list_named_actors(all_namespaces=True):
-        if a["name"].startswith(f"cf_ray.holder.{run}-") and a["name"].endswith(f".{node_id}"):
-            return ray.get_actor(a["name"], namespace=a["namespace"])
+    from cf_ray._engine.protocol.naming import holder_name
+
+    for ctl_name, ctl_ns in _controllers_of(ray, run):
+        key = ctl_name.removeprefix("cf_ray.controller.")
+        try:
+            return ray.get_actor(holder_name(key, node_id), namespace=ctl_ns)
+        except ValueError:
+            pass
     return None
 
 
@@ -650,8 +656,6 @@ def test_node_loss_while_a_copy_is_in_flight_never_restores_that_step(multinode,
     import pyarrow.fs as pafs
     import ray
 
-    from cf_ray._engine.protocol.naming import holder_name
-
     from faulty_fs import SlowHandler
 
     cluster, nodes = multinode
@@ -687,12 +691,7 @@ def test_node_loss_while_a_copy_is_in_flight_never_restores_that_step(multinode,
     holder_x = None
     while holder_x is None:
         assert time.time() < deadline and trainer.is_alive(), fitted
-        for ctl_name, ctl_ns in _controllers_of(ray, name):
-            key = ctl_name.removeprefix("cf_ray.controller.")
-            try:
-                holder_x = ray.get_actor(holder_name(key, node_x.node_id), namespace=ctl_ns)
-            except ValueError:
-                pass
+        holder_x = _holder_of(name, node_x.node_id)
         time.sleep(0.02)
     ray.get(holder_x.__ray_call__.remote(holder_hooks.delay_pulls, 10, 20.0), timeout=60)
     assert _newest_step(out) < 10, "step 10 was copied before the delay was in place"

@@ -18,8 +18,9 @@ complete in a peer's memory. The peer says so itself too (:func:`copy_said`, sen
 the origin's queue, and an origin whose node goes right after a copy ended would take the only word
 of that copy with it — the survivor's is what a restore plan relies on. A copy in flight when the
 origin's node goes fails (the stream breaks) and is never reported (the origin is gone), and a step
-half-copied at a node loss is passed over for the newest step every section of which has a copy. One pass over the bytes on each host, by the
-kernel (Ray's object transfer made three: the origin's ``put``, the transfer, the peer's ``put``).
+half-copied at a node loss is passed over for the newest step every section of which has a copy.
+One pass over the bytes on each host, by the kernel (Ray's object transfer made three: the
+origin's ``put``, the transfer, the peer's ``put``).
 
 Time limits: the peer's pull stalls out after ``STALL_TIMEOUT_S`` without progress (no cap on the
 whole transfer); the origin gives up on a peer that does not fetch its offer in ``TICKET_TTL_S`` or
