@@ -65,8 +65,9 @@ class Replication:
     """Peer copies of in-memory snapshots (``CheckpointConfig(replication=Replication(...))``): each
     node's holder places copies of its snapshots on holders of other nodes, so that a lost node's
     snapshot is restored from a peer's memory instead of from storage. Replication runs in the
-    holder's background and never delays training or the persist; a copy that is not done before a
-    newer snapshot arrives is skipped (counted in the profile)."""
+    holder's background and never delays training or the persist; a snapshot whose copying has not
+    begun when a newer one arrives is skipped (counted in the profile), and one whose copying has
+    begun is copied whole first (only a step copied whole can be restored after a node loss)."""
 
     copies: int | None = None
     """Copies of each snapshot, 0 to 8. ``None``: 1 when the cluster has more than one node, else 0."""

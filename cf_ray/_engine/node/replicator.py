@@ -2,7 +2,8 @@
 snapshot outlives the loss of its node.
 
 Origin side: with ``SnapshotMeta.replicas`` set, the newest staged entry of each section waits for
-this thread (an older one not started is skipped: ``part_replicated(skipped=True)``), which picks
+this thread (an older one not started is skipped: ``part_replicated(skipped=True)``, unless its step
+is the one being copied: below), which picks
 peers — holders of this run on other alive, not draining nodes (another failure domain when
 ``replica_label`` names one), spread over them by section — and, for each, offers the section on
 this holder's :class:`~.stream.SectionServer` (a one-use token; the slot's shared lock held until it
@@ -21,6 +22,14 @@ origin's node goes fails (the stream breaks) and is never reported (the origin i
 half-copied at a node loss is passed over for the newest step every section of which has a copy.
 One pass over the bytes on each host, by the kernel (Ray's object transfer made three: the
 origin's ``put``, the transfer, the peer's ``put``).
+
+**A step once begun is copied whole.** Only a step every section of which has a copy can be
+restored from memory after a node loss, so the thread finishes the step it started before it takes
+a newer one: a newer snapshot skips the sections of a step not begun, never the remaining sections
+of the step being copied (issue 28: with copies slower than the interval, newest-wins per section
+skipped the first snapshot's second section while its first was in flight, and with every copy that
+slow no step was ever copied whole). A remaining section whose slot the worker filled again since
+is dropped (``take`` finds a newer fill), and the thread moves on.
 
 Time limits: the peer's pull stalls out after ``STALL_TIMEOUT_S`` without progress (no cap on the
 whole transfer); the origin gives up on a peer that does not fetch its offer in ``TICKET_TTL_S`` or
@@ -95,6 +104,8 @@ class Replicator:
         self._send = send
         self._cond = threading.Condition()
         self._queue: dict[str, Held] = {}  # section -> the newest entry waiting to be copied
+        self._current: tuple[int, int] | None = None  # the step being copied (generation, step)
+        self._finishing: dict[str, Held] = {}  # its sections still to copy, though newer ones wait
         self.copied_bytes = 0
         """Bytes received into this holder's copies (one pass on the host, by the kernel)."""
         self._thread = threading.Thread(target=self._run, name="cf_ray-replicate", daemon=True)
@@ -106,7 +117,9 @@ class Replicator:
         with self._cond:
             for e in entries:
                 old = self._queue.get(e.section)
-                if old is not None and old.when < e.when:
+                if old is not None and old.when < e.when and old.when == self._current:
+                    self._finishing[old.section] = old  # the step being copied is finished first
+                elif old is not None and old.when < e.when:
                     skipped.append(
                         PartReplicated(
                             generation=old.generation,
@@ -172,14 +185,23 @@ class Replicator:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue:
+                while not self._queue and not self._finishing:
                     self._cond.wait(timeout=1.0)
-                section = min(self._queue, key=lambda k: (self._queue[k].step, k))
-                entry = self._queue.pop(section)
+                entry = self._next()
             try:
                 self._replicate(entry)
             except Exception:  # noqa: BLE001 - the thread never dies; a copy is an optimisation
                 logger.warning("cf_ray: replicating %s of step %d failed", entry.section, entry.step, exc_info=True)
+
+    def _next(self) -> Held:
+        """The next section to copy (under the lock): the step being copied first, then the oldest
+        step waiting (its other sections next, by name)."""
+        if self._finishing:
+            return self._finishing.pop(min(self._finishing))
+        section = min(self._queue, key=lambda k: (self._queue[k].when, k))
+        entry = self._queue.pop(section)
+        self._current = entry.when
+        return entry
 
     def _replicate(self, entry: Held) -> None:
         peers = self._peers(entry.meta, entry.section)
