@@ -382,6 +382,38 @@ def test_the_table_counts_checks_kinds_and_where_each_fault_landed():
     assert "| 1 | 0 | 0 | 1 |" in text and "| worker_kill | 1 | 1 | 0 | 0 | 0 |" in text
 
 
+def test_soaks_of_other_seeds_of_one_job_merge_into_one_table_and_nothing_else_does():
+    """A long soak run in parts (``--first``): the report merges them (the 200-schedule table), and
+    refuses parts of another job or a seed counted twice, saying what to change."""
+    ok = {c: {"ok": True} for c in report.CHECKS}
+
+    def doc(seeds, preset="standard", digests="d1", bad=()):
+        recs = [
+            {
+                "seed": n,
+                "ok": n not in bad,
+                "durations": {"with_cleanup_s": 100.0 + n},
+                "checks": dict(ok, bitwise={"ok": n not in bad}),
+                "faults": [dict(_fault("worker_kill"), outcome="seen", landed={"point": "at the step 5"})],
+            }
+            for n in seeds
+        ]
+        meta = {"preset": preset, "command": f"cf-ray soak --first {seeds[0]}", "wall_s": 10.0, "complete": True}
+        return {"meta": meta, "reference": {"digests": digests}, "summary": report.summarise(recs), "schedules": recs}
+
+    merged = report.merge([("a.json", doc([1, 2])), ("b.json", doc([3, 4, 5], bad=(4,)))])
+    s = merged["summary"]
+    assert (s["schedules"], s["ok"], s["not_bitwise"], s["failed_seeds"]) == (5, 4, 1, {"4": ["bitwise"]})
+    assert [r["seed"] for r in merged["schedules"]] == [1, 2, 3, 4, 5]
+    assert merged["meta"]["wall_s"] == 20.0 and len(merged["meta"]["parts"]) == 2
+    with pytest.raises(ValueError, match="seed 2 is in a.json and in b.json"):
+        report.merge([("a.json", doc([1, 2])), ("b.json", doc([2, 3]))])
+    with pytest.raises(ValueError, match="different jobs .preset"):
+        report.merge([("a.json", doc([1])), ("b.json", doc([2], preset="quick"))])
+    with pytest.raises(ValueError, match="reference digests"):
+        report.merge([("a.json", doc([1])), ("b.json", doc([2], digests="d2"))])
+
+
 # -- the soak itself -------------------------------------------------------------------------------------
 
 

@@ -1,6 +1,7 @@
 """The soak's tables: counts per check, per fault kind and per injection point (where each landed),
 from the schedules' records (``soak.json``). No Ray, no torch: ``python -m benchmarks.soak.report
-soak.json`` prints them again."""
+soak.json`` prints them again; with several files (soaks of other seeds of the same job, e.g. a long
+soak run in parts with ``--first``) it merges them, and ``--json OUT`` writes the merged document."""
 
 from __future__ import annotations
 
@@ -115,10 +116,63 @@ def render(doc: dict) -> str:
     return "\n".join(out)
 
 
+def merge(docs: list[tuple[str, dict]]) -> dict:
+    """One soak document from several ``(path, document)``: soaks of the same job (preset, numbers
+    and reference digests equal) over seeds that do not overlap. Raises ``ValueError`` saying which
+    files differ or which seed is in two of them."""
+    (first_path, first), rest = docs[0], docs[1:]
+    for path, doc in rest:
+        for what, get in (
+            ("preset", lambda d: d.get("meta", {}).get("preset")),
+            ("reference digests", lambda d: d.get("reference", {}).get("digests")),
+        ):
+            if get(doc) != get(first):
+                raise ValueError(
+                    f"{path} and {first_path} are soaks of different jobs ({what}: {get(doc)!r} against "
+                    f"{get(first)!r}): merge only soaks of one preset and one reference"
+                )
+    seen: dict[int, str] = {}
+    records = []
+    for path, doc in docs:
+        for r in doc["schedules"]:
+            if r["seed"] in seen:
+                raise ValueError(
+                    f"seed {r['seed']} is in {seen[r['seed']]} and in {path}: merge soaks of different seeds "
+                    "(run the later part with --first past the earlier one's last seed)"
+                )
+            seen[r["seed"]] = path
+            records.append(r)
+    records.sort(key=lambda r: r["seed"])
+    metas = [d.get("meta", {}) for _, d in docs]
+    meta = dict(
+        metas[0],
+        command=" + ".join(str(m.get("command", "")) for m in metas),
+        date=" .. ".join(sorted({str(m.get("date", ""))[:10] for m in metas})),
+        parts=[dict(m, file=p) for m, (p, _) in zip(metas, docs, strict=True)],
+        wall_s=round(sum(float(m.get("wall_s") or 0) for m in metas), 1),
+        complete=all(m.get("complete") for m in metas),
+    )
+    return dict(first, meta=meta, summary=summarise(records), schedules=records)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    with open(argv[0]) as f:
-        doc = json.load(f)
+    out = None
+    if "--json" in argv:
+        i = argv.index("--json")
+        out, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
+    docs = []
+    for path in argv:
+        with open(path) as f:
+            docs.append((path, json.load(f)))
+    try:
+        doc = docs[0][1] if len(docs) == 1 else merge(docs)
+    except ValueError as e:
+        print(f"cf_ray soak report: {e}", file=sys.stderr)
+        return 2
+    if out:
+        with open(out, "w") as f:
+            json.dump(doc, f, default=str)
     print(render(doc))
     return 0
 
@@ -127,4 +181,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["CHECKS", "line", "render", "summarise"]
+__all__ = ["CHECKS", "line", "merge", "render", "summarise"]

@@ -102,6 +102,20 @@ def _env(control: str) -> dict[str, str]:
     )
 
 
+def _commit() -> str | None:
+    """The git commit of the checkout the soak runs from (``None`` outside one): which code a part of
+    a soak run in several parts tested."""
+    import subprocess
+
+    try:
+        got = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return got.stdout.strip() or None
+
+
 def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
@@ -480,6 +494,7 @@ class Soak:
                 "kinds": list(self.kinds),
                 "host": _host(),
                 "versions": {"cf_ray": cf_ray.__version__, "ray": ray.__version__, "torch": torch.__version__},
+                "commit": _commit(),
                 "loadavg": os.getloadavg(),
                 "wall_s": round(time.time() - t_start, 1),
                 "complete": done,
