@@ -207,6 +207,27 @@ def test_a_copy_whose_bytes_changed_in_the_origins_memory_is_never_kept(tmp_path
     assert b.resync().replicas == () and b.held_bytes()["copies"] == 0
 
 
+def test_a_section_whose_bytes_changed_in_the_holders_memory_is_never_committed(tmp_path):
+    """Found by the fault soak (issue 23): a bit flipped in a holder's slot after the worker
+    checksummed it was written under the worker's CRC, the step committed, and the next restore
+    found the file damaged and quarantined a committed checkpoint. The writer checks the slot's
+    bytes against the block CRCs (after writing them): the section fails, naming the block, and
+    nothing of it is reported durable; the next snapshot is written as usual."""
+    a = _holder(_local(tmp_path, "a"), "A")
+    nbytes = 4 * mf.BLOCK_BYTES
+    descs = a.arena("rank_00000", nbytes)
+    staged = staged_slot(descs, 1, 10, "rank_00000", _data(10, "rank_00000", nbytes), INDEX)
+    fd = os.open(staged.slot.path, os.O_RDWR)  # a stray write through the memfd, after the checksums
+    os.pwrite(fd, b"\xff", slots.HEADER_BYTES + 2 * mf.BLOCK_BYTES + 17)
+    os.close(fd)
+    a.stage(Stage(generation=1, step=10, meta=_meta(0), sections=(staged,)))
+    (failed,) = a._sender.wait_for("part_failed", lambda m: m.step == 10)
+    assert "changed in the holder's memory" in failed.error and "block 2" in failed.error, failed
+    _stage(a, 1, 15, {"rank_00000": _data(15, "rank_00000", nbytes)}, _meta(0))
+    (durable,) = a._sender.wait_for("part_durable", lambda m: True)
+    assert durable.step == 15 and durable.crc_read_bytes == nbytes, durable
+
+
 def test_a_slot_is_opened_only_when_it_is_the_one_its_holder_described(tmp_path):
     """The fd's memfd name, the file's inode/device and the header's nonce are all checked: a
     descriptor whose fd number now names another file (its holder is gone and the number reused),

@@ -12,9 +12,15 @@ started step is never lost in part to a refill.
 
 A section is written with ``manifest.write_section_slot`` under the slot's shared lock: the data file
 with ``O_DIRECT`` straight from the mapping, its CRC-32 the worker's (combined from its blocks), so
-the holder neither copies nor reads the bytes; then the index. A slot filled again by a newer
-snapshot before its write started is reported superseded. An exception while writing is reported
-(``part_failed``) and the thread goes on.
+the holder copies no byte; then the index. **Then the slot's bytes are checked against the index's
+block CRCs** (one read pass, ``crc_read_bytes``): the worker checksummed them as it copied, and a
+bit that changed in the holder's memory since (a bad DIMM, a stray write through the memfd) would
+otherwise be written under the worker's CRC and commit a checkpoint that no restore can read (found
+by the fault soak: the committed step was quarantined at the next restore). Checked after the write,
+so a change before or during it is caught; a failed check fails the section (``part_failed``,
+naming the block): the step never commits and the previous checkpoint stays the latest. A slot
+filled again by a newer snapshot before its write started is reported superseded. An exception
+while writing is reported (``part_failed``) and the thread goes on.
 
 One lock (a ``Condition``) over the queue; the outcome of each section goes to ``on_outcome`` (the
 holder records it and sends it to the controller).
@@ -28,9 +34,11 @@ import time
 from collections.abc import Callable
 
 from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.memory.crc import BlockCheck, BlockMismatch
 from cf_ray._engine.node.slot_store import Held, Key, SlotStore, When
 from cf_ray._engine.protocol.messages import PartDurable, PartFailed, PartSuperseded
 from cf_ray._engine.storage.base import Storage
+from cf_ray.errors import CorruptCheckpointError
 
 logger = logging.getLogger("cf_ray")
 
@@ -202,6 +210,7 @@ class Writer:
                 entry.crc32,
             )
             self.copied_bytes += copied
+            _check_blocks(entry, lk.data)
             return PartDurable(
                 generation=entry.generation,
                 step=entry.step,
@@ -210,7 +219,7 @@ class Writer:
                 persist_s=time.perf_counter() - t0,
                 holder=self._holder,
                 copied_bytes=copied,
-                crc_read_bytes=0,
+                crc_read_bytes=lk.data.nbytes,
             )
         except Exception as e:  # noqa: BLE001 - never kill the thread; the controller reports it
             logger.warning("cf_ray: persisting %s of step %d failed: %r", entry.section, entry.step, e)
@@ -223,6 +232,24 @@ class Writer:
             )
         finally:
             lk.close()
+
+
+def _check_blocks(entry: Held, data: memoryview) -> None:
+    """The slot's bytes, as they are now, against the block CRCs the worker computed as it copied
+    them; raises :class:`~cf_ray.errors.CorruptCheckpointError` naming the first block that differs."""
+    _tree, _entries, blocks = mf.parse_index_blocks(entry.index, f"{entry.section} of step {entry.step}")
+    try:
+        BlockCheck(
+            data,
+            blocks.size if blocks is not None else mf.BLOCK_BYTES,
+            list(blocks.crc32) if blocks is not None else None,
+            entry.crc32,
+        ).finish()
+    except BlockMismatch as e:
+        raise CorruptCheckpointError(
+            f"section {entry.section} of step {entry.step} changed in the holder's memory after the worker "
+            f"checksummed it ({e}): not committed, the previous checkpoint stays the latest"
+        ) from None
 
 
 __all__ = ["Writer"]
