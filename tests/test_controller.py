@@ -278,6 +278,38 @@ def test_a_checkpoint_the_controller_rereads_damaged_is_quarantined_and_never_co
     assert cli.main(["ls", root]) == 0
 
 
+def test_a_step_committed_again_after_its_quarantine_is_listed_again(controller):
+    """Found by the fault soak: step 8's checkpoint was quarantined (damaged on storage), the next
+    attempt resumed from step 6 and committed step 8 again, intact. ``quarantine.json`` still named
+    step 8, so every later listing (a new controller, ``cf-ray ls``, ``load_state``) hid the new
+    checkpoint: a milestone among them was gone for good. A commit of a quarantined step lifts its
+    quarantine, says so (a log line, an event), and the step is listed and restorable again."""
+    from cf_ray.load import list_checkpoints, quarantined_checkpoints
+
+    ctl = controller(keep_last=None)
+    for step in (6, 8):
+        _commit(ctl, step)
+    ctl.prepare_restore(WORLD)
+    _damage(ctl, 8)
+    ctl.record_event({"event": "restore_fallback", "source": "storage", "step": 8, "corrupt": True, "error": "crc"})
+    ctl.restored(Restored(source=RestoreSource.STORAGE, step=6, epoch=0))
+    _wait_maintenance(ctl)
+    root = ctl.storage.root
+    assert list(quarantined_checkpoints(root)) == [8]
+    ctl.prepare_restore(WORLD)  # the next attempt replays step 8 and commits it again
+    ctl.restored(Restored(source=RestoreSource.STORAGE, step=6, epoch=0))
+    _commit(ctl, 8)
+    _wait_maintenance(ctl)
+    assert quarantined_checkpoints(root) == {}
+    (lifted,) = [e for e in ctl.events() if e.get("event") == "quarantine_lifted"]
+    assert lifted["step"] == 8 and "fails its checksum" in lifted["was"]
+    assert [c.step for c in list_checkpoints(root)] == [6, 8]
+    assert controller(keep_last=None).prepare_restore(WORLD).storage == (8, 6)  # a new controller
+    m = mf.read_manifest(ctl.storage, mf.step_dir(8))
+    mf.verify_all(ctl.storage, mf.step_dir(8), m)  # the new checkpoint, whole and intact
+    assert m.generation == ctl.generation
+
+
 def test_one_ranks_read_error_never_quarantines_a_checkpoint_that_reads_back_intact(controller, monkeypatch):
     """Issue 23 #7: a rank's restore could not read step 8 (a file missing for a moment: a flaky
     mount, an object store's listing lag) and reported it as corrupt. The controller re-reads it,

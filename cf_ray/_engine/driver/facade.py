@@ -105,7 +105,7 @@ class Controller:
             settings.policy,
             resumed=resumed,
             lineage=lineage,
-            on_commit=lambda step, m: self._maintenance.after_commit(step, m),
+            on_commit=self._after_commit,
             on_profile_batch=lambda: self._maintenance.profile_batch_ready(),
         )
         self._maintenance = Maintenance(
@@ -267,6 +267,12 @@ class Controller:
         """What a holder holds and did (``Holder.resync``), applied as if each message came again."""
         self._roster.note(state.holder)
         self._roster.tell(self._ledger.apply_state(state))
+
+    def _after_commit(self, step: int, m: Any) -> None:
+        """Under the lock, after each commit: clean-up and uploads, and a quarantine of an earlier
+        checkpoint of this step lifted (a later attempt committed the step again, intact)."""
+        self._maintenance.after_commit(step, m)
+        self._quarantine.recommitted(step, int(m.generation))
 
     def _told(self, state: SectionState | None, settled: list, holder: str, new: bool) -> SectionState | None:
         self._roster.tell(settled)

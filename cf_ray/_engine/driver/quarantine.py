@@ -195,6 +195,36 @@ class Quarantine:
         )
         return True
 
+    def recommitted(self, step: int, generation: int) -> None:
+        """Step ``step`` was committed again, by ``generation`` (called under the controller's lock,
+        after the commit): a quarantine of an earlier checkpoint of that step no longer applies — its
+        manifest was replaced by the new one, which was written from bytes verified as they were
+        persisted. ``quarantine.json`` is rewritten on the maintenance thread. Without this, every
+        later listing (a new controller, a new driver, ``cf-ray ls``) hid the new checkpoint — a
+        milestone among them (found by the fault soak)."""
+        with self._file_lock:
+            if step not in self.steps:
+                return
+        self._run_soon(lambda: self._lift(step, generation))
+
+    def _lift(self, step: int, generation: int) -> None:
+        with self._file_lock:
+            why = self.steps.pop(step, None)
+            if why is None:
+                return
+            try:
+                write_quarantine(self.storage, dict(self.steps))
+            except Exception as e:  # noqa: BLE001 - the index is already right; the file only outlives us
+                logger.warning("cf_ray: could not write %s: %s", QUARANTINE, e)
+        self._event({"event": "quarantine_lifted", "step": step, "generation": generation, "was": why})
+        logger.warning(
+            "cf_ray: checkpoint step %d committed again (generation %d): the quarantine of its earlier "
+            "checkpoint (%s) is lifted",
+            step,
+            generation,
+            why,
+        )
+
     # -- in-memory snapshots ------------------------------------------------------------------------------
     def distrust(self, generation: int, step: int, reason: str, *, source: str = "") -> Distrusted:
         """Never offer the in-memory snapshot ``(generation, step)`` to a restore plan again; when that
