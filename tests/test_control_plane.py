@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import glob
 import os
 import sys
 import tempfile
@@ -676,6 +677,17 @@ def test_a_controller_restarted_mid_write_rebuilds_from_the_holder_and_commits(r
             "step 5 to commit through the restarted controller",
         )
         assert [c.step for c in mf.list_committed(storage)] == [5]
+        # Never silent (found by the fault soak): the restarted controller says so, once.
+        logs = ray._private.worker._global_node.get_logs_dir_path()
+
+        def said() -> int:
+            return sum(
+                open(f, errors="replace").read().count(f"controller of {key} started again")
+                for f in glob.glob(os.path.join(logs, "worker-*"))
+            )
+
+        _wait_for(lambda: said() >= 1, 30, "the restarted controller to say it started again")
+        assert said() == 1
         assert ray.get(ctl.ping.remote(), timeout=30)["generation"] >= gen
         reply = ray.get(ctl.sync.remote(SyncRequest(rank=0, generation=gen, adopted_version=3)), timeout=30)
         assert reply.schedules and all(s.schedule_version > 3 for s in reply.schedules)

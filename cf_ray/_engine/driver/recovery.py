@@ -307,7 +307,15 @@ class Roster:
             for name in found:
                 self.resync_one(name)
             if found:
-                logger.info("cf_ray: controller %s re-learnt the state of %d holder(s)", self.key, len(found))
+                # Holders of this run exist only once its workers made them: a controller that finds
+                # some as it starts is one Ray started again after its process died. Said once.
+                logger.warning(
+                    "cf_ray: the controller of %s started again (the previous one's process died): "
+                    "re-learnt the state of %d holder(s) and the committed checkpoints on storage; a "
+                    "commit in flight when it died is made again from the holders",
+                    self.key,
+                    len(found),
+                )
         except Exception:  # noqa: BLE001
             logger.exception("cf_ray: could not resync the holders")
         finally:
