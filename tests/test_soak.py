@@ -314,6 +314,9 @@ def test_judge_sees_a_fault_only_where_the_run_reports_it():
     assert checks.judge(hang, run)["outcome"] == "silent"
     slow = dict(run, result={"profile": [{"step": 15, "persist_s": 8.3}]})
     assert checks.judge(hang, slow)["outcome"] == "seen"
+    # The blocked write was the controller's manifest: the row's commit time shows it.
+    slow_commit = dict(run, result={"profile": [{"step": 15, "persist_s": 0.04, "commit_s": 8.0}]})
+    assert checks.judge(hang, slow_commit)["outcome"] == "seen"
 
 
 def test_a_stall_of_training_counts_what_cf_ray_said_while_it_stood_still(tmp_path):

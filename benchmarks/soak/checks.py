@@ -191,6 +191,10 @@ def judge(fault: dict, run: dict) -> dict:
                 evidence.append(
                     f"profile: step {row['step']} took {max(_persists(row)):.1f} s to persist (blocked {b:.1f} s)"
                 )
+            elif b and (row.get("commit_s") or 0.0) >= 0.5 * b:  # the blocked write was the manifest
+                evidence.append(
+                    f"profile: step {row['step']} took {row['commit_s']:.1f} s to commit (blocked {b:.1f} s)"
+                )
         evidence += [f"failure: step {f.get('step')}" for f in failures if f.get("step") in blocked][:3]
         evidence += [f"event: {e['event']}" for e in events if str(e.get("event", "")).startswith("durab")][:3]
         evidence += _lines(lines, r"durab|free slot|stall|hang|slow|not answer")
