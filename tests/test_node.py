@@ -191,7 +191,7 @@ def test_the_peer_itself_tells_the_controller_of_each_copy_it_received(tmp_path)
     assert [m for m in a._sender.of("apply_holder_state")] == []  # the origin says it the usual way
 
 
-def test_a_copy_whose_bytes_changed_in_the_origins_memory_is_never_kept(tmp_path):
+def test_a_copy_whose_bytes_changed_in_the_origins_memory_is_never_kept(tmp_path, caplog):
     """A stray write into the origin's slot after the worker checksummed it: the peer checks every
     block as it lands, refuses the copy (the error names the block), and keeps nothing."""
     a, b = _pair(_local(tmp_path, "a"), _local(tmp_path, "b"))
@@ -205,6 +205,9 @@ def test_a_copy_whose_bytes_changed_in_the_origins_memory_is_never_kept(tmp_path
     (msg,) = a._sender.wait_for("part_replicated", lambda m: True)
     assert "block 2" in msg.error and not msg.holder, msg
     assert b.resync().replicas == () and b.held_bytes()["copies"] == 0
+    # Never silent (found by the fault soak: a bit flipped on the wire was only a profile column).
+    (said,) = [r.getMessage() for r in caplog.records if "copying rank_00000 of step 10" in r.getMessage()]
+    assert "block 2" in said and "failed" in said, said
 
 
 def test_a_section_whose_bytes_changed_in_the_holders_memory_is_never_committed(tmp_path):

@@ -106,6 +106,7 @@ class Replicator:
         self._queue: dict[str, Held] = {}  # section -> the newest entry waiting to be copied
         self._current: tuple[int, int] | None = None  # the step being copied (generation, step)
         self._finishing: dict[str, Held] = {}  # its sections still to copy, though newer ones wait
+        self._failing: set[str] = set()  # peers' nodes whose last copy failed (said once, until one works)
         self.copied_bytes = 0
         """Bytes received into this holder's copies (one pass on the host, by the kernel)."""
         self._thread = threading.Thread(target=self._run, name="cf_ray-replicate", daemon=True)
@@ -243,9 +244,20 @@ class Replicator:
                     seconds=time.perf_counter() - t0,
                 )
                 self._store.note_copied(entry)
+                self._failing.discard(peer.node_id)
             except Exception as e:  # noqa: BLE001 - the peer died, its node is gone, the transfer failed: reported
                 server.withdraw(desc.token)  # its slot's lock is released now
                 msg = self._failed(entry, peer.node_id, f"{type(e).__name__}: {e}")
+                if peer.node_id not in self._failing:  # said once per peer, until a copy to it works
+                    self._failing.add(peer.node_id)
+                    logger.warning(
+                        "cf_ray: copying %s of step %d to the holder on node %s failed (%s); until a copy "
+                        "there works, a restore after losing this node takes an older copy or storage",
+                        entry.section,
+                        entry.step,
+                        peer.node_id[:12],
+                        msg.error[:500],
+                    )
             self._send("part_replicated", msg)
 
     def _failed(self, entry: Held, node_id: str, error: str) -> PartReplicated:
