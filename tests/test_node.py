@@ -331,11 +331,14 @@ def test_after_a_node_loss_the_newest_copied_step_survives_whole_on_the_other_no
             flag.unlink()
 
 
-def test_a_step_whose_copying_began_is_copied_whole_before_a_newer_one(tmp_path):
+@pytest.mark.parametrize("priority", [False, True], ids=["scheduled", "preemption"])
+def test_a_step_whose_copying_began_is_copied_whole_before_a_newer_one(tmp_path, priority):
     """Issue 28: copies slower than the interval. The first section of step 5 is in flight to the
     peer when step 10 is staged. Newest-wins per section used to skip step 5's other section, so no
     step had every section copied (with every copy that slow, none ever would) and a node loss went
-    back to storage. The step begun is finished first, then the newer one is copied."""
+    back to storage. The step begun is finished first, then the newer one is copied — unless the
+    newer one is a preemption checkpoint, whose deadline does not wait: it goes first, then step 5's
+    remaining section."""
     holders: dict[str, Holder] = {}
     began, gate = threading.Event(), threading.Event()
 
@@ -352,18 +355,16 @@ def test_a_step_whose_copying_began_is_copied_whole_before_a_newer_one(tmp_path)
     b = holders["B"] = _holder(_local(tmp_path, "b"), "B")
     nbytes = mf.BLOCK_BYTES + 100
     sections = ["rank_00000", "shared"]
-    meta = _meta(0, replicas=1, persist=False)
-    _stage(a, 1, 5, {s: _data(5, s, nbytes) for s in sections}, meta)
+    _stage(a, 1, 5, {s: _data(5, s, nbytes) for s in sections}, _meta(0, replicas=1, persist=False))
     assert began.wait(30)
-    _stage(a, 1, 10, {s: _data(10, s, nbytes) for s in sections}, meta)  # while step 5 is in flight
+    newer = _meta(0, replicas=1, persist=False, priority=priority)
+    _stage(a, 1, 10, {s: _data(10, s, nbytes) for s in sections}, newer)  # while step 5 is in flight
     gate.set()
     got = a._sender.wait_for("part_replicated", lambda m: not m.skipped, count=4)
-    assert [(m.step, m.section, m.error) for m in got] == [
-        (5, "rank_00000", ""),
-        (5, "shared", ""),
-        (10, "rank_00000", ""),
-        (10, "shared", ""),
-    ], got
+    order = [(5, "rank_00000"), (5, "shared"), (10, "rank_00000"), (10, "shared")]
+    if priority:
+        order = [(5, "rank_00000"), (10, "rank_00000"), (10, "shared"), (5, "shared")]
+    assert [(m.step, m.section, m.error) for m in got] == [(st, sec, "") for st, sec in order], got
     assert a._sender.of("part_replicated") == got  # nothing skipped
     for step in (5, 10):
         for sec in sections:

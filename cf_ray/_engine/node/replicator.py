@@ -29,7 +29,8 @@ a newer one: a newer snapshot skips the sections of a step not begun, never the 
 of the step being copied (issue 28: with copies slower than the interval, newest-wins per section
 skipped the first snapshot's second section while its first was in flight, and with every copy that
 slow no step was ever copied whole). A remaining section whose slot the worker filled again since
-is dropped (``take`` finds a newer fill), and the thread moves on.
+is dropped (``take`` finds a newer fill), and the thread moves on. A preemption checkpoint
+(``SnapshotMeta.priority``) goes first all the same: its deadline does not wait for an older step.
 
 Time limits: the peer's pull stalls out after ``STALL_TIMEOUT_S`` without progress (no cap on the
 whole transfer); the origin gives up on a peer that does not fetch its offer in ``TICKET_TTL_S`` or
@@ -195,11 +196,14 @@ class Replicator:
                 logger.warning("cf_ray: replicating %s of step %d failed", entry.section, entry.step, exc_info=True)
 
     def _next(self) -> Held:
-        """The next section to copy (under the lock): the step being copied first, then the oldest
-        step waiting (its other sections next, by name)."""
-        if self._finishing:
+        """The next section to copy (under the lock): a priority snapshot's (a preemption checkpoint's:
+        its deadline will not wait), then the step being copied, then the oldest step waiting (its
+        other sections next, by name)."""
+        urgent = [k for k, e in self._queue.items() if e.meta.priority]
+        if self._finishing and not urgent:
             return self._finishing.pop(min(self._finishing))
-        section = min(self._queue, key=lambda k: (self._queue[k].when, k))
+        pool = urgent or list(self._queue)
+        section = min(pool, key=lambda k: (self._queue[k].when, k))
         entry = self._queue.pop(section)
         self._current = entry.when
         return entry
