@@ -251,7 +251,9 @@ class Replicator:
                 self._failing.discard(peer.node_id)
             except Exception as e:  # noqa: BLE001 - the peer died, its node is gone, the transfer failed: reported
                 server.withdraw(desc.token)  # its slot's lock is released now
-                msg = self._failed(entry, peer.node_id, f"{type(e).__name__}: {e}")
+                cause = getattr(e, "cause", None)  # a RayTaskError's own: what the peer raised
+                err = cause if isinstance(cause, BaseException) else e
+                msg = self._failed(entry, peer.node_id, f"{type(err).__name__}: {err}")
                 if peer.node_id not in self._failing:  # said once per peer, until a copy to it works
                     self._failing.add(peer.node_id)
                     logger.warning(
