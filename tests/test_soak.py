@@ -170,6 +170,38 @@ def test_a_sealed_copy_refuses_the_flip():
         copy.close()
 
 
+def test_a_flip_that_finds_nothing_to_flip_leaves_no_worker_stopped():
+    """Found by the soak itself (seed 20): a file flip drawn before anything was committed stopped
+    every worker, found nothing to flip and resumed only the others; rank r stayed stopped until
+    the run timed out, recorded as a hang of cf_ray's. Every stopped worker goes on."""
+    import types
+
+    from benchmarks.soak.inject import Injector
+    from benchmarks.soak.schedule import Fault
+
+    workers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        place = types.SimpleNamespace(workers={r: (w.pid, "node", 1) for r, w in enumerate(workers)}, holders={})
+        mon = types.SimpleNamespace(
+            placement=lambda: place, committed=lambda: [], newest_generation=lambda: 1, newest_step=lambda *gen: 1
+        )
+        inj = Injector.__new__(Injector)
+        inj.mon, inj.alive = mon, lambda: True
+        for kind in ("file_flip", "slot_flip"):
+            fault = Fault(
+                id="F1.0", kind=kind, point="then_kill", step=1, rank=1, params={"where": 0.5, "section": "rank"}
+            )
+            rec = {"injected": False, "landed": {}}
+            getattr(inj, f"_{kind}")(fault, rec)
+            time.sleep(0.2)
+            states = [open(f"/proc/{w.pid}/stat").read().rsplit(")", 1)[1].split()[0] for w in workers]
+            assert "T" not in states, (kind, states, rec)
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()
+
+
 def test_a_bit_is_flipped_in_a_file(tmp_path):
     p = tmp_path / "g0001.shared.bin"
     p.write_bytes(b"\x00" * 1000)

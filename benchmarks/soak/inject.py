@@ -315,7 +315,6 @@ class Injector:
     def _slot_flip(self, fault: Fault, rec: dict) -> None:
         section = _section(fault)
         place = self.mon.placement()
-        others = [pid for r, (pid, _, _) in place.workers.items() if r != fault.rank]
         stopped = [pid for pid in self._pids_of_workers() if procs.signal_pid(pid, signal.SIGSTOP)]
         try:
             ready = []
@@ -335,14 +334,16 @@ class Injector:
             rec["injected"] = any(f["done"] for f in flips + copies)
             self._kill_rank(fault.rank, rec)
         finally:
+            # Every stopped worker goes on (rank r too when the fault went no further than the stop:
+            # it was left stopped for good, and the soak recorded its own hang as cf_ray's).
+            killed = (rec["landed"].get("killed") or {}).get("pid")
             for pid in stopped:
-                if pid in others:
+                if pid != killed:
                     procs.signal_pid(pid, signal.SIGCONT)
 
     def _file_flip(self, fault: Fault, rec: dict) -> None:
         section = _section(fault)
         place = self.mon.placement()
-        others = [pid for r, (pid, _, _) in place.workers.items() if r != fault.rank]
         stopped = [pid for pid in self._pids_of_workers() if procs.signal_pid(pid, signal.SIGSTOP)]
         try:
             committed = self.mon.committed()
@@ -367,8 +368,11 @@ class Injector:
             rec["injected"] = True
             self._kill_rank(fault.rank, rec)
         finally:
+            # Every stopped worker goes on (rank r too when the fault went no further than the stop:
+            # it was left stopped for good, and the soak recorded its own hang as cf_ray's).
+            killed = (rec["landed"].get("killed") or {}).get("pid")
             for pid in stopped:
-                if pid in others:
+                if pid != killed:
                     procs.signal_pid(pid, signal.SIGCONT)
 
     def _stream_flip(self, fault: Fault, rec: dict) -> None:
