@@ -288,6 +288,48 @@ def test_cuda_copies_into_the_spare_slot_register_it_on_first_use():
     snap.release_buffers()
 
 
+def test_a_hand_off_that_does_not_return_holds_the_next_snapshot_a_bounded_time_saying_so(monkeypatch, caplog):
+    """Issue 23 #2: at most one snapshot is in flight, so the next one waited for the previous
+    hand-off with no bound: a holder that stops answering (Ray restarting it, a call stuck in Ray)
+    held the training thread at its next checkpoint, silently. It waits at most env.SLOT_WAIT_S,
+    says so while it waits, then skips that snapshot; once the hand-off returns, the next snapshot
+    is taken as usual."""
+    import logging
+    import threading
+    import time
+
+    from cf_ray._engine import env
+    from cf_ray._engine.worker.snapshot import SnapshotSkipped
+
+    caplog.set_level(logging.WARNING, logger="cf_ray")
+    monkeypatch.setattr(env, "SLOT_WAIT_S", 2.0)
+    model, opt, train_step, sections, guarded = _job()
+    holder = _Holder()
+    answer = threading.Event()
+
+    def stuck_hand_off(job, staged):
+        if job.step == 1:
+            assert answer.wait(60)
+        holder(job, staged)
+
+    snap = Snapshotter(0, stuck_hand_off, arena_source=holder.arena)
+    try:
+        train_step(snap)
+        snap.begin(1, sections(), guarded, {})  # its hand-off does not return
+        train_step(snap)
+        t0 = time.monotonic()
+        with pytest.raises(SnapshotSkipped, match="hand-off to this node's holder has not returned in 2 s"):
+            snap.begin(2, sections(), guarded, {})
+        assert 2.0 <= time.monotonic() - t0 < 10
+        assert "has waited 1 s for the previous snapshot's hand-off" in caplog.text  # said while it waited
+    finally:
+        answer.set()
+    assert snap.wait_done(timeout=30)
+    snap.begin(3, sections(), guarded, {})
+    assert snap.wait_done(timeout=30) and snap.take_errors() == [] and sorted(holder.staged) == [1, 3]
+    snap.close()
+
+
 def test_a_snapshot_that_finds_every_slot_held_waits_a_bounded_time_saying_so_then_is_skipped(monkeypatch, caplog):
     """Every slot of the section is held by the holder (one being written, one pinned until written:
     a milestone on a storage that hangs, and the spare): the training thread waits at most

@@ -178,7 +178,7 @@ class Snapshotter:
         """
         t_wait = time.perf_counter()
         self.capture_late()  # the previous snapshot's late objects: this is the next call
-        self.wait_done()  # at most one snapshot in flight: wait for the previous hand-off
+        self.arenas.wait_previous(step, self._job_done)  # one in flight: bounded, said while it waits
         t0 = time.perf_counter()
         wait_s = t0 - t_wait
         job = SnapshotJob(step=step, meta=meta, generation=generation, flats={}, arenas={})

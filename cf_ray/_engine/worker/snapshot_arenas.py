@@ -2,12 +2,14 @@
 :class:`~cf_ray._engine.worker.slot_arena.SlotArena`), reused while the section's layout stays the
 same, faulted in ahead of the first snapshot (``snapshot.py``'s module doc says why), and a free
 slot of each waited for at most ``env.SLOT_WAIT_S`` (said while it waits) before a snapshot is
-skipped (:class:`SnapshotSkipped`, never a hang of the training thread).
+skipped (:class:`SnapshotSkipped`, never a hang of the training thread); so is the previous
+snapshot's hand-off to the holder (:meth:`SectionArenas.wait_previous`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -125,6 +127,42 @@ class SectionArenas:
                 f"skipped: no free snapshot slot of section {section} within {e.waited_s:.0f} s "
                 f"(the holder holds {e.held} until they are written: storage is slow or stalled)"
             ) from None
+
+    def wait_previous(self, step: int, done: threading.Event) -> float:
+        """At most one snapshot in flight: wait for the previous one's hand-off to this node's holder
+        (``done``) at most ``env.SLOT_WAIT_S``, saying so while it waits; a hand-off to a holder that
+        stopped answering (Ray restarting it, a call stuck in Ray) never holds the training thread
+        for longer. (The watchdog is not fed here: a hand-off is not a storage wait, and polling the
+        controller with the in-flight snapshot's timings confused its episodes.) Returns seconds
+        waited.
+
+        Raises:
+            SnapshotSkipped: the previous hand-off did not return within the wait.
+        """
+        if done.is_set():
+            return 0.0
+        limit = _env.get_float(_env.SLOT_WAIT_S)
+        t0 = time.monotonic()
+        next_log = 1.0
+        while not done.wait(0.25):
+            waited = time.monotonic() - t0
+            if waited >= next_log:
+                next_log = waited + _env.get_float(_env.WARN_INTERVAL_S)
+                logger.warning(
+                    "cf_ray: rank %d: the snapshot of step %d has waited %.0f s for the previous snapshot's "
+                    "hand-off to this node's holder (the holder does not answer: restarting, or stuck); "
+                    "training goes on in %.0f s at most without this checkpoint",
+                    self.rank,
+                    step,
+                    waited,
+                    max(0.0, limit - waited),
+                )
+            if waited >= limit:
+                raise SnapshotSkipped(
+                    f"skipped: the previous snapshot's hand-off to this node's holder has not returned in "
+                    f"{waited:.0f} s (the holder does not answer)"
+                )
+        return time.monotonic() - t0
 
     def waited(self, step: int, slot_wait_s: float) -> None:
         """A snapshot waited ``slot_wait_s`` for its slots: said once, when it is long."""
