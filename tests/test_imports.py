@@ -42,6 +42,28 @@ def test_no_module_of_the_node_and_driver_rooms_imports_torch_or_pandas():
     assert out.strip() == "[]"
 
 
+def test_a_holder_checking_a_sections_bytes_never_imports_torch():
+    """The writer checks a slot's bytes against the index's block CRCs and a peer checks a copy's:
+    both read the blocks only. Parsing the whole index imports torch for an entry of kind "torch"
+    (RNG state): in the holder, on its writer's thread, that import held a just-in-time checkpoint
+    past its deadline (test_spot). Checked where it runs: a process of the node room only."""
+    code = (
+        "import sys, zlib\n"
+        "from cf_ray._engine.node import writer, replicator\n"
+        "from cf_ray._engine.node.slot_store import Held\n"
+        "data = memoryview(bytearray(b'x' * 5000))\n"
+        "crc = zlib.crc32(data)\n"
+        'index = (\'{"entries":[{"name":"rng.torch","dtype":"uint8","shape":[5000],"offset":0,\'\n'
+        '         \'"nbytes":5000,"kind":"torch"}],"tree":{},"blocks":{"bytes":262144,"crc32":[%d]}}\' % crc).encode()\n'
+        "h = Held(1, 5, 'rank_00000', None, index, crc, None)\n"
+        "writer._check_blocks(h, data)\n"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
 def test_the_ray_data_split_modules_do_not_import_torch():
     # They run in Ray Train's dataset manager and in the block-stream actor (Ray Data imports pandas there).
     code = "import sys, cf_ray._engine.data.block_stream; print('torch' in sys.modules)"

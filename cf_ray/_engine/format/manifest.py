@@ -76,6 +76,7 @@ from cf_ray._engine.format.layout import (
 from cf_ray._engine.format.sections import (
     Section,
     encode_index,
+    index_blocks,
     load_section,
     parse_index,
     parse_index_blocks,
@@ -129,6 +130,7 @@ __all__ = [
     "load_quarantine",
     "load_section",
     "parse_index",
+    "index_blocks",
     "parse_index_blocks",
     "parse_step_dir",
     "rank_section",

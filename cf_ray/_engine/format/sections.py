@@ -173,22 +173,38 @@ def parse_index_blocks(raw: bytes | np.ndarray, where: str) -> tuple[Any, list[_
         if not isinstance(d, dict) or not isinstance(d.get("entries"), list) or "tree" not in d:
             raise ValueError("expected an object with an 'entries' list and a 'tree'")
         entries = [_codec.TensorEntry.from_json(e) for e in d["entries"]]
-        blocks = None
-        if "blocks" in d:
-            b = d["blocks"]
-            if (
-                not isinstance(b, dict)
-                or not _is_int(b.get("bytes"))
-                or b["bytes"] < 1
-                or not isinstance(b.get("crc32"), list)
-                or not all(_is_int(c) and 0 <= c < 2**32 for c in b["crc32"])
-            ):
-                raise ValueError("'blocks' is not {'bytes': int >= 1, 'crc32': [int, ...]}")
-            blocks = Blocks(b["bytes"], tuple(b["crc32"]))
-        return d["tree"], entries, blocks
+        return d["tree"], entries, _blocks_of(d)
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as e:
         # UnicodeDecodeError and json.JSONDecodeError are ValueErrors.
         raise CorruptCheckpointError(f"index {where} is malformed: {type(e).__name__}: {e}") from None
+
+
+def index_blocks(raw: bytes | np.ndarray, where: str) -> Blocks | None:
+    """Only an index's block checksums (``None`` when it has none): what a holder checks bytes
+    against. Parses no tensor entry (an entry's dtype may name a torch type: a holder never imports
+    torch — that import, on the writer's thread, held a just-in-time checkpoint past its deadline)."""
+    try:
+        d = json.loads(bytes(raw))
+        if not isinstance(d, dict):
+            raise ValueError("expected an object")
+        return _blocks_of(d)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as e:
+        raise CorruptCheckpointError(f"index {where} is malformed: {type(e).__name__}: {e}") from None
+
+
+def _blocks_of(d: dict) -> Blocks | None:
+    if "blocks" not in d:
+        return None
+    b = d["blocks"]
+    if (
+        not isinstance(b, dict)
+        or not _is_int(b.get("bytes"))
+        or b["bytes"] < 1
+        or not isinstance(b.get("crc32"), list)
+        or not all(_is_int(c) and 0 <= c < 2**32 for c in b["crc32"])
+    ):
+        raise ValueError("'blocks' is not {'bytes': int >= 1, 'crc32': [int, ...]}")
+    return Blocks(b["bytes"], tuple(b["crc32"]))
 
 
 def load_section(

@@ -146,7 +146,7 @@ class Replicator:
         slot = self._store.new_copy(offer.origin, offer.origin_node, offer.section, nbytes)
         try:
             view = slot.fill()
-            _tree, _entries, blocks = mf.parse_index_blocks(offer.index, f"copy of {offer.section}")
+            blocks = mf.index_blocks(offer.index, f"copy of {offer.section}")
             check = BlockCheck(
                 view,
                 blocks.size if blocks is not None else mf.BLOCK_BYTES,

@@ -237,7 +237,7 @@ class Writer:
 def _check_blocks(entry: Held, data: memoryview) -> None:
     """The slot's bytes, as they are now, against the block CRCs the worker computed as it copied
     them; raises :class:`~cf_ray.errors.CorruptCheckpointError` naming the first block that differs."""
-    _tree, _entries, blocks = mf.parse_index_blocks(entry.index, f"{entry.section} of step {entry.step}")
+    blocks = mf.index_blocks(entry.index, f"{entry.section} of step {entry.step}")
     try:
         BlockCheck(
             data,
