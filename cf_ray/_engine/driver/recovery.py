@@ -280,6 +280,8 @@ class Roster:
         threading.Thread(target=self.resync_one, args=(name,), name="cf_ray-resync", daemon=True).start()
 
     def resync_one(self, name: str) -> bool:
+        """Ask holder ``name`` what it holds and did; True when it said anything of this run (a
+        section staged, an outcome, a copy)."""
         link = self.link
         if link is None:
             return False
@@ -287,7 +289,7 @@ class Roster:
             state = link.resync(name, timeout_s=_env.get_float(_env.ACTOR_TIMEOUT_S))
             if state is not None:
                 self._apply(state)
-            return state is not None
+            return state is not None and bool(state.staged or state.outcomes or state.replicas)
         except HolderBusy:
             logger.warning("cf_ray: holder %s did not answer a resync in time", name)
             return False
@@ -304,17 +306,17 @@ class Roster:
         try:
             names = link.names_on_alive_nodes() if link is not None else []
             found = [n for n in names if link is not None and link.exists(n) and self._of_this_run(n)]
-            for name in found:
-                self.resync_one(name)
-            if found:
-                # Holders of this run exist only once its workers made them: a controller that finds
-                # some as it starts is one Ray started again after its process died. Said once.
+            knew = [name for name in found if self.resync_one(name)]
+            if knew:
+                # A holder that has handled snapshots of this run already when the controller starts
+                # means the controller is one started again after its process died (a fresh run's
+                # holders, made by its workers as it starts, hold nothing yet). Said once.
                 logger.warning(
                     "cf_ray: the controller of %s started again (the previous one's process died): "
                     "re-learnt the state of %d holder(s) and the committed checkpoints on storage; a "
                     "commit in flight when it died is made again from the holders",
                     self.key,
-                    len(found),
+                    len(knew),
                 )
         except Exception:  # noqa: BLE001
             logger.exception("cf_ray: could not resync the holders")
