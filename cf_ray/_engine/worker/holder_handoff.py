@@ -119,11 +119,10 @@ class HolderHandOff:
             )
             if not got.recorded:
                 why = f"it does not know the slots of {', '.join(got.unknown)} (it was restarted)"
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+        except ray.exceptions.RayActorError as e:
             if self._resolve_holder is None:
                 raise
-            gone = isinstance(e, ray.exceptions.RayActorError)
-            why = f"it is gone ({type(e).__name__}: {e})" if gone else f"it did not answer in {timeout:.0f} s"
+            why = f"it is gone ({type(e).__name__}: {e})"
         if why:
             logger.warning(
                 "cf_ray: rank %d: this node's holder cannot take the snapshot of step %d: %s; copying it into "
