@@ -133,6 +133,9 @@ class Quarantine:
         self._file_lock = threading.Lock()  # quarantine.json, written in order
         self.steps: dict[int, str] = load_quarantine(storage)
         """step -> why, as ``quarantine.json`` lists them (under its own lock)."""
+        self._damaged: set[int] = set()
+        """Steps this controller quarantined for damaged bytes (its own re-read): a re-commit lifts
+        those only (a suspect *state*, distrusted, is made again by the replay as it was)."""
 
     # -- committed checkpoints --------------------------------------------------------------------------
     def suspect(self, step: int, error: str) -> None:
@@ -171,7 +174,11 @@ class Quarantine:
             )
             self._event({"event": "verified", "step": step, "intact": True, "error": error})
             return False
-        return self.quarantine(step, damage)
+        quarantined = self.quarantine(step, damage)
+        if quarantined:
+            with self._file_lock:
+                self._damaged.add(step)
+        return quarantined
 
     def quarantine(self, step: int, why: str, generation: int | None = None) -> bool:
         """Take the committed checkpoint of ``step`` (of ``generation`` when given) out of use, with
@@ -197,19 +204,22 @@ class Quarantine:
 
     def recommitted(self, step: int, generation: int) -> None:
         """Step ``step`` was committed again, by ``generation`` (called under the controller's lock,
-        after the commit): a quarantine of an earlier checkpoint of that step no longer applies — its
-        manifest was replaced by the new one, which was written from bytes verified as they were
-        persisted. ``quarantine.json`` is rewritten on the maintenance thread. Without this, every
-        later listing (a new controller, a new driver, ``cf-ray ls``) hid the new checkpoint — a
-        milestone among them (found by the fault soak)."""
+        after the commit): a quarantine of an earlier checkpoint of that step *for damaged bytes*
+        no longer applies — its manifest was replaced by the new one, written from bytes verified as
+        they were persisted. ``quarantine.json`` is rewritten on the maintenance thread. Without
+        this, every later listing (a new controller, a new driver, ``cf-ray ls``) hid the new
+        checkpoint — a milestone among them (found by the fault soak). A quarantine for a suspect
+        state (trust-gated recovery) stays: the replay makes that state again. So does one that this
+        controller did not make (read from the file at its start: why is not known)."""
         with self._file_lock:
-            if step not in self.steps:
+            if step not in self.steps or step not in self._damaged:
                 return
         self._run_soon(lambda: self._lift(step, generation))
 
     def _lift(self, step: int, generation: int) -> None:
         with self._file_lock:
             why = self.steps.pop(step, None)
+            self._damaged.discard(step)
             if why is None:
                 return
             try:
