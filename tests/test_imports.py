@@ -12,13 +12,21 @@ ACTOR_ROOMS = ("_engine/node", "_engine/driver", "_engine/memory", "_engine/prot
 """Folders of ``cf_ray`` whose modules run in the actor processes: nothing there imports torch."""
 
 
+def _python(code: str) -> str:
+    """What ``code`` prints, run by a fresh interpreter (what it imports is its own); fails the test,
+    showing its stderr, when it does not exit 0."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def test_actor_modules_do_not_import_torch_or_pandas():
     code = (
         "import sys, cf_ray._engine.driver.controller, cf_ray._engine.node.holder, cf_ray.report, "
         "cf_ray._engine.format.manifest; "
         "print(sorted(m for m in ('torch', 'pandas', 'pyarrow.parquet') if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = _python(code)
     assert out.strip() == "[]"
 
 
@@ -38,7 +46,7 @@ def test_no_module_of_the_node_and_driver_rooms_imports_torch_or_pandas():
         f"for m in {modules!r}: importlib.import_module(m)\n"
         "print(sorted(m for m in ('torch', 'pandas') if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = _python(code)
     assert out.strip() == "[]"
 
 
@@ -59,15 +67,14 @@ def test_a_holder_checking_a_sections_bytes_never_imports_torch():
         "writer._check_blocks(h, data)\n"
         "print('torch' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"
+    out = _python(code)
+    assert out.strip() == "False"
 
 
 def test_the_ray_data_split_modules_do_not_import_torch():
     # They run in Ray Train's dataset manager and in the block-stream actor (Ray Data imports pandas there).
     code = "import sys, cf_ray._engine.data.block_stream; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = _python(code)
     assert out.strip() == "False"
 
 
@@ -123,9 +130,8 @@ def test_every_documented_dotted_expression_works_after_import_cf_ray_alone():
         "        bad.append(f'{e}: {x}')\n"
         "print(bad)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]", out.stdout
+    out = _python(code)
+    assert out.strip() == "[]", out
 
 
 def test_public_submodules_are_attributes_of_the_package():
@@ -142,5 +148,5 @@ def test_cf_ray_and_its_integrations_package_import_no_trainer_framework():
         "import sys, cf_ray, cf_ray.integrations, cf_ray.checkpointer, cf_ray.data; "
         "print(sorted(m for m in ('transformers', 'accelerate', 'lightning', 'pytorch_lightning') if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = _python(code)
     assert out.strip() == "[]"
