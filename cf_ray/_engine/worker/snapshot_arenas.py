@@ -103,8 +103,7 @@ class SectionArenas:
         self._next_wait_log = 1.0
 
         def waiting(waited_s: float) -> bool:
-            if waited_s >= self._next_wait_log:
-                self._next_wait_log = waited_s + _env.get_float(_env.WARN_INTERVAL_S)
+            if self._say_now(waited_s):
                 logger.warning(
                     "cf_ray: rank %d: the snapshot of step %d has waited %.0f s for a free slot of section %s: "
                     "the holder holds every slot (%s) until they are written, so storage is slow or stalled; "
@@ -143,11 +142,10 @@ class SectionArenas:
             return 0.0
         limit = _env.get_float(_env.SLOT_WAIT_S)
         t0 = time.monotonic()
-        next_log = 1.0
+        self._next_wait_log = 1.0
         while not done.wait(0.25):
             waited = time.monotonic() - t0
-            if waited >= next_log:
-                next_log = waited + _env.get_float(_env.WARN_INTERVAL_S)
+            if self._say_now(waited):
                 logger.warning(
                     "cf_ray: rank %d: the snapshot of step %d has waited %.0f s for the previous snapshot's "
                     "hand-off to this node's holder (the holder does not answer: restarting, or stuck); "
@@ -163,6 +161,14 @@ class SectionArenas:
                     f"{waited:.0f} s (the holder does not answer)"
                 )
         return time.monotonic() - t0
+
+    def _say_now(self, waited_s: float) -> bool:
+        """Whether a wait of ``waited_s`` so far is to be said now: first after 1 s, then every
+        ``env.WARN_INTERVAL_S`` (the caller sets ``_next_wait_log`` to 1.0 as its wait starts)."""
+        if waited_s < self._next_wait_log:
+            return False
+        self._next_wait_log = waited_s + _env.get_float(_env.WARN_INTERVAL_S)
+        return True
 
     def waited(self, step: int, slot_wait_s: float) -> None:
         """A snapshot waited ``slot_wait_s`` for its slots: said once, when it is long."""
