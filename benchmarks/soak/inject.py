@@ -334,12 +334,7 @@ class Injector:
             rec["injected"] = any(f["done"] for f in flips + copies)
             self._kill_rank(fault.rank, rec)
         finally:
-            # Every stopped worker goes on (rank r too when the fault went no further than the stop:
-            # it was left stopped for good, and the soak recorded its own hang as cf_ray's).
-            killed = (rec["landed"].get("killed") or {}).get("pid")
-            for pid in stopped:
-                if pid != killed:
-                    procs.signal_pid(pid, signal.SIGCONT)
+            _continue(stopped, rec)
 
     def _file_flip(self, fault: Fault, rec: dict) -> None:
         section = _section(fault)
@@ -368,12 +363,7 @@ class Injector:
             rec["injected"] = True
             self._kill_rank(fault.rank, rec)
         finally:
-            # Every stopped worker goes on (rank r too when the fault went no further than the stop:
-            # it was left stopped for good, and the soak recorded its own hang as cf_ray's).
-            killed = (rec["landed"].get("killed") or {}).get("pid")
-            for pid in stopped:
-                if pid != killed:
-                    procs.signal_pid(pid, signal.SIGCONT)
+            _continue(stopped, rec)
 
     def _stream_flip(self, fault: Fault, rec: dict) -> None:
         self._arm("stream_flip", {"fault": fault.id, "where": fault.params["where"]})
@@ -390,6 +380,16 @@ class Injector:
         events = [e for e in soak_storage.read_events(self.run.control) if e.get("fault") == fault_id]
         if events:
             rec["landed"]["storage_writes"] = events
+
+
+def _continue(stopped: list[int], rec: dict) -> None:
+    """Every worker a flip stopped goes on but the one it killed (rank r too when the fault went no
+    further than the stop: it was left stopped for good, and the soak recorded its own hang as
+    cf_ray's)."""
+    killed = (rec["landed"].get("killed") or {}).get("pid")
+    for pid in stopped:
+        if pid != killed:
+            procs.signal_pid(pid, signal.SIGCONT)
 
 
 __all__ = ["Injector"]
