@@ -130,6 +130,13 @@ def _readable(holder: Holder, gen: int, step: int, section: str) -> np.ndarray |
     return out
 
 
+def _stray_write(slot_path: str, offset: int) -> None:
+    """A stray write through a slot's memfd: one byte of its data, at ``offset``, set to 0xff."""
+    fd = os.open(slot_path, os.O_RDWR)
+    os.pwrite(fd, b"\xff", slots.HEADER_BYTES + offset)
+    os.close(fd)
+
+
 def _local(tmp_path, name: str) -> FsStorage:
     return FsStorage(pafs.LocalFileSystem(), str(tmp_path / name))
 
@@ -198,9 +205,7 @@ def test_a_copy_whose_bytes_changed_in_the_origins_memory_is_never_kept(tmp_path
     nbytes = 4 * mf.BLOCK_BYTES
     descs = a.arena("rank_00000", nbytes)
     staged = staged_slot(descs, 1, 10, "rank_00000", _data(10, "rank_00000", nbytes), INDEX)
-    fd = os.open(staged.slot.path, os.O_RDWR)  # a stray write through the memfd
-    os.pwrite(fd, b"\xff", slots.HEADER_BYTES + 2 * mf.BLOCK_BYTES + 17)
-    os.close(fd)
+    _stray_write(staged.slot.path, 2 * mf.BLOCK_BYTES + 17)
     a.stage(Stage(generation=1, step=10, meta=_meta(0, replicas=1, persist=False), sections=(staged,)))
     (msg,) = a._sender.wait_for("part_replicated", lambda m: True)
     assert "block 2" in msg.error and not msg.holder, msg
@@ -220,9 +225,7 @@ def test_a_section_whose_bytes_changed_in_the_holders_memory_is_never_committed(
     nbytes = 4 * mf.BLOCK_BYTES
     descs = a.arena("rank_00000", nbytes)
     staged = staged_slot(descs, 1, 10, "rank_00000", _data(10, "rank_00000", nbytes), INDEX)
-    fd = os.open(staged.slot.path, os.O_RDWR)  # a stray write through the memfd, after the checksums
-    os.pwrite(fd, b"\xff", slots.HEADER_BYTES + 2 * mf.BLOCK_BYTES + 17)
-    os.close(fd)
+    _stray_write(staged.slot.path, 2 * mf.BLOCK_BYTES + 17)  # after the checksums
     a.stage(Stage(generation=1, step=10, meta=_meta(0), sections=(staged,)))
     (failed,) = a._sender.wait_for("part_failed", lambda m: m.step == 10)
     assert "changed in the holder's memory" in failed.error and "block 2" in failed.error, failed
