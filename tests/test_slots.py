@@ -20,6 +20,7 @@ from cf_ray._engine.memory import crc
 from cf_ray._engine.memory import slots as shm
 from cf_ray._engine.node.slot_store import SlotStore
 from cf_ray._engine.storage.fs import FsStorage
+from cf_ray._engine.worker import copy_engine
 from cf_ray._engine.worker.cpu_budget import CpuBudget
 from cf_ray._engine.worker.snapshot import Snapshotter
 
@@ -192,11 +193,49 @@ def test_a_worker_that_dies_mid_fill_leaves_a_slot_that_reads_as_empty(tmp_path)
     slot.close()
 
 
-def test_crc32_combine_is_zlibs():
+@pytest.mark.parametrize("form", ["isal", "python"])
+def test_crc32_combine_is_zlibs(form, monkeypatch):
+    if form == "python":
+        monkeypatch.setattr(crc, "_combine_c", None)  # where isal is not installed
+    else:
+        assert crc._combine_c is not None  # isal is a dependency: the C form is the one used
     data = os.urandom(3 * mf.BLOCK_BYTES + 1234)
     blocks = mf.block_crcs(np.frombuffer(data, dtype=np.uint8))
     assert crc.combine_blocks(blocks, mf.BLOCK_BYTES, len(data)) == zlib.crc32(data)
     assert crc.combine_blocks([], mf.BLOCK_BYTES, 0) == zlib.crc32(b"")
+    a, b = data[:1000], data[1000:]
+    assert crc.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(data)
+    assert crc.crc32_combine(zlib.crc32(a), zlib.crc32(b""), 0) == zlib.crc32(a)
+
+
+def test_a_slot_filled_by_dma_is_checksummed_on_several_threads_block_for_block():
+    # Not a DMA (no GPU here): the same read of a slot, split over threads, in the block layout
+    # the index carries; a flipped byte changes exactly its own block's CRC.
+    n = 5 * copy_engine.CRC_TASK_BLOCKS * mf.BLOCK_BYTES + 12345
+    buf = np.frombuffer(os.urandom(n), dtype=np.uint8).copy()
+    one = mf.block_crcs(buf)
+    crcs, cpu = copy_engine.dma_block_crcs(buf, threads=4)
+    assert crcs == one and cpu > 0.0  # the threads' CPU is reported (the caller's thread only waits)
+    assert copy_engine.dma_block_crcs(buf, threads=1) == (one, 0.0)
+    buf[3 * mf.BLOCK_BYTES + 7] ^= 1
+    flipped, _ = copy_engine.dma_block_crcs(buf, threads=4)
+    assert [k for k, (a, b) in enumerate(zip(one, flipped)) if a != b] == [3]
+
+
+def test_the_checksum_threads_share_the_cores_with_the_nodes_other_ranks(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("CF_RAY_CRC_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert copy_engine.crc_threads() == max(1, min(copy_engine.MAX_CRC_THREADS, cores))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores * 2))
+    assert copy_engine.crc_threads() == 1
+    monkeypatch.setenv("CF_RAY_CRC_THREADS", "3")
+    assert copy_engine.crc_threads() == 3
+    monkeypatch.setenv("CF_RAY_CRC_THREADS", "0")  # the default
+    assert copy_engine.crc_threads() == 1
+    monkeypatch.setenv("CF_RAY_CRC_THREADS", "many")
+    with pytest.raises(ValueError, match="CF_RAY_CRC_THREADS='many': set it to a whole number"):
+        copy_engine.crc_threads()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

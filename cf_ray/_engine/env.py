@@ -1,4 +1,4 @@
-"""cf_ray's tunables, in one place: the seven environment variables a user may set, and the module
+"""cf_ray's tunables, in one place: the eight environment variables a user may set, and the module
 constants that only tests change.
 
 **Environment variables** (documented in ``docs/guides/configuration.md``; the names below are
@@ -19,6 +19,8 @@ takes effect in the next object built; a Ray process reads the environment it wa
                                          checkpoint with Ray Train (``ray.train.report``)
 ``CF_RAY_DIRECT_IO``            1        ``0``: large local writes go through the page cache
                                          instead of ``O_DIRECT``
+``CF_RAY_CRC_THREADS``          auto     threads that checksum what a GPU copied into host memory
+                                         (the cores over ``LOCAL_WORLD_SIZE``, at most 8)
 ``CF_RAY_ALLOW_UNTESTED_RAY``   unset    ``1``: import cf_ray with a Ray it was not tested with
 ==============================  =======  =====================================================
 
@@ -40,7 +42,7 @@ from typing import TypeVar, cast
 
 _T = TypeVar("_T", int, float, str)
 
-# -- the environment variables (seven, each documented) ----------------------------------------
+# -- the environment variables (eight, each documented) ----------------------------------------
 #: Seconds a worker waits for the controller or a holder in a blocking call (restore, wait, close).
 ACTOR_TIMEOUT_S = "CF_RAY_ACTOR_TIMEOUT_S"
 #: Seconds the controller stays alive after every rank has finished, so the driver can read it.
@@ -56,6 +58,9 @@ REAPER_INTERVAL_S = "CF_RAY_REAPER_INTERVAL_S"
 REGISTER_INTERVAL_S = "CF_RAY_REGISTER_INTERVAL_S"
 #: "0" turns off direct I/O (O_DIRECT) for large local writes; they then go through the page cache.
 DIRECT_IO = "CF_RAY_DIRECT_IO"
+#: Threads that checksum a snapshot's bytes after a GPU copied them into host memory by DMA
+#: (``worker/copy_engine.py``'s ``crc_threads``; unset or 0: the cores over ``LOCAL_WORLD_SIZE``, at most 8).
+CRC_THREADS = "CF_RAY_CRC_THREADS"
 #: "1" lets cf_ray import with a Ray version it was not tested with (``cf_ray._version``).
 ALLOW_UNTESTED_RAY = "CF_RAY_ALLOW_UNTESTED_RAY"
 
@@ -66,6 +71,7 @@ VARIABLES: dict[str, float] = {
     REAPER_INTERVAL_S: 5.0,
     REGISTER_INTERVAL_S: 10.0,
     DIRECT_IO: 1,
+    CRC_THREADS: 0,
     ALLOW_UNTESTED_RAY: 0,
 }
 """Every environment variable cf_ray reads, with its default."""

@@ -10,7 +10,9 @@ are plain ``copy_`` calls, which release the GIL.
 Checksums: a slot filled from host memory is copied window by window and each window's blocks are
 checksummed right after its copy, while the bytes are still in the CPU's cache
 (:func:`_copy_checksummed`: no second pass over memory); a slot that device tensors were copied
-into by DMA is read once after the guard (:meth:`CopyEngine.checksum_dma`); the blocks a late
+into by DMA is read once after the guard (:meth:`CopyEngine.checksum_dma`, on several threads: the
+CPU's cores are idle while a GPU trains, and one thread's ~9 GB/s of CRC-32 was longer than a
+training step for 1.2 GB of state; :func:`crc_threads`); the blocks a late
 capture wrote are checksummed again (:meth:`CopyEngine.checksum_late`). Where blocks begin and end,
 and how an index carries their checksums, is the format's (``format/blocks.py``,
 ``format/sections.py``): this module asks it.
@@ -18,12 +20,17 @@ and how an index carries their checksums, is the format's (``format/blocks.py``,
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
+from cf_ray._engine import env as _env
 from cf_ray._engine.format import blocks as _blocks
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format import sections as _sections
@@ -34,14 +41,81 @@ from cf_ray._engine.worker.snapshot_job import Deferred, SnapshotJob, StagedSect
 #: Blocks copied before they are checksummed, while they are still in the CPU's cache.
 CRC_WINDOW_BLOCKS = 32
 
+#: Blocks per task when a slot filled by DMA is checksummed on several threads (16 MiB).
+CRC_TASK_BLOCKS = 64
+
+#: At most this many threads checksum a slot filled by DMA.
+MAX_CRC_THREADS = 8
+
+
+def crc_threads() -> int:
+    """How many threads checksum a slot that device tensors were copied into: the cores this process
+    may run on, shared with the other ranks on its node (``LOCAL_WORLD_SIZE``, which Ray Train's torch
+    backend sets), at most :data:`MAX_CRC_THREADS`; ``CF_RAY_CRC_THREADS`` sets it (``env.py``). The CRC-32
+    releases the GIL, so the threads run in parallel; they run after the guard, beside the GPU's
+    work, on cores a GPU job leaves idle."""
+    raw = os.environ.get(_env.CRC_THREADS, "").strip()
+    if raw and raw != "0":
+        try:
+            n = int(raw)
+        except ValueError:
+            raise ValueError(f"{_env.CRC_THREADS}={raw!r}: set it to a whole number of threads, e.g. 4") from None
+        if n < 1:
+            raise ValueError(f"{_env.CRC_THREADS}={raw!r}: set it to at least 1 (or 0 for the default)")
+        return n
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, min(MAX_CRC_THREADS, cores // local))
+
+
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def _crc_pool(threads: int) -> ThreadPoolExecutor:
+    """The process's checksum threads (made once, on the first slot filled by DMA; daemon threads)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cf_ray-crc")
+        return _pool
+
+
+def dma_block_crcs(buf: np.ndarray, threads: int) -> tuple[list[int], float]:
+    """The CRC-32 of every block of ``buf`` (``format/blocks.py``'s :func:`block_crcs`), on up to
+    ``threads`` threads, tasks of :data:`CRC_TASK_BLOCKS` blocks; with the CPU seconds spent on
+    threads other than the caller's (0 when it did the work itself: its own are counted already)."""
+    step = CRC_TASK_BLOCKS * _blocks.BLOCK_BYTES
+    if threads <= 1 or buf.nbytes <= step:
+        return _blocks.block_crcs(buf), 0.0
+
+    def part(start: int) -> tuple[list[int], float]:
+        c0 = time.thread_time()
+        out = _blocks.block_crcs(buf[start : start + step])
+        return out, time.thread_time() - c0
+
+    crcs: list[int] = []
+    cpu = 0.0
+    for out, spent in _crc_pool(threads).map(part, range(0, buf.nbytes, step)):
+        crcs += out
+        cpu += spent
+    return crcs, cpu
+
 
 class CopyEngine:
     """The copies and checksums of one rank's snapshots; one side stream per CUDA device, reused."""
 
-    def __init__(self):
+    def __init__(self, crc_threads: int | None = None):
         # One side stream per device: a tensor is copied on its own device's stream, which first
         # waits for an event recorded on that device's current stream after the optimizer step.
         self._streams: dict[int, Any] = {}
+        self._crc_threads = crc_threads  # None: crc_threads(), at the first slot filled by DMA
 
     # -- the training thread -------------------------------------------------------------------------
     @staticmethod
@@ -125,15 +199,20 @@ class CopyEngine:
         job.timings["copied_bytes"] = job.timings.get("copied_bytes", 0.0) + copied
         return crcs
 
-    @staticmethod
-    def checksum_dma(job: SnapshotJob, crcs: dict[str, list[int]]) -> None:
+    def checksum_dma(self, job: SnapshotJob, crcs: dict[str, list[int]]) -> None:
         """The block checksums of sections that device tensors were copied into by DMA: the CPU never
         saw those bytes, so this is a read of the slot, done after the guard is released (the copy
-        is complete; training goes on)."""
+        is complete; training goes on), on :func:`crc_threads` threads; their CPU seconds go to
+        ``job.timings["crc_pool_cpu_s"]``, the wall seconds to ``job.timings["crc_dma_s"]``."""
         for name, arena in job.buffers.items():
             if name not in crcs:
-                crcs[name] = _blocks.block_crcs(arena.numpy())
+                if self._crc_threads is None:
+                    self._crc_threads = crc_threads()
+                t0 = time.perf_counter()
+                crcs[name], cpu = dma_block_crcs(arena.numpy(), self._crc_threads)
+                job.timings["crc_dma_s"] = job.timings.get("crc_dma_s", 0.0) + time.perf_counter() - t0
                 job.timings["crc_read_bytes"] = job.timings.get("crc_read_bytes", 0.0) + arena.nbytes
+                job.timings["crc_pool_cpu_s"] = job.timings.get("crc_pool_cpu_s", 0.0) + cpu
 
     @staticmethod
     def checksum_late(job: SnapshotJob, crcs: dict[str, list[int]]) -> None:

@@ -319,6 +319,7 @@ class Snapshotter:
         budget.add("crc", crc_wall, crc_cpu)
         self._engine.checksum_dma(job, crcs)  # after the guard: the weights may change meanwhile
         m = budget.lap("crc", m, calls=0)
+        budget.add("crc", 0.0, job.timings.pop("crc_pool_cpu_s", 0.0), calls=0)  # its threads' CPU
         self._late.seal(job)
         m = budget.lap("seal_wait", m)
         self._engine.checksum_late(job, crcs)
