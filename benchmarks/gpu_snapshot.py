@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     _without_ray()
     import torch
 
+    from cf_ray._engine.format import blocks as _blocks
     from cf_ray._engine.node.slot_store import SlotStore
+    from cf_ray._engine.worker import copy_engine
     from cf_ray._engine.worker.snapshot import Snapshotter
 
     if not torch.cuda.is_available():
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     x = torch.randn(args.batch, args.width, device="cuda")
     store = SlotStore("gpu-bench")  # the holder's slots, in process
-    snap = Snapshotter(0, lambda _job, _sections: None, arena_source=store.arena)
+    handed: dict = {}
+    snap = Snapshotter(0, lambda _job, sections: handed.update(sections), arena_source=store.arena)
 
     def guarded(t) -> bool:
         ptrs = {q.data_ptr() for q in model.parameters()}
@@ -100,12 +103,18 @@ def main(argv: list[str] | None = None) -> int:
         with_ckpt = time.perf_counter() - t0
         snap.wait_done()
         tm = snap.last_timings
-        pinned = snap.arenas.of("s").tensor.is_pinned()
+        arena = snap.arenas.of("s")
+        assert arena is not None
+        pinned = arena.tensor.is_pinned()
+        # The CRCs the threads took are those one thread reading the sealed slot finds.
+        _, index_crcs = _blocks.split_blocks(handed["s"].index)
+        same = index_crcs is not None and list(index_crcs) == _blocks.block_crcs(arena.numpy())
         print(
             f"checkpoint {k + 1}: training thread {begin * 1e3:.1f} ms; DMA into the pinned slot "
             f"{tm['copy_s'] * 1e3:.0f} ms = {state / tm['copy_s'] / 1e9:.1f} GB/s (pinned: {pinned}); "
             f"copied {tm['copied_bytes'] / state:.2f}x the state, read again to checksum "
-            f"{tm.get('crc_read_bytes', 0) / state:.2f}x (after the guard); 10 iterations with it "
+            f"{tm.get('crc_read_bytes', 0) / state:.2f}x (after the guard) in {tm.get('crc_dma_s', 0) * 1e3:.0f} ms "
+            f"on {copy_engine.crc_threads()} threads (the index's CRCs are one thread's: {same}); 10 iterations with it "
             f"{with_ckpt * 1e3:.0f} ms vs {10 * it * 1e3:.0f} ms without"
         )
     torch.cuda.synchronize()
