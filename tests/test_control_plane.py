@@ -729,7 +729,7 @@ def _link_of(ctl, rank: int, generation: int, committed: int):
     return link
 
 
-@pytest.mark.parametrize("order", ["watch_first", "restore_first"])
+@pytest.mark.parametrize("order", ["watch_first", "restore_first", "then_the_controller_starts_again"])
 def test_a_step_lost_with_its_node_is_reported_to_the_next_attempt_once(controller, tmp_path, order):
     """Rank 0's node is removed while step 15 is still unwritten (its holder gone with it); the next
     attempt resumes at 10. The step never committed, and the user hears of it at the end of the run:
@@ -737,7 +737,9 @@ def test_a_step_lost_with_its_node_is_reported_to_the_next_attempt_once(controll
     (marked ``earlier_attempt``), never as one of its own steps and never raised by
     ``raise_on_persist_error`` (each new attempt would raise it again). Both orders: the watch finds
     the holder gone before the restore, or the restore comes first (the step is abandoned with its
-    node, and reported as lost with it)."""
+    node, and reported as lost with it). And the controller may die before the ranks heard of it:
+    the one Ray starts again reports it (the soak's seed 17 lost it so; it is saved with the
+    controller's state, ``control_state.json``)."""
     from controller_harness import Cluster
 
     holders = Holders()
@@ -759,13 +761,17 @@ def test_a_step_lost_with_its_node_is_reported_to_the_next_attempt_once(controll
     assert ctl.settled(gen, [10, 15]).committed == (10,) and ctl.settled(gen, [15]).pending == (15,)
     holders.holders = {"hA": None, "hB": lambda key: ("done", None, None)}  # node A is gone, hA with it
     cluster.alive = {"B"}
-    if order == "watch_first":
+    if order != "restore_first":
         ctl.watch_once(min_age_s=0)
     gen2 = ctl.prepare_restore(2).generation
     ctl.restored(Restored(source=RestoreSource.STORAGE, step=10, epoch=0))
     if order == "restore_first":
         ctl.watch_once(min_age_s=0)
     assert ctl.settled(gen, [15]).committed == ()
+    if order == "then_the_controller_starts_again":
+        _wait_for(ctl.maintenance_idle, 10, "the controller's state saved")
+        ctl = controller(ctl.storage, "lost", recreated=True, holders=holders, cluster=cluster)
+        ctl._roster.resynced.wait(10)
     lost = [f for f in ctl.summary()["failures"] if f["step"] == 15]
     assert len(lost) == 1 and lost[0]["generation"] == gen and "lost" in lost[0]["error"]
     assert lost[0]["section"] == mf.rank_section(0)

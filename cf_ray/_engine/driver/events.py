@@ -7,7 +7,9 @@
   a ``seq`` that keeps counting across controllers: workers ask for the failures after the last one
   they saw) and as ``summary()`` lists them: the newest ``env.EVENTS_WINDOW``. A failure of an
   earlier attempt reaches the ranks of the later one too: ``FinishSummary.failures`` and ``wait()``
-  report it once (``earlier_attempt: True``), so a step lost with its node is never silent.
+  report it once (``earlier_attempt: True``), so a step lost with its node is never silent. The
+  newest :data:`SAVED_FAILURES` are saved with the controller's state (``control_state.json``,
+  :class:`~.recovery.ControlState`): a controller that starts again during the run still lists them.
 * The restores that fell back from a candidate, counted by source and cause (``verification``: the
   bytes failed their block checksums or the fingerprints after loading, or the read found damage;
   ``refused``: anything else), for the summary and the metrics.
@@ -18,8 +20,12 @@ No Ray, no storage: the profile (:class:`~.profile_book.ProfileBook`) calls it u
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 
 from cf_ray._engine.protocol.messages import Failure
+
+#: How many of the newest failures the controller's state on storage keeps (``control_state.json``).
+SAVED_FAILURES = 64
 
 #: The causes of a restore fallback (``summary()["restore_fallbacks"]``, the metric's ``cause`` tag).
 VERIFICATION, REFUSED = "verification", "refused"
@@ -48,6 +54,9 @@ class EventLog:
         self._next_seq = int(seq_base)
         self.fallbacks: collections.Counter[tuple[str, str]] = collections.Counter()
         """(source, cause) -> restore candidates an attempt fell back from."""
+        self.on_failure: Callable[[], None] | None = None
+        """Called (under the controller's lock) after each failure added: the controller saves its
+        state, with the failures, on its maintenance thread."""
 
     def add(self, event: dict) -> None:
         self.events.append(event)
@@ -58,7 +67,22 @@ class EventLog:
         failure = Failure(seq=self._next_seq, step=step, section=section, rank=rank, error=error, generation=generation)
         self._next_seq += 1
         self._failures.append(failure)
+        if self.on_failure is not None:
+            self.on_failure()
         return failure
+
+    def restore_failures(self, failures: list[Failure]) -> None:
+        """The failures a predecessor saved (``control_state.json``): listed again, with their ``seq``
+        (the ranks asked for those above what they saw), new ones numbered above them."""
+        known = {f.seq for f in self._failures}
+        for f in sorted(failures, key=lambda f: f.seq):
+            if f.seq not in known:
+                self._failures.append(f)
+                self._next_seq = max(self._next_seq, f.seq + 1)
+
+    def saved_failures(self) -> list[dict]:
+        """The newest :data:`SAVED_FAILURES` failures, as the controller's state saves them."""
+        return [f.as_dict() for f in list(self._failures)[-SAVED_FAILURES:]]
 
     def continue_above(self, seen_seq: int) -> None:
         """A rank has seen failure ``seen_seq`` of an earlier controller: count above it."""

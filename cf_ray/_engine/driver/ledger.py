@@ -82,12 +82,13 @@ class Ledger:
         self.lock = threading.RLock()
         committed, newest_generation = load_committed(storage)
         self.control = ControlState(storage)
-        saved_generation, restores, distrusted = self.control.load()
+        saved_generation, restores, distrusted, failures = self.control.load()
         self.generation = max(newest_generation, saved_generation)
         self._state_seq = 0
         base = int(time.time() * 1000) if resumed else 0  # numbers above a predecessor's (see .schedule)
         self.schedule = ScheduleBook(policy, storage, version_base=base)
         self.book = ProfileBook(key, storage, self.schedule, lineage=lineage, seq_base=base, on_batch=on_profile_batch)
+        self.book.log.restore_failures(failures)  # a predecessor's: FinishSummary.failures keeps them
         self.commits = CommitBook(
             storage,
             committed,
@@ -147,9 +148,15 @@ class Ledger:
             state = self._control_state()
         self.control.write(*state)
 
-    def _control_state(self) -> tuple[int, int, dict[int, int], list[tuple[int, int]]]:
+    def _control_state(self) -> tuple[int, int, dict[int, int], list[tuple[int, int]], list[dict]]:
         self._state_seq += 1
-        return self._state_seq, self.generation, dict(self.commits.table.restores), list(self.commits.distrusted)
+        return (
+            self._state_seq,
+            self.generation,
+            dict(self.commits.table.restores),
+            list(self.commits.distrusted),
+            self.book.log.saved_failures(),
+        )
 
     # -- workers ---------------------------------------------------------------------------------------
     def sync(self, req: SyncRequest) -> SyncReply:

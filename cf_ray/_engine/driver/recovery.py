@@ -13,10 +13,11 @@
   holders which of their steps settled. One lock of its own (the set of names), never held while it
   calls a holder.
 * :class:`ControlState`: the controller's own small state on storage, ``control_state.json`` — the
-  newest generation handed out, the step each recent attempt restored, and the in-memory snapshots
-  never to offer again (:mod:`.quarantine`) — so that a controller that starts again never hands out a
+  newest generation handed out, the step each recent attempt restored, the in-memory snapshots
+  never to offer again (:mod:`.quarantine`) and the newest checkpoints that did not commit (the
+  failures the ranks report, :mod:`.events`) — so that a controller that starts again never hands out a
   generation twice, never commits a step of a timeline that a later attempt replays, and never
-  restores a snapshot that failed verification.
+  restores a snapshot that failed verification, nor forgets a step lost before it started.
 
 No torch here; Ray only in :class:`HolderLink`.
 """
@@ -36,7 +37,7 @@ import ray.exceptions
 from cf_ray._engine import env as _env
 from cf_ray._engine.protocol import cluster
 from cf_ray._engine.protocol.cluster import Owner, owner_gone
-from cf_ray._engine.protocol.messages import HolderState, SectionState
+from cf_ray._engine.protocol.messages import Failure, HolderState, SectionState
 from cf_ray._engine.protocol.naming import holder_name
 from cf_ray._engine.storage.fs import Storage
 
@@ -391,7 +392,8 @@ class Roster:
 
 class ControlState:
     """``control_state.json``: the newest generation, the recent restores (generation -> the step it
-    restored) and the distrusted in-memory snapshots (``[generation, step]``). Written after the
+    restored), the distrusted in-memory snapshots (``[generation, step]``) and the newest failures
+    (:meth:`.events.EventLog.saved_failures`). Written after the
     controller's lock is released; writes are ordered (an older state never overwrites a newer one).
 
     Args:
@@ -403,21 +405,38 @@ class ControlState:
         self._lock = threading.Lock()
         self._written = -1
 
-    def load(self) -> tuple[int, dict[int, int], list[tuple[int, int]]]:
-        """``(generation, restores, distrusted)``; ``(0, {}, [])`` when there is none or it is unreadable."""
+    def load(self) -> tuple[int, dict[int, int], list[tuple[int, int]], list[Failure]]:
+        """``(generation, restores, distrusted, failures)``; ``(0, {}, [], [])`` when there is none or
+        it is unreadable (a file written before failures were saved has none)."""
         try:
             if not self.storage.exists(CONTROL_STATE):
-                return 0, {}, []
+                return 0, {}, [], []
             d = json.loads(bytes(self.storage.read_file(CONTROL_STATE)))
             restores = {int(g): int(s) for g, s in (d.get("restores") or {}).items()}
             distrusted = [(int(g), int(s)) for g, s in (d.get("distrusted") or [])]
-            return int(d.get("generation", 0)), restores, distrusted
+            failures = [
+                Failure(
+                    seq=int(f["seq"]),
+                    step=int(f["step"]),
+                    section=str(f["section"]),
+                    rank=int(f["rank"]),
+                    error=str(f["error"]),
+                    generation=int(f["generation"]),
+                )
+                for f in (d.get("failures") or [])
+            ]
+            return int(d.get("generation", 0)), restores, distrusted, failures
         except Exception as e:  # noqa: BLE001 - a damaged file: start from the manifests and the holders
             logger.warning("cf_ray: ignoring %s: %s", self.storage.uri(CONTROL_STATE), e)
-            return 0, {}, []
+            return 0, {}, [], []
 
     def write(
-        self, seq: int, generation: int, restores: dict[int, int], distrusted: list[tuple[int, int]] | None = None
+        self,
+        seq: int,
+        generation: int,
+        restores: dict[int, int],
+        distrusted: list[tuple[int, int]] | None = None,
+        failures: list[dict] | None = None,
     ) -> None:
         """Write state number ``seq`` (taken under the controller's lock) unless a newer one was
         written. Never raises."""
@@ -426,6 +445,7 @@ class ControlState:
                 "generation": generation,
                 "restores": {str(g): s for g, s in restores.items()},
                 "distrusted": [list(k) for k in distrusted or []],
+                "failures": failures or [],
             }
         )
         with self._lock:
