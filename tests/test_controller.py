@@ -278,12 +278,15 @@ def test_a_checkpoint_the_controller_rereads_damaged_is_quarantined_and_never_co
     assert cli.main(["ls", root]) == 0
 
 
-def test_a_step_committed_again_after_its_quarantine_is_listed_again(controller):
+@pytest.mark.parametrize("controller_starts_again", [False, True], ids=["same_controller", "controller_starts_again"])
+def test_a_step_committed_again_after_its_quarantine_is_listed_again(controller, controller_starts_again):
     """Found by the fault soak: step 8's checkpoint was quarantined (damaged on storage), the next
     attempt resumed from step 6 and committed step 8 again, intact. ``quarantine.json`` still named
     step 8, so every later listing (a new controller, ``cf-ray ls``, ``load_state``) hid the new
     checkpoint: a milestone among them was gone for good. A commit of a quarantined step lifts its
-    quarantine, says so (a log line, an event), and the step is listed and restorable again."""
+    quarantine, says so (a log line, an event), and the step is listed and restorable again — also
+    when the controller that quarantined it died in between (``quarantine.json`` says which
+    quarantines were for damaged bytes)."""
     from cf_ray.load import list_checkpoints, quarantined_checkpoints
 
     ctl = controller(keep_last=None)
@@ -296,6 +299,9 @@ def test_a_step_committed_again_after_its_quarantine_is_listed_again(controller)
     _wait_maintenance(ctl)
     root = ctl.storage.root
     assert list(quarantined_checkpoints(root)) == [8]
+    if controller_starts_again:
+        ctl = controller(keep_last=None)
+        assert ctl.summary()["committed_steps"] == [6]
     ctl.prepare_restore(WORLD)  # the next attempt replays step 8 and commits it again
     ctl.restored(Restored(source=RestoreSource.STORAGE, step=6, epoch=0))
     _commit(ctl, 8)

@@ -39,7 +39,7 @@ from cf_ray._engine import env as _env
 from cf_ray._engine.driver.commits import CommitBook
 from cf_ray._engine.driver.profile_book import ProfileBook
 from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.format.manifest import QUARANTINE, load_quarantine, write_quarantine
+from cf_ray._engine.format.manifest import QUARANTINE, load_quarantine_with_causes, write_quarantine
 from cf_ray._engine.protocol.messages import Distrusted
 from cf_ray._engine.storage.fs import Storage
 from cf_ray.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -131,11 +131,13 @@ class Quarantine:
         self._book = book
         self._run_soon = run_soon
         self._file_lock = threading.Lock()  # quarantine.json, written in order
-        self.steps: dict[int, str] = load_quarantine(storage)
+        self.steps: dict[int, str]
         """step -> why, as ``quarantine.json`` lists them (under its own lock)."""
-        self._damaged: set[int] = set()
-        """Steps this controller quarantined for damaged bytes (its own re-read): a re-commit lifts
-        those only (a suspect *state*, distrusted, is made again by the replay as it was)."""
+        self._damaged: set[int]
+        """Steps quarantined for damaged bytes (a controller's own re-read; ``quarantine.json`` says
+        which, so a controller that starts again knows too): a re-commit lifts those only (a suspect
+        *state*, distrusted, is made again by the replay as it was)."""
+        self.steps, self._damaged = load_quarantine_with_causes(storage)
 
     # -- committed checkpoints --------------------------------------------------------------------------
     def suspect(self, step: int, error: str) -> None:
@@ -174,15 +176,12 @@ class Quarantine:
             )
             self._event({"event": "verified", "step": step, "intact": True, "error": error})
             return False
-        quarantined = self.quarantine(step, damage)
-        if quarantined:
-            with self._file_lock:
-                self._damaged.add(step)
-        return quarantined
+        return self.quarantine(step, damage, damaged=True)
 
-    def quarantine(self, step: int, why: str, generation: int | None = None) -> bool:
+    def quarantine(self, step: int, why: str, generation: int | None = None, *, damaged: bool = False) -> bool:
         """Take the committed checkpoint of ``step`` (of ``generation`` when given) out of use, with
-        ``why``; ``True`` when it was in the committed index."""
+        ``why`` (``damaged``: for damaged bytes, which a re-commit lifts); ``True`` when it was in
+        the committed index."""
         why = str(why)[:500]
         with self._lock:
             if not self._commits.quarantine(step, why, generation):
@@ -190,8 +189,12 @@ class Quarantine:
             self._book.add_event({"event": "quarantined", "step": step, "error": why, "time": time.time()})
         with self._file_lock:
             self.steps[step] = why
+            if damaged:
+                self._damaged.add(step)
+            else:
+                self._damaged.discard(step)
             try:
-                write_quarantine(self.storage, dict(self.steps))
+                write_quarantine(self.storage, dict(self.steps), set(self._damaged))
             except Exception as e:  # noqa: BLE001 - the index is already right; the file only outlives us
                 logger.warning("cf_ray: could not write %s: %s", QUARANTINE, e)
         logger.warning(
@@ -209,8 +212,8 @@ class Quarantine:
         they were persisted. ``quarantine.json`` is rewritten on the maintenance thread. Without
         this, every later listing (a new controller, a new driver, ``cf-ray ls``) hid the new
         checkpoint — a milestone among them (found by the fault soak). A quarantine for a suspect
-        state (trust-gated recovery) stays: the replay makes that state again. So does one that this
-        controller did not make (read from the file at its start: why is not known)."""
+        state (trust-gated recovery) stays: the replay makes that state again. So does one read from a
+        file written before the causes were saved (why is not known)."""
         with self._file_lock:
             if step not in self.steps or step not in self._damaged:
                 return
@@ -223,7 +226,7 @@ class Quarantine:
             if why is None:
                 return
             try:
-                write_quarantine(self.storage, dict(self.steps))
+                write_quarantine(self.storage, dict(self.steps), set(self._damaged))
             except Exception as e:  # noqa: BLE001 - the index is already right; the file only outlives us
                 logger.warning("cf_ray: could not write %s: %s", QUARANTINE, e)
         self._event({"event": "quarantine_lifted", "step": step, "generation": generation, "was": why})

@@ -39,20 +39,33 @@ QUARANTINE = "quarantine.json"
 
 def load_quarantine(storage: Storage) -> dict[int, str]:
     """The quarantined steps and why (empty when there is no file; a damaged file is reported)."""
+    return load_quarantine_with_causes(storage)[0]
+
+
+def load_quarantine_with_causes(storage: Storage) -> tuple[dict[int, str], set[int]]:
+    """The quarantined steps and why, and which of them were quarantined for damaged bytes (the
+    controller's own re-read; the others hold a suspect state). A file written before the causes
+    were saved names none as damaged."""
     try:
         if not storage.exists(QUARANTINE):
-            return {}
+            return {}, set()
         raw = json.loads(bytes(storage.read_file(QUARANTINE)))
-        return {int(k): str(v) for k, v in raw["steps"].items()}
+        steps = {int(k): str(v) for k, v in raw["steps"].items()}
+        return steps, {int(s) for s in raw.get("damaged", ())} & set(steps)
     except Exception as e:  # noqa: BLE001 - a damaged list quarantines nothing; say so
         logger.warning("cf_ray: cannot read %s (%s); no checkpoint is quarantined", storage.uri(QUARANTINE), e)
-        return {}
+        return {}, set()
 
 
-def write_quarantine(storage: Storage, steps: dict[int, str]) -> None:
-    """Write the quarantine list (storage I/O: never under the controller's lock)."""
-    raw = json.dumps({"version": 1, "steps": {str(k): v for k, v in sorted(steps.items())}}).encode()
-    storage.write_file(QUARANTINE, [raw])
+def write_quarantine(storage: Storage, steps: dict[int, str], damaged: set[int] | None = None) -> None:
+    """Write the quarantine list (storage I/O: never under the controller's lock); ``damaged``: the
+    steps among them quarantined for damaged bytes (a re-commit of one lifts it)."""
+    body = {
+        "version": 1,
+        "steps": {str(k): v for k, v in sorted(steps.items())},
+        "damaged": sorted(s for s in (damaged or ()) if s in steps),
+    }
+    storage.write_file(QUARANTINE, [json.dumps(body).encode()])
 
 
 def list_committed(

@@ -33,6 +33,7 @@ from cf_ray._engine.format.catalog import (
     list_committed,
     list_uncommitted,
     load_quarantine,
+    load_quarantine_with_causes,
     to_delete,
     write_quarantine,
 )
@@ -128,6 +129,7 @@ __all__ = [
     "list_committed",
     "list_uncommitted",
     "load_quarantine",
+    "load_quarantine_with_causes",
     "load_section",
     "parse_index",
     "index_blocks",
