@@ -249,6 +249,9 @@ def test_fixed_policies_unchanged():
         json.dumps(p.explain())
     with pytest.raises(ConfigError, match="every"):
         FixedInterval(every=0)
+    assert FixedInterval(3) == f  # as the README's and the issue's `FixedInterval(k)` writes it
+    with pytest.raises(ConfigError, match="every"):
+        FixedInterval(0)
     with pytest.raises(ConfigError, match="at least one"):
         AnyOf(policies=[])
 

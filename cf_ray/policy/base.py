@@ -104,9 +104,10 @@ class FrequencyPolicy(Protocol):
     def initial_interval(self) -> int | None: ...
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(slots=True)
 class FixedInterval:
-    """Checkpoint every ``every`` optimizer steps (CheckFreq's MANUAL mode)."""
+    """Checkpoint every ``every`` optimizer steps (CheckFreq's MANUAL mode): ``FixedInterval(10)`` or
+    ``FixedInterval(every=10)``."""
 
     every: int
     """Steps between checkpoints; a checkpoint is taken when ``step % every == 0``."""
