@@ -16,7 +16,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e '.[test,notebooks,plot,dali,lint,docs]'
 	touch $@
 
+# Bytecode of the source tree's packages, written if missing or stale (benchmarks/bytecode.py: the
+# editable install's modules are otherwise compiled again in every Ray process where
+# PYTHONDONTWRITEBYTECODE is set).
+BYTECODE := $(PY) -m benchmarks.bytecode
+
 demo: $(VENV)/.installed    ## the main job: TorchTrainer on a local Ray cluster, a worker SIGKILLed part-way
+	@$(BYTECODE)
 	$(VENV)/bin/cf-ray demo
 
 # The suite, slow end-to-end tests included, heavy benchmark jobs (marker `nightly`) left out.
@@ -49,9 +55,11 @@ format: $(VENV)/.installed
 	$(VENV)/bin/ruff format .
 
 bench-quick: $(VENV)/.installed
+	@$(BYTECODE)
 	$(VENV)/bin/cf-ray bench --quick
 
 bench: $(VENV)/.installed
+	@$(BYTECODE)
 	$(VENV)/bin/cf-ray bench
 
 clean:

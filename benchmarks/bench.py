@@ -472,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from benchmarks.bytecode import precompile
+
+    precompile()  # every worker of every variant imports cf_ray: not compiled again in each
     if args.render_readme:
         print(render_readme(json.loads(Path(args.render_readme).read_text())))
         return 0

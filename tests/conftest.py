@@ -13,6 +13,18 @@ import pytest
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+def pytest_configure(config):  # noqa: ARG001 - pytest's hook signature
+    # Bytecode of cf_ray, the benchmarks and the tests for every Ray process the suite starts
+    # (benchmarks/bytecode.py: without it each compiled ~100 modules again where
+    # PYTHONDONTWRITEBYTECODE is set).
+    sys.path.insert(0, os.path.dirname(TESTS_DIR))
+    try:
+        from benchmarks.bytecode import precompile
+    finally:
+        sys.path.pop(0)
+    precompile()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

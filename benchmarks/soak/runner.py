@@ -513,6 +513,9 @@ class Soak:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
+    from benchmarks.bytecode import precompile
+
+    precompile()  # every run's workers import cf_ray: not compiled again in each
     soak = Soak(args, argv)
     bad = [k for k in soak.kinds if k not in KINDS]
     if bad:
