@@ -238,6 +238,36 @@ def test_probes_patch_a_module_right_after_its_first_import_and_fire_once_when_a
         sys.modules.pop("soak_fake_module", None)
 
 
+def test_the_wire_probe_says_when_the_transfer_it_flipped_then_broke(tmp_path, monkeypatch):
+    """The flipped transfer's end is recorded: a block check that caught the flip, or a connection
+    that broke first (the node it read from removed), which the judge does not count as exercised."""
+    import types
+
+    monkeypatch.setenv(probes.CONTROL_ENV, str(tmp_path / "control"))
+
+    def fetch_into(desc, dest, landed=None, fail=None):
+        for got in (4, 8):
+            if landed is not None:
+                landed(got)
+        if fail is not None:
+            raise fail
+
+    desc = types.SimpleNamespace(host="127.0.0.1", port=1, nbytes=8)
+    for fail, said in ((None, None), (ConnectionError("closed"), "ConnectionError: closed")):
+        (tmp_path / "control" / "arm").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "control" / "arm" / "stream_flip.json").write_text(json.dumps({"fault": "F1.0", "where": 0.25}))
+        module = types.SimpleNamespace(fetch_into=fetch_into)
+        assert probes._patch_wire(module) == "stream_flip(fetch_into)"
+        dest = bytearray(8)
+        if fail is None:
+            module.fetch_into(desc, dest)
+        else:
+            with pytest.raises(ConnectionError):
+                module.fetch_into(desc, dest, fail=fail)
+        at = json.loads((tmp_path / "control" / "at" / "F1.0.json").read_text())
+        assert dest[2] == 0x08 and at["offset"] == 2 and at.get("then_failed") == said
+
+
 def test_the_mid_copy_probe_kills_after_the_first_tensor_of_the_armed_step_landed_once(tmp_path, monkeypatch):
     """The mid-copy fault of tests/test_engine_e2e.py, on cf_ray's own ``_copy_checksummed``: the probe
     leaves other steps alone, then at the armed step copies the first tensor into the slot and
@@ -349,6 +379,18 @@ def test_judge_sees_a_fault_only_where_the_run_reports_it():
     # The blocked write was the controller's manifest: the row's commit time shows it.
     slow_commit = dict(run, result={"profile": [{"step": 15, "persist_s": 0.04, "commit_s": 8.0}]})
     assert checks.judge(hang, slow_commit)["outcome"] == "seen"
+    # A bit flipped on the wire: a transfer that completed, or that a block check ended, must be
+    # reported; one that broke for another reason (its node removed, the soak's next step: seed 63)
+    # handed the bytes to no one.
+    landed = {"point": "as the bytes landed", "offset": 4380}
+    wire = _fault("stream_flip", point="then_node_loss", landed={"flip": landed})
+    assert checks.judge(wire, run)["outcome"] == "silent"
+    caught = dict(landed, then_failed="BlockMismatch: block 0 (bytes 0-7552) has CRC-32 0x1, its index says 0x2")
+    assert checks.judge(dict(wire, landed={"flip": caught}), run)["outcome"] == "silent"
+    broke = dict(landed, then_failed="ConnectionError: the holder at 127.0.0.1:37949 closed the connection")
+    assert checks.judge(dict(wire, landed={"flip": broke}), run)["outcome"] == "unexercised"
+    said = dict(run, result={"profile": [{"step": 7, "replica_error": "block 0 differs"}]})
+    assert checks.judge(dict(wire, landed={"flip": caught}), said)["outcome"] == "seen"
 
 
 def test_a_stall_of_training_counts_what_cf_ray_said_while_it_stood_still(tmp_path):

@@ -212,7 +212,12 @@ def judge(fault: dict, run: dict) -> dict:
             q = run.get("quarantined", {})
             evidence += [f"quarantined: step {s} ({q[s]})" for s in steps if s in q]
         if kind == "stream_flip":
-            exercised = bool(fault["landed"].get("flip"))
+            flip = fault["landed"].get("flip") or {}
+            # A transfer that broke after the flip for another reason (the node it read from was
+            # removed: the soak's next step) never handed those bytes to anyone: not exercised. One
+            # that a check ended (a block mismatch) was, and must be reported.
+            broke = flip.get("then_failed") and not _DAMAGE.search(str(flip["then_failed"]))
+            exercised = bool(flip) and not broke
             evidence += [
                 f"profile: step {r.get('step')} replica_error {r['replica_error']}"
                 for r in profile

@@ -246,7 +246,14 @@ def _patch_wire(module) -> str:
             if landed is not None:
                 landed(got)
 
-        orig(desc, dest, *args, landed=landed2, **kw)
+        try:
+            orig(desc, dest, *args, landed=landed2, **kw)
+        except BaseException as e:
+            if done:  # the bytes were flipped, then the transfer ended in an error: which one says
+                # whether a check caught the flip or the transfer broke first (its node died)
+                at = {"point": "as the bytes landed", "nbytes": nbytes, "offset": done["offset"], **_desc(desc)}
+                _at(spec, dict(at, then_failed=f"{type(e).__name__}: {e}"[:300]))
+            raise
         if not done and nbytes:
             done["offset"] = _flip(dest, target / nbytes)
             _at(spec, {"point": "after the transfer, before any check", "nbytes": nbytes, **done, **_desc(desc)})
