@@ -404,6 +404,7 @@ class ControlState:
         self.storage = storage
         self._lock = threading.Lock()
         self._written = -1
+        self._failing = False  # the last write failed (said once until one works)
 
     def load(self) -> tuple[int, dict[int, int], list[tuple[int, int]], list[Failure]]:
         """``(generation, restores, distrusted, failures)``; ``(0, {}, [], [])`` when there is none or
@@ -454,10 +455,17 @@ class ControlState:
             try:
                 self.storage.write_file(CONTROL_STATE, [body.encode()])
                 self._written = seq
+                if self._failing:
+                    logger.warning(
+                        "cf_ray: the controller's state is saved again (%s)", self.storage.uri(CONTROL_STATE)
+                    )
+                self._failing = False
             except Exception as e:  # noqa: BLE001
-                logger.warning(
-                    "cf_ray: could not save the controller's state to %s: %s", self.storage.uri(CONTROL_STATE), e
-                )
+                if not self._failing:  # once per outage: a failure of storage fails many writes
+                    logger.warning(
+                        "cf_ray: could not save the controller's state to %s: %s", self.storage.uri(CONTROL_STATE), e
+                    )
+                self._failing = True
 
 
 __all__ = [

@@ -79,7 +79,8 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def _crc_pool(threads: int) -> ThreadPoolExecutor:
-    """The process's checksum threads (made once, on the first slot filled by DMA; daemon threads)."""
+    """The process's checksum threads (made once, on the first slot filled by DMA; idle between
+    snapshots, joined at exit by ``concurrent.futures``)."""
     global _pool
     with _pool_lock:
         if _pool is None:
