@@ -316,6 +316,29 @@ def test_a_controller_that_starts_again_rebuilds_from_storage_and_the_holders(co
     assert again.prepare_restore(1).generation == gen + 1
 
 
+@pytest.mark.parametrize("holders_hold", ["something", "nothing"])
+def test_a_controller_started_again_says_so_once_whatever_its_holders_hold(controller, tmp_path, caplog, holders_hold):
+    """Ray started the controller again after its process died: one warning, also when the holders
+    held nothing any more by the time it came back (the soak's seed 75 said nothing then). A first
+    start says nothing, even with a holder of the run already there (made by a worker first)."""
+    import logging
+
+    storage = _storage(tmp_path)
+    link = Holders()
+    link.holders["h"] = lambda key: ("held", None, None)
+    caplog.set_level(logging.WARNING, logger="cf_ray")
+    first = controller(storage, "said", holders=link)
+    first._roster.resynced.wait(10)
+    gen = first.prepare_restore(1).generation
+    assert "started again" not in caplog.text
+    if holders_hold == "something":
+        link.states["h"] = HolderState(holder="h", generation=gen, staged=(_staged(gen, 4),))
+    again = controller(storage, "said", recreated=True, holders=link)
+    again._roster.resynced.wait(10)
+    said = [r for r in caplog.records if "started again (the previous one's process died)" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+
+
 def test_a_worker_that_adopted_a_version_the_controller_never_published_gets_one_above_it(controller, tmp_path):
     ctl = controller(_storage(tmp_path), "versions")
     assert [s.schedule_version for s in ctl.sync(SyncRequest(rank=0, generation=1)).schedules] == [0]

@@ -130,7 +130,9 @@ class Controller:
         # A checkpoint that did not commit is saved with the controller's state, off the thread that
         # learnt of it (storage may be what failed): one that starts again still reports it.
         self._ledger.book.log.on_failure = lambda: self._maintenance.run_soon(self._ledger.write_control_state)
-        self._roster = Roster(key, link, apply=self.apply_holder_state, owner=lambda: self._lifetime.owner)
+        self._roster = Roster(
+            key, link, apply=self.apply_holder_state, owner=lambda: self._lifetime.owner, restarted=resumed
+        )
         self._watch = Watch(self._ledger, self._roster)
         self._quarantine = Quarantine(
             storage,

@@ -220,11 +220,13 @@ class Roster:
         *,
         apply: Callable[[HolderState], None],
         owner: Callable[[], Owner | None],
+        restarted: bool = False,
     ):
         self.key = key
         self.link = link
         self._apply = apply
         self._owner = owner
+        self._restarted = restarted  # Ray started this controller again after its process died
         self._lock = threading.Lock()
         self._names: set[str] = set()
         self._resyncing: set[str] = set()
@@ -308,10 +310,12 @@ class Roster:
             names = link.names_on_alive_nodes() if link is not None else []
             found = [n for n in names if link is not None and link.exists(n) and self._of_this_run(n)]
             knew = [name for name in found if self.resync_one(name)]
-            if knew:
-                # A holder that has handled snapshots of this run already when the controller starts
-                # means the controller is one started again after its process died (a fresh run's
-                # holders, made by its workers as it starts, hold nothing yet). Said once.
+            if knew or self._restarted:
+                # Ray says it started this actor again, or a holder has handled snapshots of this run
+                # already (a fresh run's holders, made by its workers as it starts, hold nothing
+                # yet): the previous controller's process died. Said once, holders or not (the
+                # soak's seed 75: a controller killed mid-commit whose holders held nothing by the
+                # time it came back said nothing).
                 logger.warning(
                     "cf_ray: the controller of %s started again (the previous one's process died): "
                     "re-learnt the state of %d holder(s) and the committed checkpoints on storage; a "
