@@ -316,6 +316,36 @@ def test_a_controller_that_starts_again_rebuilds_from_storage_and_the_holders(co
     assert again.prepare_restore(1).generation == gen + 1
 
 
+def test_a_controller_started_again_lists_the_profile_rows_its_predecessor_held(controller, tmp_path, monkeypatch):
+    """The profile rows a controller held in memory when its process died are listed by the one Ray
+    starts in its place (the soak's seed 70: a storage stall shown only in rows that the restart
+    lost), from the window it saved after its commits; rows the new one writes win over them."""
+    from cf_ray._engine import env
+
+    monkeypatch.setattr(env, "WINDOW_SAVE_INTERVAL_S", 0.0)
+    storage = _storage(tmp_path)
+    link = Holders()
+    first = controller(storage, "rows", holders=link)
+    gen = first.prepare_restore(1).generation
+    first.restored(Restored(source=RestoreSource.FRESH, step=0, epoch=0))
+    for step in (2, 4):
+        first.part_staged(_staged(gen, step))
+        first.part_durable(_write(storage, gen, step))
+    first.part_staged(_staged(gen, 6))  # in flight when it dies
+    wait_idle(first)
+    before = {r["step"]: r for r in first.profile_rows()}
+    assert sorted(before) == [2, 4, 6] and before[4]["committed"]
+    again = controller(storage, "rows", recreated=True, holders=link)
+    again._roster.resynced.wait(10)
+    rows = {r["step"]: r for r in again.profile_rows()}
+    assert sorted(rows) == [2, 4, 6]
+    assert rows[2]["committed"] and rows[4]["committed"] and not rows[6]["committed"]
+    assert rows[4]["persist_s"] == before[4]["persist_s"]
+    again.part_staged(_staged(gen, 6))  # the holder's messages, sent again: step 6 commits
+    again.part_durable(_write(storage, gen, 6))
+    assert {r["step"]: r for r in again.profile_rows()}[6]["committed"]
+
+
 @pytest.mark.parametrize("holders_hold", ["something", "nothing"])
 def test_a_controller_started_again_says_so_once_whatever_its_holders_hold(controller, tmp_path, caplog, holders_hold):
     """Ray started the controller again after its process died: one warning, also when the holders

@@ -116,7 +116,10 @@ class Controller:
             lock=self._ledger.lock,
             commits=self._ledger.commits,
             book=self._ledger.book,
-            periodic=(_env.get_float(_env.POLICY_SAVE_INTERVAL_S), self._ledger.save_policy_state),
+            periodic=[
+                (_env.get_float(_env.POLICY_SAVE_INTERVAL_S), self._ledger.save_policy_state),
+                (_env.WINDOW_SAVE_INTERVAL_S, lambda: self._ledger.book.save_window(self._ledger.lock)),
+            ],
         )
         if lineage is None:
             keep = self._ledger.book.parts.lineage

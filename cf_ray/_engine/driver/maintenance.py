@@ -1,5 +1,5 @@
 """The controller's maintenance thread: keep-last clean-up (:mod:`.retention`), copies to the upload
-tiers (:mod:`.uploads`), the profile's parts, the policy's state and the re-reads of checkpoints a
+tiers (:mod:`.uploads`), the profile's parts and window, the policy's state and the re-reads of checkpoints a
 restore found damaged (:mod:`.quarantine`), after each commit, off the actor's RPC threads (a slow
 delete, upload or re-read never delays a worker's poll) and never under the controller's lock while
 it does storage I/O.
@@ -40,8 +40,8 @@ class Maintenance:
         lock: the controller's lock (the committed index and the pending table are read under it).
         commits: the controller's commit bookkeeping.
         book: where uploads are recorded as events, and whose profile parts are written here.
-        periodic: ``(interval_s, fn)``: ``fn`` runs on this thread at most every ``interval_s``
-            seconds, after a commit (the policy's state).
+        periodic: ``(interval_s, fn)`` pairs: each ``fn`` runs on this thread at most every
+            ``interval_s`` seconds, after a commit (the policy's state, the profile's window).
     """
 
     def __init__(
@@ -54,11 +54,11 @@ class Maintenance:
         lock: threading.RLock,
         commits: CommitBook,
         book: ProfileBook,
-        periodic: tuple[float, Callable[[], None]] | None = None,
+        periodic: list[tuple[float, Callable[[], None]]] | None = None,
     ):
         self._lock = lock
         self._book = book
-        self._periodic = periodic
+        self._periodic = list(periodic or [])
         self._cond = threading.Condition()  # what is due; never held while taking the controller's lock
         self._stopping = threading.Event()
         self.retention = Retention(storage, tiers, keep_last=keep_last, lock=lock, commits=commits)
@@ -74,8 +74,8 @@ class Maintenance:
         self._due: set[str] = set()
         self._once: collections.deque[Callable[[], None]] = collections.deque()
         self._busy = False
-        self._dirty = False  # a commit since the last periodic run
-        self._last_periodic = time.monotonic()
+        self._dirty = [False] * len(self._periodic)  # a commit since each periodic task last ran
+        self._last_periodic = [time.monotonic()] * len(self._periodic)
         self._thread = threading.Thread(target=self._run, name="cf_ray-maintenance", daemon=True)
         self._thread.start()
 
@@ -88,7 +88,7 @@ class Maintenance:
         """A checkpoint committed: upload it (if it goes to the tiers), then clean up."""
         with self._cond:
             self.retention.committed()
-            self._dirty = True
+            self._dirty = [True] * len(self._periodic)
             self._due.add(_RETAIN)
             if self.uploads.wanted(m):
                 self.uploads.enqueue(Upload(step, m))
@@ -160,10 +160,13 @@ class Maintenance:
     def _has_work(self) -> bool:
         return bool(self._due or self._once or self.uploads.has_work())
 
-    def _periodic_due(self) -> bool:
-        return (
-            self._periodic is not None and self._dirty and time.monotonic() - self._last_periodic >= self._periodic[0]
-        )
+    def _periodic_due(self) -> int | None:
+        """The first periodic task due (a commit since it last ran, its interval passed), or ``None``."""
+        now = time.monotonic()
+        for i, (interval_s, _) in enumerate(self._periodic):
+            if self._dirty[i] and now - self._last_periodic[i] >= interval_s:
+                return i
+        return None
 
     def _next_task(self) -> Callable[[], None] | None:
         """The next thing to do (under ``_cond``); ``None`` when the thread should end."""
@@ -180,10 +183,11 @@ class Maintenance:
             up = self.uploads.take()
             if up is not None:
                 return lambda: self.uploads.run(up)
-            if self._periodic is not None and self._periodic_due():
-                self._dirty = False
-                self._last_periodic = time.monotonic()
-                return self._periodic[1]
+            due = self._periodic_due()
+            if due is not None:
+                self._dirty[due] = False
+                self._last_periodic[due] = time.monotonic()
+                return self._periodic[due][1]
             self._cond.wait(timeout=1.0)
         return None
 

@@ -96,6 +96,10 @@ class ProfileBook:
         self.goodput = Badput(events_window)
         self._export = MetricsExport(key)
         schedule.failures.attach(self.log, self._export)
+        self._predecessor: list[dict] = self.parts.read_window() if lineage is not None else []
+        """The rows a controller of this lineage that died still held in memory (its last window
+        save): listed with the parts, merged under this controller's own rows."""
+        self._window_failing = False
         self._lost_since: tuple[int, int] | None = None
         """``(generation, step)`` from which checkpoints were taken while the watchdog's episode was
         open (``None``: no episode): their rows say ``durability_lost``."""
@@ -273,13 +277,29 @@ class ProfileBook:
             self._safe(row, generation, step, row["durable_unix"], SafeTier.STORAGE)
         return row
 
-    def memory_rows(self) -> list[dict]:
-        """The rows still in memory (the window, and batches not yet in a part), in step order."""
+    def memory_rows(self, predecessor: bool = True) -> list[dict]:
+        """The rows still in memory (the window, batches not yet in a part, and — ``predecessor`` —
+        the rows a dead predecessor held: its last window save), in step order."""
         iter_s = _recent_iter_s(self.schedule.samples)
         window = [
             self._public(row, iter_s) for _, row in sorted(self._rows.items(), key=lambda kv: (kv[0][1], kv[0][0]))
         ]
-        return merge_rows(*self._unwritten, window) if self._unwritten else window
+        pred = self._predecessor if predecessor else []
+        return merge_rows(pred, *self._unwritten, window) if pred or self._unwritten else window
+
+    def save_window(self, lock: threading.RLock) -> None:
+        """Save the rows in memory (and a dead predecessor's) as the lineage's window file, so a
+        controller that Ray starts again in this one's place still lists them (the maintenance
+        thread, every ``env.WINDOW_SAVE_INTERVAL_S`` after a commit). Never raises."""
+        with lock:
+            rows = self.memory_rows()
+        try:
+            self.parts.write_window(rows)
+            self._window_failing = False
+        except Exception as e:  # noqa: BLE001 - the profile is a report, never a reason to fail
+            if not self._window_failing:  # once until a save works
+                logger.warning("cf_ray: could not save the profile's rows in memory: %s", e)
+            self._window_failing = True
 
     def profile_rows(self) -> list[dict]:
         """One dict per checkpoint still in memory (the profile table's columns), in step order.
@@ -290,9 +310,11 @@ class ProfileBook:
         """Every row of this lineage: the parts on storage and the rows in memory, in step order.
         The rows in memory are read under ``lock``, the parts without it."""
         with lock:
-            memory = self.memory_rows()
+            memory = self.memory_rows(predecessor=False)
         parts = self.parts.read_all()  # after: a batch written meanwhile is in one of the two
-        return merge_rows(parts, memory) if parts else memory
+        # A dead predecessor's window is older than any part written since: it goes first, so that
+        # a part's newer values win over it.
+        return merge_rows(self._predecessor, parts, memory)
 
     def _public(self, row: dict, iter_s: float | None) -> dict:
         """A row as the profile table has it: the per-rank inputs folded into its columns."""

@@ -1,7 +1,8 @@
 """The profile's rows on storage while the run goes on (issue #16): when the controller's window of
 rows is full, its oldest quarter leaves memory as one batch, which the maintenance thread appends to
 storage as a Parquet part, ``profile/<lineage>/part-<n>.parquet`` (:class:`ProfileParts`), never
-rewriting an earlier one. The *lineage* is one controller and the controllers Ray restarts in its
+rewriting an earlier one; the rows still in memory are saved beside them as ``window.json``
+(:data:`WINDOW`, replaced), so that a controller Ray starts again lists them too. The *lineage* is one controller and the controllers Ray restarts in its
 place; a new controller (a new ``fit()``) starts a new one.
 
 Storage I/O only: called without the controller's lock.
@@ -9,6 +10,7 @@ Storage I/O only: called without the controller's lock.
 
 from __future__ import annotations
 
+import json
 import logging
 import posixpath
 import re
@@ -21,6 +23,10 @@ logger = logging.getLogger("cf_ray")
 
 #: Where the profile's parts live, relative to the run's storage.
 PROFILE_PARTS = "profile"
+#: In a lineage's directory: the rows a controller still held in memory, as of its last save (JSON,
+#: replaced every ``env.WINDOW_SAVE_INTERVAL_S`` after a commit): what a controller that Ray starts
+#: again in its place lists beside the parts (a profile row is never lost with the controller).
+WINDOW = "window.json"
 _PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
 _LINEAGE_RE = re.compile(r"^\d{20}$")
 
@@ -62,6 +68,23 @@ class ProfileParts:
         self.storage.write_file(path, [report._parquet_bytes(report.profile_frame(rows))])
         self._next += 1
         return path
+
+    def write_window(self, rows: list[dict]) -> None:
+        """Replace this lineage's window file (:data:`WINDOW`) with ``rows``."""
+        body = json.dumps(rows, default=_jsonable, allow_nan=True)
+        self.storage.write_file(f"{self.directory}/{WINDOW}", [body.encode()])
+
+    def read_window(self) -> list[dict]:
+        """The rows of this lineage's window file (``[]``: none, or unreadable, logged)."""
+        path = f"{self.directory}/{WINDOW}"
+        try:
+            if not self.storage.exists(path):
+                return []
+            rows = json.loads(bytes(self.storage.read_file(path)))
+            return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+        except Exception as e:  # noqa: BLE001 - the profile is a report, never a reason to fail
+            logger.warning("cf_ray: skipping the profile window %s: %s", self.storage.uri(path), e)
+            return []
 
     def read_all(self) -> list[dict]:
         """Every row of every part, oldest part first (an unreadable part is skipped, logged)."""
@@ -113,6 +136,12 @@ def merge_rows(*sources: Iterable[dict]) -> list[dict]:
             else:
                 old.update({k: v for k, v in r.items() if v is not None})
     return sorted(merged.values(), key=lambda r: (_sort_key(r.get("step")), _sort_key(r.get("generation"))))
+
+
+def _jsonable(v):
+    """A value of a row that JSON has no type for (a numpy number, a tuple) as one it has."""
+    item = getattr(v, "item", None)
+    return item() if callable(item) else str(v)
 
 
 def _sort_key(v) -> tuple:
