@@ -391,6 +391,11 @@ def test_judge_sees_a_fault_only_where_the_run_reports_it():
     assert checks.judge(dict(wire, landed={"flip": broke}), run)["outcome"] == "unexercised"
     said = dict(run, result={"profile": [{"step": 7, "replica_error": "block 0 differs"}]})
     assert checks.judge(dict(wire, landed={"flip": caught}), said)["outcome"] == "seen"
+    # A copy that failed because the removed node refused connections names no damage; and with no
+    # flip landed (no transfer came) nothing said is of the flip.
+    refused = dict(run, result={"profile": [{"step": 8, "replica_error": "RpcError: Connection refused"}]})
+    assert checks.judge(wire, refused)["outcome"] == "silent"
+    assert checks.judge(dict(wire, landed={}), said)["outcome"] == "unexercised"
 
 
 def test_a_stall_of_training_counts_what_cf_ray_said_while_it_stood_still(tmp_path):

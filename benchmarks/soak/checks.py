@@ -29,7 +29,7 @@ from typing import Any
 
 #: Log lines that say a restore or a write found damaged bytes (not the success line that names
 #: "verified against their fingerprints").
-_DAMAGE = re.compile(r"\bblock|CRC|checksum|mismatch|corrupt|damage|differs|integrity|refus", re.I)
+_DAMAGE = re.compile(r"\bblock|CRC|checksum|mismatch|corrupt|damage|differs|integrity|(?<!connection )refus", re.I)
 _SETTLE_S = 1.0
 _SLACK_BYTES = 64 * 1024
 
@@ -221,8 +221,10 @@ def judge(fault: dict, run: dict) -> dict:
             evidence += [
                 f"profile: step {r.get('step')} replica_error {r['replica_error']}"
                 for r in profile
-                if r.get("replica_error")
+                if r.get("replica_error") and _DAMAGE.search(str(r["replica_error"]))
             ][:2]
+            if not exercised:  # no flipped byte reached anyone: whatever else was said is not of it
+                return {"outcome": "unexercised", "evidence": []}
         else:
             source = "memory" if kind == "slot_flip" else "storage"
             used = [r for r in later if r.get("step") in steps and r.get("source") == source]
