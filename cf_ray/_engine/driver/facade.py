@@ -118,7 +118,7 @@ class Controller:
             book=self._ledger.book,
             periodic=[
                 (_env.get_float(_env.POLICY_SAVE_INTERVAL_S), self._ledger.save_policy_state),
-                (_env.WINDOW_SAVE_INTERVAL_S, lambda: self._ledger.book.save_window(self._ledger.lock)),
+                (_env.WINDOW_SAVE_INTERVAL_S, self._ledger.save_window),
             ],
         )
         if lineage is None:

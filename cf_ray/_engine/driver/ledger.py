@@ -374,6 +374,13 @@ class Ledger:
                 "goodput": self.book.goodput.breakdown(),
             }
 
+    def save_window(self) -> None:
+        """Save the profile rows in memory as the lineage's window (:meth:`ProfileParts.save_window`):
+        a controller that Ray starts again in this one's place lists them."""
+        with self.lock:
+            rows = self.book.profile_rows()
+        self.book.parts.save_window(rows)
+
     def save_profile(self) -> None:
         """Write the profile table and the policy's state to storage (never raises)."""
         self.book.save(self.lock)

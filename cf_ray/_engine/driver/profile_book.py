@@ -79,7 +79,7 @@ class ProfileBook:
         self.key = key
         self.storage = storage
         self.schedule = schedule
-        self.parts = ProfileParts(storage, lineage or new_lineage())
+        self.parts = ProfileParts(storage, lineage or new_lineage(), continued=lineage is not None)
         self._window = max(4, _env.get_int(_env.PROFILE_WINDOW_ROWS))
         self._rows: dict[tuple[int, int], dict] = {}
         """(generation, step) -> row, oldest first mention first; at most the window."""
@@ -96,10 +96,6 @@ class ProfileBook:
         self.goodput = Badput(events_window)
         self._export = MetricsExport(key)
         schedule.failures.attach(self.log, self._export)
-        self._predecessor: list[dict] = self.parts.read_window() if lineage is not None else []
-        """The rows a controller of this lineage that died still held in memory (its last window
-        save): listed with the parts, merged under this controller's own rows."""
-        self._window_failing = False
         self._lost_since: tuple[int, int] | None = None
         """``(generation, step)`` from which checkpoints were taken while the watchdog's episode was
         open (``None``: no episode): their rows say ``durability_lost``."""
@@ -277,44 +273,26 @@ class ProfileBook:
             self._safe(row, generation, step, row["durable_unix"], SafeTier.STORAGE)
         return row
 
-    def memory_rows(self, predecessor: bool = True) -> list[dict]:
-        """The rows still in memory (the window, batches not yet in a part, and — ``predecessor`` —
-        the rows a dead predecessor held: its last window save), in step order."""
+    def memory_rows(self) -> list[dict]:
+        """The rows still in memory (the window, and batches not yet in a part), in step order."""
         iter_s = _recent_iter_s(self.schedule.samples)
         window = [
             self._public(row, iter_s) for _, row in sorted(self._rows.items(), key=lambda kv: (kv[0][1], kv[0][0]))
         ]
-        pred = self._predecessor if predecessor else []
-        return merge_rows(pred, *self._unwritten, window) if pred or self._unwritten else window
-
-    def save_window(self, lock: threading.RLock) -> None:
-        """Save the rows in memory (and a dead predecessor's) as the lineage's window file, so a
-        controller that Ray starts again in this one's place still lists them (the maintenance
-        thread, every ``env.WINDOW_SAVE_INTERVAL_S`` after a commit). Never raises."""
-        with lock:
-            rows = self.memory_rows()
-        try:
-            self.parts.write_window(rows)
-            self._window_failing = False
-        except Exception as e:  # noqa: BLE001 - the profile is a report, never a reason to fail
-            if not self._window_failing:  # once until a save works
-                logger.warning("cf_ray: could not save the profile's rows in memory: %s", e)
-            self._window_failing = True
+        return merge_rows(*self._unwritten, window) if self._unwritten else window
 
     def profile_rows(self) -> list[dict]:
-        """One dict per checkpoint still in memory (the profile table's columns), in step order.
-        The whole table is :meth:`all_rows` (storage I/O: outside the controller's lock)."""
-        return self.memory_rows()
+        """One dict per checkpoint in memory (and a dead predecessor's last window save: what the
+        window file saves), in step order. The whole table is :meth:`all_rows` (storage I/O)."""
+        return merge_rows(self.parts.predecessor, self.memory_rows())
 
     def all_rows(self, lock: threading.RLock) -> list[dict]:
         """Every row of this lineage: the parts on storage and the rows in memory, in step order.
         The rows in memory are read under ``lock``, the parts without it."""
         with lock:
-            memory = self.memory_rows(predecessor=False)
+            memory = self.memory_rows()
         parts = self.parts.read_all()  # after: a batch written meanwhile is in one of the two
-        # A dead predecessor's window is older than any part written since: it goes first, so that
-        # a part's newer values win over it.
-        return merge_rows(self._predecessor, parts, memory)
+        return merge_rows(self.parts.predecessor, parts, memory)  # older than any part: first
 
     def _public(self, row: dict, iter_s: float | None) -> dict:
         """A row as the profile table has it: the per-rank inputs folded into its columns."""

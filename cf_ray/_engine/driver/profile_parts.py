@@ -47,11 +47,15 @@ class ProfileParts:
         lineage: this controller's lineage (:func:`new_lineage`, or :func:`newest_lineage`).
     """
 
-    def __init__(self, storage: Storage, lineage: str):
+    def __init__(self, storage: Storage, lineage: str, continued: bool = False):
         self.storage = storage
         self.lineage = lineage
         self.directory = f"{PROFILE_PARTS}/{lineage}"
         self._next = 1 + max((int(m.group(1)) for m in map(_PART_RE.match, self._names()) if m), default=0)
+        self.predecessor: list[dict] = self.read_window() if continued else []
+        """The rows a dead controller of this lineage still held (its last window save; ``continued``:
+        this controller replaces it): older than any part written since, so merged first."""
+        self._window_failing = False
 
     def _names(self) -> list[str]:
         try:
@@ -69,10 +73,19 @@ class ProfileParts:
         self._next += 1
         return path
 
-    def write_window(self, rows: list[dict]) -> None:
-        """Replace this lineage's window file (:data:`WINDOW`) with ``rows``."""
-        body = json.dumps(rows, default=_jsonable, allow_nan=True)
-        self.storage.write_file(f"{self.directory}/{WINDOW}", [body.encode()])
+    def save_window(self, rows: list[dict]) -> None:
+        """Replace this lineage's window file (:data:`WINDOW`) with ``rows`` (the rows in memory and
+        the predecessor's), so a controller that Ray starts again in this one's place still lists
+        them (the maintenance thread, every ``env.WINDOW_SAVE_INTERVAL_S`` after a commit). Never
+        raises; a failure is logged once until a save works."""
+        try:
+            body = json.dumps(rows, default=_jsonable, allow_nan=True)
+            self.storage.write_file(f"{self.directory}/{WINDOW}", [body.encode()])
+            self._window_failing = False
+        except Exception as e:  # noqa: BLE001 - the profile is a report, never a reason to fail
+            if not self._window_failing:
+                logger.warning("cf_ray: could not save the profile's rows in memory: %s", e)
+            self._window_failing = True
 
     def read_window(self) -> list[dict]:
         """The rows of this lineage's window file (``[]``: none, or unreadable, logged)."""
