@@ -346,6 +346,48 @@ def test_a_controller_started_again_lists_the_profile_rows_its_predecessor_held(
     assert {r["step"]: r for r in again.profile_rows()}[6]["committed"]
 
 
+def test_a_controller_started_again_lists_the_events_its_predecessor_held(controller, tmp_path, monkeypatch):
+    """The events window (restores, restore fallbacks and their counts) outlives the controller's
+    process: the soak's seed 63 ended with ``events == []`` in its result after a controller restart.
+    An event alone (no commit after it) is saved too, and the one Ray starts in its place adds its
+    own after them."""
+    from cf_ray._engine import env
+
+    monkeypatch.setattr(env, "WINDOW_SAVE_INTERVAL_S", 0.0)
+    storage = _storage(tmp_path)
+    link = Holders()
+    first = controller(storage, "events", holders=link)
+    gen = first.prepare_restore(1).generation
+    first.restored(Restored(source=RestoreSource.FRESH, step=0, epoch=0))
+    first.part_staged(_staged(gen, 2))
+    first.part_durable(_write(storage, gen, 2))
+    gen = first.prepare_restore(1).generation
+    fallback = {"event": "restore_fallback", "source": "memory", "step": 2, "verification": True, "time": 1.0}
+    first.record_event(fallback)  # no commit after it: the event alone makes the window be saved
+    wait_idle(first)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and "restore_fallback" not in _window_text(storage):
+        time.sleep(0.05)
+    kinds = [e["event"] for e in first.events()]
+    again = controller(storage, "events", recreated=True, holders=link)
+    again._roster.resynced.wait(10)
+    assert [e["event"] for e in again.events()] == kinds and "restore_fallback" in kinds
+    assert again.summary()["restore_fallbacks"] == {"memory": {"verification": 1}}
+    again.restored(Restored(source=RestoreSource.STORAGE, step=2, epoch=0))
+    assert [e["event"] for e in again.events()][: len(kinds)] == kinds
+    assert again.events()[-1]["event"] == "restore" and len(again.events()) > len(kinds)
+
+
+def _window_text(storage) -> str:
+    from cf_ray._engine.driver.profile_parts import PROFILE_PARTS, WINDOW
+
+    for lineage in storage.list_dir(PROFILE_PARTS):
+        path = f"{PROFILE_PARTS}/{lineage}/{WINDOW}"
+        if storage.exists(path):
+            return bytes(storage.read_file(path)).decode()
+    return ""
+
+
 @pytest.mark.parametrize("holders_hold", ["something", "nothing"])
 def test_a_controller_started_again_says_so_once_whatever_its_holders_hold(controller, tmp_path, caplog, holders_hold):
     """Ray started the controller again after its process died: one warning, also when the holders

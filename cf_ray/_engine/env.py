@@ -128,8 +128,9 @@ EVENTS_WINDOW: int = _deprecated("EVENTS_WINDOW", 1000)
 #: Seconds between two saves of the policy's learnt state during a run (so that a restarted
 #: controller does not profile again from scratch).
 POLICY_SAVE_INTERVAL_S: float = _deprecated("POLICY_SAVE_INTERVAL_S", 60.0)
-#: Seconds between two saves of the profile's rows still in the controller's memory (after a
-#: commit), so that a controller Ray starts again lists the rows its predecessor had not written.
+#: Seconds between two saves of the profile's rows still in the controller's memory and its events
+#: (after a commit or an event), so that a controller Ray starts again lists what its predecessor
+#: had not written.
 WINDOW_SAVE_INTERVAL_S: float = 5.0
 
 #: Steps after a restore whose loss (``Checkpointer.step(..., loss=)``) is read and checked for NaN and

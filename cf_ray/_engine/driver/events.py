@@ -1,7 +1,9 @@
 """The run's events and the failures the workers learn of, kept by the controller (bounded windows).
 
 * Events: restores, fallbacks, notices, interval changes, uploads, quarantines, in order; the
-  newest ``env.EVENTS_WINDOW`` (1,000).
+  newest ``env.EVENTS_WINDOW`` (1,000). They are saved with the profile's rows in memory
+  (``profile_parts.py``'s ``window.json``): a controller that starts again during the run lists
+  them (:meth:`EventLog.restore_events`).
 * Failures: a checkpoint that did not commit (a section or the manifest could not be written, a
   holder lost what it held), as the workers learn of them from ``sync`` (:class:`Failure`, each with
   a ``seq`` that keeps counting across controllers: workers ask for the failures after the last one
@@ -57,11 +59,26 @@ class EventLog:
         self.on_failure: Callable[[], None] | None = None
         """Called (under the controller's lock) after each failure added: the controller saves its
         state, with the failures, on its maintenance thread."""
+        self.on_event: Callable[[], None] | None = None
+        """Called (under the controller's lock) after each event added: the controller saves the
+        window of events with the profile's rows (``window.json``), on its maintenance thread."""
 
     def add(self, event: dict) -> None:
         self.events.append(event)
         if event.get("event") == "restore_fallback":
             self.fallbacks[(str(event.get("source")), fallback_cause(event))] += 1
+        if self.on_event is not None:
+            self.on_event()
+
+    def restore_events(self, events: list[dict]) -> None:
+        """The events a predecessor saved, listed again before any of this controller's (the restore
+        fallbacks among them counted again)."""
+        on_event, self.on_event = self.on_event, None
+        try:
+            for event in events:
+                self.add(event)
+        finally:
+            self.on_event = on_event
 
     def add_failure(self, *, generation: int, step: int, section: str, rank: int, error: str) -> Failure:
         failure = Failure(seq=self._next_seq, step=step, section=section, rank=rank, error=error, generation=generation)

@@ -133,6 +133,9 @@ class Controller:
         # A checkpoint that did not commit is saved with the controller's state, off the thread that
         # learnt of it (storage may be what failed): one that starts again still reports it.
         self._ledger.book.log.on_failure = lambda: self._maintenance.run_soon(self._ledger.write_control_state)
+        # An event (a restore, a fallback, a quarantine) is saved with the profile's window: one
+        # that starts again still lists it.
+        self._ledger.book.log.on_event = self._maintenance.changed
         self._roster = Roster(
             key, link, apply=self.apply_holder_state, owner=lambda: self._lifetime.owner, restarted=resumed
         )

@@ -375,11 +375,12 @@ class Ledger:
             }
 
     def save_window(self) -> None:
-        """Save the profile rows in memory as the lineage's window (:meth:`ProfileParts.save_window`):
-        a controller that Ray starts again in this one's place lists them."""
+        """Save the profile rows in memory and the events as the lineage's window
+        (:meth:`ProfileParts.save_window`): a controller that Ray starts again in this one's place
+        lists them."""
         with self.lock:
-            rows = self.book.profile_rows()
-        self.book.parts.save_window(rows)
+            rows, events = self.book.profile_rows(), list(self.book.events)
+        self.book.parts.save_window(rows, events)
 
     def save_profile(self) -> None:
         """Write the profile table and the policy's state to storage (never raises)."""

@@ -41,7 +41,8 @@ class Maintenance:
         commits: the controller's commit bookkeeping.
         book: where uploads are recorded as events, and whose profile parts are written here.
         periodic: ``(interval_s, fn)`` pairs: each ``fn`` runs on this thread at most every
-            ``interval_s`` seconds, after a commit (the policy's state, the profile's window).
+            ``interval_s`` seconds, after a commit or :meth:`changed` (the policy's state, the
+            profile's window).
     """
 
     def __init__(
@@ -92,6 +93,13 @@ class Maintenance:
             self._due.add(_RETAIN)
             if self.uploads.wanted(m):
                 self.uploads.enqueue(Upload(step, m))
+            self._cond.notify_all()
+
+    def changed(self) -> None:
+        """Something the periodic saves save changed besides a commit (an event): they run again,
+        each at most every its interval."""
+        with self._cond:
+            self._dirty = [True] * len(self._periodic)
             self._cond.notify_all()
 
     def defer_deletions(self) -> None:

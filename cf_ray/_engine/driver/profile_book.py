@@ -92,6 +92,7 @@ class ProfileBook:
         events_window = max(1, _env.get_int(_env.EVENTS_WINDOW))
         self.log = EventLog(events_window, seq_base)
         """The events, the failures and the restore fallbacks."""
+        self.log.restore_events(self.parts.predecessor_events)
         self._iters: collections.deque = collections.deque(maxlen=20000)
         self.goodput = Badput(events_window)
         self._export = MetricsExport(key)

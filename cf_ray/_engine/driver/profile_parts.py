@@ -1,8 +1,8 @@
 """The profile's rows on storage while the run goes on (issue #16): when the controller's window of
 rows is full, its oldest quarter leaves memory as one batch, which the maintenance thread appends to
 storage as a Parquet part, ``profile/<lineage>/part-<n>.parquet`` (:class:`ProfileParts`), never
-rewriting an earlier one; the rows still in memory are saved beside them as ``window.json``
-(:data:`WINDOW`, replaced), so that a controller Ray starts again lists them too. The *lineage* is one controller and the controllers Ray restarts in its
+rewriting an earlier one; the rows still in memory, and the events window, are saved beside them as
+``window.json`` (:data:`WINDOW`, replaced), so that a controller Ray starts again lists them too. The *lineage* is one controller and the controllers Ray restarts in its
 place; a new controller (a new ``fit()``) starts a new one.
 
 Storage I/O only: called without the controller's lock.
@@ -23,9 +23,10 @@ logger = logging.getLogger("cf_ray")
 
 #: Where the profile's parts live, relative to the run's storage.
 PROFILE_PARTS = "profile"
-#: In a lineage's directory: the rows a controller still held in memory, as of its last save (JSON,
-#: replaced every ``env.WINDOW_SAVE_INTERVAL_S`` after a commit): what a controller that Ray starts
-#: again in its place lists beside the parts (a profile row is never lost with the controller).
+#: In a lineage's directory: the rows a controller still held in memory and its events, as of its last
+#: save (JSON ``{"rows": [...], "events": [...]}``, replaced every ``env.WINDOW_SAVE_INTERVAL_S`` after
+#: a commit or an event): what a controller that Ray starts again in its place lists beside the parts
+#: (a profile row or an event is never lost with the controller).
 WINDOW = "window.json"
 _PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
 _LINEAGE_RE = re.compile(r"^\d{20}$")
@@ -52,9 +53,12 @@ class ProfileParts:
         self.lineage = lineage
         self.directory = f"{PROFILE_PARTS}/{lineage}"
         self._next = 1 + max((int(m.group(1)) for m in map(_PART_RE.match, self._names()) if m), default=0)
-        self.predecessor: list[dict] = self.read_window() if continued else []
+        rows, events = self.read_window() if continued else ([], [])
+        self.predecessor: list[dict] = rows
         """The rows a dead controller of this lineage still held (its last window save; ``continued``:
         this controller replaces it): older than any part written since, so merged first."""
+        self.predecessor_events: list[dict] = events
+        """The events it held (restores, fallbacks, quarantines, interval changes), oldest first."""
         self._window_failing = False
 
     def _names(self) -> list[str]:
@@ -73,31 +77,40 @@ class ProfileParts:
         self._next += 1
         return path
 
-    def save_window(self, rows: list[dict]) -> None:
+    def save_window(self, rows: list[dict], events: list[dict]) -> None:
         """Replace this lineage's window file (:data:`WINDOW`) with ``rows`` (the rows in memory and
-        the predecessor's), so a controller that Ray starts again in this one's place still lists
-        them (the maintenance thread, every ``env.WINDOW_SAVE_INTERVAL_S`` after a commit). Never
-        raises; a failure is logged once until a save works."""
+        the predecessor's) and ``events`` (the controller's events window), so a controller that Ray
+        starts again in this one's place still lists them (the maintenance thread, every
+        ``env.WINDOW_SAVE_INTERVAL_S`` after a commit or an event). Never raises; a failure is logged
+        once until a save works."""
         try:
-            body = json.dumps(rows, default=_jsonable, allow_nan=True)
+            body = json.dumps({"rows": rows, "events": events}, default=_jsonable, allow_nan=True)
             self.storage.write_file(f"{self.directory}/{WINDOW}", [body.encode()])
             self._window_failing = False
         except Exception as e:  # noqa: BLE001 - the profile is a report, never a reason to fail
             if not self._window_failing:
-                logger.warning("cf_ray: could not save the profile's rows in memory: %s", e)
+                logger.warning("cf_ray: could not save the profile's rows and events in memory: %s", e)
             self._window_failing = True
 
-    def read_window(self) -> list[dict]:
-        """The rows of this lineage's window file (``[]``: none, or unreadable, logged)."""
+    def read_window(self) -> tuple[list[dict], list[dict]]:
+        """The rows and the events of this lineage's window file (``[]``: none, or unreadable, logged)."""
         path = f"{self.directory}/{WINDOW}"
         try:
             if not self.storage.exists(path):
-                return []
-            rows = json.loads(bytes(self.storage.read_file(path)))
-            return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+                return [], []
+            saved = json.loads(bytes(self.storage.read_file(path)))
         except Exception as e:  # noqa: BLE001 - the profile is a report, never a reason to fail
             logger.warning("cf_ray: skipping the profile window %s: %s", self.storage.uri(path), e)
-            return []
+            return [], []
+        if not isinstance(saved, dict):
+            logger.warning("cf_ray: skipping the profile window %s: not an object", self.storage.uri(path))
+            return [], []
+
+        def dicts(key: str) -> list[dict]:
+            items = saved.get(key)
+            return [d for d in items if isinstance(d, dict)] if isinstance(items, list) else []
+
+        return dicts("rows"), dicts("events")
 
     def read_all(self) -> list[dict]:
         """Every row of every part, oldest part first (an unreadable part is skipped, logged)."""
