@@ -396,6 +396,14 @@ def test_judge_sees_a_fault_only_where_the_run_reports_it():
     refused = dict(run, result={"profile": [{"step": 8, "replica_error": "RpcError: Connection refused"}]})
     assert checks.judge(wire, refused)["outcome"] == "silent"
     assert checks.judge(dict(wire, landed={}), said)["outcome"] == "unexercised"
+    # The reader was the removed node's holder (seed 103): its refusal went down with the node; a
+    # reader elsewhere that refused the bytes must still say so.
+    on_node = {"ranks": [0], "holder": [12188, "cf_ray.holder.x"]}
+    dying = dict(wire, landed={"flip": dict(caught, pid=12188), "on_the_node": on_node})
+    assert checks.judge(dying, run)["outcome"] == "unexercised"
+    assert checks.judge(dying, said)["outcome"] == "seen"
+    alive = dict(wire, landed={"flip": dict(caught, pid=4242), "on_the_node": on_node})
+    assert checks.judge(alive, run)["outcome"] == "silent"
 
 
 def test_a_stall_of_training_counts_what_cf_ray_said_while_it_stood_still(tmp_path):

@@ -225,6 +225,16 @@ def judge(fault: dict, run: dict) -> dict:
             ][:2]
             if not exercised:  # no flipped byte reached anyone: whatever else was said is not of it
                 return {"outcome": "unexercised", "evidence": []}
+            # The reader was the holder of the node the soak removed (seed 103: it was still copying
+            # a peer's section 0.9 s after its raylet was gone): its copy, and its refusal of the
+            # flipped bytes, went down with the node; no process alive received either.
+            removed = (fault["landed"].get("on_the_node") or {}).get("holder") or []
+            if not evidence and removed and flip.get("pid") == removed[0]:
+                said = flip.get("then_failed") or "kept, then lost with its node"
+                return {
+                    "outcome": "unexercised",
+                    "evidence": [f"read by the removed node's holder (pid {removed[0]}): {said}"],
+                }
         else:
             source = "memory" if kind == "slot_flip" else "storage"
             used = [r for r in later if r.get("step") in steps and r.get("source") == source]
