@@ -406,6 +406,53 @@ def test_judge_sees_a_fault_only_where_the_run_reports_it():
     assert checks.judge(alive, run)["outcome"] == "silent"
 
 
+def test_a_schedule_is_judged_again_on_the_files_the_soak_kept(tmp_path):
+    """``benchmarks.soak.rejudge``: a record the judge of its day called silent (seed 103 of part 4: a
+    stream flip read by the removed node's holder) is judged again on its own kept evidence; the
+    record says what it was before, the summary is counted again, and a seed whose files were not
+    kept is refused."""
+    from benchmarks.soak import rejudge
+
+    flip = {"point": "as the bytes landed", "offset": 5, "pid": 12188, "then_failed": "BlockMismatch: block 0"}
+    fault = _fault(
+        "stream_flip",
+        id="F7.0",
+        point="then_node_loss",
+        landed={"flip": flip, "on_the_node": {"ranks": [0], "holder": [12188, "h"]}},
+        outcome="silent",
+        evidence=[],
+    )
+    ok = {"ok": True}
+    rec = {
+        "seed": 7,
+        "name": "soak7",
+        "ok": False,
+        "faults": [fault],
+        "resumes": [],
+        "quarantined": {},
+        "checks": {
+            "finished": {"ok": True, "error": None},
+            "bitwise": ok,
+            "exactly_once": ok,
+            "committed_kept": dict(ok, lost=[]),
+            "no_silent": {"ok": False, "silent": ["F7.0"], "silent_stalls": []},
+            "memory": ok,
+        },
+    }
+    doc = {"meta": {}, "schedules": [rec], "summary": report.summarise([rec])}
+    assert doc["summary"]["silent_faults"] == 1
+    with pytest.raises(FileNotFoundError):
+        rejudge.rejudge(doc, str(tmp_path), {7}, "abc")
+    kept = tmp_path / "runs" / "soak7" / "out" / "soak7"
+    kept.mkdir(parents=True)
+    (kept / "result.json").write_text(json.dumps({"failures": [], "events": [], "profile": []}))
+    (change,) = rejudge.rejudge(doc, str(tmp_path), {7}, "abc")
+    assert change == {"seed": 7, "before": {"F7.0": "silent"}, "after": {"F7.0": "unexercised"}}
+    assert rec["ok"] and rec["checks"]["no_silent"] == {"ok": True, "silent": [], "silent_stalls": []}
+    assert rec["rejudged"] == {"at": "abc", "before": {"F7.0": "silent"}}
+    assert doc["summary"]["silent_faults"] == 0 and doc["summary"]["ok"] == 1 and doc["meta"]["rejudged"] == [7]
+
+
 def test_a_stall_of_training_counts_what_cf_ray_said_while_it_stood_still(tmp_path):
     from benchmarks.soak.monitor import LogTail, Monitor, RunPaths
 
