@@ -549,6 +549,13 @@ def test_soaks_of_other_seeds_of_one_job_merge_into_one_table_and_nothing_else_d
         report.merge([("a.json", doc([1])), ("b.json", doc([2], preset="quick"))])
     with pytest.raises(ValueError, match="reference digests"):
         report.merge([("a.json", doc([1])), ("b.json", doc([2], digests="d2"))])
+    # A seed run again after a fix: with latest=True the last run counts and the earlier is kept.
+    again = report.merge([("a.json", doc([1, 2], bad=(2,))), ("r.json", doc([2]))], latest=True)
+    assert (again["summary"]["schedules"], again["summary"]["ok"]) == (2, 2)
+    assert again["meta"]["superseded"] == {
+        "2": [{"file": "a.json", "ok": False, "failed": ["bitwise"], "commit": None}]
+    }
+    assert "Run again after a fix" in report.render(again) and "2: bitwise" in report.render(again)
 
 
 # -- the soak itself -------------------------------------------------------------------------------------

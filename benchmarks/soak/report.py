@@ -107,6 +107,15 @@ def render(doc: dict) -> str:
             "The soak itself failed on seeds (no verdict): "
             + "; ".join(f"{k}: {v}" for k, v in s["soak_errors"].items()),
         ]
+    if meta.get("superseded"):
+        out += [
+            "",
+            "Run again after a fix (the last run counts; the earlier ones failed): "
+            + "; ".join(
+                f"{k}: " + ", ".join(",".join(o["failed"]) or "passed" for o in v)
+                for k, v in meta["superseded"].items()
+            ),
+        ]
     if s["failed_seeds"]:
         out += [
             "",
@@ -116,10 +125,15 @@ def render(doc: dict) -> str:
     return "\n".join(out)
 
 
-def merge(docs: list[tuple[str, dict]]) -> dict:
+def merge(docs: list[tuple[str, dict]], latest: bool = False) -> dict:
     """One soak document from several ``(path, document)``: soaks of the same job (preset, numbers
     and reference digests equal) over seeds that do not overlap. Raises ``ValueError`` saying which
-    files differ or which seed is in two of them."""
+    files differ or which seed is in two of them.
+
+    ``latest``: a seed may be in several (a schedule run again after a fix): the record of the last
+    document given counts, and each earlier one is kept in ``meta["superseded"]`` (its file, whether
+    it passed, the checks it failed, its commit), so the table says what the newest code does and
+    the JSON what the soak found on the way."""
     (first_path, first), rest = docs[0], docs[1:]
     for path, doc in rest:
         for what, get in (
@@ -132,17 +146,31 @@ def merge(docs: list[tuple[str, dict]]) -> dict:
                     f"{get(first)!r}): merge only soaks of one preset and one reference"
                 )
     seen: dict[int, str] = {}
-    records = []
+    by_seed: dict[int, dict] = {}
+    superseded: dict[str, list[dict]] = {}
     for path, doc in docs:
         for r in doc["schedules"]:
             if r["seed"] in seen:
-                raise ValueError(
-                    f"seed {r['seed']} is in {seen[r['seed']]} and in {path}: merge soaks of different seeds "
-                    "(run the later part with --first past the earlier one's last seed)"
+                if not latest:
+                    raise ValueError(
+                        f"seed {r['seed']} is in {seen[r['seed']]} and in {path}: merge soaks of different seeds "
+                        "(run the later part with --first past the earlier one's last seed), or pass --latest "
+                        "to count the last run of each seed"
+                    )
+                old = by_seed[r["seed"]]
+                superseded.setdefault(str(r["seed"]), []).append(
+                    {
+                        "file": seen[r["seed"]],
+                        "ok": old["ok"],
+                        "failed": [c for c in CHECKS if not old.get("checks", {}).get(c, {}).get("ok")],
+                        "commit": old.get("_commit"),
+                    }
                 )
             seen[r["seed"]] = path
-            records.append(r)
-    records.sort(key=lambda r: r["seed"])
+            by_seed[r["seed"]] = dict(r, _commit=doc.get("meta", {}).get("commit"))
+    records = [by_seed[k] for k in sorted(by_seed)]
+    for r in records:
+        r.pop("_commit", None)
     metas = [d.get("meta", {}) for _, d in docs]
     meta = dict(
         metas[0],
@@ -152,12 +180,16 @@ def merge(docs: list[tuple[str, dict]]) -> dict:
         wall_s=round(sum(float(m.get("wall_s") or 0) for m in metas), 1),
         complete=all(m.get("complete") for m in metas),
     )
+    if latest:
+        meta["superseded"] = superseded
     return dict(first, meta=meta, summary=summarise(records), schedules=records)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     out = None
+    latest = "--latest" in argv
+    argv = [a for a in argv if a != "--latest"]
     if "--json" in argv:
         i = argv.index("--json")
         out, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
@@ -166,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(path) as f:
             docs.append((path, json.load(f)))
     try:
-        doc = docs[0][1] if len(docs) == 1 else merge(docs)
+        doc = docs[0][1] if len(docs) == 1 else merge(docs, latest=latest)
     except ValueError as e:
         print(f"cf_ray soak report: {e}", file=sys.stderr)
         return 2
