@@ -97,7 +97,7 @@ class Maintenance:
 
     def changed(self) -> None:
         """Something the periodic saves save changed besides a commit (an event): they run again,
-        each at most every its interval."""
+        each no more often than its interval."""
         with self._cond:
             self._dirty = [True] * len(self._periodic)
             self._cond.notify_all()
