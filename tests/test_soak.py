@@ -451,6 +451,7 @@ def test_a_schedule_is_judged_again_on_the_files_the_soak_kept(tmp_path):
     assert rec["ok"] and rec["checks"]["no_silent"] == {"ok": True, "silent": [], "silent_stalls": []}
     assert rec["rejudged"] == {"at": "abc", "before": {"F7.0": "silent"}}
     assert doc["summary"]["silent_faults"] == 0 and doc["summary"]["ok"] == 1 and doc["meta"]["rejudged"] == [7]
+    assert "7 at abc (F7.0 silent: unexercised)" in report.render(doc)
 
 
 def test_a_stall_of_training_counts_what_cf_ray_said_while_it_stood_still(tmp_path):

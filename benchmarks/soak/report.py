@@ -107,6 +107,23 @@ def render(doc: dict) -> str:
             "The soak itself failed on seeds (no verdict): "
             + "; ".join(f"{k}: {v}" for k, v in s["soak_errors"].items()),
         ]
+    rejudged = [r for r in doc["schedules"] if r.get("rejudged")]
+    if rejudged:
+        out += [
+            "",
+            "Judged again on their kept files by a later judge (`benchmarks.soak.rejudge`; before: after): "
+            + "; ".join(
+                f"{r['seed']} at {r['rejudged'].get('at')} ("
+                + ", ".join(
+                    f"{k} {v}: {f['outcome']}"
+                    for f in r["faults"]
+                    for k, v in r["rejudged"]["before"].items()
+                    if k == f["id"] and v != f["outcome"]
+                )
+                + ")"
+                for r in rejudged
+            ),
+        ]
     if meta.get("superseded"):
         out += [
             "",
