@@ -107,7 +107,7 @@ def render(doc: dict) -> str:
             "The soak itself failed on seeds (no verdict): "
             + "; ".join(f"{k}: {v}" for k, v in s["soak_errors"].items()),
         ]
-    rejudged = [r for r in doc["schedules"] if r.get("rejudged")]
+    rejudged = [r for r in doc.get("schedules", []) if r.get("rejudged")]
     if rejudged:
         out += [
             "",
