@@ -127,7 +127,7 @@ def render(doc: dict) -> str:
     if meta.get("superseded"):
         out += [
             "",
-            "Run again after a fix (the last run counts; the earlier ones failed): "
+            "Run again after a fix (the last run counts; what each earlier run failed): "
             + "; ".join(
                 f"{k}: " + ", ".join(",".join(o["failed"]) or "passed" for o in v)
                 for k, v in meta["superseded"].items()
