@@ -275,14 +275,20 @@ def test_settled_says_which_steps_nothing_more_will_happen_to(controller, tmp_pa
 # -- a controller that starts again ---------------------------------------------------------------
 
 
+def _fresh_start_committing(ctl, storage, step: int) -> int:
+    """A first attempt that started fresh and committed ``step``; returns its generation."""
+    gen = ctl.prepare_restore(1).generation
+    ctl.restored(Restored(source=RestoreSource.FRESH, step=0, epoch=0))
+    ctl.part_staged(_staged(gen, step))
+    ctl.part_durable(_write(storage, gen, step))
+    return gen
+
+
 def test_a_controller_that_starts_again_rebuilds_from_storage_and_the_holders(controller, tmp_path):
     storage = _storage(tmp_path)
     link = Holders()
     ctl = controller(storage, "again", holders=link)
-    gen = ctl.prepare_restore(1).generation
-    ctl.restored(Restored(source=RestoreSource.FRESH, step=0, epoch=0))
-    ctl.part_staged(_staged(gen, 2))
-    ctl.part_durable(_write(storage, gen, 2))
+    _fresh_start_committing(ctl, storage, 2)
     gen = ctl.prepare_restore(1).generation  # a second attempt, restored at step 2
     ctl.restored(Restored(source=RestoreSource.STORAGE, step=2, epoch=0))
     ctl.part_staged(_staged(gen, 4))
@@ -357,11 +363,8 @@ def test_a_controller_started_again_lists_the_events_its_predecessor_held(contro
     storage = _storage(tmp_path)
     link = Holders()
     first = controller(storage, "events", holders=link)
-    gen = first.prepare_restore(1).generation
-    first.restored(Restored(source=RestoreSource.FRESH, step=0, epoch=0))
-    first.part_staged(_staged(gen, 2))
-    first.part_durable(_write(storage, gen, 2))
-    gen = first.prepare_restore(1).generation
+    _fresh_start_committing(first, storage, 2)
+    first.prepare_restore(1)  # a second attempt
     fallback = {"event": "restore_fallback", "source": "memory", "step": 2, "verification": True, "time": 1.0}
     first.record_event(fallback)  # no commit after it: the event alone makes the window be saved
     wait_idle(first)
