@@ -2,8 +2,10 @@
 process (and one with drains), cf_ray's ``Adaptive`` against Ray Train's periodic checkpoint (issue #26).
 
 Each *arm* is one ``TorchTrainer.fit()`` of the same job (2 workers, gloo, DDP, ``layers x
-Linear(width)`` + Adam on a fixed synthetic batch) that trains for the same time from its first step
-(``--fail-duration``; the start-up before it counts as badput), with the same failures:
+Linear(width)`` + Adam on a fixed synthetic batch) that trains for the same *up-time*
+(``--fail-duration`` seconds of training, counted from each attempt's first step; the start-up and
+the recoveries add to its wall time as badput), with the same failures at the same points of that
+up-time:
 
 * ``cf_adaptive``: ``cf_ray.Checkpointer`` with ``cf_ray.Adaptive()`` (its defaults: no failure
   prior, a 5 % budget);
@@ -17,7 +19,14 @@ Linear(width)`` + Adam on a fixed synthetic batch) that trains for the same time
 
 The failures: rank 1 SIGKILLs itself after gaps of time up drawn from an exponential distribution
 of mean ``--fail-mtbf`` (a Poisson process in the time the job trains; the same gaps, same seed,
-for every arm), Ray Train restarts the worker group (``FailureConfig``). Mode ``drains``: the
+for every arm), Ray Train restarts the worker group (``FailureConfig``). Kills and the end are both
+on the up-time clock, so every arm meets the same kills (:func:`planned_kills`); with the end on
+the wall clock instead (before 2026-11-28), a kill due in the last seconds fell inside the window for
+an arm whose recoveries were quick and outside it for another, and two runs of one arm differed by a
+kill. ``--fail-rounds N`` runs every arm ``N`` times, round ``r`` with the failure trace of seed
+``--seed + r`` (the same for every arm of the round) and the arms in rotated order; each target is
+judged on the per-round differences (cf_ray's ratio minus Ray's, same failures): met when every
+round's is above zero, missed when every round's is below, within noise otherwise. Mode ``drains``: the
 same, and ``--fail-grace`` seconds before each kill the rank gets a preemption notice — cf_ray's
 ``ckpt.request_checkpoint(preemption=True, deadline_s=grace)``, as a drain or SIGTERM handler would
 pass it on; Ray Train's loop has no such hook and carries on.
@@ -49,7 +58,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-SCHEMA = "cf_ray.failure_run/1"
+SCHEMA = "cf_ray.failure_run/2"  # /2: up-time end, rounds (2026-11-28)
 ARMS = ("cf_adaptive", "ray_default", "ray_fixed")
 MODES = ("kills", "drains")
 
@@ -83,7 +92,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fail-arms", default=",".join(ARMS), help="comma-separated subset of %(default)s")
     g.add_argument("--fail-modes", default=",".join(MODES), help="comma-separated subset of %(default)s")
     g.add_argument("--fail-mtbf", type=float, help="mean seconds of training between two kills")
-    g.add_argument("--fail-duration", type=float, help="wall seconds each arm trains")
+    g.add_argument(
+        "--fail-duration", type=float, help="seconds each arm trains (up-time, from each attempt's first step)"
+    )
+    g.add_argument(
+        "--fail-rounds",
+        type=int,
+        default=1,
+        help="run every arm this many times, round r with the failures of seed --seed + r (default: %(default)s)",
+    )
     g.add_argument("--fail-grace", type=float, help="drains: seconds between the notice and the kill")
     g.add_argument("--fail-grid", help="ray_fixed's intervals, e.g. 10,25,50,100")
     g.add_argument("--epoch-steps", type=int, help="ray_default: steps per epoch (a checkpoint per epoch)")
@@ -151,12 +168,13 @@ def _failure_loop(cfg: dict) -> None:
     kill_rank = 1 if ctx.get_world_size() > 1 else 0
     n_kill = _kills_done(out)
     gaps = cfg["gaps"]
-    kill_at = notice_at = math.inf
+    kill_at = notice_at = end_unix = math.inf
     noticed = False
     flag = torch.zeros(1)
-    end_unix = _end_unix(out, cfg["duration_s"]) if rank == 0 else math.inf
     while True:
         t_step = time.time()
+        if end_unix == math.inf and rank == 0:  # this attempt's share of the arm's up-time
+            end_unix = t_step + up_time_left(cfg["duration_s"], gaps, n_kill)
         if kill_at == math.inf and n_kill < len(gaps):
             kill_at = t_step + gaps[n_kill]  # a gap of time up, from this attempt's first step
             notice_at = kill_at - cfg["grace_s"] if cfg["mode"] == "drains" else math.inf
@@ -200,15 +218,23 @@ def _failure_loop(cfg: dict) -> None:
         ckpt.finish()
 
 
-def _end_unix(out: str, duration_s: float) -> float:
-    """When the arm stops training: ``duration_s`` after the first attempt's first step (so that a
-    slow start-up on a busy machine does not eat the arm's training time; it counts as badput)."""
-    path = os.path.join(out, "start.json")
-    if not os.path.exists(path):
-        with open(path, "w") as f:
-            json.dump({"t": time.time()}, f)
-    with open(path) as f:
-        return json.load(f)["t"] + duration_s
+def up_time_left(duration_s: float, gaps: list[float], kills_done: int) -> float:
+    """Seconds the attempt after ``kills_done`` kills trains, from its first step: the arm's
+    up-time less what the attempts before it trained (attempt ``i`` trained ``gaps[i]`` from its
+    first step to its kill). A slow start-up or recovery adds to the arm's wall time, never takes
+    from its training."""
+    return max(0.0, duration_s - sum(gaps[:kills_done]))
+
+
+def planned_kills(duration_s: float, gaps: list[float]) -> int:
+    """How many kills fall within ``duration_s`` of up-time: the same for every arm."""
+    n, up = 0, 0.0
+    for g in gaps:
+        up += g
+        if up >= duration_s:
+            break
+        n += 1
+    return n
 
 
 def _ray_report(model, opt, step: int, rank: int) -> None:
@@ -324,10 +350,12 @@ def _arms(arms: list[str], grid: list[int], epoch_steps: int) -> list[tuple[str,
     return out
 
 
-def _one(mode: str, arm: str, k: int | None, p: dict, gaps: list[float], root: Path, seed: int) -> dict:
+def _one(
+    mode: str, arm: str, k: int | None, p: dict, gaps: list[float], root: Path, seed: int, round_: int = 0
+) -> dict:
     from benchmarks.bench import _fit
 
-    name = f"{mode}-{arm}" + (f"-k{k}" if arm == "ray_fixed" else "")
+    name = f"{mode}-{arm}" + (f"-k{k}" if arm == "ray_fixed" else "") + (f"-r{round_}" if round_ else "")
     out = root / "logs" / name
     out.mkdir(parents=True, exist_ok=True)
     fit_start = time.time()
@@ -351,7 +379,15 @@ def _one(mode: str, arm: str, k: int | None, p: dict, gaps: list[float], root: P
         error = repr(e)
     kills = [json.loads((out / n).read_text()) for n in sorted(os.listdir(out)) if n.startswith("kill_")]
     res = analyse(_read_jsonl(out / "steps_rank0.jsonl"), kills, fit_start)
-    res.update(mode=mode, arm=arm, k=k, name=name, fit_error=error)
+    res.update(
+        mode=mode,
+        arm=arm,
+        k=k,
+        name=name,
+        round=round_,
+        planned_kills=planned_kills(p["duration_s"], gaps),
+        fit_error=error,
+    )
     if arm == "cf_adaptive":
         res["controller_goodput"] = _controller_goodput(root / "storage", name)
     return res
@@ -391,33 +427,45 @@ def _controller_goodput(storage: Path, name: str) -> dict | None:
     return None
 
 
+def _verdict(diffs: list[float]) -> str:
+    if diffs and min(diffs) > 0:
+        return "met"
+    if diffs and max(diffs) < 0:
+        return "missed"
+    return "within noise"
+
+
 def _targets(rows: list[dict]) -> list[dict]:
+    """cf_ray's ratio against Ray's default and Ray's best fixed interval (the ``k`` of the highest
+    mean ratio over the rounds), per mode, judged on the per-round differences (:func:`_verdict`)."""
     out = []
     for mode in sorted({r["mode"] for r in rows}):
-        got = {(r["arm"], r["k"]): r.get("effective_training_ratio") for r in rows if r["mode"] == mode}
-        cf = next((v for (a, _), v in got.items() if a == "cf_adaptive"), None)
-        default = next((v for (a, _), v in got.items() if a == "ray_default"), None)
-        fixed = [v for (a, _), v in got.items() if a == "ray_fixed" and v is not None]
+        ratio: dict[tuple[str, int | None], dict[int, float]] = {}
+        for r in rows:
+            if r["mode"] == mode and r.get("effective_training_ratio") is not None:
+                ratio.setdefault((r["arm"], r["k"]), {})[r.get("round", 0)] = r["effective_training_ratio"]
+        cf = next((v for (a, _), v in ratio.items() if a == "cf_adaptive"), None)
         if cf is None:
             continue
-        if default is not None:
-            out.append(
-                {
-                    "mode": mode,
-                    "target": "cf_ray's ratio above Ray's periodic default",
-                    "cf": cf,
-                    "ray": default,
-                    "met": cf > default,
-                }
-            )
+        fixed = {k: v for (a, k), v in ratio.items() if a == "ray_fixed"}
+        ray = [("cf_ray's ratio above Ray's periodic default", v) for (a, _), v in ratio.items() if a == "ray_default"]
         if fixed:
+            best = max(fixed, key=lambda k: statistics.mean(fixed[k].values()))
+            ray.append((f"cf_ray's ratio above Ray's best fixed interval (k={best})", fixed[best]))
+        for target, theirs in ray:
+            rounds = sorted(set(cf) & set(theirs))
+            diffs = [cf[i] - theirs[i] for i in rounds]
+            verdict = _verdict(diffs)
             out.append(
                 {
                     "mode": mode,
-                    "target": "cf_ray's ratio above Ray's best fixed interval",
-                    "cf": cf,
-                    "ray": max(fixed),
-                    "met": cf > max(fixed),
+                    "target": target,
+                    "cf": statistics.mean(cf[i] for i in rounds) if rounds else None,
+                    "ray": statistics.mean(theirs[i] for i in rounds) if rounds else None,
+                    "rounds": len(rounds),
+                    "diffs": diffs,
+                    "verdict": verdict,
+                    "met": verdict == "met",
                 }
             )
     return out
@@ -425,31 +473,44 @@ def _targets(rows: list[dict]) -> list[dict]:
 
 def render(res: dict) -> str:
     cats = ("checkpoint_save", "checkpoint_restore", "wasted_progress", "recovery", "startup", "other")
+    rounds = res.get("rounds", 1)
     lines = [
         f"# Real run with failures ({res['preset']}: mean {res['mtbf_s']:g} s between kills, "
-        f"{res['duration_s']:g} s per arm)",
+        f"{res['duration_s']:g} s of up-time per arm, {rounds} round(s))",
         "",
-        "| mode | arm | k | ratio | final step | kills | wasted steps | " + " | ".join(cats) + " |",
-        "|---|---|---|---|---|---|---|" + "---|" * len(cats),
+        "| mode | round | arm | k | ratio | final step | kills (planned) | wasted steps | " + " | ".join(cats) + " |",
+        "|---|---|---|---|---|---|---|---|" + "---|" * len(cats),
     ]
     for r in res["rows"]:
+        head = f"| {r['mode']} | {r.get('round', 0)} | {r['arm']} | {r.get('k') or 'auto'} |"
         if r.get("wall_s") is None:
             why = r.get("error") or r.get("fit_error")
-            lines.append(f"| {r['mode']} | {r['arm']} | {r.get('k') or '–'} | error: {why} |")
+            lines.append(f"{head} error: {why} |")
             continue
         bad = r["badput_s"]
         lines.append(
-            f"| {r['mode']} | {r['arm']} | {r.get('k') or 'auto'} | {r['effective_training_ratio']:.3f} | "
-            f"{r['final_step']} | {r['kills']} | {r['wasted_steps']} | "
+            f"{head} {r['effective_training_ratio']:.3f} | {r['final_step']} | {r['kills']} "
+            f"({r.get('planned_kills', '?')}) | {r['wasted_steps']} | "
             + " | ".join(f"{bad[c]:.1f} s" for c in cats)
             + " |"
         )
-    lines += ["", "| mode | target | cf_ray | Ray | met |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| mode | target | cf_ray (mean) | Ray (mean) | cf_ray − Ray per round | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
     for t in res["targets"]:
-        lines.append(
-            f"| {t['mode']} | {t['target']} | {t['cf']:.3f} | {t['ray']:.3f} | {'yes' if t['met'] else 'NO'} |"
-        )
+        diffs = ", ".join(f"{d:+.3f}" for d in t.get("diffs", []))
+        verdict = t.get("verdict") or ("met" if t["met"] else "missed")
+        cf, ray = (f"{v:.3f}" if v is not None else "–" for v in (t["cf"], t["ray"]))
+        lines.append(f"| {t['mode']} | {t['target']} | {cf} | {ray} | {diffs} | {verdict} |")
     return "\n".join(lines)
+
+
+def _gaps(p: dict, seed: int) -> list[float]:
+    """The failure trace of one round: gaps of up-time between kills, exponential of mean ``mtbf_s``."""
+    rng = random.Random(seed)
+    return [rng.expovariate(1.0 / p["mtbf_s"]) for _ in range(int(3 * p["duration_s"] / p["mtbf_s"]) + 10)]
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
@@ -473,8 +534,9 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     if bad:
         raise SystemExit(f"unknown mode(s) {bad}; choose from {','.join(MODES)}")
     arms = _arms([a for a in args.fail_arms.split(",") if a], p["grid"], p["epoch_steps"])
-    rng = random.Random(args.seed)
-    gaps = [rng.expovariate(1.0 / p["mtbf_s"]) for _ in range(int(3 * p["duration_s"] / p["mtbf_s"]) + 10)]
+    if args.fail_rounds < 1:
+        raise SystemExit(f"--fail-rounds must be at least 1, not {args.fail_rounds}")
+    traces = [_gaps(p, args.seed + r) for r in range(args.fail_rounds)]
     root = Path(args.out)
     root.mkdir(parents=True, exist_ok=True)
     if ray.is_initialized():
@@ -488,10 +550,12 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         warm_up_s = _warm_up(p, root, args.seed)
         print(f"warm-up fit: {warm_up_s:.1f} s (not counted)", file=sys.stderr)
-        for mode in modes:
-            for arm, k in arms:
-                rows.append(_one(mode, arm, k, p, gaps, root, args.seed))
-                print(f"{rows[-1]['name']}: ratio {rows[-1].get('effective_training_ratio')}", file=sys.stderr)
+        for r, gaps in enumerate(traces):
+            order = arms[r % len(arms) :] + arms[: r % len(arms)]  # rotated: drift hits every arm alike
+            for mode in modes:
+                for arm, k in order:
+                    rows.append(_one(mode, arm, k, p, gaps, root, args.seed, r))
+                    print(f"{rows[-1]['name']}: ratio {rows[-1].get('effective_training_ratio')}", file=sys.stderr)
     finally:
         ray.shutdown()
     res = {
@@ -499,7 +563,10 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
         "command": "cf-ray bench " + " ".join(argv),
         "preset": args.fail_preset,
         **{k: p[k] for k in ("mtbf_s", "duration_s", "grace_s", "epoch_steps", "grid", "width", "layers", "batch")},
-        "gaps_s": gaps,
+        "rounds": args.fail_rounds,
+        "seed": args.seed,
+        "gaps_s": traces[0],
+        "gaps_by_round": traces,
         "host": _host(),
         "loadavg_start": os.getloadavg(),
         "wall_s": time.time() - t0,

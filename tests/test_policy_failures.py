@@ -329,3 +329,42 @@ def test_real_run_analysis_splits_the_wall_time_as_the_goodput_measurement_does(
     )
     assert out["effective_training_ratio"] == pytest.approx(12 / 34.4)
     assert out["productive_s"] + sum(out["badput_s"].values()) == pytest.approx(out["wall_s"])
+
+
+def test_real_run_every_arm_trains_the_same_up_time_and_meets_the_same_kills():
+    from benchmarks.failure_run import planned_kills, up_time_left
+
+    gaps = [139.5, 106.4, 40.9, 22.5, 53.7]
+    # The kills within 360 s of training are the same whatever the recoveries cost: 139.5, 245.9,
+    # 286.8 and 309.3 s of up-time (the fifth, at 363.0, is past the end).
+    assert planned_kills(360.0, gaps) == 4
+    # Each attempt trains what the attempts before it (each up to its kill) left of the 360 s.
+    left = [up_time_left(360.0, gaps, n) for n in range(5)]
+    assert left == pytest.approx([360.0, 220.5, 114.1, 73.2, 50.7])
+    # An attempt whose share is less than its gap ends before its kill: the last one trains 50.7 s
+    # and its kill would be due at 53.7 s.
+    assert left[4] < gaps[4] and all(left[n] > gaps[n] for n in range(4))
+    assert up_time_left(100.0, gaps, 2) == 0.0  # nothing left: never negative
+
+
+def test_real_run_targets_are_judged_on_the_per_round_differences():
+    from benchmarks.failure_run import _targets
+
+    def row(arm, k, rnd, ratio):
+        return {"mode": "kills", "arm": arm, "k": k, "round": rnd, "effective_training_ratio": ratio}
+
+    rows = [
+        row("cf_adaptive", None, 0, 0.74), row("cf_adaptive", None, 1, 0.71),
+        row("ray_default", 1000, 0, 0.31), row("ray_default", 1000, 1, 0.35),
+        row("ray_fixed", 10, 0, 0.70), row("ray_fixed", 10, 1, 0.69),
+        row("ray_fixed", 30, 0, 0.72), row("ray_fixed", 30, 1, 0.73),
+    ]  # fmt: skip
+    got = {t["target"]: t for t in _targets(rows)}
+    default = got["cf_ray's ratio above Ray's periodic default"]
+    assert default["verdict"] == "met" and default["diffs"] == pytest.approx([0.43, 0.36])
+    # Ray's best fixed interval is the k of the highest mean (30), and the rounds disagree.
+    best = got["cf_ray's ratio above Ray's best fixed interval (k=30)"]
+    assert best["diffs"] == pytest.approx([0.02, -0.02]) and best["verdict"] == "within noise" and not best["met"]
+    assert best["cf"] == pytest.approx(0.725) and best["ray"] == pytest.approx(0.725) and best["rounds"] == 2
+    rows[0]["effective_training_ratio"], rows[1]["effective_training_ratio"] = 0.70, 0.65  # below k=30 twice
+    assert {t["verdict"] for t in _targets(rows) if "fixed" in t["target"]} == {"missed"}
