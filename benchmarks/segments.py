@@ -42,8 +42,13 @@ from benchmarks.savers import (
 
 
 def lead_for(k: int) -> int:
-    """Untimed iterations before a segment's window: a multiple of ``k``, at least 3 (two slots filled)."""
-    return k * max(1, math.ceil(3 / k))
+    """Untimed iterations before a segment's window: a multiple of ``k`` with at least two
+    checkpoints and at least 3 iterations, so that both of cf_ray's snapshot slots have been filled
+    once. (Until 2026-11-28 one checkpoint for ``k >= 3``: the window's first checkpoint filled the
+    second slot for the first time, faulting its pages in; at k=10 that checkpoint stalled 0.2-0.86 s
+    against 3-16 ms for the later ones, one of the window's four. A run of a user's loop pays it
+    once, not every 40 iterations.)"""
+    return k * max(2, math.ceil(3 / k))
 
 
 def window_for(k: int, iters: int) -> int:

@@ -110,3 +110,14 @@ def test_targets_are_judged_from_intervals_and_paired_rounds():
     assert dcp["verdict"] == stats.MET  # cf below DCP in every round by 0.4-0.5: paired, the drift cancels
     drift = t[("drift", "baseline drift reported (no-checkpoint segments, max-min over mean)")]
     assert drift["measured"] == 12.0 and drift["verdict"] == stats.NA
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 10, 50])
+def test_a_segment_lead_in_fills_both_snapshot_slots_before_its_window(k):
+    from benchmarks.segments import lead_for, window_for
+
+    lead = lead_for(k)
+    # Whole periods, at least two checkpoints (cf_ray's two slots both filled once, their pages
+    # faulted in), at least three iterations: the window's checkpoints all reuse warm slots.
+    assert lead % k == 0 and lead // k >= 2 and lead >= 3
+    assert window_for(k, 40) % k == 0
