@@ -428,11 +428,15 @@ def _controller_goodput(storage: Path, name: str) -> dict | None:
 
 
 def _verdict(diffs: list[float]) -> str:
+    """The CPU bench's verdict words (:mod:`benchmarks.stats`), here from the sign of every round's
+    difference: a few rounds of several minutes each give no useful t-interval."""
+    from benchmarks.stats import MET, MISSED, NOISE
+
     if diffs and min(diffs) > 0:
-        return "met"
+        return MET
     if diffs and max(diffs) < 0:
-        return "missed"
-    return "within noise"
+        return MISSED
+    return NOISE
 
 
 def _targets(rows: list[dict]) -> list[dict]:
