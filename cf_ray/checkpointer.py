@@ -328,7 +328,8 @@ class Checkpointer:
             self._steps.wait(self.step_count, timeout, report_timeout=False, safe_ok=True)
 
     def finish(self) -> FinishSummary:
-        """End of training: checkpoint the final state (unless the last checkpoint is of this step),
+        """End of training: checkpoint the final state (unless the last checkpoint is of this step and
+        is persisted: one the schedule held in memory only is taken again, persisted),
         wait for every checkpoint taken, write the consolidated model, register it with Ray Train as
         the run's result, and release cf_ray's actors and threads (:meth:`close`). Call on every rank.
 
@@ -346,9 +347,10 @@ class Checkpointer:
                 else "Checkpointer.finish() after close()"
             )
         self._phase1.capture_late()
-        if (
-            self.step_count > 0 and self._steps.scheduler.last_save_step != self.step_count
-        ):  # agreed: same on every rank
+        scheduler = self._steps.scheduler
+        if self.step_count > 0 and (
+            scheduler.last_save_step != self.step_count or not scheduler.last_persisted
+        ):  # agreed: same on every rank (a last checkpoint held in memory only is persisted now)
             self._snapshot(CheckpointKind.MANUAL, milestone=True)  # every rank, at the same step (like save())
             self._phase1.capture_late()  # nothing runs between this checkpoint and the end
         limit = self._durability.finish_limit_s()

@@ -54,6 +54,29 @@ def test_scheduler_turns_requests_milestones_and_the_policy_into_a_kind():
     assert s.interval == 2
 
 
+def test_the_schedules_persist_every_keeps_scheduled_snapshots_in_memory_the_same_way_on_every_rank():
+    """``Schedule.persist_every``: one scheduled snapshot in N is persisted, counted from the first
+    of the attempt; any other kind is always persisted and restarts the count. Adopted with the
+    interval, once every rank has the version."""
+    ranks = [Scheduler(cf_ray.CheckpointConfig(policy=cf_ray.FixedInterval(every=2))) for _ in range(2)]
+    for s in ranks:
+        s.start_attempt([Schedule(schedule_version=0, interval=2)])
+        assert [s.persist_due(CheckpointKind.SCHEDULED, False) for _ in range(2)] == [True, True]
+        s.receive([Schedule(schedule_version=1, interval=2, persist_every=3)])
+        assert s.persist_every == 1  # not adopted before the agreement says every rank has it
+        s.decide(4, 0, _agreement(version=1))
+        assert s.persist_every == 3
+    got = [[s.persist_due(CheckpointKind.SCHEDULED, False) for _ in range(7)] for s in ranks]
+    assert got[0] == got[1] == [False, False, True, False, False, True, False]
+    s = ranks[0]
+    assert not s.last_persisted  # what finish() looks at: the last one is taken again, persisted
+    assert s.persist_due(CheckpointKind.MANUAL, False) and s.last_persisted
+    assert [s.persist_due(CheckpointKind.SCHEDULED, False) for _ in range(3)] == [False, False, True]
+    assert s.persist_due(CheckpointKind.SCHEDULED, True)  # a milestone always reaches storage
+    s.start_attempt([Schedule(schedule_version=1, interval=2, persist_every=3)])  # a restart
+    assert s.persist_due(CheckpointKind.SCHEDULED, False)  # the first of an attempt is persisted
+
+
 def test_timing_reports_each_checkpoint_once_and_skips_iterations_that_prepared_buffers():
     t = Timing()
     t.end_iteration(0.0, preparing=False)

@@ -124,6 +124,34 @@ def test_a_superseded_step_is_not_waited_for_nor_committed(controller):
     assert mf.list_committed(ctl.storage) == []
 
 
+def test_a_memory_only_step_settles_at_once_stays_restorable_and_is_committed_when_finish_persists_it(controller):
+    """The schedule's ``persist_every``: a snapshot held in memory only is settled (not waited for,
+    no error in the profile), still the memory restore's candidate, and a persisted snapshot of the
+    same step (what ``finish()`` takes) opens it again and commits it."""
+    ctl = controller()
+    for sec in SECTIONS:
+        ctl.part_staged(_staged(ctl, 6, sec, persist=False))
+    assert ctl.pending_steps(ctl.generation) == []
+    assert ctl.settled(ctl.generation, [6]).superseded == (6,)
+    row = next(r for r in ctl.profile_rows() if r["step"] == 6)
+    assert row["where"] == "memory-only" and not row.get("error")
+    plan = ctl.prepare_restore(WORLD)
+    assert plan.memory is not None and plan.memory.step == 6
+    assert plan.storage == ()
+    ctl.prepare_restore(WORLD)  # a later attempt of the same run: the finish below is of its own generation
+    for sec in SECTIONS:
+        ctl.part_staged(_staged(ctl, 6, sec, persist=False))
+    for sec in SECTIONS:  # finish(): the same step again, persisted
+        ctl.part_staged(_staged(ctl, 6, sec, kind=CheckpointKind.MANUAL, milestone=True))
+    assert ctl.pending_steps(ctl.generation) == [6]
+    for sec in SECTIONS:
+        files, _ = _write(ctl, 6, sec)
+        ctl.part_durable(PartDurable(generation=ctl.generation, step=6, section=sec, files=files, persist_s=0.01))
+    wait_idle(ctl)
+    assert [c.step for c in mf.list_committed(ctl.storage)] == [6]
+    assert ctl.settled(ctl.generation, [6]).committed == (6,)
+
+
 _wait_maintenance = wait_idle
 
 

@@ -122,6 +122,36 @@ def test_a_worker_killed_mid_copy_resumes_from_the_previous_snapshot_in_memory_b
     assert_exactly_once(rec, SMALL["samples"], SMALL["epochs"])
 
 
+def test_snapshots_held_in_memory_only_restore_bitwise_and_finish_persists_the_last_one(
+    ray_cluster, reference, tmp_path
+):
+    """``FixedInterval(2, persist_every=3)``: of every three scheduled checkpoints one is written
+    (the first of each attempt), the others are held in memory only. A SIGKILL after the memory-only
+    snapshot of step 10 resumes from it (storage's newest is step 8), bitwise; the last checkpoint
+    (step 26, memory-only) is taken again by ``finish()``, persisted, so the run ends durable."""
+    cfg = dict(SMALL, interval=2, persist_every=3, kill_at=11, kill_after_handoff=True, keep_last=None)
+    demo.run("memonly", str(tmp_path), cfg)
+    out = tmp_path / "out" / "memonly"
+    first, second = resumes(out)
+    assert first["source"] == "fresh"
+    assert second["source"] == "memory" and second["step"] == 10, second
+    assert demo.states_equal(reference / "final_state.pt", out / "final_state.pt")
+    rec = lineage(out)
+    assert rec == lineage(reference)
+    assert_exactly_once(rec, SMALL["samples"], SMALL["epochs"])
+    result = result_of(out)
+    # Attempt 1 persisted 2 and 8, attempt 2 12 (its first), 18, 24 and finish()'s 26; never a
+    # memory-only one.
+    storage = FsStorage(pafs.LocalFileSystem(), str(tmp_path / "storage" / "memonly" / "cf_ray"))
+    committed = {c.step for c in mf.list_committed(storage)}
+    assert {2, 8, 12, 18, 24, 26} <= committed and not committed & {4, 6, 10, 16, 20, 22}, committed
+    rows = {(r["generation"], r["step"]): r for r in result["profile"]}
+    held = [r for r in rows.values() if r.get("where") == "memory-only"]
+    assert {r["step"] for r in held} >= {4, 6, 10, 14, 16, 20, 22}
+    assert all(not r.get("error") for r in held)  # held by the schedule, not a failure
+    assert result["failures"] == []
+
+
 def test_failed_persist_never_fails_training(ray_cluster, tmp_path):
     from faulty_fs import FaultyHandler
 

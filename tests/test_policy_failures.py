@@ -186,6 +186,78 @@ def test_rare_failures_lengthen_the_interval_past_the_budget_and_max_lost_s_caps
     assert e["candidates"]["max_lost_s"] == k
 
 
+def test_snapshots_between_persists_are_held_in_memory_while_the_runs_failures_keep_their_memory():
+    """``persist_every``: 1 while the failure rate is unknown (every snapshot persisted, as
+    CheckFreq); once restarts have come back from memory, storage only needs refreshing against the
+    failures that lose memory (``storage_share`` of them), by Daly's rule with the measured cost,
+    capped by ``max_lost_s``; a restart from storage brings it back down."""
+
+    def run(policy: Adaptive, sources: list[str]) -> int:
+        policy.observe(ev(K.START, 0.0, generation=1))
+        k = _feed(policy, 400, None)
+        assert policy.persist_every() == 1 and policy.explain()["persist"]["persist_every"] == 1
+        for i, src in enumerate(sources):  # a restart every 75 s up, each recovered in 5 s
+            policy.observe(ev(K.FAILURE, 80.0 * i + 75.0, generation=i + 2, source=src))
+            policy.observe(ev(K.RESUMED, 80.0 * i + 80.0, source=src, recovery_s=5.0))
+            k = _feed(policy, 40 * k, k, start=400 + 40 * k * i) or k
+        return k
+
+    p = Adaptive(budget_pct=5.0)
+    k = run(p, ["memory"] * 4)
+    e = p.explain()["persist"]
+    rate = 1.0 / 75.0 * (0.5 / 5)  # one failure per 75 s up, half a pseudo-restart from storage in 5
+    assert e["storage_failure_rate_per_hour"] == pytest.approx(3600 * rate, rel=0.1)
+    want = int(goodput_work_s(p.explain()["cost_s"], 1.0 / (e["storage_failure_rate_per_hour"] / 3600)) // (k * T))
+    assert p.persist_every() == e["persist_every"] == max(1, min(want, 16)) > 1
+    assert e["persisted_recovery_point_s"] == pytest.approx(p.persist_every() * k * T)
+    capped = Adaptive(budget_pct=5.0, max_lost_s=2.5 * 5 * T)
+    k = run(capped, ["memory"] * 4)
+    assert capped.explain()["persist"]["binding"] == "max_lost_s"
+    assert capped.persist_every() * k * T <= 2.5 * 5 * T
+    back = Adaptive(budget_pct=5.0)
+    run(back, ["memory", "memory", "storage", "storage"])  # the node's memory is lost half the time
+    assert back.persist_every() < p.persist_every()
+
+
+def test_the_controller_publishes_a_schedule_version_when_the_persist_cadence_changes(tmp_path):
+    """The ranks learn ``persist_every`` with the interval, as a new schedule version; a policy
+    whose ``persist_every`` fails or answers nonsense persists every snapshot."""
+    import pyarrow.fs as pafs
+
+    from cf_ray._engine.driver.schedule import ScheduleBook
+    from cf_ray._engine.storage.fs import FsStorage
+
+    class Cadence:
+        n: object = 2
+
+        def should_save(self, step, ctx):
+            return False
+
+        def plan(self, samples, current):
+            return None
+
+        def initial_interval(self):
+            return 4
+
+        def persist_every(self):
+            if isinstance(self.n, Exception):
+                raise self.n
+            return self.n
+
+    policy = Cadence()
+    book = ScheduleBook(policy, FsStorage(pafs.LocalFileSystem(), str(tmp_path)))  # pyright: ignore[reportArgumentType]
+    assert [(s.interval, s.persist_every) for s in book.all()] == [(4, 2)]  # from the first version on
+    assert book.replan() is None  # nothing changed: no new version
+    policy.n = 5
+    ev5 = book.replan()
+    assert ev5 is not None and (ev5["interval"], ev5["persist_every"], ev5["previous_persist_every"]) == (4, 5, 2)
+    assert [(s.interval, s.persist_every) for s in book.since(0)] == [(4, 5)]
+    for bad in (RuntimeError("policy bug"), 0, "3", True):
+        policy.n = bad
+        book.replan()
+        assert book.current_persist_every == 1
+
+
 def test_frequent_failures_are_capped_by_the_budget_and_explain_says_so():
     p = Adaptive(budget_pct=5.0, mtbf_s=5.0, mtbf_weight=100.0)  # a failure every 5 s
     p.observe(ev(K.START, 0.0, generation=1))

@@ -240,10 +240,20 @@ class Adaptive:
             est.hazard = self._hazard.estimate()
         decision, info = _rules.decide(self, rules, est, estimator.prior, estimator.ckpt_clock, current)
         rules.info = info
+        rules.persist_every, rules.persist_info = _rules.persist_cadence(
+            self, est, decision if decision is not None else current, rules.persist_every
+        )
         if decision is not None and decision != current:
             rules.published(decision, current, info, estimator.ckpt_clock, estimator.max_step)
             return decision
         return None
+
+    def persist_every(self) -> int:
+        """One scheduled snapshot in how many is persisted, as of the last :meth:`plan` (the others
+        are held in memory only: restorable after a failure that leaves their holder alive, never
+        written); see :func:`cf_ray.policy._rules.persist_cadence` for the rule. 1 until the run's
+        failure rate is known."""
+        return self._rule_state.persist_every
 
     def observe(self, event: RunEvent) -> None:
         """Take in what the controller saw of the run's failures: its start, each restart, each
@@ -295,6 +305,7 @@ class Adaptive:
         )
         out["policy"] = "Adaptive"
         out["last_change"] = dict(st.last_change) if st.last_change else None
+        out["persist"] = dict(st.persist_info) if st.persist_info else {"persist_every": st.persist_every}
         return out
 
     def checkpoint_stats(self, step: int) -> dict | None:

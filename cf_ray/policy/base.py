@@ -21,6 +21,7 @@ This module holds the protocol and the fixed policies. :class:`~cf_ray.policy.ad
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -111,12 +112,25 @@ class FixedInterval:
 
     every: int
     """Steps between checkpoints; a checkpoint is taken when ``step % every == 0``."""
+    persist_every: int = 1
+    """Persist one checkpoint in this many (written to storage and committed); the others are
+    held in memory only: restored after a failure that leaves the node's holder alive (a worker
+    crash, a SIGKILL, Ray Train restarting the group), never written. Storage's recovery point is
+    then ``every * persist_every`` steps. ``1``: every checkpoint is persisted. Manual, preemption,
+    epoch-end and milestone checkpoints, the first of each attempt and ``finish()``'s are always
+    persisted. ``Adaptive`` chooses its own from the run's failures."""
 
     def __post_init__(self):
         if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
             raise ConfigError(
                 f"FixedInterval.every={self.every!r} must be an int >= 1; "
                 "use EpochEnd() to checkpoint only at epoch boundaries"
+            )
+        n = self.persist_every
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(
+                f"FixedInterval.persist_every={n!r} must be an int >= 1 (1: persist every checkpoint; "
+                "N: persist one in N and hold the others in memory only)"
             )
 
     def should_save(self, step: int, ctx: SaveContext) -> bool:
@@ -135,6 +149,7 @@ class FixedInterval:
             "interval": self.every,
             "binding": "manual",
             "reason": f"a fixed interval of {self.every} steps was configured",
+            "persist": {"persist_every": self.persist_every, "binding": "manual"},
         }
 
 
@@ -204,6 +219,10 @@ class AnyOf:
                 return k
         return None
 
+    def persist_every(self) -> int:
+        """The smallest of the members' (the most often any of them asks storage to be refreshed)."""
+        return min(persist_every_of(p) for p in self.policies)
+
     def explain(self) -> dict:
         """The members' explanations, in order (see :meth:`Adaptive.explain`)."""
         parts = [p.explain() if hasattr(p, "explain") else {"policy": type(p).__name__} for p in self.policies]
@@ -239,3 +258,32 @@ class AnyOf:
         for p, s in zip(self.policies, members):
             if s is not None and hasattr(p, "load_state_dict"):
                 p.load_state_dict(s)
+
+
+def persist_every_of(policy: Any) -> int:
+    """One scheduled checkpoint in how many ``policy`` persists: its ``persist_every`` (a method, as
+    :class:`~cf_ray.policy.Adaptive` and :class:`AnyOf` have, or a field, as :class:`FixedInterval`
+    has); 1 for a policy without one, or one that fails or answers something else than an int >= 1
+    (a policy bug must not keep checkpoints from storage; logged once per policy type)."""
+    n = getattr(policy, "persist_every", 1)
+    try:
+        n = n() if callable(n) else n
+    except Exception:  # noqa: BLE001
+        _warn_once(policy, "failed", exc_info=True)
+        return 1
+    if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
+        return n
+    _warn_once(policy, f"returned {n!r}, not an int >= 1")
+    return 1
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_once(policy: Any, what: str, exc_info: bool = False) -> None:
+    key = (type(policy).__name__, what.split(" ", 1)[0])
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logging.getLogger("cf_ray").warning(
+            "cf_ray: %s.persist_every %s; every checkpoint is persisted", key[0], what, exc_info=exc_info
+        )

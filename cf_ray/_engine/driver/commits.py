@@ -240,6 +240,10 @@ class CommitBook:
         if p is None:
             return None
         meta = msg.meta
+        if meta.persist and p.memory_only and p.state == SectionState.SUPERSEDED:
+            # finish() persists the step it last held in memory only: the entry is pending again.
+            p.memory_only, p.state = False, SectionState.PENDING
+            p.parts.superseded.clear()
         p.parts.staged[msg.section] = msg.holder
         if msg.node_id:
             p.parts.staged_nodes[msg.section] = msg.node_id
@@ -251,6 +255,7 @@ class CommitBook:
                 p.deadline_unix = float(meta.deadline_unix)
         if not meta.persist:
             p.parts.superseded.add(msg.section)
+            p.memory_only = True
         job = None
         if p.parts.expected is None:
             p.parts.expected = {mf.rank_section(r) for r in range(int(meta.world_size))}
@@ -260,6 +265,16 @@ class CommitBook:
             # the part_staged that says which sections to expect, so commit from here as well.
             self._report_persist(p)
             job = self._try_commit(p)
+        if (
+            p.memory_only
+            and p.state == SectionState.PENDING
+            and not p.committing
+            and p.parts.expected <= set(p.parts.staged)
+        ):
+            # Every section is held and none will be written: settled (still offered to a memory
+            # restore, like any superseded snapshot), so the table does not grow with them.
+            self.table.settle(p, SectionState.SUPERSEDED)
+            self._book.note_held_in_memory(p.generation, p.step)
         self._start_jit(p, draining)
         return job
 

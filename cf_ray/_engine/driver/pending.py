@@ -78,6 +78,9 @@ class Pending:
     """A just-in-time checkpoint's deadline: the earliest any rank's notice said."""
     jit: JitWatch | None = None
     """A just-in-time checkpoint's watch (from the moment every section is staged, :mod:`.jit`)."""
+    memory_only: bool = False
+    """Held in memory only (``SnapshotMeta.persist=False``): settled as superseded once every
+    section is staged; a persisted snapshot of the same step (``finish()``) opens it again."""
     verify_files: bool = False
     """Learnt from a holder's resync: its files are checked on storage before the commit (a step
     committed and deleted by keep-last before the controller started again must not come back)."""

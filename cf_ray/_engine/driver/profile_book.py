@@ -228,6 +228,10 @@ class ProfileBook:
             committed=False, where="memory-only", error="superseded by a newer snapshot before it was persisted"
         )
 
+    def note_held_in_memory(self, generation: int, step: int) -> None:
+        """A snapshot the schedule kept in memory only (``persist_every``): not an error."""
+        self.row(generation, step).update(committed=False, where="memory-only", error=None, persisted=False)
+
     def note_failed(self, generation: int, step: int, section: str, error: str) -> None:
         row = self.row(generation, step)
         row.update(committed=False, where=SectionState.FAILED.value, error=f"{section}: {error}")

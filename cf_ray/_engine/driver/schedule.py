@@ -28,6 +28,7 @@ from cf_ray._engine.protocol.messages import Schedule
 from cf_ray._engine.storage.fs import Storage
 from cf_ray.policy import FrequencyPolicy, RunEvent, RunEventKind, Sample
 from cf_ray.policy._hazard import HazardModel
+from cf_ray.policy.base import persist_every_of
 
 logger = logging.getLogger("cf_ray")
 
@@ -60,7 +61,11 @@ class ScheduleBook:
         """The run's failures, as the profile book sees them, passed on to :meth:`observe`."""
         self._base = int(version_base)
         self._schedules: list[Schedule] = [
-            Schedule(schedule_version=self._base, interval=self.policy.initial_interval())
+            Schedule(
+                schedule_version=self._base,
+                interval=self.policy.initial_interval(),
+                persist_every=persist_every_of(self.policy),
+            )
         ]
         self.load_state()
 
@@ -79,16 +84,28 @@ class ScheduleBook:
 
     def as_dicts(self) -> list[dict]:
         """The versions as ``{"version", "interval"}`` dicts (the controller's summary)."""
-        return [{"version": s.schedule_version, "interval": s.interval} for s in self._schedules]
+        return [
+            {"version": s.schedule_version, "interval": s.interval, "persist_every": s.persist_every}
+            for s in self._schedules
+        ]
 
     @property
     def next_version(self) -> int:
         """The number the next published version gets."""
         return self._schedules[-1].schedule_version + 1
 
-    def _publish(self, interval: int | None, version: int | None = None) -> None:
+    @property
+    def current_persist_every(self) -> int:
+        """The persist cadence of the newest version (one scheduled snapshot in this many is written)."""
+        return self._schedules[-1].persist_every
+
+    def _publish(self, interval: int | None, version: int | None = None, persist_every: int | None = None) -> None:
         self._schedules.append(
-            Schedule(schedule_version=self.next_version if version is None else version, interval=interval)
+            Schedule(
+                schedule_version=self.next_version if version is None else version,
+                interval=interval,
+                persist_every=self.current_persist_every if persist_every is None else int(persist_every),
+            )
         )
         del self._schedules[:-MAX_VERSIONS]
 
@@ -137,19 +154,23 @@ class ScheduleBook:
         """Ask the policy; a new interval is published as a new version. Returns the ``interval``
         event to record, or ``None`` when nothing changed. The policy first learns the time (the run
         is up while its workers poll: its exposure to failures)."""
-        current = self.current_interval
+        current, persist = self.current_interval, self.current_persist_every
         self.observe(RunEvent(kind=RunEventKind.TICK, time_unix=time.time()))
         try:
             k = self.policy.plan(list(self.samples), current)
         except Exception:  # noqa: BLE001 - a policy bug must not stop checkpointing
             logger.exception("cf_ray: policy.plan failed; keeping interval %s", current)
             return None
-        if k is not None and k != current:
-            self._publish(int(k))
+        n = persist_every_of(self.policy)
+        if (k is not None and k != current) or n != persist:
+            interval = int(k) if k is not None else current
+            self._publish(interval, persist_every=n)
             return {
                 "event": "interval",
-                "interval": int(k),
+                "interval": interval,
                 "previous": current,
+                "persist_every": n,
+                "previous_persist_every": persist,
                 "time": time.time(),
                 "why": explain(self.policy),
             }
@@ -169,8 +190,9 @@ class ScheduleBook:
         except Exception:  # noqa: BLE001 - keep the old one rather than fail a restore
             logger.warning("cf_ray: could not reset the policy for the new world size", exc_info=True)
         first = self.policy.initial_interval()
-        if first != self.current_interval:
-            self._publish(first)
+        n = persist_every_of(self.policy)  # Adaptive's: 1, every snapshot persisted until measured again
+        if first != self.current_interval or self.current_persist_every != n:
+            self._publish(first, persist_every=n)
         return {
             "event": "reprofile",
             "world_size": world_size,
@@ -209,7 +231,9 @@ class ScheduleBook:
         try:
             self.policy.load_state_dict(json.loads(bytes(self.storage.read_file(POLICY_STATE))))  # pyright: ignore[reportAttributeAccessIssue] - hasattr above
             first = self.policy.initial_interval()
-            self._schedules = [Schedule(schedule_version=self._base, interval=first)]
+            self._schedules = [
+                Schedule(schedule_version=self._base, interval=first, persist_every=persist_every_of(self.policy))
+            ]
         except Exception as e:  # noqa: BLE001 - a stale or damaged profile means: profile again
             logger.warning("cf_ray: ignoring the saved policy state: %s", e)
 

@@ -358,6 +358,10 @@ class Schedule(Message):
 
     schedule_version: int
     interval: int | None
+    persist_every: int = 1
+    """One scheduled snapshot in this many is persisted (written to storage and committed); the
+    others are held in memory only (``SnapshotMeta.persist=False``). Manual, preemption, epoch-end
+    and milestone snapshots are always persisted."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

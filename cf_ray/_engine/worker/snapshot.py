@@ -410,6 +410,7 @@ class Phase1:
         interval: int | None,
         notice: dict,
         replica_interval: int | None = None,
+        persist: bool = True,
     ) -> float | None:
         """Start the snapshot of ``step``; returns the seconds the snapshotter spent on this thread,
         ``None`` when it was skipped (no free slot in time: :attr:`skipped` says why and which sections).
@@ -417,6 +418,7 @@ class Phase1:
         Args:
             notice: a preemption notice's deadline fields for the profile row (may be empty).
             replica_interval: the interval ``replica_every`` counts in (the policy's, fixed or adaptive).
+            persist: False: the holder keeps it in memory only (the schedule's ``persist_every``).
         """
         due = self._replicas.due(step, replica_interval, always=milestone or kind is CheckpointKind.PREEMPT)
         sections = self._sections(step, epoch)
@@ -429,6 +431,7 @@ class Phase1:
             milestone=milestone,
             priority=kind is CheckpointKind.PREEMPT,
             interval=interval,
+            persist=persist,
             replicas=self._replicas.replicas if due else 0,
             replica_label=self._replicas.label,
             **notice,

@@ -173,6 +173,7 @@ class StepPath:
         """Take a checkpoint of ``step`` (phase 1), and keep what it means for the waits and the gates."""
         t0 = time.perf_counter()
         notice = preemption.snapshot_meta() if kind is CheckpointKind.PREEMPT and preemption is not None else {}
+        persist = self.scheduler.persist_due(kind, milestone)  # agreed: the same on every rank
         sync_s = self.phase1.take(
             step,
             epoch,
@@ -181,6 +182,7 @@ class StepPath:
             interval=self.scheduler.interval,
             notice=notice,
             replica_interval=self.scheduler.interval or getattr(self.config.policy, "every", None),
+            persist=persist,
         )
         self.scheduler.saved(step)
         if sync_s is None or self.phase1.skipped is not None:  # no free slot in time (snapshot.py)
@@ -188,7 +190,8 @@ class StepPath:
                 self.link.report_skipped(step, *self.phase1.skipped)
             return
         self.link.track(step)
-        self.durability.taken(step)
+        if persist:  # a snapshot held in memory only is never expected to commit
+            self.durability.taken(step)
         self.trust.taken(step)
         self.timing.snapshot_taken(step, sync_s, time.perf_counter() - t0, self.phase1.last_begin)
 
