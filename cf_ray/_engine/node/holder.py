@@ -339,7 +339,9 @@ def get_or_create_holder(run_key: str, storage: Storage, controller_name: str, n
     node_id = ray.get_runtime_context().get_node_id()
     name = holder_name(run_key, node_id)
     owner = current_owner()
-    _retire_if_dead_run(name, namespace, owner)
+    kept = _retire_if_dead_run(name, namespace, owner)
+    if kept is not None:  # it answered: no second lookup (nor Ray's export of the class) needed
+        return kept
     return HolderActor.options(
         name=name,
         namespace=namespace,
@@ -349,17 +351,18 @@ def get_or_create_holder(run_key: str, storage: Storage, controller_name: str, n
     ).remote(storage, controller_name, namespace, owner)
 
 
-def _retire_if_dead_run(name: str, namespace: str, owner: Owner) -> None:
-    """Drain and kill holder ``name`` when it belongs to another run whose driver is gone."""
+def _retire_if_dead_run(name: str, namespace: str, owner: Owner) -> Any:
+    """Drain and kill holder ``name`` when it belongs to another run whose driver is gone. Returns
+    its handle when it answered and is kept (this run's, or its run's driver is alive), else ``None``."""
     from cf_ray._engine import env as _env
 
     try:
         h = ray.get_actor(name, namespace=namespace)
         theirs = cast("Owner | None", ray.get(h.owner.remote(), timeout=_env.get_float(_env.ACTOR_TIMEOUT_S)))
     except (ValueError, AttributeError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-        return  # none, gone, busy or from before owners were recorded: left as it is
+        return None  # none, gone, busy or from before owners were recorded: left as it is
     if owner.same_run(theirs) or owner_gone(theirs) is None:
-        return
+        return h
     logger.warning(
         "cf_ray: holder %s belongs to a run whose driver is gone (job %s); draining and killing it, "
         "its snapshots are not used",
@@ -379,10 +382,11 @@ def _retire_if_dead_run(name: str, namespace: str, owner: Owner) -> None:
     while time.monotonic() < deadline:
         try:
             if ray.get_actor(name, namespace=namespace)._actor_id != old:
-                return
+                return None
         except ValueError:
-            return
+            return None
         time.sleep(0.1)
+    return None
 
 
 def resolve_holder(
