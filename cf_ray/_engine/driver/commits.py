@@ -77,8 +77,7 @@ class CommitBook:
         schedule: where the persist times go (the policy's samples).
         on_commit: called with ``(step, manifest)`` after each commit (clean-up and uploads), under
             the controller's lock.
-        restores: generation -> the step that attempt restored (persisted by the controller).
-        distrusted: ``(generation, step)`` of snapshots never to offer again (persisted likewise).
+        restores, distrusted: generation -> the step it restored; ``(generation, step)`` never to offer again.
     """
 
     def __init__(
@@ -240,10 +239,7 @@ class CommitBook:
         if p is None:
             return None
         meta = msg.meta
-        if meta.persist and p.memory_only and p.state == SectionState.SUPERSEDED:
-            # finish() persists the step it last held in memory only: the entry is pending again.
-            p.memory_only, p.state = False, SectionState.PENDING
-            p.parts.superseded.clear()
+        p.note_persist(meta.persist, msg.section)
         p.parts.staged[msg.section] = msg.holder
         if msg.node_id:
             p.parts.staged_nodes[msg.section] = msg.node_id
@@ -253,9 +249,6 @@ class CommitBook:
         if CheckpointKind(meta.kind) is CheckpointKind.PREEMPT and meta.deadline_unix is not None:
             if p.deadline_unix is None or meta.deadline_unix < p.deadline_unix:
                 p.deadline_unix = float(meta.deadline_unix)
-        if not meta.persist:
-            p.parts.superseded.add(msg.section)
-            p.memory_only = True
         job = None
         if p.parts.expected is None:
             p.parts.expected = {mf.rank_section(r) for r in range(int(meta.world_size))}
@@ -265,16 +258,9 @@ class CommitBook:
             # the part_staged that says which sections to expect, so commit from here as well.
             self._report_persist(p)
             job = self._try_commit(p)
-        if (
-            p.memory_only
-            and p.state == SectionState.PENDING
-            and not p.committing
-            and p.parts.expected <= set(p.parts.staged)
-        ):
-            # Every section is held and none will be written: settled (still offered to a memory
-            # restore, like any superseded snapshot), so the table does not grow with them.
+        if p.held_in_full():  # settled (a memory restore still takes it): the table does not grow
             self.table.settle(p, SectionState.SUPERSEDED)
-            self._book.note_held_in_memory(p.generation, p.step)
+            self._book.note_superseded(p.generation, p.step, held=True)
         self._start_jit(p, draining)
         return job
 

@@ -86,6 +86,26 @@ class Pending:
     committed and deleted by keep-last before the controller started again must not come back)."""
     created_mono: float = field(default_factory=time.monotonic)
 
+    def note_persist(self, persist: bool, section: str) -> None:
+        """A section was staged with ``SnapshotMeta.persist``: False holds it in memory only; True
+        for a step settled as held in memory only (``finish()`` takes it again) opens it again."""
+        if not persist:
+            self.parts.superseded.add(section)
+            self.memory_only = True
+        elif self.memory_only and self.state == SectionState.SUPERSEDED:
+            self.memory_only, self.state = False, SectionState.PENDING
+            self.parts.superseded.clear()
+
+    def held_in_full(self) -> bool:
+        """Held in memory only, every section staged, still pending: to be settled as superseded."""
+        return (
+            self.memory_only
+            and self.state == SectionState.PENDING
+            and not self.committing
+            and self.parts.expected is not None
+            and self.parts.expected <= set(self.parts.staged)
+        )
+
     def error(self) -> str | None:
         """Its failed sections and why, as one line (``None``: none failed)."""
         return "; ".join(f"{s}: {e}" for s, e in sorted(self.parts.failed.items())) or None

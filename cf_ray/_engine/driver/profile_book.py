@@ -223,14 +223,10 @@ class ProfileBook:
             }
         )
 
-    def note_superseded(self, generation: int, step: int) -> None:
-        self.row(generation, step).update(
-            committed=False, where="memory-only", error="superseded by a newer snapshot before it was persisted"
-        )
-
-    def note_held_in_memory(self, generation: int, step: int) -> None:
-        """A snapshot the schedule kept in memory only (``persist_every``): not an error."""
-        self.row(generation, step).update(committed=False, where="memory-only", error=None, persisted=False)
+    def note_superseded(self, generation: int, step: int, *, held: bool = False) -> None:
+        """Not written: superseded by a newer snapshot, or ``held`` in memory only by the schedule (no error)."""
+        error = None if held else "superseded by a newer snapshot before it was persisted"
+        self.row(generation, step).update(committed=False, where="memory-only", error=error)
 
     def note_failed(self, generation: int, step: int, section: str, error: str) -> None:
         row = self.row(generation, step)
