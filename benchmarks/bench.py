@@ -28,6 +28,9 @@ What runs (see ``docs/benchmarks/json-keys.md`` for every JSON key):
   ``cf_auto``    ``cf_ray.Checkpointer`` with ``Adaptive(budget_pct=--budget-pct)`` (2 % by default),
                  followed by two *probes*: ``cf_fixed`` at the interval ``k`` it chose and at ``k - 1``,
                  so the output shows whether ``k`` is within the budget and the shortest interval that is;
+  ``cf_held``    ``cf_ray.Checkpointer`` with ``FixedInterval(every=k, persist_every=--held-persist-every)``:
+                 one snapshot in N written to storage, the others held in memory only (not run unless
+                 named in ``--variants``);
   ``floor_copy`` one copy of the state per checkpoint on a guarded thread and nothing else.
 
   For cf_ray: the per-checkpoint CPU breakdown of the worker (``Checkpointer.cpu_budget``) and
@@ -422,6 +425,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ks", type=_parse_ints, help="checkpoint intervals for every variant, e.g. 1,10,50")
     p.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS)}")
     p.add_argument(
+        "--held-persist-every",
+        type=int,
+        default=20,
+        help="cf_held's FixedInterval(persist_every=...): one snapshot in this many written (default: %(default)s)",
+    )
+    p.add_argument(
         "--budget-pct",
         type=float,
         default=2.0,
@@ -561,7 +570,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             base = {
                 v: ([0] if v in ("none", "cf_auto") else list(args.ks))
                 for v in VARIANTS
-                if v != "floor_copy" or args.variants
+                if v not in ("floor_copy", "cf_held") or args.variants
             }
         return {v: ks for v, ks in base.items() if v in variants}
 
@@ -640,6 +649,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                 "out_dir": str(seg_dir),
                 "cf_register": args.cf_register,
                 "budget_pct": args.budget_pct,
+                "held_persist_every": args.held_persist_every,
                 "parallel": args.parallel,
                 "recovery": rcfg if with_recovery else None,
             }
@@ -729,6 +739,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                 "kill_step": preset["rec_kill_step"],
             },
             "budget_pct": args.budget_pct,
+            "held_persist_every": args.held_persist_every,
             "parallel": args.parallel,
             "iters": preset["iters"],
             "warmup": preset["warmup"],

@@ -235,7 +235,15 @@ def plot(results: dict, path: Path) -> Path | None:
         return None
     settings = results["settings"]
     fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4.2), squeeze=False)
-    markers = {"ray_sync": "s", "ray_async": "D", "dcp_async": "^", "cf_fixed": "o", "cf_auto": "*", "floor_copy": "x"}
+    markers = {
+        "ray_sync": "s",
+        "ray_async": "D",
+        "dcp_async": "^",
+        "cf_fixed": "o",
+        "cf_auto": "*",
+        "cf_held": "P",
+        "floor_copy": "x",
+    }
     for ax, setting in zip(axes[0], settings):
         vs = [v for v in results["variants"] if v["setting"] == setting["setting"]]
         for variant in VARIANTS[1:]:

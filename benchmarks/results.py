@@ -15,7 +15,7 @@ from benchmarks import stats
 
 _PROBE_TAG = {0: "@auto", -1: "@auto-1"}
 _PROBE_LABEL = {0: " at Adaptive's k", -1: " at Adaptive's k−1"}
-VARIANTS = ("none", "ray_sync", "ray_async", "dcp_async", "cf_fixed", "cf_auto", "floor_copy")
+VARIANTS = ("none", "ray_sync", "ray_async", "dcp_async", "cf_fixed", "cf_auto", "cf_held", "floor_copy")
 LABELS = {
     "none": "no checkpoint",
     "ray_sync": "Ray SYNC (torch.save + report)",
@@ -23,6 +23,7 @@ LABELS = {
     "dcp_async": "DCP async_save",
     "cf_fixed": "cf_ray FixedInterval",
     "cf_auto": "cf_ray Adaptive",
+    "cf_held": "cf_ray FixedInterval, one in --held-persist-every persisted",
     "floor_copy": "one memcpy of the state, nothing else (floor)",
 }
 _MiB = 1024 * 1024

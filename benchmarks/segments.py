@@ -118,10 +118,12 @@ def _make_saver(cfg: dict, seg: dict, k: int, model, opt, rank: int, exp_path: s
         return _DcpSave(k, model, opt, rank, os.path.join(exp_path, name, "dcp"), dcp_pg)
     if variant == "floor_copy":
         return _CopyFloor(k, model, opt)
-    if variant in ("cf_fixed", "cf_auto"):
+    if variant in ("cf_fixed", "cf_auto", "cf_held"):
         policy = (
             cf_ray.FixedInterval(every=k)
             if variant == "cf_fixed"
+            else cf_ray.FixedInterval(every=k, persist_every=int(cfg.get("held_persist_every", 20)))
+            if variant == "cf_held"
             else cf_ray.Adaptive(budget_pct=cfg.get("budget_pct", 5.0))
         )
         return _CfSave(policy, model, opt, rank, exp_path, name, register=cfg["cf_register"])
