@@ -9,6 +9,10 @@ up-time:
 
 * ``cf_adaptive``: ``cf_ray.Checkpointer`` with ``cf_ray.Adaptive()`` (its defaults: no failure
   prior, a 5 % budget);
+* ``cf_persist_all`` (only when named in ``--fail-arms``): the same with every snapshot persisted,
+  as before ``persist_every`` (``AnyOf(Adaptive(), FixedInterval(every=2**30))``: Adaptive's
+  interval, the fixed member's ``persist_every=1``), to show what holding snapshots in memory only
+  between persists buys;
 * ``ray_default``: Ray Train's documented way — rank 0 ``torch.save`` into a temporary directory,
   every rank ``ray.train.report(checkpoint=...)`` (SYNC) — at its periodic default, once per epoch
   (``--epoch-steps``; Ray Train has no frequency setting: ``CheckpointConfig.checkpoint_frequency``
@@ -60,6 +64,7 @@ from typing import Any
 
 SCHEMA = "cf_ray.failure_run/2"  # /2: up-time end, rounds (2026-11-28)
 ARMS = ("cf_adaptive", "ray_default", "ray_fixed")
+EXTRA_ARMS = ("cf_persist_all",)  # run only when named in --fail-arms
 MODES = ("kills", "drains")
 
 FAIL_PRESETS: dict[str, dict[str, Any]] = {
@@ -137,16 +142,19 @@ def _failure_loop(cfg: dict) -> None:
     arm, k = cfg["arm"], cfg.get("k")
     ckpt = None
     t0 = time.time()
-    if arm == "cf_adaptive":
+    if arm in ("cf_adaptive", "cf_persist_all"):
         import cf_ray
 
+        policy = (
+            cf_ray.Adaptive()
+            if arm == "cf_adaptive"
+            else cf_ray.AnyOf(policies=(cf_ray.Adaptive(), cf_ray.FixedInterval(every=1 << 30)))
+        )
         ckpt = cf_ray.Checkpointer(
             {"model": model, "optimizer": opt},
             # Not registered with Ray Train: its num_to_keep would delete what cf_ray's keep_last did
             # (as in the bench's own cf_ray variants); no consolidated final model (not timed anyway).
-            config=cf_ray.CheckpointConfig(
-                policy=cf_ray.Adaptive(), keep_last=2, final_model=None, register_with_ray=False
-            ),
+            config=cf_ray.CheckpointConfig(policy=policy, keep_last=2, final_model=None, register_with_ray=False),
         )
         resume = ckpt.restore()
         step, source = resume.step, resume.source
@@ -339,14 +347,14 @@ def analyse(records: list[dict], kills: list[dict], fit_start: float) -> dict:
 def _arms(arms: list[str], grid: list[int], epoch_steps: int) -> list[tuple[str, int | None]]:
     out: list[tuple[str, int | None]] = []
     for arm in arms:
-        if arm == "cf_adaptive":
+        if arm in ("cf_adaptive", "cf_persist_all"):
             out.append((arm, None))
         elif arm == "ray_default":
             out.append((arm, epoch_steps))
         elif arm == "ray_fixed":
             out += [(arm, k) for k in grid]
         else:
-            raise SystemExit(f"unknown arm {arm!r}; choose from {','.join(ARMS)}")
+            raise SystemExit(f"unknown arm {arm!r}; choose from {','.join(ARMS + EXTRA_ARMS)}")
     return out
 
 
@@ -388,7 +396,7 @@ def _one(
         planned_kills=planned_kills(p["duration_s"], gaps),
         fit_error=error,
     )
-    if arm == "cf_adaptive":
+    if arm.startswith("cf_"):
         res["controller_goodput"] = _controller_goodput(root / "storage", name)
     return res
 
