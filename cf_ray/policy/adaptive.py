@@ -295,7 +295,9 @@ class Adaptive:
         ``measured_overhead_pct`` (recent checkpoints), ``lost_work_s``, the estimates
         (``iter_s``, ``slowest_rank``, ``stall_s``, ``slowdown_s``, ``cost_s``, ``copy_s``,
         ``persist_s``, ``background_s``, ``bytes``, ``persist_bytes_per_s``), ``checkfreq_interval``
-        (CheckFreq's formula on the same measurements), ``drift`` and ``last_change``.
+        (CheckFreq's formula on the same measurements), ``drift``, ``last_change`` and ``persist``
+        (:meth:`persist_every` and why: ``binding``, ``storage_interval_s``,
+        ``persisted_recovery_point_s``, ``storage_failure_rate_per_hour``, ``reason``).
         """
         st = self._rule_state
         out = (
