@@ -56,6 +56,18 @@ def assert_exactly_once(rec, samples, epochs):
         assert sorted(ids) == list(range(samples)), f"epoch {epoch}: not every sample exactly once"
 
 
+def assert_resumed_from_memory_bitwise(out, reference, step: int) -> None:
+    """The second attempt restored ``step`` from memory and the run ended bitwise equal to the
+    uninterrupted ``reference``, with the same samples at every step, each once per epoch."""
+    first, second = resumes(out)
+    assert first["source"] == "fresh"
+    assert second["source"] == "memory" and second["step"] == step, second
+    assert demo.states_equal(reference / "final_state.pt", out / "final_state.pt")
+    rec = lineage(out)
+    assert rec == lineage(reference)
+    assert_exactly_once(rec, SMALL["samples"], SMALL["epochs"])
+
+
 # ``reference``, the uninterrupted run every fault test compares with, is in conftest.py (once per session).
 
 
@@ -113,13 +125,7 @@ def test_a_worker_killed_mid_copy_resumes_from_the_previous_snapshot_in_memory_b
     assert fired is not None, "the mid-copy probe never fired"
     assert (fired["rank"], fired["step"]) == (0, 10), fired  # killed inside rank 0's copy of step 10
     assert fired["point"] == "after the first tensor of the deferred copy landed"
-    first, second = resumes(out)
-    assert first["source"] == "fresh"
-    assert second["source"] == "memory" and second["step"] == 5, second
-    assert demo.states_equal(reference / "final_state.pt", out / "final_state.pt")
-    rec = lineage(out)
-    assert rec == lineage(reference)
-    assert_exactly_once(rec, SMALL["samples"], SMALL["epochs"])
+    assert_resumed_from_memory_bitwise(out, reference, 5)
 
 
 def test_snapshots_held_in_memory_only_restore_bitwise_and_finish_persists_the_last_one(
@@ -132,21 +138,14 @@ def test_snapshots_held_in_memory_only_restore_bitwise_and_finish_persists_the_l
     cfg = dict(SMALL, interval=2, persist_every=3, kill_at=11, kill_after_handoff=True, keep_last=None)
     demo.run("memonly", str(tmp_path), cfg)
     out = tmp_path / "out" / "memonly"
-    first, second = resumes(out)
-    assert first["source"] == "fresh"
-    assert second["source"] == "memory" and second["step"] == 10, second
-    assert demo.states_equal(reference / "final_state.pt", out / "final_state.pt")
-    rec = lineage(out)
-    assert rec == lineage(reference)
-    assert_exactly_once(rec, SMALL["samples"], SMALL["epochs"])
+    assert_resumed_from_memory_bitwise(out, reference, 10)
     result = result_of(out)
     # Attempt 1 persisted 2 and 8, attempt 2 12 (its first), 18, 24 and finish()'s 26; never a
     # memory-only one.
     storage = FsStorage(pafs.LocalFileSystem(), str(tmp_path / "storage" / "memonly" / "cf_ray"))
     committed = {c.step for c in mf.list_committed(storage)}
     assert {2, 8, 12, 18, 24, 26} <= committed and not committed & {4, 6, 10, 16, 20, 22}, committed
-    rows = {(r["generation"], r["step"]): r for r in result["profile"]}
-    held = [r for r in rows.values() if r.get("where") == "memory-only"]
+    held = [r for r in result["profile"] if r.get("where") == "memory-only"]
     assert {r["step"] for r in held} >= {4, 6, 10, 14, 16, 20, 22}
     assert all(not r.get("error") for r in held)  # held by the schedule, not a failure
     assert result["failures"] == []
