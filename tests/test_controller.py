@@ -99,6 +99,32 @@ def test_commits_whatever_order_the_holder_messages_run_in(controller, order):
         assert torch.equal(got, written[sec][1])
 
 
+def test_one_call_of_a_holders_queued_messages_applies_each_in_order_and_a_refused_one_drops_none(controller):
+    """The holder's sender hands what it queued over in one ``deliver`` call (a Ray call per message was
+    most of the holder's and the controller's CPU at a checkpoint every iteration): every message is
+    applied as if it came alone, in order, and one the controller refuses is named without losing
+    the ones after it."""
+    ctl = controller()
+    step = 9
+    batch: list = []
+    for sec in SECTIONS:
+        files, _ = _write(ctl, step, sec)
+        batch.append(("part_staged", _staged(ctl, step, sec)))
+        if sec == SECTIONS[1]:
+            batch.append(("commit_everything", None))  # not a holder's message
+            batch.append(("part_durable", None))  # its handler raises
+        batch.append(
+            (
+                "part_durable",
+                PartDurable(generation=ctl.generation, step=step, section=sec, files=files, persist_s=0.01),
+            )
+        )
+    refused = ctl.deliver(tuple(batch))
+    assert len(refused) == 2 and refused[0].startswith("commit_everything") and refused[1].startswith("part_durable")
+    assert ctl.pending_steps(ctl.generation) == []
+    assert [c.step for c in mf.list_committed(ctl.storage)] == [step]
+
+
 def test_a_step_missing_a_section_stays_pending_and_uncommitted(controller):
     ctl = controller()
     for sec in SECTIONS[:2]:

@@ -36,8 +36,11 @@ class Recorder:
         self._cond = threading.Condition()
 
     def send(self, method, msg):
+        self.send_all([(method, msg)])
+
+    def send_all(self, messages):
         with self._cond:
-            self.sent.append((method, msg))
+            self.sent.extend(messages)
             self._cond.notify_all()
 
     def of(self, method: str) -> list:

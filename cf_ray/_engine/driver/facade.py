@@ -46,6 +46,7 @@ from cf_ray._engine.driver.uploads import tier_steps
 from cf_ray._engine.driver.watch import Watch
 from cf_ray._engine.protocol.cluster import Owner, run_name_of
 from cf_ray._engine.protocol.messages import (
+    HOLDER_MESSAGES,
     CheckpointKind,
     CheckpointRequest,
     Distrusted,
@@ -273,6 +274,21 @@ class Controller:
     def part_failed(self, msg: PartFailed) -> SectionState | None:
         new = self._roster.note(msg.holder)
         return self._told(*self._ledger.failed(msg), msg.holder, new)
+
+    def deliver(self, batch: tuple[tuple[str, Any], ...]) -> list[str]:
+        """Messages of one holder in the order it queued them (its sender hands over what is queued in
+        one call: at a checkpoint every iteration, one Ray call instead of one per section), each
+        applied as if it came alone. Returns one line per message refused (the others are applied)."""
+        refused = []
+        for method, msg in batch:
+            if method not in HOLDER_MESSAGES:
+                refused.append(f"{method}: not a message a holder sends")
+                continue
+            try:
+                getattr(self, method)(msg)
+            except Exception as e:  # noqa: BLE001 - one bad message must not drop the ones after it
+                refused.append(f"{method} (step {getattr(msg, 'step', '?')}): {e!r}")
+        return refused
 
     def apply_holder_state(self, state: HolderState) -> None:
         """What a holder holds and did (``Holder.resync``), applied as if each message came again."""

@@ -174,8 +174,7 @@ class Holder:
         if meta.replicas != 0:
             # A copy not started when a newer snapshot came is skipped: never delays the newest.
             out += [("part_replicated", m) for m in self._replicator.enqueue(entries)]
-        for method, m in out:
-            self._sender.send(method, m)
+        self._sender.send_all(out)  # in one call to the controller
         return StageReply(recorded=True)
 
     def get_section(self, generation: int, step: int, section: str, node_id: str = "") -> SectionAt | None:

@@ -1,8 +1,11 @@
 """The holder's line to the controller: every message is delivered or its loss is seen (issue #16).
 
 One thread sends the holder's messages (``part_staged``, ``part_durable``, ``part_failed``,
-``part_superseded``) in order from a bounded FIFO and waits for each to be acknowledged (the
-controller's method returned). When the controller is dead, restarting or unreachable
+``part_superseded``, ...: ``messages.HOLDER_MESSAGES``) in order from a bounded FIFO and waits for
+each to be acknowledged (the controller's method returned). What is queued when the thread is free
+goes in one call, ``Controller.deliver`` (at most :data:`BATCH` messages): a snapshot's sections are
+staged together, and at a checkpoint every iteration the Ray call per message was most of the
+holder's and the controller's CPU per checkpoint. When the controller is dead, restarting or unreachable
 (``RayActorError``, ``ActorDiedError``, ``ActorUnavailableError``, ``GetTimeoutError``, or no actor
 of that name), the cached handle is dropped, the controller is looked up again by name with
 exponential backoff, and the message is sent again: for at most ``CF_RAY_ACTOR_TIMEOUT_S`` per
@@ -46,25 +49,12 @@ _RETRY = tuple(
 )
 #: Seconds one call may take before it is sent again (the controller answers in milliseconds).
 CALL_TIMEOUT_S = 30.0
-
-
-class Ticket:
-    """One queued message: :attr:`done` is set once it is acknowledged, given up or dropped;
-    :attr:`delivered` says whether the controller acknowledged it."""
-
-    __slots__ = ("delivered", "done")
-
-    def __init__(self):
-        self.done = threading.Event()
-        self.delivered = False
-
-    def wait(self, timeout_s: float) -> bool:
-        """Wait at most ``timeout_s``; returns whether the message was delivered."""
-        return self.done.wait(timeout_s) and self.delivered
+#: At most this many queued messages go in one call.
+BATCH = 64
 
 
 class Sender:
-    """Delivers messages to the named controller, in order, one at a time.
+    """Delivers messages to the named controller, in order, what is queued in one call at a time.
 
     Args:
         controller_name: the controller actor's name.
@@ -75,8 +65,8 @@ class Sender:
         self.controller_name = controller_name
         self.namespace = namespace
         self._cond = threading.Condition()
-        self._queue: collections.deque[tuple[str, Any, Ticket]] = collections.deque()
-        self._busy = False
+        self._queue: collections.deque[tuple[str, Any]] = collections.deque()
+        self._busy = 0  # messages being delivered
         self._handle = None
         self.sent = 0
         """Messages acknowledged."""
@@ -85,30 +75,32 @@ class Sender:
         self._thread = threading.Thread(target=self._run, name="cf_ray-sender", daemon=True)
         self._thread.start()
 
-    def send(self, method: str, msg: Any) -> Ticket:
-        """Queue ``controller.<method>(msg)``; returns at once, with the message's :class:`Ticket`."""
+    def send(self, method: str, msg: Any) -> None:
+        """Queue ``controller.<method>(msg)``; returns at once."""
+        self.send_all([(method, msg)])
+
+    def send_all(self, messages: list[tuple[str, Any]]) -> None:
+        """Queue ``[(method, msg)]`` together (so they go in one call when the thread is free)."""
         limit = max(1, _env.get_int(_env.SEND_QUEUE))
-        done = Ticket()
         with self._cond:
-            if len(self._queue) >= limit:
-                dropped = self._queue.popleft()
-                dropped[2].done.set()
-                self.given_up += 1
-                logger.warning(
-                    "cf_ray: the holder's queue to the controller is full (%d, %s); dropping the oldest "
-                    "message (%s); the controller recovers it from the holder's record",
-                    limit,
-                    "env.SEND_QUEUE",
-                    dropped[0],
-                )
-            self._queue.append((method, msg, done))
+            for method, msg in messages:
+                if len(self._queue) >= limit:
+                    dropped = self._queue.popleft()
+                    self.given_up += 1
+                    logger.warning(
+                        "cf_ray: the holder's queue to the controller is full (%d, %s); dropping the oldest "
+                        "message (%s); the controller recovers it from the holder's record",
+                        limit,
+                        "env.SEND_QUEUE",
+                        dropped[0],
+                    )
+                self._queue.append((method, msg))
             self._cond.notify_all()
-        return done
 
     def pending(self) -> int:
         """Messages queued or being delivered."""
         with self._cond:
-            return len(self._queue) + int(self._busy)
+            return len(self._queue) + self._busy
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until every queued message is delivered or given up. Returns whether it is so."""
@@ -131,16 +123,15 @@ class Sender:
             with self._cond:
                 while not self._queue:
                     self._cond.wait()
-                method, msg, done = self._queue.popleft()
-                self._busy = True
+                batch = [self._queue.popleft() for _ in range(min(BATCH, len(self._queue)))]
+                self._busy = len(batch)
             try:
-                done.delivered = self._deliver(method, msg)
+                self._deliver(tuple(batch))
             except Exception:  # noqa: BLE001 - never kill the thread
-                logger.exception("cf_ray: sending %s to the controller failed", method)
+                logger.exception("cf_ray: sending %s to the controller failed", ", ".join(m for m, _ in batch))
             finally:
-                done.done.set()
                 with self._cond:
-                    self._busy = False
+                    self._busy = 0
                     self._cond.notify_all()
 
     def _resolve(self):
@@ -148,32 +139,38 @@ class Sender:
             self._handle = ray.get_actor(self.controller_name, namespace=self.namespace)
         return self._handle
 
-    def _deliver(self, method: str, msg: Any) -> bool:
-        """Send until acknowledged (True) or given up (False)."""
+    def _deliver(self, batch: tuple[tuple[str, Any], ...]) -> bool:
+        """Send ``batch`` until acknowledged (True) or given up (False). A message the controller
+        refuses (its handler raised: a resend would too) is logged and counted as given up."""
         deadline = time.monotonic() + _env.get_float(_env.ACTOR_TIMEOUT_S)
         delay = 0.05
+        first = f"{batch[0][0]} (step {getattr(batch[0][1], 'step', '?')})" + (
+            f" and {len(batch) - 1} more" if len(batch) > 1 else ""
+        )
         while True:
             try:
                 handle = self._resolve()
-                ray.get(
-                    getattr(handle, method).remote(msg),
+                refused = ray.get(
+                    handle.deliver.remote(batch),
                     timeout=min(CALL_TIMEOUT_S, max(1.0, deadline - time.monotonic())),
                 )
-                self.sent += 1
+                for line in refused:
+                    logger.warning("cf_ray: the controller refused %s", line)
+                self.given_up += len(refused)
+                self.sent += len(batch) - len(refused)
                 return True
-            except ray.exceptions.RayTaskError as e:  # the controller's method raised: a resend would too
-                self.given_up += 1
-                logger.warning("cf_ray: the controller refused %s (step %s): %r", method, getattr(msg, "step", "?"), e)
+            except ray.exceptions.RayTaskError as e:  # deliver itself raised: a resend would too
+                self.given_up += len(batch)
+                logger.warning("cf_ray: the controller refused %s: %r", first, e)
                 return False
             except _RETRY as e:
                 self._handle = None
                 if time.monotonic() + delay > deadline:
-                    self.given_up += 1
+                    self.given_up += len(batch)
                     logger.warning(
-                        "cf_ray: could not deliver %s (step %s) to the controller %s within %s=%.0f s "
+                        "cf_ray: could not deliver %s to the controller %s within %s=%.0f s "
                         "(%s); the controller recovers it from the holder's record when it is back",
-                        method,
-                        getattr(msg, "step", "?"),
+                        first,
                         self.controller_name,
                         _env.ACTOR_TIMEOUT_S,
                         _env.get_float(_env.ACTOR_TIMEOUT_S),
@@ -183,9 +180,9 @@ class Sender:
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
             except Exception as e:  # noqa: BLE001 - e.g. the message cannot be serialised: a resend would fail too
-                self.given_up += 1
-                logger.warning("cf_ray: could not send %s (step %s): %r", method, getattr(msg, "step", "?"), e)
+                self.given_up += len(batch)
+                logger.warning("cf_ray: could not send %s: %r", first, e)
                 return False
 
 
-__all__ = ["Sender", "Ticket"]
+__all__ = ["Sender"]

@@ -352,6 +352,13 @@ class HolderState(Message):
 # -- worker <-> controller -------------------------------------------------------------------------
 
 
+#: The controller methods a holder's sender calls, each with one of the messages above; the sender
+#: hands several queued ones over in one call (``Controller.deliver``), applied in order.
+HOLDER_MESSAGES = frozenset(
+    {"part_staged", "part_replicated", "part_durable", "part_failed", "part_superseded", "apply_holder_state"}
+)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Schedule(Message):
     """One version of the checkpoint interval; ranks adopt versions together."""
@@ -546,6 +553,7 @@ class Restored(Message):
 
 
 __all__ = [
+    "HOLDER_MESSAGES",
     "PROTOCOL_VERSION",
     "CheckpointKind",
     "ReplicaHeld",
