@@ -76,6 +76,8 @@ def test_special_values_roundtrip():
         "nan": float("nan"),
         "inf": float("-inf"),
         "tuple": (1, "a", None),
+        "ints": (3, 2**40, -1),  # a tuple of ints only (Python's RNG state) is stored as a whole
+        "int_and_bools": [1, True, 0],
         "bytes": b"\x00\xff",
         "np": np.float32(1.5),
         "dtype": torch.float16,
@@ -86,6 +88,8 @@ def test_special_values_roundtrip():
     out = _roundtrip(tree)
     assert out["inf"] == float("-inf") and out["nan"] != out["nan"]
     assert out["tuple"] == (1, "a", None) and out["bytes"] == b"\x00\xff"
+    assert out["ints"] == (3, 2**40, -1) and isinstance(out["ints"], tuple)
+    assert [type(x) for x in out["int_and_bools"]] == [int, bool, int]
     assert out["np"] == np.float32(1.5) and isinstance(out["np"], np.float32)
     assert out["dtype"] is torch.float16 and out["dev"] == torch.device("cpu")
     assert out["mixed_keys"] == {1: "a", (2, 3): "b"}

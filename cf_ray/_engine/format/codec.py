@@ -251,9 +251,9 @@ def flatten(tree: Any, *, offset: int = 0, prefix: str = "") -> Flat:
         if isinstance(v, (bytes, bytearray)):
             return {_BYTES: base64.b64encode(bytes(v)).decode("ascii")}
         if isinstance(v, tuple):  # torch.Size included
-            return {_TUPLE: [enc(x, f"{path}[{i}]") for i, x in enumerate(v)]}
+            return {_TUPLE: list(v) if _all_ints(v) else [enc(x, f"{path}[{i}]") for i, x in enumerate(v)]}
         if isinstance(v, list):
-            return [enc(x, f"{path}[{i}]") for i, x in enumerate(v)]
+            return list(v) if _all_ints(v) else [enc(x, f"{path}[{i}]") for i, x in enumerate(v)]
         if isinstance(v, dict):
             meta = getattr(v, "_metadata", None)
             if isinstance(meta, dict):
@@ -269,6 +269,12 @@ def flatten(tree: Any, *, offset: int = 0, prefix: str = "") -> Flat:
         )
 
     return Flat(enc(tree, prefix), entries, leaves)
+
+
+def _all_ints(v: tuple | list) -> bool:
+    """Whether every item is a plain ``int`` (each encodes as itself): Python's RNG state is a tuple of
+    625 of them, which item by item took most of a snapshot's flattening on the training thread."""
+    return all(type(x) is int for x in v)
 
 
 def is_dtensor(v: Any) -> bool:
