@@ -739,6 +739,40 @@ def test_a_holder_killed_mid_write_never_commits_that_step_and_later_steps_commi
         _cleanup(ray, ctl, *holders)
 
 
+def test_messages_of_snapshots_held_in_memory_only_wait_for_company_and_a_flush_sends_them(
+    ray_cluster, tmp_path, monkeypatch
+):
+    """A holder's ``part_staged`` of a snapshot held in memory only is lazy: it waits (up to LAZY_S)
+    for later messages, so that at a checkpoint every iteration the controller gets one call per LAZY_S
+    instead of one per snapshot. A flush (what a restore plan asks of every holder first) sends it at
+    once, and so does a message that is not lazy (it takes the lazy ones along, in order)."""
+    from cf_ray._engine.node import sender as _sender
+
+    monkeypatch.setattr(_sender, "LAZY_S", 5.0)
+    ray = ray_cluster
+    _, _, _, ctl, cname, ns = _actor_run(tmp_path)
+    try:
+        gen = ray.get(ctl.prepare_restore.remote(1), timeout=120).generation
+        ray.get(ctl.restored.remote(Restored(source=RestoreSource.FRESH, step=0, epoch=0)), timeout=60)
+        held = dataclasses.replace(META, persist=False)
+        s = _sender.Sender(cname, ns)
+        s.send_all([("part_staged", _staged(gen, 3, meta=held))], lazy=True)
+        time.sleep(1.0)
+        assert (s.pending(), s.sent) == (1, 0)  # waiting for company
+        assert ray.get(ctl.settled.remote(gen, [3]), timeout=30).unknown == (3,)
+        s.send_all([("part_staged", _staged(gen, 4, meta=held))], lazy=True)
+        t0 = time.monotonic()
+        assert s.wait_idle(30) and s.sent == 2 and time.monotonic() - t0 < 4.0  # the flush sent them at once
+        assert ray.get(ctl.settled.remote(gen, [3, 4]), timeout=30).superseded == (3, 4)  # held: settled at once
+        s.send_all([("part_staged", _staged(gen, 5, meta=held))], lazy=True)
+        s.send("part_staged", _staged(gen, 6))  # a snapshot to persist: due at once
+        _wait_for(lambda: s.sent == 4, 4.0, "the lazy message to go with the eager one")
+        out = ray.get(ctl.settled.remote(gen, [5, 6]), timeout=30)
+        assert out.superseded == (5,) and out.pending == (6,)
+    finally:
+        _cleanup(ray, ctl)
+
+
 def _try(fn):
     try:
         return fn()

@@ -38,7 +38,7 @@ class Recorder:
     def send(self, method, msg):
         self.send_all([(method, msg)])
 
-    def send_all(self, messages):
+    def send_all(self, messages, *, lazy=False):
         with self._cond:
             self.sent.extend(messages)
             self._cond.notify_all()

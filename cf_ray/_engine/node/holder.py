@@ -174,7 +174,9 @@ class Holder:
         if meta.replicas != 0:
             # A copy not started when a newer snapshot came is skipped: never delays the newest.
             out += [("part_replicated", m) for m in self._replicator.enqueue(entries)]
-        self._sender.send_all(out)  # in one call to the controller
+        # In one call to the controller; a snapshot held in memory only may wait for the next ones
+        # (the sender's module doc).
+        self._sender.send_all(out, lazy=not meta.persist)
         return StageReply(recorded=True)
 
     def get_section(self, generation: int, step: int, section: str, node_id: str = "") -> SectionAt | None:

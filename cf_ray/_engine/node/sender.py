@@ -5,7 +5,10 @@ One thread sends the holder's messages (``part_staged``, ``part_durable``, ``par
 each to be acknowledged (the controller's method returned). What is queued when the thread is free
 goes in one call, ``Controller.deliver`` (at most :data:`BATCH` messages): a snapshot's sections are
 staged together, and at a checkpoint every iteration the Ray call per message was most of the
-holder's and the controller's CPU per checkpoint. When the controller is dead, restarting or unreachable
+holder's and the controller's CPU per checkpoint. A *lazy* message (``part_staged`` of a snapshot
+held in memory only) waits up to :data:`LAZY_S` for company: such a snapshot is of use only while
+this holder lives, and a restore plan first has the holders deliver what they queued
+(``Holder.flush``, which sends lazy messages at once), so the controller needs it no sooner. When the controller is dead, restarting or unreachable
 (``RayActorError``, ``ActorDiedError``, ``ActorUnavailableError``, ``GetTimeoutError``, or no actor
 of that name), the cached handle is dropped, the controller is looked up again by name with
 exponential backoff, and the message is sent again: for at most ``CF_RAY_ACTOR_TIMEOUT_S`` per
@@ -51,6 +54,9 @@ _RETRY = tuple(
 CALL_TIMEOUT_S = 30.0
 #: At most this many queued messages go in one call.
 BATCH = 64
+#: Seconds a lazy message may wait for others before it is sent (one call per this many seconds of
+#: snapshots held in memory only, instead of one per snapshot).
+LAZY_S = 0.2
 
 
 class Sender:
@@ -65,7 +71,9 @@ class Sender:
         self.controller_name = controller_name
         self.namespace = namespace
         self._cond = threading.Condition()
-        self._queue: collections.deque[tuple[str, Any]] = collections.deque()
+        self._queue: collections.deque[tuple[str, Any, float]] = collections.deque()  # (method, msg, due)
+        self._eager = 0  # messages queued that are due at once
+        self._flushing = 0  # wait_idle calls waiting: everything queued is due at once
         self._busy = 0  # messages being delivered
         self._handle = None
         self.sent = 0
@@ -79,13 +87,16 @@ class Sender:
         """Queue ``controller.<method>(msg)``; returns at once."""
         self.send_all([(method, msg)])
 
-    def send_all(self, messages: list[tuple[str, Any]]) -> None:
-        """Queue ``[(method, msg)]`` together (so they go in one call when the thread is free)."""
+    def send_all(self, messages: list[tuple[str, Any]], *, lazy: bool = False) -> None:
+        """Queue ``[(method, msg)]`` together (so they go in one call when the thread is free);
+        ``lazy``: they may wait up to :data:`LAZY_S` for later messages (module doc)."""
         limit = max(1, _env.get_int(_env.SEND_QUEUE))
+        due = time.monotonic() + LAZY_S if lazy else 0.0
         with self._cond:
             for method, msg in messages:
                 if len(self._queue) >= limit:
                     dropped = self._queue.popleft()
+                    self._eager -= dropped[2] == 0.0
                     self.given_up += 1
                     logger.warning(
                         "cf_ray: the holder's queue to the controller is full (%d, %s); dropping the oldest "
@@ -94,7 +105,8 @@ class Sender:
                         "env.SEND_QUEUE",
                         dropped[0],
                     )
-                self._queue.append((method, msg))
+                self._queue.append((method, msg, due))
+                self._eager += not lazy
             self._cond.notify_all()
 
     def pending(self) -> int:
@@ -106,12 +118,17 @@ class Sender:
         """Wait until every queued message is delivered or given up. Returns whether it is so."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._queue or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(timeout=min(left, 0.5))
-            return True
+            self._flushing += 1
+            self._cond.notify_all()
+            try:
+                while self._queue or self._busy:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(timeout=min(left, 0.5))
+                return True
+            finally:
+                self._flushing -= 1
 
     def forget_handle(self) -> None:
         """Look the controller up again before the next message (it was replaced)."""
@@ -121,18 +138,26 @@ class Sender:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue:
-                    self._cond.wait()
+                while not self._due():
+                    self._cond.wait(self._queue[0][2] - time.monotonic() if self._queue else None)
                 batch = [self._queue.popleft() for _ in range(min(BATCH, len(self._queue)))]
+                self._eager -= sum(due == 0.0 for _, _, due in batch)
                 self._busy = len(batch)
             try:
-                self._deliver(tuple(batch))
+                self._deliver(tuple((method, msg) for method, msg, _ in batch))
             except Exception:  # noqa: BLE001 - never kill the thread
-                logger.exception("cf_ray: sending %s to the controller failed", ", ".join(m for m, _ in batch))
+                logger.exception("cf_ray: sending %s to the controller failed", ", ".join(m for m, _, _ in batch))
             finally:
                 with self._cond:
                     self._busy = 0
                     self._cond.notify_all()
+
+    def _due(self) -> bool:
+        """Whether what is queued goes now (under the lock): an eager message or a flush is waiting,
+        or the oldest lazy one has waited :data:`LAZY_S`."""
+        if not self._queue:
+            return False
+        return bool(self._eager or self._flushing) or self._queue[0][2] <= time.monotonic()
 
     def _resolve(self):
         if self._handle is None:
