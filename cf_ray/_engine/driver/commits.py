@@ -258,8 +258,8 @@ class CommitBook:
             # the part_staged that says which sections to expect, so commit from here as well.
             self._report_persist(p)
             job = self._try_commit(p)
-        if p.held_in_full():  # settled (a memory restore still takes it): the table does not grow
-            self.table.settle(p, SectionState.SUPERSEDED)
+        if p.held_in_full():  # settled, still a memory candidate; holders keep no record of it: untold
+            self.table.settle(p, SectionState.SUPERSEDED, tell=False)
             self._book.note_superseded(p.generation, p.step, held=True)
         self._start_jit(p, draining)
         return job

@@ -192,10 +192,11 @@ class PendingTable:
         self.settled[(generation, step)] = (SectionState.FAILED, why)
 
     # -- settling ------------------------------------------------------------------------------------------
-    def settle(self, p: Pending, state: SectionState) -> None:
+    def settle(self, p: Pending, state: SectionState, *, tell: bool = True) -> None:
+        """``p`` is settled; its holders are told (``take_settled``) unless ``tell`` is False."""
         p.state = state
         holders = tuple(sorted(set(p.parts.staged.values()) | set(p.parts.writers.values())))
-        if holders:
+        if holders and tell:
             self.settled_out.append((p.generation, p.step, state, holders))
 
     def take_settled(self) -> list[tuple[int, int, SectionState, tuple[str, ...]]]:
