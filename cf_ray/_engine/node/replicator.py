@@ -321,6 +321,23 @@ def copy_said(h: Held, holder: str, node: str) -> tuple[PartReplicated, PartStag
     )  # fmt: skip
 
 
+#: Seconds the cluster's list of alive nodes is reused by :func:`find_peers` (a GCS call at every
+#: snapshot was a seventh of the holder's Python at a checkpoint every iteration; nodes come and go
+#: far less often: a new one is used, and a lost one no longer offered, within this).
+NODES_TTL_S = 1.0
+_nodes: tuple[float, list[dict]] = (float("-inf"), [])
+
+
+def _alive_nodes() -> list[dict]:
+    global _nodes
+    now = time.monotonic()
+    if now - _nodes[0] >= NODES_TTL_S:
+        from cf_ray._engine.protocol import cluster
+
+        _nodes = (now, cluster.alive_nodes())
+    return _nodes[1]
+
+
 def find_peers(node: str, holder: str, namespace: str, wanted: int, label: str, section: str) -> list[tuple[str, Any]]:
     """Up to ``wanted`` holders of this run on other alive, not draining nodes (``-1``: one when the
     cluster has more than one node), in another failure domain when ``label`` names one:
@@ -329,7 +346,7 @@ def find_peers(node: str, holder: str, namespace: str, wanted: int, label: str, 
 
     from cf_ray._engine.protocol import cluster
 
-    nodes = cluster.alive_nodes()
+    nodes = _alive_nodes()
     if wanted < 0:
         wanted = 1 if len(nodes) > 1 else 0
     if wanted == 0:
