@@ -180,6 +180,26 @@ def test_held_slots_are_never_filled_the_spare_takes_over_and_all_held_makes_the
     snap.release_buffers()
 
 
+def test_faulting_in_a_sections_slots_takes_every_page_now_and_keeps_what_they_hold():
+    """The snapshotter faults the holder's slots in ahead of the first checkpoint (``prepare``), so
+    that its copy does not take the page faults behind the weight-update guard. (Until 2026-11-29 the
+    fault-in was a numpy self-assignment, which numpy skips: no page was taken.)"""
+    from cf_ray._engine.worker.slot_arena import SlotArena
+
+    n = 8 << 20
+    store = SlotStore("test")
+    arena = SlotArena(store.arena("s", n), n, pin=False)
+    try:
+        arena.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)  # say a restored snapshot
+        assert store.held_bytes()["slots"] < n
+        arena.fault_in()
+        assert store.held_bytes()["slots"] >= 2 * n  # both regular slots; the spare stays empty
+        assert arena.tensor[:4].tolist() == [1, 2, 3, 4]
+    finally:
+        arena.close()
+        store.close()
+
+
 def test_a_worker_that_dies_mid_fill_leaves_a_slot_that_reads_as_empty(tmp_path):
     slot = shm.Slot(shm.memfd_name("run", "s", 0), 1 << 16)
     w = shm.WriterSlot(slot.desc, 1 << 16)

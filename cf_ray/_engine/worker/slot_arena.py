@@ -13,6 +13,7 @@ registering takes every page), so device-to-host copies are DMA into the holder'
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,9 @@ from cf_ray._engine.protocol.messages import SlotDesc
 #: Slots the worker alternates between before it takes the spare.
 _REGULAR = 2
 _PAGE = 4096
+#: ``madvise`` advice that maps every page of a range writable, keeping its bytes (Linux 5.14;
+#: Python's ``mmap`` names it only from 3.13).
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 #: Seconds between two calls of a slot wait's ``on_wait`` (the watchdog, the log line).
 WAIT_TICK_S = 0.25
 
@@ -147,11 +151,18 @@ class SlotArena:
         return raw.view(_codec.torch_dtype(entry.dtype)).view(entry.shape)
 
     def fault_in(self) -> None:
-        """Map every page of the two regular slots now, keeping what they hold (a restored snapshot
-        may be there); the spare's pages are taken only if it is ever used."""
-        for t in self._tensors[:_REGULAR]:
-            a = t.numpy()
-            a[::_PAGE] = a[::_PAGE]
+        """Map every page of the two regular slots now, writable, keeping what they hold (a restored
+        snapshot may be there); the spare's pages are taken only if it is ever used.
+        ``MADV_POPULATE_WRITE`` (Linux 5.14), else a write of the byte each page holds. (Until
+        2026-11-29 this was ``a[::page] = a[::page]``, which numpy skips as a self-assignment: the
+        first two checkpoints of every attempt took the page faults in their copy, 0.22 s instead
+        of 0.04 s for 302 MB, behind the weight-update guard.)"""
+        for slot, t in zip(self.slots[:_REGULAR], self._tensors):
+            try:
+                slot.map.madvise(_MADV_POPULATE_WRITE)
+            except (OSError, ValueError):  # an older kernel
+                a = t.numpy()
+                a[::_PAGE] = a[::_PAGE].copy()
 
     def close(self) -> None:
         for ptr in self._registered.values():
