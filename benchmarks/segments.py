@@ -47,7 +47,8 @@ def lead_for(k: int) -> int:
     once. (Until 2026-11-28 one checkpoint for ``k >= 3``: the window's first checkpoint filled the
     second slot for the first time, faulting its pages in; at k=10 that checkpoint stalled 0.2-0.86 s
     against 3-16 ms for the later ones, one of the window's four. A run of a user's loop pays it
-    once, not every 40 iterations.)"""
+    once, not every 40 iterations. Those faults were there because the fault-in ahead of the first
+    checkpoint took no page, fixed on 2026-11-29; the lead-in keeps its two checkpoints.)"""
     return k * max(2, math.ceil(3 / k))
 
 
