@@ -8,11 +8,13 @@ staged together, and at a checkpoint every iteration the Ray call per message wa
 holder's and the controller's CPU per checkpoint. A *lazy* message (``part_staged`` of a snapshot
 held in memory only) waits up to :data:`LAZY_S` for company: such a snapshot is of use only while
 this holder lives, and a restore plan first has the holders deliver what they queued
-(``Holder.flush``, which sends lazy messages at once), so the controller needs it no sooner. When the controller is dead, restarting or unreachable
-(``RayActorError``, ``ActorDiedError``, ``ActorUnavailableError``, ``GetTimeoutError``, or no actor
-of that name), the cached handle is dropped, the controller is looked up again by name with
-exponential backoff, and the message is sent again: for at most ``CF_RAY_ACTOR_TIMEOUT_S`` per
-message, after which it is given up with a warning. The controller's handlers are idempotent, so a
+(``Holder.flush``, which sends lazy messages at once), so the controller needs it no sooner.
+
+When the controller is dead, restarting or unreachable (``RayActorError``, ``ActorDiedError``,
+``ActorUnavailableError``, ``GetTimeoutError``, or no actor of that name), the cached handle is
+dropped, the controller is looked up again by name with exponential backoff, and the messages are
+sent again: for at most ``CF_RAY_ACTOR_TIMEOUT_S`` per call, after which they are given up with a
+warning. The controller's handlers are idempotent, so a
 message that did arrive before its acknowledgement was lost does no harm when it comes again.
 
 Nothing given up is lost for good: the holder keeps a record of what it holds and what became of
@@ -164,9 +166,9 @@ class Sender:
             self._handle = ray.get_actor(self.controller_name, namespace=self.namespace)
         return self._handle
 
-    def _deliver(self, batch: tuple[tuple[str, Any], ...]) -> bool:
-        """Send ``batch`` until acknowledged (True) or given up (False). A message the controller
-        refuses (its handler raised: a resend would too) is logged and counted as given up."""
+    def _deliver(self, batch: tuple[tuple[str, Any], ...]) -> None:
+        """Send ``batch`` until acknowledged or given up. A message the controller refuses (its
+        handler raised: a resend would too) is logged and counted as given up."""
         deadline = time.monotonic() + _env.get_float(_env.ACTOR_TIMEOUT_S)
         delay = 0.05
         first = f"{batch[0][0]} (step {getattr(batch[0][1], 'step', '?')})" + (
@@ -183,11 +185,11 @@ class Sender:
                     logger.warning("cf_ray: the controller refused %s", line)
                 self.given_up += len(refused)
                 self.sent += len(batch) - len(refused)
-                return True
+                return
             except ray.exceptions.RayTaskError as e:  # deliver itself raised: a resend would too
                 self.given_up += len(batch)
                 logger.warning("cf_ray: the controller refused %s: %r", first, e)
-                return False
+                return
             except _RETRY as e:
                 self._handle = None
                 if time.monotonic() + delay > deadline:
@@ -201,13 +203,13 @@ class Sender:
                         _env.get_float(_env.ACTOR_TIMEOUT_S),
                         type(e).__name__,
                     )
-                    return False
+                    return
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
             except Exception as e:  # noqa: BLE001 - e.g. the message cannot be serialised: a resend would fail too
                 self.given_up += len(batch)
                 logger.warning("cf_ray: could not send %s: %r", first, e)
-                return False
+                return
 
 
 __all__ = ["Sender"]
