@@ -37,7 +37,7 @@ from cf_ray._engine.protocol.messages import (
 )
 from cf_ray._engine.storage.fs import FsStorage
 
-from controller_harness import Cluster, wait_idle
+from controller_harness import Cluster, Holders, wait_idle
 from storage_helpers import arena_of
 
 WORLD = 2
@@ -153,12 +153,16 @@ def test_a_superseded_step_is_not_waited_for_nor_committed(controller):
 def test_a_memory_only_step_settles_at_once_stays_restorable_and_is_committed_when_finish_persists_it(controller):
     """The schedule's ``persist_every``: a snapshot held in memory only is settled (not waited for,
     no error in the profile), still the memory restore's candidate, and a persisted snapshot of the
-    same step (what ``finish()`` takes) opens it again and commits it."""
-    ctl = controller()
+    same step (what ``finish()`` takes) opens it again and commits it. Its holder, which keeps no
+    record of a memory-only snapshot, is not told that it settled (a call per checkpoint at k=1);
+    it is told of the commit."""
+    link = Holders()
+    ctl = controller(holders=link)
     for sec in SECTIONS:
         ctl.part_staged(_staged(ctl, 6, sec, persist=False))
     assert ctl.pending_steps(ctl.generation) == []
     assert ctl.settled(ctl.generation, [6]).superseded == (6,)
+    assert link.forgotten == []
     row = next(r for r in ctl.profile_rows() if r["step"] == 6)
     assert row["where"] == "memory-only" and not row.get("error")
     plan = ctl.prepare_restore(WORLD)
@@ -176,6 +180,7 @@ def test_a_memory_only_step_settles_at_once_stays_restorable_and_is_committed_wh
     wait_idle(ctl)
     assert [c.step for c in mf.list_committed(ctl.storage)] == [6]
     assert ctl.settled(ctl.generation, [6]).committed == (6,)
+    assert link.forgotten == [("holder", ((ctl.generation, 6),))]
 
 
 _wait_maintenance = wait_idle
