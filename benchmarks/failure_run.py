@@ -65,6 +65,7 @@ from typing import Any
 SCHEMA = "cf_ray.failure_run/2"  # /2: up-time end, rounds (2026-11-28)
 ARMS = ("cf_adaptive", "ray_default", "ray_fixed")
 EXTRA_ARMS = ("cf_persist_all",)  # run only when named in --fail-arms
+CF_ARMS = ("cf_adaptive", "cf_persist_all")  # the arms that run cf_ray
 MODES = ("kills", "drains")
 
 FAIL_PRESETS: dict[str, dict[str, Any]] = {
@@ -94,7 +95,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "with SIGKILLs drawn from a Poisson process (and drains)",
     )
     g.add_argument("--fail-preset", choices=sorted(FAIL_PRESETS), default="real", help="sizes (default: %(default)s)")
-    g.add_argument("--fail-arms", default=",".join(ARMS), help="comma-separated subset of %(default)s")
+    g.add_argument(
+        "--fail-arms",
+        default=",".join(ARMS),
+        help=f"comma-separated subset of %(default)s, or of {','.join(ARMS + EXTRA_ARMS)}",
+    )
     g.add_argument("--fail-modes", default=",".join(MODES), help="comma-separated subset of %(default)s")
     g.add_argument("--fail-mtbf", type=float, help="mean seconds of training between two kills")
     g.add_argument(
@@ -142,7 +147,7 @@ def _failure_loop(cfg: dict) -> None:
     arm, k = cfg["arm"], cfg.get("k")
     ckpt = None
     t0 = time.time()
-    if arm in ("cf_adaptive", "cf_persist_all"):
+    if arm in CF_ARMS:
         import cf_ray
 
         policy = (
@@ -347,7 +352,7 @@ def analyse(records: list[dict], kills: list[dict], fit_start: float) -> dict:
 def _arms(arms: list[str], grid: list[int], epoch_steps: int) -> list[tuple[str, int | None]]:
     out: list[tuple[str, int | None]] = []
     for arm in arms:
-        if arm in ("cf_adaptive", "cf_persist_all"):
+        if arm in CF_ARMS:
             out.append((arm, None))
         elif arm == "ray_default":
             out.append((arm, epoch_steps))
@@ -396,7 +401,7 @@ def _one(
         planned_kills=planned_kills(p["duration_s"], gaps),
         fit_error=error,
     )
-    if arm.startswith("cf_"):
+    if arm in CF_ARMS:
         res["controller_goodput"] = _controller_goodput(root / "storage", name)
     return res
 
