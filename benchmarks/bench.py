@@ -24,13 +24,14 @@ What runs (see ``docs/benchmarks/json-keys.md`` for every JSON key):
   ``ray_async``  the same with ``CheckpointUploadMode.ASYNC``;
   ``dcp_async``  ``torch.distributed.checkpoint.async_save`` (own gloo group), the previous save
                  awaited before the next one, as torchtitan does;
-  ``cf_fixed``   ``cf_ray.Checkpointer`` with ``FixedInterval(every=k)``;
+  ``cf_fixed``   ``cf_ray.Checkpointer`` with ``FixedInterval(every=k)`` (which snapshots are written
+                 measured: the default ``persist_every=None``);
   ``cf_auto``    ``cf_ray.Checkpointer`` with ``Adaptive(budget_pct=--budget-pct)`` (2 % by default),
                  followed by two *probes*: ``cf_fixed`` at the interval ``k`` it chose and at ``k - 1``,
                  so the output shows whether ``k`` is within the budget and the shortest interval that is;
   ``cf_held``    ``cf_ray.Checkpointer`` with ``FixedInterval(every=k, persist_every=--held-persist-every)``:
-                 one snapshot in N written to storage, the others held in memory only (not run unless
-                 named in ``--variants``);
+                 one snapshot in N written to storage, the others held in memory only (1: every one;
+                 not run unless named in ``--variants``);
   ``floor_copy`` one copy of the state per checkpoint on a guarded thread and nothing else.
 
   For cf_ray: the per-checkpoint CPU breakdown of the worker (``Checkpointer.cpu_budget``) and

@@ -34,7 +34,7 @@ DEFAULTS: dict[str, Any] = {
     "lr": 1e-3,
     "policy": "fixed",  # fixed, epoch, adaptive
     "interval": 5,
-    "persist_every": 1,  # the fixed policy's: persist one checkpoint in this many, hold the rest in memory
+    "persist_every": 1,  # the fixed policy's: persist one checkpoint in this many (None: measured), hold the rest in memory
     "budget_pct": 5.0,  # the adaptive policy's overhead budget
     "keep_last": 3,
     "milestone_every": None,
@@ -88,7 +88,8 @@ def _policy(cfg: dict):
     import cf_ray
 
     if cfg["policy"] == "fixed":
-        return cf_ray.FixedInterval(every=int(cfg["interval"]), persist_every=int(cfg["persist_every"]))
+        n = cfg["persist_every"]
+        return cf_ray.FixedInterval(every=int(cfg["interval"]), persist_every=None if n is None else int(n))
     if cfg["policy"] == "epoch":
         return cf_ray.EpochEnd()
     if cfg["policy"] == "adaptive":

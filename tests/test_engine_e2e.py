@@ -151,6 +151,29 @@ def test_snapshots_held_in_memory_only_restore_bitwise_and_finish_persists_the_l
     assert result["failures"] == []
 
 
+def test_fixed_interval_measures_which_snapshots_to_write_and_the_run_ends_durable(ray_cluster, tmp_path):
+    """``FixedInterval(1)`` with the default ``persist_every=None``: every snapshot is written until
+    the controller has measured two persists and the steps; a write here takes longer than 10 % of
+    a step, so it then publishes a cadence above 1 (an ``interval`` event, explained as measured) and
+    the ranks hold the snapshots in between in memory only (profile rows ``memory-only``, no error).
+    ``finish()`` writes the last step, so the run ends durable."""
+    cfg = dict(SMALL, epochs=6, interval=1, persist_every=None, step_sleep=0.02, keep_last=None)
+    demo.run("measured", str(tmp_path), cfg)
+    result = result_of(tmp_path / "out" / "measured")
+    last = 6 * STEPS_PER_EPOCH
+    assert result["steps"] == last and result["failures"] == []
+    cadence = [e for e in result["events"] if e.get("event") == "interval" and (e.get("persist_every") or 1) > 1]
+    assert cadence, [e for e in result["events"] if e.get("event") == "interval"]
+    assert cadence[0]["why"]["persist"]["binding"] == "measured"
+    held = {r["step"] for r in result["profile"] if r.get("where") == "memory-only" and not r.get("error")}
+    storage = FsStorage(pafs.LocalFileSystem(), str(tmp_path / "storage" / "measured" / "cf_ray"))
+    committed = {c.step for c in mf.list_committed(storage)}
+    assert held and not held & committed - {last}, (held, committed)
+    assert last in committed and len(committed) < last / 2, committed
+    # every snapshot before the cadence was measured was written
+    assert {1, 2} <= committed
+
+
 def test_failed_persist_never_fails_training(ray_cluster, tmp_path):
     from faulty_fs import FaultyHandler
 

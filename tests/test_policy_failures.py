@@ -21,6 +21,7 @@ from cf_ray.policy._hazard import (
     goodput_work_s,
     young_daly_work_s,
 )
+from cf_ray.policy.base import MAX_PERSIST_EVERY
 
 K = RunEventKind
 
@@ -256,6 +257,48 @@ def test_the_controller_publishes_a_schedule_version_when_the_persist_cadence_ch
         policy.n = bad
         book.replan()
         assert book.current_persist_every == 1
+
+
+def test_fixed_interval_persists_one_in_n_from_the_measured_persist_and_iteration_times(tmp_path):
+    """``FixedInterval(every)`` with the default ``persist_every=None``: every snapshot persisted
+    until two persists and the iteration time are measured; then one in ``N`` keeps the holder's
+    writing within 10 % of the run's time (``ceil(persist_s / (0.1 * every * iter_s))``), published
+    to the ranks as a schedule version; a cadence given by hand never moves."""
+    import pyarrow.fs as pafs
+
+    from cf_ray._engine.driver.schedule import ScheduleBook
+    from cf_ray._engine.storage.fs import FsStorage
+
+    storage = FsStorage(pafs.LocalFileSystem(), str(tmp_path))  # pyright: ignore[reportArgumentType]
+    book = ScheduleBook(FixedInterval(every=1), storage)
+    manual = ScheduleBook(FixedInterval(every=1, persist_every=1), storage)
+
+    def feed(step: int, iter_s: float, persist_s: float) -> None:
+        for b in (book, manual):
+            for rank in (0, 1):
+                b.add_sample(Sample(rank=rank, step=step, iter_s=iter_s, iters=1))
+                # the slowest rank's holder sets the checkpoint's persist time
+                b.add_sample(Sample(rank=rank, step=step, ckpt_step=step, persist_s=persist_s * (1 + rank)))
+            b.replan()
+
+    assert book.current_persist_every == 1
+    feed(1, 0.3, 0.1)
+    assert book.current_persist_every == 1  # one persist measured: not yet
+    feed(2, 0.3, 0.1)
+    # 0.2 s of writing (the slower holder) per 0.3 s step: ceil(0.2 / 0.03) = 7
+    assert book.current_persist_every == 7 and book.policy.explain()["persist"]["binding"] == "measured"
+    assert [s.persist_every for s in book.since(0)] == [7]
+    feed(3, 0.3, 0.095)  # a little faster: within the hysteresis, no new version
+    assert book.current_persist_every == 7 and len(book.since(0)) == 1
+    for step in range(4, 12):
+        feed(step, 5.0, 0.1)  # slow steps: a persist (0.2 s) fits in 10 % of one, with room
+    assert book.current_persist_every == 1
+    for step in range(12, 24):
+        feed(step, 0.001, 1.0)  # storage far slower than the steps: capped
+    assert book.current_persist_every == MAX_PERSIST_EVERY
+    assert manual.current_persist_every == 1 and manual.all()[-1].persist_every == 1
+    with pytest.raises(ConfigError, match="persist_every"):
+        FixedInterval(every=1, persist_every=0)
 
 
 def test_frequent_failures_are_capped_by_the_budget_and_explain_says_so():

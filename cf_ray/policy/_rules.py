@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from cf_ray.policy._estimator import Estimate, _ceil
 from cf_ray.policy._hazard import best_steps, expected_goodput, goodput_work_s, young_daly_work_s
-from cf_ray.policy.base import PolicyWarning
+from cf_ray.policy.base import MAX_PERSIST_EVERY, PolicyWarning
 
 if TYPE_CHECKING:
     from cf_ray.policy.adaptive import Adaptive
@@ -517,10 +517,6 @@ class _Ladder:
     def _keep(self) -> Verdict:
         self.info["reason"] = f"keeping {self.current}: within every rule ({self.binding} sets the target {self.k})"
         return None, self.info
-
-
-MAX_PERSIST_EVERY = 16
-"""At most this many scheduled snapshots per persisted one (``Adaptive.persist_every``)."""
 
 
 def persist_cadence(cfg: Adaptive, est: Estimate | None, interval: int | None, current: int) -> tuple[int, dict]:
