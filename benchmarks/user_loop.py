@@ -10,9 +10,12 @@ worker, 80 iterations of which the first 5 are dropped, the mean iteration time 
   ``ray_sync``   rank 0 ``torch.save`` + ``ray.train.report`` (SYNC), as the benchmark's;
   ``ray_async``  the same with ``CheckpointUploadMode.ASYNC``;
   ``cf_fixed``   ``Checkpointer(..., CheckpointConfig(policy=FixedInterval(k)))``: every other field
-                 at its default (keep_last=3, register_with_ray=True, final_model="model");
+                 at its default (keep_last=3, register_with_ray=True, final_model="model"; the persist
+                 cadence measured, ``persist_every=None``);
   ``cf_bench``   the same with the benchmark's settings (keep_last=2, register_with_ray=False,
-                 final_model=None): what the segments measure.
+                 final_model=None): what the segments measure;
+  ``cf_held``    ``cf_fixed`` with ``FixedInterval(k, persist_every=--held-persist-every)``: one
+                 snapshot in that many written, the others held in memory only (1: every one).
 
 Beside the issue's figure (the mean of iterations 6-80) it reports the mean of the *second half*
 (iterations 41-80, after the start-up transients) and of iterations 6-20, each iteration's time, the
@@ -31,7 +34,7 @@ from typing import Any
 
 from benchmarks.savers import _barrier, _build_model, _RaySave, _write_json
 
-VARIANTS = ("none", "ray_sync", "ray_async", "cf_fixed", "cf_bench")
+VARIANTS = ("none", "ray_sync", "ray_async", "cf_fixed", "cf_bench", "cf_held")
 
 
 def _loop(cfg: dict) -> None:
@@ -55,13 +58,14 @@ def _loop(cfg: dict) -> None:
     variant, k = cfg["variant"], cfg["k"]
     ckpt = saver = None
     t_setup = time.perf_counter()
-    if variant in ("cf_fixed", "cf_bench"):
+    if variant in ("cf_fixed", "cf_bench", "cf_held"):
+        policy = cf_ray.FixedInterval(
+            every=k, persist_every=cfg["held_persist_every"] if variant == "cf_held" else None
+        )
         conf = (
-            cf_ray.CheckpointConfig(policy=cf_ray.FixedInterval(every=k))
-            if variant == "cf_fixed"
-            else cf_ray.CheckpointConfig(
-                policy=cf_ray.FixedInterval(every=k), keep_last=2, register_with_ray=False, final_model=None
-            )
+            cf_ray.CheckpointConfig(policy=policy, keep_last=2, register_with_ray=False, final_model=None)
+            if variant == "cf_bench"
+            else cf_ray.CheckpointConfig(policy=policy)
         )
         ckpt = cf_ray.Checkpointer({"model": model, "optimizer": opt}, config=conf)
         ckpt.restore()
@@ -170,6 +174,7 @@ def run(args, preset: dict, fit, ray_env: dict, out: Path) -> dict:
                     seed=args.seed,
                     variant=v,
                     k=k,
+                    held_persist_every=args.held_persist_every,
                     name=name,
                     out_dir=str(seg_dir),
                 )
