@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import stats
 from benchmarks.savers import _barrier, _build_model, _RaySave, _write_json
 
 VARIANTS = ("none", "ray_sync", "ray_async", "cf_fixed", "cf_bench", "cf_held")
@@ -202,6 +203,15 @@ def run(args, preset: dict, fit, ray_env: dict, out: Path) -> dict:
         row: dict[str, Any] = {"variant": v, "k": k or None, "fits": len(mine), **m}
         for key in base_m:
             row[key.replace("mean", "overhead_pct")] = 100.0 * (m[key] / base_m[key] - 1.0)
+        # Each round against its own baseline fit: the spread across rounds, and the verdicts' interval.
+        per_round = [
+            100.0 * (_means(x["iter_s"], drop)["mean_after_drop"] / _means(b["iter_s"], drop)["mean_after_drop"] - 1.0)
+            for x in mine
+            for b in base
+            if b["round"] == x["round"]
+        ]
+        row["overhead_pct_rounds"] = per_round
+        row["overhead_interval"] = stats.interval(per_round)
         start = [x["actors_cpu_before_loop_s"] for x in mine if x.get("actors_cpu_before_loop_s")]
         if start:
             row["actors_cpu_before_loop_s"] = statistics.fmean(a["holder"] + a["controller"] for a in start)
@@ -233,8 +243,9 @@ def render(res: dict) -> str:
         "",
         f"| variant | k | fits | overhead % (iterations {res['drop'] + 1}-{res['iters']}: the issue's figure) "
         f"| iterations {res['drop'] + 1}-{res['drop'] + 15} | second half ({res['iters'] // 2 + 1}-{res['iters']}) "
+        "| per round (against that round's baseline) | 95 % interval "
         "| worker CPU ms/iter | holder + controller CPU ms/iter | their CPU before the loop s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["table"]:
         actors = (
@@ -245,6 +256,7 @@ def render(res: dict) -> str:
         lines.append(
             f"| {r['variant']} | {r['k'] or '–'} | {r['fits']} | {r['overhead_pct_after_drop']:+.1f} "
             f"| {r['overhead_pct_first_part']:+.1f} | {r['overhead_pct_second_half']:+.1f} "
+            f"| {_rounds(r)} | {_interval(r)} "
             f"| {r['worker_cpu_ms_per_iter']:.0f} | {actors} | {r.get('actors_cpu_before_loop_s') or 0:.1f} |"
         )
     lines.append("")
@@ -256,3 +268,12 @@ def render(res: dict) -> str:
             )
     lines.append("")
     return "\n".join(lines)
+
+
+def _rounds(row: dict) -> str:
+    return ", ".join(f"{v:+.1f}" for v in row.get("overhead_pct_rounds") or []) or "–"
+
+
+def _interval(row: dict) -> str:
+    iv = row.get("overhead_interval") or {}
+    return "–" if iv.get("lo") is None else f"[{iv['lo']:+.1f}, {iv['hi']:+.1f}]"

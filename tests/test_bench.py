@@ -107,6 +107,31 @@ def test_bench_adaptive_and_its_probes(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_bench_user_loop(tmp_path, capsys):
+    """``--user-loop``: one TorchTrainer fit per variant and round, each round's overhead against
+    that round's baseline fit and their interval; cf_ray's breakdown and its actors' CPU."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    out = tmp_path / "bench"
+    args = ["--user-loop", "--quick", "--width", "64", "--layers", "2", "--batch", "4", "--iters", "10"]
+    args += ["--ks", "2", "--workers", "1", "--rounds", "2", "--variants", "none,cf_fixed,cf_held", "--out", str(out)]
+    assert bench.main([*args, "--held-persist-every", "1"]) == 0
+    assert "| per round (against that round's baseline) | 95 % interval" in capsys.readouterr().out
+    res = json.loads((out / "results-user-loop.json").read_text())
+    assert [r["error"] for r in res["runs"]] == [None] * 6
+    rows = {r["variant"]: r for r in res["table"]}
+    assert set(rows) == {"none", "cf_fixed", "cf_held"}
+    for v in ("cf_fixed", "cf_held"):
+        r = rows[v]
+        assert len(r["overhead_pct_rounds"]) == 2 and r["overhead_interval"]["method"] == "t95"
+        assert r["holder_cpu_ms_per_iter"] > 0 and r["budget_wall_ms_per_iter"]["copy"] > 0
+    assert all(x["checkpoints_taken"] == 5 for x in res["runs"] if x["variant"] != "none")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_bench_fsdp2_job(tmp_path, capsys):
     """The FSDP2 reference job (#13): cf_ray against DCP async_save on the same sharded model, in one
     run; Ray's own (DDP) variants are refused for it, saying so."""
