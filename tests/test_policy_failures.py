@@ -296,6 +296,13 @@ def test_fixed_interval_persists_one_in_n_from_the_measured_persist_and_iteratio
     for step in range(12, 24):
         feed(step, 0.001, 1.0)  # storage far slower than the steps: capped
     assert book.current_persist_every == MAX_PERSIST_EVERY
+    # Steps slow down so much that no checkpoint's persist is left in the controller's sample window:
+    # the policy kept the newest persist times, and brings the cadence down.
+    for _ in range(300):
+        book.add_sample(Sample(rank=0, step=30, iter_s=60.0, iters=1))
+    assert not any(s.persist_s for s in book.samples)
+    book.replan()
+    assert book.current_persist_every == 1
     assert manual.current_persist_every == 1 and manual.all()[-1].persist_every == 1
     with pytest.raises(ConfigError, match="persist_every"):
         FixedInterval(every=1, persist_every=0)

@@ -111,6 +111,9 @@ MAX_PERSIST_EVERY = 16
 """At most this many scheduled snapshots per persisted one, whenever a policy chooses it from
 measurement (:class:`FixedInterval`'s default, :class:`~cf_ray.policy.Adaptive`)."""
 
+#: Persist times :class:`FixedInterval` keeps (the newest checkpoints').
+_PERSISTS_KEPT = 8
+
 PERSIST_SHARE = 0.1
 """The share of the run's time :class:`FixedInterval`'s measured cadence lets the holder spend writing
 snapshots to storage."""
@@ -139,6 +142,9 @@ class FixedInterval:
     writes 1.5 GB/s); with checkpoints as far apart as ten persists, every one is persisted."""
     measured: int = field(default=1, init=False, repr=False, compare=False)
     """The cadence :meth:`plan` chose from measurement (``persist_every=None``)."""
+    persists: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """The newest checkpoints' persist times (step -> the slowest rank's seconds) :meth:`plan` has
+    seen: kept here, as they leave the controller's sample window when checkpoints are rare."""
 
     def __post_init__(self):
         if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
@@ -160,7 +166,13 @@ class FixedInterval:
         """The interval stays ``every`` (``None``); with ``persist_every=None`` the persist cadence
         follows the samples (:func:`measured_cadence`)."""
         if self.persist_every is None:
-            self.measured = measured_cadence(samples, self.every, self.measured)
+            for x in samples:
+                if x.persist_s is not None and x.ckpt_step is not None:
+                    self.persists[x.ckpt_step] = max(x.persist_s, self.persists.get(x.ckpt_step, 0.0))
+            for step in sorted(self.persists)[:-_PERSISTS_KEPT]:
+                del self.persists[step]
+            iters = [x.iter_s for x in samples if x.iters > 0 and x.iter_s > 0][-16:]
+            self.measured = measured_cadence(list(self.persists.values()), iters, self.every, self.measured)
         return None
 
     def initial_interval(self) -> int | None:
@@ -186,23 +198,17 @@ class FixedInterval:
         }
 
 
-def measured_cadence(samples: Sequence[Sample], every: int, current: int) -> int:
+def measured_cadence(persist_s: Sequence[float], iter_s: Sequence[float], every: int, current: int) -> int:
     """One scheduled snapshot in how many to persist so that writing takes at most
     :data:`PERSIST_SHARE` of the run's time: ``ceil(persist_s / (PERSIST_SHARE * every * iter_s))``
-    in ``[1, MAX_PERSIST_EVERY]``, from the medians of the newest persist times (the slowest rank's,
-    per checkpoint: its holder writes the sections in turn) and iteration times. ``current`` until
-    two of each are measured. It rises only when the ratio clears ``current`` by a quarter and falls
-    only when it is half a step below ``current - 1`` (no flapping: each change is a new schedule
-    version the ranks agree on)."""
-    persists: dict[int, float] = {}
-    for s in samples:
-        if s.persist_s is not None and s.ckpt_step is not None:
-            persists[s.ckpt_step] = max(s.persist_s, persists.get(s.ckpt_step, 0.0))
-    iters = [s.iter_s for s in samples if s.iters > 0 and s.iter_s > 0]
-    if len(persists) < 2 or len(iters) < 2:
+    in ``[1, MAX_PERSIST_EVERY]``, from the medians of the newest checkpoints' persist times (the
+    slowest rank's: its holder writes the sections in turn) and of the newest iteration times.
+    ``current`` until two of each are measured. It rises only when the ratio clears ``current`` by
+    a quarter and falls only when it is half a step below ``current - 1`` (no flapping: each change
+    is a new schedule version the ranks agree on)."""
+    if len(persist_s) < 2 or len(iter_s) < 2:
         return current
-    persist_s = statistics.median([persists[k] for k in sorted(persists)[-8:]])
-    ratio = persist_s / (PERSIST_SHARE * every * statistics.median(iters[-16:]))
+    ratio = statistics.median(persist_s) / (PERSIST_SHARE * every * statistics.median(iter_s))
     n = max(1, min(math.ceil(ratio), MAX_PERSIST_EVERY))
     if (n > current and ratio < current + 0.25) or (n < current and ratio > current - 1.5):
         return current
