@@ -127,7 +127,9 @@ def test_bench_user_loop(tmp_path, capsys):
         r = rows[v]
         assert len(r["overhead_pct_rounds"]) == 2 and r["overhead_interval"]["method"] == "t95"
         assert r["holder_cpu_ms_per_iter"] > 0 and r["budget_wall_ms_per_iter"]["copy"] > 0
-    assert all(x["checkpoints_taken"] == 5 for x in res["runs"] if x["variant"] != "none")
+    cf_runs = [x for x in res["runs"] if x["variant"] != "none"]
+    assert all(x["checkpoints_taken"] == 5 and x["save_failures"] == 0 and x["committed_steps"] for x in cf_runs)
+    assert not list((out / "work").glob("user-*/cf_ray/step_*"))  # each fit's checkpoints removed after it
 
 
 @pytest.mark.slow
