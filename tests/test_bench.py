@@ -128,6 +128,9 @@ def test_bench_user_loop(tmp_path, capsys):
         assert len(r["overhead_pct_rounds"]) == 2 and r["overhead_interval"]["method"] == "t95"
         assert r["holder_cpu_ms_per_iter"] > 0 and r["budget_wall_ms_per_iter"]["copy"] > 0
     assert rows["cf_held"]["persist_every_last"] == [1, 1]  # --held-persist-every 1: every snapshot written
+    # A cadence set by hand is never published again; the measured one is recorded as published (if ever).
+    assert all(x["persist_every"] == [] for x in res["runs"] if x["variant"] == "cf_held")
+    assert all(isinstance(x["persist_every"], list) for x in res["runs"] if x["variant"] == "cf_fixed")
     cf_runs = [x for x in res["runs"] if x["variant"] != "none"]
     assert all(x["checkpoints_taken"] == 5 and x["save_failures"] == 0 and x["committed_steps"] for x in cf_runs)
     assert not list((out / "work").glob("user-*/cf_ray/step_*"))  # each fit's checkpoints removed after it
