@@ -186,10 +186,19 @@ class Slot:
             nbytes=nbytes,
         )
         self._map: mmap.mmap | None = None
+        self._reader: mmap.mmap | None = None
 
     @property
     def nbytes(self) -> int:
         return self.desc.nbytes
+
+    def reader(self) -> mmap.mmap:
+        """The slot mapped read-only, once, for every read this process makes of it (:class:`ReadLock`
+        borrows it): a slot persisted at every checkpoint is not mapped and unmapped each time, which
+        cost more CPU than the write itself (page tables of the whole slot built and torn down)."""
+        if self._reader is None:
+            self._reader = mmap.mmap(self.fd, slot_size(self.nbytes), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        return self._reader
 
     def fill(self) -> memoryview:
         """The data, mapped writable, for this process to fill (a sealable slot, once)."""
@@ -216,12 +225,13 @@ class Slot:
             return 0
 
     def close(self) -> None:
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:
-                pass  # a view is still alive: unmapped when it goes
-            self._map = None
+        for m in (self._map, self._reader):
+            if m is not None:
+                try:
+                    m.close()
+                except BufferError:
+                    pass  # a view is still alive (a ReadLock's): unmapped when it goes
+        self._map = self._reader = None
         if self.fd >= 0:
             try:
                 os.close(self.fd)
@@ -235,23 +245,33 @@ class ReadLock:
     lock this process holds on the file) and, once taken, the slot's data mapped read-only.
 
     Use: ``lk = ReadLock.take(desc, gen, step)``; ``None`` when the slot is being filled or holds
-    another fill (``populate=True``: every page mapped at once, for a whole read). ``lk.data`` is a
-    read-only memoryview of the data; ``lk.close()``.
+    another fill (``populate=True``: every page mapped at once, for a whole read; ``mapping``: the
+    holder's own kept mapping of the slot, :meth:`Slot.reader`, borrowed instead of a new one).
+    ``lk.data`` is a read-only memoryview of the data; ``lk.close()``.
     """
 
-    __slots__ = ("fd", "map", "data")
+    __slots__ = ("fd", "map", "data", "_owns_map")
 
-    def __init__(self, fd: int, m: mmap.mmap, nbytes: int):
+    def __init__(self, fd: int, m: mmap.mmap, nbytes: int, owns_map: bool = True):
         self.fd = fd
         self.map = m
         self.data = memoryview(m)[HEADER_BYTES : HEADER_BYTES + nbytes]
+        self._owns_map = owns_map
 
     @classmethod
     def take(
-        cls, desc: SlotDesc, generation: int, step: int, *, wait_s: float = 0.0, populate: bool = False
+        cls,
+        desc: SlotDesc,
+        generation: int,
+        step: int,
+        *,
+        wait_s: float = 0.0,
+        populate: bool = False,
+        mapping: mmap.mmap | None = None,
     ) -> ReadLock | None:
         """Raises :class:`SlotGone` when ``desc`` names no such slot any more."""
         fd = open_checked(desc, writable=False)
+        m: mmap.mmap | None = None
         try:
             deadline = time.monotonic() + wait_s
             while not try_lock(fd, exclusive=False):
@@ -260,21 +280,25 @@ class ReadLock:
                     return None
                 time.sleep(0.002)
             size = os.fstat(fd).st_size
-            # ``populate``: the pages are mapped in one call, for a reader that reads all of them
-            # (a restore): a fault per page of shared memory costs several times the copy.
-            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-            m = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+            if mapping is not None and len(mapping) == size:
+                m = mapping
+            else:
+                # ``populate``: the pages are mapped in one call, for a reader that reads all of them
+                # (a restore): a fault per page of shared memory costs several times the copy.
+                flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+                m = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
             h = read_header(m)
             if h.nonce != desc.nonce:
-                m.close()
-                os.close(fd)
                 raise SlotGone(f"slot {desc.name}: its header is not the one its holder wrote")
             if not h.holds(generation, step, desc.seq) or HEADER_BYTES + h.nbytes > size:
-                m.close()
+                if m is not mapping:
+                    m.close()
                 os.close(fd)
                 return None
-            return cls(fd, m, h.nbytes)
+            return cls(fd, m, h.nbytes, owns_map=m is not mapping)
         except BaseException:
+            if m is not None and m is not mapping:
+                m.close()
             try:
                 os.close(fd)
             except OSError:
@@ -284,7 +308,8 @@ class ReadLock:
     def close(self) -> None:
         try:
             self.data.release()
-            self.map.close()
+            if self._owns_map:
+                self.map.close()
         except BufferError:
             pass  # a view of it is still alive somewhere: the mapping goes with it
         try:

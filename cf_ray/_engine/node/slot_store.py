@@ -163,13 +163,21 @@ class SlotStore:
         with self._lock:
             return [h for kept in self._copies.values() for h, _ in kept]
 
-    @staticmethod
-    def take(held: Held, *, wait_s: float = 0.0, populate: bool = False) -> ReadLock | None:
-        """A shared lock on ``held``'s slot and its data, or ``None`` when the slot holds another fill now."""
-        try:
-            return ReadLock.take(held.slot, held.generation, held.step, wait_s=wait_s, populate=populate)
-        except _slots.SlotGone:
-            return None
+    def take(self, held: Held, *, wait_s: float = 0.0) -> ReadLock | None:
+        """A shared lock on ``held``'s slot and its data (through the slot's kept mapping,
+        :meth:`Slot.reader`), or ``None`` when the slot holds another fill now."""
+        with self._lock:
+            mapping = self._reader_of(held)
+        return _lock_slot(held, mapping, wait_s)
+
+    def _reader_of(self, held: Held):
+        """The kept read-only mapping of ``held``'s slot, when this holder still has that slot (under
+        the lock); ``None``: the lock maps it itself (and finds it gone)."""
+        mine = [*self._sets.get(held.section, ()), *(s for _, s in self._copies.get((held.origin, held.section), ()))]
+        for slot in mine:
+            if (slot.desc.name, slot.desc.ino) == (held.slot.name, held.slot.ino):
+                return slot.reader()
+        return None
 
     def pin(self, held: Held, reason: str) -> bool:
         """Keep ``held``'s slot from being filled again (``reason``: ``write`` or ``protect``);
@@ -177,7 +185,7 @@ class SlotStore:
         with self._lock:
             if (held.key, reason) in self._pins:
                 return True
-            lk = self.take(held)
+            lk = _lock_slot(held, self._reader_of(held))
             if lk is None:
                 return False
             self._pins[(held.key, reason)] = lk
@@ -255,7 +263,7 @@ class SlotStore:
         held = [h for fills in self._fills.values() for h in fills.values() if h.when == when]
         pinned = []
         for h in held:
-            lk = self.take(h)
+            lk = _lock_slot(h, self._reader_of(h))
             if lk is None:  # filled again already: this step cannot be kept whole
                 for key in pinned:
                     self._pins.pop((key, "protect")).close()
@@ -322,6 +330,13 @@ class SlotStore:
                 for _, slot in kept:
                     slot.close()
             self._copies.clear()
+
+
+def _lock_slot(held: Held, mapping, wait_s: float = 0.0) -> ReadLock | None:
+    try:
+        return ReadLock.take(held.slot, held.generation, held.step, wait_s=wait_s, mapping=mapping)
+    except _slots.SlotGone:
+        return None
 
 
 __all__ = ["SLOTS_PER_SECTION", "Held", "SlotStore"]
