@@ -43,6 +43,7 @@ from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.protocol.messages import CheckpointKind, CheckpointRequest, RequestLevel, RestoreSource
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray._engine.worker.context import WorkerContext, check_tracked, unwrap_ddp
+from cf_ray._engine.worker.gc_freeze import GcFreeze
 from cf_ray._engine.worker.preemption_watcher import PreemptionWatcher
 from cf_ray._engine.worker.restore import Outcome, Restorer, newest_committed
 from cf_ray._engine.worker.results import FinishSummary, Resume
@@ -121,6 +122,7 @@ class Checkpointer:
         self.epoch = 0
         self.resume: Resume | None = None
         self._lifecycle = _Lifecycle.OPEN
+        self._gc = GcFreeze(self.config.freeze_gc)
         self.preemption: PreemptionWatcher | None = PreemptionWatcher.started(
             self.config.preemption, ctx.rank, lambda: self._steps.scheduler.want(RequestLevel.PREEMPT)
         )
@@ -271,6 +273,7 @@ class Checkpointer:
         )
         self.resume = self._resumed(outcome, seconds=time.perf_counter() - t0)
         self._restorer.report(outcome, self.resume.seconds)
+        self._gc.freeze()  # the loop's full collections then skip what is alive now (gc_freeze.py)
         return self.resume
 
     def _resumed(self, outcome: Outcome, seconds: float) -> Resume:
@@ -391,6 +394,7 @@ class Checkpointer:
         if self.preemption is not None:
             self.preemption.close()
         self._steps.control.close()
+        self._gc.release()
         self._lifecycle = _Lifecycle.CLOSED
 
     def __enter__(self) -> Checkpointer:

@@ -202,6 +202,11 @@ class CheckpointConfig:
     replication: Replication = field(default_factory=lambda: Replication())
     """Copies of each in-memory snapshot on holders of other nodes (:class:`Replication`): how many,
     into which failure domains, and for one snapshot in how many."""
+    freeze_gc: bool = True
+    """At the end of :meth:`~cf_ray.Checkpointer.restore`, run one full garbage collection and freeze
+    what is alive (``gc.freeze()``: modules, model, optimizer), so that a full collection in the loop
+    scans only newer objects instead of stopping training for 200-300 ms; undone at ``finish()`` and
+    ``close()``. ``False`` leaves the garbage collector alone."""
     release_after_fit_s: float = 120.0
     """How long the run's actors — and the snapshots they hold in memory — outlive a ``fit()`` that
     ended without ``finish()`` (Ctrl-C, ``FailureConfig(max_failures)`` exhausted, an error) while
@@ -291,6 +296,8 @@ class CheckpointConfig:
                 f"CheckpointConfig.replication={self.replication!r} must be a cf_ray.Replication(copies=..., "
                 "label=..., every=...)"
             )
+        if not isinstance(self.freeze_gc, bool):
+            raise ConfigError(f"CheckpointConfig.freeze_gc={self.freeze_gc!r} must be True or False")
         if not (
             _positive(self.release_after_fit_s)
             or (self.release_after_fit_s == 0 and not isinstance(self.release_after_fit_s, bool))

@@ -55,6 +55,7 @@ def test_bad_interval(every):
         ({"upload": "some"}, "upload"),
         ({"policy": cf_ray.Adaptive}, "policy"),
         ({"policy": cf_ray.FixedInterval}, "policy"),
+        ({"freeze_gc": "yes"}, "freeze_gc"),
     ],
 )
 def test_bad_config_fields(kwargs, field):
