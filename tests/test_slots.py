@@ -4,6 +4,7 @@ header and locks keep readers from ever taking one fill for another."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -164,8 +165,14 @@ def test_the_holder_reads_each_new_fill_of_a_slot_through_one_kept_mapping_and_u
     assert again is not None and all(lk is not None for lk in locks.values())
     for step, lk in locks.items():
         assert bytes(lk.data) == data[step].tobytes(), step
-    assert again.map is locks[3].map  # the slot's one mapping, borrowed by each lock
-    assert mapped(held[3].slot.name) == 1
+    assert mapped(held[3].slot.name) == 1  # the slot's one mapping, borrowed by both locks
+    # A kept mapping unmapped meanwhile (its slot freed as the lock was taken) is never read: the lock
+    # maps the slot itself.
+    gone = mmap.mmap(-1, 4096)
+    gone.close()
+    lk = shm.ReadLock.take(held[2].slot, 0, 2, mapping=gone)
+    assert lk is not None and bytes(lk.data) == data[2].tobytes()
+    lk.close()
     again.close()
     store.close()  # frees the slots while step 3's reader is still reading
     assert bytes(locks[3].data) == data[3].tobytes()

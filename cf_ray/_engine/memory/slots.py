@@ -250,13 +250,14 @@ class ReadLock:
     ``lk.data`` is a read-only memoryview of the data; ``lk.close()``.
     """
 
-    __slots__ = ("fd", "map", "data", "_owns_map")
+    __slots__ = ("fd", "map", "data")
 
-    def __init__(self, fd: int, m: mmap.mmap, nbytes: int, owns_map: bool = True):
+    def __init__(self, fd: int, m: mmap.mmap | None, whole: memoryview, nbytes: int):
         self.fd = fd
         self.map = m
-        self.data = memoryview(m)[HEADER_BYTES : HEADER_BYTES + nbytes]
-        self._owns_map = owns_map
+        """Its own mapping (``None``: the holder's kept one, borrowed; ``data`` keeps it mapped)."""
+        self.data = whole[HEADER_BYTES : HEADER_BYTES + nbytes]
+        whole.release()
 
     @classmethod
     def take(
@@ -272,6 +273,7 @@ class ReadLock:
         """Raises :class:`SlotGone` when ``desc`` names no such slot any more."""
         fd = open_checked(desc, writable=False)
         m: mmap.mmap | None = None
+        whole: memoryview | None = None
         try:
             deadline = time.monotonic() + wait_s
             while not try_lock(fd, exclusive=False):
@@ -280,24 +282,27 @@ class ReadLock:
                     return None
                 time.sleep(0.002)
             size = os.fstat(fd).st_size
-            if mapping is not None and len(mapping) == size:
-                m = mapping
-            else:
+            whole = _borrow(mapping, size)
+            if whole is None:
                 # ``populate``: the pages are mapped in one call, for a reader that reads all of them
                 # (a restore): a fault per page of shared memory costs several times the copy.
                 flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
                 m = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
-            h = read_header(m)
+                whole = memoryview(m)
+            h = read_header(whole)
             if h.nonce != desc.nonce:
                 raise SlotGone(f"slot {desc.name}: its header is not the one its holder wrote")
             if not h.holds(generation, step, desc.seq) or HEADER_BYTES + h.nbytes > size:
-                if m is not mapping:
+                whole.release()
+                if m is not None:
                     m.close()
                 os.close(fd)
                 return None
-            return cls(fd, m, h.nbytes, owns_map=m is not mapping)
+            return cls(fd, m, whole, h.nbytes)
         except BaseException:
-            if m is not None and m is not mapping:
+            if whole is not None:
+                whole.release()
+            if m is not None:
                 m.close()
             try:
                 os.close(fd)
@@ -308,7 +313,7 @@ class ReadLock:
     def close(self) -> None:
         try:
             self.data.release()
-            if self._owns_map:
+            if self.map is not None:
                 self.map.close()
         except BufferError:
             pass  # a view of it is still alive somewhere: the mapping goes with it
@@ -316,6 +321,22 @@ class ReadLock:
             os.close(self.fd)  # releases the lock
         except OSError:
             pass
+
+
+def _borrow(mapping: mmap.mmap | None, size: int) -> memoryview | None:
+    """A view of the holder's kept mapping of a slot (:meth:`Slot.reader`): while a view lives the
+    mapping cannot be unmapped, so a slot freed meanwhile stays readable until the lock closes.
+    ``None``: no mapping, one closed already (its slot was freed), or one of another size."""
+    if mapping is None:
+        return None
+    try:
+        view = memoryview(mapping)
+    except ValueError:  # closed
+        return None
+    if view.nbytes != size:
+        view.release()
+        return None
+    return view
 
 
 class WriterSlot:
