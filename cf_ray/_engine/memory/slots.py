@@ -274,11 +274,11 @@ class ReadLock:
         fd = open_checked(desc, writable=False)
         m: mmap.mmap | None = None
         whole: memoryview | None = None
+        taken = False
         try:
             deadline = time.monotonic() + wait_s
             while not try_lock(fd, exclusive=False):
                 if time.monotonic() >= deadline:
-                    os.close(fd)
                     return None
                 time.sleep(0.002)
             size = os.fstat(fd).st_size
@@ -293,22 +293,20 @@ class ReadLock:
             if h.nonce != desc.nonce:
                 raise SlotGone(f"slot {desc.name}: its header is not the one its holder wrote")
             if not h.holds(generation, step, desc.seq) or HEADER_BYTES + h.nbytes > size:
-                whole.release()
+                return None
+            lk = cls(fd, m, whole, h.nbytes)
+            taken = True
+            return lk
+        finally:
+            if not taken:  # busy, another fill, gone or an error: nothing of it stays open
+                if whole is not None:
+                    whole.release()
                 if m is not None:
                     m.close()
-                os.close(fd)
-                return None
-            return cls(fd, m, whole, h.nbytes)
-        except BaseException:
-            if whole is not None:
-                whole.release()
-            if m is not None:
-                m.close()
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-            raise
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     def close(self) -> None:
         try:
