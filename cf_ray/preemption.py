@@ -27,8 +27,8 @@ Every rank watches three sources; one notice on one rank is enough:
   the group at once instead of waiting for the SIGKILL).
 * **The user**: ``Checkpointer.request_checkpoint(preemption=True, deadline_s=...)`` on one rank,
   from any thread (a metadata-endpoint poller), or :func:`notify_preemption` from the driver or
-  any process of the cluster (it goes through the run's controller, every rank hears of it
-  within a poll interval).
+  any process of the cluster (it goes through the run's controller, which rings every rank's
+  doorbell: each rank hears of it at its next step; a rank outside a Ray actor, at its next poll).
 
 What happens then, on every rank: the notice is posted in the next exchange, and all ranks take a
 checkpoint at the step after (the exchange at step *s* is read at step *s+1*), marked ``preempt``;
@@ -121,9 +121,10 @@ def notify_preemption(
     """Tell every rank of a running job that it is about to be preempted (or resized).
 
     For clusters that learn of preemption outside the workers (a cloud provider's event, a
-    scheduler that is about to shrink or grow the group): every rank hears of it at its next
-    controller poll (``env.POLL_INTERVAL_S``), takes the just-in-time checkpoint together and
-    holds until the deadline (see the module doc).
+    scheduler that is about to shrink or grow the group): the controller rings every rank's
+    doorbell, so each rank hears of it at its next step (a rank outside a Ray actor, at its next
+    poll, ``env.POLL_INTERVAL_S``); they take the just-in-time checkpoint together and hold until
+    the deadline (see the module doc).
 
     Args:
         storage_path: the run's storage, as in :func:`controller_of`.

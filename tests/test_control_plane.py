@@ -422,6 +422,27 @@ def test_a_worker_that_adopted_a_version_the_controller_never_published_gets_one
     assert ctl.sync(SyncRequest(rank=1, generation=1, adopted_version=6)).schedules == ()
 
 
+def test_the_controller_keeps_each_ranks_doorbell_for_its_attempt_and_hands_them_out_with_a_request(
+    controller, tmp_path
+):
+    ctl = controller(_storage(tmp_path), "bells")
+    gen = ctl.prepare_restore(2).generation
+    bell0, bell1 = (object(), 1), (object(), 2)
+    assert ctl.sync(SyncRequest(rank=0, generation=gen, bell=bell0)).bell_known
+    assert not ctl.sync(SyncRequest(rank=1, generation=gen)).bell_known  # it sends its bell until it is known
+    assert not ctl.sync(SyncRequest(rank=1, generation=gen - 1, bell=bell1)).bell_known  # an older attempt's
+    _, bells = ctl._ledger.request(None, "")
+    assert bells == [bell0]
+    assert ctl.sync(SyncRequest(rank=1, generation=gen, bell=bell1)).bell_known
+    assert ctl.sync(SyncRequest(rank=0, generation=gen)).bell_known
+    assert ctl._ledger.request(None, "")[1] == [bell0, bell1]
+    ctl.finish(0, 2)  # a finished rank's bell is dropped (its handle would keep its actor alive)
+    assert ctl._ledger.request(None, "")[1] == [bell1]
+    gen2 = ctl.prepare_restore(2).generation  # a new attempt: new workers, new bells
+    assert not ctl.sync(SyncRequest(rank=0, generation=gen2)).bell_known
+    assert ctl._ledger.request(None, "")[1] == []
+
+
 # -- the watch ------------------------------------------------------------------------------------
 
 

@@ -204,6 +204,61 @@ def test_jit_checkpoint_from_the_user_and_from_the_driver(ray_cluster, tmp_path)
     ck.finish()
 
 
+class _RankInAnActor:
+    """A rank as Ray Train runs one: ``_tiny``'s job on a thread of its own in a Ray actor, whose
+    main thread stays free for calls (the doorbell rings through it)."""
+
+    def start(self, tmp_path, run_name, poll_interval_s):
+        from cf_ray._engine import env
+
+        env.BELL_POLL_INTERVAL_S = poll_interval_s  # this actor's process only
+        self.ck, step = _tiny(tmp_path, run_name, preemption=PreemptionConfig(hold_extra_s=0.0))
+        self.stop = threading.Event()
+
+        def train():
+            while not self.stop.is_set():
+                step()
+                time.sleep(0.05)
+
+        self.thread = threading.Thread(target=train, daemon=True)
+        self.thread.start()
+
+    def bell_known(self):
+        return self.ck._steps.link._sync._bell_known
+
+    def jit_steps(self):
+        return list(self.ck.preemption.jit_steps)
+
+    def finish(self):
+        self.stop.set()
+        self.thread.join(timeout=30)
+        self.ck.finish()
+
+
+def test_a_driver_notice_rings_the_ranks_doorbell_so_the_next_step_hears_it_not_the_next_poll(ray_cluster, tmp_path):
+    """A rank in a Ray actor polls the controller once a minute here (1 s by default): the driver's
+    notice still reaches it at once, because the controller rings its doorbell."""
+    import ray
+
+    rank = ray.remote(num_cpus=0)(_RankInAnActor).remote()
+    ray.get(rank.start.remote(tmp_path, "bell", 60.0), timeout=120)
+    deadline = time.time() + 30
+    while not ray.get(rank.bell_known.remote(), timeout=30):  # the first poll's reply says so
+        assert time.time() < deadline, "the controller never acknowledged the rank's doorbell"
+        time.sleep(0.05)
+    time.sleep(1.0)  # the polls now wait a minute: only the bell can bring the notice in time
+    t0 = time.time()
+    notify_preemption(str(tmp_path), "bell", deadline_s=5.0, detail="spot reclaim")
+    while not ray.get(rank.jit_steps.remote(), timeout=30):
+        assert time.time() - t0 < 10, "the notice waited for the next poll"
+        time.sleep(0.02)
+    heard_s = time.time() - t0
+    ray.get(rank.finish.remote(), timeout=120)
+    assert heard_s < 5.0
+    (jit,) = [r for r in cf_ray.list_checkpoints(str(tmp_path / "bell"))]
+    assert jit.step > 0
+
+
 def test_checkpoint_before_an_elastic_resize(ray_cluster, tmp_path):
     from types import SimpleNamespace
 

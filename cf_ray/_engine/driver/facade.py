@@ -45,6 +45,7 @@ from cf_ray._engine.driver.settings import ControllerSettings
 from cf_ray._engine.driver.uploads import tier_steps
 from cf_ray._engine.driver.watch import Watch
 from cf_ray._engine.protocol.cluster import Owner, run_name_of
+from cf_ray._engine.protocol.doorbell import ring_all
 from cf_ray._engine.protocol.messages import (
     HOLDER_MESSAGES,
     CheckpointKind,
@@ -216,8 +217,12 @@ class Controller:
 
     def request_checkpoint(self, deadline_unix: float | None, detail: str = "") -> CheckpointRequest:
         """A preemption (or resize) notice from outside the workers, for every rank of this attempt
-        (``cf_ray.preemption.notify_preemption``)."""
-        return self._ledger.request(deadline_unix, detail)
+        (``cf_ray.preemption.notify_preemption``): each rank's doorbell is rung, so that its next
+        step polls at once and reads it (a rank whose bell is not known hears of it at its next poll)."""
+        req, bells = self._ledger.request(deadline_unix, detail)
+        if bells:
+            threading.Thread(target=_ring_all, args=(bells,), name="cf_ray-bells", daemon=True).start()
+        return req
 
     def settled(self, generation: int, steps: list[int]) -> Settled:
         """Which of ``steps`` (of ``generation``) are settled — nothing more will happen to them — and
@@ -364,6 +369,7 @@ class Controller:
 
     # -- the end of a run ----------------------------------------------------------------------------------
     def finish(self, rank: int, world_size: int) -> None:
+        self._ledger.forget_bell(rank)  # a handle held here would keep a user's own actor alive
         if self._lifetime.finish(rank, world_size):
             self.save_profile()
             threading.Thread(
@@ -395,6 +401,11 @@ class Controller:
             self._maintenance.stop()
             if in_ray_actor():
                 ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+
+def _ring_all(bells: list) -> None:
+    rang = ring_all(bells)
+    logger.info("cf_ray: checkpoint request: rang %d of %d ranks' doorbells", rang, len(bells))
 
 
 def _replace(settled: Settled, **kw) -> Settled:

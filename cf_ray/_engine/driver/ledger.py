@@ -101,6 +101,9 @@ class Ledger:
         self.requests: collections.deque[CheckpointRequest] = collections.deque(maxlen=64)
         """Checkpoint requests from outside the workers (``notify_preemption``), the newest."""
         self._request_seq = base
+        self.bells: dict[int, tuple[Any, int]] = {}
+        """Each rank's doorbell for this generation, ``(actor handle, token)``
+        (``worker/controller_sync.py``): rung with each checkpoint request."""
         self.world_size: int | None = None
 
     # -- attempts --------------------------------------------------------------------------------------
@@ -113,6 +116,7 @@ class Ledger:
             self._event(self.schedule.reprofile_if_resized(self.world_size, world_size))
             self.world_size = world_size
             self.requests.clear()  # a notice for the previous attempt is moot
+            self.bells.clear()
             memory = self.commits.newest_in_memory(alive_nodes)  # copies on lost nodes do not count
             out = (self.generation, memory, tuple(self.commits.committed_steps(newest_first=True)), self.schedule.all())
             state = self._control_state()
@@ -167,6 +171,9 @@ class Ledger:
             self._event(self.schedule.continue_above(req.adopted_version))
             self.book.log.continue_above(req.seen_failures)
             self._request_seq = max(self._request_seq, req.seen_requests)
+            current = req.generation == self.generation
+            if req.bell is not None and current:
+                self.bells[req.rank] = req.bell
             for s in req.samples:
                 sample = Sample(**s)
                 self.schedule.add_sample(sample)
@@ -179,9 +186,12 @@ class Ledger:
                 committed_step=self.commits.newest_step() or 0,
                 failures=self.book.log.failures_since(req.seen_failures),
                 requests=tuple(r for r in self.requests if r.seq > req.seen_requests),
+                bell_known=current and req.rank in self.bells,
             )
 
-    def request(self, deadline_unix: float | None, detail: str) -> CheckpointRequest:
+    def request(self, deadline_unix: float | None, detail: str) -> tuple[CheckpointRequest, list[tuple[Any, int]]]:
+        """A checkpoint request for every rank of this attempt; returns it and the ranks' doorbells
+        (for the caller to ring, outside the lock)."""
         with self.lock:
             self._request_seq += 1
             req = CheckpointRequest(
@@ -202,7 +212,12 @@ class Ledger:
                     "event": "notice",
                 }
             )
-            return req
+            return req, list(self.bells.values())
+
+    def forget_bell(self, rank: int) -> None:
+        """``rank`` finished: its doorbell is not rung again."""
+        with self.lock:
+            self.bells.pop(rank, None)
 
     def settled(self, generation: int, steps: list[int]) -> Settled:
         with self.lock:

@@ -21,8 +21,9 @@ from cf_ray.errors import CfRayError
 #: :class:`HolderState`; 3: :class:`Settled` and :class:`Distrusted` replace dicts, the hand-off, a
 #: section's whereabouts and a peer copy's offer are typed (:class:`Stage`, :class:`SectionAt`,
 #: :class:`ReplicaOffer`), slots are named by :class:`SlotDesc` with their identity, streams by
-#: :class:`StreamDesc` with a one-use token).
-PROTOCOL_VERSION = 3
+#: :class:`StreamDesc` with a one-use token; 4: a poll carries the rank's doorbell, its reply whether
+#: the controller has it).
+PROTOCOL_VERSION = 4
 
 
 class ProtocolError(CfRayError):
@@ -416,6 +417,9 @@ class SyncRequest(Message):
     adopted_version: int = -1
     seen_failures: int = -1
     seen_requests: int = -1
+    bell: tuple[Any, int] | None = None
+    """The rank's doorbell, ``(actor handle, token)``, until the controller has it for this attempt
+    (``worker/controller_sync.py``); ``None``: known already, or the rank runs outside a Ray actor."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -426,6 +430,9 @@ class SyncReply(Message):
     committed_step: int
     failures: tuple[Failure, ...] = ()
     requests: tuple[CheckpointRequest, ...] = ()
+    bell_known: bool = False
+    """Whether the controller has the rank's doorbell for the rank's attempt (it rings it with each
+    checkpoint request)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

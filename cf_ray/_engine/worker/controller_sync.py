@@ -1,7 +1,15 @@
-"""The poll exchange with the controller, without blocking the training thread: every
-``env.POLL_INTERVAL_S`` a step sends a :class:`SyncRequest` (the timing samples since the last one,
-the schedule version received, the failures and requests seen) and picks the previous
-:class:`SyncReply` up only once it has arrived. One poll is in flight at a time.
+"""The poll exchange with the controller, without blocking the training thread: a step sends a
+:class:`SyncRequest` (the timing samples since the last one, the schedule version received, the
+failures and requests seen) every ``env.BELL_POLL_INTERVAL_S`` (1 s) once the controller has the
+rank's doorbell, every ``env.POLL_INTERVAL_S`` (0.25 s) until then or without one, and picks the
+previous :class:`SyncReply` up only once it has arrived. One poll is in flight at a time.
+
+What cannot wait for the next poll, a checkpoint request from outside the workers
+(``cf_ray.preemption.notify_preemption``), rings the rank's
+:class:`~cf_ray._engine.protocol.doorbell.Doorbell` and the next step polls at once. Inside a Ray
+actor (a Ray Train worker) a poll carries the bell's address until a reply says that the controller
+(a new one too) has it for this attempt. The request itself still comes in the poll's reply, so a
+bell that is lost, or a rank without one (outside an actor), waits at most one poll interval.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import ray
 import ray.exceptions
 
 from cf_ray._engine import env as _env
+from cf_ray._engine.protocol.doorbell import Doorbell
 from cf_ray._engine.protocol.messages import SyncReply, SyncRequest
 from cf_ray._engine.worker.controller_line import ControllerLine
 from cf_ray._engine.worker.controller_news import ControllerNews
@@ -50,6 +59,9 @@ class SyncExchange:
         self._ref = None
         self._sent_at: float | None = None
         self._last = 0.0
+        self._bell = Doorbell.here()
+        self._bell_known = False
+        """Whether the last reply said the controller has this rank's bell for this attempt."""
 
     def in_flight_s(self, now: float) -> float:
         """Seconds this rank has been waiting for the controller: the poll in flight's age, or the
@@ -73,8 +85,12 @@ class SyncExchange:
         if self._line.resolving():
             return  # the old handle is dead; the next poll goes to the new one
         now = time.monotonic()
-        if force or now - self._last >= _env.get_float(_env.POLL_INTERVAL_S):
+        if self._bell is not None and self._bell.take():
+            force = True
+        interval = _env.BELL_POLL_INTERVAL_S if self._bell_known else _env.POLL_INTERVAL_S
+        if force or now - self._last >= _env.get_float(interval):
             rank = self._line.rank
+            bell = None if self._bell is None or self._bell_known else self._bell.address
             samples, stats = self._timing.drain(rank, step, copy_timings)
             req = SyncRequest(
                 rank=rank,
@@ -84,6 +100,7 @@ class SyncExchange:
                 adopted_version=self._scheduler.received,
                 seen_failures=self._news.seen_failures,
                 seen_requests=self._news.seen_requests,
+                bell=bell,
             )
             self._ref = self._line.controller.sync.remote(req)
             self._sent_at = now
@@ -112,5 +129,6 @@ class SyncExchange:
             self._line.failed(step, e, reresolve=False)
             return
         self._line.answered(step)
+        self._bell_known = reply.bell_known
         self.info_time = sent_at
         self._on_reply(reply)

@@ -22,6 +22,7 @@ import ray
 import ray.train
 
 from cf_ray._engine import env as _env
+from cf_ray._engine.protocol.doorbell import current_actor
 from cf_ray.config import PreemptionConfig
 from cf_ray.errors import CfRayError
 
@@ -349,7 +350,7 @@ class _SigtermHook:
             self._install_on_main()
             self.mode = "main"
             return
-        actor = _current_actor()
+        actor = current_actor()
         if actor is None:
             logger.warning(
                 "cf_ray: rank %d: SIGTERM is not watched (not the main thread and not inside a "
@@ -527,13 +528,3 @@ def _ray_default_deadline_s() -> float:
         return float(DEFAULT_PREEMPTION_DEADLINE_S)
     except Exception:  # noqa: BLE001
         return _RAY_DEFAULT_DEADLINE_S
-
-
-def _current_actor():
-    try:
-        ctx = ray.get_runtime_context()
-        if ctx.get_actor_id() is None:
-            return None
-        return ctx.current_actor
-    except Exception:  # noqa: BLE001
-        return None
