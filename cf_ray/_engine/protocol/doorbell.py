@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -59,8 +60,10 @@ class Doorbell:
 
 def ring_all(addresses: list[tuple[Any, int]], timeout_s: float = 10.0) -> int:
     """From the controller: ring the bells at ``addresses`` (:attr:`Doorbell.address`) and wait for
-    them, at most ``timeout_s``. Returns how many rang. One that does not (its worker is gone, or its
-    attempt over) is logged at debug level only: the request reaches a live rank at its next poll."""
+    them, at most ``timeout_s`` in all. Returns how many rang. One that does not (its worker is gone,
+    or its attempt over) is logged at debug level only: the request reaches a live rank at its next
+    poll."""
+    deadline = time.monotonic() + timeout_s
     refs = []
     for actor, token in addresses:
         try:
@@ -70,7 +73,7 @@ def ring_all(addresses: list[tuple[Any, int]], timeout_s: float = 10.0) -> int:
     rang = 0
     for ref in refs:
         try:
-            rang += bool(ray.get(ref, timeout=timeout_s))
+            rang += bool(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
         except Exception as e:  # noqa: BLE001 - as above
             logger.debug("cf_ray: a doorbell did not ring: %r", e)
     return rang
