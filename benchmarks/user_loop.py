@@ -16,6 +16,10 @@ worker, 80 iterations of which the first 5 are dropped, the mean iteration time 
                  final_model=None): what the segments measure;
   ``cf_held``    ``cf_fixed`` with ``FixedInterval(k, persist_every=--held-persist-every)``: one
                  snapshot in that many written, the others held in memory only (1: every one).
+  ``floor_copy`` every k iterations one copy of the state into a host buffer on a thread, waited for
+                 before the next optimizer step, and nothing else (``savers._CopyFloor``, set up
+                 after the first iteration, when Adam's state exists): the floor of any checkpoint
+                 that snapshots to host memory, in the same loop.
 
 Beside the issue's figure (the mean of iterations 6-80) it reports the mean of the *second half*
 (iterations 41-80, after the start-up transients) and of iterations 6-20, each iteration's time, the
@@ -34,9 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import stats
-from benchmarks.savers import _barrier, _build_model, _RaySave, _write_json
+from benchmarks.savers import _barrier, _build_model, _CopyFloor, _RaySave, _write_json
 
-VARIANTS = ("none", "ray_sync", "ray_async", "cf_fixed", "cf_bench", "cf_held")
+VARIANTS = ("none", "ray_sync", "ray_async", "cf_fixed", "cf_bench", "cf_held", "floor_copy")
 
 
 def _loop(cfg: dict) -> None:
@@ -58,7 +62,7 @@ def _loop(cfg: dict) -> None:
     x = torch.randn(cfg["batch"], cfg["width"], generator=gen)
     y = torch.randn(cfg["batch"], cfg["width"], generator=gen)
     variant, k = cfg["variant"], cfg["k"]
-    ckpt = saver = None
+    ckpt = saver = floor = None
     t_setup = time.perf_counter()
     if variant in ("cf_fixed", "cf_bench", "cf_held"):
         policy = cf_ray.FixedInterval(
@@ -98,10 +102,14 @@ def _loop(cfg: dict) -> None:
         if ckpt is not None:
             ckpt.step(opt)
         else:
+            if floor is not None:
+                floor.guard()
             opt.step()
         opt.zero_grad()
         if saver is not None and saver.due(i):
             saver.save(i)
+        if variant == "floor_copy" and floor is None:  # iteration 1 (dropped): Adam's state exists now
+            floor = saver = _CopyFloor(k, model, opt)
         times.append(time.perf_counter() - t0)
     loop_s = time.perf_counter() - t_loop
     cpu_s = time.process_time() - cpu0

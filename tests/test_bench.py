@@ -116,13 +116,14 @@ def test_bench_user_loop(tmp_path, capsys):
         ray.shutdown()
     out = tmp_path / "bench"
     args = ["--user-loop", "--quick", "--width", "64", "--layers", "2", "--batch", "4", "--iters", "10"]
-    args += ["--ks", "2", "--workers", "1", "--rounds", "2", "--variants", "none,cf_fixed,cf_held", "--out", str(out)]
-    assert bench.main([*args, "--held-persist-every", "1"]) == 0
+    args += ["--ks", "2", "--workers", "1", "--rounds", "2", "--variants", "none,cf_fixed,cf_held,floor_copy"]
+    assert bench.main([*args, "--out", str(out), "--held-persist-every", "1"]) == 0
     assert "| per round (against that round's baseline) | 95 % interval" in capsys.readouterr().out
     res = json.loads((out / "results-user-loop.json").read_text())
-    assert [r["error"] for r in res["runs"]] == [None] * 6
+    assert [r["error"] for r in res["runs"]] == [None] * 8
     rows = {r["variant"]: r for r in res["table"]}
-    assert set(rows) == {"none", "cf_fixed", "cf_held"}
+    assert set(rows) == {"none", "cf_fixed", "cf_held", "floor_copy"}
+    assert len(rows["floor_copy"]["overhead_pct_rounds"]) == 2  # the floor, in the same loop and rounds
     for v in ("cf_fixed", "cf_held"):
         r = rows[v]
         assert len(r["overhead_pct_rounds"]) == 2 and r["overhead_interval"]["method"] == "t95"
@@ -131,7 +132,7 @@ def test_bench_user_loop(tmp_path, capsys):
     # A cadence set by hand is never published again; the measured one is recorded as published (if ever).
     assert all(x["persist_every"] == [] for x in res["runs"] if x["variant"] == "cf_held")
     assert all(isinstance(x["persist_every"], list) for x in res["runs"] if x["variant"] == "cf_fixed")
-    cf_runs = [x for x in res["runs"] if x["variant"] != "none"]
+    cf_runs = [x for x in res["runs"] if x["variant"].startswith("cf_")]
     assert all(x["checkpoints_taken"] == 5 and x["save_failures"] == 0 and x["committed_steps"] for x in cf_runs)
     assert not list((out / "work").glob("user-*/cf_ray/step_*"))  # each fit's checkpoints removed after it
 
