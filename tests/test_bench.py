@@ -124,6 +124,7 @@ def test_bench_user_loop(tmp_path, capsys):
     rows = {r["variant"]: r for r in res["table"]}
     assert set(rows) == {"none", "cf_fixed", "cf_held", "floor_copy"}
     assert len(rows["floor_copy"]["overhead_pct_rounds"]) == 2  # the floor, in the same loop and rounds
+    assert all(0 < r["train_thread_cpu_ms_per_iter"] <= r["worker_cpu_ms_per_iter"] for r in rows.values())
     for v in ("cf_fixed", "cf_held"):
         r = rows[v]
         assert len(r["overhead_pct_rounds"]) == 2 and r["overhead_interval"]["method"] == "t95"
