@@ -443,6 +443,31 @@ def test_the_controller_keeps_each_ranks_doorbell_for_its_attempt_and_hands_them
     assert ctl._ledger.request(None, "")[1] == []
 
 
+def test_a_new_schedule_version_rings_every_ranks_doorbell_once(controller, tmp_path):
+    """A version published from a poll's samples (or a persist time) is rung to every rank, so each
+    fetches it at its next step instead of its next poll (a poll a second)."""
+    from cf_ray import FixedInterval
+
+    class SevenOnceSampled(FixedInterval):
+        def plan(self, samples, current):
+            return 7 if samples else current
+
+    ctl = controller(_storage(tmp_path), "ring-schedule", policy=SevenOnceSampled(every=2))
+    ledger = ctl._ledger
+    gen = ctl.prepare_restore(2).generation
+    bells = [(object(), 1), (object(), 2)]
+    for rank, bell in enumerate(bells):
+        assert ledger.sync(SyncRequest(rank=rank, generation=gen, bell=bell)).bell_known
+    assert ledger.take_rings() == []  # nothing new published
+    sample = {"rank": 1, "step": 3, "iter_s": 0.1}
+    reply = ledger.sync(SyncRequest(rank=1, generation=gen, samples=(sample,)))
+    assert reply.schedules[-1].interval == 7
+    assert ledger.take_rings() == bells
+    assert ledger.take_rings() == []  # rung once
+    ledger.sync(SyncRequest(rank=0, generation=gen, samples=(dict(sample, step=4),)))
+    assert ledger.take_rings() == []  # 7 again: no new version
+
+
 # -- the watch ------------------------------------------------------------------------------------
 
 

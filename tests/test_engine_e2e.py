@@ -156,11 +156,13 @@ def test_fixed_interval_measures_which_snapshots_to_write_and_the_run_ends_durab
     the controller has measured two persists and the steps; a write here takes longer than 10 % of
     a step, so it then publishes a cadence above 1 (an ``interval`` event, explained as measured) and
     the ranks hold the snapshots in between in memory only (profile rows ``memory-only``, no error).
-    ``finish()`` writes the last step, so the run ends durable."""
-    cfg = dict(SMALL, epochs=6, interval=1, persist_every=None, step_sleep=0.02, keep_last=None)
+    ``finish()`` writes the last step, so the run ends durable. The ranks' step times reach the
+    controller once a second (their polls), so the cadence is published about a second into the run:
+    16 epochs (~5 s) leave most of the run after it."""
+    cfg = dict(SMALL, epochs=16, interval=1, persist_every=None, step_sleep=0.02, keep_last=None)
     demo.run("measured", str(tmp_path), cfg)
     result = result_of(tmp_path / "out" / "measured")
-    last = 6 * STEPS_PER_EPOCH
+    last = 16 * STEPS_PER_EPOCH
     assert result["steps"] == last and result["failures"] == []
     cadence = [e for e in result["events"] if e.get("event") == "interval" and (e.get("persist_every") or 1) > 1]
     assert cadence, [e for e in result["events"] if e.get("event") == "interval"]

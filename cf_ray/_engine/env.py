@@ -134,9 +134,10 @@ POLICY_SAVE_INTERVAL_S: float = _deprecated("POLICY_SAVE_INTERVAL_S", 60.0)
 #: had not written.
 WINDOW_SAVE_INTERVAL_S: float = 5.0
 #: Seconds between two non-blocking polls of the controller by a worker whose doorbell the controller
-#: has (a Ray Train worker): a checkpoint request rings it, so the poll only carries the timing samples,
-#: commits and failures, none of which needs a quarter of a second (each poll costs about 1 ms of the
-#: training thread and 0.7 ms of the controller's CPU).
+#: has (a Ray Train worker): a checkpoint request and a new schedule version ring it, so the poll only
+#: carries the timing samples, commits and failures, none of which needs a quarter of a second (each
+#: poll costs about 1 ms of the training thread and 0.7 ms of the controller's CPU). The step times
+#: reach the policy up to this much later.
 BELL_POLL_INTERVAL_S: float = 1.0
 
 #: Steps after a restore whose loss (``Checkpointer.step(..., loss=)``) is read and checked for NaN and

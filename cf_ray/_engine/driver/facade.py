@@ -213,7 +213,9 @@ class Controller:
     # -- worker polls ------------------------------------------------------------------------------------
     def sync(self, req: SyncRequest) -> SyncReply:
         """Non-blocking exchange with a worker: its samples in, the schedule and commit state out."""
-        return self._ledger.sync(req)
+        reply = self._ledger.sync(req)
+        self._ring_new_schedule()
+        return reply
 
     def request_checkpoint(self, deadline_unix: float | None, detail: str = "") -> CheckpointRequest:
         """A preemption (or resize) notice from outside the workers, for every rank of this attempt
@@ -221,7 +223,7 @@ class Controller:
         step polls at once and reads it (a rank whose bell is not known hears of it at its next poll)."""
         req, bells = self._ledger.request(deadline_unix, detail)
         if bells:
-            threading.Thread(target=_ring_all, args=(bells,), name="cf_ray-bells", daemon=True).start()
+            _ring_in_background(bells, "a checkpoint request")
         return req
 
     def settled(self, generation: int, steps: list[int]) -> Settled:
@@ -274,7 +276,16 @@ class Controller:
 
     def part_durable(self, msg: PartDurable) -> SectionState | None:
         new = self._roster.note(msg.holder)
-        return self._told(*self._ledger.durable(msg), msg.holder, new)
+        out = self._told(*self._ledger.durable(msg), msg.holder, new)
+        self._ring_new_schedule()
+        return out
+
+    def _ring_new_schedule(self) -> None:
+        """A new schedule version was published (from a poll's samples or a persist time): every
+        rank fetches it at its next step."""
+        bells = self._ledger.take_rings()
+        if bells:
+            _ring_in_background(bells, "a new schedule")
 
     def part_failed(self, msg: PartFailed) -> SectionState | None:
         new = self._roster.note(msg.holder)
@@ -403,9 +414,12 @@ class Controller:
                 ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
 
-def _ring_all(bells: list) -> None:
-    rang = ring_all(bells)
-    logger.info("cf_ray: checkpoint request: rang %d of %d ranks' doorbells", rang, len(bells))
+def _ring_in_background(bells: list, what: str) -> None:
+    def run() -> None:
+        rang = ring_all(bells)
+        logger.info("cf_ray: %s: rang %d of %d ranks' doorbells", what, rang, len(bells))
+
+    threading.Thread(target=run, name="cf_ray-bells", daemon=True).start()
 
 
 def _replace(settled: Settled, **kw) -> Settled:

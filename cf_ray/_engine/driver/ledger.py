@@ -103,7 +103,8 @@ class Ledger:
         self._request_seq = base
         self.bells: dict[int, tuple[Any, int]] = {}
         """Each rank's doorbell for this generation, ``(actor handle, token)``
-        (``worker/controller_sync.py``): rung with each checkpoint request."""
+        (``protocol/doorbell.py``): rung with each checkpoint request and new schedule version."""
+        self._ring_due = False
         self.world_size: int | None = None
 
     # -- attempts --------------------------------------------------------------------------------------
@@ -180,7 +181,7 @@ class Ledger:
                 self.book.add_iteration(req.rank, sample.step, sample.iter_s, sample.iters)
             for stats in req.ckpt_stats:
                 self.book.add_rank_timings(req.generation, req.rank, stats)
-            self._event(self.schedule.replan())
+            self._replan()
             return SyncReply(
                 schedules=self.schedule.since(req.adopted_version),
                 committed_step=self.commits.newest_step() or 0,
@@ -188,6 +189,24 @@ class Ledger:
                 requests=tuple(r for r in self.requests if r.seq > req.seen_requests),
                 bell_known=current and req.rank in self.bells,
             )
+
+    def _replan(self) -> None:
+        """Under the lock: ask the policy. A new schedule version is to be rung to every rank
+        (:meth:`take_rings`): each fetches it at its next step instead of its next poll, and the
+        ranks adopt it together as soon as every one has it."""
+        published = self.schedule.replan()
+        self._event(published)
+        if published is not None:
+            self._ring_due = True
+
+    def take_rings(self) -> list[tuple[Any, int]]:
+        """The ranks' doorbells, when a new schedule version was published since the last call (for
+        the caller to ring, outside the lock); ``[]`` otherwise."""
+        with self.lock:
+            if not self._ring_due:
+                return []
+            self._ring_due = False
+            return list(self.bells.values())
 
     def request(self, deadline_unix: float | None, detail: str) -> tuple[CheckpointRequest, list[tuple[Any, int]]]:
         """A checkpoint request for every rank of this attempt; returns it and the ranks' doorbells
@@ -251,6 +270,7 @@ class Ledger:
             self.book.note_host_copies(
                 msg.generation, msg.step, ("durable", msg.section), msg.copied_bytes, msg.crc_read_bytes
             )
+            self._replan()  # a checkpoint's persist time may have reached the policy (its cadence)
             settled = self.commits.table.take_settled()
         return self._complete([job], settled, msg.generation, msg.step)
 

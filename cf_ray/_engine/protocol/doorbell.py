@@ -1,6 +1,6 @@
 """A rank's doorbell: how the controller has a rank poll at once, without waiting for the poll
 interval (``worker/controller_sync.py``), when a checkpoint request comes from outside the workers
-(``cf_ray.preemption.notify_preemption``).
+(``cf_ray.preemption.notify_preemption``) or it published a new schedule version.
 
 Inside a Ray actor (a Ray Train worker) a rank's polls carry its bell's address, ``(actor handle,
 token)``, until the controller has it for the attempt; the controller rings it with

@@ -5,7 +5,7 @@ rank's doorbell, every ``env.POLL_INTERVAL_S`` (0.25 s) until then or without on
 previous :class:`SyncReply` up only once it has arrived. One poll is in flight at a time.
 
 What cannot wait for the next poll, a checkpoint request from outside the workers
-(``cf_ray.preemption.notify_preemption``), rings the rank's
+(``cf_ray.preemption.notify_preemption``) or a new schedule version, rings the rank's
 :class:`~cf_ray._engine.protocol.doorbell.Doorbell` and the next step polls at once. Inside a Ray
 actor (a Ray Train worker) a poll carries the bell's address until a reply says that the controller
 (a new one too) has it for this attempt. The request itself still comes in the poll's reply, so a
