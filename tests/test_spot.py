@@ -255,7 +255,7 @@ def test_a_driver_notice_rings_the_ranks_doorbell_so_the_next_step_hears_it_not_
     heard_s = time.time() - t0
     ray.get(rank.finish.remote(), timeout=120)
     assert heard_s < 5.0
-    (jit,) = [r for r in cf_ray.list_checkpoints(str(tmp_path / "bell"))]
+    (jit,) = cf_ray.list_checkpoints(str(tmp_path / "bell"))
     assert jit.step > 0
 
 

@@ -214,16 +214,15 @@ class Controller:
     def sync(self, req: SyncRequest) -> SyncReply:
         """Non-blocking exchange with a worker: its samples in, the schedule and commit state out."""
         reply = self._ledger.sync(req)
-        self._ring_new_schedule()
+        self._ring_doorbells()
         return reply
 
     def request_checkpoint(self, deadline_unix: float | None, detail: str = "") -> CheckpointRequest:
         """A preemption (or resize) notice from outside the workers, for every rank of this attempt
         (``cf_ray.preemption.notify_preemption``): each rank's doorbell is rung, so that its next
         step polls at once and reads it (a rank whose bell is not known hears of it at its next poll)."""
-        req, bells = self._ledger.request(deadline_unix, detail)
-        if bells:
-            _ring_in_background(bells, "a checkpoint request")
+        req = self._ledger.request(deadline_unix, detail)
+        self._ring_doorbells()
         return req
 
     def settled(self, generation: int, steps: list[int]) -> Settled:
@@ -277,15 +276,21 @@ class Controller:
     def part_durable(self, msg: PartDurable) -> SectionState | None:
         new = self._roster.note(msg.holder)
         out = self._told(*self._ledger.durable(msg), msg.holder, new)
-        self._ring_new_schedule()
+        self._ring_doorbells()
         return out
 
-    def _ring_new_schedule(self) -> None:
-        """A new schedule version was published (from a poll's samples or a persist time): every
-        rank fetches it at its next step."""
+    def _ring_doorbells(self) -> None:
+        """A checkpoint request came, or a new schedule version was published (from a poll's samples
+        or a persist time): every rank's doorbell is rung on a thread, so each polls at its next step."""
         bells = self._ledger.take_rings()
-        if bells:
-            _ring_in_background(bells, "a new schedule")
+        if not bells:
+            return
+
+        def ring() -> None:
+            rang = ring_all(bells)
+            logger.info("cf_ray: rang %d of %d ranks' doorbells", rang, len(bells))
+
+        threading.Thread(target=ring, name="cf_ray-bells", daemon=True).start()
 
     def part_failed(self, msg: PartFailed) -> SectionState | None:
         new = self._roster.note(msg.holder)
@@ -412,14 +417,6 @@ class Controller:
             self._maintenance.stop()
             if in_ray_actor():
                 ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
-
-
-def _ring_in_background(bells: list, what: str) -> None:
-    def run() -> None:
-        rang = ring_all(bells)
-        logger.info("cf_ray: %s: rang %d of %d ranks' doorbells", what, rang, len(bells))
-
-    threading.Thread(target=run, name="cf_ray-bells", daemon=True).start()
 
 
 def _replace(settled: Settled, **kw) -> Settled:

@@ -105,6 +105,7 @@ class Ledger:
         """Each rank's doorbell for this generation, ``(actor handle, token)``
         (``protocol/doorbell.py``): rung with each checkpoint request and new schedule version."""
         self._ring_due = False
+        """A checkpoint request or a new schedule version not rung yet (:meth:`take_rings`)."""
         self.world_size: int | None = None
 
     # -- attempts --------------------------------------------------------------------------------------
@@ -200,17 +201,16 @@ class Ledger:
             self._ring_due = True
 
     def take_rings(self) -> list[tuple[Any, int]]:
-        """The ranks' doorbells, when a new schedule version was published since the last call (for
-        the caller to ring, outside the lock); ``[]`` otherwise."""
+        """The ranks' doorbells, when a checkpoint request came or a new schedule version was
+        published since the last call (for the caller to ring, outside the lock); ``[]`` otherwise."""
         with self.lock:
             if not self._ring_due:
                 return []
             self._ring_due = False
             return list(self.bells.values())
 
-    def request(self, deadline_unix: float | None, detail: str) -> tuple[CheckpointRequest, list[tuple[Any, int]]]:
-        """A checkpoint request for every rank of this attempt; returns it and the ranks' doorbells
-        (for the caller to ring, outside the lock)."""
+    def request(self, deadline_unix: float | None, detail: str) -> CheckpointRequest:
+        """A checkpoint request for every rank of this attempt, to be rung to them (:meth:`take_rings`)."""
         with self.lock:
             self._request_seq += 1
             req = CheckpointRequest(
@@ -231,7 +231,8 @@ class Ledger:
                     "event": "notice",
                 }
             )
-            return req, list(self.bells.values())
+            self._ring_due = True
+            return req
 
     def forget_bell(self, rank: int) -> None:
         """``rank`` finished: its doorbell is not rung again."""
