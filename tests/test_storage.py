@@ -54,8 +54,9 @@ def test_fs_storage_and_a_faulty_storage_satisfy_the_protocol(storage):
         Faulty().write_file("x", [b""])
 
 
-def test_write_read_roundtrip_with_checksum(storage):
-    data = np.random.default_rng(0).integers(0, 255, 3_000_001, dtype=np.uint8)
+@pytest.mark.parametrize("nbytes", [3_000_001, 100_001], ids=["checksummed-on-a-thread", "checksummed-inline"])
+def test_write_read_roundtrip_with_checksum(storage, nbytes):
+    data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     info = storage.write_file("a/b/data.bin", [data[:1000], data[1000:]])
     assert info == FileInfo(data.nbytes, __import__("zlib").crc32(data))
     assert np.array_equal(storage.read_file("a/b/data.bin"), data)
@@ -268,7 +269,8 @@ def test_a_write_whose_checksum_thread_dies_fails_and_never_hangs(monkeypatch):
         return 0
 
     monkeypatch.setattr(direct_io, "_crc32", failing_crc)
-    chunks = [memoryview(bytes(1024))] * 64  # many more than the queue holds
+    # Many more than the queue holds, and more bytes than a write checksummed inline (2 MiB).
+    chunks = [memoryview(bytes(32 * 1024))] * 64
     written = []
     outcome: dict = {}
 

@@ -155,8 +155,15 @@ def _address(mv: memoryview) -> int:
     return int(np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0])
 
 
+#: A write given as a list or tuple of at most this many bytes in all (a manifest, an index, a
+#: pointer: every checkpoint writes several) is checksummed on the calling thread: starting and
+#: joining a checksum thread costs more than the CRC-32 of a few kilobytes.
+INLINE_CRC_BYTES = 1 << 20
+
+
 def _write_with_crc(chunks: Iterable[memoryview | bytes], write) -> FileInfo:
-    """Write ``chunks`` in order while a second thread computes their CRC-32.
+    """Write ``chunks`` in order while a second thread computes their CRC-32 (for a small write
+    given as a list or tuple, :data:`INLINE_CRC_BYTES`, on the calling thread).
 
     Both ``os.write``/pyarrow writes and the CRC-32 release the GIL on large buffers, so the
     checksum overlaps with the writes instead of adding to them (with ISA-L it runs at ~13-20 GB/s
@@ -166,6 +173,14 @@ def _write_with_crc(chunks: Iterable[memoryview | bytes], write) -> FileInfo:
     CRC-32), and never hangs: the thread keeps taking chunks after an error, and the writer stops
     handing them over if the thread is gone.
     """
+    if isinstance(chunks, (list, tuple)):
+        views = [memoryview(c).cast("B") for c in chunks]
+        if sum(v.nbytes for v in views) <= INLINE_CRC_BYTES:
+            crc, size = 0, 0
+            for mv in views:
+                crc, size = _crc32(mv, crc), size + mv.nbytes
+                write(mv)
+            return FileInfo(size, crc)
     pending: queue.Queue = queue.Queue(maxsize=4)
     result: dict = {"crc": 0, "size": 0, "error": None}
 
