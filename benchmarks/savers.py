@@ -382,21 +382,6 @@ def _actor_cpu(_actor) -> float:
     return time.process_time()
 
 
-def _ray_priority(_actor) -> None:
-    """The calling actor's process back at the CPU priority Ray gave it (``CF_RAY_IDLE_PRIORITY=0``
-    from now on, every thread ``SCHED_OTHER``; raises without ``CAP_SYS_NICE``)."""
-    import os
-
-    from cf_ray._engine import env as _env
-
-    os.environ[_env.IDLE_PRIORITY] = "0"
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
-        except ProcessLookupError:
-            continue
-
-
 class _CfSave:
     """cf_ray: the checkpoint is taken inside ``ckpt.step(optimizer)``."""
 

@@ -16,9 +16,6 @@ worker, 80 iterations of which the first 5 are dropped, the mean iteration time 
                  final_model=None): what the segments measure;
   ``cf_held``    ``cf_fixed`` with ``FixedInterval(k, persist_every=--held-persist-every)``: one
                  snapshot in that many written, the others held in memory only (1: every one).
-  ``cf_rayprio`` ``cf_fixed`` with the controller and the holder at the CPU priority Ray gave them
-                 (``CF_RAY_IDLE_PRIORITY=0`` set in their processes as the fit starts, every thread
-                 put back to ``SCHED_OTHER``: needs ``CAP_SYS_NICE``): what idle priority is worth;
   ``floor_copy`` every k iterations one copy of the state into a host buffer on a thread, waited for
                  before the next optimizer step, and nothing else (``savers._CopyFloor``, set up
                  after the first iteration, when Adam's state exists): the floor of any checkpoint
@@ -43,7 +40,7 @@ from typing import Any
 from benchmarks import stats
 from benchmarks.savers import _barrier, _build_model, _CopyFloor, _RaySave, _write_json
 
-VARIANTS = ("none", "ray_sync", "ray_async", "cf_fixed", "cf_bench", "cf_held", "cf_rayprio", "floor_copy")
+VARIANTS = ("none", "ray_sync", "ray_async", "cf_fixed", "cf_bench", "cf_held", "floor_copy")
 
 
 def _loop(cfg: dict) -> None:
@@ -67,7 +64,7 @@ def _loop(cfg: dict) -> None:
     variant, k = cfg["variant"], cfg["k"]
     ckpt = saver = floor = None
     t_setup = time.perf_counter()
-    if variant in ("cf_fixed", "cf_bench", "cf_held", "cf_rayprio"):
+    if variant in ("cf_fixed", "cf_bench", "cf_held"):
         policy = cf_ray.FixedInterval(
             every=k, persist_every=cfg["held_persist_every"] if variant == "cf_held" else None
         )
@@ -78,12 +75,6 @@ def _loop(cfg: dict) -> None:
         )
         ckpt = cf_ray.Checkpointer({"model": model, "optimizer": opt}, config=conf)
         ckpt.restore()
-        if variant == "cf_rayprio" and rank == 0:
-            import ray
-
-            from benchmarks.savers import _ray_priority
-
-            ray.get([a.__ray_call__.remote(_ray_priority) for a in (ckpt.holder, ckpt.controller)], timeout=60)
     elif variant in ("ray_sync", "ray_async"):
         saver = _RaySave(variant.split("_")[1], k, model, opt, rank, cfg["name"])
     setup_s = time.perf_counter() - t_setup

@@ -743,46 +743,6 @@ def _stage(ray, holder, gen, step):
     return stage_bytes(ray, holder, gen, step, {SEC: (arena, b'{"entries":[],"tree":null}')}, META)
 
 
-def _pid_of(ray, actor) -> int:
-    return ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=60)
-
-
-def _pid_if_up(ray, actor) -> int | None:
-    try:
-        return ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=10)
-    except Exception:  # noqa: BLE001 - restarting
-        return None
-
-
-def _policies(pid: int) -> set[int]:
-    """The scheduling policy of every thread of process ``pid``."""
-    out = set()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            out.add(os.sched_getscheduler(int(tid)))
-        except ProcessLookupError:
-            continue  # ended meanwhile
-    return out
-
-
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
-def test_the_controllers_actor_runs_every_thread_at_idle_cpu_priority(ray_cluster, tmp_path):
-    """Issue 25: nothing the controller does is within a training step, so every thread of its
-    process, Ray's own too, runs under SCHED_IDLE: a core runs it when training leaves one idle,
-    and the actor's 100 wake-ups a second no longer take a core from a training thread. A controller
-    restarted by Ray (its constructor again) lowers itself again."""
-    ray = ray_cluster
-    _, _, _, ctl, _, _ = _actor_run(tmp_path)
-    try:
-        pid = _pid_of(ray, ctl)
-        assert _policies(pid) == {os.SCHED_IDLE}
-        os.kill(pid, 9)
-        new = _wait_for(lambda: (p := _pid_if_up(ray, ctl)) not in (None, pid) and p, 120, "the restarted controller")
-        assert _policies(new) == {os.SCHED_IDLE}
-    finally:
-        _cleanup(ray, ctl)
-
-
 def test_a_holder_killed_mid_write_never_commits_that_step_and_later_steps_commit(ray_cluster, tmp_path):
     """The holder dies while it writes step 5 (storage stalls on it): no manifest of step 5 ever
     appears, the controller's watch fails it (nobody waits for ever), and a new holder on the node

@@ -425,7 +425,6 @@ def test_a_holder_holds_the_slots_of_the_ranks_on_its_node_only_after_two_one_tw
 
 def test_a_pending_write_keeps_its_slots_after_a_commit(tmp_path):
     """A section whose write has not finished is not freed by a newer commit (it may still commit)."""
-    tmp_path.mkdir()
     flag = tmp_path / "hang"
     flag.touch()
     storage = FsStorage(pafs.PyFileSystem(FlagHandler(str(flag), "hang")), str(tmp_path / "ckpts"))
@@ -439,39 +438,6 @@ def test_a_pending_write_keeps_its_slots_after_a_commit(tmp_path):
     a._writer.drain(30)
     a.forget([], committed=(2, 10))
     assert a.held_bytes()["sections"] == 0
-
-
-# -- issue 25: the holder writes at idle CPU priority ----------------------------------------------
-
-
-def _writer_policy_while_it_writes(tmp_path, meta: SnapshotMeta) -> int:
-    """The scheduling policy of the holder's writer thread while it is inside the write of a
-    snapshot of ``meta`` (storage hangs on it)."""
-    tmp_path.mkdir()
-    flag = tmp_path / "hang"
-    flag.touch()
-    storage = FsStorage(pafs.PyFileSystem(FlagHandler(str(flag), "hang")), str(tmp_path / "ckpts"))
-    a = _holder(storage, "A")
-    try:
-        _stage(a, 1, 5, {"rank_00000": _data(5, "rank_00000", 4096)}, meta)
-        deadline = time.monotonic() + 30
-        while a._writer._writing is None:
-            assert time.monotonic() < deadline, "the write never started"
-            time.sleep(0.02)
-        time.sleep(0.5)  # past the policy's change: the write hangs until the flag is gone
-        return os.sched_getscheduler(a._writer._thread.native_id)
-    finally:
-        flag.unlink()
-        a._writer.drain(30)
-
-
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
-def test_the_holder_writes_at_idle_cpu_priority_and_a_preemption_checkpoint_at_the_normal_one(tmp_path):
-    """Issue 25: the writer's check pass and writes run when training leaves a core idle; a
-    preemption checkpoint (``priority``) has a deadline, and is written at the normal policy."""
-    assert _writer_policy_while_it_writes(tmp_path / "a", _meta(0, world=1)) == os.SCHED_IDLE
-    if os.geteuid() == 0:  # leaving SCHED_IDLE needs CAP_SYS_NICE (test_priority: the refusal)
-        assert _writer_policy_while_it_writes(tmp_path / "b", _meta(0, world=1, priority=True)) == os.SCHED_OTHER
 
 
 # -- issue 23 #3: the hand-off does not wait for the controller ------------------------------------------

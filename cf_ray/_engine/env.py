@@ -1,4 +1,4 @@
-"""cf_ray's tunables, in one place: the nine environment variables a user may set, and the module
+"""cf_ray's tunables, in one place: the eight environment variables a user may set, and the module
 constants that only tests change.
 
 **Environment variables** (documented in ``docs/guides/configuration.md``; the names below are
@@ -22,8 +22,6 @@ takes effect in the next object built; a Ray process reads the environment it wa
 ``CF_RAY_CRC_THREADS``          auto     threads that checksum what a GPU copied into host memory
                                          (the cores over ``LOCAL_WORLD_SIZE``, at most 8)
 ``CF_RAY_ALLOW_UNTESTED_RAY``   unset    ``1``: import cf_ray with a Ray it was not tested with
-``CF_RAY_IDLE_PRIORITY``        1        ``0``: the controller and the holders' writing and copying
-                                         run at Ray's priority instead of ``SCHED_IDLE``
 ==============================  =======  =====================================================
 
 **Module constants** (below, plain values): not read from the environment. Code reads them at the
@@ -44,7 +42,7 @@ from typing import TypeVar, cast
 
 _T = TypeVar("_T", int, float, str)
 
-# -- the environment variables (nine, each documented) ----------------------------------------
+# -- the environment variables (eight, each documented) ----------------------------------------
 #: Seconds a worker waits for the controller or a holder in a blocking call (restore, wait, close).
 ACTOR_TIMEOUT_S = "CF_RAY_ACTOR_TIMEOUT_S"
 #: Seconds the controller stays alive after every rank has finished, so the driver can read it.
@@ -65,9 +63,6 @@ DIRECT_IO = "CF_RAY_DIRECT_IO"
 CRC_THREADS = "CF_RAY_CRC_THREADS"
 #: "1" lets cf_ray import with a Ray version it was not tested with (``cf_ray._version``).
 ALLOW_UNTESTED_RAY = "CF_RAY_ALLOW_UNTESTED_RAY"
-#: "0" keeps the controller and the holders' writer and copier threads at the CPU priority Ray gave
-#: them; by default they run under ``SCHED_IDLE`` (``cf_ray/_engine/priority.py``).
-IDLE_PRIORITY = "CF_RAY_IDLE_PRIORITY"
 
 VARIABLES: dict[str, float] = {
     ACTOR_TIMEOUT_S: 120.0,
@@ -78,7 +73,6 @@ VARIABLES: dict[str, float] = {
     DIRECT_IO: 1,
     CRC_THREADS: 0,
     ALLOW_UNTESTED_RAY: 0,
-    IDLE_PRIORITY: 1,
 }
 """Every environment variable cf_ray reads, with its default."""
 

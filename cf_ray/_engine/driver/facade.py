@@ -34,7 +34,6 @@ from typing import Any
 import ray
 
 from cf_ray._engine import env as _env
-from cf_ray._engine import priority
 from cf_ray._engine.driver.facts import ClusterView, default_cluster
 from cf_ray._engine.driver.ledger import Ledger
 from cf_ray._engine.driver.lifetime import Lifetime
@@ -98,8 +97,6 @@ class Controller:
     ):
         self.key = key
         self.storage = storage
-        if in_ray_actor():  # nothing of the controller's is within a training step (priority.py)
-            priority.lower_process()
         resumed = was_reconstructed() or settings.recreated
         link = (HolderLink(key, _env.namespace()) if in_ray_actor() else None) if holders is _AUTO else holders
         self._cluster = cluster or default_cluster()

@@ -54,7 +54,6 @@ from cf_ray._engine.memory.crc import BlockCheck
 from cf_ray._engine.memory.slots import HEADER_BYTES
 from cf_ray._engine.node.slot_store import Held, SlotStore
 from cf_ray._engine.node.stream import Offer, SectionServer
-from cf_ray._engine.priority import ThreadPriority
 from cf_ray._engine.protocol.messages import (
     HolderState,
     Message,
@@ -186,13 +185,11 @@ class Replicator:
 
     # -- origin side ---------------------------------------------------------------------------------
     def _run(self) -> None:
-        prio = ThreadPriority("the holder's copier")
         while True:
             with self._cond:
                 while not self._queue and not self._finishing:
                     self._cond.wait(timeout=1.0)
                 entry = self._next()
-            prio.set_for(entry.meta.priority)
             try:
                 self._replicate(entry)
             except Exception:  # noqa: BLE001 - the thread never dies; a copy is an optimisation

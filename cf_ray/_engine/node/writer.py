@@ -36,7 +36,6 @@ from collections.abc import Callable
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.memory.crc import BlockCheck, BlockMismatch
 from cf_ray._engine.node.slot_store import Held, Key, SlotStore, When
-from cf_ray._engine.priority import ThreadPriority, cpu_wait_s
 from cf_ray._engine.protocol.messages import PartDurable, PartFailed, PartSuperseded
 from cf_ray._engine.storage.base import Storage
 from cf_ray.errors import CorruptCheckpointError
@@ -178,10 +177,8 @@ class Writer:
             return self._writing
 
     def _run(self) -> None:
-        prio = ThreadPriority("the holder's writer")
         while True:
             entry = self._next()
-            prio.set_for(entry.meta.priority)  # a preemption checkpoint's deadline will not wait
             outcome = self._write(entry)
             with self._cond:
                 # The outcome is recorded before the entry stops being "being written": a lookup in
@@ -191,7 +188,7 @@ class Writer:
                 self._cond.notify_all()
 
     def _write(self, entry: Held) -> PartDurable | PartFailed | PartSuperseded:
-        t0, waited0 = time.perf_counter(), cpu_wait_s()
+        t0 = time.perf_counter()
         lk = self._store.take_pin(entry.key, "write") or self._store.take(entry)
         if lk is None:
             logger.info(
@@ -219,8 +216,7 @@ class Writer:
                 step=entry.step,
                 section=entry.section,
                 files={k: v.to_json() for k, v in files.items()},
-                # The write's own time: not what this (idle priority) thread waited for a core.
-                persist_s=max(0.0, time.perf_counter() - t0 - (cpu_wait_s() - waited0)),
+                persist_s=time.perf_counter() - t0,
                 holder=self._holder,
                 copied_bytes=copied,
                 crc_read_bytes=lk.data.nbytes,
