@@ -314,3 +314,97 @@ def test_the_architecture_layout_names_every_module():
     modules = sorted(p for p in (pathlib.Path(ROOT) / "cf_ray").rglob("*.py") if p.name != "__init__.py")
     missing = [str(p.relative_to(ROOT)) for p in modules if not re.search(rf"\b{re.escape(p.name)}\b", layout)]
     assert missing == [], f"docs/ARCHITECTURE.md's layout has no line for {missing}"
+
+
+#: What a page says of a feature it calls missing.
+_MISSING = r"\bno\b[^.;]*\byet\b|\bnot yet (?:supported|available|implemented|shipped)\b|\bbeing built\b|\bnot supported\b|\bunsupported\b|\bnot implemented\b|\bcoming soon\b"
+
+#: Features that ship: the module and public name that provide each (checked in the source, so the table
+#: itself stays true without importing a trainer framework), the words that name the feature on a page,
+#: what would be false of it, and the words of a sentence about another variant of it, which may be true
+#: (Ray Data under Ray's own split does resume another world size only at an epoch boundary).
+_SHIPPED = [
+    ("cf_ray.integrations.huggingface", "CfRayCallback", r"Hugging Face|transformers\.Trainer|\bHF\b", _MISSING, None),
+    ("cf_ray.integrations.lightning", "CfRayCallback", r"Lightning", _MISSING, None),
+    (
+        "cf_ray.data.ray_elastic",
+        "elastic_data_config",
+        r"Ray Data",
+        _MISSING + r"|\bonly at (?:an )?epoch boundar",
+        r"Ray's (?:own )?split|ordered_data_config",
+    ),
+    ("cf_ray.data.stateful_loader", "is_stateful_dataloader", r"StatefulDataLoader|torchdata", _MISSING, None),
+    ("cf_ray.data.dali", "ResumableDALIIterator", r"\bDALI\b", _MISSING, None),
+    ("cf_ray.preemption", "CheckpointBeforeResize", r"elastic group|resize", _MISSING, None),
+    ("cf_ray._export", "export_dcp_dir", r"\bDCP\b", _MISSING, None),
+]
+
+
+def _sentences(text: str):
+    """The sentences of a page outside code blocks: a bullet, a table row and a paragraph are split at
+    each full stop that ends a sentence."""
+    text = re.sub(r"^([ ]*)```.*?^\1```", "", text, flags=re.S | re.M)
+    for unit in re.split(r"\n\s*\n|\n(?=\s*(?:[-*] |\d+\. |\|))", text):
+        yield from re.split(r"(?<=[.!?])\s+(?=[A-Z`*(\[])", " ".join(unit.split()))
+
+
+def _defines(module: str, name: str) -> bool:
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    source = pathlib.Path(spec.origin).read_text() if spec and spec.origin else ""
+    return re.search(rf"^(class|def) {name}\b|^{name} = ", source, re.M) is not None
+
+
+def test_the_shipped_features_table_names_what_cf_ray_defines():
+    missing = [f"{module}.{name}" for module, name, *_ in _SHIPPED if not _defines(module, name)]
+    assert missing == [], f"tests/test_docs.py _SHIPPED names what cf_ray does not define: {missing}"
+
+
+def test_no_page_calls_a_shipped_feature_missing():
+    wrong = []
+    for page in _pages():
+        for sentence in _sentences(page.read_text()):
+            for module, name, words, false, other_variant in _SHIPPED:
+                if not (re.search(words, sentence) and re.search(false, sentence, re.I)):
+                    continue
+                if not (other_variant and re.search(other_variant, sentence)):
+                    wrong.append(f"{_rel(page)}: {sentence[:160]!r} ({module}.{name} ships)")
+    assert wrong == [], "a page calls a shipped feature missing: " + "; ".join(wrong)
+
+
+#: A test cited on a page: ``tests/PATH.py::test_name`` (a parametrized id may follow).
+_TEST_ID = re.compile(r"`(tests/[\w/]+\.py)::(test_\w+)(?:\[[^\]]*\])?`")
+
+
+def _limits() -> list[str]:
+    """The bullets of docs/limitations.md, each joined into one line."""
+    text = (DOCS / "limitations.md").read_text()
+    return [" ".join(b.split()) for b in re.findall(r"^- (.*?)(?=^- |^#|\Z)", text, re.S | re.M)]
+
+
+def test_every_limitation_cites_the_test_that_shows_it_or_the_designs_known_limits():
+    """A limit is a claim about the code: it names a test that exists (the refusal, the behaviour), the
+    benchmark that measured the figure it quotes, or the design's known limits, which explain what no
+    test here can show."""
+    limits = _limits()
+    assert limits, "docs/limitations.md has no bullets"
+    uncited, absent = [], []
+    for limit in limits:
+        tests = _TEST_ID.findall(limit)
+        measured = "](benchmarks/" in limit and re.search(r"\d %", limit)  # figures: the README's (below)
+        if not tests and not measured and "ARCHITECTURE.md#known-limits" not in limit:
+            uncited.append(limit[:80])
+        for path, name in tests:
+            file = pathlib.Path(ROOT) / path
+            if not file.exists() or not re.search(rf"^def {name}\(", file.read_text(), re.M):
+                absent.append(f"{path}::{name}")
+    assert uncited == [], f"docs/limitations.md: limits that cite neither a test nor the design: {uncited}"
+    assert absent == [], f"docs/limitations.md cites tests that do not exist: {absent}"
+
+
+def test_the_limitations_quote_the_readmes_figures():
+    """An overhead the limitations page quotes is one the README quotes (the same run, the same number)."""
+    readme = _readme()
+    figures = re.findall(r"[+-]\d+(?:\.\d+)? ?%", (DOCS / "limitations.md").read_text())
+    assert [f for f in figures if f not in readme] == []
