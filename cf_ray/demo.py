@@ -260,12 +260,44 @@ def _equal(a, b) -> bool:
     return a == b
 
 
+#: The file that marks a directory as made by ``cf-ray demo``: only such a directory is emptied.
+MARKER = ".cf_ray_demo"
+
+
+def prepare_dir(root: str) -> str | None:
+    """Make ``root`` an empty directory marked as the demo's, or say why not (the message to print).
+
+    The demo deletes only what it made: a directory it created before (it holds :data:`MARKER`) is
+    emptied, a missing or empty one is created and marked; anything else (a file, a directory with
+    other contents) is refused and left untouched, so ``--dir .`` or ``--dir ~/runs`` never loses a file.
+    """
+    if os.path.lexists(root) and not os.path.isdir(root):
+        return f"--dir {root} is not a directory: choose a new or empty directory (e.g. --dir ./cf_ray_runs/demo)"
+    if os.path.isdir(root) and os.listdir(root):
+        if not os.path.isfile(os.path.join(root, MARKER)):
+            return (
+                f"--dir {root} is not empty and was not made by cf-ray demo: nothing was deleted; choose a "
+                "new or empty directory (e.g. --dir ./cf_ray_runs/demo)"
+            )
+        for name in os.listdir(root):
+            path = os.path.join(root, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, MARKER), "w") as f:
+        f.write("made by cf-ray demo: `cf-ray demo --dir` empties this directory before each run\n")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cf-ray demo", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument(
         "--dir",
         default=os.path.join(os.getcwd(), "cf_ray_runs", "demo"),
-        help="everything is written under this directory (default: ./cf_ray_runs/demo)",
+        help="everything is written under this directory (default: ./cf_ray_runs/demo): a new or empty one, or one "
+        "an earlier cf-ray demo made (it is emptied first); any other is refused, never emptied",
     )
     p.add_argument("--interval", type=int, default=5, help="checkpoint every this many steps (default 5)")
     p.add_argument("--epochs", type=int, default=2)
@@ -277,10 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import ray
 
-    root = os.path.abspath(args.dir)
-    if os.path.exists(root):
-        shutil.rmtree(root)
-    os.makedirs(root)
+    root = os.path.realpath(os.path.expanduser(args.dir))
+    refused = prepare_dir(root)
+    if refused:
+        print(f"cf-ray demo: {refused}", file=sys.stderr)
+        return 2
     samples_per_rank = -(-args.samples // 2)  # ceil(samples / 2 workers)
     steps_per_epoch = -(-samples_per_rank // DEFAULTS["batch_size"])
     total = steps_per_epoch * args.epochs
