@@ -773,3 +773,103 @@ def test_the_rng_state_check_does_not_touch_this_process():
     with pytest.raises(CorruptCheckpointError):
         check_rng_state({"python": (3, (1, 2), None), "numpy": np.random.get_state(), "torch": torch.get_rng_state()})
     assert random.getstate() == before
+
+
+# -- the data objects own what they are given -----------------------------------------------------------------
+
+
+class _Shuffler:
+    """A data object that keeps its permutation as a numpy array and shuffles it in place at each
+    epoch, as samplers and loaders do."""
+
+    def __init__(self, n=64):
+        self.perm = np.arange(n)
+        self.epoch = 0
+
+    def state_dict(self):
+        return {"perm": self.perm, "epoch": self.epoch}
+
+    def load_state_dict(self, state):
+        self.perm, self.epoch = state["perm"], state["epoch"]
+
+    def next_epoch(self):
+        self.epoch += 1
+        np.random.default_rng(self.epoch).shuffle(self.perm)
+
+
+def _mapped_read_only(sections: dict[str, mf.Section]) -> tuple[dict[str, mf.Section], list]:
+    """The sections as a restore from memory reads them: their bytes in a shared file mapped
+    read-only (a holder's slot), viewed in place."""
+    import mmap
+
+    out, keep = {}, []
+    for name, sec in sections.items():
+        fd = os.memfd_create(f"slot-{name}")
+        os.write(fd, sec.buf.tobytes())
+        m = mmap.mmap(fd, sec.buf.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        keep.append((fd, m))
+        out[name] = mf.Section(sec.tree, sec.entries, np.frombuffer(m, dtype=np.uint8))
+    return out, keep
+
+
+def test_a_data_state_restored_from_a_mapped_slot_is_the_objects_own_to_change_in_place():
+    """A data object's arrays restored from a holder's slot read in place are its own: writable (a
+    shuffle in place at the next epoch works) and not the slot's memory (a refill cannot change
+    them)."""
+    saved_state, _ = _objects(seed=1)
+    saved = _Shuffler()
+    saved.next_epoch()
+    expected = saved.perm.copy()
+    sections, keep = _mapped_read_only(_sections(_trees(saved_state, {"order": saved}, 3)))
+    state, _ = _objects(seed=2)
+    data = {"order": _Shuffler()}
+    prep = restore_checks.validate(
+        sections, saved_world=1, replicated=True, rank=0, world_size=1, state=state, data=data
+    )
+    restore_checks.apply(prep, state, data, 0, 1)
+    restore_checks.verify(prep, state, data)
+    got = data["order"]
+    assert np.array_equal(got.perm, expected) and got.epoch == 1
+    assert not any(np.shares_memory(got.perm, s.buf) for s in sections.values())
+    got.next_epoch()  # in place, as the loop's next epoch does
+    saved.next_epoch()
+    assert np.array_equal(got.perm, saved.perm)
+    for fd, _ in keep:
+        os.close(fd)
+
+
+@pytest.mark.slow
+def test_a_data_object_restored_from_the_holders_memory_shuffles_its_own_array_in_place(ray_cluster, tmp_path):
+    """The same through a Checkpointer: a worker dies after a snapshot, the next restores it from the
+    holder's slot read in place, and the data object's next epoch shuffles its restored array."""
+
+    def make(order):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        config = cf_ray.CheckpointConfig(
+            storage_path=str(tmp_path),
+            run_name="shuffle",
+            register_with_ray=False,
+            final_model=None,
+            policy=cf_ray.FixedInterval(every=2),
+            preemption=False,
+        )
+        return cf_ray.Checkpointer({"model": model, "optimizer": opt}, data={"order": order}, config=config), opt
+
+    order = _Shuffler()
+    ck, opt = make(order)
+    ck.restore()
+    order.next_epoch()
+    for _ in range(4):
+        ck.step(opt)
+    ck.wait()
+    ck.close()  # the worker dies after step 4's snapshot
+    order.next_epoch()  # what the next epoch holds
+    restored = _Shuffler()
+    ck, opt = make(restored)
+    resume = ck.restore()
+    assert (resume.source, resume.step) == ("memory", 4), resume
+    restored.next_epoch()
+    assert np.array_equal(restored.perm, order.perm) and restored.epoch == 2
+    ck.close()

@@ -417,10 +417,14 @@ def _rank_tree(loaded: dict[str, mf.Section], r: int, saved_world: int) -> dict:
         if isinstance(sec.tree, dict) and isinstance(sec.tree.get(mf.STATE), dict):
             # The tracked state stays encoded here (its names are what is looked at); it is decoded
             # object by object where it is loaded, so that a section read by range is read only there.
-            tree = mf.Section({k: v for k, v in sec.tree.items() if k != mf.STATE}, sec.entries, sec.buf).materialize()
+            # The rest (data states, RNG: small) is copied: the data objects keep what they are given
+            # and may change it in place, which a view of a holder's slot, mapped read-only and
+            # filled again later, would refuse or change under them.
+            rest = {k: v for k, v in sec.tree.items() if k != mf.STATE}
+            tree = mf.Section(rest, sec.entries, sec.buf).materialize(copy=True)
             tree[mf.STATE] = sec.tree[mf.STATE]
         else:
-            tree = sec.materialize(copy=False)
+            tree = sec.materialize(copy=True)
         if not isinstance(tree, dict) or not isinstance(tree.get(mf.OBJECTS), dict) or mf.RNG not in tree:
             raise TypeError("expected objects, rng and counters")
         counters = tree[mf.COUNTERS]
