@@ -135,6 +135,22 @@ def test_hf_callback_refuses_deepspeed_and_the_trainers_own_resume(tmp_path):
         _refuse(trainer.args, trainer.state, loader)
 
 
+def test_hf_refuses_a_second_cf_ray_callback_by_name_before_anything_is_restored(tmp_path):
+    """Two CfRayCallbacks (another instance, or the same one added twice) would build two
+    Checkpointers and restore twice; the first refuses before it builds anything."""
+    from cf_ray.integrations.huggingface import CfRayCallback
+
+    for second in (CfRayCallback(), None):
+        trainer = _hf_trainer(tmp_path)
+        first = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, CfRayCallback))
+        trainer.add_callback(second if second is not None else first)
+        with pytest.raises(ConfigError, match=r"2 cf_ray callbacks \(CfRayCallback\).*one CfRayCallback per Trainer"):
+            trainer.train()
+        assert first.checkpointer is None and first.resume is None  # nothing built, nothing restored
+        assert second is None or second.checkpointer is None
+        assert trainer.state.global_step == 0
+
+
 # -- what the Lightning callback refuses -------------------------------------------------------------------
 
 
@@ -164,6 +180,48 @@ def test_lightning_callback_refuses_manual_optimization_before_training():
     with pytest.raises(ConfigError, match="automatic optimization only"):
         trainer.fit(Manual())
     assert trainer.global_step == 0
+
+
+def _pl_trainer(callbacks, max_epochs=1):
+    pl = pytest.importorskip("lightning.pytorch")
+    return pl.Trainer(
+        max_epochs=max_epochs, callbacks=callbacks, accelerator="cpu", devices=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+
+
+def _pl_linear():
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Linear(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(8, 4, generator=torch.Generator().manual_seed(2)), 4)
+
+    return Linear()
+
+
+def test_lightning_refuses_a_second_cf_ray_callback_by_name_before_anything_is_restored():
+    """Two CfRayCallbacks would build two Checkpointers, restore twice, then fail on the sampler the
+    first one installed; the first refuses before it builds anything, naming the callbacks."""
+    from cf_ray.integrations.lightning import CfRayCallback
+
+    one, two = CfRayCallback(), CfRayCallback()
+    for callbacks in ([one, two], [one, one]):
+        trainer = _pl_trainer(callbacks)
+        with pytest.raises(ConfigError, match=r"2 cf_ray callbacks \(CfRayCallback\).*one CfRayCallback per Trainer"):
+            trainer.fit(_pl_linear())
+        assert one.checkpointer is None and two.checkpointer is None and one.resume is None
+        assert trainer.global_step == 0
 
 
 # -- a restore in process (one worker, cf_ray's actors on the shared cluster, no TorchTrainer) -------------

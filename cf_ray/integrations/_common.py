@@ -157,6 +157,29 @@ def install_batches(
     return target
 
 
+def refuse_another(callbacks: list[Any] | None, me: Any, where: str) -> None:
+    """Raise ``ConfigError`` when a trainer's ``callbacks`` hold cf_ray's callback ``me`` (its class)
+    more than once, the same instance twice included: each would build a Checkpointer and restore the
+    run again, and the second one would then find the first one's sampler in the DataLoader. Called by
+    the first of them, before it builds anything.
+
+    Args:
+        callbacks: every callback of the trainer, in its order (``None``: not known, nothing checked).
+        me: the callback asking.
+        where: where the user lists callbacks (the error says so).
+    """
+    if callbacks is None:
+        return
+    cls = type(me)
+    at = [i for i, cb in enumerate(callbacks) if isinstance(cb, cls)]
+    if len(at) > 1:
+        raise ConfigError(
+            f"{cls.__name__}: this Trainer has {len(at)} cf_ray callbacks ({cls.__name__}) at positions {at} of "
+            f"{where}; each would build a Checkpointer and restore the run again. Give one {cls.__name__} per "
+            "Trainer: remove the others (the same instance listed twice counts twice)"
+        )
+
+
 class UpdateScope:
     """``with ckpt.update():`` held open between two callback events of a trainer: entered before its
     optimizer step (the weight-update guard), left once the step's bookkeeping is done (the

@@ -40,7 +40,8 @@ Evaluations between steps draw from the global torch RNG (their DataLoader's see
 the restored run does not repeat would shift every random number after it. So the training RNG is
 kept at each step's end and put back after each evaluation (``on_evaluate``), in every run.
 
-Refused with :class:`cf_ray.ConfigError`, before training: DeepSpeed, FSDP (through the Trainer),
+Refused with :class:`cf_ray.ConfigError`, before training: a second ``CfRayCallback`` in the same
+Trainer (before anything is built or restored), DeepSpeed, FSDP (through the Trainer),
 ``train_sampling_strategy`` ``group_by_length``/``batch_rebalance``, an ``IterableDataset``,
 accelerate's ``split_batches``/``dispatch_batches``, a ``gradient_accumulation_steps`` that does not
 divide the batches of an epoch, and ``trainer.train(resume_from_checkpoint=...)`` (cf_ray restores
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -63,7 +65,7 @@ from cf_ray.checkpointer import Checkpointer, FinishSummary, Resume
 from cf_ray.config import CheckpointConfig
 from cf_ray.data.sampler import ResumableDistributedSampler
 from cf_ray.errors import ConfigError
-from cf_ray.integrations._common import ResumableBatches, RngHold, UpdateScope, install_batches
+from cf_ray.integrations._common import ResumableBatches, RngHold, UpdateScope, install_batches, refuse_another
 
 logger = logging.getLogger("cf_ray")
 
@@ -109,6 +111,7 @@ class CfRayCallback(TrainerCallback):
             raise ConfigError(
                 "CfRayCallback: train() was called twice with the same callback; add a new CfRayCallback per train()"
             )
+        refuse_another(_handler_callbacks(), self, "the Trainer's callbacks (Trainer(callbacks=[...]), add_callback)")
         model, optimizer, scheduler, loader = (
             kwargs.get(k) for k in ("model", "optimizer", "lr_scheduler", "train_dataloader")
         )
@@ -282,6 +285,25 @@ def _batches_for(args, loader, steps_in_epoch: int, *, epoch_of) -> ResumableBat
             "mid-epoch. Choose a batch size, dataset size or gradient_accumulation_steps so that it divides"
         )
     return batches
+
+
+def _handler_callbacks() -> list[Any] | None:
+    """The callbacks of the Trainer whose event is being called: the ``CallbackHandler`` that calls
+    every callback's event in turn (``call_event``) is the caller of the callback's method. An event
+    gets no handle on the Trainer or its callbacks otherwise, and the first ``CfRayCallback`` must
+    know of a second one before it restores anything. ``None`` when no handler is found (an event
+    called directly)."""
+    from transformers.trainer_callback import CallbackHandler
+
+    frame = sys._getframe(1)
+    for _ in range(4):  # this function <- on_train_begin <- call_event (<- on_train_begin of the handler)
+        frame = frame.f_back
+        if frame is None:
+            return None
+        handler = frame.f_locals.get("self")
+        if isinstance(handler, CallbackHandler):
+            return list(handler.callbacks)
+    return None
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -34,7 +34,8 @@ guards the optimizer step and copies the state in the background. What it does, 
   DataLoader's seed); the training RNG is put back after it, as Lightning already does around its
   sanity check, so a restored run that does not repeat a validation replays the same numbers.
 
-Refused with :class:`cf_ray.ConfigError`: DeepSpeed and FSDP strategies, manual optimization,
+Refused with :class:`cf_ray.ConfigError`: a second ``CfRayCallback`` in the same Trainer (before
+anything is built or restored), DeepSpeed and FSDP strategies, manual optimization,
 several optimizers, several train DataLoaders, an ``IterableDataset``, a custom train sampler,
 ``reload_dataloaders_every_n_epochs``, and ``trainer.fit(ckpt_path=...)`` (cf_ray restores the run
 itself). A restart on another number of workers raises :class:`cf_ray.ElasticResumeError`.
@@ -57,7 +58,7 @@ from cf_ray.checkpointer import Checkpointer, FinishSummary, Resume
 from cf_ray.config import CheckpointConfig
 from cf_ray.data.sampler import ResumableDistributedSampler
 from cf_ray.errors import ConfigError
-from cf_ray.integrations._common import ResumableBatches, RngHold, UpdateScope, install_batches
+from cf_ray.integrations._common import ResumableBatches, RngHold, UpdateScope, install_batches, refuse_another
 
 
 class CfRayCallback(pl.Callback):
@@ -86,6 +87,8 @@ class CfRayCallback(pl.Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.checkpointer is not None:
             raise ConfigError("CfRayCallback: fit() was called twice with the same callback; use one per fit()")
+        callbacks = trainer.callbacks  # pyright: ignore[reportAttributeAccessIssue] - set by its callback connector
+        refuse_another(callbacks, self, "pl.Trainer(callbacks=[...])")
         _refuse(trainer, pl_module)
         tracked: dict[str, Any] = {"model": pl_module, "optimizer": trainer.optimizers[0]}
         for i, cfg in enumerate(trainer.lr_scheduler_configs):
