@@ -1,20 +1,33 @@
 # Set-up and entry points. Every target creates the virtual environment if it is missing.
-# torch is installed first, pinned, so that no multi-GB CUDA build is pulled in on CPU machines.
+# torch is installed first, pinned, so that pip does not pick another build for cf_ray's `torch>=2.13`.
+# On a machine without a GPU, take the CPU build (about 190 MB against several GB for the CUDA one
+# that the public index serves): TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu make test
+# (the URL is given to pip as --index-url for the torch step only; unset, pip uses its own indexes).
+# EXTRAS names the optional dependency groups installed with cf_ray: `dali` (NVIDIA DALI, about 1 GB)
+# is there because the default suite runs DALI on the CPU (tests/data/test_dali_iterator.py skips
+# without it); `make test EXTRAS=test,notebooks,plot,lint,docs` leaves it out.
 
 VENV    ?= .venv
 PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 TORCH   ?= torch==2.13.0
+TORCH_INDEX_URL ?=
+EXTRAS  ?= test,notebooks,plot,dali,lint,docs
 PYTEST_ARGS ?=
 
 .PHONY: demo test test-all test-fast lint format docs docs-serve bench bench-quick clean
 
 $(VENV)/.installed: pyproject.toml Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e '.[test,notebooks,plot,dali,lint,docs]'
-	touch $@
+	@echo "set-up 1/4: creating the virtual environment $(VENV) with $(PYTHON)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "set-up 2/4: upgrading pip"
+	@$(PY) -m pip install --quiet --upgrade pip
+	@echo "set-up 3/4: installing $(TORCH) from $(or $(TORCH_INDEX_URL),pip's configured index (no GPU here? TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu takes the 190 MB CPU build instead of the CUDA one))"
+	@$(PY) -m pip install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) $(TORCH)
+	@echo "set-up 4/4: installing cf_ray (editable), Ray 2.60, pyarrow and the extras [$(EXTRAS)] (with dali: about 1 GB more)"
+	@$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	@$(PY) -c "import torch, ray; print(f'set-up done: torch {torch.__version__}, ray {ray.__version__}')"
+	@touch $@
 
 # Bytecode of the source tree's packages, written if missing or stale (benchmarks/bytecode.py: the
 # editable install's modules are otherwise compiled again in every Ray process where
