@@ -408,3 +408,30 @@ def test_the_limitations_quote_the_readmes_figures():
     readme = _readme()
     figures = re.findall(r"[+-]\d+(?:\.\d+)? ?%", (DOCS / "limitations.md").read_text())
     assert [f for f in figures if f not in readme] == []
+
+
+def _cost_rows(text: str) -> list[str]:
+    """The rows of the cost table (the one whose header starts ``| setting (state) |``)."""
+    start = text.index("| setting (state) |")
+    return text[start : text.index("\n\n", start)].splitlines()
+
+
+def test_the_docs_home_and_the_package_page_show_the_readmes_cost_table():
+    readme = _cost_rows(_readme())
+    assert len(readme) >= 4, "README.md's cost table has no rows"
+    assert _cost_rows((DOCS / "index.md").read_text()) == readme, "docs/index.md's cost table is not the README's"
+    assert _cost_rows((pathlib.Path(ROOT) / "README.pypi.md").read_text()) == readme, (
+        "README.pypi.md's cost table is not the README's"
+    )
+
+
+def test_the_package_page_works_without_the_repository():
+    """README.pypi.md is the long description an index shows, where no file of the repository is:
+    no relative link, and its diff is the example's, like the README's."""
+    page = pathlib.Path(ROOT) / "README.pypi.md"
+    text = page.read_text()
+    relative = [t for t in _LINK.findall(text) if not re.match(r"[a-z][a-z0-9+.-]*:", t)]
+    assert relative == [], f"README.pypi.md links where an index page cannot: {relative}"
+    (diff,) = [body for _, lang, body in _blocks(page) if lang == "diff"]
+    readme_diffs = [body for _, lang, body in _blocks(pathlib.Path(ROOT) / "README.md") if lang == "diff"]
+    assert diff in readme_diffs, "README.pypi.md's diff is not the README's (which tests/test_docs.py checks)"
