@@ -395,3 +395,58 @@ def test_populated_buffers_are_writable_and_zero_sized_ones_work():
     assert buf.flags.writeable and buf.nbytes == 8 << 20 and not buf.any()
     assert shm.private_buffer(0).nbytes == 0
     assert shm.release(np.zeros(10, dtype=np.uint8), 0, 10) == 0  # not a private buffer: nothing
+
+
+def _high_fd(sock: socket.socket, at: int) -> socket.socket:
+    """``sock`` moved to descriptor number ``at`` (a busy holder has that many open)."""
+    os.dup2(sock.fileno(), at)
+    sock.close()
+    return socket.socket(fileno=at)
+
+
+def test_waiting_to_send_works_on_a_descriptor_above_1024():
+    """A busy holder's connections get descriptors past 1024, which ``select`` cannot wait on: the
+    wait for a reader to take more bytes returns when it can, and gives up after the stall time."""
+    a, b = socket.socketpair()
+    a = _high_fd(a, 1500)
+    try:
+        a.setblocking(False)
+        wire.wait_writable(a, 1.0)  # an empty buffer: at once
+        with pytest.raises(BlockingIOError):
+            while True:  # fill what the reader does not take
+                a.send(b"x" * 65536)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="took nothing"):
+            wire.wait_writable(a, 0.3)
+        assert 0.25 < time.monotonic() - t0 < 5
+        threading.Timer(0.2, lambda: b.recv(1 << 20)).start()  # the reader takes some
+        wire.wait_writable(a, 10)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_section_streams_whole_from_a_holder_whose_descriptors_are_above_1024():
+    """The same through the server: its listening socket and every connection it accepts are past
+    descriptor 1024, and a reader that takes the bytes slowly makes the send wait for room."""
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        srv = stream.SectionServer("127.0.0.1")
+        nbytes = 4 << 20
+        data = np.random.default_rng(2).integers(0, 256, size=nbytes, dtype=np.uint8)
+        fd = _slot_file(data)
+        try:
+            released = threading.Event()
+            desc, watch = srv.offer(nbytes, released.set, fd=fd, offset=shm.HEADER_BYTES)
+            dest = shm.private_buffer(nbytes)
+            _throttled_fetch(desc, dest.data, nbytes / 0.5)
+            assert released.wait(5) and watch.state == "served", watch.state
+            assert np.array_equal(dest, data)
+        finally:
+            os.close(fd)
+            srv.close()
+    finally:
+        for h in held:
+            os.close(h)

@@ -30,6 +30,7 @@ No Ray and no torch here.
 from __future__ import annotations
 
 import os
+import selectors
 import socket
 import ssl
 import struct
@@ -165,17 +166,18 @@ def fetch(desc: StreamDesc, wait_s: float) -> np.ndarray:
 
 
 def wait_writable(conn: socket.socket, stall_s: float) -> None:
-    """Block until ``conn`` can take more bytes, at most ``stall_s``."""
-    import select
-
+    """Block until ``conn`` can take more bytes, at most ``stall_s``. Waits through
+    ``selectors`` (epoll or poll), not ``select``, which refuses a descriptor numbered 1024 or more: a busy holder's
+    connections get there."""
     deadline = time.monotonic() + stall_s
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"the reader took nothing for {stall_s:.0f} s")
-        _, w, _ = select.select([], [conn], [], left)
-        if w:
-            return
+    with selectors.DefaultSelector() as sel:
+        sel.register(conn, selectors.EVENT_WRITE)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the reader took nothing for {stall_s:.0f} s")
+            if sel.select(left):
+                return
 
 
 __all__ = [
