@@ -435,3 +435,48 @@ def test_the_package_page_works_without_the_repository():
     (diff,) = [body for _, lang, body in _blocks(page) if lang == "diff"]
     readme_diffs = [body for _, lang, body in _blocks(pathlib.Path(ROOT) / "README.md") if lang == "diff"]
     assert diff in readme_diffs, "README.pypi.md's diff is not the README's (which tests/test_docs.py checks)"
+
+
+#: The Checkpointer's members that are handles of cf_ray's internals (its actors, its storage, its
+#: preemption watcher) or a benchmark's diagnostic: public attributes, not part of the documented API.
+_CHECKPOINTER_INTERNAL = {"controller", "holder", "storage", "preemption", "cpu_budget"}
+
+
+def test_the_checkpointer_reference_leads_with_the_training_loops_calls_and_hides_internal_handles():
+    import inspect
+
+    import yaml
+
+    from cf_ray import Checkpointer
+
+    text = (DOCS / "reference" / "package.md").read_text()
+    m = re.search(r"^::: cf_ray\.Checkpointer\n((?:[ ]{4}.*\n)+)", text, re.M)
+    assert m, "docs/reference/package.md has no '::: cf_ray.Checkpointer' block"
+    options = yaml.safe_load("\n".join(line[4:] for line in m.group(1).splitlines()))["options"]
+    listed = options.get("members")
+    assert isinstance(listed, list), "the Checkpointer block lists its members in order (options: members:)"
+    assert listed[:5] == ["restore", "step", "end_epoch", "finish", "save"], listed
+    assert options.get("group_by_category") is False, "grouped by category, the list's order is lost"
+    public = {n for n, _ in inspect.getmembers(Checkpointer) if not n.startswith("_")}
+    public |= {n for n in vars(Checkpointer).get("__annotations__", {}) if not n.startswith("_")}
+    source = inspect.getsource(Checkpointer)
+    public |= set(re.findall(r"^        self\.([a-z]\w*)\b[^=\n]*=", source, re.M))  # instance attributes
+    assert sorted(set(listed) - public) == [], "the reference lists members the Checkpointer does not have"
+    shown_internal = sorted(set(listed) & _CHECKPOINTER_INTERNAL)
+    assert shown_internal == [], f"internal handles in the reference: {shown_internal}"
+    documented = {n for n in public - _CHECKPOINTER_INTERNAL if (getattr(Checkpointer, n, None).__doc__ or "")}
+    unlisted = sorted(n for n in documented if n not in listed and callable(getattr(Checkpointer, n, None)))
+    assert unlisted == [], f"a documented method of Checkpointer left out of the reference: {unlisted}"
+
+
+def test_no_initializer_code_in_the_api_reference():
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("", lambda loader, suffix, node: None)
+    with open(os.path.join(ROOT, "mkdocs.yml")) as f:
+        config = yaml.load(f, Loader=Loader)
+    (handler,) = [p["mkdocstrings"] for p in config["plugins"] if isinstance(p, dict) and "mkdocstrings" in p]
+    assert handler["handlers"]["python"]["options"].get("show_attribute_values") is False
