@@ -23,6 +23,12 @@ from cf_ray._version import check_ray_version as _check_ray_version
 
 _check_ray_version()
 
+# Ray Train's settings that make a failure cost less (its health-check interval), set in the driver
+# before fit() passes them on; a user's own values are kept, CF_RAY_RAY_TRAIN_DEFAULTS=0 keeps Ray's.
+from cf_ray._engine.ray_train_fast import apply_driver_defaults as _apply_driver_defaults  # noqa: E402
+
+_apply_driver_defaults()
+
 # Names are loaded on first use (PEP 562): cf_ray's actors (controller, holder) import
 # ``cf_ray._engine.driver`` / ``cf_ray._engine.node``, which run this file first, and must not pay for
 # torch and pandas they never use (seconds of CPU per actor process on a small machine).

@@ -96,6 +96,9 @@ RESTART_COLUMNS: dict[str, Any] = {
     "recovery_s": "float64",
     "fallbacks": "Int64",
     "memory_failed": "Int64",
+    "rebuild_s": "float64",
+    "setup_s": "float64",
+    "first_step_s": "float64",
 }
 # How a per-rank value (a sequence, or a mapping rank -> value) becomes the row's value.
 _PER_RANK = {"stall_s": max, "copy_s": max, "persist_s": max, "bytes": sum}
@@ -150,8 +153,12 @@ def restarts_frame(rows: Iterable[Mapping] | pd.DataFrame) -> pd.DataFrame:
     times the mean iteration time), ``failure_unix`` (the newest sample before the restart: the
     controller's best estimate of the failure time), ``restored_unix``, ``resumed_unix`` (the end of
     the first iteration past ``restored_step``), ``recovery_s`` (``resumed_unix - failure_unix``),
-    ``fallbacks`` (restore candidates the attempt fell back from before the one it restored) and
-    ``memory_failed`` (of those, in-memory snapshots whose bytes failed verification).
+    ``fallbacks`` (restore candidates the attempt fell back from before the one it restored),
+    ``memory_failed`` (of those, in-memory snapshots whose bytes failed verification), and the
+    parts of ``recovery_s``: ``rebuild_s`` (to the start of rank 0's new process: Ray Train seeing
+    the failure and rebuilding the worker group), ``setup_s`` (from there to ``restore()``: imports,
+    ``init_process_group``, the user's set-up), ``restore_s`` and ``first_step_s`` (from the restore
+    to the end of the first resumed iteration).
     """
     records = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else [dict(r) for r in rows]
     return _frame(records, RESTART_COLUMNS)

@@ -73,12 +73,8 @@ class Badput(Goodput):
         """Sum over checkpoints of the slowest rank's training-thread stall."""
         self._stalls: collections.OrderedDict[tuple[int, int], dict[int, float]] = collections.OrderedDict()
 
-    def on_restore(
-        self, *, generation: int, source: str, step: int, restore_s: float, now_unix: float
-    ) -> Restart | None:
-        restart = super().on_restore(
-            generation=generation, source=source, step=step, restore_s=restore_s, now_unix=now_unix
-        )
+    def on_restore(self, *, restore_s: float, **kw) -> Restart | None:
+        restart = super().on_restore(restore_s=restore_s, **kw)
         if restart is None:  # the run's start: its restore is badput too
             self.start_restore_s += float(restore_s or 0.0)
         return restart
@@ -121,7 +117,20 @@ class Badput(Goodput):
             "badput_s": bad,
             "shares": shares,
             "restarts": len(restarts),
+            "recovery_parts_s": _parts(restarts),
         }
+
+
+def _parts(restarts: list[Restart]) -> dict:
+    """The recovery's parts summed over the restarts that have them (``Restart.rebuild_s``,
+    ``setup_s``, ``restore_s``, ``first_step_s``): where the ``recovery`` and ``checkpoint_restore``
+    badput went, with how many restarts each sum covers."""
+    out: dict = {}
+    for name in ("rebuild_s", "setup_s", "restore_s", "first_step_s"):
+        vals = [getattr(r, name) for r in restarts if getattr(r, name) is not None]
+        out[name] = sum(vals)
+        out[name.removesuffix("_s") + "_count"] = len(vals)
+    return out
 
 
 def _infra(r: Restart, iter_s: float) -> float:

@@ -10,6 +10,7 @@ controller's lock.
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import asdict, dataclass
 
 
@@ -45,6 +46,15 @@ class Restart:
     """Restore candidates this attempt tried and fell back from before the one it restored."""
     memory_failed: int = 0
     """Of those, in-memory snapshots whose bytes failed verification (block checksums, fingerprints)."""
+    rebuild_s: float | None = None
+    """Of ``recovery_s``, from ``failure_unix`` to the start of rank 0's new process: Ray Train
+    seeing the failure, tearing the old worker group down, placing and starting the new one.
+    ``None`` when unknown (rank 0's process is older than the failure: it was not replaced)."""
+    setup_s: float | None = None
+    """From the start of rank 0's new process to its call of ``restore()``: the process's imports,
+    ``init_process_group`` and the user's set-up (model, optimizer, ``Checkpointer``)."""
+    first_step_s: float | None = None
+    """From the restore reaching the controller to the end of the first resumed iteration."""
 
 
 class Goodput:
@@ -133,6 +143,7 @@ class Goodput:
         resumed.resumed_unix = max(resumed.restored_unix, now_unix - max(0, covered - 1) * (iter_s if timed else 0))
         if resumed.failure_unix is not None:
             resumed.recovery_s = max(0.0, resumed.resumed_unix - resumed.failure_unix)
+        resumed.first_step_s = max(0.0, resumed.resumed_unix - resumed.restored_unix)
         return resumed
 
     def on_progress(self, generation: int, step: int, now_unix: float) -> None:
@@ -152,10 +163,19 @@ class Goodput:
         self._fallbacks.append((str(source), str(cause)))
 
     def on_restore(
-        self, *, generation: int, source: str, step: int, restore_s: float, now_unix: float
+        self,
+        *,
+        generation: int,
+        source: str,
+        step: int,
+        restore_s: float,
+        now_unix: float,
+        process_start_unix: float | None = None,
+        restore_begin_unix: float | None = None,
     ) -> Restart | None:
         """An attempt restored ``step``; returns the restart it makes (``None`` for the run's start:
-        the first restore, unless samples came before it)."""
+        the first restore, unless samples came before it). ``process_start_unix`` and
+        ``restore_begin_unix`` (rank 0's, when it sent them) split the recovery into its parts."""
         step, previous_attempt_unix = int(step), self._attempt_unix
         self._generation = max(int(generation), self._generation or 0)
         self._attempt_unix = now_unix
@@ -182,6 +202,7 @@ class Goodput:
             fallbacks=len(self._fallbacks),
             memory_failed=sum(1 for src, cause in self._fallbacks if src == "memory" and cause == "verification"),
         )
+        _split(restart, process_start_unix, restore_begin_unix)
         self._fallbacks = []
         self.lost_steps_total += lost
         self.lost_s_total += restart.lost_s or 0.0
@@ -216,4 +237,28 @@ class Goodput:
         return [asdict(r) for r in self.restarts]
 
 
-__all__ = ["Goodput", "Restart"]
+def restore_args(event: dict) -> dict:
+    """:meth:`Goodput.on_restore`'s arguments from the controller's ``restore`` event."""
+    return {
+        "generation": event.get("generation") or 0,
+        "source": str(event.get("source")),
+        "step": event.get("step") or 0,
+        "restore_s": event.get("seconds") or 0.0,
+        "now_unix": event.get("time") or time.time(),
+        "process_start_unix": event.get("process_start_unix"),
+        "restore_begin_unix": event.get("restore_begin_unix"),
+    }
+
+
+def _split(restart: Restart, process_start_unix: float | None, restore_begin_unix: float | None) -> None:
+    """The parts of a restart's recovery before its restore, from rank 0's process start and its call
+    of ``restore()``; left ``None`` where a time is missing or rank 0's process predates the failure."""
+    failed = restart.failure_unix
+    if process_start_unix is None or failed is None or process_start_unix < failed:
+        return
+    restart.rebuild_s = process_start_unix - failed
+    if restore_begin_unix is not None and restore_begin_unix >= process_start_unix:
+        restart.setup_s = restore_begin_unix - process_start_unix
+
+
+__all__ = ["Goodput", "Restart", "restore_args"]

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from cf_ray._engine import env as _env
 from cf_ray._engine.driver.badput import Badput
 from cf_ray._engine.driver.events import EventLog, fallback_cause
-from cf_ray._engine.driver.goodput import Restart
+from cf_ray._engine.driver.goodput import Restart, restore_args
 from cf_ray._engine.driver.jit import JitWatch, SafeTier
 from cf_ray._engine.driver.metrics import MetricsExport
 from cf_ray._engine.driver.profile_parts import ProfileParts, merge_rows, new_lineage
@@ -395,13 +395,7 @@ class ProfileBook:
             self._export.taken_out("quarantined" if kind == "quarantined" else "memory")
         elif kind == "restore":  # the controller's restored(): a restart's cost, or the run's start
             try:
-                restart = self.goodput.on_restore(
-                    generation=event.get("generation") or 0,
-                    source=str(event.get("source")),
-                    step=event.get("step") or 0,
-                    restore_s=event.get("seconds") or 0.0,
-                    now_unix=event.get("time") or time.time(),
-                )
+                restart = self.goodput.on_restore(**restore_args(event))
                 if restart is not None:
                     self._export_goodput(restart)
                 self.schedule.failures.restore(event, restart)

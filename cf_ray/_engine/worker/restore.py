@@ -36,6 +36,7 @@ as a hang in a collective:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -112,6 +113,19 @@ def newest_committed(plan: RestorePlan) -> int:
 
 def _newest_stored(plan: RestorePlan) -> int:
     return max([plan.storage[0] if plan.storage else -1] + [t[0] for t in plan.tiers if t])
+
+
+def process_start_unix() -> float | None:
+    """When this process started (wall clock), from ``/proc`` (``None`` where there is none): a
+    restart's recovery splits at the new rank 0's process start."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 class Restorer:
@@ -411,6 +425,8 @@ class Restorer:
         """Tell the controller where the attempt resumed from (rank 0) and log it."""
         if self.rank == 0:
             extra = self.record.fallbacks.extra()  # the candidates skipped, and why (the restart's event)
+            # Where the restart's recovery went before the restore (Restart.rebuild_s, setup_s).
+            extra.update(process_start_unix=process_start_unix(), restore_begin_unix=time.time() - seconds)
             self.link.controller.restored.remote(
                 Restored(
                     source=outcome.source,

@@ -1,0 +1,65 @@
+"""What cf_ray sets in Ray Train so that a failure costs less time: every dependence on Ray Train's
+internals (environment variable names, their meaning in the pinned Ray) is in this module.
+
+Ray Train's controller finds a dead rank by polling its workers every
+``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` seconds (2 s by default on Ray 2.60): the poll of a killed
+worker's actor fails at the first poll after its death, so detection waits half an interval on
+average and a whole one at worst. A poll is one small actor call per rank; cf_ray makes it shorter.
+The controller reads the variable from the driver's environment when ``fit()`` starts it (Ray
+Train passes it from the driver to the controller), so cf_ray sets it in the driver's process when
+``cf_ray`` is imported there, where a user's ``TorchTrainer`` script imports it.
+
+Only a variable the user did not set is set; ``CF_RAY_RAY_TRAIN_DEFAULTS=0`` (before
+``import cf_ray``, or before :func:`apply_driver_defaults` runs again) leaves Ray Train's own
+defaults, and takes back what cf_ray set before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import MutableMapping
+
+logger = logging.getLogger("cf_ray")
+
+#: ``0`` keeps Ray Train's own defaults for the variables below.
+ENABLE = "CF_RAY_RAY_TRAIN_DEFAULTS"
+
+#: Ray Train's variables and the values cf_ray gives them when the user has not.
+DEFAULTS: dict[str, str] = {
+    # Ray Train 2.60 (ray/train/v2/_internal/constants.py): seconds between two polls of the
+    # workers' status by the controller; a dead rank is seen at the first poll after its death.
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
+}
+
+_set_by_cf_ray: dict[str, str] = {}
+"""The variables this process's cf_ray set, with the value it set (taken back when turned off)."""
+
+
+def enabled(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Whether cf_ray's Ray Train settings apply (``CF_RAY_RAY_TRAIN_DEFAULTS`` is not ``0``)."""
+    env = os.environ if environ is None else environ
+    return env.get(ENABLE, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def apply_driver_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Set each of :data:`DEFAULTS` the user did not set; returns what is now set by cf_ray.
+
+    Turned off (``CF_RAY_RAY_TRAIN_DEFAULTS=0``), it removes the variables it set before whose
+    value is still the one it set, so Ray Train's defaults apply to the next ``fit()``.
+    """
+    env = os.environ if environ is None else environ
+    if not enabled(env):
+        for name, value in list(_set_by_cf_ray.items()):
+            if env.get(name) == value:
+                del env[name]
+            del _set_by_cf_ray[name]
+        return {}
+    for name, value in DEFAULTS.items():
+        if name not in env:
+            env[name] = value
+            _set_by_cf_ray[name] = value
+    return {k: v for k, v in _set_by_cf_ray.items() if env.get(k) == v}
+
+
+__all__ = ["DEFAULTS", "ENABLE", "apply_driver_defaults", "enabled"]
