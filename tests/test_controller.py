@@ -375,6 +375,66 @@ def test_a_step_committed_again_after_its_quarantine_is_listed_again(controller,
     assert m.generation == ctl.generation
 
 
+def test_a_suspect_step_committed_again_by_the_next_generation_is_the_good_checkpoint_everywhere(
+    controller, capsys, tmp_path
+):
+    """A trust-gate rollback quarantines step 8 of generation 1 (its state went non-finite after a
+    restore); the next attempt (generation 2) replays and commits step 8 again. That checkpoint is
+    not the one quarantined: a controller that starts again restores it and keep-last counts and
+    deletes it; ``resumable_checkpoint``, ``resume_from=<run dir>``, ``list_checkpoints``,
+    and ``cf-ray ls`` all see it, and none still calls step 8 quarantined. The
+    quarantine stays on generation 1's checkpoint alone (were step 8 not committed again, it would
+    still be hidden)."""
+    from cf_ray import cli
+    from cf_ray._engine.worker.restore_storage import other_run_checkpoint
+    from cf_ray.load import list_checkpoints, quarantined_checkpoints, resumable_checkpoint
+
+    run = tmp_path / "run" / "cf_ray"  # as Ray Train lays a run out: cf-ray ls is given tmp_path/run
+
+    ctl = controller(run, keep_last=None)
+    for step in (6, 8):
+        _commit(ctl, step)
+    suspect = ctl.generation
+    ctl.prepare_restore(WORLD)
+    assert ctl.distrust(suspect, 8, "non_finite: rank 0: loss inf").quarantined
+    ctl.restored(Restored(source=RestoreSource.STORAGE, step=6, epoch=0))
+    _wait_maintenance(ctl)
+    root = ctl.storage.root
+    assert list(quarantined_checkpoints(root)) == [8]  # generation 1's step 8: hidden
+    assert controller(run, keep_last=None).summary()["committed_steps"] == [6]
+    _commit(ctl, 8)  # the replay commits step 8 again, generation 2
+    _wait_maintenance(ctl)
+    assert ctl.summary()["committed_steps"] == [6, 8]
+    assert mf.read_manifest(ctl.storage, mf.step_dir(8)).generation == ctl.generation != suspect
+    # Every reader, a controller started again among them.
+    again = controller(run, keep_last=None)
+    assert again.summary()["committed_steps"] == [6, 8]
+    assert again.prepare_restore(WORLD).storage == (8, 6)
+    assert resumable_checkpoint(root)[1] == mf.step_dir(8)
+    found = other_run_checkpoint(root, None)
+    assert found is not None and found[1] == mf.step_dir(8)
+    assert [c.step for c in list_checkpoints(root)] == [6, 8]
+    assert quarantined_checkpoints(root) == {}
+    capsys.readouterr()
+    assert cli.main(["ls", str(tmp_path / "run")]) == 0
+    listed = capsys.readouterr().out
+    assert "step_000000000008" in listed and "quarantined" not in listed, listed
+    # The same when the controller died before it took the entry out of quarantine.json: the entry
+    # names generation 1's checkpoint, which is no longer the one on storage.
+    mf.write_quarantine(ctl.storage, {8: mf.Quarantined("non_finite", suspect, damaged=False)})
+    assert controller(run, keep_last=None).prepare_restore(WORLD).storage == (8, 6)
+    assert resumable_checkpoint(root)[1] == mf.step_dir(8) and quarantined_checkpoints(root) == {}
+    # Keep-last counts it and deletes it in turn.
+    kept = controller(run, keep_last=1)
+    kept.prepare_restore(WORLD)
+    kept.restored(Restored(source=RestoreSource.STORAGE, step=8, epoch=0))
+    for step in (10, 12):
+        _commit(kept, step)
+    _wait_maintenance(kept)
+    assert kept.summary()["committed_steps"] == [12]
+    assert [c.step for c in mf.list_committed(kept.storage)] == [12]
+
+
 def test_one_ranks_read_error_never_quarantines_a_checkpoint_that_reads_back_intact(controller, monkeypatch):
     """Issue 23 #7: a rank's restore could not read step 8 (a file missing for a moment: a flaky
     mount, an object store's listing lag) and reported it as corrupt. The controller re-reads it,

@@ -400,9 +400,14 @@ def test_a_restore_that_goes_non_finite_rolls_back_once_and_ends_bitwise(ray_clu
     assert torch.equal(model.weight, ref_model.weight) and torch.equal(model.bias, ref_model.bias)
     (rollback,) = summary.rollbacks
     assert rollback["suspect_step"] == 15 and not rollback["stopped"]
-    assert 15 in quarantined_checkpoints(str(tmp_path / name))  # the suspect, with the reason
     (distrusted,) = [e for e in events if e["event"] == "distrusted"]
     assert (distrusted["step"], distrusted["generation"]) == (15, 1) and distrusted["reason"].startswith("non_finite")
+    # The suspect checkpoint was quarantined, with the reason; the replay's step 15 (a later
+    # generation) is a checkpoint of its own, which replaced it on storage and is not quarantined.
+    (quarantined,) = [e for e in events if e["event"] == "quarantined"]
+    assert (quarantined["step"], quarantined["generation"]) == (15, 1) and quarantined["error"].startswith("non_finite")
+    assert 15 not in quarantined_checkpoints(str(tmp_path / name))
+    assert 15 in [c.step for c in cf_ray.list_checkpoints(str(tmp_path / name))]
 
 
 def test_bytes_changed_in_memory_after_their_checksums_are_never_written(tmp_path):

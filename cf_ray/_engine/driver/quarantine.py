@@ -2,7 +2,8 @@
 
 * **A committed checkpoint** is quarantined — taken out of the committed index (restore plans no
   longer name it, keep-last no longer counts nor deletes it), listed in ``quarantine.json`` with the
-  reason, kept on storage for inspection — only when the controller itself re-reads it and finds it
+  reason and its generation (a later generation's commit of the same step is another checkpoint,
+  not quarantined), kept on storage for inspection — only when the controller itself re-reads it and finds it
   damaged: its manifest unreadable, a file missing, or a file whose size or CRC-32 differs from the
   manifest's. A rank's read error is a *suspicion* (:meth:`Quarantine.suspect`): the re-read runs
   on the maintenance thread, off the RPC lock, and a checkpoint that reads back intact (a transient
@@ -39,7 +40,7 @@ from cf_ray._engine import env as _env
 from cf_ray._engine.driver.commits import CommitBook
 from cf_ray._engine.driver.profile_book import ProfileBook
 from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.format.manifest import QUARANTINE, load_quarantine_with_causes, write_quarantine
+from cf_ray._engine.format.manifest import QUARANTINE, Quarantined, load_quarantine_entries, write_quarantine
 from cf_ray._engine.protocol.messages import Distrusted
 from cf_ray._engine.storage.fs import Storage
 from cf_ray.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -131,13 +132,9 @@ class Quarantine:
         self._book = book
         self._run_soon = run_soon
         self._file_lock = threading.Lock()  # quarantine.json, written in order
-        self.steps: dict[int, str]
-        """step -> why, as ``quarantine.json`` lists them (under its own lock)."""
-        self._damaged: set[int]
-        """Steps quarantined for damaged bytes (a controller's own re-read; ``quarantine.json`` says
-        which, so a controller that starts again knows too): a re-commit lifts those only (a suspect
-        *state*, distrusted, is made again by the replay as it was)."""
-        self.steps, self._damaged = load_quarantine_with_causes(storage)
+        self.entries: dict[int, Quarantined] = load_quarantine_entries(storage)
+        """step -> the checkpoint quarantined (its generation) and why, as ``quarantine.json`` lists
+        them (under its own lock)."""
 
     # -- committed checkpoints --------------------------------------------------------------------------
     def suspect(self, step: int, error: str) -> None:
@@ -184,49 +181,54 @@ class Quarantine:
         the committed index."""
         why = str(why)[:500]
         with self._lock:
-            if not self._commits.quarantine(step, why, generation):
+            c = self._commits.index.get(step)
+            if c is None or not self._commits.quarantine(step, why, generation):
                 return False
-            self._book.add_event({"event": "quarantined", "step": step, "error": why, "time": time.time()})
+            self._book.add_event(
+                {"event": "quarantined", "step": step, "generation": c.generation, "error": why, "time": time.time()}
+            )
         with self._file_lock:
-            self.steps[step] = why
-            if damaged:
-                self._damaged.add(step)
-            else:
-                self._damaged.discard(step)
+            # Of that generation's checkpoint alone: a later generation's commit of the step is not it.
+            self.entries[step] = Quarantined(why, c.generation, damaged)
             try:
-                write_quarantine(self.storage, dict(self.steps), set(self._damaged))
+                write_quarantine(self.storage, dict(self.entries))
             except Exception as e:  # noqa: BLE001 - the index is already right; the file only outlives us
                 logger.warning("cf_ray: could not write %s: %s", QUARANTINE, e)
         logger.warning(
-            "cf_ray: checkpoint step %s quarantined (kept on storage, never restored from again, not counted "
-            "by keep-last): %s",
+            "cf_ray: checkpoint step %s (generation %d) quarantined (kept on storage, never restored from "
+            "again, not counted by keep-last): %s",
             step,
+            c.generation,
             why,
         )
         return True
 
     def recommitted(self, step: int, generation: int) -> None:
         """Step ``step`` was committed again, by ``generation`` (called under the controller's lock,
-        after the commit): a quarantine of an earlier checkpoint of that step *for damaged bytes*
-        no longer applies — its manifest was replaced by the new one, written from bytes verified as
-        they were persisted. ``quarantine.json`` is rewritten on the maintenance thread. Without
-        this, every later listing (a new controller, a new driver, ``cf-ray ls``) hid the new
-        checkpoint — a milestone among them (found by the fault soak). A quarantine for a suspect
-        state (trust-gated recovery) stays: the replay makes that state again. So does one read from a
-        file written before the causes were saved (why is not known)."""
+        after the commit): a quarantine of an earlier checkpoint of that step no longer applies —
+        its manifest was replaced by the new one, a checkpoint of its own (a quarantined
+        ``(generation, step)`` is never committed again). That holds whether the earlier one was
+        damaged or its state suspect (trust-gated recovery: the next generation replays the step;
+        should its state go non-finite again, the trust gate distrusts that checkpoint in turn). The
+        entry leaves ``quarantine.json`` on the maintenance thread; until then, and if the controller
+        dies first, readers already see the new checkpoint (the entry names the old generation).
+        Keyed by step alone, every later listing (a new controller, a new driver, ``cf-ray ls``,
+        ``resume_from``) hid the new checkpoint, and keep-last never deleted it."""
         with self._file_lock:
-            if step not in self.steps or step not in self._damaged:
+            q = self.entries.get(step)
+            if q is None or q.generation == generation:
                 return
         self._run_soon(lambda: self._lift(step, generation))
 
     def _lift(self, step: int, generation: int) -> None:
         with self._file_lock:
-            why = self.steps.pop(step, None)
-            self._damaged.discard(step)
-            if why is None:
+            q = self.entries.get(step)
+            if q is None or q.generation == generation:
                 return
+            del self.entries[step]
+            why = q.why
             try:
-                write_quarantine(self.storage, dict(self.steps), set(self._damaged))
+                write_quarantine(self.storage, dict(self.entries))
             except Exception as e:  # noqa: BLE001 - the index is already right; the file only outlives us
                 logger.warning("cf_ray: could not write %s: %s", QUARANTINE, e)
         self._event({"event": "quarantine_lifted", "step": step, "generation": generation, "was": why})

@@ -7,10 +7,10 @@ import json
 import logging
 from dataclasses import dataclass
 
-from cf_ray._engine.format.commit import UnsafeCheckpointError, _uri
-from cf_ray._engine.format.layout import _DIR_RE, CHECKPOINTS, MANIFEST
+from cf_ray._engine.format.commit import UnsafeCheckpointError, _uri, read_manifest
+from cf_ray._engine.format.layout import _DIR_RE, CHECKPOINTS, MANIFEST, step_dir
 from cf_ray._engine.storage.base import Storage, is_symlink
-from cf_ray.errors import UnsafePathError
+from cf_ray.errors import CfRayError, UnsafePathError
 
 logger = logging.getLogger("cf_ray")
 
@@ -31,39 +31,66 @@ class CommittedCheckpoint:
         return f"{CHECKPOINTS}/{self.name}"
 
 
-#: Committed checkpoints that a restore found corrupt: ``{"version": 1, "steps": {"<step>": "<why>"}}``
-#: at the run's root. They stay on storage for inspection, are never restored from again, never
-#: count toward keep-last, and are never deleted by it.
+#: Committed checkpoints taken out of use (a restore found them corrupt, or their state suspect):
+#: ``{"version": 1, "steps": {"<step>": "<why>"}, "damaged": [<step>, ...], "generations": {"<step>":
+#: <generation>}}`` at the run's root. A quarantine is of one checkpoint, ``(generation, step)``: a
+#: later generation's commit of the same step replaces that checkpoint's manifest and is not
+#: quarantined (a step without a generation, written before they were saved, is quarantined whatever
+#: its checkpoint's generation). A quarantined checkpoint stays on storage for inspection, is never
+#: restored from again, never counts toward keep-last, and is never deleted by it.
 QUARANTINE = "quarantine.json"
 
 
+@dataclass(frozen=True, slots=True)
+class Quarantined:
+    """One entry of :data:`QUARANTINE`."""
+
+    why: str
+    generation: int | None
+    """The generation whose checkpoint of the step is quarantined (``None``: any, an older file)."""
+    damaged: bool
+    """Quarantined for damaged bytes (the controller's own re-read), not for a suspect state."""
+
+
 def load_quarantine(storage: Storage) -> dict[int, str]:
-    """The quarantined steps and why (empty when there is no file; a damaged file is reported)."""
-    return load_quarantine_with_causes(storage)[0]
+    """The steps whose checkpoint on storage is quarantined, and why (empty when there is no file; a
+    damaged file is reported). A step committed again since by another generation is not among
+    them: its manifest (read for the steps listed only) names a generation not quarantined."""
+    out = {}
+    for step, q in load_quarantine_entries(storage).items():
+        if q.generation is not None:
+            try:
+                if read_manifest(storage, step_dir(step)).generation != q.generation:
+                    continue  # replaced by another generation's commit: that one is not quarantined
+            except (CfRayError, OSError):
+                pass  # gone or unreadable: still quarantined (nothing else there to restore)
+        out[step] = q.why
+    return out
 
 
-def load_quarantine_with_causes(storage: Storage) -> tuple[dict[int, str], set[int]]:
-    """The quarantined steps and why, and which of them were quarantined for damaged bytes (the
-    controller's own re-read; the others hold a suspect state). A file written before the causes
-    were saved names none as damaged."""
+def load_quarantine_entries(storage: Storage) -> dict[int, Quarantined]:
+    """Every entry of :data:`QUARANTINE` as written (empty when there is no file; a damaged file is
+    reported), whether or not a later commit replaced its checkpoint."""
     try:
         if not storage.exists(QUARANTINE):
-            return {}, set()
+            return {}
         raw = json.loads(bytes(storage.read_file(QUARANTINE)))
         steps = {int(k): str(v) for k, v in raw["steps"].items()}
-        return steps, {int(s) for s in raw.get("damaged", ())} & set(steps)
+        damaged = {int(s) for s in raw.get("damaged", ())}
+        gens = {int(k): int(v) for k, v in raw.get("generations", {}).items()}
+        return {s: Quarantined(why, gens.get(s), s in damaged) for s, why in steps.items()}
     except Exception as e:  # noqa: BLE001 - a damaged list quarantines nothing; say so
         logger.warning("cf_ray: cannot read %s (%s); no checkpoint is quarantined", storage.uri(QUARANTINE), e)
-        return {}, set()
+        return {}
 
 
-def write_quarantine(storage: Storage, steps: dict[int, str], damaged: set[int] | None = None) -> None:
-    """Write the quarantine list (storage I/O: never under the controller's lock); ``damaged``: the
-    steps among them quarantined for damaged bytes (a re-commit of one lifts it)."""
+def write_quarantine(storage: Storage, entries: dict[int, Quarantined]) -> None:
+    """Write the quarantine list (storage I/O: never under the controller's lock)."""
     body = {
         "version": 1,
-        "steps": {str(k): v for k, v in sorted(steps.items())},
-        "damaged": sorted(s for s in (damaged or ()) if s in steps),
+        "steps": {str(k): q.why for k, q in sorted(entries.items())},
+        "damaged": sorted(s for s, q in entries.items() if q.damaged),
+        "generations": {str(k): q.generation for k, q in sorted(entries.items()) if q.generation is not None},
     }
     storage.write_file(QUARANTINE, [json.dumps(body).encode()])
 
