@@ -480,3 +480,56 @@ def test_no_initializer_code_in_the_api_reference():
         config = yaml.load(f, Loader=Loader)
     (handler,) = [p["mkdocstrings"] for p in config["plugins"] if isinstance(p, dict) and "mkdocstrings" in p]
     assert handler["handlers"]["python"]["options"].get("show_attribute_values") is False
+
+
+#: Development history on a page for users: an issue of the project's tracker (``#25``, ``issue 24``;
+#: another project's ``PR #N`` is a citation), a commit (``at 2a6e9b0``, ``(c560c69)``), a scratch directory.
+_HISTORY = re.compile(
+    r"(?<!PR )(?<![\w/&])#\d{1,3}\b|\bissues? \d+\b|/tmp/|\b(?:at|in|since|of) [0-9a-f]{7,40}\b|\([0-9a-f]{7,40}[;,)]"
+)
+
+#: Where the development history is kept: the benchmarks' history page and the design document.
+_HISTORY_PAGES = {"docs/benchmarks/history.md", "docs/ARCHITECTURE.md"}
+
+
+def test_user_pages_carry_no_development_history():
+    found = []
+    for page in _pages():
+        if _rel(page) in _HISTORY_PAGES:
+            continue
+        text = re.sub(r"^([ ]*)```.*?^\1```", "", page.read_text(), flags=re.S | re.M)  # outside code blocks
+        for line in text.splitlines():
+            found += [f"{_rel(page)}: {m.group(0)!r} in {line.strip()[:100]!r}" for m in _HISTORY.finditer(line)]
+    assert found == [], "development history on a user's page (it goes to docs/benchmarks/history.md): " + "; ".join(
+        found
+    )
+
+
+def test_every_benchmark_page_opens_with_its_current_figures():
+    """A reader meets what holds for the code as it is first; dated sessions are on the history page."""
+    wrong = []
+    for page in sorted((DOCS / "benchmarks").glob("*.md")):
+        if page.name in ("history.md", "json-keys.md"):
+            continue
+        sections = re.findall(r"^## (.+)$", re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M), re.M)
+        if not sections or sections[0] != "Current figures":
+            wrong.append(f"{page.name}: first section {sections[:1]}")
+    assert wrong == [], wrong
+
+
+def test_the_benchmark_pages_quote_the_readmes_figures():
+    """Every figure of the README's cost table is on the benchmark page of its row, as the README has it."""
+    pages = {
+        "2 CPU cores, a core free": "single-node.md",
+        "2 CPU cores, both training (302 MB)": "single-node.md",
+        "FSDP2": "fsdp2.md",
+        "H200": "gpu.md",
+    }
+    missing = []
+    for row in _cost_rows(_readme())[2:]:
+        (page,) = [p for key, p in pages.items() if key in row]
+        text = (DOCS / "benchmarks" / page).read_text()
+        for figure in re.findall(r"[+−-]?\d+\.\d+ % \[[^\]]+\]", row):
+            if figure not in text:
+                missing.append(f"{page}: {figure}")
+    assert missing == [], f"figures of the README's cost table missing from their pages: {missing}"
