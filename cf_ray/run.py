@@ -248,17 +248,38 @@ class Run:
         return self._need_live("explain", what="the policy's explanation")
 
     def events(self) -> list[dict]:
-        """Restores, fallbacks, re-profiles and interval changes recorded by the controller.
+        """Restores, fallbacks, re-profiles, failure counts and interval changes recorded by the
+        controller, oldest first.
+
+        From the live controller while the run is alive, else what the run saved at its end
+        (``<storage_path>/<name>/cf_ray/events.json``, beside the profile table).
 
         Raises:
-            RunUnavailableError: the run is not alive (events are not saved to storage), or the
+            RunUnavailableError: the run is not alive and saved no events (it is running in a
+                cluster this process is not connected to, or an older cf_ray ran it), or the
                 controller did not answer in time.
+            CorruptCheckpointError: the saved events are not readable.
 
         Example::
 
             restores = [e for e in cf_ray.Run("/mnt/runs", "my-run").events() if e["event"] == "restore"]
         """
-        return self._need_live("events", what="the run's events")
+        found, events = self._ask("events", what="the run's events")
+        if found:
+            return events
+        from cf_ray._engine.storage.fs import FsStorage
+        from cf_ray._report_events import EVENTS_FILE, load_events
+
+        storage = FsStorage.from_uri(self.storage_path, self.storage_filesystem).child(f"{self.name}/{_RUN_SUBDIR}")
+        saved = load_events(storage)
+        if saved is None:
+            raise RunUnavailableError(
+                f"no controller of {self!r} is alive"
+                f"{'' if ray.is_initialized() else ' (this process is not connected to Ray)'}, and the run saved no "
+                f"events at {storage.uri(EVENTS_FILE)} (a run saves them when it ends): for a run still going in "
+                "another process's cluster, connect to it with ray.init(address='auto'); check the path and name"
+            )
+        return saved
 
     def summary(self) -> dict:
         """What the run has committed and what failed.

@@ -419,9 +419,22 @@ class Ledger:
         self.book.parts.save_window(rows, events)
 
     def save_profile(self) -> None:
-        """Write the profile table and the policy's state to storage (never raises)."""
+        """Write the profile table, the events and the policy's state to storage (never raises)."""
         self.book.save(self.lock)
+        self.save_events()
         self.save_policy_state()
+
+    def save_events(self) -> None:
+        """Write the events as ``events.json`` beside the profile, so that a finished run's events
+        stay readable (``Run.events()``) once the controller is gone; never raises (a report)."""
+        from cf_ray._report_events import save_events
+
+        with self.lock:
+            events = list(self.book.events)
+        try:
+            save_events(self.book.storage, events)
+        except Exception as e:  # noqa: BLE001 - the events are a report, never a reason to fail
+            logger.warning("cf_ray: could not save the run's events: %s", e)
 
     def save_policy_state(self) -> None:
         with self.lock:
