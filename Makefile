@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@$(PY) -m pip install --quiet --upgrade pip
 	@echo "set-up 3/4: installing $(TORCH) from $(or $(TORCH_INDEX_URL),pip's configured index (no GPU here? TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu takes the 190 MB CPU build instead of the CUDA one))"
 	@$(PY) -m pip install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) $(TORCH)
-	@echo "set-up 4/4: installing cf_ray (editable), Ray 2.60, pyarrow and the extras [$(EXTRAS)] (with dali: about 1 GB more)"
+	@echo "set-up 4/4: installing cf_ray (editable), Ray 2.60, pyarrow and the extras [$(EXTRAS)]$(if $(findstring dali,$(EXTRAS)), (NVIDIA DALI among them: about 1 GB))"
 	@$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	@$(PY) -c "import torch, ray; print(f'set-up done: torch {torch.__version__}, ray {ray.__version__}')"
 	@touch $@
