@@ -16,9 +16,11 @@ file verified against its manifest before a byte is parsed; nothing unpickled) a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +29,7 @@ import torch
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.format.safetensors import _SAFETENSORS_DTYPES
 from cf_ray._engine.storage.fs import FsStorage
-from cf_ray.errors import CfRayError, CheckpointNotFoundError
+from cf_ray.errors import CfRayError, CheckpointNotFoundError, ConfigError
 from cf_ray.load import load_state
 
 FORMATS = ("safetensors", "torch")
@@ -90,9 +92,11 @@ def export_model(
         CorruptCheckpointError: a file of it fails verification.
         CfRayError: the checkpoint holds per-rank shards (``replicated=False`` with several ranks),
             or (safetensors) a value that is not a tensor or a dtype safetensors cannot store.
+        ConfigError: ``obj`` cannot name a file in ``out_dir`` (:func:`check_object_name`).
     """
     if to not in FORMATS:
         raise ValueError(f"to={to!r}: use one of {FORMATS}")
+    check_object_name(obj)
     path = choose(storage, directory, step, obj)
     manifest = mf.read_manifest(storage, path)
     if not manifest.replicated and manifest.world_size > 1:
@@ -220,15 +224,56 @@ def write_safetensors(f, tensors: dict[str, torch.Tensor], metadata: dict[str, s
             f.write(host.view(torch.uint8).numpy().data)
 
 
+def check_object_name(obj: str) -> str:
+    """``obj`` if it can name a tracked object's file in the export directory, else a ConfigError.
+
+    The name becomes ``<out_dir>/<obj>.safetensors``: a separator, ``.``/``..``, a leading dot or a
+    NUL would write elsewhere than the directory given (or hide the file), so such a name is refused
+    before it is joined into a path.
+    """
+    bad = (
+        not obj
+        or obj in (".", "..")
+        or obj.startswith(".")
+        or "\0" in obj
+        or "/" in obj
+        or "\\" in obj
+        or (os.altsep is not None and os.altsep in obj)
+        or os.path.isabs(obj)
+    )
+    if bad:
+        raise ConfigError(
+            f"--object {obj!r} is not a tracked object's name: give the name used in Checkpointer({{...}}), "
+            "e.g. --object model (no path separators, no leading dot)"
+        )
+    return obj
+
+
 def _atomic_write(target: str, write) -> None:
     """Write through a temporary file next to ``target``, renamed over it when complete (so a
-    reader never sees half a file); created with ``open`` so that the umask sets its mode."""
-    tmp = f"{target}.partial-{os.getpid()}"
+    reader never sees half a file).
+
+    The temporary file has an unpredictable name and is created with ``O_CREAT | O_EXCL``: it is
+    a new file, never one (or a symbolic link) someone placed there, so nothing outside the
+    directory can be written through it; ``os.replace`` then replaces ``target`` itself, a link
+    included, without following it. Mode 0o666 less the umask, as ``open`` would give.
+    """
+    directory, name = os.path.split(target)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = os.path.join(directory, f".{name}.{secrets.token_hex(8)}.partial")
+        try:
+            fd = os.open(tmp, flags, 0o666)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"could not create a temporary file next to {target}")
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             write(f)
         os.replace(tmp, target)
     except BaseException:
-        if os.path.exists(tmp):
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise

@@ -4,7 +4,9 @@ Every checkpoint's manifest is read and checked (its own checksum and schema, an
 its own directory), then every file it lists is read and checked against it (size and CRC-32); the
 tensor tables are parsed and every tensor must lie inside its data file; the final model's
 safetensors header must describe its file. Nothing is unpickled and nothing is loaded into a model.
-Files are read one at a time, so the memory needed is that of the largest file.
+Files are read in chunks of :data:`CHUNK_BYTES`, checksummed as they stream by, so the memory needed
+is one chunk, whatever the checkpoint's size; only a section's tensor table (its index, metadata) and
+a safetensors header are kept whole, to be parsed.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ import numpy as np
 
 from cf_ray._engine.format import layout
 from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.storage.base import Storage, is_symlink
+from cf_ray._engine.storage.base import Storage, _crc32, is_symlink
 from cf_ray.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
+
+#: Bytes read at a time: the memory ``verify`` needs, beyond the tensor tables.
+CHUNK_BYTES = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,16 +110,21 @@ def _check(storage: Storage, path: str, name: str, step: int) -> CheckpointCheck
     problems = []
     data_of_index = {names["index"]: names["data"] for names in manifest.sections.values() if "index" in names}
     for file_name in manifest.files:
+        final = file_name == layout.FINAL_MODEL_FILE and manifest.kind == "final"
         try:
-            buf = mf.read_verified(storage, path, manifest, file_name)
+            kept = _stream_verified(storage, path, manifest, file_name, keep=file_name in data_of_index)
+            if final:
+                kept = _safetensors_head(storage, f"{path}/{file_name}", manifest.files[file_name].size)
         except CorruptCheckpointError as e:  # UnsafeCheckpointError included
             problems.append(short(e))
             continue
+        except UnsafePathError as e:  # a file of the checkpoint is a symbolic link
+            problems.append(f"{file_name}: {short(e)}")
+            continue
         if file_name in data_of_index:
-            problems.extend(_check_index(buf, file_name, manifest.files[data_of_index[file_name]].size))
-        elif file_name == layout.FINAL_MODEL_FILE and manifest.kind == "final":
-            problems.extend(_check_safetensors(buf, file_name))
-        del buf
+            problems.extend(_check_index(kept, file_name, manifest.files[data_of_index[file_name]].size))
+        elif final:
+            problems.extend(_check_safetensors(kept, file_name, manifest.files[file_name].size))
     vanished = bool(problems) and not _still_there(storage, path)
     return CheckpointCheck(
         name,
@@ -125,6 +135,64 @@ def _check(storage: Storage, path: str, name: str, step: int) -> CheckpointCheck
         problems=("deleted while it was checked",) if vanished else tuple(problems),
         vanished=vanished,
     )
+
+
+def _stream_verified(storage: Storage, directory: str, manifest: mf.Manifest, name: str, *, keep: bool) -> np.ndarray:
+    """Check one file's size and CRC-32 against the manifest, reading it a chunk at a time; the
+    file's bytes when ``keep`` (a tensor table, to be parsed), else an empty array.
+
+    Raises:
+        CorruptCheckpointError: the file is missing, not a file, truncated, extended or altered.
+        UnsafePathError: it is a symbolic link.
+    """
+    info = manifest.files[name]
+    where = f"{storage.uri(directory)}/{name}"
+    read_range = getattr(storage, "read_range", None)
+    if read_range is None:  # a storage without ranged reads (the protocol's optional method): one read
+        return _check_whole(mf.read_verified(storage, directory, manifest, name), keep)
+    crc, size, parts = 0, 0, []
+    try:
+        while True:
+            # One byte more than the manifest's size at most: enough to tell an extended file.
+            want = min(CHUNK_BYTES, info.size + 1 - size)
+            chunk = read_range(f"{directory}/{name}", size, want) if want > 0 else np.empty(0, np.uint8)
+            crc = _crc32(chunk.data, crc) if chunk.nbytes else crc
+            size += chunk.nbytes
+            if keep and chunk.nbytes:
+                parts.append(np.array(chunk, copy=True))
+            done = chunk.nbytes < want or want <= 0
+            del chunk  # before the next read: one chunk in memory at a time
+            if done:
+                break
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where} is missing") from None
+    except (IsADirectoryError, NotADirectoryError) as e:
+        raise CorruptCheckpointError(f"{where} is not a file: {e}") from None
+    if size != info.size:
+        said, how = (f"more than {info.size}", "extended") if size > info.size else (str(size), "truncated")
+        raise CorruptCheckpointError(f"{where} has {said} bytes, the manifest says {info.size} ({how} or altered)")
+    if crc != info.crc32:
+        raise CorruptCheckpointError(f"{where} fails its checksum (crc32 {crc:#x} != {info.crc32:#x})")
+    return np.concatenate(parts) if parts else np.empty(0, np.uint8)
+
+
+def _check_whole(buf: np.ndarray, keep: bool) -> np.ndarray:
+    return buf if keep else np.empty(0, np.uint8)
+
+
+def _safetensors_head(storage: Storage, path: str, size: int) -> np.ndarray:
+    """The 8-byte length and the JSON header of a safetensors file (already verified): what
+    :func:`_check_safetensors` parses, without its tensors."""
+    read_range = getattr(storage, "read_range", None)
+    if read_range is None:
+        return storage.read_file(path)[: min(size, 8 + _MAX_HEADER)]
+    head = read_range(path, 0, 8)
+    n = int.from_bytes(bytes(head[:8]), "little") if head.nbytes == 8 else 0
+    return np.concatenate([head, read_range(path, 8, min(max(n, 0), _MAX_HEADER, max(size - 8, 0)))])
+
+
+#: A safetensors header longer than this is taken as damaged (safetensors' own limit is 100 MB).
+_MAX_HEADER = 100_000_000
 
 
 def _still_there(storage: Storage, path: str) -> bool:
@@ -147,11 +215,12 @@ def _check_index(buf: np.ndarray, name: str, data_size: int) -> list[str]:
     ][:1]
 
 
-def _check_safetensors(buf: np.ndarray, name: str) -> list[str]:
-    """The header of a safetensors file parses and its tensors tile the rest of the file."""
+def _check_safetensors(buf: np.ndarray, name: str, file_size: int) -> list[str]:
+    """The header of a safetensors file (``buf``: its first bytes, the header whole) parses and its
+    tensors tile the rest of the file of ``file_size`` bytes."""
     try:
         n = int.from_bytes(bytes(buf[:8]), "little")
-        if buf.nbytes < 8 or n <= 0 or 8 + n > buf.nbytes:
+        if buf.nbytes < 8 or n <= 0 or 8 + n > buf.nbytes or 8 + n > file_size:
             raise ValueError("bad header length")
         header: dict[str, Any] = json.loads(bytes(buf[8 : 8 + n]))
         spans = sorted(tuple(int(x) for x in spec["data_offsets"]) for k, spec in header.items() if k != "__metadata__")
@@ -162,6 +231,6 @@ def _check_safetensors(buf: np.ndarray, name: str) -> list[str]:
         if begin != end or stop < begin:
             return [f"{name}: safetensors tensors do not tile the file (a tensor at [{begin}, {stop}) after {end})"]
         end = stop
-    if 8 + n + end != buf.nbytes:
-        return [f"{name}: safetensors header describes {8 + n + end} bytes, the file has {buf.nbytes}"]
+    if 8 + n + end != file_size:
+        return [f"{name}: safetensors header describes {8 + n + end} bytes, the file has {file_size}"]
     return []

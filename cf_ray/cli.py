@@ -13,12 +13,20 @@ example for each.
     cf-ray verify RUN [--step N]                 every file's size and checksum; exit 1 on damage
     cf-ray export RUN [--step N] --to FMT DIR    the model as model.safetensors or model.pt, or
                                                  the checkpoint as a DCP directory (--to dcp)
+    cf-ray --version                             cf_ray's version, and Ray's, torch's and Python's
+
+A bad RUN (nothing there, a file, a storage path that holds several runs, storage that cannot be
+reached) is said in one line on stderr with exit status 2 by every command (``cf_ray._cli_run``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import posixpath
 import sys
+
+from cf_ray._cli_run import BAD_INPUT, CliError, failure, locate
 
 _RUN_HELP = (
     "the run: its directory <storage_path>/<name> (as RunConfig(storage_path, name) made it), its cf_ray "
@@ -53,19 +61,38 @@ def ls_parser() -> argparse.ArgumentParser:
 
 
 def _ls(args: argparse.Namespace) -> int:
+    from cf_ray._engine.format import manifest as mf
+    from cf_ray.errors import CfRayError
     from cf_ray.load import list_checkpoints, quarantined_checkpoints
 
-    infos = list_checkpoints(args.run)
-    quarantined = quarantined_checkpoints(args.run)
-    if not infos:
-        print(f"no committed checkpoints under {args.run}")
-    else:
+    storage, _ = locate(args.run)
+    infos = list_checkpoints(storage.root, storage.fs)
+    quarantined = quarantined_checkpoints(storage.root, storage.fs)
+    listed = {c.path for c in infos}
+    skipped = []  # committed, but its manifest cannot be read: list_checkpoints leaves it out
+    for c in mf.list_committed(storage, kinds=("step", "final"), skip_quarantined=True):
+        if storage.uri(c.path) not in listed:
+            try:
+                mf.read_manifest(storage, c.path)
+                why = "it was deleted while it was listed"
+            except CfRayError as e:
+                why = str(e).replace(storage.uri(c.path) + "/", "").splitlines()[0]
+            skipped.append((c, why))
+    if infos:
         print(f"{'step':>10} {'epoch':>6} {'kind':>10} {'milestone':>9} {'ranks':>5}  path")
         for c in infos:
             print(f"{c.step:>10} {c.epoch:>6} {c.kind:>10} {str(c.milestone):>9} {c.world_size:>5}  {c.path}")
     for step, why in sorted(quarantined.items()):
         print(f"quarantined: step {step} ({why}); kept on storage, never restored from")
-    return 0 if infos else 1
+    for c, why in skipped:
+        print(f"skipped, damaged: {posixpath.basename(c.path)} ({why}); never restored from")
+    if skipped:
+        print(
+            f"{len(skipped)} damaged checkpoint{'s' if len(skipped) != 1 else ''} not listed: cf-ray verify {args.run}"
+        )
+    if not infos:
+        print(f"cf-ray ls: no committed checkpoints under {storage.uri()}", file=sys.stderr)
+    return 0 if infos else BAD_INPUT
 
 
 def profile_parser() -> argparse.ArgumentParser:
@@ -85,15 +112,15 @@ def _profile(args: argparse.Namespace) -> int:
         profile_parser().error("give one RUN: <storage_path>/<name> or a URI")
     from cf_ray.run import Run
 
+    source = args.where[0]
     if len(args.where) == 2:
+        source = f"{args.where[0].rstrip('/')}/{args.where[1]}"
         print(
-            f"cf-ray profile STORAGE_PATH NAME is deprecated: give the run as one argument, "
-            f"cf-ray profile {args.where[0].rstrip('/')}/{args.where[1]}",
+            f"cf-ray profile STORAGE_PATH NAME is deprecated: give the run as one argument, cf-ray profile {source}",
             file=sys.stderr,
         )
-        run = Run(*args.where)
-    else:
-        run = Run.from_path(args.where[0])
+    storage, _ = locate(source)
+    run = Run.from_path(storage.root, storage_filesystem=storage.fs)
     print(run.profile().to_string(index=False))
     return 0
 
@@ -117,7 +144,7 @@ def verify_parser() -> argparse.ArgumentParser:
         "and what is wrong with it. Every file the manifest lists is read and checked against\n"
         "its size and CRC-32, the manifest against its own checksum, the tensor tables against\n"
         "their data files; no tensor is loaded into a model and nothing is unpickled.\n"
-        "Exit status: 0 all intact, 1 damage found, 2 nothing to check (no committed\n"
+        "Exit status: 0 all intact, 1 damage found, 2 bad input (no such run, no committed\n"
         "checkpoint, or none at --step).",
     )
     p.add_argument("run", metavar="RUN", help=_RUN_HELP + "; or one checkpoint's directory")
@@ -127,15 +154,9 @@ def verify_parser() -> argparse.ArgumentParser:
 
 def _verify(args: argparse.Namespace) -> int:
     from cf_ray._verify import verify_run
-    from cf_ray.errors import CheckpointNotFoundError
-    from cf_ray.load import open_run
 
-    storage, directory = open_run(args.run)
-    try:
-        checks = verify_run(storage, directory, step=args.step)
-    except CheckpointNotFoundError as e:
-        print(f"cf-ray verify: {e}", file=sys.stderr)
-        return 2
+    storage, directory = locate(args.run)
+    checks = verify_run(storage, directory, step=args.step)  # no checkpoint: CheckpointNotFoundError, exit 2
     print(f"{'step':>10}  {'kind':<10} status")
     for c in checks:
         if c.vanished:
@@ -187,24 +208,22 @@ def export_parser() -> argparse.ArgumentParser:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from cf_ray._export import DCP, export_dcp_dir, export_model
-    from cf_ray.errors import CfRayError
-    from cf_ray.load import open_run
+    from cf_ray._export import DCP, check_object_name, export_dcp_dir, export_model
 
-    storage, directory = open_run(args.run)
-    try:
-        if args.to == DCP:
-            objects = None if args.obj is None else [args.obj]
-            done = export_dcp_dir(storage, directory, args.out_dir, step=args.step, objects=objects)
-            print(
-                f"wrote {done.path}: a torch.distributed.checkpoint directory, {done.tensors} tensor chunks, "
-                f"{_size(done.size_bytes)}, from the checkpoint of step {done.step} ({done.source})"
-            )
-            return 0
-        done = export_model(storage, directory, args.out_dir, to=args.to, step=args.step, obj=args.obj or "model")
-    except CfRayError as e:  # no such checkpoint, damaged, sharded, not storable: said in one line
-        print(f"cf-ray export: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+    if args.obj is not None:
+        check_object_name(args.obj)
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        raise CliError(f"{args.out_dir} is a file: give a directory to write to (it is created if missing)")
+    storage, directory = locate(args.run)
+    if args.to == DCP:
+        objects = None if args.obj is None else [args.obj]
+        done = export_dcp_dir(storage, directory, args.out_dir, step=args.step, objects=objects)
+        print(
+            f"wrote {done.path}: a torch.distributed.checkpoint directory, {done.tensors} tensor chunks, "
+            f"{_size(done.size_bytes)}, from the checkpoint of step {done.step} ({done.source})"
+        )
+        return 0
+    done = export_model(storage, directory, args.out_dir, to=args.to, step=args.step, obj=args.obj or "model")
     print(
         f"wrote {done.path}: {done.tensors} tensors, {_size(done.size_bytes)}, from {done.kind} checkpoint of step "
         f"{done.step} ({done.source})"
@@ -240,8 +259,36 @@ def _from_repo(cmd: str, module: str, argv: list[str]) -> int:
     return main(argv)
 
 
+def _version() -> str:
+    """``cf-ray --version``: cf_ray's version, and what it runs with (for a bug report)."""
+    import platform
+    from importlib import metadata
+
+    from cf_ray._version import __version__
+
+    parts = []
+    for dist in ("ray", "torch"):
+        try:
+            parts.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{dist} not installed")
+    return f"cf-ray {__version__} ({', '.join(parts)}, Python {platform.python_version()})"
+
+
+def _quiet_stdout() -> None:
+    """After the reader of a pipe went away (``cf-ray ls RUN | head``): what is left of the output
+    goes nowhere, so that the interpreter's flush at exit does not fail on the closed pipe again."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError):  # not a real file (a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def _usage() -> str:
-    lines = ["usage: cf-ray {" + ",".join(COMMANDS) + "} [options]", ""]
+    lines = ["usage: cf-ray {" + ",".join(COMMANDS) + "} [options]", "       cf-ray --version", ""]
     lines += [f"  {k:<8} {v}" for k, v in COMMANDS.items()]
     lines += [
         "",
@@ -252,8 +299,25 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+#: Exit status when the reader of the output went away (``| head``), as for a process SIGPIPE ended.
+BROKEN_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        rc = _main(argv)
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:
+        _quiet_stdout()
+        return BROKEN_PIPE
+
+
+def _main(argv: list[str]) -> int:
+    if argv and argv[0] == "--version":
+        print(_version())
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         known = not argv or argv[0] in ("-h", "--help")
         print(
@@ -270,7 +334,17 @@ def main(argv: list[str] | None = None) -> int:
         return _from_repo("bench", "benchmarks.bench", rest)
     if cmd == "soak":
         return _from_repo("soak", "benchmarks.soak.runner", rest)
-    return _RUN[cmd](PARSERS[cmd]().parse_args(rest))
+    args = PARSERS[cmd]().parse_args(rest)
+    try:
+        return _RUN[cmd](args)
+    except BrokenPipeError:
+        raise
+    except Exception as e:
+        said = failure(e)
+        if said is None:  # a bug: its traceback is what a report needs
+            raise
+        print(f"cf-ray {cmd}: {said[0]}", file=sys.stderr)
+        return said[1]
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ def test_verify_of_one_checkpoint_directory_and_of_nothing(run_dir, tmp_path, ca
     rc, _, err = _cli(capsys, "verify", run_dir[0], "--step", 7)
     assert rc == 2 and "no committed checkpoint at step 7" in err
     rc, _, err = _cli(capsys, "verify", tmp_path / "nowhere")
-    assert rc == 2 and "no committed checkpoint" in err
+    assert rc == 2 and "no run at" in err
 
 
 # -- export -----------------------------------------------------------------------------------------------------
@@ -204,26 +204,26 @@ def test_export_of_another_object_and_what_safetensors_cannot_hold(tmp_path, cap
     _write_full(storage, 4, {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
     run = tmp_path / "runs" / "r"
     rc, _, err = _cli(capsys, "export", run, "--object", "optimizer", "--to", "safetensors", tmp_path / "o")
-    assert rc == 1 and "not a tensor" in err and "--to torch" in err
+    assert rc == 2 and "not a tensor" in err and "--to torch" in err
     assert not os.path.exists(tmp_path / "o" / "optimizer.safetensors")
     assert _cli(capsys, "export", run, "--object", "optimizer", "--to", "torch", tmp_path / "o")[0] == 0
     loaded = torch.load(tmp_path / "o" / "optimizer.pt", weights_only=True)
     assert loaded["param_groups"][0]["lr"] == optimizer.state_dict()["param_groups"][0]["lr"]
     assert torch.equal(loaded["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
     rc, _, err = _cli(capsys, "export", run, "--object", "scheduler", "--to", "torch", tmp_path / "o")
-    assert rc == 1 and "scheduler" in err
+    assert rc == 2 and "scheduler" in err
 
 
 def test_export_refuses_per_rank_shards(tmp_path, capsys):
     storage = FsStorage.from_uri(str(tmp_path / "runs")).child("r/cf_ray")
     _write_full(storage, 4, {"model": _model(1).state_dict()}, world_size=2, replicated=False)
     rc, _, err = _cli(capsys, "export", tmp_path / "runs" / "r", "--to", "safetensors", tmp_path / "o")
-    assert rc == 1 and "per-rank shards" in err
+    assert rc == 2 and "per-rank shards" in err
 
 
 def test_export_of_a_missing_step(run_dir, tmp_path, capsys):
     rc, _, err = _cli(capsys, "export", run_dir[0], "--step", 7, "--to", "torch", tmp_path)
-    assert rc == 1 and "no committed checkpoint at step 7" in err
+    assert rc == 2 and "no committed checkpoint at step 7" in err
 
 
 # -- the command ------------------------------------------------------------------------------------------------
@@ -276,3 +276,140 @@ def test_the_command_line_reference_parses():
             args = cli.PARSERS[argv[1]]().parse_args(argv[2:])
             assert (getattr(args, "run", None) or args.where[0]) == "cf_ray_runs/my-run", "RUN, the one way"
     assert seen == set(cli.COMMANDS), "every command is in the reference"
+
+
+# -- bad input: one line, exit 2, in every command ---------------------------------------------------------------
+
+
+def _argv(command: str, run, tmp_path) -> list:
+    return {"export": ["export", run, "--to", "torch", tmp_path / "exported"]}.get(command, [command, run])
+
+
+def _said_once(rc: int, err: str) -> str:
+    assert rc == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_bad_run_is_said_in_one_line_with_exit_2_by_every_command(command, run_dir, tmp_path, capsys):
+    run, storage = run_dir
+    (tmp_path / "runs" / "other" / "cf_ray").mkdir(parents=True)  # a second run beside r
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "plain").mkdir()
+    cases = {
+        tmp_path / "nowhere": "no run at",
+        tmp_path / "a-file": "is a file, not a run",
+        tmp_path / "runs": "holds 2 runs (other, r)",
+        tmp_path / "plain": "is not a cf_ray run",
+    }
+    for where, said in cases.items():
+        rc, out, err = _cli(capsys, *_argv(command, where, tmp_path))
+        assert said in _said_once(rc, err) and f"cf-ray {command}: " in err and not out, (where, err)
+    assert "e.g. " + str(tmp_path / "runs" / "other") in _cli(capsys, *_argv(command, tmp_path / "runs", tmp_path))[2]
+
+
+def test_an_unreachable_s3_run_is_said_in_one_line(capsys, monkeypatch):
+    for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        monkeypatch.setenv(k, v)
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc, _, err = _cli(capsys, "ls", f"s3://bucket/runs/r?endpoint_override=127.0.0.1:{port}&scheme=http")
+    assert "cannot reach s3://bucket/runs/r" in _said_once(rc, err)
+
+
+def test_a_run_without_checkpoints_or_profile_exits_2_everywhere(tmp_path, capsys):
+    (tmp_path / "r" / "cf_ray").mkdir(parents=True)  # started, nothing committed, no profile yet
+    for argv in (["ls"], ["verify"], ["profile"], ["export", "--to", "torch", tmp_path / "o"]):
+        rc, _, err = _cli(capsys, argv[0], tmp_path / "r", *argv[1:])
+        _said_once(rc, err)
+
+
+def test_version(capsys):
+    import cf_ray
+
+    rc, out, _ = _cli(capsys, "--version")
+    assert rc == 0 and out.startswith(f"cf-ray {cf_ray.__version__} (ray ") and "torch " in out
+
+
+def test_a_reader_that_goes_away_is_no_error(run_dir):
+    """``cf-ray ls RUN | head``: the reader closed the pipe; no BrokenPipeError, no traceback."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before cf-ray writes a byte
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "cf_ray.cli", "ls", str(run_dir[0])], stdout=write, stderr=subprocess.PIPE, text=True
+        )
+    finally:
+        os.close(write)
+    assert proc.returncode == cli.BROKEN_PIPE and proc.stderr == "", proc.stderr
+
+
+# -- ls: what it leaves out -------------------------------------------------------------------------------------
+
+
+def test_ls_says_which_damaged_checkpoints_it_skipped(run_dir, capsys):
+    run, storage = run_dir
+    manifest = os.path.join(storage.fs_path(mf.step_dir(10)), mf.MANIFEST)
+    raw = open(manifest).read()
+    with open(manifest, "w") as f:
+        f.write(raw.replace('"epoch":0', '"epoch":7'))
+    rc, out, _ = _cli(capsys, "ls", run)
+    assert rc == 0 and "step_000000000005" in out and "final_000000000012" in out
+    skipped = [line for line in out.splitlines() if "step_000000000010" in line]
+    assert len(skipped) == 1 and "damaged" in skipped[0] and "checksum" in skipped[0], out
+    assert f"1 damaged checkpoint not listed: cf-ray verify {run}" in out
+
+
+# -- export: the names it writes --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("obj", ["../escaped", "/tmp/abs", "a/b", "..", ".hidden", ""])
+def test_export_refuses_an_object_name_that_is_a_path(obj, run_dir, tmp_path, capsys):
+    out_dir = tmp_path / "out" / "inner"
+    rc, _, err = _cli(capsys, "export", run_dir[0], "--object", obj, "--to", "torch", out_dir)
+    assert "is not a tracked object's name" in _said_once(rc, err)
+    assert not os.path.exists(tmp_path / "out"), "nothing written, not even the directory"
+
+
+def test_export_writes_through_no_file_placed_in_its_directory(run_dir, tmp_path, capsys):
+    """A link planted where a temporary file used to be named (``<target>.partial-<pid>``) is neither
+    followed nor left behind as the result."""
+    out_dir, victim = tmp_path / "out", tmp_path / "victim"
+    out_dir.mkdir()
+    victim.write_bytes(b"not yours")
+    os.symlink(victim, out_dir / f"model.pt.partial-{os.getpid()}")
+    os.symlink(victim, out_dir / "model.pt")  # the target itself a link: replaced, not written through
+    rc, _, err = _cli(capsys, "export", run_dir[0], "--step", 5, "--to", "torch", out_dir)
+    assert rc == 0, err
+    assert victim.read_bytes() == b"not yours"
+    assert not os.path.islink(out_dir / "model.pt")
+    assert _equal(dict(torch.load(out_dir / "model.pt", weights_only=True)), _model(5).state_dict())
+    assert sorted(os.listdir(out_dir)) == sorted(["model.pt", f"model.pt.partial-{os.getpid()}"]), "no temporary left"
+
+
+# -- verify: memory --------------------------------------------------------------------------------------------
+
+
+def test_verify_reads_a_file_in_chunks_not_whole(tmp_path, capsys):
+    import tracemalloc
+
+    from cf_ray import _verify
+
+    storage = FsStorage.from_uri(str(tmp_path / "runs")).child("big/cf_ray")
+    torch.manual_seed(0)
+    big = torch.nn.Linear(2048, 4096)  # 32 MiB of weights in one data file
+    write_checkpoint(storage, 1, big)
+    data = os.path.join(storage.fs_path(mf.step_dir(1)), mf.section_files(1, mf.SHARED)[0])
+    assert os.path.getsize(data) > 4 * _verify.CHUNK_BYTES
+    tracemalloc.start()
+    try:
+        rc, out, _ = _cli(capsys, "verify", tmp_path / "runs" / "big")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert rc == 0 and "1 intact" in out
+    assert peak < 2 * _verify.CHUNK_BYTES, f"verify held {peak} bytes at once for a {os.path.getsize(data)}-byte file"
