@@ -435,6 +435,32 @@ def test_a_suspect_step_committed_again_by_the_next_generation_is_the_good_check
     assert [c.step for c in mf.list_committed(kept.storage)] == [12]
 
 
+def test_memory_only_snapshots_of_an_abandoned_timeline_are_never_a_restore_candidate_again(controller):
+    """Generation 1 commits step 4 and holds steps 6 and 8 in memory only (``persist_every``);
+    generation 2 resumes at step 4 (from storage), so 6 and 8 belong to a timeline it replays:
+    abandoned, their holders told. Generation 2 commits step 6 again and dies; generation 3 restores
+    generation 2's step 6, not generation 1's step 8 — which would jump past the attempt that
+    replaced it, into the abandoned timeline. A controller that starts again says the same."""
+    link = Holders()
+    ctl = controller(holders=link)
+    _commit(ctl, 4)
+    for step in (6, 8):
+        for sec in SECTIONS:
+            ctl.part_staged(_staged(ctl, step, sec, persist=False))
+    old = ctl.generation
+    assert ctl.settled(old, [6, 8]).superseded == (6, 8)
+    plan = ctl.prepare_restore(WORLD)
+    assert plan.memory is not None and (plan.memory.generation, plan.memory.step) == (old, 8)
+    ctl.restored(Restored(source=RestoreSource.STORAGE, step=4, epoch=0))  # the memory restore was not taken
+    assert ctl.settled(old, [6, 8]).abandoned == (6, 8)
+    assert ("holder", ((old, 6), (old, 8))) in link.forgotten  # their slots freed
+    _commit(ctl, 6)
+    replaced = ctl.generation
+    plan = ctl.prepare_restore(WORLD)
+    assert plan.memory is not None and (plan.memory.generation, plan.memory.step) == (replaced, 6), plan.memory
+    assert plan.storage == (6, 4)
+
+
 def test_one_ranks_read_error_never_quarantines_a_checkpoint_that_reads_back_intact(controller, monkeypatch):
     """Issue 23 #7: a rank's restore could not read step 8 (a file missing for a moment: a flaky
     mount, an object store's listing lag) and reported it as corrupt. The controller re-reads it,

@@ -142,7 +142,9 @@ class CommitBook:
 
         Never offered: an abandoned step (another timeline), a distrusted one, one that failed unless
         only because a holder died (``Pending.lost``: then its sections count by their peer copies). A
-        superseded one still is (in memory; storage may never get it). The restore verifies every byte."""
+        superseded one still is (in memory; storage may never get it), until a later attempt resumes
+        before its step (then it is abandoned: :meth:`.pending.PendingTable.abandon_after`). The
+        restore verifies every byte."""
 
         def alive(node: str | None) -> bool:
             return alive_nodes is None or not node or node in alive_nodes

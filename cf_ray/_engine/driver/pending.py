@@ -215,16 +215,23 @@ class PendingTable:
         """Entries of generations before ``generation`` still pending past ``step`` become
         abandoned (a timeline the attempt restored at ``step`` replays), and so do their late
         messages; so do those that failed only because their holder died (``lost``): their attempt
-        ended. Returns the entries abandoned now."""
+        ended. Returns the entries abandoned now. Superseded ones past ``step`` (held in memory
+        only, or replaced before they were written) are abandoned too, their holders told, but not
+        returned (nothing was to be written): else they stayed memory restore candidates, and a
+        later attempt could go back into the timeline this one replaced, past its commits."""
         self.restores[generation] = step
         for g in sorted(self.restores)[:-MAX_RESTORES]:
             del self.restores[g]
         out = []
         for (gen, st), p in self.entries.items():
+            if gen >= generation or st <= step:
+                continue
             in_flight = p.state == SectionState.PENDING and not p.committing
-            if gen < generation and st > step and (in_flight or (p.state == SectionState.FAILED and p.lost)):
+            if in_flight or (p.state == SectionState.FAILED and p.lost):
                 self.settle(p, SectionState.ABANDONED)
                 out.append(p)
+            elif p.state == SectionState.SUPERSEDED:
+                self.settle(p, SectionState.ABANDONED)
         return out
 
     # -- queries -------------------------------------------------------------------------------------------
