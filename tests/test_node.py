@@ -440,6 +440,28 @@ def test_a_pending_write_keeps_its_slots_after_a_commit(tmp_path):
     assert a.held_bytes()["sections"] == 0
 
 
+def test_a_late_commit_of_an_older_generation_frees_nothing_of_the_newer_ones_snapshots(tmp_path):
+    """Generation 2 resumed at step 2 and holds its step 4; then generation 1's step 8, written
+    before that attempt ended, commits late. Generation 2's step 4 is newer than it, (generation,
+    step) in order: it stays restorable from memory, and the worker's next hand-off into the slots
+    it was given is recorded (freed, they were unknown to the holder, and the worker re-staged
+    saying the holder was restarted)."""
+    a = _holder(_local(tmp_path, "a"), "A")
+    nbytes = 1 << 16
+    descs = a.arena("rank_00000", nbytes)  # what the worker maps and keeps
+    reply = _stage(a, 2, 4, {"rank_00000": _data(4, "rank_00000", nbytes)}, _meta(0, world=1))
+    assert reply.recorded
+    a._writer.drain(30)
+    a.forget([], committed=(1, 8))  # generation 1's late commit
+    assert a.held_bytes()["sections"] == 1
+    assert np.array_equal(_readable(a, 2, 4, "rank_00000"), _data(4, "rank_00000", nbytes))
+    arr = _data(6, "rank_00000", nbytes)
+    staged = staged_slot(descs, 2, 6, "rank_00000", arr, INDEX)
+    reply = a.stage(Stage(generation=2, step=6, meta=_meta(0, world=1), sections=(staged,)))
+    assert reply.recorded and not reply.unknown, reply
+    a._writer.drain(30)
+
+
 # -- issue 23 #3: the hand-off does not wait for the controller ------------------------------------------
 
 

@@ -26,10 +26,11 @@ node loss fell back to storage.
 sealed once complete (nothing can change it afterwards). Per (origin holder, section): the copy of
 the protected step and the newest other one at most (one of them may be being received).
 
-**Freeing (issue 23 #5).** A commit ``(g, s)`` (the controller's ``forget``) frees the copies of older
-steps and generations and the slots of every section whose newest snapshot here is older than the
-commit: its rank was on another node at that step (re-placed, an elastic resize), no memory restore
-can take it (memory is taken only when at least as new as storage), and its slots go unless a
+**Freeing (issue 23 #5).** A commit ``(g, s)`` (the controller's ``forget``) frees the copies older than
+it and the slots of every section whose newest snapshot here is older than the commit (older in
+``(generation, step)`` order: a late commit of an older generation frees nothing of a newer one's):
+its rank was on another node at that step (re-placed, an elastic resize), no memory restore can
+take it (memory is taken only when at least as new as storage), and its slots go unless a
 write still needs them. So what a holder holds is bounded by the sections of the ranks on its node.
 """
 
@@ -85,8 +86,11 @@ class Held:
 
 
 def _older(when: When, than: When) -> bool:
-    """Whether a snapshot at ``when`` can no longer be restored from memory once ``than`` is committed."""
-    return when[0] < than[0] or when[1] < than[1]
+    """Whether a snapshot at ``when`` can no longer be restored from memory once ``than`` is committed:
+    ``(generation, step)`` in order. An older generation's step, however high, belongs to a timeline a
+    newer attempt replaced; a newer generation's step, however low, is not older than a late commit
+    of an older generation (freeing it made the worker stage into slots its holder no longer knew)."""
+    return when < than
 
 
 class SlotStore:
