@@ -349,10 +349,10 @@ def _sentences(text: str):
 
 
 def _defines(module: str, name: str) -> bool:
-    import importlib.util
-
-    spec = importlib.util.find_spec(module)
-    source = pathlib.Path(spec.origin).read_text() if spec and spec.origin else ""
+    """Whether the module's source (read, not imported: no trainer framework is loaded) defines it."""
+    path = pathlib.Path(ROOT, *module.split("."))
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    source = path.read_text() if path.exists() else ""
     return re.search(rf"^(class|def) {name}\b|^{name} = ", source, re.M) is not None
 
 
