@@ -688,7 +688,8 @@ def test_explain_and_checkpoint_stats_are_json_and_truthful():
     stats = p.checkpoint_stats(run.ckpt_steps()[-3])
     json.dumps(stats)
     assert stats["stall_s"] == pytest.approx(trace.stall_s) and stats["bytes"] == 4 * trace.nbytes
-    assert stats["overhead_pct"] == pytest.approx(run.overhead_pct(500), rel=0.1)
+    # The job's time lost to checkpoints over its training time, as of that checkpoint.
+    assert stats["overhead_pct"] == pytest.approx(run.overhead_pct(1), abs=1.0)
     assert p.checkpoint_stats(-1) is None
 
 

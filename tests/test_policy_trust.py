@@ -14,8 +14,6 @@ import test_policy as tp
 
 from cf_ray.policy import Adaptive, PolicyWarning, RunEvent, RunEventKind, Sample
 
-OPEN = pytest.mark.xfail(strict=True, reason="issue 45: not fixed yet")
-
 POLL_S = 1.0  # the engine's poll: one sample a second per rank, batching every iteration since the last
 
 
@@ -53,7 +51,6 @@ def true_cost_s(trace: tp.Trace, every: int = 60) -> float:
     return run.overhead_pct(200) / 100.0 * every * trace.iter_s
 
 
-@OPEN
 @pytest.mark.parametrize("budget", [2.0, 5.0, 20.0])
 def test_a_job_whose_checkpoints_slow_every_iteration_keeps_its_budget(budget):
     # At short intervals every sample of a rank covers a checkpoint's copy or persist, so no
@@ -67,7 +64,6 @@ def test_a_job_whose_checkpoints_slow_every_iteration_keeps_its_budget(budget):
     assert run.interval_at(2000) >= 0.8 * cost / (budget / 100 * trace.iter_s)
 
 
-@OPEN
 def test_stuck_at_one_step_widens():
     # The trap: the interval fell to 1 (every step a checkpoint, nothing ever free of one); the
     # policy must measure what that costs and widen under the budget.
@@ -91,7 +87,7 @@ def _steady(p: Adaptive, steps: range, cost_of=lambda step: 0.2, k: int | None =
     return k
 
 
-@pytest.mark.parametrize("odd", [1, pytest.param(2, marks=OPEN)])
+@pytest.mark.parametrize("odd", [1, 2])
 def test_a_cost_drift_of_one_or_two_checkpoints_does_not_move_the_interval(odd):
     # Goodput binds (a prior of one failure every 6 hours); one or two checkpoints then cost 1 %
     # of the usual (a GC pause missed, a timer's hiccup): not evidence of a new level.
@@ -113,7 +109,6 @@ def test_a_lasting_change_of_cost_is_followed():
     assert k2 is not None and k2 > 2 * k
 
 
-@OPEN
 @pytest.mark.parametrize("seed,slowdown", [(0, 0.45), (1, 0.0), (2, 1.0)])
 def test_measured_overhead_is_the_jobs_time_lost_over_its_training_time(seed, slowdown):
     trace = fast_job(seed, slowdown)

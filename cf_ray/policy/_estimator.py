@@ -14,15 +14,21 @@ import math
 import numbers
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from cf_ray.policy._cadence import Cadence
+from cf_ray.policy._estimate import (
+    Estimate,
+    _max_or_none,
+    _median,
+    _nonneg,
+    _pos,
+    _robust_mean,
+    _weighted_median,
+)
 from cf_ray.policy.base import Sample
 
-if TYPE_CHECKING:
-    from cf_ray.policy._hazard import HazardEstimate
-
-_DETAIL = frozenset({"copy", "persist", "nbytes", "rate", "measured_pct", "drift"})
+_DETAIL = frozenset({"copy", "persist", "nbytes", "rate", "drift"})
 """The keys of :meth:`Estimator._summary` that go into :class:`EstimateDetail`."""
 
 
@@ -44,6 +50,7 @@ class Estimator:
         self.ckpt_clock = 0  # checkpoints seen
         self.max_step = 0
         self.persist_seen = False
+        self.cadence = Cadence()  # the cost measured from the cadence, probe windows, the job's overhead
 
     def ingest(self, samples: Sequence[Sample], current: int, profiling: bool) -> None:
         """Take in the samples not taken in yet (see :meth:`_new_samples`).
@@ -52,6 +59,7 @@ class Estimator:
         without ``ckpt_step``); ``profiling``: no interval has been decided yet, so the
         checkpoints first heard of now were taken at the short profiling interval.
         """
+        self.cadence.interval(current)
         for s in self._new_samples(samples):
             self._ingest(s, current, profiling)
 
@@ -117,6 +125,7 @@ class Estimator:
             r.cur = None
         r.last_step = restored
         r.warm_until = restored + self.warmup_steps
+        self.cadence.rollback(rank)
         self.rev += 1
 
     def _ingest_ckpt(self, rank: int, r: _Rank, s: Sample, current: int, profiling: bool) -> None:
@@ -171,7 +180,11 @@ class Estimator:
     def _ingest_iters(self, rank: int, r: _Rank, s: Sample, first: int, iters: int) -> None:
         cur = r.cur
         base = r.base()
-        if cur is not None and not cur.closed and self._overlapped(rank, r, s, first):
+        overlapped = cur is not None and not cur.closed and self._overlapped(rank, r, s, first)
+        stall = _nonneg(s.stall_s) or 0.0
+        self.cadence.add(rank, s.step, first, s.iter_s, iters, clean=not overlapped, stall=stall)
+        if overlapped:
+            assert cur is not None
             if base is not None:
                 cur.excess += (s.iter_s - base) * iters
                 cur.base_open = cur.base_open or base
@@ -281,7 +294,30 @@ class Estimator:
         if lower and max(lower) > est.bg:
             est.bg = max(lower)
             est.bg_from_waits = True
+        self._with_cadence(est)
         return est
+
+    def active(self) -> set[int]:
+        """The ranks heard from recently (a rank silent this long is gone)."""
+        horizon = 64 * max(len(self.ranks), 1) + 256
+        return {rank for rank, r in self.ranks.items() if self.clock - r.seen <= horizon}
+
+    def _with_cadence(self, est: Estimate) -> None:
+        """The cost measured from the cadence replaces the per-checkpoint one where that cannot
+        see the slowdown (a blind interval: most iterations overlap a checkpoint), or where it is
+        clearly more (by two standard errors); and the job's overhead (see :mod:`cf_ray.policy._cadence`)."""
+        active, d = self.active(), est.detail
+        m = d.cadence = self.cadence.measure(est.t, est.bg, active)
+        if m is not None:
+            cost = est.stall + max(m.slowdown, 0.0)
+            if m.blind or cost - 2.0 * m.se > est.cost:
+                est.cost, est.cost_se, est.cost_source = cost, m.se, "cadence"
+        d.measured_pct = pct = self.cadence.job_overhead_pct(active, est.t, est.bg)
+        if pct is not None:
+            for rec in reversed(self.recs.values()):
+                if rec.job_pct is not None:
+                    break
+                rec.job_pct = pct
 
     def _summary(self) -> dict | None:
         """The per-checkpoint part of the estimates; recomputed only when a record changed."""
@@ -325,13 +361,6 @@ class Estimator:
             for prev, rec in zip(recs[-4:], recs[-3:])
             if rec.wait and max(rec.wait.values()) > 0 and rec.step > prev.step
         ]
-        measured = [
-            (c, sum(rec.base_s.values()) / len(rec.base_s))
-            for rec in recs[-self.window :]
-            if rec.base_s and (c := rec.cost()) is not None
-        ]
-        den = sum(b for _, b in measured)
-        out["measured_pct"] = 100.0 * sum(c for c, _ in measured) / den if den > 0 else None
         self.summary = out
         return out
 
@@ -355,10 +384,15 @@ class Estimator:
             m = _median(ref)
             mad = _median([abs(x - m) for x in ref])
             thr = max(base_thr, 4.0 * mad)
-            a, b = logs[i - 1] - m, logs[i] - m
-            if (a > thr and b > thr) or (a < -thr and b < -thr):
-                drift[name] = {"at_step": series[i - 1][0], "from": math.exp(m), "to": _median(vals[i - 1 : i + 1])}
-                start = i - 1
+            # Up (the safe way: a wider interval) on the two newest values, down on three.
+            if logs[i - 1] - m > thr and logs[i] - m > thr:
+                n = 2
+            elif all(x - m < -thr for x in logs[i - 2 : i + 1]) and i - 2 >= start + 2:
+                n = 3
+            else:
+                continue
+            drift[name] = {"at_step": series[i + 1 - n][0], "from": math.exp(m), "to": _median(vals[i + 1 - n : i + 1])}
+            start = i + 1 - n
         recent = vals[max(start, len(vals) - self.window) :]
         mean = _robust_mean(recent)
         if len(recent) < 2:
@@ -419,7 +453,19 @@ class _RankCkpt:
 class _Ckpt:
     """All ranks' measurements of one checkpoint."""
 
-    __slots__ = ("step", "seq", "profiling", "stall", "wait", "copy", "persist", "nbytes", "excess", "base_s")
+    __slots__ = (
+        "step",
+        "seq",
+        "profiling",
+        "stall",
+        "wait",
+        "copy",
+        "persist",
+        "nbytes",
+        "excess",
+        "base_s",
+        "job_pct",
+    )
 
     def __init__(self, step: int, seq: int, profiling: bool):
         self.step, self.seq = step, seq
@@ -431,6 +477,7 @@ class _Ckpt:
         self.nbytes: dict[int, int] = {}
         self.excess: dict[int, float] = {}
         self.base_s: dict[int, float] = {}
+        self.job_pct: float | None = None  # the job's overhead as of the first estimate after it
 
     def put(self, rank, stall, wait, copy, persist, nbytes) -> bool:
         """Record the newest known values of ``rank``; whether anything changed."""
@@ -487,108 +534,6 @@ class _Ckpt:
         return max(self.copy.values()) if self.copy else None
 
     def overhead_pct(self) -> float | None:
-        cost = self.cost()
-        if cost is None or not self.base_s:
-            return None
-        base = sum(self.base_s.values()) / len(self.base_s)
-        return 100.0 * cost / base if base > 0 else None
-
-
-@dataclass(kw_only=True, slots=True)
-class EstimateDetail:
-    """What the estimates are made of beyond what the rules read (for :meth:`Adaptive.explain`)."""
-
-    copy: float | None = None
-    """Copy seconds (median of recent checkpoints)."""
-    persist: float | None = None
-    """Persist seconds (median of recent checkpoints)."""
-    nbytes: int | None = None
-    """Bytes of the newest checkpoint, all ranks."""
-    rate: float | None = None
-    """Persist throughput, bytes per second."""
-    measured_pct: float | None = None
-    """Overhead measured over recent checkpoints."""
-    drift: dict = field(default_factory=dict)
-    """Changes of level detected in the per-checkpoint series."""
-
-
-@dataclass(kw_only=True, slots=True)
-class Estimate:
-    """The estimates one decision is based on."""
-
-    t: float
-    """Seconds per iteration (slowest rank)."""
-    slowest: int | None = None
-    """The rank whose iteration time governs."""
-    cost: float = 0.0
-    """Training time one checkpoint costs (stall + slowdown)."""
-    cost_se: float = 0.0
-    """Standard error of ``cost``."""
-    stall: float = 0.0
-    """Training-thread stall per checkpoint (max over ranks)."""
-    bg: float = 0.0
-    """Copy + persist seconds per checkpoint (max over ranks)."""
-    bg_se: float = 0.0
-    """Standard error of ``bg``."""
-    t_clean: bool = True
-    """Whether ``t`` comes from iterations with nothing in flight."""
-    settled: bool = False
-    """Whether some checkpoint's slowdown is measured (its overlap is over), so ``cost`` holds it."""
-    bg_from_waits: bool = False
-    """Whether ``bg`` is the lower bound that guard waits imply."""
-    n: int = 0
-    """Checkpoints measured (recent history)."""
-    n_level: int = 0
-    """Checkpoints the current cost and persist estimates are based on (since the last drift)."""
-    has_persist: bool = False
-    """Whether any persist time was measured."""
-    source: str = "measured"
-    """``measured`` or ``saved profile``."""
-    detail: EstimateDetail = field(default_factory=EstimateDetail)
-    """Copy and persist times, bytes, throughput, measured overhead and drift (reported only)."""
-    hazard: HazardEstimate | None = None
-    """How often the run fails and what a recovery takes (set by :meth:`Adaptive.plan`)."""
-
-
-# -- numeric helpers ----------------------------------------------------------------------------
-
-
-def _ceil(x: float) -> int:
-    return math.ceil(x - 1e-9)
-
-
-def _pos(x) -> float | None:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 else None
-
-
-def _nonneg(x) -> float | None:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 else None
-
-
-def _max_or_none(d: dict) -> float | None:
-    return max(d.values()) if d else None
-
-
-def _median(xs: Sequence[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
-
-
-def _robust_mean(xs: Sequence[float]) -> float:
-    """Mean without the lowest and the highest value (the median for fewer than four values)."""
-    if len(xs) < 4:
-        return _median(xs)
-    s = sorted(xs)[1:-1]
-    return sum(s) / len(s)
-
-
-def _weighted_median(pairs) -> float:
-    items = sorted(pairs)
-    total = sum(w for _, w in items)
-    acc = 0.0
-    for v, w in items:
-        acc += w
-        if acc * 2 >= total:
-            return v
-    return items[-1][0]
+        """The job's time lost to checkpoints over its training time as of this checkpoint (the
+        figure ``explain()["measured_overhead_pct"]`` had then; ``None`` before one was known)."""
+        return self.job_pct

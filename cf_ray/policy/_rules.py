@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from cf_ray.policy._estimator import Estimate, _ceil
+from cf_ray.policy._estimate import Estimate, _ceil
 from cf_ray.policy._hazard import best_steps, expected_goodput, goodput_work_s, young_daly_work_s
 from cf_ray.policy.base import MAX_PERSIST_EVERY, PolicyWarning
 
@@ -73,6 +73,8 @@ class RuleState:
     """One scheduled snapshot in this many is persisted (:func:`persist_cadence`)."""
     persist_info: dict = field(default_factory=dict)
     """Why (``explain()["persist"]``)."""
+    mtbf_s: float | None = None
+    """The failure rate's MTBF when the interval last changed (what the failure-rate rung compares)."""
 
     def published(self, decision: int, current: int, info: dict, ckpt_clock: int, at_step: int) -> None:
         """Record that ``decision`` replaces ``current`` (and say so in ``info``)."""
@@ -84,6 +86,7 @@ class RuleState:
             "at_step": at_step,
         }
         self.changed_at = ckpt_clock
+        self.mtbf_s = (info.get("hazard") or {}).get("mtbf_s")
         self.shrink_since = self.widen_since = None
         self.binding = info.get("binding")
         info.update(interval=decision, previous=current)
@@ -280,6 +283,9 @@ def info(
         "budget_pct": cfg.budget_pct,
         "predicted_overhead_pct": 100.0 * est.cost / (current * t) if current else None,
         "measured_overhead_pct": d.measured_pct,
+        "cost_se_s": est.cost_se,
+        "cost_source": est.cost_source,
+        "cadence": d.cadence.as_dict() if d.cadence is not None else None,
         "lost_work_s": current * t if current else None,
         "max_lost_s": cfg.max_lost_s,
         "iter_s": t,
@@ -486,6 +492,13 @@ class _Ladder:
             return None
         hz = self.est.hazard
         assert hz is not None  # a goodput candidate needs a hazard estimate
+        if k < current and st.mtbf_s is not None:
+            # Shorten at once only for the failure rate: at today's cost, did the goodput interval
+            # move by the ratio between the failure rate then and now? A move of the cost alone
+            # goes through the pessimistic estimates of ``_room_to_shorten``.
+            then = best_steps(self.est.t, max(self.est.cost, 0.0), st.mtbf_s)
+            if then is not None and goodput > math.floor(then * ratio):
+                return None
         self.info["reason"] = (
             f"failure rate: one failure every {hz.mtbf_s:.3g} s up ({hz.failures} in {hz.exposure_s:.3g} s): "
             f"{'shortening' if k < current else 'widening'} from {current} to {k} ({self.binding} binds)"

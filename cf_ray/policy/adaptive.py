@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from cf_ray.errors import ConfigError
 from cf_ray.policy import _rules
-from cf_ray.policy._estimator import Estimator, _max_or_none, _nonneg, _pos
+from cf_ray.policy._estimate import _max_or_none, _nonneg, _pos
+from cf_ray.policy._estimator import Estimator
 from cf_ray.policy._hazard import HazardModel, RunEvent
 from cf_ray.policy.base import Sample, SaveContext
 
@@ -45,11 +46,21 @@ class Adaptive:
       guard wait ``w`` after ``g`` steps proves ``B >= g * t + w``; that bound is used at once.
 
     ``C`` and ``B`` are the mean (lowest and highest dropped) of the last ``window`` checkpoints
-    since the last *drift*, with a standard error. A drift is the two newest values of a series
-    both off the median of the ones before by more than ``drift_ratio`` (or four times the
-    series' own scatter, so noisy storage is not mistaken for drift) in the same direction; the
-    older values are then dropped, so a change of level (interference, a slower disk, a larger
-    state) is followed within two checkpoints. ``t`` follows drift continuously (16 samples).
+    since the last *drift*, with a standard error. A drift is the newest values of a series all
+    off the median of the ones before by more than ``drift_ratio`` (or four times the series' own
+    scatter, so noisy storage is not mistaken for drift) in the same direction: two values for a
+    rise (the safe way: it widens), three for a fall (it shortens); the older values are then
+    dropped, so a change of level (interference, a slower disk, a larger state) is followed within
+    two or three checkpoints, and one or two odd checkpoints move nothing. ``t`` follows drift
+    continuously (16 samples).
+
+    **At short intervals** a rank's sample (a second of iterations) covers several checkpoints
+    and no iteration is free of one, so the slowdown above cannot be attributed: ``C`` is then
+    measured from the cadence instead (:mod:`cf_ray.policy._cadence`), the mean iteration time
+    under the interval in force against the iteration time with nothing in flight, timed in
+    *probe windows* the controller publishes (a longer interval for a few samples' time) when no
+    such iteration is recent. That measure also replaces the per-checkpoint ``C`` whenever it is
+    higher by two standard errors; ``explain()["cost_source"]`` says which one is used.
 
     **What it learns of the run's failures** (from :meth:`observe`, fed by the controller: the
     run's start, its restarts, their recoveries, preemption notices, the clock): the failure rate
@@ -134,8 +145,8 @@ class Adaptive:
     shrink_ratio: float = 0.75
     """Shorten the interval only when the new one is at most this fraction of the current one."""
     drift_ratio: float = 1.6
-    """A change by this factor of the two newest per-checkpoint measurements is a drift: the
-    estimate restarts from them instead of waiting for ``window`` checkpoints."""
+    """A change by this factor of the two newest per-checkpoint measurements (three for a fall) is
+    a drift: the estimate restarts from them instead of waiting for ``window`` checkpoints."""
     warmup_steps: int = 2
     """Iterations ignored for timing at the start of a run and after a restore (compilation,
     cache warm-up)."""
@@ -234,19 +245,20 @@ class Adaptive:
         if current is None:
             current = self.initial_interval()
         estimator.ingest(samples, current, profiling=not rules.decided)
-        rules.current = current
         est = estimator.estimate()
         if est is not None:
             est.hazard = self._hazard.estimate()
-        decision, info = _rules.decide(self, rules, est, estimator.prior, estimator.ckpt_clock, current)
+        probe, base = _probe(self, est, current)
+        if probe is not None:
+            return None if probe == current else probe
+        rules.current = base
+        decision, info = _rules.decide(self, rules, est, estimator.prior, estimator.ckpt_clock, base)
         rules.info = info
-        rules.persist_every, rules.persist_info = _rules.persist_cadence(
-            self, est, decision if decision is not None else current, rules.persist_every
-        )
-        if decision is not None and decision != current:
-            rules.published(decision, current, info, estimator.ckpt_clock, estimator.max_step)
-            return decision
-        return None
+        k = decision if decision is not None else base
+        rules.persist_every, rules.persist_info = _rules.persist_cadence(self, est, k, rules.persist_every)
+        if decision is not None and decision != base:
+            rules.published(decision, base, info, estimator.ckpt_clock, estimator.max_step)
+        return k if k != current else None
 
     def persist_every(self) -> int:
         """One scheduled snapshot in how many is persisted, as of the last :meth:`plan` (the others
@@ -292,7 +304,10 @@ class Adaptive:
         the goodput the interval is expected to give and Young/Daly's closed form for comparison),
         ``reason`` (one sentence), ``conflicts`` (rules that gave way),
         ``budget_pct``, ``predicted_overhead_pct`` (at the interval in force),
-        ``measured_overhead_pct`` (recent checkpoints), ``lost_work_s``, the estimates
+        ``measured_overhead_pct`` (the job's time lost to checkpoints over its training time,
+        :mod:`cf_ray.policy._cadence`), ``lost_work_s``, ``cost_source`` and ``cadence`` (the cost
+        measured from the cadence, and whether it or the per-checkpoint one is used), ``probe`` (while
+        a probe window is open), the estimates
         (``iter_s``, ``slowest_rank``, ``stall_s``, ``slowdown_s``, ``cost_s``, ``copy_s``,
         ``persist_s``, ``background_s``, ``bytes``, ``persist_bytes_per_s``), ``checkfreq_interval``
         (CheckFreq's formula on the same measurements), ``drift``, ``last_change`` and ``persist``
@@ -317,8 +332,9 @@ class Adaptive:
         waiting for the previous snapshot, max over ranks), ``slowdown_s`` (extra iteration time
         while its copy/persist ran), ``cost_s`` (max over ranks of stall + slowdown, waits
         excluded), ``copy_s``, ``persist_s``, ``background_s`` (copy + persist), ``bytes`` (sum
-        over ranks) and ``overhead_pct`` (cost over the baseline iteration time until the next
-        checkpoint; ``None`` until that is known).
+        over ranks) and ``overhead_pct`` (the job's time lost to checkpoints over its training
+        time as of this checkpoint: ``explain()["measured_overhead_pct"]`` then; ``None`` before
+        it is known).
         """
         rec = self._est.record(step)
         if rec is None:
@@ -384,3 +400,38 @@ class Adaptive:
             "bytes": state.get("bytes"),
             "interval": state.get("interval"),
         }
+
+
+def _probe(cfg: Adaptive, est, current: int) -> tuple[int | None, int]:
+    """The probe windows of :mod:`cf_ray.policy._cadence`: ``(interval to hold, None)`` while one is
+    open or starts now (the rules are not asked), else ``(None, the interval the rules start
+    from)`` — the one in force before a probe that just ended, or ``current``."""
+    cad, rules = cfg._est.cadence, cfg._rule_state
+    if est is None or not rules.measured_decided:
+        return None, current
+    active = cfg._est.active()
+    if cad.probe is not None:
+        if not cad.probe_done(active):
+            rules.info["reason"] = (
+                f"probe: no checkpoint for {cad.probe['k']} steps to time iterations with nothing in flight "
+                f"(since step {cad.probe['from_step']}), then back to {cad.probe['back_to']}"
+            )
+            rules.info["probe"] = dict(cad.probe)
+            return cad.probe["k"], current
+        return None, cad.end_probe()
+    if not cad.needs_probe(est.t, est.bg, active):
+        return None, current
+    k = max(cad.probe_steps(est.t, est.bg), current)
+    if cfg.max_lost_s is not None:
+        k = min(k, max(math.floor(cfg.max_lost_s * (1.0 - cfg.headroom) / est.t), current))
+    k = min(k, cfg.max_interval)
+    if k <= current:
+        return None, current  # the interval in force already leaves room for clean iterations
+    cad.start_probe(k, current)
+    info = rules.info = dict(rules.info)
+    info["probe"] = dict(cad.probe or {})
+    info["reason"] = (
+        f"probe: no iteration timed with nothing in flight for {cad.stale_steps(est.t, est.bg)} steps, so the "
+        f"slowdown a checkpoint causes cannot be told: no checkpoint for {k} steps, then back to {current}"
+    )
+    return k, current

@@ -1,0 +1,329 @@
+"""What a checkpoint costs, measured from the cadence: the mean iteration time under the interval in
+force against the iteration time with nothing in flight, timed in probe windows when the interval
+leaves no iteration free of a checkpoint (controller side only).
+
+Why not from the iterations around each checkpoint alone (:class:`~cf_ray.policy._estimator.Estimator`
+does that too): a rank's sample covers every iteration since its last poll (a second of them) and
+names only its newest checkpoint. At an interval shorter than a sample, each sample covers several
+checkpoints' copies and persists, there is no iteration free of one to compare with, and the
+slowdown a checkpoint causes is invisible: the cost looks like the stall alone, and the interval
+that cost suggests is the one that hides it. The cadence measure does not need to attribute
+iterations to checkpoints:
+
+* ``t_all`` — the mean time of every iteration timed under interval ``k`` (stalls excluded, as the
+  samples give it), from the second interval after ``k`` was published on (the first may still
+  carry the previous interval's copy or persist);
+* ``t_clean`` — for each of those samples, the weighted median of the rank's samples with nothing
+  in flight nearest to it in steps (before or after: a probe's), so that a change of the iteration
+  time itself is not taken for a checkpoint's doing;
+* the slowdown one checkpoint causes: ``k * mean(iter_s - t_clean)``, with a standard error from
+  the scatter of both (``k`` times the standard error of the difference).
+
+**Probe windows.** When a rank has no sample with nothing in flight newer than ``stale_steps``,
+the policy publishes a longer interval for one window (``probe_steps``: the background time of a
+checkpoint plus three samples' span, in iterations) so that the ranks time iterations with nothing
+in flight, then returns to the interval the rules give. A probe is a schedule version like any
+other: every rank adopts it together. It costs no training time (no checkpoint in it); it costs
+exposure: a failure in it loses up to ``probe_steps`` of work instead of ``k``. Probes are at
+least ``PROBE_SPACING`` windows apart (so at most a tenth of the run is in one).
+
+**The job's overhead** (``measured_overhead_pct``, the profile table's ``overhead_pct``, the
+``cf_ray_checkpoint_overhead_pct`` metric): the job's time lost to checkpoints over its training
+time, over its recent samples (:data:`JOB_SAMPLES` per rank): ``sum((iter_s - t_clean) * iters) +
+stall * checkpoints`` over ``t_clean * iters`` of the slowest rank, every checkpoint's stall (guard
+waits included: the training thread waited) counted at the interval in force.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass
+
+PROBE_SPACING = 9
+"""Probe windows are at least this many probe windows apart."""
+PROBE_SAMPLES = 3
+"""A probe window spans the background time of a checkpoint and this many samples' span."""
+JOB_SAMPLES = 1024
+"""The job's overhead is measured over this many recent samples per rank."""
+_REGIME_SAMPLES = 3
+"""A cadence measurement needs at least this many samples of every rank at the interval in force."""
+
+
+@dataclass(frozen=True, slots=True)
+class CadenceCost:
+    """The slowdown of one checkpoint measured from the cadence at interval ``k``."""
+
+    k: int
+    """The interval it was measured at."""
+    slowdown: float
+    """Seconds of training time one checkpoint's copy and persist cost (``k * (t_all - t_clean)``)."""
+    se: float
+    """Its standard error."""
+    t_all: float
+    """Mean seconds per iteration under ``k`` (the governing rank)."""
+    t_clean: float
+    """Seconds per iteration with nothing in flight (the same rank)."""
+    blind: bool
+    """Fewer than half the iterations under ``k`` were free of a checkpoint: the per-checkpoint
+    attribution cannot see the slowdown."""
+    samples: int
+    """Samples of the governing rank it is based on."""
+    at_step: int
+    """The newest step it covers."""
+
+    def as_dict(self) -> dict:
+        return {
+            "interval": self.k,
+            "slowdown_s": self.slowdown,
+            "slowdown_se_s": self.se,
+            "iter_s_under_interval": self.t_all,
+            "iter_s_nothing_in_flight": self.t_clean,
+            "blind": self.blind,
+            "samples": self.samples,
+            "at_step": self.at_step,
+        }
+
+
+class _RankCadence:
+    __slots__ = ("clean", "clean_steps", "regime", "job", "span", "job_sums", "pending")
+
+    def __init__(self):
+        self.clean: deque = deque(maxlen=256)  # (last step, iter_s, iters) with nothing in flight, in step order
+        self.clean_steps: deque = deque(maxlen=256)  # their steps (for bisect)
+        self.regime: list = []  # (step, iter_s, iters, clean, clean iter_s before) under the interval in force
+        self.job: deque = deque()  # (lost s, training s, checkpoints) per sample, newest JOB_SAMPLES
+        self.job_sums = [0.0, 0.0, 0.0]  # their sums
+        self.pending: list = []  # (iter_s, iters, checkpoints) timed before any clean sample
+        self.span: deque = deque(maxlen=8)  # iterations per sample
+
+    def t_clean(self, newer_than: int) -> tuple[float, float, int] | None:
+        """Weighted median of the clean samples newer than ``newer_than``, its standard error and count."""
+        items = []
+        for step, v, n in reversed(self.clean):
+            if step <= newer_than or len(items) >= 16:
+                break
+            items.append((v, n))
+        if not items:
+            return None
+        return _weighted_median(items), _se(items), len(items)
+
+    def add_job(self, iter_s: float, iters: int, stalls: float, clean: bool) -> None:
+        """One sample into the job's overhead: its lost time against the clean samples before it
+        (those before any clean sample wait for the first one), and ``stalls``, the seconds its
+        checkpoints stalled the training thread."""
+        if clean:
+            entries = [(0.0, iter_s * iters, stalls)]
+            entries += [(max(v - iter_s, -v) * n, iter_s * n, c) for v, n, c in self.pending]
+            self.pending.clear()
+        elif (base := self.base_before()) is not None:
+            entries = [((iter_s - base) * iters, base * iters, stalls)]
+        else:
+            self.pending.append((iter_s, iters, stalls))
+            del self.pending[:-JOB_SAMPLES]
+            return
+        sums = self.job_sums
+        for e in entries:
+            self.job.append(e)
+            for i in range(3):
+                sums[i] += e[i]
+        while len(self.job) > JOB_SAMPLES:
+            old = self.job.popleft()
+            for i in range(3):
+                sums[i] -= old[i]
+
+    def base_before(self) -> float | None:
+        """The iteration time with nothing in flight as of now: the weighted mean of the newest
+        four clean samples."""
+        if not self.clean:
+            return None
+        near = list(itertools.islice(reversed(self.clean), 4))
+        return sum(v * n for _, v, n in near) / sum(n for _, _, n in near)
+
+    def base_at(self, step: int) -> float | None:
+        """The iteration time with nothing in flight near ``step``: the weighted mean of the clean
+        samples next to it (two before, two after)."""
+        if not self.clean:
+            return None
+        i = bisect.bisect_left(self.clean_steps, step)
+        near = list(itertools.islice(self.clean, max(i - 2, 0), i + 2))
+        return sum(v * n for _, v, n in near) / sum(n for _, _, n in near)  # a mean, as t_all is
+
+
+class Cadence:
+    """The cadence measure, the probe windows and the job's overhead (see the module docstring)."""
+
+    def __init__(self):
+        self.ranks: dict[int, _RankCadence] = {}
+        self.k: int | None = None  # the interval the regime's samples are under
+        self.regime_from = 0  # samples whose first iteration is at or after this count
+        self.measured: CadenceCost | None = None  # the newest measurement
+        self.probe: dict | None = None  # the probe window in force: from_step, k, back_to, ...
+        self.last_probe_step: int | None = None
+        self.max_step = 0
+
+    # -- input ------------------------------------------------------------------------------------
+    def interval(self, k: int) -> None:
+        """The interval in force (published) is ``k``; a new one starts a new regime."""
+        if k != self.k:
+            self.k = k
+            self.regime_from = self.max_step + max(k, 2) + 2
+            for r in self.ranks.values():
+                r.regime.clear()
+
+    def add(self, rank: int, step: int, first: int, iter_s: float, iters: int, clean: bool, stall: float) -> None:
+        """A rank's sample of ``iters`` iterations ending at ``step`` (warm-up excluded); ``stall``:
+        the training thread's stall of its newest checkpoint, guard waits included."""
+        r = self.ranks.get(rank)
+        if r is None:
+            r = self.ranks[rank] = _RankCadence()
+        self.max_step = max(self.max_step, step)
+        r.span.append(iters)
+        if clean:
+            if r.clean and step < r.clean[-1][0]:  # a restart: the steps go back
+                r.clean.clear()
+                r.clean_steps.clear()
+            r.clean.append((step, iter_s, iters))
+            r.clean_steps.append(step)
+        r.add_job(iter_s, iters, stall * iters / (self.k or 1), clean)
+        if first >= self.regime_from and self.probe is None:
+            # Against the clean samples before it if there are any (else, at measuring time, the
+            # ones nearest to it: a probe's after it).
+            r.regime.append((step, iter_s, iters, clean, r.base_before()))
+            del r.regime[:-256]
+
+    def rollback(self, rank: int) -> None:
+        """The rank restarted: its regime samples are no longer under one cadence."""
+        r = self.ranks.get(rank)
+        if r is not None:
+            r.regime.clear()
+
+    # -- the cost -----------------------------------------------------------------------------------
+    def stale_steps(self, t: float, bg: float) -> int:
+        """Clean samples older than this many steps are too old to compare with."""
+        return PROBE_SPACING * self.probe_steps(t, bg)
+
+    def probe_steps(self, t: float, bg: float) -> int:
+        """Steps of one probe window: a checkpoint's background time and ``PROBE_SAMPLES`` samples."""
+        spans = [n for r in self.ranks.values() for n in r.span]
+        span = _median(spans) if spans else 1
+        return max(math.ceil(bg / t) + PROBE_SAMPLES * math.ceil(span) + 2, 4) if t > 0 else 4
+
+    def measure(self, t: float, bg: float, active: set[int]) -> CadenceCost | None:
+        """The slowdown of one checkpoint at the interval in force, from the governing rank (the
+        largest slowdown), or ``None`` while too few samples or no recent clean ones; the newest
+        measurement is kept (:attr:`measured`) until a newer one replaces it."""
+        k = self.k
+        if k is None or self.probe is not None:
+            return self.measured
+        newer_than = self.max_step - self.stale_steps(t, bg)
+        best: CadenceCost | None = None
+        for rank in active:
+            r = self.ranks.get(rank)
+            if r is None:
+                continue
+            regime = r.regime
+            iters = sum(n for _, _, n, _, _ in regime)
+            base = r.t_clean(newer_than)
+            if base is None or len(regime) < _REGIME_SAMPLES or iters < 3 * k:
+                return self.measured
+            se_c = base[1]
+            diffs = [(v - (b or r.base_at(step) or v), n) for step, v, n, _, b in regime]
+            t_all = sum(v * n for _, v, n, _, _ in regime) / iters
+            d = sum(x * n for x, n in diffs) / iters
+            clean_iters = sum(n for _, _, n, c, _ in regime if c)
+            m = CadenceCost(
+                k=k,
+                slowdown=k * d,
+                se=k * math.hypot(_se(diffs), se_c),
+                t_all=t_all,
+                t_clean=t_all - d,
+                blind=clean_iters < 0.5 * iters,
+                samples=len(regime),
+                at_step=self.max_step,
+            )
+            if best is None or m.slowdown > best.slowdown:
+                best = m
+        if best is not None:
+            self.measured = best
+        return self.measured
+
+    def needs_probe(self, t: float, bg: float, active: set[int]) -> bool:
+        """Whether a rank has no clean sample recent enough to compare with (and the last probe
+        is far enough back)."""
+        if self.probe is not None or not active:
+            return False
+        stale = self.stale_steps(t, bg)
+        if self.last_probe_step is not None and self.max_step - self.last_probe_step < stale:
+            return False
+        newer_than = self.max_step - stale
+        return any((r := self.ranks.get(rank)) is None or r.t_clean(newer_than) is None for rank in active)
+
+    def start_probe(self, k_probe: int, back_to: int) -> None:
+        self.probe = {"from_step": self.max_step, "k": k_probe, "back_to": back_to}
+        self.last_probe_step = self.max_step
+
+    def probe_done(self, active: set[int]) -> bool:
+        """Every active rank timed two clean samples in the window, or it lasted three windows."""
+        p = self.probe
+        assert p is not None
+        if self.max_step - p["from_step"] > 3 * p["k"]:
+            return True
+        return all(
+            (r := self.ranks.get(rank)) is not None and sum(1 for s, _, _ in r.clean if s > p["from_step"]) >= 2
+            for rank in active
+        )
+
+    def end_probe(self) -> int:
+        """The probe window is over: the interval to return to."""
+        p = self.probe
+        assert p is not None
+        self.probe = None
+        self.last_probe_step = self.max_step
+        return p["back_to"]
+
+    # -- the job's overhead ---------------------------------------------------------------------------
+    def job_overhead_pct(self, active: set[int], t: float, bg: float) -> float | None:
+        """The job's time lost to checkpoints over its training time, in percent (the slowest rank:
+        the one with the longest iterations with nothing in flight), or ``None`` before it is known."""
+        newer_than = self.max_step - self.stale_steps(t, bg)
+        best = None
+        for rank in active:
+            r = self.ranks.get(rank)
+            base = r.t_clean(newer_than) or r.t_clean(-1) if r is not None else None
+            if r is None or base is None:
+                continue
+            lost, train, stalls = r.job_sums
+            if train > 0 and (best is None or base[0] > best[0]):
+                best = (base[0], 100.0 * (lost + stalls) / train)
+        return best[1] if best is not None else None
+
+
+def _median(xs) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def _weighted_median(pairs) -> float:
+    items = sorted(pairs)
+    total = sum(w for _, w in items)
+    acc = 0.0
+    for v, w in items:
+        acc += w
+        if acc * 2 >= total:
+            return v
+    return items[-1][0]
+
+
+def _se(pairs) -> float:
+    """Standard error of the weighted mean of ``(value, weight)`` samples (0 for fewer than two)."""
+    n = len(pairs)
+    if n < 2:
+        return 0.0
+    w = sum(x for _, x in pairs)
+    mean = sum(v * x for v, x in pairs) / w
+    var = sum(x * (v - mean) ** 2 for v, x in pairs) / w
+    return math.sqrt(var / (n - 1))

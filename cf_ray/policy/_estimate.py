@@ -1,0 +1,119 @@
+"""The estimates one decision of :class:`~cf_ray.policy.adaptive.Adaptive` is based on
+(:class:`Estimate`, made by :class:`~cf_ray.policy._estimator.Estimator`, read by the decision
+ladder in :mod:`cf_ray.policy._rules`), and the numeric helpers both use."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cf_ray.policy._cadence import CadenceCost
+    from cf_ray.policy._hazard import HazardEstimate
+
+
+@dataclass(kw_only=True, slots=True)
+class EstimateDetail:
+    """What the estimates are made of beyond what the rules read (for :meth:`Adaptive.explain`)."""
+
+    copy: float | None = None
+    """Copy seconds (median of recent checkpoints)."""
+    persist: float | None = None
+    """Persist seconds (median of recent checkpoints)."""
+    nbytes: int | None = None
+    """Bytes of the newest checkpoint, all ranks."""
+    rate: float | None = None
+    """Persist throughput, bytes per second."""
+    measured_pct: float | None = None
+    """The job's time lost to checkpoints over its training time, in percent (recent samples)."""
+    cadence: CadenceCost | None = None
+    """The cost measured from the cadence (:mod:`cf_ray.policy._cadence`), ``None`` before one."""
+    drift: dict = field(default_factory=dict)
+    """Changes of level detected in the per-checkpoint series."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Estimate:
+    """The estimates one decision is based on."""
+
+    t: float
+    """Seconds per iteration (slowest rank)."""
+    slowest: int | None = None
+    """The rank whose iteration time governs."""
+    cost: float = 0.0
+    """Training time one checkpoint costs (stall + slowdown)."""
+    cost_se: float = 0.0
+    """Standard error of ``cost``."""
+    stall: float = 0.0
+    """Training-thread stall per checkpoint (max over ranks)."""
+    bg: float = 0.0
+    """Copy + persist seconds per checkpoint (max over ranks)."""
+    bg_se: float = 0.0
+    """Standard error of ``bg``."""
+    t_clean: bool = True
+    """Whether ``t`` comes from iterations with nothing in flight."""
+    settled: bool = False
+    """Whether some checkpoint's slowdown is measured (its overlap is over), so ``cost`` holds it."""
+    bg_from_waits: bool = False
+    """Whether ``bg`` is the lower bound that guard waits imply."""
+    n: int = 0
+    """Checkpoints measured (recent history)."""
+    n_level: int = 0
+    """Checkpoints the current cost and persist estimates are based on (since the last drift)."""
+    has_persist: bool = False
+    """Whether any persist time was measured."""
+    source: str = "measured"
+    """``measured`` or ``saved profile``."""
+    cost_source: str = "per checkpoint"
+    """Where ``cost`` comes from: ``per checkpoint`` (the iterations around each checkpoint) or
+    ``cadence`` (:mod:`cf_ray.policy._cadence`)."""
+    detail: EstimateDetail = field(default_factory=EstimateDetail)
+    """Copy and persist times, bytes, throughput, measured overhead and drift (reported only)."""
+    hazard: HazardEstimate | None = None
+    """How often the run fails and what a recovery takes (set by :meth:`Adaptive.plan`)."""
+
+
+# -- numeric helpers ----------------------------------------------------------------------------
+
+
+def _ceil(x: float) -> int:
+    return math.ceil(x - 1e-9)
+
+
+def _pos(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 else None
+
+
+def _nonneg(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 else None
+
+
+def _max_or_none(d: dict) -> float | None:
+    return max(d.values()) if d else None
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def _robust_mean(xs: Sequence[float]) -> float:
+    """Mean without the lowest and the highest value (the median for fewer than four values)."""
+    if len(xs) < 4:
+        return _median(xs)
+    s = sorted(xs)[1:-1]
+    return sum(s) / len(s)
+
+
+def _weighted_median(pairs) -> float:
+    items = sorted(pairs)
+    total = sum(w for _, w in items)
+    acc = 0.0
+    for v, w in items:
+        acc += w
+        if acc * 2 >= total:
+            return v
+    return items[-1][0]
