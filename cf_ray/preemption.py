@@ -24,7 +24,12 @@ Every rank watches three sources; one notice on one rank is enough:
   known to the process: ``sigterm_deadline_s`` (Kubernetes' default grace period is 30 s).
   cf_ray defers SIGTERM, it does not swallow it: once the checkpoint is durable (or the deadline
   has passed) the previous handler runs (Ray's ends the worker process, so Ray Train restarts
-  the group at once instead of waiting for the SIGKILL).
+  the group at once instead of waiting for the SIGKILL). Not every SIGTERM is a notice: Ray Train
+  v2 stops a worker group (a worker failed or raised, the run ended, a restart or a resize) by
+  calling each worker actor's ``shutdown()``, whose worker callbacks run before the process is
+  killed, and a SIGTERM reaches the worker on the way; cf_ray adds a callback there, and a SIGTERM
+  after it is passed on at once. So is one before the rank's first training step (``restore()``
+  raised or has not returned): the rank holds nothing its restore did not load.
 * **The user**: ``Checkpointer.request_checkpoint(preemption=True, deadline_s=...)`` on one rank,
   from any thread (a metadata-endpoint poller), or :func:`notify_preemption` from the driver or
   any process of the cluster (it goes through the run's controller, which rings every rank's

@@ -68,6 +68,7 @@ def test_sigterm_in_the_main_thread_is_a_notice_passed_on_after_the_checkpoint()
     try:
         w.install()
         assert w.sources["sigterm"] == "main"
+        w.poll(1)  # a training step ended: there is work to save
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.01)  # the handler runs at the next bytecode of the main thread
         assert len(requests) == 1 and w.active.source == "sigterm"
@@ -82,6 +83,46 @@ def test_sigterm_in_the_main_thread_is_a_notice_passed_on_after_the_checkpoint()
     finally:
         w.close()
         signal.signal(signal.SIGTERM, previous)
+
+
+def _sigterm_passed_on_at_once(w, requests, caplog, why):
+    """Sends SIGTERM to this process; asserts that the watcher passed it on at once, as if it were not
+    there, with no notice, no checkpoint asked for, and a line that says what it was."""
+    passed_on = []
+    previous = signal.signal(signal.SIGTERM, lambda s, f: passed_on.append(s))
+    try:
+        w.install()
+        assert w.sources["sigterm"] == "main"
+        with caplog.at_level("INFO", logger="cf_ray"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)  # the handler runs at the next bytecode of the main thread
+        assert passed_on == [signal.SIGTERM] and w.notices == [] and requests == [] and w.active is None
+        assert "preemption notice" not in caplog.text
+        assert re.search(rf"rank 0: SIGTERM {why}.*not a preemption: passed on, no checkpoint", caplog.text)
+    finally:
+        w.close()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_sigterm_before_the_first_step_is_not_a_preemption_notice(caplog):
+    """A rank whose restore() raised (or has not returned) holds nothing its restore did not load: a
+    SIGTERM then is the worker being stopped, and there is no work to save."""
+    w, requests = _watcher(sigterm=True, sigterm_deadline_s=30.0)
+    _sigterm_passed_on_at_once(w, requests, caplog, "before the first training step")
+
+
+def test_sigterm_after_ray_train_began_stopping_the_group_is_not_a_preemption_notice(caplog):
+    """Ray Train v2 stops a worker group (a peer died or raised, the run ended) by calling each worker
+    actor's shutdown(), whose worker callbacks run first; the SIGTERM that follows is no notice."""
+    from ray.train.v2._internal.execution.worker_group.worker import RayTrainWorker
+
+    w, requests = _watcher(sigterm=True, sigterm_deadline_s=30.0)
+    w.poll(5)  # training had been going on
+    worker = RayTrainWorker()  # Ray Train's worker actor class, in this process
+    worker._callbacks = [preemption_watcher._GroupShutdownHook(w._sigterm._token)]  # as _main_install adds it
+    preemption_watcher._REGISTRY[w._sigterm._token] = w._sigterm
+    worker.shutdown()  # what the worker group's shutdown calls on every worker before ray.kill
+    _sigterm_passed_on_at_once(w, requests, caplog, "after Ray Train began stopping the worker group")
 
 
 def test_rays_signal_from_the_worker_mailbox(monkeypatch):
@@ -202,6 +243,33 @@ def test_jit_checkpoint_from_the_user_and_from_the_driver(ray_cluster, tmp_path)
     assert row["notice_source"] == "driver" and row["made_deadline"] is True
     assert any(e["event"] == "notice" and e["detail"] == "the group grows" for e in ck.events())
     ck.finish()
+
+
+def test_a_rank_whose_restore_raised_passes_sigterm_on_without_a_notice(ray_cluster, tmp_path, caplog):
+    """restore() raised: the worker is being stopped, not preempted; its SIGTERM does what it would do
+    without cf_ray, at once, and no just-in-time checkpoint is asked for."""
+    passed_on = []
+    previous = signal.signal(signal.SIGTERM, lambda s, f: passed_on.append(s))
+    (tmp_path / "empty").mkdir()
+    model = torch.nn.Linear(4, 1)
+    ck = cf_ray.Checkpointer(
+        {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)},
+        config=cf_ray.CheckpointConfig(
+            storage_path=str(tmp_path), run_name="raised", register_with_ray=False, final_model=None,
+            resume_from=str(tmp_path / "empty"), preemption=PreemptionConfig(sigterm_deadline_s=30.0),
+        ),
+    )  # fmt: skip
+    try:
+        with pytest.raises(cf_ray.ConfigError, match="holds no cf_ray checkpoint"):
+            ck.restore()
+        with caplog.at_level("INFO", logger="cf_ray"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)  # the handler runs at the next bytecode of the main thread
+        assert passed_on == [signal.SIGTERM] and ck.preemption.notices == []
+        assert "preemption notice" not in caplog.text and "not a preemption: passed on" in caplog.text
+    finally:
+        ck.close()
+        signal.signal(signal.SIGTERM, previous)
 
 
 class _RankInAnActor:
@@ -397,6 +465,13 @@ def spot_loop(cfg: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     out = cfg["out"]
+    if cfg.get("log"):  # what cf_ray says on this rank, down to debug lines
+        import logging
+
+        handler = logging.FileHandler(f"{out}/cf_ray_rank{rank}.log")
+        handler.setFormatter(logging.Formatter("%(created).3f %(levelname)s %(message)s"))
+        logging.getLogger("cf_ray").addHandler(handler)
+        logging.getLogger("cf_ray").setLevel(logging.DEBUG)
     if os.path.exists(f"{out}/killed"):
         try:
             os.remove(f"{out}/stall")  # the new attempt's storage keeps up again
@@ -506,6 +581,8 @@ def _scenario(cfg, ck, rank, gen):
             os.kill(os.getpid(), signal.SIGKILL)
 
         threading.Thread(target=node_goes_away, daemon=True).start()
+    elif s == "raise":  # a bug in one worker: Ray Train stops the whole group
+        raise RuntimeError(f"rank {rank} raised at step {ck.step_count}")
     elif s == "elastic":  # this node (or a new one) changes the group: checkpoint, then resize
         ck.request_checkpoint(preemption=True, deadline_s=cfg["deadline_s"], detail="resize")
 
@@ -581,6 +658,21 @@ def test_sigterm_notice_checkpoint_durable_then_resume_loses_at_most_one_step(ra
     assert done_before - second["step"] <= 1  # work lost: at most one step
     _assert_exactly_once(_lineage(out), epochs=1)
     assert res["steps"] == SAMPLES // (2 * BATCH)
+
+
+@pytest.mark.slow
+def test_a_group_stopped_after_a_worker_raised_hears_no_preemption_notice(ray_cluster, tmp_path):
+    """Rank 1 raises; Ray Train stops the group, and the surviving rank 0 with it (a SIGTERM reaches
+    both): neither may call that a preemption notice and ask for a just-in-time checkpoint."""
+    cfg = {"scenario": "raise", "notice_at": 3, "epochs": 1, "every": 100, "step_s": 0.05, "log": True}
+    with pytest.raises(Exception, match="rank 1 raised at step 3"):
+        _fit(tmp_path, "raised", cfg)
+    for rank in (0, 1):
+        said = (tmp_path / "out" / f"cf_ray_rank{rank}.log").read_text()
+        assert "Ray Train stops the worker group" in said, said
+        assert "preemption notice" not in said, said
+        sigterm = [line for line in said.splitlines() if "SIGTERM" in line and "watches preemption" not in line]
+        assert all("not a preemption: passed on, no checkpoint" in line for line in sigterm), said
 
 
 @pytest.mark.slow

@@ -110,7 +110,7 @@ class PreemptionWatcher:
         self._ray_seen: set = set()
         self._ray_first_seen: dict = {}
         self._sigterm = _SigtermHook(rank, self._on_sigterm)
-        self._sigterm_notice: PreemptionNotice | None = None
+        self._sigterm_heard = False
         self._closed = False
 
     # -- set-up ------------------------------------------------------------------------------------
@@ -141,13 +141,23 @@ class PreemptionWatcher:
         return {"ray": self._ray_mode, "sigterm": self._sigterm.mode, "user": "on"}
 
     def _on_sigterm(self) -> None:
+        """A SIGTERM is a preemption notice, unless the process is being stopped for another reason
+        or there is nothing to save yet; then it is passed on at once, as if cf_ray were not there."""
         with self._lock:
-            if self._sigterm_notice is not None:
+            if self._sigterm_heard:
                 return
-            now = time.time()
-            self._sigterm_notice = self.notify(
-                "sigterm", deadline_unix=now + self.config.sigterm_deadline_s, detail="SIGTERM to the worker process"
-            )
+            self._sigterm_heard = True
+            why = self._sigterm.not_a_preemption()
+            if why is None:
+                now = time.time()
+                self.notify(
+                    "sigterm",
+                    deadline_unix=now + self.config.sigterm_deadline_s,
+                    detail="SIGTERM to the worker process",
+                )
+                return
+        logger.info("cf_ray: rank %d: SIGTERM %s; not a preemption: passed on, no checkpoint", self.rank, why)
+        self._sigterm.redeliver()
 
     # -- notices -------------------------------------------------------------------------------------
     def notify(
@@ -200,6 +210,7 @@ class PreemptionWatcher:
 
     def poll(self, step: int) -> None:
         """After every optimizer step, on the training thread: look at Ray Train's signal."""
+        self._sigterm.stepped = True
         act = self._active
         if (
             act is not None
@@ -342,6 +353,23 @@ class _SigtermHook:
         self._pipe: tuple[int, int] | None = None
         self._reader: threading.Thread | None = None
         self._installed_on_main = False
+        self.stepped = False
+        """A training step ended since the watcher started (before it, a rank holds nothing that its
+        restore did not load: a SIGTERM then has no work to save)."""
+        self.stopping = False
+        """Ray Train called the worker's shutdown hook: the group is going away (see
+        :class:`_GroupShutdownHook`)."""
+
+    def not_a_preemption(self) -> str | None:
+        """What a SIGTERM now is when it is not a preemption notice (``None`` when it may be one)."""
+        if self.stopping:
+            return (
+                "after Ray Train began stopping the worker group (a worker failed or raised, the run "
+                "ended, or the group restarts)"
+            )
+        if not self.stepped:
+            return "before the first training step (restore() did not return): no work since the restore to save"
+        return None
 
     def install(self) -> None:
         with _REGISTRY_LOCK:
@@ -466,18 +494,53 @@ def _python_sigterm(signum, frame) -> None:  # noqa: ARG001 - the signal module'
         hook._on_signal()
 
 
-def _main_install(_actor_self, token: int) -> bool:
+def _main_install(actor_self, token: int) -> bool:
     w = _REGISTRY.get(token)
     if w is None or threading.current_thread() is not threading.main_thread():
         return False
     w._install_on_main()
+    callbacks = getattr(actor_self, "_callbacks", None)  # Ray Train v2's worker actor (Ray 2.60's layout)
+    if isinstance(callbacks, list) and _GroupShutdownHook is not None:
+        callbacks.append(_GroupShutdownHook(token))
     return True
 
 
-def _main_uninstall(_actor_self, token: int) -> None:
+def _main_uninstall(actor_self, token: int) -> None:
     w = _REGISTRY.get(token)
     if w is not None:
         w._uninstall_on_main()
+    callbacks = getattr(actor_self, "_callbacks", None)
+    if isinstance(callbacks, list):
+        callbacks[:] = [c for c in callbacks if getattr(c, "token", None) != token]
+
+
+def _group_shutdown_hook_class() -> type | None:
+    """:class:`_GroupShutdownHook`, or ``None`` where Ray Train v2's worker callbacks do not exist."""
+    try:
+        from ray.train.v2._internal.execution.callback import WorkerCallback
+    except Exception:  # noqa: BLE001 - another Ray version: a group shutdown then reads as a SIGTERM
+        return None
+
+    class GroupShutdown(WorkerCallback):
+        """Ray Train v2 stops a worker group (a worker failed or raised, the run ended, a restart or a
+        resize) by calling every worker actor's ``shutdown()``, which runs each worker callback's
+        ``before_worker_shutdown``, then ``ray.kill``; the worker process gets a SIGTERM on the way.
+        This hook, added to the worker actor's callbacks, marks the rank's SIGTERM hook first, so
+        that SIGTERM is passed on instead of being taken for a preemption notice."""
+
+        def __init__(self, token: int) -> None:
+            self.token = token
+
+        def before_worker_shutdown(self) -> None:
+            hook = _REGISTRY.get(self.token)
+            if hook is not None:
+                hook.stopping = True
+                logger.debug("cf_ray: rank %d: Ray Train stops the worker group", hook.rank)
+
+    return GroupShutdown
+
+
+_GroupShutdownHook = _group_shutdown_hook_class()
 
 
 def _main_redeliver(_actor_self, token: int) -> None:
