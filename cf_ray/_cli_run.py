@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 DAMAGED = 1
 #: Exit status of a command given bad input (what to give instead is said on stderr).
 BAD_INPUT = 2
+#: What a cf_ray folder holds: a directory holding one of them is one, whatever its name.
+_ROOT_FILES = ("checkpoints", "profile.parquet")
 #: How many run names a "holds several runs" message lists before "...".
 _RUNS_NAMED = 8
 
@@ -72,6 +74,8 @@ def locate(source: str) -> tuple[FsStorage, str | None]:
         inner = FsStorage(storage.fs, posixpath.join(storage.root, "cf_ray"))
         if _stat(inner, inner.root, where) == pafs.FileType.Directory:
             return inner, None  # a run that has committed nothing yet (its profile, its quarantine)
+        if any(_stat(storage, posixpath.join(storage.root, n), where) != pafs.FileType.NotFound for n in _ROOT_FILES):
+            return storage, None  # a cf_ray folder of another name: CheckpointConfig(storage_path=...) itself
         runs = _runs_under(given, where)
         if runs:
             named = ", ".join(runs[:_RUNS_NAMED]) + (", ..." if len(runs) > _RUNS_NAMED else "")

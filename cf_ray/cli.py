@@ -99,17 +99,28 @@ def profile_parser() -> argparse.ArgumentParser:
     p = _parser(
         "profile",
         "  cf-ray profile cf_ray_runs/my-run\n"
-        "  cf-ray profile cf_ray_runs/my-run > profile.txt\n\n"
+        "  cf-ray profile cf_ray_runs/my-run --all --csv > profile.csv\n\n"
+        "Columns by default: step, kind, generation, interval, stall_ms, committed (and error when a\n"
+        "checkpoint failed); --all adds the others. Seconds are shown as milliseconds (stall_s as\n"
+        "stall_ms), Unix times as ISO 8601 UTC (*_unix as *_utc); a missing value is '-' in the\n"
+        "table, empty in CSV, null in JSON.\n\n"
         "(cf-ray profile STORAGE_PATH NAME, the older form, still works and is deprecated)",
-        usage="cf-ray profile [-h] RUN",
+        usage="cf-ray profile [-h] [--all] [--csv | --json] RUN",
     )
     p.add_argument("where", nargs="+", metavar="RUN", help=_RUN_HELP)
+    p.add_argument(
+        "--all", action="store_true", dest="all_columns", help="every column (default: those of the metrics guide)"
+    )
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--csv", action="store_const", const="csv", dest="fmt", help="write CSV (missing: empty)")
+    out.add_argument("--json", action="store_const", const="json", dest="fmt", help="write JSON (missing: null)")
     return p
 
 
 def _profile(args: argparse.Namespace) -> int:
     if len(args.where) > 2:
         profile_parser().error("give one RUN: <storage_path>/<name> or a URI")
+    from cf_ray._profile_table import render
     from cf_ray.run import Run
 
     source = args.where[0]
@@ -121,7 +132,7 @@ def _profile(args: argparse.Namespace) -> int:
         )
     storage, _ = locate(source)
     run = Run.from_path(storage.root, storage_filesystem=storage.fs)
-    print(run.profile().to_string(index=False))
+    print(render(run.profile(), all_columns=args.all_columns, fmt=args.fmt or "table"))
     return 0
 
 

@@ -115,7 +115,7 @@ class ProfileBook:
                     "committed": False,
                     "where": SectionState.PENDING.value,
                     "error": None,
-                    "interval": self.schedule.current_interval,
+                    "interval": self.schedule.interval_in_force,
                     "durability_lost": self._lost_since is not None,
                 }
             if len(self._rows) > self._window:
@@ -156,7 +156,8 @@ class ProfileBook:
             epoch=meta.epoch,
             kind=CheckpointKind(meta.kind).value,
             milestone=meta.milestone,
-            interval=meta.interval,
+            # A FixedInterval's ranks decide alone and send no interval: the schedule says its ``every``.
+            interval=meta.interval if meta.interval is not None else self.schedule.interval_in_force,
             world_size=meta.world_size,
         )
         # Host passes (#14): what each rank copied and read again for its snapshot, and its wait for a slot.

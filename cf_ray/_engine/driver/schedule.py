@@ -28,7 +28,7 @@ from cf_ray._engine.protocol.messages import Schedule
 from cf_ray._engine.storage.fs import Storage
 from cf_ray.policy import FrequencyPolicy, RunEvent, RunEventKind, Sample
 from cf_ray.policy._hazard import HazardModel
-from cf_ray.policy.base import persist_every_of
+from cf_ray.policy.base import FixedInterval, persist_every_of
 
 logger = logging.getLogger("cf_ray")
 
@@ -74,6 +74,16 @@ class ScheduleBook:
     def current_interval(self) -> int | None:
         """The interval of the newest version."""
         return self._schedules[-1].interval
+
+    @property
+    def interval_in_force(self) -> int | None:
+        """The interval checkpoints are taken at: the newest version's, or the fixed ``every`` of a
+        policy that publishes none (``FixedInterval`` decides on the ranks); ``None`` for
+        ``EpochEnd``. What the profile's ``interval`` column says."""
+        current = self.current_interval
+        if current is None and isinstance(self.policy, FixedInterval):
+            return self.policy.every
+        return current
 
     def all(self) -> tuple[Schedule, ...]:
         return tuple(self._schedules)
