@@ -10,9 +10,12 @@ step, is cut into parts from timestamps that are observable without touching Ray
 * ``reschedule``: to the new group's start (the controller's state machine);
 * ``placement``: to the new rank processes created (their ``/proc`` start time; a process that
   Ray had started before, as an idle worker, makes this part negative, kept as measured);
-* ``start``: to the new group started (the actor's imports, ``init_process_group``);
+* ``actor_start``: to the new actors answering (Python and Ray started, Ray Train's worker made);
+* ``process_group``: to the new group started (train context, ``init_process_group``);
 * ``launch``: to the training function running on rank 0;
-* ``setup``: the user's set-up before ``restore()`` (model, DDP, optimizer, ``Checkpointer``);
+* ``imports``, ``model``, ``checkpointer``: the user's set-up before ``restore()`` on rank 0 (its
+  imports of torch, Ray Train and cf_ray; the model wrapped in DDP and its optimizer; the
+  ``Checkpointer``);
 * ``restore``: cf_ray's ``restore()`` on rank 0 (its own phases beside it);
 * ``first_step``: the first resumed step, to its end on rank 0.
 
@@ -44,7 +47,20 @@ MODELS = {
     "302mb": {"kind": "linear", "width": 2048, "layers": 6, "batch": 32},
 }
 
-PARTS = ("detect", "teardown", "reschedule", "placement", "start", "launch", "setup", "restore", "first_step")
+PARTS = (
+    "detect",
+    "teardown",
+    "reschedule",
+    "placement",
+    "actor_start",
+    "process_group",
+    "launch",
+    "imports",
+    "model",
+    "checkpointer",
+    "restore",
+    "first_step",
+)
 
 
 class Timeline(ControllerCallback, WorkerGroupCallback):
@@ -60,6 +76,10 @@ class Timeline(ControllerCallback, WorkerGroupCallback):
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
         self._log("state", prev=type(previous_state).__name__, next=type(current_state).__name__)
+
+    def before_init_train_context(self, workers) -> dict:  # noqa: ARG002 - Ray's hook signature
+        self._log("actors_ready")
+        return {}
 
     def before_worker_group_start(self, worker_group_context) -> None:  # noqa: ARG002 - Ray's hook signature
         self._log("group_start_begin")
@@ -83,6 +103,7 @@ def _loop(cfg: dict) -> None:
     import cf_ray
     from cf_ray._engine.worker.restore import process_start_unix
 
+    imported_t = time.time()
     torch.set_num_threads(1)
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
@@ -103,6 +124,7 @@ def _loop(cfg: dict) -> None:
         x, y = torch.randn(m["batch"], m["width"], generator=g), torch.randn(m["batch"], m["width"], generator=g)
     model = ray.train.torch.prepare_model(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model_t = time.time()
     ckpt = cf_ray.Checkpointer(
         {"model": model, "optimizer": opt},
         config=cf_ray.CheckpointConfig(
@@ -129,6 +151,8 @@ def _loop(cfg: dict) -> None:
                 "step": resume.step,
                 "proc_start": process_start_unix(),
                 "fn": fn_t,
+                "imported": imported_t,
+                "model": model_t,
                 "restore_begin": restore_t,
                 "restore_end": restored_t,
                 "first_step": first_t,
@@ -158,11 +182,12 @@ def breakdown(timeline: list[dict], kills: list[dict], attempts: list[dict]) -> 
         detect = first(lambda e: e["ev"] == "state" and e["prev"] == "RunningState" and e["next"] != "RunningState", t)
         shut = first(lambda e: e["ev"] == "group_shutdown_done", t)
         begin = first(lambda e: e["ev"] == "group_start_begin", t)
+        ready = first(lambda e: e["ev"] == "actors_ready", t)
         started = first(lambda e: e["ev"] == "group_started", t)
         gen = kill["gen"] + 1
         ranks = [a for a in attempts if a["gen"] == gen]
         r0 = next((a for a in ranks if a["rank"] == 0), None)
-        if None in (detect, shut, begin, started) or r0 is None:
+        if None in (detect, shut, begin, ready, started) or r0 is None:
             rows.append({"kill_t": t, "incomplete": True})
             continue
         procs = max(a["proc_start"] for a in ranks)
@@ -172,8 +197,11 @@ def breakdown(timeline: list[dict], kills: list[dict], attempts: list[dict]) -> 
             shut,
             begin,
             procs,
+            ready,
             started,
             r0["fn"],
+            r0["imported"],
+            r0["model"],
             r0["restore_begin"],
             r0["restore_end"],
             r0["first_step"],
@@ -196,8 +224,9 @@ def _read(path: Path) -> list[dict]:
 
 
 SETTINGS = {
-    # Ray Train's own defaults: the env variables cf_ray may set are removed for the fit
-    "ray": {"CF_RAY_RAY_TRAIN_DEFAULTS": "0"},
+    # Ray Train's own defaults, set (not removed: Ray's processes inherit the driver's environment of
+    # ray.init, where cf_ray's values were already set by its import)
+    "ray": {"CF_RAY_RAY_TRAIN_DEFAULTS": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"},
     # what cf_ray sets (cf_ray._engine.ray_train_fast): nothing to do but import cf_ray in the driver
     "cf_ray": {},
 }

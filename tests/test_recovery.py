@@ -110,16 +110,18 @@ def test_the_breakdown_cuts_a_recovery_at_each_observed_time():
         {"ev": "group_shutdown_begin", "t": 10.6},
         {"ev": "group_shutdown_done", "t": 10.8},
         {"ev": "group_start_begin", "t": 11.0},
+        {"ev": "actors_ready", "t": 14.0},
         {"ev": "group_started", "t": 15.0},
     ]
     kills = [{"t": 10.0, "step": 15, "gen": 1}]
     attempt = {"gen": 2, "source": "memory", "step": 15, "phases": {"read": 0.1}}
+    attempt.update(restore_begin=17.0, restore_end=17.3, first_step=17.4)
     attempts = [
-        dict(attempt, rank=0, proc_start=12.0, fn=15.2, restore_begin=17.0, restore_end=17.3, first_step=17.4),
-        dict(attempt, rank=1, proc_start=12.5, fn=15.3, restore_begin=17.0, restore_end=17.3, first_step=17.4),
+        dict(attempt, rank=0, proc_start=12.0, fn=15.2, imported=15.9, model=16.5),
+        dict(attempt, rank=1, proc_start=12.5, fn=15.3, imported=15.8, model=16.4),
     ]
     (row,) = breakdown(timeline, kills, attempts)
-    want = [0.5, 0.3, 0.2, 1.5, 2.5, 0.2, 1.8, 0.3, 0.1]
+    want = [0.5, 0.3, 0.2, 1.5, 1.5, 1.0, 0.2, 0.7, 0.6, 0.5, 0.3, 0.1]
     assert [row[p] for p in PARTS] == pytest.approx(want)
     assert row["total"] == pytest.approx(sum(want)) and row["source"] == "memory"
     assert not row["processes_reused"]

@@ -1,4 +1,4 @@
-"""cf_ray's tunables, in one place: the eight environment variables a user may set, and the module
+"""cf_ray's tunables, in one place: the nine environment variables a user may set, and the module
 constants that only tests change.
 
 **Environment variables** (documented in ``docs/guides/configuration.md``; the names below are
@@ -22,6 +22,8 @@ takes effect in the next object built; a Ray process reads the environment it wa
 ``CF_RAY_CRC_THREADS``          auto     threads that checksum what a GPU copied into host memory
                                          (the cores over ``LOCAL_WORLD_SIZE``, at most 8)
 ``CF_RAY_ALLOW_UNTESTED_RAY``   unset    ``1``: import cf_ray with a Ray it was not tested with
+``CF_RAY_RAY_TRAIN_DEFAULTS``   1        ``0``: ``import cf_ray`` in the driver leaves Ray Train's
+                                         health-check interval at Ray's default (2 s)
 ==============================  =======  =====================================================
 
 **Module constants** (below, plain values): not read from the environment. Code reads them at the
@@ -42,7 +44,7 @@ from typing import TypeVar, cast
 
 _T = TypeVar("_T", int, float, str)
 
-# -- the environment variables (eight, each documented) ----------------------------------------
+# -- the environment variables (nine, each documented) ----------------------------------------
 #: Seconds a worker waits for the controller or a holder in a blocking call (restore, wait, close).
 ACTOR_TIMEOUT_S = "CF_RAY_ACTOR_TIMEOUT_S"
 #: Seconds the controller stays alive after every rank has finished, so the driver can read it.
@@ -63,6 +65,9 @@ DIRECT_IO = "CF_RAY_DIRECT_IO"
 CRC_THREADS = "CF_RAY_CRC_THREADS"
 #: "1" lets cf_ray import with a Ray version it was not tested with (``cf_ray._version``).
 ALLOW_UNTESTED_RAY = "CF_RAY_ALLOW_UNTESTED_RAY"
+#: "0" keeps Ray Train's own defaults for the settings cf_ray gives it in the driver when imported
+#: there (its health-check interval: ``cf_ray/_engine/ray_train_fast.py``).
+RAY_TRAIN_DEFAULTS = "CF_RAY_RAY_TRAIN_DEFAULTS"
 
 VARIABLES: dict[str, float] = {
     ACTOR_TIMEOUT_S: 120.0,
@@ -73,6 +78,7 @@ VARIABLES: dict[str, float] = {
     DIRECT_IO: 1,
     CRC_THREADS: 0,
     ALLOW_UNTESTED_RAY: 0,
+    RAY_TRAIN_DEFAULTS: 1,
 }
 """Every environment variable cf_ray reads, with its default."""
 
@@ -144,8 +150,10 @@ BELL_POLL_INTERVAL_S: float = 1.0
 #: infinity (``worker/trust_gate.py``); a non-finite one rolls the run back past the restored step.
 #: Only these steps read the loss's value (a GPU loss is synchronised there only).
 TRUST_STEPS: int = 3
-#: Seconds a snapshot waits for a free slot when the holder holds every slot of a section (one being
-#: written, one pinned until written, the spare) before it is skipped and reported (``worker/snapshot.py``).
+#: Seconds a snapshot may hold the training thread waiting — for the previous hand-off, a free slot of
+#: each section when the holder holds every one (one being written, one pinned until written, the
+#: spare), the holder's slots of a new layout — in all, before it is skipped and reported
+#: (``worker/snapshot.py``): one bound per snapshot, not per section.
 SLOT_WAIT_S: float = 60.0
 
 CONSTANTS = (

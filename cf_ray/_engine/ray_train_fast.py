@@ -20,10 +20,12 @@ import logging
 import os
 from collections.abc import MutableMapping
 
+from cf_ray._engine import env as _env
+
 logger = logging.getLogger("cf_ray")
 
 #: ``0`` keeps Ray Train's own defaults for the variables below.
-ENABLE = "CF_RAY_RAY_TRAIN_DEFAULTS"
+ENABLE = _env.RAY_TRAIN_DEFAULTS
 
 #: Ray Train's variables and the values cf_ray gives them when the user has not.
 DEFAULTS: dict[str, str] = {
