@@ -163,6 +163,7 @@ class Cadence:
         self.probe: dict | None = None  # the probe window in force: from_step, k, back_to, ...
         self.last_probe_step: int | None = None
         self.max_step = 0
+        self.rows: dict[int, float] = {}  # checkpoint step -> the job's overhead as of it (bounded)
 
     # -- input ------------------------------------------------------------------------------------
     def interval(self, k: int) -> None:
@@ -285,6 +286,12 @@ class Cadence:
         return p["back_to"]
 
     # -- the job's overhead ---------------------------------------------------------------------------
+    def row(self, step: int, pct: float) -> None:
+        """Remember the job's overhead as of the checkpoint at ``step`` (the profile table's row)."""
+        self.rows[step] = pct
+        while len(self.rows) > JOB_SAMPLES:
+            del self.rows[next(iter(self.rows))]
+
     def job_overhead_pct(self, active: set[int], t: float, bg: float) -> float | None:
         """The job's time lost to checkpoints over its training time, in percent (the slowest rank:
         the one with the longest iterations with nothing in flight), or ``None`` before it is known."""

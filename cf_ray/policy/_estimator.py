@@ -314,10 +314,10 @@ class Estimator:
                 est.cost, est.cost_se, est.cost_source = cost, m.se, "cadence"
         d.measured_pct = pct = self.cadence.job_overhead_pct(active, est.t, est.bg)
         if pct is not None:
-            for rec in reversed(self.recs.values()):
-                if rec.job_pct is not None:
+            for step in reversed(self.recs):
+                if step in self.cadence.rows:
                     break
-                rec.job_pct = pct
+                self.cadence.row(step, pct)
 
     def _summary(self) -> dict | None:
         """The per-checkpoint part of the estimates; recomputed only when a record changed."""
@@ -464,7 +464,6 @@ class _Ckpt:
         "nbytes",
         "excess",
         "base_s",
-        "job_pct",
     )
 
     def __init__(self, step: int, seq: int, profiling: bool):
@@ -477,7 +476,6 @@ class _Ckpt:
         self.nbytes: dict[int, int] = {}
         self.excess: dict[int, float] = {}
         self.base_s: dict[int, float] = {}
-        self.job_pct: float | None = None  # the job's overhead as of the first estimate after it
 
     def put(self, rank, stall, wait, copy, persist, nbytes) -> bool:
         """Record the newest known values of ``rank``; whether anything changed."""
@@ -532,8 +530,3 @@ class _Ckpt:
         if persist_expected:
             return None
         return max(self.copy.values()) if self.copy else None
-
-    def overhead_pct(self) -> float | None:
-        """The job's time lost to checkpoints over its training time as of this checkpoint (the
-        figure ``explain()["measured_overhead_pct"]`` had then; ``None`` before one was known)."""
-        return self.job_pct

@@ -337,8 +337,9 @@ class Adaptive:
         it is known).
         """
         rec = self._est.record(step)
+        pct = self._est.cadence.rows.get(step)
         if rec is None:
-            return None
+            return None if pct is None else {"overhead_pct": pct}
         cost = rec.cost()
         own = rec.own_stall_max()
         return {
@@ -350,7 +351,7 @@ class Adaptive:
             "persist_s": _max_or_none(rec.persist),
             "background_s": rec.bg(False),
             "bytes": sum(rec.nbytes.values()) if rec.nbytes else None,
-            "overhead_pct": rec.overhead_pct(),
+            "overhead_pct": pct,
         }
 
     def state_dict(self) -> dict:
