@@ -62,22 +62,20 @@ def ls_parser() -> argparse.ArgumentParser:
 
 def _ls(args: argparse.Namespace) -> int:
     from cf_ray._engine.format import manifest as mf
-    from cf_ray.errors import CfRayError
+    from cf_ray.errors import CfRayError, CheckpointNotFoundError
     from cf_ray.load import list_checkpoints, quarantined_checkpoints
 
     storage, _ = locate(args.run)
     infos = list_checkpoints(storage.root, storage.fs)
     quarantined = quarantined_checkpoints(storage.root, storage.fs)
-    listed = {c.path for c in infos}
     skipped = []  # committed, but its manifest cannot be read: list_checkpoints leaves it out
     for c in mf.list_committed(storage, kinds=("step", "final"), skip_quarantined=True):
-        if storage.uri(c.path) not in listed:
-            try:
-                mf.read_manifest(storage, c.path)
-                why = "it was deleted while it was listed"
-            except CfRayError as e:
-                why = str(e).replace(storage.uri(c.path) + "/", "").splitlines()[0]
-            skipped.append((c, why))
+        try:
+            mf.read_manifest(storage, c.path)
+        except CheckpointNotFoundError:
+            continue  # deleted since it was listed (keep-last of a live run): not damage
+        except CfRayError as e:
+            skipped.append((c, str(e).replace(storage.uri(c.path) + "/", "").splitlines()[0]))
     if infos:
         print(f"{'step':>10} {'epoch':>6} {'kind':>10} {'milestone':>9} {'ranks':>5}  path")
         for c in infos:
