@@ -246,7 +246,8 @@ NIGHTLY = {
     "test_bench.py::test_bench_fsdp2_job",  # a benchmark job; test_bench_smoke stays
     "test_control_plane.py::test_the_controller_stays_flat_through_10000_commits[blocks]",  # 10,000 commits
     # minutes each on 2 cores; in the default suite: test_report (metrics in an actor), test_spot
-    # (SIGTERM in the main thread), test_notebooks (the committed notebook is the generated one)
+    # (SIGTERM in the main thread), test_notebooks (the committed notebook is the generated one, and
+    # its section 4 run in a kernel: the interrupted fit resumes mid-run)
     "test_notebooks.py::test_the_notebook_runs_and_gives_the_committed_outputs",
     "test_goodput.py::test_goodput_is_exported_to_rays_metrics_endpoint",
     "test_spot.py::test_sigterm_notice_checkpoint_durable_then_resume_loses_at_most_one_step",
