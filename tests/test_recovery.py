@@ -92,6 +92,16 @@ def test_cf_ray_shortens_ray_trains_health_check_unless_the_user_set_it_or_turne
     assert user["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "3"
 
 
+def test_a_worker_says_once_when_ray_trains_default_health_check_applies(monkeypatch, caplog):
+    monkeypatch.setattr(ray_train_fast, "_said", False)
+    caplog.set_level("INFO", logger="cf_ray")
+    assert ray_train_fast.health_check_s({"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}) == 0.25
+    assert not caplog.records  # cf_ray's value reached Ray Train: nothing to say
+    assert ray_train_fast.health_check_s({}) == 2.0 and ray_train_fast.health_check_s({}) == 2.0
+    (rec,) = caplog.records
+    assert "every 2 s" in rec.getMessage() and "CF_RAY_RAY_TRAIN_DEFAULTS=0" in rec.getMessage()
+
+
 def test_ray_train_reads_the_health_check_variable_cf_ray_sets():
     """The pinned Ray Train: the controller polls at this variable's interval, and passes it on."""
     from ray.train.v2._internal import constants

@@ -64,4 +64,34 @@ def apply_driver_defaults(environ: MutableMapping[str, str] | None = None) -> di
     return {k: v for k, v in _set_by_cf_ray.items() if env.get(k) == v}
 
 
-__all__ = ["DEFAULTS", "ENABLE", "apply_driver_defaults", "enabled"]
+#: Ray Train 2.60's own default of ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``.
+RAY_HEALTH_CHECK_S = 2.0
+
+_said = False
+
+
+def health_check_s(environ: MutableMapping[str, str] | None = None) -> float:
+    """In a Ray Train worker: the interval at which Ray Train's controller polls the workers (Ray
+    Train passes the variable on from the controller to its workers). When cf_ray's shorter value
+    did not reach it (``cf_ray`` not imported in the driver before ``fit()``, or turned off), says
+    so once in the log: a failure is then seen up to Ray's 2 s later."""
+    global _said
+    env = os.environ if environ is None else environ
+    raw = env.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
+    try:
+        value = float(raw) if raw else RAY_HEALTH_CHECK_S
+    except ValueError:
+        value = RAY_HEALTH_CHECK_S
+    if not raw and not _said:
+        _said = True
+        logger.info(
+            "cf_ray: Ray Train polls its workers every %.0f s (its default): a failed worker is seen up to "
+            "that late. `import cf_ray` in the driver before fit() sets %s (unless %s=0)",
+            value,
+            ", ".join(f"{k}={v}" for k, v in DEFAULTS.items()),
+            ENABLE,
+        )
+    return value
+
+
+__all__ = ["DEFAULTS", "ENABLE", "apply_driver_defaults", "enabled", "health_check_s"]

@@ -45,6 +45,7 @@ import numpy as np
 import ray
 import ray.exceptions
 
+from cf_ray._engine import ray_train_fast
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.protocol.messages import Restored, RestorePlan, RestoreSource
 from cf_ray._engine.worker import integrity as _integrity
@@ -427,6 +428,7 @@ class Restorer:
             extra = self.record.fallbacks.extra()  # the candidates skipped, and why (the restart's event)
             # Where the restart's recovery went before the restore (Restart.rebuild_s, setup_s).
             extra.update(process_start_unix=process_start_unix(), restore_begin_unix=time.time() - seconds)
+            extra.update(health_check_s=ray_train_fast.health_check_s())  # how soon Ray Train saw a failure
             self.link.controller.restored.remote(
                 Restored(
                     source=outcome.source,
