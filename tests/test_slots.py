@@ -502,6 +502,90 @@ def test_a_snapshot_that_finds_every_slot_held_waits_a_bounded_time_saying_so_th
     snap.close()
 
 
+def test_the_waits_of_a_snapshot_for_the_slots_of_all_its_sections_share_one_bound(monkeypatch):
+    """Rank 0 of a replicated model has three sections. Each has every slot held (a storage that
+    stalls), and the holder frees them one section after the other, each just within the bound: the
+    snapshot is skipped once the bound has passed in all (not taken after three times the bound, as
+    when each section had a bound of its own), and the slot it took is given back."""
+    from cf_ray._engine import env
+    from cf_ray._engine.worker.snapshot import SnapshotSkipped
+
+    monkeypatch.setattr(env, "SLOT_WAIT_S", 2.0)
+    model, opt, train_step, sections, guarded = _job()
+    names = ("shared", "rank_00000", "rank_00001")
+
+    def three():
+        return {n: sections()["s"] for n in names}
+
+    holder = _Holder()
+    snap = Snapshotter(0, holder, arena_source=holder.arena)
+    held: dict[str, list] = {n: [] for n in names}
+    for step in (1, 2, 3):  # one fill in each slot of each section, each held
+        train_step(snap)
+        snap.begin(step, three(), guarded, {})
+        assert snap.wait_done(timeout=30)
+        for n in names:
+            held[n].append(holder.read(step, n)[0])
+
+    def free(name):
+        for lk in held.pop(name):
+            lk.close()
+
+    timers = [threading.Timer(1.5 * (k + 1), free, (n,)) for k, n in enumerate(names)]
+    train_step(snap)
+    t0 = time.monotonic()
+    try:
+        for t in timers:
+            t.start()
+        with pytest.raises(SnapshotSkipped, match="no free snapshot slot of section rank_00000"):
+            snap.begin(4, three(), guarded, {})
+        seconds = time.monotonic() - t0
+        assert 2.0 <= seconds < 3.0, seconds
+    finally:
+        for t in timers:
+            t.join()
+    assert not held
+    snap.begin(5, three(), guarded, {})  # every slot free again, shared's among them
+    assert snap.wait_done(timeout=30) and snap.take_errors() == [] and sorted(holder.staged[5]) == sorted(names)
+    snap.close()
+
+
+def test_a_holder_slow_to_give_a_new_layouts_slots_holds_the_snapshot_only_within_the_bound(ray_cluster, monkeypatch):
+    """A section whose layout is new asks this node's holder for its slots on the training thread;
+    a holder that does not answer (stuck in Ray, restarting) holds it no longer than the snapshot's
+    bound (it held it for ``CF_RAY_ACTOR_TIMEOUT_S``, twice when the holder was found gone, and then
+    raised out of the training loop): the snapshot is skipped, training goes on."""
+    import ray
+
+    from cf_ray._engine import env
+    from cf_ray._engine.worker.holder_handoff import HolderHandOff
+    from cf_ray._engine.worker.snapshot import SnapshotSkipped
+    from cf_ray._engine.worker.timing import Timing
+
+    @ray.remote(num_cpus=0)
+    class SlowHolder:
+        def arena(self, section, nbytes):
+            time.sleep(30)
+
+    monkeypatch.setattr(env, "SLOT_WAIT_S", 1.5)
+    monkeypatch.setenv(env.ACTOR_TIMEOUT_S, "8")
+    holder = SlowHolder.remote()
+    ray.get(holder.__ray_ready__.remote(), timeout=60)
+    link = HolderHandOff(0, holder, Timing())
+    model, opt, train_step, sections, guarded = _job()
+    snap = Snapshotter(0, link.hand_off, arena_source=link.slots)
+    try:
+        train_step(snap)
+        t0 = time.monotonic()
+        with pytest.raises(SnapshotSkipped, match="did not give the slots of section s"):
+            snap.begin(1, sections(), guarded, {})
+        assert time.monotonic() - t0 < 4
+        assert snap.arenas.sections() == []  # nothing half made: the next snapshot asks again
+    finally:
+        snap.close()
+        ray.kill(holder)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_unguarded_device_tensors_land_before_their_blocks_are_checksummed_and_handed_off():

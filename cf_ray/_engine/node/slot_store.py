@@ -114,9 +114,10 @@ class SlotStore:
         self._protected: When | None = None
 
     # -- this node's sections ----------------------------------------------------------------------
-    def arena(self, section: str, nbytes: int) -> tuple[SlotDesc, ...]:
+    def arena(self, section: str, nbytes: int, timeout_s: float | None = None) -> tuple[SlotDesc, ...]:  # noqa: ARG002
         """The slots of ``section`` for snapshots of ``nbytes`` (made on first use, made again when the
-        size changed: the old ones are then freed, their fills unreadable)."""
+        size changed: the old ones are then freed, their fills unreadable). ``timeout_s``: as a
+        worker's arena source is asked (in process, nothing here waits on another process)."""
         with self._lock:
             slots = self._sets.get(section)
             if slots is None or slots[0].nbytes != nbytes:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ import ray.exceptions
 from cf_ray._engine import env as _env
 from cf_ray._engine.memory import slots as _slots
 from cf_ray._engine.protocol.messages import SlotDesc, Stage, StagedSlot, StageReply
+from cf_ray._engine.worker.snapshot_arenas import SnapshotSkipped
 from cf_ray._engine.worker.snapshot_job import SnapshotJob, StagedSection
 from cf_ray._engine.worker.timing import Timing
 
@@ -81,16 +83,41 @@ class HolderHandOff:
         """Called after a snapshot was staged again with a new holder (the snapshotter forgets the
         old slots: the next snapshot asks for new ones)."""
 
-    def slots(self, section: str, nbytes: int) -> tuple[SlotDesc, ...]:
-        """The holder's shared-memory slots of ``section`` (the snapshotter's arena source)."""
-        timeout = _env.get_float(_env.ACTOR_TIMEOUT_S)
+    def slots(self, section: str, nbytes: int, timeout_s: float | None = None) -> tuple[SlotDesc, ...]:
+        """The holder's shared-memory slots of ``section`` (the snapshotter's arena source).
+
+        ``timeout_s``: what is left of the bound of the snapshot that asks (a layout change, on the
+        training thread): the call, and the one to a new holder when this one is gone, end within
+        it, else :class:`SnapshotSkipped` — the snapshot is skipped, training goes on. ``None``
+        (buffers made ahead, a re-stage on the background thread): each call within
+        ``env.ACTOR_TIMEOUT_S``.
+
+        Raises:
+            SnapshotSkipped: ``timeout_s`` given, and the holder did not answer within it.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+        def ask() -> tuple[SlotDesc, ...]:
+            timeout = _env.get_float(_env.ACTOR_TIMEOUT_S)
+            if deadline is not None:
+                timeout = min(timeout, max(0.0, deadline - time.monotonic()))
+            try:
+                return tuple(ray.get(self.holder.arena.remote(section, nbytes), timeout=timeout))
+            except ray.exceptions.GetTimeoutError:
+                if deadline is None:
+                    raise
+                raise SnapshotSkipped(
+                    f"skipped: this node's holder did not give the slots of section {section} (a new layout, "
+                    f"{nbytes} bytes) within the snapshot's {_env.get_float(_env.SLOT_WAIT_S):.0f} s"
+                ) from None
+
         try:
-            return ray.get(self.holder.arena.remote(section, nbytes), timeout=timeout)
+            return ask()
         except ray.exceptions.RayActorError:
             if self._resolve_holder is None:
                 raise
             self.holder = self._resolve_holder()
-            return ray.get(self.holder.arena.remote(section, nbytes), timeout=timeout)
+            return ask()
 
     def hand_off(self, job: SnapshotJob, sections: dict[str, StagedSection]) -> None:
         """Background thread: tell this node's holder which slots hold the snapshot (a typed

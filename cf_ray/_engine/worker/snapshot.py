@@ -165,33 +165,37 @@ class Snapshotter:
         CUDA tensors are copied in the background; everything else is copied now.
 
         A section whose two slots are both held (one being written, one pinned until written: a
-        milestone or preemption checkpoint with a storage that stalls) waits for one at most
-        ``env.SLOT_WAIT_S`` (60 s), saying so while it waits, and calls :attr:`on_slot_wait`; then the
-        snapshot is not taken: :class:`SnapshotSkipped` (never a hang of the training thread).
+        milestone or preemption checkpoint with a storage that stalls) waits for one, saying so while
+        it waits, and calls :attr:`on_slot_wait`. Everything this call waits for — the previous
+        snapshot's hand-off, a free slot of each section, the holder's slots of a section whose
+        layout changed — shares one bound, ``env.SLOT_WAIT_S`` (60 s) in all, not one per section or
+        per call (rank 0 of a replicated model has three sections); past it the snapshot is not
+        taken: :class:`SnapshotSkipped` (never a hang of the training thread).
 
         Args:
             late: per section, the objects whose state :meth:`capture_late` takes again at the next
                 call (their state in ``sections`` reserves the room and is kept if that fails).
 
         Raises:
-            SnapshotSkipped: no free slot within the wait; nothing of this snapshot was kept.
+            SnapshotSkipped: not taken within the bound; nothing of this snapshot was kept.
         """
         t_wait = time.perf_counter()
         self.capture_late()  # the previous snapshot's late objects: this is the next call
-        self.arenas.wait_previous(step, self._job_done)  # one in flight: bounded, said while it waits
-        t0 = time.perf_counter()
-        wait_s = t0 - t_wait
-        job = SnapshotJob(step=step, meta=meta, generation=generation, flats={}, arenas={})
-        devices: set[int] = set()
-        slot_wait_s, copied = 0.0, 0
-        for name, tree in sections.items():
-            flat = _codec.flatten(tree)
-            arena = self.arenas.for_flat(name, flat)
-            slot_wait_s += self.arenas.acquire(arena, step, name, job.buffers)
-            job.buffers[name] = arena
-            copied += self._engine.copy_unguarded(name, flat, arena, is_guarded, job, devices)
-            job.flats[name] = flat
-            job.arenas[name] = arena.numpy()
+        with self.arenas.bounded():  # one bound for every wait of this snapshot
+            self.arenas.wait_previous(step, self._job_done)  # one in flight: bounded, said while it waits
+            t0 = time.perf_counter()
+            wait_s = t0 - t_wait
+            job = SnapshotJob(step=step, meta=meta, generation=generation, flats={}, arenas={})
+            devices: set[int] = set()
+            slot_wait_s, copied = 0.0, 0
+            for name, tree in sections.items():
+                flat = _codec.flatten(tree)
+                arena = self.arenas.for_flat(name, flat, job.buffers)
+                slot_wait_s += self.arenas.acquire(arena, step, name, job.buffers)
+                job.buffers[name] = arena
+                copied += self._engine.copy_unguarded(name, flat, arena, is_guarded, job, devices)
+                job.flats[name] = flat
+                job.arenas[name] = arena.numpy()
         job.late = late_slots(job.flats, late or {})
         self._late.expect(job)
         if devices:

@@ -1,17 +1,20 @@
 """The snapshot arenas of one rank: per section, the holder's slots mapped here (a
 :class:`~cf_ray._engine.worker.slot_arena.SlotArena`), reused while the section's layout stays the
 same, faulted in ahead of the first snapshot (``snapshot.py``'s module doc says why), and a free
-slot of each waited for at most ``env.SLOT_WAIT_S`` (said while it waits) before a snapshot is
-skipped (:class:`SnapshotSkipped`, never a hang of the training thread); so is the previous
-snapshot's hand-off to the holder (:meth:`SectionArenas.wait_previous`).
+slot of each waited for (said while it waits) before a snapshot is skipped
+(:class:`SnapshotSkipped`, never a hang of the training thread); so is the previous snapshot's
+hand-off to the holder (:meth:`SectionArenas.wait_previous`) and the holder's slots of a section
+whose layout changed. All of one snapshot's waits share one bound, ``env.SLOT_WAIT_S``
+(:attr:`SectionArenas.deadline`), not one each.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -23,8 +26,10 @@ from cf_ray._engine.worker.slot_arena import SlotArena, SlotsBusy
 
 logger = logging.getLogger("cf_ray")
 
-#: Gives the shared-memory slots of a section: (section, nbytes) -> the holder's slots of it.
-ArenaSource = Callable[[str, int], "tuple[SlotDesc, ...] | list[SlotDesc]"]
+#: Gives the shared-memory slots of a section: ``(section, nbytes, timeout_s=...)`` -> the holder's
+#: slots of it; ``timeout_s`` (``None``: the source's own bound) is what is left of a snapshot's bound,
+#: past which the source raises :class:`SnapshotSkipped`.
+ArenaSource = Callable[..., "tuple[SlotDesc, ...] | list[SlotDesc]"]
 
 
 class SnapshotSkipped(Exception):
@@ -53,6 +58,10 @@ class SectionArenas:
         """Seconds the background thread spent in :meth:`fault_in`."""
         self.preparing = False
         """A :meth:`fault_in` is queued or running (set by the snapshotter, cleared when it is done)."""
+        self.deadline: float | None = None
+        """While a snapshot is begun (``Snapshotter.begin`` sets it): the ``time.monotonic()`` by
+        which it is taken or skipped. Every wait of it shares this one bound (:meth:`left`): the
+        previous hand-off, a free slot of each section, the holder's slots of a new layout."""
 
     def of(self, name: str) -> SlotArena | None:
         """The arena of section ``name`` now (``None`` when it has none)."""
@@ -63,16 +72,38 @@ class SectionArenas:
         """The sections that have an arena."""
         return sorted(self._cache)
 
-    def for_flat(self, name: str, flat: _codec.Flat) -> SlotArena:
-        """The arena of section ``name`` for a state of ``flat``'s layout (a new one when it changed)."""
+    def for_flat(self, name: str, flat: _codec.Flat, taken: dict[str, Any] | None = None) -> SlotArena:
+        """The arena of section ``name`` for a state of ``flat``'s layout (a new one when it changed:
+        the holder is asked within what is left of the bound; on :class:`SnapshotSkipped` the slots
+        this snapshot took already, ``taken``, are given back)."""
         key = flat.layout_key()
         cached = self._cache.get(name)
         if cached is None or cached[0] != key:
             if cached is not None:
+                del self._cache[name]
                 cached[1].close()
-            cached = (key, self._new(name, flat.nbytes))
+            try:
+                cached = (key, self._new(name, flat.nbytes, timeout_s=None if self.deadline is None else self.left()))
+            except SnapshotSkipped:
+                for other in (taken or {}).values():
+                    other.release()
+                raise
             self._cache[name] = cached
         return cached[1]
+
+    @contextlib.contextmanager
+    def bounded(self) -> Iterator[None]:
+        """One snapshot's waits (``Snapshotter.begin``), all under one bound, :attr:`deadline`."""
+        self.deadline = time.monotonic() + _env.get_float(_env.SLOT_WAIT_S)
+        try:
+            yield
+        finally:
+            self.deadline = None
+
+    def left(self) -> float:
+        """Seconds the snapshot being begun may still wait (``env.SLOT_WAIT_S`` when none is)."""
+        limit = _env.get_float(_env.SLOT_WAIT_S)
+        return limit if self.deadline is None else max(0.0, min(limit, self.deadline - time.monotonic()))
 
     def fault_in(self, layouts: dict[str, tuple[tuple, int]]) -> None:
         """Allocate and fault in the arenas of these layouts (section -> (layout key, nbytes)); on a
@@ -93,13 +124,13 @@ class SectionArenas:
         self._cache.clear()
 
     def acquire(self, arena: SlotArena, step: int, section: str, taken: dict[str, Any]) -> float:
-        """A free slot of ``section``, waited for at most ``env.SLOT_WAIT_S`` (said while it waits);
+        """A free slot of ``section``, waited for at most what is left of the bound (:meth:`left`; said while it waits);
         on giving up, the slots this snapshot took already (``taken``) are given back.
 
         Raises:
             SnapshotSkipped: no free slot within the wait.
         """
-        limit = _env.get_float(_env.SLOT_WAIT_S)
+        limit = self.left()
         self._next_wait_log = 1.0
 
         def waiting(waited_s: float) -> bool:
@@ -129,7 +160,7 @@ class SectionArenas:
 
     def wait_previous(self, step: int, done: threading.Event) -> float:
         """At most one snapshot in flight: wait for the previous one's hand-off to this node's holder
-        (``done``) at most ``env.SLOT_WAIT_S``, saying so while it waits; a hand-off to a holder that
+        (``done``) at most what is left of the bound (:meth:`left`), saying so while it waits; a hand-off to a holder that
         stopped answering (Ray restarting it, a call stuck in Ray) never holds the training thread
         for longer. (The watchdog is not fed here: a hand-off is not a storage wait, and polling the
         controller with the in-flight snapshot's timings confused its episodes.) Returns seconds
@@ -140,7 +171,7 @@ class SectionArenas:
         """
         if done.is_set():
             return 0.0
-        limit = _env.get_float(_env.SLOT_WAIT_S)
+        limit = self.left()
         t0 = time.monotonic()
         self._next_wait_log = 1.0
         while not done.wait(0.25):
@@ -183,9 +214,9 @@ class SectionArenas:
                 slot_wait_s,
             )
 
-    def _new(self, name: str, nbytes: int, *, fault_in: bool = False) -> SlotArena:
-        """The holder's slots of section ``name``, mapped."""
-        arena = SlotArena(self.source(name, nbytes), nbytes, self._pin)
+    def _new(self, name: str, nbytes: int, *, fault_in: bool = False, timeout_s: float | None = None) -> SlotArena:
+        """The holder's slots of section ``name``, mapped (asked within ``timeout_s``, when given)."""
+        arena = SlotArena(self.source(name, nbytes, timeout_s=timeout_s), nbytes, self._pin)
         if fault_in:
             arena.fault_in()
         return arena
