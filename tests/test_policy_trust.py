@@ -141,3 +141,30 @@ def test_injected_failures_shorten_the_interval_against_a_prior():
         return p.explain()["interval"]
 
     assert run(3) < run(0)
+
+
+def test_explain_says_why_with_the_numbers_it_used():
+    trace = fast_job(seed=4)
+    p = Adaptive(budget_pct=20.0)
+    quiet(tp.simulate, p, trace, 1500)
+    e = p.explain()
+    # At this budget the interval is short: the cost comes from the cadence, against iterations
+    # timed with nothing in flight in probe windows, and the reason quotes it.
+    assert e["cost_source"] == "cadence", e
+    c = e["cadence"]
+    assert c["iter_s_under_interval"] > c["iter_s_nothing_in_flight"] > 0
+    assert c["slowdown_s"] > 0 and c["slowdown_se_s"] < c["slowdown_s"]
+    assert f"{e['cost_s']:.3g} s" in e["reason"] and f"{e['iter_s']:.3g} s" in e["reason"], e["reason"]
+    assert f"{e['measured_overhead_pct']:.3g}%" in e["reason"]
+
+
+def test_probe_windows_are_published_intervals_and_rare():
+    # A probe is a longer interval the controller publishes (every rank adopts it with the schedule
+    # version), and the runs spend at most about a tenth of their steps in one.
+    trace = fast_job(seed=6)
+    p = Adaptive(budget_pct=20.0)
+    run = quiet(tp.simulate, p, trace, 3000)
+    ks = run.intervals[600:]
+    usual = max(set(ks), key=ks.count)
+    probe_steps = sum(1 for k in ks if k > 3 * usual)
+    assert 0 < probe_steps <= 0.15 * len(ks), (probe_steps, run.changes[-12:])

@@ -367,8 +367,19 @@ class _Ladder:
         ):
             verdict = rung()
             if verdict is not None:
-                return verdict
-        return self._keep()
+                return self._with_numbers(verdict)
+        return self._with_numbers(self._keep())
+
+    def _with_numbers(self, verdict: Verdict) -> Verdict:
+        """The reason, with the measurements it rests on (``explain()`` says why with the numbers)."""
+        est, info_ = self.est, verdict[1]
+        measured = est.detail.measured_pct
+        info_["reason"] = (
+            f"{info_.get('reason', '')}; a checkpoint costs {est.cost:.3g} s (+/- {est.cost_se:.2g}, "
+            f"{est.cost_source}), an iteration {est.t:.3g} s"
+            + (f", the job's overhead so far {measured:.3g}%" if measured is not None else "")
+        )
+        return verdict
 
     def _publish(self, k: int) -> int | None:
         return k if k != self.current else None

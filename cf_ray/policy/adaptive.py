@@ -248,13 +248,14 @@ class Adaptive:
         est = estimator.estimate()
         if est is not None:
             est.hazard = self._hazard.estimate()
-        probe, base = _probe(self, est, current)
-        if probe is not None:
-            return None if probe == current else probe
+        base = _probe_base(self, current)
         rules.current = base
         decision, info = _rules.decide(self, rules, est, estimator.prior, estimator.ckpt_clock, base)
         rules.info = info
         k = decision if decision is not None else base
+        probe = _probe(self, est, base, k)
+        if probe is not None:
+            return None if probe == current else probe
         rules.persist_every, rules.persist_info = _rules.persist_cadence(self, est, k, rules.persist_every)
         if decision is not None and decision != base:
             rules.published(decision, base, info, estimator.ckpt_clock, estimator.max_step)
@@ -403,36 +404,50 @@ class Adaptive:
         }
 
 
-def _probe(cfg: Adaptive, est, current: int) -> tuple[int | None, int]:
-    """The probe windows of :mod:`cf_ray.policy._cadence`: ``(interval to hold, None)`` while one is
-    open or starts now (the rules are not asked), else ``(None, the interval the rules start
-    from)`` — the one in force before a probe that just ended, or ``current``."""
+def _probe_base(cfg: Adaptive, current: int) -> int:
+    """The interval the rules start from: the one in force before an open probe window (the one a
+    window that is over now returns to), else ``current``."""
+    cad = cfg._est.cadence
+    if cad.probe is None:
+        return current
+    if cad.probe_done(cfg._est.active()):
+        return cad.end_probe()
+    return cad.probe["back_to"]
+
+
+def _probe(cfg: Adaptive, est, base: int, k: int) -> int | None:
+    """The probe windows of :mod:`cf_ray.policy._cadence`: the interval to hold (an open window,
+    or one that starts now), or ``None`` to publish what the rules said (``k``, from ``base``).
+
+    A window stays open while the rules would keep or shorten the interval; one that would widen
+    it (a slower disk, a cost over the budget) closes it at once. One starts only when the rules
+    keep the interval, after the first measured decision, when a rank has no recent iteration
+    timed with nothing in flight.
+    """
     cad, rules = cfg._est.cadence, cfg._rule_state
-    if est is None or not rules.measured_decided:
-        return None, current
-    active = cfg._est.active()
     if cad.probe is not None:
-        if not cad.probe_done(active):
-            rules.info["reason"] = (
-                f"probe: no checkpoint for {cad.probe['k']} steps to time iterations with nothing in flight "
-                f"(since step {cad.probe['from_step']}), then back to {cad.probe['back_to']}"
-            )
-            rules.info["probe"] = dict(cad.probe)
-            return cad.probe["k"], current
-        return None, cad.end_probe()
-    if not cad.needs_probe(est.t, est.bg, active):
-        return None, current
-    k = max(cad.probe_steps(est.t, est.bg), current)
+        if k > base:
+            cad.end_probe()
+            return None
+        rules.info["reason"] = (
+            f"probe: no checkpoint for {cad.probe['k']} steps to time iterations with nothing in flight "
+            f"(since step {cad.probe['from_step']}), then back to {base}"
+        )
+        rules.info["probe"] = dict(cad.probe)
+        return cad.probe["k"]
+    if est is None or not rules.measured_decided or k != base or not cad.needs_probe(est.t, est.bg, cfg._est.active()):
+        return None
+    k_probe = max(cad.probe_steps(est.t, est.bg), base)
     if cfg.max_lost_s is not None:
-        k = min(k, max(math.floor(cfg.max_lost_s * (1.0 - cfg.headroom) / est.t), current))
-    k = min(k, cfg.max_interval)
-    if k <= current:
-        return None, current  # the interval in force already leaves room for clean iterations
-    cad.start_probe(k, current)
-    info = rules.info = dict(rules.info)
+        k_probe = min(k_probe, max(math.floor(cfg.max_lost_s * (1.0 - cfg.headroom) / est.t), base))
+    k_probe = min(k_probe, cfg.max_interval)
+    if k_probe <= base:
+        return None  # the interval in force already leaves room for clean iterations
+    cad.start_probe(k_probe, base)
+    info = rules.info
     info["probe"] = dict(cad.probe or {})
     info["reason"] = (
         f"probe: no iteration timed with nothing in flight for {cad.stale_steps(est.t, est.bg)} steps, so the "
-        f"slowdown a checkpoint causes cannot be told: no checkpoint for {k} steps, then back to {current}"
+        f"slowdown a checkpoint causes cannot be told: no checkpoint for {k_probe} steps, then back to {base}"
     )
-    return k, current
+    return k_probe
