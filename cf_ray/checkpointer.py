@@ -332,17 +332,20 @@ class Checkpointer:
 
     def finish(self) -> FinishSummary:
         """End of training: checkpoint the final state (unless the last checkpoint is of this step and
-        is persisted: one the schedule held in memory only is taken again, persisted),
-        wait for every checkpoint taken, write the consolidated model, register it with Ray Train as
-        the run's result, and release cf_ray's actors and threads (:meth:`close`). Call on every rank.
+        is persisted: one the schedule held in memory only, or one that failed, is taken again,
+        persisted; one that fails is taken again while the wait lasts), wait for every checkpoint
+        taken, write the consolidated model, register it with Ray Train as the run's result, and
+        release cf_ray's actors and threads (:meth:`close`). Call on every rank.
 
-        The final model's manifest names the newest committed full checkpoint (a milestone, never
-        deleted by keep-last), so ``CheckpointConfig(resume_from=result.checkpoint)`` continues the
-        run: model, optimizer, schedulers, RNG and data positions. The wait for durability is bounded
-        by ``CheckpointConfig.finish_timeout_s``, by default derived from the persist times of this run
-        (``DurabilityTimeout.factor`` x the slowest, at least its ``floor_s``); when it passes before
-        the final checkpoint commits, a warning says so and :class:`FinishSummary` has
-        ``final_durable=False`` and the ``resume_step`` the final model names."""
+        The checkpoint of the final state is of kind ``final`` (a milestone only by ``milestone_every``).
+        The final model names the newest committed full checkpoint (the final one when it committed in
+        time) as the resume point, never deleted by keep-last: ``resume_from=result.checkpoint``
+        continues the run (model, optimizer, schedulers, RNG, data positions). The wait for
+        durability is bounded by ``CheckpointConfig.finish_timeout_s``, by default derived from the
+        persist times of this run (``DurabilityTimeout.factor`` x the slowest, at least its
+        ``floor_s``); when it passes before the final checkpoint commits, a warning says so (and how
+        long it waited) and :class:`FinishSummary` has ``final_durable=False`` and the ``resume_step``
+        the final model names."""
         if self._lifecycle is not _Lifecycle.OPEN:
             raise RuntimeError(
                 "Checkpointer.finish() was already called"
@@ -350,21 +353,19 @@ class Checkpointer:
                 else "Checkpointer.finish() after close()"
             )
         self._phase1.capture_late()
-        scheduler = self._steps.scheduler
-        if self.step_count > 0 and (
-            scheduler.last_save_step != self.step_count or not scheduler.last_persisted
-        ):  # agreed: same on every rank (a last checkpoint held in memory only is persisted now)
-            self._snapshot(CheckpointKind.MANUAL, milestone=True)  # every rank, at the same step (like save())
-            self._phase1.capture_late()  # nothing runs between this checkpoint and the end
         limit = self._durability.finish_limit_s()
-        failures = self._steps.wait(
-            self.step_count, limit, report_timeout=True, hint="CheckpointConfig(finish_timeout_s=...)"
+        failures, waited = self._steps.finish(
+            self.step_count, self.epoch, limit, self.preemption, self._phase1.capture_late
         )
         self._steps.control.drain()
-        committed = int(self._steps.control.broadcast(self._link.known_committed))  # rank 0's, who writes the model
+        committed = self._link.known_committed
+        if self.rank == 0:  # who writes the model: what it names is never deleted by keep-last
+            committed = self._link.keep_resume_point(committed)
+        committed = int(self._steps.control.broadcast(committed))
         resume = mf.step_dir(committed) if committed > 0 else None
-        if self.rank == 0 and committed < self.step_count:
-            self._durability.not_durable_at_finish(self.step_count, committed, limit)
+        durable = committed >= self.step_count
+        if self.rank == 0 and not durable:
+            self._durability.not_durable_at_finish(self.step_count, committed, limit, waited)
         final_path, final_failures = self._steps.ray_train.final_model(
             self.step_count, self.epoch, self._steps.control, resume=resume
         )
@@ -374,12 +375,15 @@ class Checkpointer:
         summary = self._link.finish(self.rank, self.world_size)
         self.close()
         self._lifecycle = _Lifecycle.FINISHED
+        failures = self._link.failures or failures + final_failures
+        if durable:  # what failed of the final step before (a memory-only hold skipped, a try) is made good
+            failures = [f for f in failures if not _of_step(f, self.step_count, self.generation)]
         return FinishSummary(
             final_path=final_path,
             committed_steps=summary["committed_steps"],
-            failures=self._link.failures or failures + final_failures,
+            failures=failures,
             final_step=self.step_count,
-            final_durable=committed >= self.step_count,
+            final_durable=durable,
             resume_step=committed if committed > 0 else None,
             rollbacks=rollbacks(summary.get("events", ())),
         )
@@ -461,3 +465,10 @@ class Checkpointer:
     @property
     def last_save_step(self) -> int:
         return self._steps.scheduler.last_save_step
+
+
+def _of_step(failure: dict, step: int, generation: int) -> bool:
+    """Whether ``failure`` is of this attempt's checkpoint of ``step``."""
+    return (
+        failure.get("step") == step and not failure.get("earlier_attempt") and failure.get("generation") == generation
+    )

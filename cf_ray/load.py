@@ -113,25 +113,29 @@ def _full_checkpoint_of_final(run: FsStorage, directory: str, m: mf.Manifest) ->
 
 def list_checkpoints(source: Any, filesystem: pafs.FileSystem | None = None) -> list[CheckpointInfo]:
     """Every committed checkpoint of a run (resumable ones and the final model), oldest first. A
-    checkpoint that a restore found corrupt and quarantined is not listed (:func:`quarantined_checkpoints`)."""
+    checkpoint that a restore found corrupt and quarantined is not listed (:func:`quarantined_checkpoints`).
+    The full checkpoint of the final step that the final model names (``Checkpointer.finish()``) is
+    listed once, as the final model (kind ``final``), whose path resumes the run through it."""
     run, _ = open_run(source, filesystem)
-    out = []
+    found = []
     for c in mf.list_committed(run, kinds=("step", "final"), skip_quarantined=True):
         try:
-            m = mf.read_manifest(run, c.path)
+            found.append((c, mf.read_manifest(run, c.path)))
         except CorruptCheckpointError:
             continue
-        out.append(
-            CheckpointInfo(
-                step=m.step,
-                epoch=m.epoch,
-                kind=m.kind,
-                milestone=m.milestone,
-                world_size=m.world_size,
-                path=run.uri(c.path),
-            )
+    folded = {m.extra.get(RESUME_KEY) for c, m in found if c.kind == "final" and m.extra.get("resume_step") == m.step}
+    return [
+        CheckpointInfo(
+            step=m.step,
+            epoch=m.epoch,
+            kind=m.kind,
+            milestone=m.milestone,
+            world_size=m.world_size,
+            path=run.uri(c.path),
         )
-    return out
+        for c, m in found
+        if c.path not in folded
+    ]
 
 
 def quarantined_checkpoints(source: Any, filesystem: pafs.FileSystem | None = None) -> dict[int, str]:

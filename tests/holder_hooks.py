@@ -17,3 +17,16 @@ def delay_pulls(holder, step: int, seconds: float) -> None:
         return receive(offer, wait_s)
 
     holder._replicator.receive = delayed
+
+
+def delay_persisted_staging(holder, step: int, seconds: float) -> None:
+    """The holder's sender delivers the ``part_staged`` of a persisted snapshot of ``step`` (and what
+    comes with it) ``seconds`` late: the hand-off returns at once, the controller hears of it later."""
+    deliver = holder._sender._deliver
+
+    def delayed(batch):
+        if any(m == "part_staged" and msg.step == step and msg.meta.persist for m, msg in batch):
+            time.sleep(seconds)
+        return deliver(batch)
+
+    holder._sender._deliver = delayed

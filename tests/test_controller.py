@@ -183,6 +183,148 @@ def test_a_memory_only_step_settles_at_once_stays_restorable_and_is_committed_wh
     assert link.forgotten == [("holder", ((ctl.generation, 6),))]
 
 
+def _persist(ctl: Controller, step: int, sections=SECTIONS, **meta) -> None:
+    """``finish()``'s persisted snapshot of ``step``: staged and written, section by section."""
+    for sec in sections:
+        ctl.part_staged(_staged(ctl, step, sec, **{"kind": CheckpointKind.MANUAL, **meta}))
+        files, _ = _write(ctl, step, sec)
+        ctl.part_durable(PartDurable(generation=ctl.generation, step=step, section=sec, files=files, persist_s=0.01))
+    wait_idle(ctl)
+
+
+def test_a_held_final_step_finish_takes_again_is_pending_from_the_moment_a_rank_says_so(controller):
+    """The loop's last checkpoint was held in memory only, settled as superseded. ``finish()`` takes it
+    again, persisted, under the same key: every rank first tells the controller, so that ``settled``
+    answers *pending* before the holders' staging of the new snapshot arrives (a rank's first poll
+    used to find it superseded and end finish()'s wait at once, the final checkpoint not durable),
+    and a held snapshot's staging delivered late changes nothing; it commits once written."""
+    ctl = controller()
+    for sec in SECTIONS:
+        ctl.part_staged(_staged(ctl, 6, sec, persist=False))
+    assert ctl.settled(ctl.generation, [6]).superseded == (6,)
+    assert ctl.reopen_final(ctl.generation, 6, 0, 1)
+    assert ctl.settled(ctl.generation, [6]).pending == (6,)  # before any holder said a word of it
+    assert ctl.reopen_final(ctl.generation, 6, 1, 1)  # the other rank: the same try, nothing lost
+    ctl.part_staged(_staged(ctl, 6, mf.SHARED, persist=False))  # a held staging, delivered late
+    assert ctl.settled(ctl.generation, [6]).pending == (6,)
+    _persist(ctl, 6)
+    assert ctl.settled(ctl.generation, [6]).committed == (6,)
+    assert [c.step for c in mf.list_committed(ctl.storage)] == [6]
+    assert not ctl.reopen_final(ctl.generation, 6, 0, 2)  # committed: nothing to open
+
+
+def test_a_final_step_whose_held_snapshot_one_rank_skipped_commits_when_finish_persists_it(controller):
+    """Rank 1 had no free slot for the held snapshot of the last step (its skip fails the step).
+    ``finish()``'s persisted snapshot of that step, every section of which becomes durable, commits
+    (it never could: only a superseded step opened again), and a skip that rank 1 reported before it
+    said it takes the step again, delivered after rank 0 said so, is the old snapshot's, not this one's."""
+    ctl = controller()
+    for sec in (mf.SHARED, mf.rank_section(0)):
+        ctl.part_staged(_staged(ctl, 6, sec, persist=False))
+    ctl.part_failed(PartFailed(generation=ctl.generation, step=6, section=mf.rank_section(1), error="no slot"))
+    assert 6 in ctl.settled(ctl.generation, [6]).failed
+    assert ctl.reopen_final(ctl.generation, 6, 0, 1)
+    ctl.part_failed(PartFailed(generation=ctl.generation, step=6, section=mf.rank_section(1), error="no slot"))
+    assert ctl.settled(ctl.generation, [6]).pending == (6,)
+    assert ctl.reopen_final(ctl.generation, 6, 1, 1)
+    _persist(ctl, 6)
+    assert ctl.settled(ctl.generation, [6]).committed == (6,)
+
+
+def test_a_failed_final_persist_is_taken_again_and_commits(controller):
+    """``finish()``'s persisted snapshot of the final step fails to write; its next try (every rank
+    says so first) opens the step again, and commits."""
+    ctl = controller()
+    for rank in (0, 1):
+        ctl.reopen_final(ctl.generation, 8, rank, 1)
+    for sec in SECTIONS:
+        ctl.part_staged(_staged(ctl, 8, sec, kind=CheckpointKind.MANUAL))
+    ctl.part_failed(PartFailed(generation=ctl.generation, step=8, section=mf.SHARED, error="EIO", holder="holder"))
+    for sec in SECTIONS[1:]:
+        ctl.part_failed(PartFailed(generation=ctl.generation, step=8, section=sec, error="EIO", holder="holder"))
+    assert 8 in ctl.settled(ctl.generation, [8]).failed
+    for rank in (0, 1):
+        assert ctl.reopen_final(ctl.generation, 8, rank, 2)
+    assert ctl.settled(ctl.generation, [8]).pending == (8,)
+    _persist(ctl, 8)
+    assert ctl.settled(ctl.generation, [8]).committed == (8,)
+
+
+def test_keep_last_never_deletes_the_resume_point_a_final_model_names(controller, tmp_path):
+    """The final checkpoint was not durable in time: the final model names step 4, an ordinary
+    checkpoint. With ``keep_last=1`` the final step's late commit used to delete step 4, and
+    ``resume_from=result.checkpoint`` then raised ``CheckpointNotFoundError``. The resume point is
+    kept, also by a controller that starts again (it reads what the final models name)."""
+    from cf_ray._engine.format.safetensors import write_final_model
+    from cf_ray.load import resumable_checkpoint
+
+    ctl = controller(keep_last=1)
+    for step in (2, 4):
+        _persist(ctl, step, kind=CheckpointKind.SCHEDULED)
+    assert ctl.keep_resume_point(4) == 4
+    final = mf.step_dir(6, kind="final")
+    write_final_model(ctl.storage, final, torch.nn.Linear(2, 1), step=6, epoch=0, resume=mf.step_dir(4))
+    _persist(ctl, 6, kind=CheckpointKind.MANUAL)  # the final checkpoint commits after finish() returned
+    _persist(ctl, 8, kind=CheckpointKind.SCHEDULED)
+    assert [c.step for c in mf.list_committed(ctl.storage)] == [4, 8]
+    assert resumable_checkpoint(ctl.storage.uri(final))[1] == mf.step_dir(4)
+    ctl._maintenance.stop()
+    again = controller(keep_last=1)  # a controller that starts again: from storage
+    _persist(again, 10, kind=CheckpointKind.SCHEDULED)
+    assert [c.step for c in mf.list_committed(again.storage)] == [4, 10]
+    assert resumable_checkpoint(again.storage.uri(final))[1] == mf.step_dir(4)
+
+
+def test_the_final_step_is_listed_once_as_the_final_model_and_no_milestone_the_user_did_not_set(controller, tmp_path):
+    """``keep_last=2`` and no ``milestone_every``: the run's end used to be listed twice, ``(60, final,
+    milestone)`` and ``(60, manual, milestone)``. The full checkpoint the final model names at its own
+    step is listed once, as the final model (kind ``final``, which resumes the run through it), and
+    nothing is a milestone; keep-last still never deletes it (it is the resume point)."""
+    import cf_ray
+    from cf_ray._engine.format.safetensors import write_final_model
+    from cf_ray.load import resumable_checkpoint
+
+    ctl = controller(keep_last=2)
+    for step in (20, 40):
+        _persist(ctl, step, kind=CheckpointKind.SCHEDULED)
+    _persist(ctl, 60, kind=CheckpointKind.MANUAL)  # finish()'s checkpoint, not a milestone
+    assert ctl.keep_resume_point(60) == 60
+    final = mf.step_dir(60, kind="final")
+    write_final_model(ctl.storage, final, torch.nn.Linear(2, 1), step=60, epoch=2, resume=mf.step_dir(60))
+    listed = [(c.step, c.kind, c.milestone, c.path.rsplit("/", 1)[1]) for c in cf_ray.list_checkpoints(str(tmp_path))]
+    assert listed == [
+        (40, "scheduled", False, "step_000000000040"),
+        (60, "final", False, "final_000000000060"),
+    ]
+    _persist(ctl, 80, kind=CheckpointKind.SCHEDULED)  # a later run in the same place
+    _persist(ctl, 100, kind=CheckpointKind.SCHEDULED)
+    _persist(ctl, 120, kind=CheckpointKind.SCHEDULED)
+    assert [c.step for c in mf.list_committed(ctl.storage)] == [60, 100, 120]
+    assert resumable_checkpoint(ctl.storage.uri(final))[1] == mf.step_dir(60)
+
+
+def test_one_steps_section_failures_are_answered_together(controller):
+    """A step fails on its first section's failure, but ``settled`` answers it as pending while the
+    holder still writes its other sections (at most ``SETTLING_S``): a rank's ``wait()`` then
+    reports the failures of all of them in one call, never one step's failures across two."""
+    ctl = controller()
+    for sec in SECTIONS:
+        ctl.part_staged(_staged(ctl, 6, sec))
+    ctl.part_failed(PartFailed(generation=ctl.generation, step=6, section=mf.SHARED, error="EIO", holder="holder"))
+    assert ctl.settled(ctl.generation, [6]).pending == (6,)
+    ctl.part_failed(
+        PartFailed(generation=ctl.generation, step=6, section=mf.rank_section(0), error="EIO", holder="holder")
+    )
+    assert ctl.settled(ctl.generation, [6]).pending == (6,)
+    files, _ = _write(ctl, 6, mf.rank_section(1))
+    ctl.part_durable(
+        PartDurable(generation=ctl.generation, step=6, section=mf.rank_section(1), files=files, persist_s=0.01)
+    )
+    settled = ctl.settled(ctl.generation, [6])
+    assert 6 in settled.failed and settled.pending == ()
+    assert {f["section"] for f in ctl.summary()["failures"] if f["step"] == 6} == {mf.SHARED, mf.rank_section(0)}
+
+
 _wait_maintenance = wait_idle
 
 

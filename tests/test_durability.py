@@ -186,6 +186,88 @@ def test_wait_treats_a_step_the_controller_has_not_heard_of_as_not_settled_and_r
     assert link.wait_durable(time.monotonic() + 5, 30, {}) == []  # committed: settled at once
 
 
+def _link_on(ctl, monkeypatch) -> ControllerLink:
+    """A rank's link to the in-process controller ``ctl``: its calls go to ``ctl``, and each poll brings
+    the failures ``ctl`` logged since the last one (what a ``SyncReply`` carries)."""
+    link = ControllerLink(_Handle([]), 0, Timing(), Scheduler(cf_ray.CheckpointConfig()), lambda r: None)
+    seen: set[int] = set()
+
+    def poll(*a, **k):
+        for f in ctl.summary()["failures"]:
+            if f["seq"] not in seen:
+                seen.add(f["seq"])
+                link.failures.append(f)
+
+    monkeypatch.setattr(link, "poll", poll)
+    monkeypatch.setattr(link, "poll_blocking", poll)
+    monkeypatch.setattr(link, "has", lambda method: True)
+    monkeypatch.setattr(link, "call", lambda method, *a, **k: getattr(ctl, method)(*a))
+    link.start_attempt(ctl.generation, 0)
+    return link
+
+
+def test_wait_reports_the_failures_of_one_steps_sections_together(controller, monkeypatch):
+    """Step 6's ``shared`` section fails first and the rank hears of it; its holder is still writing
+    ``rank_00000``, which fails half a second later. ``wait()`` used to end at the first failure and
+    report ``rank_00000``'s in the next call; it reports both at once."""
+    import threading
+
+    from cf_ray._engine.format import manifest as mf
+    from cf_ray._engine.protocol.messages import PartFailed
+
+    from controller_harness import durable, meta, staged
+
+    ctl = controller()
+    link = _link_on(ctl, monkeypatch)
+    sections = [mf.SHARED, mf.rank_section(0), mf.rank_section(1)]
+    for sec in sections:
+        ctl.part_staged(staged(ctl.generation, 6, sec, m=meta(mf.section_rank(sec), 2, replicated=True)))
+    link.track(6)
+    ctl.part_failed(PartFailed(generation=ctl.generation, step=6, section=mf.SHARED, error="EIO", holder="h"))
+    ctl.part_durable(durable(ctl.storage, ctl.generation, 6, mf.rank_section(1)))
+    link.poll(6, {})
+
+    def later():
+        ctl.part_failed(
+            PartFailed(generation=ctl.generation, step=6, section=mf.rank_section(0), error="EIO", holder="h")
+        )
+
+    timer = threading.Timer(0.5, later)
+    timer.start()
+    try:
+        assert link.wait_durable(time.monotonic() + 10, 6, {}) == []
+    finally:
+        timer.join()
+    got = link.new_failures(False)
+    assert sorted((f["step"], f["section"]) for f in got) == [(6, mf.rank_section(0)), (6, mf.SHARED)]
+
+
+def test_finish_waits_for_a_held_final_step_it_takes_again_from_the_first_poll(controller, monkeypatch):
+    """The loop's last step (8) was held in memory only, settled as superseded, and the rank heard
+    that a skip failed it on another rank. ``finish()`` says it takes the step again before its
+    snapshot: the rank's first poll, which comes before any holder said a word of the new snapshot,
+    finds it pending, and the wait ends only when it commits; the old skip is not this one's."""
+    from cf_ray._engine.format import manifest as mf
+    from cf_ray._engine.protocol.messages import PartFailed
+
+    from controller_harness import durable, meta, staged
+
+    ctl = controller()
+    link = _link_on(ctl, monkeypatch)
+    ctl.part_staged(staged(ctl.generation, 8, mf.rank_section(0), m=meta(0, 2, persist=False)))
+    ctl.part_failed(PartFailed(generation=ctl.generation, step=8, section=mf.rank_section(1), error="no slot"))
+    link.track(8)
+    link.poll(8, {})
+    link.reopen_final(8, 1)  # rank 0, before its snapshot
+    ctl.reopen_final(ctl.generation, 8, 1, 1)  # rank 1, before its own
+    assert link.wait_durable(time.monotonic() + 0.3, 8, {}, report_timeout=False) == [8]  # not settled
+    for sec in (mf.rank_section(0), mf.rank_section(1)):
+        ctl.part_staged(staged(ctl.generation, 8, sec, m=meta(mf.section_rank(sec), 2)))
+        ctl.part_durable(durable(ctl.storage, ctl.generation, 8, sec))
+    assert link.wait_durable(time.monotonic() + 5, 8, {}) == []
+    assert link.known_committed == 8 and not link.final_failed(8)
+
+
 # -- a Checkpointer against a storage that misbehaves (Ray actors in this process) -----------------------------
 
 
@@ -454,3 +536,104 @@ def test_finish_waits_for_the_final_checkpoint_by_the_runs_persist_times_or_says
         assert not summary.final_durable and summary.resume_step == 4, summary
         assert "the final state (step 6) was not committed within finish()'s wait" in caplog.text
         assert "names step 4, the newest committed one" in caplog.text and "finish_timeout_s" in caplog.text
+
+
+def _final_run(tmp_path, name, **cfg):
+    """One rank's Checkpointer, no Ray Train, and a step function (the model is the final model)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ck = cf_ray.Checkpointer(
+        {"model": model, "optimizer": opt},
+        config=cf_ray.CheckpointConfig(
+            storage_path=str(tmp_path), run_name=name, register_with_ray=False, preemption=False, **cfg
+        ),
+    )
+    ck.restore()
+
+    def step():
+        model(torch.randn(2, 4)).sum().backward()
+        ck.step(opt)
+        opt.zero_grad()
+        time.sleep(0.03)
+
+    return ck, step
+
+
+@pytest.mark.slow
+def test_finish_waits_for_the_held_last_step_it_persists_again_and_lists_it_once(ray_cluster, tmp_path, caplog):
+    """``FixedInterval(every=2, persist_every=3)``, the loop ending on step 10, held in memory only and
+    settled as superseded before ``finish()`` (a short pause). ``finish()`` takes step 10 again,
+    persisted; its holder tells the controller 2 s late. ``finish()`` used to end its wait at the
+    rank's first poll (step 10 superseded), ``final_durable=False`` and a resume step of 8, with a
+    warning of a 60 s wait that never happened; it waits for the commit. The run's end is listed
+    once, as the final model, and nothing is a milestone."""
+    import holder_hooks
+    import ray
+
+    caplog.set_level(logging.WARNING, logger="cf_ray")
+    ck, step = _final_run(tmp_path, "held", policy=cf_ray.FixedInterval(every=2, persist_every=3))
+    for _ in range(10):
+        step()  # 2 and 8 persisted, 4, 6 and 10 held in memory only
+    ck.wait_snapshot()
+    time.sleep(0.6)  # the holder tells the controller of a held snapshot within 0.2 s
+    ray.get(ck.holder.__ray_call__.remote(holder_hooks.delay_persisted_staging, 10, 2.0), timeout=60)
+    t0 = time.monotonic()
+    summary = ck.finish()
+    assert (summary.final_step, summary.final_durable, summary.resume_step) == (10, True, 10), summary
+    assert time.monotonic() - t0 >= 2.0 and summary.failures == []
+    assert "not committed within" not in caplog.text
+    listed = [(c.step, c.kind, c.milestone) for c in cf_ray.list_checkpoints(str(tmp_path / "held"))]
+    assert listed == [(2, "scheduled", False), (8, "scheduled", False), (10, "final", False)]
+    _, directory = resumable_checkpoint_of(summary.final_path)
+    assert directory.endswith("step_000000000010")
+
+
+@pytest.mark.slow
+def test_the_resume_point_finish_names_survives_the_final_steps_late_commit(ray_cluster, tmp_path, caplog):
+    """``keep_last=1`` and a final persist slower than ``finish_timeout_s``: the final model names step
+    4, an ordinary checkpoint, and step 6 commits after ``finish()`` returned. Keep-last used to delete
+    step 4 then, and ``resume_from=result.checkpoint`` raised ``CheckpointNotFoundError``; the resume
+    point is kept. The warning says how long ``finish()`` really waited."""
+    from faulty_fs import SlowHandler
+
+    caplog.set_level(logging.WARNING, logger="cf_ray")
+    ck, step = _final_run(
+        tmp_path,
+        "kept",
+        policy=cf_ray.FixedInterval(every=2),
+        keep_last=1,
+        finish_timeout_s=1.0,
+        storage_filesystem=pafs.PyFileSystem(SlowHandler(slow_from=6, slow_to=7, delay_s=4.0)),
+    )
+    for _ in range(4):
+        step()
+    assert ck.wait() == []  # steps 2 and 4 committed
+    step()
+    step()  # step 6, slow to write: finish() takes no other checkpoint
+    controller = ck.controller
+    summary = ck.finish()
+    assert (summary.final_durable, summary.resume_step) == (False, 4), summary
+    assert "was not committed within finish()'s wait of 1 s" in caplog.text
+    root = tmp_path / "kept"
+    deadline = time.time() + 60
+    while (
+        not (root / "cf_ray" / "checkpoints" / "step_000000000006" / "MANIFEST.json").exists()
+        and time.time() < deadline
+    ):
+        time.sleep(0.2)
+    try:  # keep-last after step 6's commit is done (or the controller, lingering, drained and went)
+        while not ray_cluster.get(controller.maintenance_idle.remote(), timeout=60) and time.time() < deadline:
+            time.sleep(0.2)
+    except ray_cluster.exceptions.RayActorError:
+        pass
+    assert (root / "cf_ray" / "checkpoints" / "step_000000000006" / "MANIFEST.json").exists()
+    _, directory = resumable_checkpoint_of(str(root / "cf_ray" / "checkpoints" / "final_000000000006"))
+    assert directory.endswith("step_000000000004")
+    assert [c.step for c in cf_ray.list_checkpoints(str(root))] == [4, 6, 6]  # the final model names 4
+
+
+def resumable_checkpoint_of(final_path):
+    from cf_ray.load import resumable_checkpoint
+
+    return resumable_checkpoint(final_path)

@@ -183,16 +183,8 @@ class CommitBook:
 
     def settled_report(self, generation: int, steps: list[int]) -> Settled:
         """Which of ``steps`` (of ``generation``) are settled, and how; and which are safe (the
-        ``settled`` RPC, less ``resynced``)."""
-        safe = [
-            int(s)
-            for s in steps
-            if (p := self.table.get(generation, int(s))) is not None
-            and p.state == SectionState.PENDING
-            and p.jit is not None
-            and p.jit.peer_safe_unix is not None
-        ]
-        return self.table.report(generation, steps, safe)
+        ``settled`` RPC, less ``resynced``: :meth:`.pending.PendingTable.report`)."""
+        return self.table.report(generation, steps)
 
     # -- just-in-time checkpoints (#12, :mod:`.jit`) -----------------------------------------------------
     def _start_jit(self, p: Pending, draining: set[str] | None) -> None:
@@ -319,8 +311,8 @@ class CommitBook:
     ) -> None:
         """A section could not be written (``lost``: its holder died before writing it)."""
         p = self.table.entry(generation, step, resync=resync)
-        if p is None or p.committing or p.state == SectionState.COMMITTED:
-            return  # every section is durable: a late or stale failure changes nothing
+        if p is None or p.committing or p.state == SectionState.COMMITTED or p.stale_failure(section, holder):
+            return  # every section is durable, or a rank's skip of the step before finish() took it again
         if holder:
             p.parts.writers[section] = holder
         if section in p.parts.failed and p.state == SectionState.FAILED:

@@ -7,6 +7,7 @@ it under the same lock); storage I/O (:func:`load_committed`, :func:`files_prese
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -26,6 +27,14 @@ class Committed:
     milestone: bool
     generation: int
     epoch: int
+    resume_point: bool = False
+    """A final model names it for ``resume_from=result.checkpoint`` (``Checkpointer.finish()``,
+    :func:`resume_points`)."""
+
+    @property
+    def kept(self) -> bool:
+        """Never deleted by keep-last: a milestone, or the resume point of a final model."""
+        return self.milestone or self.resume_point
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +92,17 @@ class CommittedIndex:
     def newest(self) -> int | None:
         return self._newest
 
+    def keep_resume_point(self, step: int) -> int | None:
+        """The final model is about to name ``step`` as the run's resume point: keep-last never deletes
+        it (:attr:`Committed.resume_point`). When keep-last took ``step`` out already, the newest
+        committed step is kept and named instead. Returns the step kept (``None``: none is committed)."""
+        if step not in self.entries:
+            if self._newest is None:
+                return None
+            step = self._newest
+        self.entries[step] = dataclasses.replace(self.entries[step], resume_point=True)
+        return step
+
     def steps(self, *, newest_first: bool = False) -> list[int]:
         return sorted(self.entries, reverse=newest_first)
 
@@ -104,7 +124,25 @@ def load_committed(storage: Storage) -> tuple[dict[int, Committed], int]:
             continue
         committed[c.step] = Committed(path=c.path, milestone=m.milestone, generation=m.generation, epoch=m.epoch)
         gens.append(m.generation)
+    for step in resume_points(storage):
+        if step in committed:
+            committed[step] = dataclasses.replace(committed[step], resume_point=True)
     return committed, max(gens)
+
+
+def resume_points(storage: Storage) -> set[int]:
+    """The steps the run's final models name as their resume point (the manifest's ``resume_step``,
+    written by ``Checkpointer.finish()``); a final model that cannot be read names none."""
+    out = set()
+    for c in mf.list_committed(storage, kinds=("final",)):
+        try:
+            step = mf.read_manifest(storage, c.path).extra.get("resume_step")
+        except Exception as e:  # noqa: BLE001 - a bad manifest names nothing, readers verify again
+            logger.warning("cf_ray: ignoring %s: %s", c.path, e)
+            continue
+        if isinstance(step, int):
+            out.add(step)
+    return out
 
 
 def files_present(storage: Storage, directory: str, files: dict[str, FileInfo]) -> bool:
@@ -122,4 +160,12 @@ def files_present(storage: Storage, directory: str, files: dict[str, FileInfo]) 
     return True
 
 
-__all__ = ["CommitJob", "CommitResult", "Committed", "CommittedIndex", "files_present", "load_committed"]
+__all__ = [
+    "CommitJob",
+    "CommitResult",
+    "Committed",
+    "CommittedIndex",
+    "files_present",
+    "load_committed",
+    "resume_points",
+]

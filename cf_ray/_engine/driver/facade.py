@@ -232,6 +232,20 @@ class Controller:
         out = self._ledger.settled(generation, steps)
         return out if self._roster.resynced.is_set() else _replace(out, resynced=False)
 
+    def reopen_final(self, generation: int, step: int, rank: int, attempt: int) -> bool:
+        """``finish()`` on ``rank`` is about to take ``step`` again, persisted (its ``attempt``-th try):
+        the step is pending until that snapshot commits or fails, whatever the snapshot before it said
+        (held in memory only, a rank's skip, a failed write), so that ``settled`` never answers for it
+        from the old one (:meth:`.pending.PendingTable.reopen_final`). False: it is committed."""
+        with self._ledger.lock:
+            return self._ledger.commits.table.reopen_final(int(generation), int(step), int(rank), int(attempt))
+
+    def keep_resume_point(self, step: int) -> int | None:
+        """The final model names ``step`` as the run's resume point: never deleted by keep-last
+        (:meth:`.committed.CommittedIndex.keep_resume_point`). Returns the step kept."""
+        with self._ledger.lock:
+            return self._ledger.commits.index.keep_resume_point(int(step))
+
     def ping(self) -> dict:
         """A cheap liveness check: ``{"generation": int, "resynced": bool}``."""
         return {"generation": self.generation, "resynced": self._roster.resynced.is_set()}

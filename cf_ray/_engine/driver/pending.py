@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from cf_ray._engine.driver.committed import CommittedIndex
 from cf_ray._engine.driver.jit import JitWatch
+from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.protocol.messages import SectionState, Settled, SnapshotMeta
 from cf_ray._engine.storage.fs import FileInfo
 
@@ -27,6 +28,10 @@ MAX_PENDING = 64
 MAX_SETTLED = 1024
 #: How many restores (generation -> restored step) are remembered.
 MAX_RESTORES = 32
+#: Seconds a failed step is answered as still settling while its other sections' outcomes are due
+#: (their holder writes them one by one): ``wait()`` then reports one step's failures together. The
+#: bound is for a holder that died after the failure (the watch only asks about pending steps).
+SETTLING_S = 20.0
 
 
 @dataclass(slots=True)
@@ -56,6 +61,15 @@ class Parts:
 
 
 @dataclass(slots=True)
+class FinalTry:
+    """``finish()``'s persisted checkpoint of a step that was taken before (held in memory only, or
+    failed): which of its tries, and the ranks that said they take it (:meth:`Pending.reopen_final`)."""
+
+    attempt: int
+    ranks: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
 class Pending:
     """One checkpoint (a generation's step) in flight, or settled not long ago."""
 
@@ -81,6 +95,11 @@ class Pending:
     memory_only: bool = False
     """Held in memory only (``SnapshotMeta.persist=False``): settled as superseded once every
     section is staged; a persisted snapshot of the same step (``finish()``) opens it again."""
+    final: FinalTry | None = None
+    """``finish()`` takes this step again, persisted (``None``: it does not): what the snapshot taken
+    before it said (held in memory only, a rank's skip) no longer settles it."""
+    settled_mono: float | None = None
+    """When it settled (``time.monotonic()``; ``None``: not settled)."""
     verify_files: bool = False
     """Learnt from a holder's resync: its files are checked on storage before the commit (a step
     committed and deleted by keep-last before the controller started again must not come back)."""
@@ -88,13 +107,45 @@ class Pending:
 
     def note_persist(self, persist: bool, section: str) -> None:
         """A section was staged with ``SnapshotMeta.persist``: False holds it in memory only; True
-        for a step settled as held in memory only (``finish()`` takes it again) opens it again."""
+        for a step settled as held in memory only (``finish()`` takes it again) opens it again. Once
+        ``finish()`` said it takes the step again (:attr:`final`), a held snapshot's late staging
+        changes nothing."""
+        if self.final is not None:
+            return
         if not persist:
             self.parts.superseded.add(section)
             self.memory_only = True
         elif self.memory_only and self.state == SectionState.SUPERSEDED:
             self.memory_only, self.state = False, SectionState.PENDING
             self.parts.superseded.clear()
+
+    def reopen_final(self, rank: int, attempt: int) -> bool:
+        """``rank`` is about to take this step again in ``finish()``, persisted, for the ``attempt``-th
+        time: the first rank to say so of an attempt opens the step again, with nothing of what the
+        snapshots before it said (a memory-only hold settled as superseded, a rank's skip, a failed
+        write). Returns False when there is nothing to open (committing or committed)."""
+        if self.committing or self.state == SectionState.COMMITTED:
+            return False
+        if self.final is None or attempt > self.final.attempt:
+            self.parts, self.state, self.final = Parts(), SectionState.PENDING, FinalTry(attempt)
+            self.memory_only = self.lost = self.persist_reported = False
+            self.jit, self.deadline_unix, self.settled_mono = None, None, None
+        self.final.ranks.add(rank)
+        return True
+
+    def stale_failure(self, section: str, holder: str) -> bool:
+        """A rank's report that it skipped ``section`` (``holder`` empty) sent before that rank said it
+        takes the step again in ``finish()``: about the snapshot taken before, not this one."""
+        return self.final is not None and not holder and mf.section_rank(section) not in self.final.ranks
+
+    def settling(self, now: float) -> bool:
+        """Failed, and some of its sections a holder has are still to be written or failed (for at
+        most :data:`SETTLING_S`): their failures come, and are reported with the first."""
+        if self.state != SectionState.FAILED or self.settled_mono is None or now - self.settled_mono > SETTLING_S:
+            return False
+        parts = self.parts
+        done = set(parts.durable) | set(parts.failed) | parts.superseded
+        return any(sec not in done for sec in parts.staged)
 
     def held_in_full(self) -> bool:
         """Held in memory only, every section staged, still pending: to be settled as superseded."""
@@ -194,7 +245,7 @@ class PendingTable:
     # -- settling ------------------------------------------------------------------------------------------
     def settle(self, p: Pending, state: SectionState, *, tell: bool = True) -> None:
         """``p`` is settled; its holders are told (``take_settled``) unless ``tell`` is False."""
-        p.state = state
+        p.state, p.settled_mono = state, time.monotonic()
         holders = tuple(sorted(set(p.parts.staged.values()) | set(p.parts.writers.values())))
         if holders and tell:
             self.settled_out.append((p.generation, p.step, state, holders))
@@ -202,6 +253,14 @@ class PendingTable:
     def take_settled(self) -> list[tuple[int, int, SectionState, tuple[str, ...]]]:
         out, self.settled_out = self.settled_out, []
         return out
+
+    def reopen_final(self, generation: int, step: int, rank: int, attempt: int) -> bool:
+        """``finish()`` on ``rank`` takes ``(generation, step)`` again, persisted (:meth:`Pending.reopen_final`):
+        its entry, made or remembered again if it settled and was forgotten, is opened until that
+        snapshot commits or fails. False: committed already (or committing)."""
+        self.settled.pop((generation, step), None)
+        p = self.entry(generation, step, resync=False)
+        return p is not None and p.reopen_final(rank, attempt)
 
     def abandon(self, generation: int, step: int) -> bool:
         """One entry still pending is abandoned (nothing will complete it). Returns whether it was."""
@@ -259,11 +318,20 @@ class PendingTable:
         """Steps with an entry still pending or committing (keep-last and clean-up leave them)."""
         return {k[1] for k, p in self.entries.items() if p.state == SectionState.PENDING}
 
-    def report(self, generation: int, steps: list[int], safe: list[int]) -> Settled:
-        """Which of ``steps`` (of ``generation``) are settled, and how (the ``settled`` RPC);
-        ``safe``: those of them safe in a peer's memory."""
+    def report(self, generation: int, steps: list[int]) -> Settled:
+        """Which of ``steps`` (of ``generation``) are settled, and how (the ``settled`` RPC), and which
+        of them are just-in-time checkpoints safe in a peer's memory (still pending on storage)."""
+        safe = [
+            int(s)
+            for s in steps
+            if (p := self.get(generation, int(s))) is not None
+            and p.state == SectionState.PENDING
+            and p.jit is not None
+            and p.jit.peer_safe_unix is not None
+        ]
         out: dict[str, list[int]] = {"committed": [], "superseded": [], "abandoned": [], "pending": [], "unknown": []}
         failed: dict[int, str] = {}
+        now = time.monotonic()
         for step in steps:
             step = int(step)
             p = self.entries.get((generation, step))
@@ -271,6 +339,8 @@ class PendingTable:
                 state, error = p.state, p.error()
                 if state == SectionState.PENDING and p.parts.superseded and not p.committing:
                     state = SectionState.SUPERSEDED  # a memory-only section: it will never be written
+                elif p.settling(now):
+                    state = SectionState.PENDING  # its other sections' failures are due: said together
             else:
                 known = self.late_state(generation, step)
                 if known is None:
@@ -294,4 +364,4 @@ class PendingTable:
         )
 
 
-__all__ = ["MAX_PENDING", "MAX_RESTORES", "MAX_SETTLED", "Parts", "Pending", "PendingTable"]
+__all__ = ["MAX_PENDING", "MAX_RESTORES", "MAX_SETTLED", "SETTLING_S", "FinalTry", "Parts", "Pending", "PendingTable"]

@@ -78,7 +78,7 @@ class Retention:
                 return  # deferred until restored()
             committed_index = self._commits.committed
             if self.keep_last is not None:
-                committed = [(s, c.milestone) for s, c in committed_index.items()]
+                committed = [(s, c.kept) for s, c in committed_index.items()]  # milestones, resume points
                 doomed = [s for s in mf.to_delete(committed, self.keep_last) if s not in protected]
                 # The index is updated *before* deleting, so a concurrent restore plan never names a
                 # checkpoint that is being deleted (the same order as Ray's checkpoint manager).

@@ -202,7 +202,7 @@ def _write_model(
         generation=0,
         replicated=True,
         kind="final",
-        milestone=True,
+        milestone=False,
         sections={"model": {"data": "model.safetensors"}},
         files={"model.safetensors": info},
         created_unix=time.time(),

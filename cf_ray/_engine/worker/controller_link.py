@@ -31,7 +31,7 @@ from typing import Any, cast
 from cf_ray._engine import env as _env
 from cf_ray._engine.protocol.messages import CheckpointRequest, PartFailed, Settled, SyncReply
 from cf_ray._engine.worker.controller_line import ControllerLine
-from cf_ray._engine.worker.controller_news import ControllerNews, failed_steps
+from cf_ray._engine.worker.controller_news import ControllerNews
 from cf_ray._engine.worker.controller_sync import SyncExchange
 from cf_ray._engine.worker.scheduler import Scheduler
 from cf_ray._engine.worker.timing import Timing
@@ -73,6 +73,9 @@ class ControllerLink:
         """Steps of the checkpoints this rank took in this attempt, not yet known settled (oldest first)."""
         self.safe_steps: set[int] = set()
         """Just-in-time checkpoints the controller said are safe in a peer's memory (storage goes on)."""
+        self._final: tuple[int, int] | None = None
+        """``finish()`` takes this step again: (the step, how many failures this rank knew of then);
+        the failures of that step known before are the snapshot's before it, not this one's."""
         self._scheduler = scheduler
         self._line = ControllerLine(controller, rank, resolve)
         self._news = ControllerNews(rank, on_request)
@@ -125,8 +128,21 @@ class ControllerLink:
     def _prune(self) -> None:
         """Between two waits, forget the steps known settled from the replies: failed, or older than a
         commit (a long run that never calls ``wait()`` keeps a short list)."""
-        failed = failed_steps(self.failures[-_PRUNE_AT:])
+        failed = self._failed_steps()
         self.taken = [s for s in self.taken if s > self.known_committed and s not in failed]
+
+    def _failed_steps(self, *, local_only: bool = False) -> set[int]:
+        """The steps of this attempt's failures (``local_only``: those this rank found itself, which
+        the controller may never hear of), less those of the final step from before ``finish()``
+        took it again."""
+        final_step, known = self._final if self._final is not None else (None, 0)
+        return {
+            f["step"]
+            for i, f in enumerate(self.failures)
+            if not f.get("earlier_attempt")
+            and not (local_only and "seq" in f)
+            and not (f["step"] == final_step and i < known)
+        }
 
     def in_flight_s(self, now: float) -> float:
         """Seconds this rank has been waiting for the controller: the poll in flight's age, or the
@@ -217,7 +233,7 @@ class ControllerLink:
             self.poll_blocking(step, copy_timings)
         except Exception as e:  # noqa: BLE001 - the failures known so far stand
             logger.warning("cf_ray: rank %d: controller poll failed: %r", self.rank, e)
-        failed = failed_steps(self.failures)
+        failed = self._failed_steps()
         unsettled = [s for s in unsettled if s not in failed and s > self.known_committed]
         if unsettled and report_timeout:
             waited = time.monotonic() - t0
@@ -238,7 +254,6 @@ class ControllerLink:
         """Which of ``steps`` are not settled yet (committed, failed, superseded or abandoned)."""
         if not steps:
             return []
-        failed = failed_steps(self.failures)
         # SEAM (#16, driver side): the controller's settled(generation, steps) says it exactly. A
         # controller without it (older code) is asked for its pending steps, and this rank judges
         # the steps it has not heard of yet itself (_unsettled_locally).
@@ -246,11 +261,15 @@ class ControllerLink:
             report = cast(Settled, self.call("settled", self.generation, steps, step=step))
             if report.newest_committed is not None:
                 self.known_committed = max(self.known_committed, report.newest_committed)
-            waiting = set(report.pending) | set(report.unknown)
+            # A step this rank heard failed is waited for while the controller has it pending: the
+            # failures of its other sections are due (one step's failures are reported together).
+            # What this rank found itself, the controller may never hear of.
+            waiting = set(report.pending) | (set(report.unknown) - self._failed_steps())
             safe = set(report.safe)
             self.safe_steps |= safe
             if safe_ok and safe:  # older checkpoints are moot once a newer one is safe
                 waiting = {s for s in waiting if s > max(safe)}
+            failed = self._failed_steps(local_only=True)
             return [s for s in steps if s in waiting and s not in failed]
         pending = set(cast(list, self.call("pending_steps", self.generation, step=step)))
         return self._unsettled_locally(steps, pending)
@@ -259,11 +278,36 @@ class ControllerLink:
         """Without ``settled``: a step is not settled while the controller lists it pending, or when it
         is newer than the newest committed step known and than every failed one (the controller may
         not have heard of it yet; one superseded by a newer failed one is settled)."""
-        failed = failed_steps(self.failures)
+        failed = self._failed_steps()
         newest_failed = max(failed, default=-1)
         return [
             s for s in steps if s not in failed and (s in pending or (s > self.known_committed and s > newest_failed))
         ]
+
+    # -- the final checkpoint (``finish()``) -------------------------------------------------------------
+    def reopen_final(self, step: int, attempt: int) -> None:
+        """Before ``finish()`` takes ``step`` again, persisted (its ``attempt``-th try): the controller
+        answers for it from this snapshot only (never the one before: held in memory only, skipped,
+        failed), and so does this rank."""
+        self._final = (step, len(self.failures))
+        if step not in self.taken:
+            self.taken.append(step)
+        if self.has("reopen_final"):  # SEAM (#16): an older controller opens it on the persisted staging
+            self.call("reopen_final", self.generation, step, self.rank, attempt, step=step)
+
+    def final_failed(self, step: int) -> bool:
+        """Whether the controller says the checkpoint of ``step`` failed (``finish()`` tries again)."""
+        report = cast(Settled, self.call("settled", self.generation, [step], step=step))
+        return step in report.failed
+
+    def keep_resume_point(self, step: int) -> int:
+        """The final model is about to name ``step`` (committed) for ``resume_from``: keep-last never
+        deletes it. Returns the step kept, which the final model names (the newest committed step
+        when keep-last took ``step`` out first; 0: none)."""
+        if step <= 0 or not self.has("keep_resume_point"):
+            return step
+        kept = self.call("keep_resume_point", step, step=step)
+        return 0 if kept is None else int(kept)
 
     def new_failures(self, raise_on_error: bool) -> list[dict]:
         """The failures not yet reported (each is reported once), an earlier attempt's included.

@@ -70,15 +70,23 @@ class Durability:
             return float(self.config.finish_timeout_s)
         return self.watchdog.finish_limit_s()
 
-    def not_durable_at_finish(self, step: int, committed: int, limit: float) -> None:
-        """Rank 0 says that the final checkpoint did not commit within ``finish()``'s wait (never silently)."""
+    def not_durable_at_finish(self, step: int, committed: int, limit: float, waited: float) -> None:
+        """Rank 0 says that the final checkpoint did not commit within ``finish()``'s wait (never
+        silently): how long it waited (``waited`` seconds, of at most ``limit``), and what the final
+        model names instead. A wait that ended before its limit ended because the final checkpoint
+        failed (its tries are in ``FinishSummary.failures``)."""
         older = f"step {committed}, the newest committed one," if committed > 0 else "no checkpoint"
+        why = (
+            f"within finish()'s wait of {waited:.0f} s"
+            if waited >= limit
+            else f"(it failed; finish() waited {waited:.1f} s of at most {limit:.0f} s)"
+        )
         logger.warning(
-            "cf_ray: the final state (step %d) was not committed within finish()'s wait of %.0f s; the final "
-            "model names %s for resume_from=result.checkpoint, %d step(s) before the end. The holder goes on "
-            "writing it while its node lives; to wait longer set CheckpointConfig(finish_timeout_s=...)",
+            "cf_ray: the final state (step %d) was not committed %s; the final model names %s for "
+            "resume_from=result.checkpoint, %d step(s) before the end. The holder goes on writing it while its "
+            "node lives; to wait longer set CheckpointConfig(finish_timeout_s=...)",
             step,
-            limit,
+            why,
             older,
             step - committed,
         )
@@ -87,7 +95,8 @@ class Durability:
                 "event": "final_not_durable",
                 "step": step,
                 "resume_step": committed,
-                "waited_s": limit,
+                "waited_s": round(waited, 3),
+                "limit_s": limit,
                 "generation": self.link.generation,
             }
         )

@@ -62,7 +62,9 @@ class FinishSummary:
     this attempt's, and those of earlier attempts of the same run that the controller knows of (a
     step lost with its node, a write that failed after its ranks were gone), marked
     ``earlier_attempt: True``. The controller keeps the newest 1,000; the profile table
-    (``committed``, ``where``, ``error``) and the restarts table (``lost_steps``) have them all."""
+    (``committed``, ``where``, ``error``) and the restarts table (``lost_steps``) have them all.
+    When the final checkpoint committed, what failed of the final step before it (a memory-only
+    snapshot a rank skipped, a try of it that failed) is not listed: ``finish()`` made it good."""
     final_step: int = 0
     """The step training ended at (the final checkpoint's)."""
     final_durable: bool = True
@@ -70,7 +72,8 @@ class FinishSummary:
     ``CheckpointConfig.finish_timeout_s``, passed) a warning said so, and the final model names
     ``resume_step`` for ``resume_from``."""
     resume_step: int | None = None
-    """The committed step the final model names for ``CheckpointConfig(resume_from=result.checkpoint)``."""
+    """The committed step the final model names for ``CheckpointConfig(resume_from=result.checkpoint)``
+    (never deleted by keep-last)."""
     rollbacks: list[dict] = field(default_factory=list)
     """The run's rollbacks past a snapshot that went non-finite (``suspect_step``, ``reason``, ...)."""
 

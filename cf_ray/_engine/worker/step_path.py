@@ -36,6 +36,9 @@ from cf_ray._engine.worker.timing import Timing
 from cf_ray._engine.worker.trust_gate import TrustGate
 from cf_ray.config import CheckpointConfig
 
+#: How many times ``finish()`` takes the final checkpoint when the try before failed (within its wait).
+FINAL_TRIES = 3
+
 
 class StepPath:
     """The parts of one rank's step and the sequence over them.
@@ -205,6 +208,45 @@ class StepPath:
         self.scheduler.start_attempt(schedules)
         self.ray_train.start_attempt(committed)
 
+    def finish(
+        self,
+        step: int,
+        epoch: int,
+        limit: float,
+        preemption: PreemptionWatcher | None,
+        capture_late: Callable[[], object],
+    ) -> tuple[list[dict], float]:
+        """``finish()``'s checkpoint of the final ``step`` and the wait for it, at most ``limit`` seconds.
+
+        The final state is taken again, persisted, unless the last checkpoint is of ``step`` and is
+        persisted; before each such snapshot every rank tells the controller (``reopen_final``) so that
+        no answer about ``step`` comes from the snapshot before it (held in memory only, skipped,
+        failed). When the controller says it failed, every rank takes it again (rank 0's answer,
+        broadcast), at most :data:`FINAL_TRIES` times while the wait lasts. Every rank calls it.
+
+        Returns:
+            The failures not yet reported, and the seconds it waited.
+        """
+        t0 = time.monotonic()
+        deadline = t0 + limit
+        scheduler = self.scheduler
+        again = step > 0 and (scheduler.last_save_step != step or not scheduler.last_persisted)  # agreed
+        tries = 0
+        while True:
+            if again:
+                tries += 1
+                self.phase1.wait_done(max(0.0, deadline - time.monotonic()))
+                self.link.add_local_failures(self.phase1.take_errors())  # the snapshots before this one
+                self.link.reopen_final(step, tries)
+                milestone = bool(scheduler.milestone_every and step % scheduler.milestone_every == 0)
+                self.snapshot(CheckpointKind.MANUAL, step, epoch, preemption, milestone=milestone)  # every rank
+                capture_late()  # nothing runs between this checkpoint and the end
+            self._settle(step, deadline, report_timeout=True, hint="CheckpointConfig(finish_timeout_s=...)")
+            failed = self.rank == 0 and step > 0 and tries < FINAL_TRIES and time.monotonic() < deadline
+            again = bool(self.control.broadcast(failed and self.link.final_failed(step)))
+            if not again:
+                return self.link.new_failures(self.config.raise_on_persist_error), time.monotonic() - t0
+
     def wait(
         self,
         step: int,
@@ -218,8 +260,12 @@ class StepPath:
         checkpoint this rank took is settled or ``timeout`` passed (``ControllerLink.wait_durable``).
         Returns the failures not yet reported."""
         limit = timeout if timeout is not None else _env.get_float(_env.ACTOR_TIMEOUT_S)
-        deadline = time.monotonic() + limit
-        self.phase1.wait_done(limit)
+        self._settle(step, time.monotonic() + limit, report_timeout=report_timeout, safe_ok=safe_ok, hint=hint)
+        return self.link.new_failures(self.config.raise_on_persist_error)
+
+    def _settle(self, step: int, deadline: float, *, report_timeout: bool, hint: str, safe_ok: bool = False) -> None:
+        """Until every checkpoint this rank took is settled or ``deadline`` (``time.monotonic()``) passed."""
+        self.phase1.wait_done(max(0.0, deadline - time.monotonic()))
         self.link.add_local_failures(self.phase1.take_errors())
         self.link.wait_durable(
             deadline,
@@ -229,7 +275,6 @@ class StepPath:
             safe_ok=safe_ok,
             hint=hint,
         )
-        return self.link.new_failures(self.config.raise_on_persist_error)
 
     def watch(self, step: int) -> None:
         """Feed the durability watchdog what this rank knows (``worker/durability.py`` says what it finds)."""
