@@ -96,7 +96,7 @@ class _RankCadence:
         self.regime: list = []  # (step, iter_s, iters, clean, clean iter_s before) under the interval in force
         self.job: deque = deque()  # (lost s, training s, checkpoints) per sample, newest JOB_SAMPLES
         self.job_sums = [0.0, 0.0, 0.0]  # their sums
-        self.pending: list = []  # (iter_s, iters, checkpoints) timed before any clean sample
+        self.pending = [0.0, 0, 0.0]  # sum of iter_s * iters, iters, stalls since the newest clean sample
         self.span: deque = deque(maxlen=8)  # iterations per sample
 
     def t_clean(self, newer_than: int) -> tuple[float, float, int] | None:
@@ -111,28 +111,42 @@ class _RankCadence:
         return _weighted_median(items), _se(items), len(items)
 
     def add_job(self, iter_s: float, iters: int, stalls: float, clean: bool) -> None:
-        """One sample into the job's overhead: its lost time against the clean samples before it
-        (those before any clean sample wait for the first one), and ``stalls``, the seconds its
-        checkpoints stalled the training thread."""
-        if clean:
-            entries = [(0.0, iter_s * iters, stalls)]
-            entries += [(max(v - iter_s, -v) * n, iter_s * n, c) for v, n, c in self.pending]
-            self.pending.clear()
-        elif (base := self.base_before()) is not None:
-            entries = [((iter_s - base) * iters, base * iters, stalls)]
-        else:
-            self.pending.append((iter_s, iters, stalls))
-            del self.pending[:-JOB_SAMPLES]
+        """One sample into the job's overhead (call before adding a clean one to :attr:`clean`).
+
+        A sample with a checkpoint in flight waits for the next clean one: the samples in between are
+        then compared with the mean of the clean iteration time before them and after them, so
+        that a change of the iteration time itself (the machine's load) is not counted as a cost or
+        a gain. ``stalls``: the seconds its checkpoints stalled the training thread.
+        """
+        pend = self.pending
+        if not clean:
+            pend[0] += iter_s * iters
+            pend[1] += iters
+            pend[2] += stalls
             return
+        if pend[1]:
+            before = self.base_before()
+            base = iter_s if before is None else 0.5 * (before + iter_s)
+            self._job_entry(pend[0] - base * pend[1], base * pend[1], pend[2])
+            pend[:] = [0.0, 0, 0.0]
+        self._job_entry(0.0, iter_s * iters, stalls)
+
+    def job_totals(self) -> tuple[float, float, float]:
+        """(lost, training, stall) seconds of the recent samples, those waiting for a clean sample
+        compared with the newest clean ones."""
+        lost, train, stalls = self.job_sums
+        pend, base = self.pending, self.base_before()
+        if pend[1] and base is not None:
+            lost, train, stalls = lost + pend[0] - base * pend[1], train + base * pend[1], stalls + pend[2]
+        return lost, train, stalls
+
+    def _job_entry(self, lost: float, train: float, stalls: float) -> None:
         sums = self.job_sums
-        for e in entries:
-            self.job.append(e)
-            for i in range(3):
-                sums[i] += e[i]
+        self.job.append((lost, train, stalls))
+        sums[0], sums[1], sums[2] = sums[0] + lost, sums[1] + train, sums[2] + stalls
         while len(self.job) > JOB_SAMPLES:
             old = self.job.popleft()
-            for i in range(3):
-                sums[i] -= old[i]
+            sums[0], sums[1], sums[2] = sums[0] - old[0], sums[1] - old[1], sums[2] - old[2]
 
     def base_before(self) -> float | None:
         """The iteration time with nothing in flight as of now: the weighted mean of the newest
@@ -141,6 +155,18 @@ class _RankCadence:
             return None
         near = list(itertools.islice(reversed(self.clean), 4))
         return sum(v * n for _, v, n in near) / sum(n for _, _, n in near)
+
+    def resolved_base(self, e: list) -> float:
+        """The clean iteration time a regime sample is compared with (:meth:`base_at`), kept once a
+        clean sample after it is known."""
+        if e[4] is not None:
+            return e[4]
+        base = self.base_at(e[0])
+        if base is None:
+            return e[1]
+        if self.clean[-1][0] > e[0]:
+            e[4] = base
+        return base
 
     def base_at(self, step: int) -> float | None:
         """The iteration time with nothing in flight near ``step``: the weighted mean of the clean
@@ -164,6 +190,7 @@ class Cadence:
         self.last_probe_step: int | None = None
         self.max_step = 0
         self.rows: dict[int, float] = {}  # checkpoint step -> the job's overhead as of it (bounded)
+        self.stale = False  # the clean iteration time no longer compares: the next probe is due now
 
     # -- input ------------------------------------------------------------------------------------
     def interval(self, k: int) -> None:
@@ -182,17 +209,16 @@ class Cadence:
             r = self.ranks[rank] = _RankCadence()
         self.max_step = max(self.max_step, step)
         r.span.append(iters)
+        r.add_job(iter_s, iters, stall * iters / (self.k or 1), clean)
         if clean:
             if r.clean and step < r.clean[-1][0]:  # a restart: the steps go back
                 r.clean.clear()
                 r.clean_steps.clear()
             r.clean.append((step, iter_s, iters))
             r.clean_steps.append(step)
-        r.add_job(iter_s, iters, stall * iters / (self.k or 1), clean)
         if first >= self.regime_from and self.probe is None:
-            # Against the clean samples before it if there are any (else, at measuring time, the
-            # ones nearest to it: a probe's after it).
-            r.regime.append((step, iter_s, iters, clean, r.base_before()))
+            # Compared, at measuring time, with the clean samples on both sides of it (a probe's after it).
+            r.regime.append([step, iter_s, iters, clean, None])
             del r.regime[:-256]
 
     def rollback(self, rank: int) -> None:
@@ -231,7 +257,7 @@ class Cadence:
             if base is None or len(regime) < _REGIME_SAMPLES or iters < 3 * k:
                 return self.measured
             se_c = base[1]
-            diffs = [(v - (b or r.base_at(step) or v), n) for step, v, n, _, b in regime]
+            diffs = [(v - r.resolved_base(e), n) for e in regime for _, v, n, _, _ in (e,)]
             t_all = sum(v * n for _, v, n, _, _ in regime) / iters
             d = sum(x * n for x, n in diffs) / iters
             clean_iters = sum(n for _, _, n, c, _ in regime if c)
@@ -247,7 +273,12 @@ class Cadence:
             )
             if best is None or m.slowdown > best.slowdown:
                 best = m
-        if best is not None:
+        if best is not None and best.slowdown + 2.0 * best.se < 0:
+            # Faster with checkpoints than without: the iteration time itself moved since the clean
+            # samples were timed (the machine's load), so they no longer compare. Not a measurement;
+            # a probe is due.
+            self.stale = True
+        elif best is not None:
             self.measured = best
         return self.measured
 
@@ -256,6 +287,10 @@ class Cadence:
         is far enough back)."""
         if self.probe is not None or not active:
             return False
+        if self.stale and (
+            self.last_probe_step is None or self.max_step - self.last_probe_step >= 2 * self.probe_steps(t, bg)
+        ):
+            return True
         stale = self.stale_steps(t, bg)
         if self.last_probe_step is not None and self.max_step - self.last_probe_step < stale:
             return False
@@ -282,6 +317,7 @@ class Cadence:
         p = self.probe
         assert p is not None
         self.probe = None
+        self.stale = False
         self.last_probe_step = self.max_step
         return p["back_to"]
 
@@ -302,7 +338,7 @@ class Cadence:
             base = r.t_clean(newer_than) or r.t_clean(-1) if r is not None else None
             if r is None or base is None:
                 continue
-            lost, train, stalls = r.job_sums
+            lost, train, stalls = r.job_totals()
             if train > 0 and (best is None or base[0] > best[0]):
                 best = (base[0], 100.0 * (lost + stalls) / train)
         return best[1] if best is not None else None
