@@ -120,29 +120,76 @@ def test_an_offer_nobody_fetches_is_released(server, monkeypatch):
         os.close(fd)
 
 
-def test_a_connection_that_sends_no_request_is_dropped_and_the_pool_is_bounded(monkeypatch):
-    """Each connection has REQUEST_TIMEOUT_S to present its request; at most SERVE_THREADS are served
-    at once and the rest wait (a reader is served once a thread frees up)."""
+def test_a_connection_that_sends_no_request_is_dropped_and_holds_no_serving_thread(monkeypatch):
+    """Each connection has REQUEST_TIMEOUT_S from its accept to present its request, and one that
+    has not yet holds no serving thread: with SERVE_THREADS connections idle, a reader is served at
+    once (it waited behind them until they timed out); the idle ones are closed in time, and no
+    thread is made per connection."""
     monkeypatch.setattr(wire, "REQUEST_TIMEOUT_S", 0.5)
     monkeypatch.setattr(stream, "SERVE_THREADS", 2)
     before = threading.active_count()
     srv = stream.SectionServer("127.0.0.1")
     fd = _slot_file(np.arange(100, dtype=np.uint8))
     try:
-        idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(2)]  # both threads
+        idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(2)]
         desc, _ = srv.offer(100, lambda: None, fd=fd, offset=shm.HEADER_BYTES)
         t0 = time.monotonic()
-        got = wire.fetch(desc, 10)  # queued behind the two idle connections until they time out
-        waited = time.monotonic() - t0
+        got = wire.fetch(desc, 10)
+        assert time.monotonic() - t0 < 0.4
         assert np.array_equal(got, np.arange(100, dtype=np.uint8))
-        assert 0.3 < waited < 5, waited
+        t0 = time.monotonic()
         for c in idle:
             assert c.recv(1) == b""  # the server closed them
             c.close()
+        assert time.monotonic() - t0 < 5
+        assert srv.dropped == 2
         assert (
             threading.active_count() - before <= 2 + 2
         )  # the pool's threads and the listener, no thread per connection
     finally:
+        os.close(fd)
+        srv.close()
+
+
+def test_a_peer_holding_connections_open_without_a_request_never_keeps_a_reader_out(monkeypatch):
+    """Another address opens far more connections than a holder serves and queues (72) and sends
+    nothing: past PEER_WAITING of them each is closed at once, the others after REQUEST_TIMEOUT_S,
+    and meanwhile a reader of another node (another address) is served at once, every time (it was
+    refused, or waited behind them, and went to storage)."""
+    import selectors
+
+    monkeypatch.setattr(wire, "REQUEST_TIMEOUT_S", 3.0)
+    srv = stream.SectionServer("0.0.0.0")
+    data = np.random.default_rng(3).integers(0, 256, size=1 << 20, dtype=np.uint8)
+    fd = _slot_file(data)
+    idle = []
+    try:
+        for _ in range(100):  # from 127.0.0.2: the loopback answers every 127/8 address
+            c = socket.socket()
+            c.settimeout(10)
+            c.bind(("127.0.0.2", 0))
+            c.connect(("127.0.0.1", srv.port))
+            idle.append(c)
+        time.sleep(0.5)
+        with selectors.DefaultSelector() as sel:
+            for c in idle:
+                sel.register(c, selectors.EVENT_READ)
+            closed = [key.fileobj for key, _ in sel.select(0)]
+        assert len(closed) == len(idle) - stream.PEER_WAITING
+        assert all(c.recv(1) == b"" for c in closed)  # type: ignore[union-attr]
+        for _ in range(3):  # a reader of another node, meanwhile
+            desc, _ = srv.offer(data.nbytes, lambda: None, fd=fd, offset=shm.HEADER_BYTES)
+            desc = type(desc)(host="127.0.0.1", port=desc.port, token=desc.token, nbytes=desc.nbytes, tls=desc.tls)
+            t0 = time.monotonic()
+            assert np.array_equal(wire.fetch(desc, 10), data)
+            assert time.monotonic() - t0 < 1.0
+        for c in idle:  # the rest, once their time to send a request is over
+            if c not in closed:
+                assert c.recv(1) == b""
+        assert srv.dropped == len(idle)
+    finally:
+        for c in idle:
+            c.close()
         os.close(fd)
         srv.close()
 

@@ -7,10 +7,15 @@ alone. It is served once (the token is consumed when the request names it), or d
 after :data:`TICKET_TTL_S`; while it lives, the shared lock its ``release`` gives back keeps the slot
 from being filled again. Who asks for an unknown, used or expired token gets "none" and nothing else.
 
-Threads: one accepts; at most :data:`SERVE_THREADS` serve, each one connection at a time; at most
-:data:`QUEUED_CONNECTIONS` more wait for a thread (past that a connection is closed at once). A
-connection has :data:`~cf_ray._engine.memory.wire.REQUEST_TIMEOUT_S` to present its request (and
-finish its TLS handshake). The bytes go in chunks (``sendfile`` from the slot's file; from a mapping
+Threads: one accepts connections and reads their requests, all of them at once without blocking
+(``selectors``); at most :data:`SERVE_THREADS` serve, each one connection at a time; at most
+:data:`QUEUED_CONNECTIONS` more that presented a request wait for a thread (past that a connection
+is closed at once). A connection has :data:`~cf_ray._engine.memory.wire.REQUEST_TIMEOUT_S` from
+its accept to present its request (and finish its TLS handshake), else it is closed; one that has
+not yet is a *waiting* connection, of which a peer address may have :data:`PEER_WAITING` and all
+together :data:`WAITING_CONNECTIONS` (more are closed at once). So connections that never send a
+token hold no serving thread and no queue place, and a peer that opens many holds only its own
+share: a real reader from another node is served as they come. The bytes go in chunks (``sendfile`` from the slot's file; from a mapping
 of it under TLS), each of which must make progress within ``STALL_TIMEOUT_S``: no cap on the whole
 send, so a section of any size completes on a slow link, and a reader that stops reading releases
 the slot.
@@ -24,6 +29,7 @@ import logging
 import mmap
 import os
 import secrets
+import selectors
 import socket
 import ssl
 import threading
@@ -32,6 +38,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from cf_ray._engine import env as _env
 from cf_ray._engine.memory import wire
 from cf_ray._engine.protocol.messages import StreamDesc
 from cf_ray.errors import CfRayError
@@ -42,8 +49,25 @@ logger = logging.getLogger("cf_ray")
 TICKET_TTL_S = 60.0
 #: Connections served at once.
 SERVE_THREADS = 8
-#: Connections waiting for a serving thread at most; more are closed at once.
+#: Connections waiting for a serving thread at most (each presented a request); more are closed at once.
 QUEUED_CONNECTIONS = 64
+#: Connections of one peer address that have not presented their request yet, at most; more are
+#: closed at once (a reader sends its request as soon as it connects: a legitimate one waits
+#: milliseconds).
+PEER_WAITING = 16
+#: Connections that have not presented their request yet, all peers together, at most.
+WAITING_CONNECTIONS = 256
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """A connection accepted that has not presented its request yet."""
+
+    conn: socket.socket
+    peer: str
+    deadline: float
+    got: bytearray = field(default_factory=bytearray)
+    handshaken: bool = True
 
 
 @dataclass(slots=True)
@@ -83,6 +107,11 @@ class SectionServer:
         self._pool = ThreadPoolExecutor(max_workers=SERVE_THREADS, thread_name_prefix="cf_ray-stream-send")
         self._queued = threading.BoundedSemaphore(SERVE_THREADS + QUEUED_CONNECTIONS)
         self._closed = False
+        self._waiting: dict[int, _Waiting] = {}  # fd -> a connection yet to present its request
+        self._per_peer: dict[str, int] = {}  # peer address -> its waiting connections
+        self.dropped = 0
+        """Connections closed without being served: over a bound, or no request in time."""
+        self._next_drop_log = 0.0
         threading.Thread(target=self._accept, name="cf_ray-stream", daemon=True).start()
 
     def offer(self, nbytes: int, release: Callable[[], None], *, fd: int, offset: int) -> tuple[StreamDesc, Offer]:
@@ -122,37 +151,133 @@ class SectionServer:
             offer.release()
 
     def _accept(self) -> None:
-        while not self._closed:
-            self._drop_expired()
+        """The listener's loop: accept, read requests as they come, drop what overstays (module doc)."""
+        sel = selectors.DefaultSelector()
+        self._sock.setblocking(False)
+        sel.register(self._sock, selectors.EVENT_READ)
+        try:
+            while not self._closed:
+                self._drop_expired()
+                try:
+                    events = sel.select(0.25)
+                except (OSError, ValueError):
+                    return  # closed
+                for key, _ in events:
+                    if key.fileobj is self._sock:
+                        self._take(sel)
+                    else:
+                        self._read_request(sel, key.data)
+                now = time.monotonic()
+                for w in [w for w in self._waiting.values() if w.deadline <= now]:
+                    self._drop(sel, w, f"it sent no request within {wire.REQUEST_TIMEOUT_S:.0f} s")
+        finally:
+            for w in list(self._waiting.values()):
+                self._forget(sel, w)
+                w.conn.close()
+            sel.close()
+
+    def _take(self, sel: selectors.BaseSelector) -> None:
+        """Accept the connections that are there; each waits for its request, within the bounds."""
+        while True:
             try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
+                conn, addr = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
             except OSError:
                 return  # closed
-            if not self._queued.acquire(blocking=False):
-                conn.close()  # too many waiting: the reader sees the connection close and gives up
-                continue
-            try:
-                self._pool.submit(self._serve, conn)
-            except RuntimeError:  # the pool is shut down
-                self._queued.release()
+            peer = str(addr[0])
+            if self._per_peer.get(peer, 0) >= PEER_WAITING or len(self._waiting) >= WAITING_CONNECTIONS:
+                self._dropped(peer, f"over {PEER_WAITING} connections of one peer waiting to send a request")
                 conn.close()
-                return
-
-    def _serve(self, conn: socket.socket) -> None:
-        offer = None
-        try:
-            conn.settimeout(wire.REQUEST_TIMEOUT_S)
-            deadline = time.monotonic() + wire.REQUEST_TIMEOUT_S
+                continue
+            conn.setblocking(False)
             if self._tls is not None:
-                conn = self._tls.wrap_socket(conn, server_side=True)  # the handshake, under the timeout
-            conn.settimeout(max(0.01, deadline - time.monotonic()))
-            magic, token = wire.REQUEST.unpack(wire.recv_exactly(conn, wire.REQUEST.size))
-            if magic == wire.MAGIC:
-                with self._lock:
-                    offer = self._offers.pop(token, None)  # consumed: never served twice
+                conn = self._tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+            w = _Waiting(conn, peer, time.monotonic() + wire.REQUEST_TIMEOUT_S, handshaken=self._tls is None)
+            self._waiting[conn.fileno()] = w
+            self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+            sel.register(conn, selectors.EVENT_READ, w)
+
+    def _read_request(self, sel: selectors.BaseSelector, w: _Waiting) -> None:
+        """What of ``w``'s TLS handshake and request has arrived; a whole request goes to a serving
+        thread (the offer it names taken, unless no thread or queue place is free)."""
+        try:
+            if not w.handshaken:
+                w.conn.do_handshake()  # pyright: ignore[reportAttributeAccessIssue] - an SSLSocket
+                w.handshaken = True
+            while len(w.got) < wire.REQUEST.size:
+                chunk = w.conn.recv(wire.REQUEST.size - len(w.got))
+                if not chunk:
+                    raise ConnectionError(f"it closed after {len(w.got)} bytes of its request")
+                w.got += chunk
+        except ssl.SSLWantWriteError:
+            sel.modify(w.conn, selectors.EVENT_WRITE, w)
+            return
+        except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
+            sel.modify(w.conn, selectors.EVENT_READ, w)
+            return
+        except (OSError, ValueError) as e:  # ssl.SSLError is an OSError: a failed handshake
+            self._drop(sel, w, f"{type(e).__name__}: {e}")
+            return
+        self._forget(sel, w)
+        if not self._queued.acquire(blocking=False):
+            self._dropped(w.peer, "every serving thread and queue place is taken")
+            w.conn.close()  # too many waiting for a thread: the reader sees the close; its offer stays
+            return
+        magic, token = wire.REQUEST.unpack(bytes(w.got))
+        offer = None
+        if magic == wire.MAGIC:
+            with self._lock:
+                offer = self._offers.pop(token, None)  # consumed: never served twice
+        try:
+            self._pool.submit(self._serve, w.conn, offer)
+        except RuntimeError:  # the pool is shut down
+            self._queued.release()
+            w.conn.close()
+            if offer is not None:
+                offer.state = "dropped"
+                offer.release()
+
+    def _forget(self, sel: selectors.BaseSelector, w: _Waiting) -> None:
+        if self._waiting.pop(w.conn.fileno(), None) is None:
+            return
+        left = self._per_peer.get(w.peer, 1) - 1
+        if left > 0:
+            self._per_peer[w.peer] = left
+        else:
+            self._per_peer.pop(w.peer, None)
+        try:
+            sel.unregister(w.conn)
+        except (KeyError, ValueError):
+            pass
+
+    def _drop(self, sel: selectors.BaseSelector, w: _Waiting, why: str) -> None:
+        self._forget(sel, w)
+        self._dropped(w.peer, why)  # counted before the peer can see the close
+        w.conn.close()
+
+    def _dropped(self, peer: str, why: str) -> None:
+        """Count a connection closed unserved; say so at most every ``env.WARN_INTERVAL_S``."""
+        self.dropped += 1
+        now = time.monotonic()
+        if now >= self._next_drop_log:
+            self._next_drop_log = now + _env.get_float(_env.WARN_INTERVAL_S)
+            logger.warning(
+                "cf_ray: the section server at %s:%d closed a connection from %s unserved: %s (%d so far; "
+                "a cf_ray reader sends its request at once, so something else may be connecting to it)",
+                self.host,
+                self.port,
+                peer,
+                why,
+                self.dropped,
+            )
+
+    def _serve(self, conn: socket.socket, offer: Offer | None) -> None:
+        """A serving thread: answer a presented request (``offer``: the one its token named)."""
+        try:
+            conn.setblocking(True)
             if offer is None:
+                conn.settimeout(wire.REQUEST_TIMEOUT_S)
                 conn.sendall(wire.COUNT.pack(wire.NONE))
                 return
             offer.state = "sending"
