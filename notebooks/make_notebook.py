@@ -420,6 +420,19 @@ def failures(nb: nbf.NotebookNode) -> list[str]:
     return out
 
 
+def without_logs(nb: nbf.NotebookNode) -> None:
+    """Drop what the cells printed to stderr: Ray's and the kernel's log lines (timestamps, hosts),
+    not part of the story. A stream that holds a failure (:data:`FAILURE_MARKS`) stays, so that a
+    committed copy with it fails its test instead of hiding it."""
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = [
+                o
+                for o in cell.outputs
+                if not (o.output_type == "stream" and o.name == "stderr") or any(m in o.text for m in FAILURE_MARKS)
+            ]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--no-execute", action="store_true", help="write the cells without outputs (not for committing)")
@@ -430,13 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_execute:
         execute(nb)
         failed = failures(nb)
-        for cell in nb.cells:  # Ray's and the kernel's log lines (timestamps, hosts): not part of the story
-            if cell.cell_type == "code":  # a traceback stays, so that the committed copy fails its test
-                cell.outputs = [
-                    o
-                    for o in cell.outputs
-                    if not (o.output_type == "stream" and o.name == "stderr") or any(m in o.text for m in FAILURE_MARKS)
-                ]
+        without_logs(nb)
     nbf.write(nb, args.out)
     print("wrote", args.out, f"({os.path.getsize(args.out) / 1e3:.0f} kB)")
     if failed:

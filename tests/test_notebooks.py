@@ -126,6 +126,32 @@ def test_the_committed_notebook_is_the_generated_one_with_its_outputs():
         assert any(needle in c.source for c in code), needle
 
 
+def test_a_traceback_from_any_thread_stays_in_the_saved_copy_and_fails_it():
+    """``make_notebook.py`` drops Ray's log lines from stderr, never a traceback: a helper thread
+    that raised (its traceback lands on stderr, in whichever cell runs) or a cell that raised is a
+    failure ``failures()`` names, and it stays in the copy written, where the test of the committed
+    copy finds it."""
+    nb = MAKER.build()
+    cell, other = _code_cells(nb)[:2]
+    ray_log = nbformat.v4.new_output("stream", name="stderr", text="(raylet) WARNING: 8 PYTHON worker processes\n")
+    thread = nbformat.v4.new_output(
+        "stream",
+        name="stderr",
+        text="Exception in thread Thread-5 (interrupt_past):\nTraceback (most recent call last):\n"
+        "TypeError: boolean value of NA is ambiguous\n",
+    )
+    cell.outputs = [ray_log, thread, nbformat.v4.new_output("stream", name="stdout", text="interrupted\n")]
+    other.outputs = [nbformat.v4.new_output("error", ename="SystemExit", evalue="0", traceback=[])]
+    MAKER.without_logs(nb)
+    assert [o.get("text") for o in cell.outputs] == [thread.text, "interrupted\n"]
+    found = MAKER.failures(nb)
+    assert len(found) == 2 and "boolean value of NA" in found[0] and "SystemExit: 0" in found[1]
+    clean = MAKER.build()
+    _code_cells(clean)[0].outputs = [ray_log]
+    MAKER.without_logs(clean)
+    assert MAKER.failures(clean) == [] and _code_cells(clean)[0].outputs == []
+
+
 def _as_a_user(monkeypatch) -> None:
     """The kernel runs as a user's would: without the suite's short timings (a 5 s controller
     linger ends the interrupted run's actors before the cell is run again, and its profile then
