@@ -1,12 +1,14 @@
 """Builds notebooks/automatic_frequency.ipynb from the cells below, executes it and saves it with its outputs.
 
-    .venv/bin/python notebooks/make_notebook.py            # after editing a cell: rebuild, run (~1.5 min), save
+    .venv/bin/python notebooks/make_notebook.py            # after editing a cell: rebuild, run (~4 min), save
 
 The notebook is committed with its outputs, so that the tables and plots show where the repository
 is browsed. ``tests/test_notebooks.py`` checks that they came from the current code: the committed
 cells are the ones below, and a fresh execution gives the same outputs in the cells tagged
 ``deterministic`` and outputs of the same kinds (tables with the same columns, plots) in the others.
-What the cells print to stderr (Ray's log lines) is left out of the committed copy.
+What the cells print to stderr (Ray's log lines) is left out of the committed copy, except a
+traceback (of a cell or of a thread): it stays, the script exits 1, and the committed copy fails
+its test.
 """
 
 from __future__ import annotations
