@@ -10,7 +10,12 @@ finished row to a :class:`CheckpointMetrics` (defined with the controller, in
     from cf_ray import report
 
     df = report.read_run_profile("/mnt/runs", "my-run")
-    report.plot_profile(df, report.read_run_iterations("/mnt/runs", "my-run"), budget_pct=5)
+    report.plot_profile(
+        df,
+        report.read_run_iterations("/mnt/runs", "my-run"),
+        budget_pct=5,
+        restarts_df=report.read_run_restarts("/mnt/runs", "my-run"),
+    )
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from cf_ray._engine.driver.metrics import (  # re-exported (defined by the contr
 from cf_ray._engine.lazy import lazy_module
 from cf_ray._engine.storage.fs import FileInfo, FsStorage, Storage
 from cf_ray._report_goodput import GOODPUT_FILE, badput_frame, load_goodput, plot_badput, save_goodput
+from cf_ray._report_plot import plot_profile
 from cf_ray.errors import CorruptCheckpointError
 
 # pandas and parquet load on first use: the controller actor imports this module to write profile
@@ -466,100 +472,6 @@ def _read_parquet(storage: Storage, path: str) -> pd.DataFrame:
         ) from e
     df = table.to_pandas()
     return df.astype(object).where(df.notna(), None) if len(df) else df.astype(object)
-
-
-# -- the plot ---------------------------------------------------------------------------------------
-
-_KIND_STYLE = {"scheduled": "-", "epoch": "--", "manual": ":", "preempt": "-.", "final": "-"}
-
-
-def plot_profile(
-    df: pd.DataFrame, iterations_df: pd.DataFrame | None = None, ax=None, *, budget_pct: float | None = None
-):
-    """Draw a run's profile: iteration time over steps, checkpoints as vertical lines (green:
-    committed, grey: in memory only / pending, red: failed; line style by kind) and the measured
-    overhead on a second axis.
-
-    Args:
-        df: the profile table (:func:`profile_frame` / :func:`read_run_profile`).
-        iterations_df: the iteration-time table; the slowest rank's time is drawn per step.
-        ax: a matplotlib ``Axes`` to draw on; a new figure is made when ``None``.
-        budget_pct: draw the overhead budget as a horizontal line.
-
-    Returns:
-        The ``matplotlib.figure.Figure``.
-
-    Raises:
-        ImportError: matplotlib is not installed (``pip install cf-ray[plot]``).
-    """
-    try:
-        import matplotlib.lines as mlines
-    except ImportError as e:
-        raise ImportError("cf_ray.report.plot_profile needs matplotlib: pip install cf-ray[plot]") from e
-    if ax is None:
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(10, 4), layout="constrained")
-    else:
-        fig = ax.figure
-    df = profile_frame(df)
-    handles = []
-    if iterations_df is not None and len(iterations_df):
-        it = iterations_frame(iterations_df).dropna(subset=["step", "iter_s"])
-        it = it[it["iter_s"] > 0]
-        if len(it):
-            slowest = cast("pd.Series", it.groupby("step")["iter_s"].max()).sort_index()
-            handles += ax.plot(
-                slowest.index.astype(float),
-                slowest.to_numpy(dtype=float),
-                color="tab:blue",
-                linewidth=1.0,
-                label="iteration time (slowest rank)",
-            )
-    ax.set_xlabel("step")
-    ax.set_ylabel("iteration time (s)")
-    ckpts = df.dropna(subset=["step"])
-    for state, color in (("committed", "tab:green"), ("memory-only / pending", "0.6"), ("failed", "tab:red")):
-        sel = ckpts.loc[np.array([_state(r) == state for r in ckpts.itertuples(index=False)], dtype=bool)]
-        for kind, group in sel.groupby(sel["kind"].fillna("scheduled"), sort=False):
-            for step in group["step"].astype(float):
-                ax.axvline(step, color=color, linestyle=_KIND_STYLE.get(kind, "-"), linewidth=0.8, alpha=0.7)
-        if len(sel):
-            handles.append(mlines.Line2D([], [], color=color, linewidth=0.8, label=f"checkpoint ({state})"))
-    over = ckpts.dropna(subset=["overhead_pct"])
-    if len(over) or budget_pct is not None:
-        ax2 = ax.twinx()
-        if len(over):
-            handles += ax2.plot(
-                over["step"].astype(float),
-                over["overhead_pct"].astype(float),
-                color="tab:orange",
-                marker="o",
-                markersize=3,
-                linewidth=1.0,
-                label="overhead (%)",
-            )
-        if budget_pct is not None:
-            handles.append(
-                ax2.axhline(
-                    budget_pct, color="tab:orange", linestyle="--", linewidth=0.8, label=f"budget ({budget_pct:g} %)"
-                )
-            )
-        ax2.set_ylabel("checkpoint overhead (%)")
-        ax2.set_ylim(bottom=0)
-    if not len(ckpts) and (iterations_df is None or not len(iterations_df)):
-        ax.text(0.5, 0.5, "no checkpoints yet", transform=ax.transAxes, ha="center", va="center")
-    if handles:
-        ax.legend(handles=handles, loc="upper left", fontsize="small")
-    ax.set_title("cf_ray checkpoint profile")
-    return fig
-
-
-def _state(row) -> str:
-    error, committed = getattr(row, "error", None), getattr(row, "committed", None)
-    if getattr(row, "where", None) == "failed" or not _missing(error):
-        return "failed"
-    return "committed" if not _missing(committed) and bool(committed) else "memory-only / pending"
 
 
 __all__ = [

@@ -173,12 +173,127 @@ def test_plot_profile_renders(tmp_path):
     ax = fig.axes[0]
     assert ax.get_xlabel() == "step" and len(fig.axes) == 2  # overhead on a twin axis
     assert len(ax.lines) >= 1 + 3  # the iteration time and one vertical line per checkpoint
-    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    (legend,) = fig.legends  # below the axes (the figure's own legend)
+    labels = [t.get_text() for t in legend.get_texts()]
     assert any("committed" in t for t in labels) and any("failed" in t for t in labels)
     plt.close(fig)
     fig, ax = plt.subplots()
     assert report.plot_profile(report.profile_frame([]), ax=ax) is fig  # nothing yet: still a figure
     assert _png(fig)[:4] == b"\x89PNG"
+    assert any("not enough data yet" in t.get_text() for t in ax.texts)
+    plt.close(fig)
+
+
+def _agg():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _restarts():
+    return report.restarts_frame(
+        [
+            {"generation": 2, "source": "memory", "restored_step": 100, "restore_s": 0.4, "lost_steps": 30,
+             "lost_s": 3.0, "recovery_s": 6.2},
+            {"generation": 3, "source": "storage", "restored_step": 240, "restore_s": 1.3, "lost_steps": 20,
+             "lost_s": 2.0, "recovery_s": 9.8},
+        ]
+    )  # fmt: skip
+
+
+def _long_run():
+    """A run of 300 steps in three attempts (restored at 100 and 240), a checkpoint every 20."""
+    iters = [
+        {"step": s, "rank": r, "iter_s": 0.1 + 0.001 * (s % 7), "iters": 1}
+        for a, b in ((1, 130), (100, 260), (240, 300))
+        for s in range(a, b + 1)
+        for r in (0, 1)
+    ]
+    rows = [
+        {"step": s, "kind": "scheduled", "committed": True, "where": "x", "overhead_pct": 3.0}
+        for s in range(20, 301, 20)
+    ]
+    return report.profile_frame(rows), report.iterations_frame(iters)
+
+
+def _assert_legend_hides_nothing(fig):
+    """The legend's box overlaps no axes' data area and no text of the figure (titles, axis labels,
+    tick labels, the plots' own labels)."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (legend,) = fig.legends
+    box = legend.get_window_extent(renderer)
+    assert box.width > 0 and box.height > 0
+    for ax in fig.axes:
+        assert not box.overlaps(ax.get_window_extent(renderer)), "the legend covers the data"
+        texts = [ax.title, ax.xaxis.label, ax.yaxis.label, *ax.texts]
+        texts += [t for t in ax.get_xticklabels() + ax.get_yticklabels() if t.get_text()]
+        for t in texts:
+            if t.get_visible() and t.get_text():
+                assert not box.overlaps(t.get_window_extent(renderer)), f"the legend covers {t.get_text()!r}"
+    fw, fh = fig.get_size_inches() * fig.dpi
+    assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= fw and box.y1 <= fh, "the legend is cut off"
+
+
+def test_plot_profile_shades_and_names_each_restart_with_the_legend_outside(tmp_path):
+    plt = _agg()
+    profile, iterations = _long_run()
+    fig = report.plot_profile(profile, iterations, budget_pct=5.0, restarts_df=_restarts())
+    fig.savefig(tmp_path / "profile.png")
+    ax = fig.axes[0]
+    spans = [p for p in ax.patches if p.get_label() == "_restart"]
+    assert [round(p.get_x()) for p in spans] == [100, 240] and [round(p.get_width()) for p in spans] == [30, 20]
+    assert {t.get_text().strip() for t in ax.texts} >= {"1", "2"}  # numbered at the generation boundary
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "restart 1: gen 2 from step 100 (memory), 6.2 s to recover" in labels
+    assert "restart 2: gen 3 from step 240 (storage), 9.8 s to recover" in labels
+    _assert_legend_hides_nothing(fig)
+    plt.close(fig)
+
+
+def test_plot_profile_of_a_short_run_draws_what_there_is_or_says_what_is_missing():
+    plt = _agg()
+    one = report.profile_frame([{"step": 2, "committed": True, "where": "x", "overhead_pct": 3.0}])
+    fig = report.plot_profile(one, report.iterations_frame([{"step": 1, "rank": 0, "iter_s": 0.1}]))
+    (line,) = [ln for ln in fig.axes[0].lines if ln.get_label().startswith("iteration time")]
+    assert line.get_marker() not in (None, "None", "", " ")  # one point, still drawn
+    _assert_legend_hides_nothing(fig)
+    plt.close(fig)
+    fig = report.plot_profile(one)  # checkpoints, no iteration time yet
+    assert [t.get_text() for t in fig.axes[0].texts] == ["no iteration time recorded yet"]
+    plt.close(fig)
+    fig = report.plot_profile(report.profile_frame([]), report.iterations_frame([]))
+    assert [t.get_text() for t in fig.axes[0].texts] == [
+        "not enough data yet: no iteration time, checkpoint or restart recorded"
+    ]
+    assert fig.legends == [] and fig.axes[0].get_xticks().size == 0
+    plt.close(fig)
+
+
+def test_plot_badput_shades_each_restart_under_its_run_and_says_when_there_is_no_data(tmp_path):
+    plt = _agg()
+    split = {
+        "wall_s": 60.0,
+        "productive_s": 30.0,
+        "badput_s": {"checkpoint_save": 2.0, "checkpoint_restore": 2.0, "wasted_progress": 5.0, "recovery": 14.0,
+                     "startup": 5.0, "other": 2.0},
+    }  # fmt: skip
+    fig = report.plot_badput({"a": split, "b": split}, restarts={"a": _restarts()})
+    fig.savefig(tmp_path / "badput.png")
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "a: restarts", "b"]
+    hatched = [p for p in ax.patches if p.get_hatch()]
+    assert [round(p.get_width(), 1) for p in hatched] == [round(100 * 9.2 / 60, 1), round(100 * 11.8 / 60, 1)]
+    assert all(round(p.get_y() + p.get_height() / 2) == 1 for p in hatched)  # on the row under run a
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "restart 1: gen 2 from step 100 (memory): 9.2 s (work lost + recovery)" in labels
+    assert "productive" in labels and len(labels) == 7 + 2
+    _assert_legend_hides_nothing(fig)
+    plt.close(fig)
+    fig = report.plot_badput({"wall_s": 0.0, "badput_s": {}})  # a run that has not measured anything yet
+    assert [t.get_text() for t in fig.axes[0].texts] == ["no wall time measured yet"]
     plt.close(fig)
 
 
