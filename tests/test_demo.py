@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shlex
+
+import pytest
 
 from cf_ray import cli, demo
 
@@ -52,3 +57,43 @@ def test_only_a_directory_the_demo_made_is_emptied(tmp_path):
     (tmp_path / "elsewhere" / "other").write_text("x")
     assert "not made by cf-ray demo" in (demo.prepare_dir(str(tmp_path / "elsewhere")) or "")
     assert sorted(os.listdir(tmp_path / "elsewhere")) == ["keep.txt", "other"]
+
+
+@pytest.mark.slow
+def test_what_the_demo_prints_is_true_and_its_next_commands_work(ray_cluster, tmp_path, capsys):
+    """The whole demo at its smallest (two TorchTrainer runs of 4 steps): the kill is announced on a
+    line of its own with what Ray will say about it; the closing table names the run directory, its
+    counts agree with each other and with the run's profile, and the commands it prints work."""
+    root = tmp_path / "demo"
+    argv = ["--dir", root, "--epochs", 1, "--samples", 128, "--hidden", 16, "--interval", 2, "--kill-at", 3]
+    rc, out, err = _demo(capsys, *argv)
+    assert rc == 0, out + err
+    lines = out.splitlines()
+    kill = lines.index("  2/2 the same run, rank 1 SIGKILLed at step 3 ...")
+    assert lines[kill + 1] == demo.KILL_NOTE and "Ray will report the killed worker's death" in demo.KILL_NOTE
+    assert any(line.startswith("  2/2 done in ") for line in lines[kill + 2 :])
+    table = {
+        line.split("|")[1].strip(): line.split("|")[2].strip()
+        for line in lines
+        if line.startswith("| ") and "|" in line[2:]
+    }
+    run_dir = str(root / "storage" / "interrupted")
+    assert table["run directory"] == run_dir
+    taken, before, after = (int(w) for w in re.findall(r"\d+", table["checkpoints taken (both attempts)"]))
+    assert taken == before + after and before >= 1 and after >= 1
+    committed = int(table["of them committed to storage"].split()[0])
+    assert table["final weights == uninterrupted run"].startswith("yes")
+    assert table["restored from"].startswith("memory (step 2,") and table["steps redone after the restart"] == "1"
+    rows = json.loads(_cli_out(capsys, "profile", run_dir, "--all", "--json"))
+    assert len(rows) == taken and sum(bool(r["committed"]) for r in rows) == committed
+    commands = [line.strip().split("  #")[0] for line in lines[lines.index("next, on this run:") + 1 :]]
+    assert [c.split()[1] for c in commands] == ["ls", "verify", "profile", "export"]
+    for command in commands:  # as printed, with the real path
+        assert cli.main(shlex.split(command)[1:]) == 0, command
+        capsys.readouterr()
+    assert os.path.exists(root / "exported" / "model.safetensors")
+
+
+def _cli_out(capsys, *argv) -> str:
+    assert cli.main([str(a) for a in argv]) == 0
+    return capsys.readouterr().out
