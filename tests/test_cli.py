@@ -321,6 +321,21 @@ def test_an_unreachable_s3_run_is_said_in_one_line(capsys, monkeypatch):
     assert "cannot reach s3://bucket/runs/r" in _said_once(rc, err)
 
 
+def test_a_run_on_s3_and_a_bucket_path_holding_runs(s3_endpoint, s3_bucket, tmp_path, capsys):
+    """The same answers on a real S3 server (moto, loopback) as on local disk."""
+    fs, bucket = s3_bucket
+    for name in ("a", "b"):
+        write_checkpoint(FsStorage(fs, f"{bucket}/runs/{name}/cf_ray"), 5, _model(5))
+    query = f"?endpoint_override={s3_endpoint}&scheme=http"
+    rc, out, err = _cli(capsys, "ls", f"s3://{bucket}/runs/a{query}")
+    assert rc == 0 and "step_000000000005" in out, err
+    assert _cli(capsys, "verify", f"s3://{bucket}/runs/a{query}")[0] == 0
+    rc, _, err = _cli(capsys, "verify", f"s3://{bucket}/runs{query}")
+    assert "holds 2 runs (a, b)" in _said_once(rc, err)
+    rc, _, err = _cli(capsys, "ls", f"s3://{bucket}/runs/nothing-here{query}")
+    assert "no run at" in _said_once(rc, err)
+
+
 def test_a_run_without_checkpoints_or_profile_exits_2_everywhere(tmp_path, capsys):
     (tmp_path / "r" / "cf_ray").mkdir(parents=True)  # started, nothing committed, no profile yet
     for argv in (["ls"], ["verify"], ["profile"], ["export", "--to", "torch", tmp_path / "o"]):
