@@ -313,8 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from benchmarks.bench import _REPO_ROOT
+    from benchmarks.bytecode import precompile
 
     args = build_parser().parse_args(argv)
+    precompile()  # as pip install would: the new processes do not compile cf_ray again at each restart
     root = Path(args.out).resolve()
     root.mkdir(parents=True, exist_ok=True)
     path = os.environ.get("PYTHONPATH", "")

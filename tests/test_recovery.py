@@ -3,6 +3,7 @@ cf_ray's Ray Train settings in the driver, and the breakdown benchmark's arithme
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -138,3 +139,20 @@ def test_the_breakdown_cuts_a_recovery_at_each_observed_time():
     # A kill whose recovery never came (the run ended) is marked, not guessed.
     (late,) = breakdown(timeline, [{"t": 20.0, "step": 30, "gen": 2}], attempts)
     assert late["incomplete"]
+
+
+def test_the_breakdown_callback_is_one_ray_train_runs_in_its_controller(tmp_path):
+    """The pinned Ray Train takes the benchmark's callback in ``RunConfig`` and calls it as a
+    controller and worker-group callback; each call appends a timed line."""
+    import ray.train
+    from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+
+    from benchmarks.recovery_breakdown import Timeline
+
+    cb = Timeline(str(tmp_path / "timeline.jsonl"))
+    ray.train.RunConfig(name="t", storage_path=str(tmp_path), callbacks=[cb])  # accepted, not refused
+    assert isinstance(cb, ControllerCallback) and isinstance(cb, WorkerGroupCallback)
+    cb.after_controller_state_update(object(), object())
+    assert cb.before_init_train_context([]) == {}
+    events = (tmp_path / "timeline.jsonl").read_text().splitlines()
+    assert [json.loads(e)["ev"] for e in events] == ["state", "actors_ready"]
