@@ -472,11 +472,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RESULTS_JSON",
         help="print the performance tables of docs/benchmarks/single-node.md, generated from RESULTS_JSON, and exit",
     )
-    from benchmarks import cluster, failure_run, failure_sim  # the multi-node jobs (#12), failures (#26)
+    from benchmarks import (
+        budget_run,
+        cluster,
+        failure_run,
+        failure_sim,
+    )  # multi-node (#12), failures (#26), budgets (#45)
 
     cluster.add_arguments(p)
     failure_sim.add_arguments(p)
     failure_run.add_arguments(p)
+    budget_run.add_arguments(p)
     return p
 
 
@@ -502,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
         return failure_run.main(args, argv if argv is not None else sys.argv[1:])
     if args.user_loop:
         return _user_loop(args)
+    if args.budgets:
+        return _budgets(args)
     results = run(args, argv if argv is not None else sys.argv[1:])
     print(render_markdown(results))
     print(
@@ -524,6 +532,20 @@ def _user_loop(args: argparse.Namespace) -> int:
     path = out / "results-user-loop.json"
     path.write_text(json.dumps(res, indent=1, default=_json_default))
     print(user_loop.render(res))
+    print(f"JSON: {path}")
+    return 0
+
+
+def _budgets(args: argparse.Namespace) -> int:
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    from benchmarks import budget_run
+
+    res = budget_run.run(args, _fit, _ray_env(), out)
+    res["meta"] = {"host": _host(), "loadavg_end": list(os.getloadavg()), "argv": sys.argv[1:]}
+    path = Path(args.json) if args.json else out / "results-budgets.json"
+    path.write_text(json.dumps(res, indent=1, default=_json_default))
+    print(budget_run.render(res))
     print(f"JSON: {path}")
     return 0
 
