@@ -375,9 +375,9 @@ class Checkpointer:
         summary = self._link.finish(self.rank, self.world_size)
         self.close()
         self._lifecycle = _Lifecycle.FINISHED
-        failures = self._link.failures or failures + final_failures
-        if durable:  # what failed of the final step before (a memory-only hold skipped, a try) is made good
-            failures = [f for f in failures if not _of_step(f, self.step_count, self.generation)]
+        failures = _final_tries(
+            self._link.failures or failures + final_failures, self.step_count, self.generation, durable
+        )
         return FinishSummary(
             final_path=final_path,
             committed_steps=summary["committed_steps"],
@@ -467,8 +467,13 @@ class Checkpointer:
         return self._steps.scheduler.last_save_step
 
 
-def _of_step(failure: dict, step: int, generation: int) -> bool:
-    """Whether ``failure`` is of this attempt's checkpoint of ``step``."""
-    return (
-        failure.get("step") == step and not failure.get("earlier_attempt") and failure.get("generation") == generation
-    )
+def _final_tries(failures: list[dict], step: int, generation: int, durable: bool) -> list[dict]:
+    """``failures`` with those of this attempt's final ``step``: none when it committed (``finish()``
+    made good what its snapshots before failed: a memory-only one a rank skipped, a try), else each
+    section's newest (that of its last try), so that one failure is listed once."""
+
+    def final(f: dict) -> bool:
+        return f.get("step") == step and not f.get("earlier_attempt") and f.get("generation") == generation
+
+    newest = {f.get("section"): i for i, f in enumerate(failures) if final(f)}
+    return [f for i, f in enumerate(failures) if not final(f) or (not durable and newest[f.get("section")] == i)]

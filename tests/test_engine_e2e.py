@@ -45,9 +45,32 @@ def resumes(out_dir, rank=0) -> list[dict]:
     return sorted((json.load(open(f)) for f in files), key=lambda r: r["time"])
 
 
-def result_of(out_dir) -> dict:
+def result_of(out_dir, *, final_durable: bool | None = True) -> dict:
+    """Rank 0's ``result.json`` of a demo run, its end checked (:func:`assert_final`) unless
+    ``final_durable`` is ``None``."""
     with open(os.path.join(out_dir, "result.json")) as f:
-        return json.load(f)
+        result = json.load(f)
+    if final_durable is not None:
+        assert_final(result, durable=final_durable)
+    return result
+
+
+def assert_final(result: dict, *, durable: bool = True) -> None:
+    """What every run's end promises: ``finish()`` committed the final step (``durable``) or said it
+    did not (a ``final_not_durable`` event), and the final model names that step, or the older one
+    the event names, for ``resume_from=result.checkpoint``."""
+    steps = result["steps"]
+    not_durable = [e for e in result["events"] if e.get("event") == "final_not_durable"]
+    if durable:
+        assert not not_durable and steps in result["committed_steps"], (not_durable, result["committed_steps"])
+        resume = steps
+    else:
+        assert not_durable and not_durable[-1]["step"] == steps, not_durable
+        resume = not_durable[-1]["resume_step"]
+    final = result.get("final_path")
+    if final and os.path.isdir(final):  # local storage (an S3 run's events say it)
+        with open(os.path.join(final, mf.MANIFEST)) as f:
+            assert json.load(f)["extra"]["resume_step"] == resume
 
 
 def assert_exactly_once(rec, samples, epochs):
@@ -66,6 +89,7 @@ def assert_resumed_from_memory_bitwise(out, reference, step: int) -> None:
     rec = lineage(out)
     assert rec == lineage(reference)
     assert_exactly_once(rec, SMALL["samples"], SMALL["epochs"])
+    result_of(out)  # the run ended durable, the final model naming its last step
 
 
 def assert_recovery_split(storage_path: str, name: str) -> None:
@@ -112,6 +136,7 @@ def test_worker_sigkilled_at_a_random_step_resumes_bitwise_identical(
     rec, ref = lineage(out), lineage(reference)
     assert rec == ref  # the same samples in the same order at every step, every rank
     assert_exactly_once(rec, SMALL["samples"], SMALL["epochs"])
+    result_of(out)  # the run ended durable, the final model naming its last step
     # Ray Train knows the run's result: the consolidated model, readable without the optimizer.
     assert result.checkpoint is not None and "final_" in result.checkpoint.path
     model = demo.build_model(dict(demo.DEFAULTS, **SMALL))
@@ -197,7 +222,7 @@ def test_failed_persist_never_fails_training(ray_cluster, tmp_path):
     cfg = dict(SMALL, keep_last=None, storage_path=str(ckpts), storage_filesystem=fs)
     demo.run("faulty", str(tmp_path), cfg)
     out = tmp_path / "out" / "faulty"
-    result = result_of(out)
+    result = result_of(out, final_durable=False)  # the final model names step 10 (its own write fails too)
     assert result["steps"] == 2 * STEPS_PER_EPOCH  # training finished
     failed = [(f["step"], f["section"]) for f in result["failures"]]
     assert failed and len(failed) == len(set(failed))  # surfaced, each failure once
