@@ -79,7 +79,15 @@ def _steady(p: Adaptive, steps: range, cost_of=lambda step: 0.2, k: int | None =
     every one to ``seen``)."""
     for step in steps:
         s = Sample(
-            rank=0, step=step, iter_s=0.5, iters=10, stall_s=cost_of(step), copy_s=0.2, persist_s=0.6, ckpt_step=step
+            rank=0,
+            step=step,
+            iter_s=0.5,
+            iters=10,
+            stall_s=cost_of(step),
+            copy_s=0.2,
+            persist_s=0.6,
+            ckpt_step=step,
+            overlapped=False,
         )
         k = p.plan([s], k) or k
         if seen is not None:

@@ -191,6 +191,7 @@ class Cadence:
         self.max_step = 0
         self.rows: dict[int, float] = {}  # checkpoint step -> the job's overhead as of it (bounded)
         self.stale = False  # the clean iteration time no longer compares: the next probe is due now
+        self.probe_scale = 1  # doubled after a probe that timed no clean samples on some rank
 
     # -- input ------------------------------------------------------------------------------------
     def interval(self, k: int) -> None:
@@ -232,11 +233,15 @@ class Cadence:
         """Clean samples older than this many steps are too old to compare with."""
         return PROBE_SPACING * self.probe_steps(t, bg)
 
+    def span(self) -> float:
+        """Iterations per sample (the median of the recent ones; 1 before any)."""
+        spans = [n for r in self.ranks.values() for n in r.span]
+        return _median(spans) if spans else 1.0
+
     def probe_steps(self, t: float, bg: float) -> int:
         """Steps of one probe window: a checkpoint's background time and ``PROBE_SAMPLES`` samples."""
-        spans = [n for r in self.ranks.values() for n in r.span]
-        span = _median(spans) if spans else 1
-        return max(math.ceil(bg / t) + PROBE_SAMPLES * math.ceil(span) + 2, 4) if t > 0 else 4
+        steps = max(math.ceil(bg / t) + PROBE_SAMPLES * math.ceil(self.span()) + 2, 4) if t > 0 else 4
+        return steps * self.probe_scale
 
     def measure(self, t: float, bg: float, active: set[int]) -> CadenceCost | None:
         """The slowdown of one checkpoint at the interval in force, from the governing rank (the
@@ -255,7 +260,7 @@ class Cadence:
             iters = sum(n for _, _, n, _, _ in regime)
             base = r.t_clean(newer_than)
             if base is None or len(regime) < _REGIME_SAMPLES or iters < 3 * k:
-                return self.measured
+                continue
             se_c = base[1]
             diffs = [(v - r.resolved_base(e), n) for e in regime for _, v, n, _, _ in (e,)]
             t_all = sum(v * n for _, v, n, _, _ in regime) / iters
@@ -305,20 +310,24 @@ class Cadence:
         """Every active rank timed two clean samples in the window, or it lasted three windows."""
         p = self.probe
         assert p is not None
-        if self.max_step - p["from_step"] > 3 * p["k"]:
-            return True
-        return all(
+        p["timed"] = all(
             (r := self.ranks.get(rank)) is not None and sum(1 for s, _, _ in r.clean if s > p["from_step"]) >= 2
             for rank in active
         )
+        return p["timed"] or self.max_step - p["from_step"] > 3 * p["k"]
 
     def end_probe(self) -> int:
-        """The probe window is over: the interval to return to."""
+        """The probe window is over: the interval to return to. One that ended before every rank
+        timed clean samples in it leaves the baseline stale: the next one, twice as long, is due
+        after two windows (at most eight times the first's length)."""
         p = self.probe
         assert p is not None
         self.probe = None
-        self.stale = False
         self.last_probe_step = self.max_step
+        if p.get("timed"):
+            self.stale, self.probe_scale = False, 1
+        else:
+            self.stale, self.probe_scale = True, min(2 * self.probe_scale, 8)
         return p["back_to"]
 
     # -- the job's overhead ---------------------------------------------------------------------------

@@ -60,8 +60,11 @@ class Estimator:
         checkpoints first heard of now were taken at the short profiling interval.
         """
         self.cadence.interval(current)
+        # Checkpoints less than two samples apart are set aside like the profiling ones: a sample
+        # then covers several, and the slowdown it shows cannot be told apart between them.
+        coarse = current < 2 * self.cadence.span()
         for s in self._new_samples(samples):
-            self._ingest(s, current, profiling)
+            self._ingest(s, current, profiling or coarse)
 
     def record(self, step: int) -> _Ckpt | None:
         """What every rank measured of the checkpoint at ``step`` (recent checkpoints only)."""

@@ -419,16 +419,19 @@ def _probe(cfg: Adaptive, est, base: int, k: int) -> int | None:
     """The probe windows of :mod:`cf_ray.policy._cadence`: the interval to hold (an open window,
     or one that starts now), or ``None`` to publish what the rules said (``k``, from ``base``).
 
-    A window stays open while the rules would keep or shorten the interval; one that would widen
-    it (a slower disk, a cost over the budget) closes it at once. One starts only when the rules
+    A window stays open while the rules keep, shorten or widen the interval below the window's
+    (then it returns to that one); a rule that widens it beyond the window's (a slower disk)
+    closes it at once. One starts only when the rules
     keep the interval, after the first measured decision, when a rank has no recent iteration
     timed with nothing in flight.
     """
     cad, rules = cfg._est.cadence, cfg._rule_state
     if cad.probe is not None:
-        if k > base:
+        if k >= cad.probe["k"]:
             cad.end_probe()
             return None
+        if k > base:  # a wider interval, still shorter than the window: the window stays, then k
+            cad.probe["back_to"] = base = k
         rules.info["reason"] = (
             f"probe: no checkpoint for {cad.probe['k']} steps to time iterations with nothing in flight "
             f"(since step {cad.probe['from_step']}), then back to {base}"
