@@ -384,27 +384,26 @@ def closing_table(out: str, reference_out: str, run_dir: str, *, interval: int, 
     after = [r for r in rows_ if r.get("generation") == last_gen]
     committed = [r for r in rows_ if r.get("committed")]
     held = [r for r in rows_ if not r.get("committed") and r.get("where") == "memory-only"]
+    failed = [r for r in rows_ if not r.get("committed") and r.get("where") == "failed"]
+    unfinished = len(rows_) - len(committed) - len(held) - len(failed)  # in flight when the worker died
+    missing = [f"{len(held)} held in memory only (superseded, or by the schedule)"] if held else []
+    missing += [f"{unfinished} unfinished when the worker was killed"] if unfinished else []
+    missing += [f"{len(failed)} failed"] if failed else []
     stalls = sorted(r["stall_s"] for r in rows_ if r.get("stall_s") is not None)
     equal = states_equal(os.path.join(reference_out, "final_state.pt"), os.path.join(out, "final_state.pt"))
-    others = len(rows_) - len(committed) - len(held)
     rows = [
         ("run directory", run_dir),
         (
             "checkpoints taken (both attempts)",
             f"{len(rows_)}: {len(rows_) - len(after)} before the kill, {len(after)} after the restart",
         ),
-        (
-            "  of them committed to storage",
-            f"{len(committed)}"
-            + (f" ({len(held)} held in memory only, by the schedule or superseded)" if held else "")
-            + (f" ({others} not committed: failed or lost with the killed worker)" if others else ""),
-        ),
+        ("  of them committed to storage", f"{len(committed)}" + (f"; not: {', '.join(missing)}" if missing else "")),
+        ("  of them failed to save", str(len(failed))),
         ("interval (steps)", str(interval)),
         ("stall per checkpoint (median)", f"{1000 * stalls[len(stalls) // 2]:.1f} ms" if stalls else "-"),
         ("worker SIGKILLed at step", str(killed["step"])),
         ("restored from", f"{restart['source']} (step {restart['step']}, {restart['seconds']:.2f} s)"),
         ("steps redone after the restart", str(killed["step"] - restart["step"])),
-        ("checkpoints that failed to save", str(len(result["failures"]))),
         ("final weights == uninterrupted run", "yes (bitwise, model and optimizer)" if equal else "NO"),
         ("final model", result["final_path"] or "-"),
         ("wall time", f"{wall_s:.0f} s"),
@@ -414,14 +413,14 @@ def closing_table(out: str, reference_out: str, run_dir: str, *, interval: int, 
     lines += [f"| {k.ljust(width)} | {v}" for k, v in rows]
     run_arg = shlex.quote(run_dir)
     exported = shlex.quote(os.path.join(os.path.dirname(os.path.dirname(run_dir)), "exported"))
-    commands = [
-        (f"cf-ray ls {run_arg}", "its committed checkpoints"),
-        (f"cf-ray verify {run_arg}", "every file's size and checksum"),
-        (f"cf-ray profile {run_arg}", "one row per checkpoint"),
-        (f"cf-ray export {run_arg} --to safetensors {exported}", "the final model, for other tools"),
+    lines += [
+        "",
+        "next, on this run (its checkpoints; every file checked; the profile; the final model for other tools):",
+        f"  cf-ray ls {run_arg}",
+        f"  cf-ray verify {run_arg}",
+        f"  cf-ray profile {run_arg}",
+        f"  cf-ray export {run_arg} --to safetensors {exported}",
     ]
-    pad = max(len(c) for c, _ in commands)
-    lines += ["", "next, on this run:"] + [f"  {c.ljust(pad)}  # {why}" for c, why in commands]
     return "\n".join(lines), equal
 
 
