@@ -215,6 +215,7 @@ def test_an_interrupted_kernel_resumes_mid_run_when_the_cell_is_run_again(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # nine fits: ~4 min on 2 idle cores, over 10 on a loaded machine
 def test_the_notebook_runs_and_gives_the_committed_outputs(tmp_path, monkeypatch):
     pytest.importorskip("nbclient")
     _as_a_user(monkeypatch)
