@@ -312,9 +312,9 @@ class Checkpointer:
         its own (section ``timeout``, ``"not durable after N s"``) and a warning.
 
         Returns:
-            The failures not yet reported (each reported once): this attempt's, and those of earlier
-            attempts of the run that never committed (``earlier_attempt: True``; a step lost with
-            its node, see :class:`FinishSummary`).
+            The failures not yet reported (each once; a failed step's sections together): this
+            attempt's, and those of earlier attempts that never committed (``earlier_attempt: True``;
+            a step lost with its node, see :class:`FinishSummary`).
 
         Raises:
             PersistError: when ``raise_on_persist_error`` and a save of this attempt failed (or timed out).

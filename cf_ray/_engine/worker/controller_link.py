@@ -292,21 +292,32 @@ class ControllerLink:
         self._final = (step, len(self.failures))
         if step not in self.taken:
             self.taken.append(step)
-        if self.has("reopen_final"):  # SEAM (#16): an older controller opens it on the persisted staging
-            self.call("reopen_final", self.generation, step, self.rank, attempt, step=step)
+        try:
+            if self.has("reopen_final"):  # SEAM (#16): an older controller opens it on the persisted staging
+                self.call("reopen_final", self.generation, step, self.rank, attempt, step=step)
+        except Exception as e:  # noqa: BLE001 - the wait then asks what the controller knows, as before
+            logger.warning("cf_ray: rank %d: could not tell the controller of the final checkpoint: %r", self.rank, e)
 
     def final_failed(self, step: int) -> bool:
         """Whether the controller says the checkpoint of ``step`` failed (``finish()`` tries again)."""
-        report = cast(Settled, self.call("settled", self.generation, [step], step=step))
+        try:
+            report = cast(Settled, self.call("settled", self.generation, [step], step=step))
+        except Exception as e:  # noqa: BLE001 - not taken again; the wait said what it knows
+            logger.warning("cf_ray: rank %d: cannot ask the controller how step %d settled: %r", self.rank, step, e)
+            return False
         return step in report.failed
 
     def keep_resume_point(self, step: int) -> int:
         """The final model is about to name ``step`` (committed) for ``resume_from``: keep-last never
         deletes it. Returns the step kept, which the final model names (the newest committed step
         when keep-last took ``step`` out first; 0: none)."""
-        if step <= 0 or not self.has("keep_resume_point"):
+        try:
+            if step <= 0 or not self.has("keep_resume_point"):
+                return step
+            kept = self.call("keep_resume_point", step, step=step)
+        except Exception as e:  # noqa: BLE001 - the final model names it all the same, unprotected
+            logger.warning("cf_ray: rank %d: could not have step %d kept as the resume point: %r", self.rank, step, e)
             return step
-        kept = self.call("keep_resume_point", step, step=step)
         return 0 if kept is None else int(kept)
 
     def new_failures(self, raise_on_error: bool) -> list[dict]:
