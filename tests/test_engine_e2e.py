@@ -92,16 +92,19 @@ def assert_resumed_from_memory_bitwise(out, reference, step: int) -> None:
     result_of(out)  # the run ended durable, the final model naming its last step
 
 
-def assert_recovery_split(storage_path: str, name: str) -> None:
+def assert_recovery_split(storage_path: str, name: str, out) -> None:
     """The run's one restart has its recovery split into parts (#46): rebuild (Ray Train's new
     group, to rank 0's new process), set-up (to ``restore()``), restore and first step, each measured,
-    together no more than the whole."""
+    together no more than the whole; and Ray Train polled its workers at the driver's interval (the
+    one ``import cf_ray`` sets there unless it is set), as the restarted rank 0 reports it."""
     from cf_ray import report
 
     (row,) = report.read_run_restarts(storage_path, name).to_dict("records")
     parts = [row["rebuild_s"], row["setup_s"], row["restore_s"], row["first_step_s"]]
     assert all(p == p and p >= 0 for p in parts), row  # none missing (NaN), none negative
     assert row["rebuild_s"] + row["setup_s"] + row["first_step_s"] <= row["recovery_s"] + 1e-6, row
+    restores = [e for e in result_of(out)["events"] if e.get("event") == "restore"]
+    assert restores[-1]["health_check_s"] == float(os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]), restores
 
 
 # ``reference``, the uninterrupted run every fault test compares with, is in conftest.py (once per session).
@@ -128,7 +131,7 @@ def test_worker_sigkilled_at_a_random_step_resumes_bitwise_identical(
     last_ckpt = kill_at // SMALL["interval"] * SMALL["interval"]
     if restore_from == "memory":
         assert second["step"] == last_ckpt  # the snapshot taken before the kill, straight from memory
-        assert_recovery_split(str(tmp_path / "storage"), "killed")  # where the restart's seconds went
+        assert_recovery_split(str(tmp_path / "storage"), "killed", out)  # where the restart's seconds went
     else:
         assert last_ckpt - SMALL["interval"] <= second["step"] <= last_ckpt
     # Bitwise: model and optimizer state equal those of the uninterrupted run.
