@@ -371,10 +371,10 @@ class Estimator:
         """Robust mean of the last ``window`` values since the last change of level, its standard
         error (from their median absolute deviation), and how many values it is based on.
 
-        A change of level is two newest values both off the median of the values before them (at
-        least two) by more than ``drift_ratio`` — or by more than four times that series' own
-        typical scatter (median absolute deviation of the logarithms), so noisy storage does not
-        look like drift — in the same direction.
+        A change of level is two newest values (three for a fall of ``cost_s``) all off the median
+        of the values before them (at least two) by more than ``drift_ratio`` — or by more than four
+        times that series' own typical scatter (median absolute deviation of the logarithms), so
+        noisy storage does not look like drift — in the same direction.
         """
         series = series[-2 * self.window - 2 :]  # a change of level older than this is in the mean anyway
         vals = [max(v, 1e-9) for _, v in series]
@@ -387,11 +387,13 @@ class Estimator:
             m = _median(ref)
             mad = _median([abs(x - m) for x in ref])
             thr = max(base_thr, 4.0 * mad)
-            # Up (the safe way: a wider interval) on the two newest values, down on three.
+            # Two newest values; a fall of the cost (it shortens the interval against the budget)
+            # needs three, so one or two odd checkpoints do not move it.
+            fall = 3 if name == "cost_s" else 2
             if logs[i - 1] - m > thr and logs[i] - m > thr:
                 n = 2
-            elif all(x - m < -thr for x in logs[i - 2 : i + 1]) and i - 2 >= start + 2:
-                n = 3
+            elif all(x - m < -thr for x in logs[i + 1 - fall : i + 1]) and i + 1 - fall >= start + 2:
+                n = fall
             else:
                 continue
             drift[name] = {"at_step": series[i + 1 - n][0], "from": math.exp(m), "to": _median(vals[i + 1 - n : i + 1])}

@@ -48,8 +48,8 @@ class Adaptive:
     ``C`` and ``B`` are the mean (lowest and highest dropped) of the last ``window`` checkpoints
     since the last *drift*, with a standard error. A drift is the newest values of a series all
     off the median of the ones before by more than ``drift_ratio`` (or four times the series' own
-    scatter, so noisy storage is not mistaken for drift) in the same direction: two values for a
-    rise (the safe way: it widens), three for a fall (it shortens); the older values are then
+    scatter, so noisy storage is not mistaken for drift) in the same direction: two values, three
+    for a fall of ``C`` (it shortens the interval against the budget); the older values are then
     dropped, so a change of level (interference, a slower disk, a larger state) is followed within
     two or three checkpoints, and one or two odd checkpoints move nothing. ``t`` follows drift
     continuously (16 samples).
@@ -145,7 +145,7 @@ class Adaptive:
     shrink_ratio: float = 0.75
     """Shorten the interval only when the new one is at most this fraction of the current one."""
     drift_ratio: float = 1.6
-    """A change by this factor of the two newest per-checkpoint measurements (three for a fall) is
+    """A change by this factor of the two newest per-checkpoint measurements (three for a fall of the cost) is
     a drift: the estimate restarts from them instead of waiting for ``window`` checkpoints."""
     warmup_steps: int = 2
     """Iterations ignored for timing at the start of a run and after a restore (compilation,
@@ -440,6 +440,8 @@ def _probe(cfg: Adaptive, est, base: int, k: int) -> int | None:
         return cad.probe["k"]
     if est is None or not rules.measured_decided or k != base or not cad.needs_probe(est.t, est.bg, cfg._est.active()):
         return None
+    if rules.info.get("binding") == "persist_in_flight" and cad.measured is not None:
+        return None  # the persist sets the interval and fills it by design; the cost was measured before
     k_probe = max(cad.probe_steps(est.t, est.bg), base)
     if cfg.max_lost_s is not None:
         k_probe = min(k_probe, max(math.floor(cfg.max_lost_s * (1.0 - cfg.headroom) / est.t), base))
