@@ -349,7 +349,9 @@ class Cadence:
                 continue
             lost, train, stalls = r.job_totals()
             if train > 0 and (best is None or base[0] > best[0]):
-                best = (base[0], 100.0 * (lost + stalls) / train)
+                # The stalls are lost for certain; the slowdown is never counted below zero (the
+                # iteration time moved between the clean samples: not a gain from checkpointing).
+                best = (base[0], 100.0 * (max(lost, 0.0) + stalls) / train)
         return best[1] if best is not None else None
 
 
