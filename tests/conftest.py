@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -13,7 +14,8 @@ import pytest
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def pytest_configure(config):  # noqa: ARG001 - pytest's hook signature
+def pytest_configure(config):
+    _start_death_watch(config)
     # Bytecode of cf_ray, the benchmarks and the tests for every Ray process the suite starts
     # (benchmarks/bytecode.py: without it each compiled ~100 modules again where
     # PYTHONDONTWRITEBYTECODE is set).
@@ -26,6 +28,53 @@ def pytest_configure(config):  # noqa: ARG001 - pytest's hook signature
 
 
 _EXIT_STATUS: list[int] = []
+
+#: The pipe to ``death_watch.py`` (a line per test, the Ray session, ``done`` at the end) and its process.
+_WATCH: list = []
+
+
+def _start_death_watch(config) -> None:
+    """Start ``tests/death_watch.py`` beside pytest, on pytest's real stdout and stderr: if this
+    process ends without finishing (Ray's driver ends with status 1 and no traceback when its raylet
+    is gone), the watch prints which test was running and what the Ray session's logs say.
+    ``CF_RAY_TESTS_DEATH_WATCH=0`` leaves it out."""
+    if os.environ.get("CF_RAY_TESTS_DEATH_WATCH") == "0":
+        return
+    r, w = os.pipe()
+    capman = config.pluginmanager.getplugin("capturemanager")
+    with capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext():
+        proc = subprocess.Popen(
+            [sys.executable, os.path.join(TESTS_DIR, "death_watch.py"), str(os.getpid())],
+            stdin=r,
+            start_new_session=True,  # a signal to pytest's process group does not end the watch
+        )
+    os.close(r)
+    _WATCH[:] = [w, proc]  # the Popen kept: it runs past this process, by design
+
+
+def _tell_watch(line: str) -> None:
+    if not _WATCH:
+        return
+    try:
+        os.write(_WATCH[0], (line + "\n").encode())
+    except OSError:  # the watch is gone: nothing more to tell it
+        _WATCH.clear()
+
+
+def _tell_watch_ray_session() -> None:
+    worker = sys.modules.get("ray._private.worker")
+    node = getattr(worker, "_global_node", None) if worker is not None else None
+    if node is not None:
+        _tell_watch(f"session {node.get_session_dir_path()}")
+
+
+def pytest_runtest_logstart(nodeid, location):  # noqa: ARG001 - pytest's hook signature
+    _tell_watch(f"test {nodeid}")
+    _tell_watch_ray_session()
+
+
+def pytest_runtest_call(item):  # noqa: ARG001 - pytest's hook signature
+    _tell_watch_ray_session()  # the test's fixtures may have started (another) Ray
 
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001 - pytest's hook signature
@@ -40,6 +89,7 @@ def pytest_unconfigure(config):  # noqa: ARG001 - pytest's hook signature
     run, ``terminate called after throwing an instance of 'std::bad_alloc'`` in a local run; pyarrow's
     S3 finalization at exit is a known cause, apache/arrow#38352), turning a green suite red.
     ``CF_RAY_TESTS_FULL_EXIT=1`` keeps the normal teardown (to look for such a crash)."""
+    _tell_watch("done")
     if not _EXIT_STATUS or os.environ.get("CF_RAY_TESTS_FULL_EXIT") == "1":
         return
     sys.stdout.flush()
@@ -81,6 +131,12 @@ def _ray_session():
     os.environ.setdefault("CF_RAY_REAPER_INTERVAL_S", "1")
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # The GCS marks a node dead after 5 health checks unanswered within 10 s each: on a machine
+    # starved by parallel work a raylet stalled that long is told it is dead and exits, and the
+    # driver (this process) ends with it, without a word (tests/death_watch.py then says why). 60 s
+    # each tolerates the stall; a node a test removes refuses the checks at once and is still found
+    # dead in seconds.
+    os.environ.setdefault("RAY_health_check_timeout_ms", "60000")
     yield
     if ray.is_initialized():
         ray.shutdown()
