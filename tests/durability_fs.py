@@ -16,11 +16,12 @@ HANG_LIMIT_S = 120.0
 
 class FlagHandler(FaultyHandler):
     """Local disk; while ``flag`` exists, writing a checkpoint's section files (never a manifest)
-    ``hang``s until the flag is gone, or ``fail``s with an ``OSError``."""
+    ``hang``s until the flag is gone, or ``fail``s with an ``OSError`` (``fail_once``: the first such
+    write fails and takes the flag away)."""
 
     def __init__(self, flag: str, mode: str):
         super().__init__(fail=r"(?!)")
-        if mode not in ("hang", "fail"):
+        if mode not in ("hang", "fail", "fail_once"):
             raise ValueError(mode)
         self.flag, self.mode = flag, mode
 
@@ -36,8 +37,10 @@ class FlagHandler(FaultyHandler):
     def _check(self, path: str) -> None:
         if not re.search(r"checkpoints/step_\d+/g\d+\.", path):
             return
-        if self.mode == "fail":
+        if self.mode in ("fail", "fail_once"):
             if os.path.exists(self.flag):
+                if self.mode == "fail_once":
+                    os.remove(self.flag)
                 raise OSError(f"injected fault: storage refuses to write {path}")
             return
         t0 = time.time()

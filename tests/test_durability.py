@@ -633,6 +633,23 @@ def test_the_resume_point_finish_names_survives_the_final_steps_late_commit(ray_
     assert [c.step for c in cf_ray.list_checkpoints(str(root))] == [4, 6, 6]  # the final model names 4
 
 
+@pytest.mark.slow
+def test_a_final_checkpoint_whose_write_fails_is_taken_again_and_commits(ray_cluster, tmp_path):
+    """The final step's write fails once (a storage error for a moment). ``finish()`` used to leave it
+    failed (``final_durable=False``, the final model naming step 4); it takes it again, and the run
+    ends durable, the failure of the try before made good (not listed)."""
+    ck, step, flag = _ckpt(tmp_path, "retry", "fail_once", finish_timeout_s=60.0)
+    for _ in range(4):
+        step()
+    assert ck.wait() == []  # steps 2 and 4 committed
+    flag.touch()  # the next write of a section fails
+    step()
+    step()  # step 6, the final step: finish() takes no other checkpoint first
+    summary = ck.finish()
+    assert not flag.exists()  # the write did fail
+    assert (summary.final_durable, summary.resume_step, summary.failures) == (True, 6, []), summary
+
+
 def resumable_checkpoint_of(final_path):
     from cf_ray.load import resumable_checkpoint
 
