@@ -11,7 +11,7 @@ from benchmarks import bench, budget_run
 def _run(shape, arm, budget, rnd, times, interval=None, measured=None, profile=None, **kw):
     rec = {"shape": shape, "arm": arm, "budget": budget, "round": rnd, "iter_s": times, "warmup": 2, **kw}
     if interval is not None:
-        rec["explain"] = {"interval": interval, "measured_overhead_pct": measured}
+        rec["explain"] = {"interval": interval, "measured_overhead_pct": measured, "iter_s": times[-1]}
         rec["profile_overhead_pct"] = profile
     return rec
 
@@ -33,7 +33,7 @@ def test_the_verdicts_judge_every_run():
     assert v["reported_overhead_within_3_points"]["met"]
     # Round 1's kills left the interval longer (70 > 60): missed, and the rounds say which.
     assert not v["interval_shorter_after_kills"]["met"]
-    assert [x[3] for x in v["interval_shorter_after_kills"]["rounds"]] == [True, False]
+    assert [x[5] for x in v["interval_shorter_after_kills"]["rounds"]] == [True, False]
     # One run over budget x 1.2, or an interval not monotone, is a miss.
     runs[2]["iter_s"] = [0.125] * 20  # round 0, budget 20: +25 %
     runs[1]["explain"]["interval"] = 3  # round 0: budget 5 shorter than budget 20
