@@ -518,10 +518,11 @@ class _Ladder:
 
     def _room_to_shorten(self) -> Verdict | None:
         st, est, t, current = self.st, self.est, self.est.t, self.current
-        # Shorten only to what the rules give for pessimistic estimates (mean + 2 standard errors,
-        # at least three checkpoints since the last drift), only when that is clearly shorter, and
+        # Shorten only to what the rules give for pessimistic estimates (the cost + 1 standard error,
+        # the persist + 2: a persist short of its time makes training wait; at least three
+        # checkpoints since the last drift), only when that is clearly shorter, and
         # only when it is still so at the next checkpoint.
-        k_safe = target(self.cfg, est, est.cost + 2.0 * est.cost_se, est.bg + 2.0 * est.bg_se)[0]
+        k_safe = target(self.cfg, est, est.cost + est.cost_se, est.bg + 2.0 * est.bg_se)[0]
         if k_safe <= math.floor(current * self.cfg.shrink_ratio) and est.n_level >= 3:
             if st.shrink_since is None:
                 st.shrink_since = self.ckpt_clock

@@ -92,8 +92,8 @@ class Adaptive:
     a clear overrun, at the next checkpoint for a marginal one. It is *shortened* at once when it
     exceeds ``max_lost_s``; it moves at once to the goodput interval when that is off the current
     one by the ``shrink_ratio`` either way (a failure is an event, not noise); otherwise it is
-    shortened only to the interval that pessimistic estimates (``C`` and ``B`` plus two standard
-    errors, at least three checkpoints since the last drift) allow, when that is at most
+    shortened only to the interval that pessimistic estimates (``C`` plus one standard error,
+    ``B`` plus two, at least three checkpoints since the last drift) allow, when that is at most
     ``shrink_ratio * current`` at two checkpoints in a row. The gap between the limits and the aims
     (``headroom``) is the dead band.
 
@@ -440,8 +440,8 @@ def _probe(cfg: Adaptive, est, base: int, k: int) -> int | None:
         return cad.probe["k"]
     if est is None or not rules.measured_decided or k != base or not cad.needs_probe(est.t, est.bg, cfg._est.active()):
         return None
-    if rules.info.get("binding") == "persist_in_flight" and cad.measured is not None:
-        return None  # the persist sets the interval and fills it by design; the cost was measured before
+    if rules.info.get("binding") == "persist_in_flight":
+        return None  # the persist sets the interval and fills it by design: no window free of one to make
     k_probe = max(cad.probe_steps(est.t, est.bg), base)
     if cfg.max_lost_s is not None:
         k_probe = min(k_probe, max(math.floor(cfg.max_lost_s * (1.0 - cfg.headroom) / est.t), base))
