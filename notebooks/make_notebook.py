@@ -306,7 +306,8 @@ left out), and each run's overhead is its time over the baseline's.
 Each setting runs twice, the rounds in opposite orders, and the faster of its two runs counts:
 whatever else runs on the machine only ever adds time. Runs of 400 steps (a few seconds each) are
 still a rough measure: a few points of noise either way are likely on a shared machine, and the
-policy spends the first few dozen steps measuring before it sets an interval. The benchmarks in
+policy starts at an interval of 5 steps and measures before it sets its own, which a run of a few
+seconds may end before (the intervals in the table say whether it did). The benchmarks in
 `benchmarks/` measure overheads over many interleaved rounds, with confidence intervals.""",
     ),
     (
