@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -43,10 +44,18 @@ def run_dir(tmp_path):
     return tmp_path / "runs" / "r", storage
 
 
+#: A line Ray's log monitor forwards to this process's stderr from an actor of an earlier test (this
+#: process is a Ray driver; a user's shell running ``cf-ray`` is not): ``(Holder pid=1234) ...``,
+#: ``(raylet) ...``, possibly coloured.
+_RAY_FORWARDED = re.compile(r"^(\x1b\[[0-9;]*m)?\((raylet|[\w.]+ pid=\d+[^)]*)\)")
+
+
 def _cli(capsys, *argv) -> tuple[int, str, str]:
+    capsys.readouterr()  # what earlier calls left is not this command's
     rc = cli.main([str(a) for a in argv])
     out = capsys.readouterr()
-    return rc, out.out, out.err
+    err = "".join(line for line in out.err.splitlines(keepends=True) if not _RAY_FORWARDED.match(line))
+    return rc, out.out, err
 
 
 def _lines(out: str) -> dict[int, str]:
