@@ -292,12 +292,13 @@ def test_keep_last_and_milestones_while_training(ray_cluster, tmp_path):
 
 
 def test_registered_with_ray_and_a_new_run_resumes_from_one_of_them(ray_cluster, tmp_path):
-    cfg = dict(SMALL, step_sleep=0.05, env={"CF_RAY_REGISTER_INTERVAL_S": "0"})
+    # keep_last=None: keep-last deletes the checkpoint an older pointer names, and on a loaded machine
+    # the only step registered during the loop (15) was older than the 3 kept (20, 25 and finish()'s 26).
+    cfg = dict(SMALL, step_sleep=0.05, keep_last=None, env={"CF_RAY_REGISTER_INTERVAL_S": "0"})
     result = demo.run("registered", str(tmp_path), cfg)
     assert result.checkpoint.path.endswith("final_000000000026")
     registered = [c for c, _ in result.best_checkpoints if "/registered/step_" in c.path]
     assert registered, "no intermediate checkpoint was registered with Ray Train"
-    # keep-last may have deleted what an old pointer names; the newest one stands.
     chosen = registered[-1]
     storage, directory = open_run(chosen)
     assert storage.exists(f"{directory}/{mf.MANIFEST}")
