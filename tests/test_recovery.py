@@ -52,6 +52,19 @@ def test_a_restart_whose_rank_0_process_was_not_replaced_has_no_rebuild_part():
     assert r2.rebuild_s is None  # an older worker that sent no times
 
 
+def test_a_restart_in_a_process_started_before_the_failure_splits_at_rank_0s_load_of_cf_ray():
+    """Ray may give the new rank 0 a process it started before the failure: the recovery then splits
+    where the training function loaded cf_ray in it, never left unknown for that."""
+    g = Goodput()
+    g.on_restore(generation=1, source="fresh", step=0, restore_s=0.0, now_unix=100.0)
+    g.on_sample(5, 0.1, 5, 101.0)
+    r = g.on_restore(
+        generation=2, source="memory", step=5, restore_s=0.1, now_unix=108.0,
+        process_start_unix=90.0, code_start_unix=103.0, restore_begin_unix=107.5,
+    )  # fmt: skip
+    assert (r.rebuild_s, r.setup_s) == pytest.approx((2.0, 4.5))
+
+
 def test_badput_sums_the_recovery_parts_over_the_restarts():
     b = Badput(started_unix=99.0)
     b.on_restore(generation=1, source="fresh", step=0, restore_s=0.5, now_unix=100.0)

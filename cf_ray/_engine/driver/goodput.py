@@ -172,10 +172,13 @@ class Goodput:
         now_unix: float,
         process_start_unix: float | None = None,
         restore_begin_unix: float | None = None,
+        code_start_unix: float | None = None,
     ) -> Restart | None:
         """An attempt restored ``step``; returns the restart it makes (``None`` for the run's start:
         the first restore, unless samples came before it). ``process_start_unix`` and
-        ``restore_begin_unix`` (rank 0's, when it sent them) split the recovery into its parts."""
+        ``restore_begin_unix`` (rank 0's, when it sent them) split the recovery into its parts;
+        ``code_start_unix`` (when rank 0 loaded cf_ray) stands for the process start when that
+        predates the failure."""
         step, previous_attempt_unix = int(step), self._attempt_unix
         self._generation = max(int(generation), self._generation or 0)
         self._attempt_unix = now_unix
@@ -202,7 +205,7 @@ class Goodput:
             fallbacks=len(self._fallbacks),
             memory_failed=sum(1 for src, cause in self._fallbacks if src == "memory" and cause == "verification"),
         )
-        _split(restart, process_start_unix, restore_begin_unix)
+        _split(restart, process_start_unix, restore_begin_unix, code_start_unix)
         self._fallbacks = []
         self.lost_steps_total += lost
         self.lost_s_total += restart.lost_s or 0.0
@@ -247,18 +250,28 @@ def restore_args(event: dict) -> dict:
         "now_unix": event.get("time") or time.time(),
         "process_start_unix": event.get("process_start_unix"),
         "restore_begin_unix": event.get("restore_begin_unix"),
+        "code_start_unix": event.get("code_start_unix"),
     }
 
 
-def _split(restart: Restart, process_start_unix: float | None, restore_begin_unix: float | None) -> None:
-    """The parts of a restart's recovery before its restore, from rank 0's process start and its call
-    of ``restore()``; left ``None`` where a time is missing or rank 0's process predates the failure."""
+def _split(
+    restart: Restart,
+    process_start_unix: float | None,
+    restore_begin_unix: float | None,
+    code_start_unix: float | None = None,
+) -> None:
+    """The parts of a restart's recovery before its restore, from rank 0's process start (or, when
+    that predates the failure, when rank 0 loaded cf_ray) and its call of ``restore()``; left ``None``
+    where a time is missing or both predate the failure."""
     failed = restart.failure_unix
-    if process_start_unix is None or failed is None or process_start_unix < failed:
+    if failed is None:
         return
-    restart.rebuild_s = process_start_unix - failed
-    if restore_begin_unix is not None and restore_begin_unix >= process_start_unix:
-        restart.setup_s = restore_begin_unix - process_start_unix
+    start = next((t for t in (process_start_unix, code_start_unix) if t is not None and t >= failed), None)
+    if start is None:
+        return
+    restart.rebuild_s = start - failed
+    if restore_begin_unix is not None and restore_begin_unix >= start:
+        restart.setup_s = restore_begin_unix - start
 
 
 __all__ = ["Goodput", "Restart", "restore_args"]

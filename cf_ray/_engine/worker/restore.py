@@ -116,6 +116,12 @@ def _newest_stored(plan: RestorePlan) -> int:
     return max([plan.storage[0] if plan.storage else -1] + [t[0] for t in plan.tiers if t])
 
 
+#: When cf_ray's worker code was loaded in this process: the training function's imports. A restart's
+#: recovery splits here instead when rank 0's process is older than the failure (a process Ray had
+#: started before it was needed, or ``/proc``'s start time, whole seconds of boot time, read early).
+LOADED_UNIX = time.time()
+
+
 def process_start_unix() -> float | None:
     """When this process started (wall clock), from ``/proc`` (``None`` where there is none): a
     restart's recovery splits at the new rank 0's process start."""
@@ -428,6 +434,7 @@ class Restorer:
             extra = self.record.fallbacks.extra()  # the candidates skipped, and why (the restart's event)
             # Where the restart's recovery went before the restore (Restart.rebuild_s, setup_s).
             extra.update(process_start_unix=process_start_unix(), restore_begin_unix=time.time() - seconds)
+            extra.update(code_start_unix=LOADED_UNIX)
             extra.update(health_check_s=ray_train_fast.health_check_s())  # how soon Ray Train saw a failure
             self.link.controller.restored.remote(
                 Restored(
