@@ -112,7 +112,7 @@ def _value(column: str, v: Any, fmt: str) -> Any:
         ms = 1000.0 * float(v)
         return f"{ms:.1f}" if fmt == "table" else round(ms, 3)
     if isinstance(v, int) and (column == "bytes" or column.endswith("_bytes")) and fmt == "table":
-        return _size(v)
+        return human_size(v)
     if isinstance(v, float):
         if not math.isfinite(v):
             return str(v) if fmt != "json" else None
@@ -129,7 +129,7 @@ def _value(column: str, v: Any, fmt: str) -> Any:
     return text
 
 
-def _size(n: int) -> str:
+def human_size(n: int) -> str:
     value, unit = float(n), "B"
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if value < 1000 or unit == "TB":

@@ -27,6 +27,7 @@ import posixpath
 import sys
 
 from cf_ray._cli_run import BAD_INPUT, CliError, failure, locate
+from cf_ray._profile_table import human_size
 
 _RUN_HELP = (
     "the run: its directory <storage_path>/<name> (as RunConfig(storage_path, name) made it), its cf_ray "
@@ -134,15 +135,6 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _size(n_bytes: int) -> str:
-    value, unit = float(n_bytes), "B"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if value < 1000 or unit == "TB":
-            break
-        value /= 1000
-    return f"{n_bytes} B" if unit == "B" else f"{value:.1f} {unit}"
-
-
 def verify_parser() -> argparse.ArgumentParser:
     p = _parser(
         "verify",
@@ -171,7 +163,7 @@ def _verify(args: argparse.Namespace) -> int:
         if c.vanished:
             status = "GONE (deleted while it was checked: keep-last of a live run)"
         elif c.ok:
-            status = f"OK ({c.files} file{'s' if c.files != 1 else ''}, {_size(c.size_bytes)})"
+            status = f"OK ({c.files} file{'s' if c.files != 1 else ''}, {human_size(c.size_bytes)})"
         else:
             status = "DAMAGED: " + "; ".join(c.problems)
         print(f"{c.step:>10}  {c.kind:<10} {status}")
@@ -229,12 +221,12 @@ def _export(args: argparse.Namespace) -> int:
         done = export_dcp_dir(storage, directory, args.out_dir, step=args.step, objects=objects)
         print(
             f"wrote {done.path}: a torch.distributed.checkpoint directory, {done.tensors} tensor chunks, "
-            f"{_size(done.size_bytes)}, from the checkpoint of step {done.step} ({done.source})"
+            f"{human_size(done.size_bytes)}, from the checkpoint of step {done.step} ({done.source})"
         )
         return 0
     done = export_model(storage, directory, args.out_dir, to=args.to, step=args.step, obj=args.obj or "model")
     print(
-        f"wrote {done.path}: {done.tensors} tensors, {_size(done.size_bytes)}, from {done.kind} checkpoint of step "
+        f"wrote {done.path}: {done.tensors} tensors, {human_size(done.size_bytes)}, from {done.kind} checkpoint of step "
         f"{done.step} ({done.source})"
     )
     return 0

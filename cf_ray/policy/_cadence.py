@@ -42,6 +42,8 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from cf_ray.policy._estimate import _median, _weighted_median
+
 PROBE_SPACING = 9
 """Probe windows are at least this many probe windows apart."""
 PROBE_SAMPLES = 3
@@ -353,23 +355,6 @@ class Cadence:
                 # iteration time moved between the clean samples: not a gain from checkpointing).
                 best = (base[0], 100.0 * (max(lost, 0.0) + stalls) / train)
         return best[1] if best is not None else None
-
-
-def _median(xs) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
-
-
-def _weighted_median(pairs) -> float:
-    items = sorted(pairs)
-    total = sum(w for _, w in items)
-    acc = 0.0
-    for v, w in items:
-        acc += w
-        if acc * 2 >= total:
-            return v
-    return items[-1][0]
 
 
 def _se(pairs) -> float:
