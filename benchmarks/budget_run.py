@@ -81,17 +81,12 @@ def _loop(cfg: dict) -> None:
     import torch
     import torch.nn.functional as F
 
-    from benchmarks.savers import _barrier, _build_model, _write_json
+    from benchmarks.savers import _barrier, _seeded_job, _write_json
 
     torch.set_num_threads(1)
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
-    torch.manual_seed(cfg["seed"])
-    model = ray.train.torch.prepare_model(_build_model(cfg["width"], cfg["layers"]))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(cfg["seed"] + 1 + rank)
-    x = torch.randn(cfg["batch"], cfg["width"], generator=gen)
-    y = torch.randn(cfg["batch"], cfg["width"], generator=gen)
+    model, opt, x, y = _seeded_job(cfg, rank)
     ckpt, step = None, 0
     if cfg["budget"] is not None:
         import cf_ray

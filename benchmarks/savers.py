@@ -87,6 +87,21 @@ def _build_model(width: int, layers: int):
     return torch.nn.Sequential(*mods)
 
 
+def _seeded_job(cfg: dict, rank: int):
+    """The user-loop benchmarks' job on one rank: the seeded reference model under Ray Train's DDP,
+    its Adam optimizer and one fixed batch ``(x, y)`` drawn for the rank."""
+    import ray.train.torch
+    import torch
+
+    torch.manual_seed(cfg["seed"])
+    model = ray.train.torch.prepare_model(_build_model(cfg["width"], cfg["layers"]))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(cfg["seed"] + 1 + rank)
+    x = torch.randn(cfg["batch"], cfg["width"], generator=gen)
+    y = torch.randn(cfg["batch"], cfg["width"], generator=gen)
+    return model, opt, x, y
+
+
 def _fsdp2(model, world: int):
     """The reference model sharded with FSDP2 (``fully_shard`` per Linear, then the root) on a CPU
     mesh of the worker group (gloo), as torchtitan shards its blocks."""

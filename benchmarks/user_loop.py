@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import stats
-from benchmarks.savers import _barrier, _build_model, _CopyFloor, _RaySave, _write_json
+from benchmarks.savers import _barrier, _CopyFloor, _RaySave, _seeded_job, _write_json
 
 VARIANTS = ("none", "ray_sync", "ray_async", "cf_fixed", "cf_bench", "cf_held", "floor_copy")
 
@@ -55,12 +55,7 @@ def _loop(cfg: dict) -> None:
     torch.set_num_threads(1)
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
-    torch.manual_seed(cfg["seed"])
-    model = ray.train.torch.prepare_model(_build_model(cfg["width"], cfg["layers"]))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(cfg["seed"] + 1 + rank)
-    x = torch.randn(cfg["batch"], cfg["width"], generator=gen)
-    y = torch.randn(cfg["batch"], cfg["width"], generator=gen)
+    model, opt, x, y = _seeded_job(cfg, rank)
     variant, k = cfg["variant"], cfg["k"]
     ckpt = saver = floor = None
     t_setup = time.perf_counter()
