@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from cf_ray._engine.format import blocks as _blocks
     from cf_ray._engine.node.slot_store import SlotStore
-    from cf_ray._engine.worker import copy_engine
-    from cf_ray._engine.worker.snapshot import Snapshotter
+    from cf_ray._engine.worker.snapshot import copy_engine
+    from cf_ray._engine.worker.snapshot.snapshotter import Snapshotter
 
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")

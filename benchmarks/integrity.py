@@ -26,8 +26,8 @@ import torch
 
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.storage.base import crc32_of
-from cf_ray._engine.worker import fingerprint as fp
-from cf_ray._engine.worker import integrity
+from cf_ray._engine.worker.restore import integrity
+from cf_ray._engine.worker.snapshot import fingerprint as fp
 
 
 def _best(fn, rounds: int) -> float:

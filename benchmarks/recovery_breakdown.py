@@ -101,7 +101,7 @@ def _loop(cfg: dict) -> None:
     import torch
 
     import cf_ray
-    from cf_ray._engine.worker.restore import process_start_unix
+    from cf_ray._engine.worker.restore.restorer import process_start_unix
 
     imported_t = time.time()
     torch.set_num_threads(1)
@@ -227,7 +227,7 @@ SETTINGS = {
     # Ray Train's own defaults, set (not removed: Ray's processes inherit the driver's environment of
     # ray.init, where cf_ray's values were already set by its import)
     "ray": {"CF_RAY_RAY_TRAIN_DEFAULTS": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"},
-    # what cf_ray sets (cf_ray._engine.ray_train_fast): nothing to do but import cf_ray in the driver
+    # what cf_ray sets (cf_ray._engine.worker.link.ray_train_fast): nothing to do but import cf_ray in the driver
     "cf_ray": {},
 }
 
@@ -236,7 +236,7 @@ def run_one(model: str, setting: str, kills: int, root: Path, gap: int, interval
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from cf_ray._engine import ray_train_fast
+    from cf_ray._engine.worker.link import ray_train_fast
 
     name = f"{model}-{setting}"
     out = root / name

@@ -25,7 +25,7 @@ _check_ray_version()
 
 # Ray Train's settings that make a failure cost less (its health-check interval), set in the driver
 # before fit() passes them on; a user's own values are kept, CF_RAY_RAY_TRAIN_DEFAULTS=0 keeps Ray's.
-from cf_ray._engine.ray_train_fast import apply_driver_defaults as _apply_driver_defaults  # noqa: E402
+from cf_ray._engine.worker.link.ray_train_fast import apply_driver_defaults as _apply_driver_defaults  # noqa: E402
 
 _apply_driver_defaults()
 

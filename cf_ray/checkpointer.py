@@ -45,11 +45,11 @@ from cf_ray._engine.storage.fs import FsStorage
 from cf_ray._engine.worker.context import WorkerContext, check_tracked, unwrap_ddp
 from cf_ray._engine.worker.gc_freeze import GcFreeze
 from cf_ray._engine.worker.preemption_watcher import PreemptionWatcher
-from cf_ray._engine.worker.restore import Outcome, Restorer, newest_committed
+from cf_ray._engine.worker.restore.restorer import Outcome, Restorer, newest_committed
+from cf_ray._engine.worker.restore.sharded import ShardedState
+from cf_ray._engine.worker.restore.trust_gate import rollbacks
 from cf_ray._engine.worker.results import FinishSummary, Resume
-from cf_ray._engine.worker.sharded import ShardedState
 from cf_ray._engine.worker.step_path import StepPath
-from cf_ray._engine.worker.trust_gate import rollbacks
 from cf_ray.config import CheckpointConfig
 from cf_ray.errors import ConfigError
 
@@ -85,7 +85,7 @@ class Checkpointer:
     a user object) is saved as it is at the start of the next Checkpointer call after a checkpoint
     (``step()``, ``end_epoch()``, ...), so a scheduler stepped right after ``ckpt.step(optimizer)``
     resumes bitwise; the model, the optimizer, the RNG states and the data positions are saved as
-    they are at the checkpoint's step (``cf_ray/_engine/worker/late_capture.py``).
+    they are at the checkpoint's step (``cf_ray/_engine/worker/snapshot/late_capture.py``).
     """
 
     def __init__(

@@ -27,7 +27,7 @@ import posixpath
 import sys
 
 from cf_ray._cli_run import BAD_INPUT, CliError, failure, locate
-from cf_ray._profile_table import human_size
+from cf_ray._engine.observe.profile_table import human_size
 
 _RUN_HELP = (
     "the run: its directory <storage_path>/<name> (as RunConfig(storage_path, name) made it), its cf_ray "
@@ -119,7 +119,7 @@ def profile_parser() -> argparse.ArgumentParser:
 def _profile(args: argparse.Namespace) -> int:
     if len(args.where) > 2:
         profile_parser().error("give one RUN: <storage_path>/<name> or a URI")
-    from cf_ray._profile_table import render
+    from cf_ray._engine.observe.profile_table import render
     from cf_ray.run import Run
 
     source = args.where[0]

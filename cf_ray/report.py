@@ -4,7 +4,7 @@ the checkpoints, plotted in one call, and exported as Ray metrics.
 The controller owns the rows: it builds them as plain dicts (see :func:`profile_frame` for the
 columns), writes them with :func:`save_profile` through the run's storage, and feeds each
 finished row to a :class:`CheckpointMetrics` (defined with the controller, in
-``cf_ray._engine.driver.metrics``; re-exported here). Users read them back after the run with
+``cf_ray._engine.observe.metrics``; re-exported here). Users read them back after the run with
 :func:`read_run_profile` and draw them with :func:`plot_profile`::
 
     from cf_ray import report
@@ -29,18 +29,21 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import pyarrow as pa
 
-from cf_ray._engine.driver.metrics import (  # re-exported (defined by the controller's room)
-    CheckpointMetrics,
-    GoodputMetrics,
-)
 from cf_ray._engine.lazy import lazy_module
+from cf_ray._engine.observe.goodput_report import (
+    GOODPUT_FILE,
+    badput_frame,
+    load_goodput,
+    plot_badput,
+    save_goodput,
+)
+from cf_ray._engine.observe.metrics import CheckpointMetrics, GoodputMetrics
+from cf_ray._engine.observe.profile_plot import plot_profile
 from cf_ray._engine.storage.fs import FileInfo, FsStorage, Storage
-from cf_ray._report_goodput import GOODPUT_FILE, badput_frame, load_goodput, plot_badput, save_goodput
-from cf_ray._report_plot import plot_profile
 from cf_ray.errors import CorruptCheckpointError
 
 # pandas and parquet load on first use: the controller actor imports this module to write profile
-# parts and the profile, and needs pandas only then (its Ray metrics live in _engine/driver/metrics.py).
+# parts and the profile, and needs pandas only then (its Ray metrics live in _engine/observe/metrics.py).
 # Type checkers see the real modules, for the annotations. pandas ships no type information (no
 # pandas-stubs here), so the casts below only state what the checker cannot infer from its source.
 if TYPE_CHECKING:

@@ -267,8 +267,8 @@ class Run:
         found, events = self._ask("events", what="the run's events")
         if found:
             return events
+        from cf_ray._engine.observe.event_files import EVENTS_FILE, load_events
         from cf_ray._engine.storage.fs import FsStorage
-        from cf_ray._report_events import EVENTS_FILE, load_events
 
         storage = FsStorage.from_uri(self.storage_path, self.storage_filesystem).child(f"{self.name}/{_RUN_SUBDIR}")
         saved = load_events(storage)

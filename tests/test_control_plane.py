@@ -24,7 +24,7 @@ import pytest
 from slot_helpers import stage_bytes
 
 from cf_ray._engine import env as _env
-from cf_ray._engine.driver import pending as pending_mod
+from cf_ray._engine.driver.checkpoints import pending as pending_mod
 from cf_ray._engine.driver.recovery import CONTROL_STATE
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.protocol.messages import (
@@ -382,7 +382,7 @@ def test_a_controller_started_again_lists_the_events_its_predecessor_held(contro
 
 
 def _window_text(storage) -> str:
-    from cf_ray._engine.driver.profile_parts import PROFILE_PARTS, WINDOW
+    from cf_ray._engine.observe.profile_parts import PROFILE_PARTS, WINDOW
 
     for lineage in storage.list_dir(PROFILE_PARTS):
         path = f"{PROFILE_PARTS}/{lineage}/{WINDOW}"
@@ -903,7 +903,7 @@ def test_resolve_controller_makes_a_killed_controller_again(controller, ray_clus
 def _link_of(ctl, rank: int, generation: int, committed: int):
     """A rank's line to this in-process controller, at the start of attempt ``generation``."""
     import cf_ray
-    from cf_ray._engine.worker.controller_link import ControllerLink
+    from cf_ray._engine.worker.link.controller import ControllerLink
     from cf_ray._engine.worker.scheduler import Scheduler
     from cf_ray._engine.worker.timing import Timing
 

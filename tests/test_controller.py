@@ -528,7 +528,7 @@ def test_a_suspect_step_committed_again_by_the_next_generation_is_the_good_check
     quarantine stays on generation 1's checkpoint alone (were step 8 not committed again, it would
     still be hidden)."""
     from cf_ray import cli
-    from cf_ray._engine.worker.restore_storage import other_run_checkpoint
+    from cf_ray._engine.worker.restore.storage import other_run_checkpoint
     from cf_ray.load import list_checkpoints, quarantined_checkpoints, resumable_checkpoint
 
     run = tmp_path / "run" / "cf_ray"  # as Ray Train lays a run out: cf-ray ls is given tmp_path/run
@@ -609,7 +609,7 @@ def test_one_ranks_read_error_never_quarantines_a_checkpoint_that_reads_back_int
     finds every file there with its size and CRC, and leaves it: not quarantined, still restorable,
     still counted by keep-last; it says so (a log line, a ``verified`` event). A storage that cannot
     be read at all during the re-read proves nothing either: left as well."""
-    from cf_ray._engine.driver import quarantine
+    from cf_ray._engine.driver.checkpoints import quarantine
 
     ctl = controller(keep_last=2)
     for step in (6, 8):
@@ -759,7 +759,7 @@ def test_replica_every_copies_the_same_steps_on_every_node():
     """``Replication.every``: one snapshot in n is copied, the same steps on every rank (decided by
     the step and the interval alone, so the copied steps are complete), also when the interval
     changes; preemption checkpoints, milestones and snapshots without an interval always."""
-    from cf_ray._engine.worker.snapshot import replica_due
+    from cf_ray._engine.worker.snapshot.snapshotter import replica_due
 
     steps = range(5, 205, 5)
     assert all(replica_due(s, 1, 5) for s in steps)

@@ -14,7 +14,7 @@ import torch
 from durability_fs import FlagHandler
 
 import cf_ray
-from cf_ray._engine.worker.controller_link import ControllerLink
+from cf_ray._engine.worker.link.controller import ControllerLink
 from cf_ray._engine.worker.scheduler import Scheduler
 from cf_ray._engine.worker.timing import Timing
 from cf_ray._engine.worker.watchdog import DurabilitySettings, DurabilityWatchdog, Knowledge, LostReason

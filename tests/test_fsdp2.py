@@ -124,9 +124,9 @@ def _worker(rank: int, port: int, root: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from cf_ray._engine.format.dcp import CfRayReader, export_dcp
-    from cf_ray._engine.worker import restore_checks
-    from cf_ray._engine.worker.sharded import ShardedState
-    from cf_ray._engine.worker.snapshot import Phase1
+    from cf_ray._engine.worker.restore import checks as restore_checks
+    from cf_ray._engine.worker.restore.sharded import ShardedState
+    from cf_ray._engine.worker.snapshot.snapshotter import Phase1
     from cf_ray._engine.worker.timing import Timing
     from cf_ray.errors import CheckpointMismatchError
 

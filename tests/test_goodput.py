@@ -15,9 +15,9 @@ import time
 import pytest
 
 from cf_ray import report
-from cf_ray._engine.driver.goodput import Goodput
-from cf_ray._engine.driver.profile_book import ProfileBook
-from cf_ray._engine.driver.profile_parts import ProfileParts
+from cf_ray._engine.observe.goodput import Goodput
+from cf_ray._engine.observe.profile_book import ProfileBook
+from cf_ray._engine.observe.profile_parts import ProfileParts
 from cf_ray._engine.protocol.messages import CheckpointKind, SnapshotMeta
 from cf_ray._engine.storage.fs import FsStorage
 
@@ -145,7 +145,7 @@ def test_the_books_feed_the_runs_failures_to_the_policy_and_split_the_wall_time(
 def test_badput_categories_add_up_to_the_wall_time():
     """A timeline whose times agree with each other: 20 steps of 0.5 s and one stall of 0.2 s, a
     failure, 10 steps lost, a recovery of 21.8 s with a 2 s restore, 5 steps more."""
-    from cf_ray._engine.driver.badput import CATEGORIES, Badput
+    from cf_ray._engine.observe.badput import CATEGORIES, Badput
 
     g = Badput(started_unix=90.0)  # the controller started at 90
     g.on_restore(generation=1, source="fresh", step=0, restore_s=1.0, now_unix=100.0)  # the run's start

@@ -21,7 +21,7 @@ from cf_ray._engine.memory import slots
 from cf_ray._engine.node.holder import Holder
 from cf_ray._engine.protocol.messages import CheckpointKind, PartReplicated, SlotDesc, SnapshotMeta, Stage
 from cf_ray._engine.storage.fs import FsStorage
-from cf_ray._engine.worker.snapshot import replica_due
+from cf_ray._engine.worker.snapshot.snapshotter import replica_due
 
 pytestmark = pytest.mark.skipif(not slots.available(), reason="needs memfd_create (Linux)")
 

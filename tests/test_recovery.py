@@ -10,10 +10,10 @@ import time
 import pytest
 
 from cf_ray import report
-from cf_ray._engine import ray_train_fast
-from cf_ray._engine.driver.badput import Badput
-from cf_ray._engine.driver.goodput import Goodput
-from cf_ray._engine.worker.restore import process_start_unix
+from cf_ray._engine.observe.badput import Badput
+from cf_ray._engine.observe.goodput import Goodput
+from cf_ray._engine.worker.link import ray_train_fast
+from cf_ray._engine.worker.restore.restorer import process_start_unix
 
 
 def test_a_restart_row_splits_its_recovery_into_rebuild_setup_restore_and_first_step():

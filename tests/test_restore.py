@@ -25,13 +25,13 @@ from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.format.safetensors import read_safetensors, write_final_model
 from cf_ray._engine.protocol.messages import CheckpointKind, RestorePlan, RestoreSource
 from cf_ray._engine.storage.fs import FsStorage
-from cf_ray._engine.worker import fingerprint as fp
-from cf_ray._engine.worker import restore_checks
 from cf_ray._engine.worker.context import WorkerContext
 from cf_ray._engine.worker.control import ControlPlane
-from cf_ray._engine.worker.restore import Restorer
-from cf_ray._engine.worker.rng import rng_state
-from cf_ray._engine.worker.snapshot import Phase1
+from cf_ray._engine.worker.restore import checks as restore_checks
+from cf_ray._engine.worker.restore.restorer import Restorer
+from cf_ray._engine.worker.snapshot import fingerprint as fp
+from cf_ray._engine.worker.snapshot.rng import rng_state
+from cf_ray._engine.worker.snapshot.snapshotter import Phase1
 from cf_ray._engine.worker.timing import Timing
 from cf_ray.data import ResumableDistributedSampler
 from cf_ray.errors import (
@@ -651,7 +651,7 @@ def test_restore_freezes_what_is_alive_so_full_collections_in_the_loop_skip_it_u
 def _forced_error_loop(cfg):
     import ray.train
 
-    from cf_ray._engine.worker import restore_checks as checks
+    from cf_ray._engine.worker.restore import checks
 
     torch.set_num_threads(1)
     rank = ray.train.get_context().get_world_rank()
@@ -767,7 +767,7 @@ def test_tracked_objects_must_match_the_checkpoint_unless_allowed(ray_cluster, t
 def test_the_rng_state_check_does_not_touch_this_process():
     random.seed(3)
     before = random.getstate()
-    from cf_ray._engine.worker.rng import check_rng_state
+    from cf_ray._engine.worker.snapshot.rng import check_rng_state
 
     check_rng_state(rng_state())
     with pytest.raises(CorruptCheckpointError):

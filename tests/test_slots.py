@@ -21,9 +21,9 @@ from cf_ray._engine.memory import crc
 from cf_ray._engine.memory import slots as shm
 from cf_ray._engine.node.slot_store import SlotStore
 from cf_ray._engine.storage.fs import FsStorage
-from cf_ray._engine.worker import copy_engine
 from cf_ray._engine.worker.cpu_budget import CpuBudget
-from cf_ray._engine.worker.snapshot import Snapshotter
+from cf_ray._engine.worker.snapshot import copy_engine
+from cf_ray._engine.worker.snapshot.snapshotter import Snapshotter
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs Linux memfd_create")
 
@@ -235,7 +235,7 @@ def test_faulting_in_a_sections_slots_takes_every_page_now_and_keeps_what_they_h
     """The snapshotter faults the holder's slots in ahead of the first checkpoint (``prepare``), so
     that its copy does not take the page faults behind the weight-update guard. (Until 2026-11-29 the
     fault-in was a numpy self-assignment, which numpy skips: no page was taken.)"""
-    from cf_ray._engine.worker.slot_arena import SlotArena
+    from cf_ray._engine.worker.snapshot.slot_arena import SlotArena
 
     n = 8 << 20
     store = SlotStore("test")
@@ -409,7 +409,7 @@ def test_a_hand_off_that_does_not_return_holds_the_next_snapshot_a_bounded_time_
     import time
 
     from cf_ray._engine import env
-    from cf_ray._engine.worker.snapshot import SnapshotSkipped
+    from cf_ray._engine.worker.snapshot.snapshotter import SnapshotSkipped
 
     caplog.set_level(logging.WARNING, logger="cf_ray")
     monkeypatch.setattr(env, "SLOT_WAIT_S", 2.0)
@@ -449,7 +449,7 @@ def test_a_snapshot_that_finds_every_slot_held_waits_a_bounded_time_saying_so_th
     import threading
     import time
 
-    from cf_ray._engine.worker.snapshot import SnapshotSkipped
+    from cf_ray._engine.worker.snapshot.snapshotter import SnapshotSkipped
 
     caplog.set_level(logging.WARNING, logger="cf_ray")
     from cf_ray._engine import env
@@ -508,7 +508,7 @@ def test_the_waits_of_a_snapshot_for_the_slots_of_all_its_sections_share_one_bou
     snapshot is skipped once the bound has passed in all (not taken after three times the bound, as
     when each section had a bound of its own), and the slot it took is given back."""
     from cf_ray._engine import env
-    from cf_ray._engine.worker.snapshot import SnapshotSkipped
+    from cf_ray._engine.worker.snapshot.snapshotter import SnapshotSkipped
 
     monkeypatch.setattr(env, "SLOT_WAIT_S", 2.0)
     model, opt, train_step, sections, guarded = _job()
@@ -558,8 +558,8 @@ def test_a_holder_slow_to_give_a_new_layouts_slots_holds_the_snapshot_only_withi
     import ray
 
     from cf_ray._engine import env
-    from cf_ray._engine.worker.holder_handoff import HolderHandOff
-    from cf_ray._engine.worker.snapshot import SnapshotSkipped
+    from cf_ray._engine.worker.snapshot.handoff import HolderHandOff
+    from cf_ray._engine.worker.snapshot.snapshotter import SnapshotSkipped
     from cf_ray._engine.worker.timing import Timing
 
     @ray.remote(num_cpus=0)

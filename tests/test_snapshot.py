@@ -8,7 +8,7 @@ import torch
 
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.node.slot_store import SlotStore
-from cf_ray._engine.worker.snapshot import Snapshotter
+from cf_ray._engine.worker.snapshot.snapshotter import Snapshotter
 
 
 class _Received:

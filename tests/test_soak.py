@@ -276,8 +276,8 @@ def test_the_mid_copy_probe_kills_after_the_first_tensor_of_the_armed_step_lande
 
     import torch
 
-    from cf_ray._engine.worker import copy_engine
-    from cf_ray._engine.worker.snapshot_job import Deferred
+    from cf_ray._engine.worker.snapshot import copy_engine
+    from cf_ray._engine.worker.snapshot.job import Deferred
 
     control = str(tmp_path / "control")
     monkeypatch.setenv(probes.CONTROL_ENV, control)

@@ -392,7 +392,7 @@ def test_a_private_section_is_kept_as_views_and_the_parameters_bytes_are_given_b
     """A section streamed from another node is this process's own memory: the optimizer state is
     kept as views of it (no second copy), and the bytes only the module read (it copied them into its
     parameters) are released once loaded. The same section not private: copies, nothing released."""
-    from cf_ray._engine.worker import restore_checks
+    from cf_ray._engine.worker.restore import checks as restore_checks
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))

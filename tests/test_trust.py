@@ -25,8 +25,15 @@ from cf_ray._engine.memory import slots as shm
 from cf_ray._engine.memory import wire
 from cf_ray._engine.node import stream
 from cf_ray._engine.protocol.messages import RestoreSource, SlotDesc
-from cf_ray._engine.worker import integrity, restore_checks
-from cf_ray._engine.worker.trust_gate import NonFiniteAfterRestore, Reason, RunTrust, Suspect, TrustGate
+from cf_ray._engine.worker.restore import checks as restore_checks
+from cf_ray._engine.worker.restore import integrity
+from cf_ray._engine.worker.restore.trust_gate import (
+    NonFiniteAfterRestore,
+    Reason,
+    RunTrust,
+    Suspect,
+    TrustGate,
+)
 from cf_ray.errors import CorruptCheckpointError, RestoreError
 from cf_ray.load import quarantined_checkpoints
 
@@ -158,7 +165,7 @@ def test_a_refused_memory_snapshot_is_reported_for_the_controller_to_never_offer
     step with ``verification`` (the controller takes it out of every later plan); the checkpoint of
     the same step on storage is intact and is the next candidate. A non-finite state is the same on
     every tier: the storage copy of that snapshot is not read again by the same restore."""
-    from cf_ray._engine.worker.restore_memory import MemoryReader
+    from cf_ray._engine.worker.restore.memory import MemoryReader
 
     state, data = tr._objects(seed=2)
     restorer, storage, link = tr._restorer(tmp_path, state, data)

@@ -6,7 +6,7 @@ A probe does nothing unless the soak's driver *arms* it (a file ``arm/<probe>.js
 directory that ``SOAK_CONTROL_DIR`` names); the first process that reaches the probe's point claims
 the arm (an atomic rename), writes ``at/<fault>.json`` (its pid, what it was doing) and:
 
-* ``mid_copy`` (the snapshot thread's copy into a holder's slot, ``worker/copy_engine.py``'s
+* ``mid_copy`` (the snapshot thread's copy into a holder's slot, ``worker/snapshot/copy_engine.py``'s
   ``_copy_checksummed``): at the first copy of a section with tensors to copy (of rank ``rank`` if
   the arm names one, at step ``step`` if it names one, else at the first step from ``min_step`` on)
   it copies the first of those tensors into the slot itself, so the slot is part filled and not
@@ -294,7 +294,7 @@ def _desc(desc) -> dict:
 
 
 PATCHES = {
-    "cf_ray._engine.worker.copy_engine": _patch_snapshot,
+    "cf_ray._engine.worker.snapshot.copy_engine": _patch_snapshot,
     "cf_ray.checkpointer": _patch_checkpointer,
     "cf_ray._engine.memory.wire": _patch_wire,
     "cf_ray._engine.node.stream": _patch_stream,

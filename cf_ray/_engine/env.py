@@ -61,12 +61,12 @@ REGISTER_INTERVAL_S = "CF_RAY_REGISTER_INTERVAL_S"
 #: "0" turns off direct I/O (O_DIRECT) for large local writes; they then go through the page cache.
 DIRECT_IO = "CF_RAY_DIRECT_IO"
 #: Threads that checksum a snapshot's bytes after a GPU copied them into host memory by DMA
-#: (``worker/copy_engine.py``'s ``crc_threads``; unset or 0: the cores over ``LOCAL_WORLD_SIZE``, at most 8).
+#: (``worker/snapshot/copy_engine.py``'s ``crc_threads``; unset or 0: the cores over ``LOCAL_WORLD_SIZE``, at most 8).
 CRC_THREADS = "CF_RAY_CRC_THREADS"
 #: "1" lets cf_ray import with a Ray version it was not tested with (``cf_ray._version``).
 ALLOW_UNTESTED_RAY = "CF_RAY_ALLOW_UNTESTED_RAY"
 #: "0" keeps Ray Train's own defaults for the settings cf_ray gives it in the driver when imported
-#: there (its health-check interval: ``cf_ray/_engine/ray_train_fast.py``).
+#: there (its health-check interval: ``cf_ray/_engine/worker/link/ray_train_fast.py``).
 RAY_TRAIN_DEFAULTS = "CF_RAY_RAY_TRAIN_DEFAULTS"
 
 VARIABLES: dict[str, float] = {
@@ -147,13 +147,13 @@ WINDOW_SAVE_INTERVAL_S: float = 5.0
 BELL_POLL_INTERVAL_S: float = 1.0
 
 #: Steps after a restore whose loss (``Checkpointer.step(..., loss=)``) is read and checked for NaN and
-#: infinity (``worker/trust_gate.py``); a non-finite one rolls the run back past the restored step.
+#: infinity (``worker/restore/trust_gate.py``); a non-finite one rolls the run back past the restored step.
 #: Only these steps read the loss's value (a GPU loss is synchronised there only).
 TRUST_STEPS: int = 3
 #: Seconds a snapshot may hold the training thread waiting — for the previous hand-off, a free slot of
 #: each section when the holder holds every one (one being written, one pinned until written, the
 #: spare), the holder's slots of a new layout — in all, before it is skipped and reported
-#: (``worker/snapshot.py``): one bound per snapshot, not per section.
+#: (``worker/snapshot/snapshotter.py``): one bound per snapshot, not per section.
 SLOT_WAIT_S: float = 60.0
 
 CONSTANTS = (

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from cf_ray._engine.worker.rng import rng_state, set_rng_state
+from cf_ray._engine.worker.snapshot.rng import rng_state, set_rng_state
 from cf_ray.data.sampler import ResumableDistributedSampler
 from cf_ray.errors import ConfigError
 

@@ -60,7 +60,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from cf_ray._engine.worker.restore_checks import dry_run
+from cf_ray._engine.worker.restore.checks import dry_run
 from cf_ray.checkpointer import Checkpointer, FinishSummary, Resume
 from cf_ray.config import CheckpointConfig
 from cf_ray.data.sampler import ResumableDistributedSampler

@@ -53,7 +53,7 @@ from typing import Any, cast
 import lightning.pytorch as pl  # the package ray.train.lightning uses first
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
-from cf_ray._engine.worker.rng import rng_state, set_rng_state
+from cf_ray._engine.worker.snapshot.rng import rng_state, set_rng_state
 from cf_ray.checkpointer import Checkpointer, FinishSummary, Resume
 from cf_ray.config import CheckpointConfig
 from cf_ray.data.sampler import ResumableDistributedSampler

@@ -34,16 +34,16 @@ from typing import Any
 import ray
 
 from cf_ray._engine import env as _env
+from cf_ray._engine.driver.checkpoints.quarantine import Quarantine
+from cf_ray._engine.driver.checkpoints.uploads import tier_steps
 from cf_ray._engine.driver.facts import ClusterView, default_cluster
 from cf_ray._engine.driver.ledger import Ledger
 from cf_ray._engine.driver.lifetime import Lifetime
 from cf_ray._engine.driver.maintenance import Maintenance
-from cf_ray._engine.driver.profile_parts import delete_other_lineages, newest_lineage
-from cf_ray._engine.driver.quarantine import Quarantine
 from cf_ray._engine.driver.recovery import HolderLink, Roster, in_ray_actor, was_reconstructed
 from cf_ray._engine.driver.settings import ControllerSettings
-from cf_ray._engine.driver.uploads import tier_steps
 from cf_ray._engine.driver.watch import Watch
+from cf_ray._engine.observe.profile_parts import delete_other_lineages, newest_lineage
 from cf_ray._engine.protocol.cluster import Owner, run_name_of
 from cf_ray._engine.protocol.doorbell import ring_all
 from cf_ray._engine.protocol.messages import (

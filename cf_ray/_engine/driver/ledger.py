@@ -20,13 +20,13 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from cf_ray._engine.driver.commits import CommitBook
-from cf_ray._engine.driver.committed import CommitJob, load_committed
-from cf_ray._engine.driver.profile_book import ProfileBook
+from cf_ray._engine.driver.checkpoints.commits import CommitBook
+from cf_ray._engine.driver.checkpoints.committed import CommitJob, load_committed
 from cf_ray._engine.driver.recovery import ControlState
 from cf_ray._engine.driver.schedule import ScheduleBook
 from cf_ray._engine.driver.schedule import explain as explain_policy
 from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.observe.profile_book import ProfileBook
 from cf_ray._engine.protocol.messages import (
     CheckpointRequest,
     HolderState,
@@ -427,7 +427,7 @@ class Ledger:
     def save_events(self) -> None:
         """Write the events as ``events.json`` beside the profile, so that a finished run's events
         stay readable (``Run.events()``) once the controller is gone; never raises (a report)."""
-        from cf_ray._report_events import save_events
+        from cf_ray._engine.observe.event_files import save_events
 
         with self.lock:
             events = list(self.book.events)

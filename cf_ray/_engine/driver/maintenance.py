@@ -16,11 +16,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from cf_ray._engine.driver.commits import CommitBook
-from cf_ray._engine.driver.profile_book import ProfileBook
-from cf_ray._engine.driver.retention import Retention
-from cf_ray._engine.driver.uploads import Upload, Uploads
+from cf_ray._engine.driver.checkpoints.commits import CommitBook
+from cf_ray._engine.driver.checkpoints.retention import Retention
+from cf_ray._engine.driver.checkpoints.uploads import Upload, Uploads
 from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.observe.profile_book import ProfileBook
 from cf_ray._engine.storage.fs import Storage
 
 logger = logging.getLogger("cf_ray")

@@ -23,7 +23,7 @@ import logging
 import time
 from typing import Any
 
-from cf_ray._engine.driver.badput import FailureFeed
+from cf_ray._engine.observe.badput import FailureFeed
 from cf_ray._engine.protocol.messages import Schedule
 from cf_ray._engine.storage.fs import Storage
 from cf_ray.policy import FrequencyPolicy, RunEvent, RunEventKind, Sample

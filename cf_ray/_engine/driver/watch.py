@@ -17,8 +17,8 @@ import threading
 import time
 
 from cf_ray._engine import env as _env
+from cf_ray._engine.driver.checkpoints.pending import PendingTable
 from cf_ray._engine.driver.ledger import Ledger
-from cf_ray._engine.driver.pending import PendingTable
 from cf_ray._engine.driver.recovery import HolderBusy, Roster
 from cf_ray._engine.protocol.messages import Message, PartStaged, SectionState
 

@@ -419,7 +419,7 @@ class SyncRequest(Message):
     seen_requests: int = -1
     bell: tuple[Any, int] | None = None
     """The rank's doorbell, ``(actor handle, token)``, until the controller has it for this attempt
-    (``worker/controller_sync.py``); ``None``: known already, or the rank runs outside a Ray actor."""
+    (``worker/link/sync.py``); ``None``: known already, or the rank runs outside a Ray actor."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

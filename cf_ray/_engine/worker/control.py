@@ -49,7 +49,7 @@ class Agreement:
     """Some rank lost durability with ``on_durability_lost="raise"``: every rank fails the attempt."""
     non_finite: int = 0
     """The newest step at which some rank's loss went non-finite in the first steps after a restore
-    (``worker/trust_gate.py``; 0: none): every rank rolls back."""
+    (``worker/restore/trust_gate.py``; 0: none): every rank rolls back."""
 
 
 class ControlPlane:

@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any, NoReturn, cast
 
-from cf_ray._engine.worker.controller_link import ControllerLink
+from cf_ray._engine.worker.link.controller import ControllerLink
 from cf_ray._engine.worker.watchdog import DurabilitySettings, DurabilityWatchdog, Knowledge
 from cf_ray.config import CheckpointConfig, DurabilityTimeout
 from cf_ray.errors import DurabilityLostError

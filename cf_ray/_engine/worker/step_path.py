@@ -20,20 +20,20 @@ from typing import Any
 
 from cf_ray._engine import env as _env
 from cf_ray._engine.protocol.messages import CheckpointKind, CheckpointRequest
+from cf_ray._engine.wiring import connect
 from cf_ray._engine.worker.context import WorkerContext
 from cf_ray._engine.worker.control import Agreement, ControlPlane
-from cf_ray._engine.worker.controller_link import ControllerLink
 from cf_ray._engine.worker.cpu_budget import Mark
 from cf_ray._engine.worker.cpu_budget import mark as cpu_mark
 from cf_ray._engine.worker.durability import Durability
+from cf_ray._engine.worker.link.controller import ControllerLink
+from cf_ray._engine.worker.link.ray_train import RayTrainLink
 from cf_ray._engine.worker.preemption_watcher import PreemptionWatcher
-from cf_ray._engine.worker.ray_train import RayTrainLink
-from cf_ray._engine.worker.run_actors import connect
+from cf_ray._engine.worker.restore.sharded import ShardedState
+from cf_ray._engine.worker.restore.trust_gate import TrustGate
 from cf_ray._engine.worker.scheduler import Scheduler
-from cf_ray._engine.worker.sharded import ShardedState
-from cf_ray._engine.worker.snapshot import Phase1
+from cf_ray._engine.worker.snapshot.snapshotter import Phase1
 from cf_ray._engine.worker.timing import Timing
-from cf_ray._engine.worker.trust_gate import TrustGate
 from cf_ray.config import CheckpointConfig
 
 #: How many times ``finish()`` takes the final checkpoint when the try before failed (within its wait).

@@ -2,7 +2,7 @@
 checkpointing, what each checkpoint cost the training thread (its stall, the weight-update guard)
 and the background thread (copy, hand-off), and a summary of the last checkpoint.
 
-Samples travel to the controller with the next poll (:mod:`cf_ray._engine.worker.controller_link`).
+Samples travel to the controller with the next poll (:mod:`cf_ray._engine.worker.link.controller`).
 """
 
 from __future__ import annotations

@@ -37,10 +37,10 @@ from collections.abc import Callable
 import numpy as np
 
 from cf_ray._engine import env as _env
-from cf_ray._engine.driver.commits import CommitBook
-from cf_ray._engine.driver.profile_book import ProfileBook
+from cf_ray._engine.driver.checkpoints.commits import CommitBook
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.format.manifest import QUARANTINE, Quarantined, load_quarantine_entries, write_quarantine
+from cf_ray._engine.observe.profile_book import ProfileBook
 from cf_ray._engine.protocol.messages import Distrusted
 from cf_ray._engine.storage.fs import Storage
 from cf_ray.errors import CheckpointNotFoundError, CorruptCheckpointError

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from cf_ray._engine.format import codec as _codec
-from cf_ray._engine.worker.shards import (
+from cf_ray._engine.worker.restore.shards import (
     SavedShard,
     _assemble,
     _keyed_by,
@@ -220,7 +220,7 @@ class ShardedState:
         if not isinstance(saved, dict):
             raise CorruptCheckpointError(f"the saved state of {name!r} is not a mapping")
         if name in self.modules:
-            from cf_ray._engine.worker.restore_checks import check_module_keys  # it imports this module
+            from cf_ray._engine.worker.restore.checks import check_module_keys
 
             live = self._live_model(name)
             check_module_keys(name, live, saved)
@@ -337,7 +337,7 @@ class ShardedState:
         module_name = name if name in self.modules else self.optimizers[name][0]
         live = self._live_model(module_name)
         if name in self.modules:
-            from cf_ray._engine.worker.restore_checks import check_module_keys  # it imports this module
+            from cf_ray._engine.worker.restore.checks import check_module_keys
 
             check_module_keys(name, live, saved)
             return {

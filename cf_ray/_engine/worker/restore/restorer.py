@@ -45,22 +45,33 @@ import numpy as np
 import ray
 import ray.exceptions
 
-from cf_ray._engine import ray_train_fast
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.protocol.messages import Restored, RestorePlan, RestoreSource
-from cf_ray._engine.worker import integrity as _integrity
-from cf_ray._engine.worker import restore_checks as _checks
-from cf_ray._engine.worker import sharded as _sharded
 from cf_ray._engine.worker.context import WorkerContext
 from cf_ray._engine.worker.control import ControlPlane
-from cf_ray._engine.worker.controller_link import ControllerLink
-from cf_ray._engine.worker.restore_decision import Fallbacks, PlanFailed, Status, Verdict, decide, fail_status
-from cf_ray._engine.worker.restore_memory import MemoryReader
-from cf_ray._engine.worker.restore_record import RestoreRecord
-from cf_ray._engine.worker.restore_storage import describe, load_section, other_run_checkpoint, read
+from cf_ray._engine.worker.link import ray_train_fast
+from cf_ray._engine.worker.link.controller import ControllerLink
+from cf_ray._engine.worker.restore import checks as _checks
+from cf_ray._engine.worker.restore import integrity as _integrity
+from cf_ray._engine.worker.restore import sharded as _sharded
+from cf_ray._engine.worker.restore.decision import (
+    Fallbacks,
+    PlanFailed,
+    Status,
+    Verdict,
+    decide,
+    fail_status,
+)
+from cf_ray._engine.worker.restore.memory import MemoryReader
+from cf_ray._engine.worker.restore.record import RestoreRecord
+from cf_ray._engine.worker.restore.storage import (
+    describe,
+    load_section,
+    other_run_checkpoint,
+    read,
+)
+from cf_ray._engine.worker.restore.trust_gate import Reason, RunTrust, stopped_error
 from cf_ray._engine.worker.results import Resume
-from cf_ray._engine.worker.rng import rng_state, set_rng_state  # noqa: F401 - re-exported (older imports)
-from cf_ray._engine.worker.trust_gate import Reason, RunTrust, stopped_error
 from cf_ray.config import CheckpointConfig
 from cf_ray.errors import CheckpointMismatchError, CorruptCheckpointError, RestoreError
 

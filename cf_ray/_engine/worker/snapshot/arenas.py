@@ -1,5 +1,5 @@
 """The snapshot arenas of one rank: per section, the holder's slots mapped here (a
-:class:`~cf_ray._engine.worker.slot_arena.SlotArena`), reused while the section's layout stays the
+:class:`~cf_ray._engine.worker.snapshot.slot_arena.SlotArena`), reused while the section's layout stays the
 same, faulted in ahead of the first snapshot (``snapshot.py``'s module doc says why), and a free
 slot of each waited for (said while it waits) before a snapshot is skipped
 (:class:`SnapshotSkipped`, never a hang of the training thread); so is the previous snapshot's
@@ -22,7 +22,7 @@ import torch
 from cf_ray._engine import env as _env
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.protocol.messages import SlotDesc
-from cf_ray._engine.worker.slot_arena import SlotArena, SlotsBusy
+from cf_ray._engine.worker.snapshot.slot_arena import SlotArena, SlotsBusy
 
 logger = logging.getLogger("cf_ray")
 
@@ -51,7 +51,7 @@ class SectionArenas:
         self._pin = torch.cuda.is_available()
         self.on_slot_wait: Callable[[float], bool] | None = None
         """Called (on the training thread) while a snapshot waits for a free slot, about every
-        :data:`~cf_ray._engine.worker.slot_arena.WAIT_TICK_S` with the seconds waited; True gives the wait up (the snapshot is skipped)."""
+        :data:`~cf_ray._engine.worker.snapshot.slot_arena.WAIT_TICK_S` with the seconds waited; True gives the wait up (the snapshot is skipped)."""
         self._next_wait_log = 0.0
         self._slot_wait_warned = False
         self.prepare_s: float | None = None

@@ -33,13 +33,13 @@ import time
 from collections.abc import Callable
 
 from cf_ray._engine import env as _env
-from cf_ray._engine.driver.badput import Badput
-from cf_ray._engine.driver.events import EventLog, fallback_cause
-from cf_ray._engine.driver.goodput import Restart, restore_args
 from cf_ray._engine.driver.jit import JitWatch, SafeTier
-from cf_ray._engine.driver.metrics import MetricsExport
-from cf_ray._engine.driver.profile_parts import ProfileParts, merge_rows, new_lineage
 from cf_ray._engine.driver.schedule import ScheduleBook, checkpoint_stats
+from cf_ray._engine.observe.badput import Badput
+from cf_ray._engine.observe.events import EventLog, fallback_cause
+from cf_ray._engine.observe.goodput import Restart, restore_args
+from cf_ray._engine.observe.metrics import MetricsExport
+from cf_ray._engine.observe.profile_parts import ProfileParts, merge_rows, new_lineage
 from cf_ray._engine.protocol.messages import CheckpointKind, PartReplicated, SectionState, SnapshotMeta
 from cf_ray._engine.storage.fs import Storage
 

@@ -3,7 +3,7 @@ a restore, watched.
 
 **Distrusted snapshots.** A snapshot whose bytes failed a check (a block's CRC-32, a fingerprint
 after loading: ``integrity.py``) or whose state went non-finite is never offered to a restore of the
-run again. The controller keeps that list (``driver/quarantine.py``): a memory ``restore_fallback``
+run again. The controller keeps that list (``driver/checkpoints/quarantine.py``): a memory ``restore_fallback``
 event whose bytes failed verification (rank 0's, with the snapshot's ``generation`` and ``step``)
 takes that in-memory snapshot out of every later plan; ``controller.distrust(generation, step,
 reason)`` (:func:`tell_controller`: a non-finite state) does that and quarantines the checkpoint of

@@ -20,9 +20,9 @@ from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.memory import slots as _slots
 from cf_ray._engine.memory import wire as _wire
 from cf_ray._engine.protocol.messages import MemorySnapshot, SectionAt, SlotDesc, StreamDesc
-from cf_ray._engine.worker import integrity as _integrity
-from cf_ray._engine.worker.restore_record import RestoreRecord
-from cf_ray._engine.worker.restore_storage import describe
+from cf_ray._engine.worker.restore import integrity as _integrity
+from cf_ray._engine.worker.restore.record import RestoreRecord
+from cf_ray._engine.worker.restore.storage import describe
 from cf_ray.errors import CorruptCheckpointError
 
 logger = logging.getLogger("cf_ray")

@@ -28,8 +28,8 @@ import ray.exceptions
 from cf_ray._engine import env as _env
 from cf_ray._engine.memory import slots as _slots
 from cf_ray._engine.protocol.messages import SlotDesc, Stage, StagedSlot, StageReply
-from cf_ray._engine.worker.snapshot_arenas import SnapshotSkipped
-from cf_ray._engine.worker.snapshot_job import SnapshotJob, StagedSection
+from cf_ray._engine.worker.snapshot.arenas import SnapshotSkipped
+from cf_ray._engine.worker.snapshot.job import SnapshotJob, StagedSection
 from cf_ray._engine.worker.timing import Timing
 
 logger = logging.getLogger("cf_ray")

@@ -19,8 +19,8 @@ from typing import Any
 
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.protocol.messages import RestoreSource
-from cf_ray._engine.worker.restore_storage import describe
-from cf_ray._engine.worker.trust_gate import Reason, Suspect, tell_controller
+from cf_ray._engine.worker.restore.storage import describe
+from cf_ray._engine.worker.restore.trust_gate import Reason, Suspect, tell_controller
 from cf_ray.errors import CfRayError, RestoreError
 
 logger = logging.getLogger("cf_ray")

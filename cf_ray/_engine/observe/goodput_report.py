@@ -1,5 +1,5 @@
 """Where a run's wall time went, as users read it (issue #26): the goodput/badput breakdown the
-controller keeps (:mod:`cf_ray._engine.driver.badput`), as a table and a plot, and its file on
+controller keeps (:mod:`cf_ray._engine.observe.badput`), as a table and a plot, and its file on
 storage; its Ray metrics are :class:`cf_ray.report.GoodputMetrics`. :mod:`cf_ray.report`
 re-exports the public names; read a run's with ``cf_ray.Run(storage_path, name).goodput()``.
 
@@ -14,8 +14,8 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from cf_ray._engine.driver.badput import CATEGORIES
 from cf_ray._engine.lazy import lazy_module
+from cf_ray._engine.observe.badput import CATEGORIES
 from cf_ray._engine.storage.fs import FileInfo, Storage
 from cf_ray.errors import CorruptCheckpointError
 
@@ -73,7 +73,7 @@ def plot_badput(breakdowns: Mapping[str, Mapping | None] | Mapping, ax=None, *, 
     Returns:
         The ``matplotlib.figure.Figure``.
     """
-    from cf_ray._report_plot import new_axes, place_legend, say_not_enough
+    from cf_ray._engine.observe.profile_plot import new_axes, place_legend, say_not_enough
 
     one = breakdowns is None or "badput_s" in breakdowns or "wall_s" in breakdowns
     runs: dict[str, Mapping | None] = {"run": breakdowns} if one else dict(breakdowns)
@@ -113,7 +113,7 @@ def plot_badput(breakdowns: Mapping[str, Mapping | None] | Mapping, ax=None, *, 
 def _restart_bars(ax, y: float, restarts, wall: float, number: int, handles: list) -> int:
     """Each restart of a run as a segment of its row: work lost plus failure to the first resumed
     iteration, as a share of the run's wall time, numbered; returns the last restart number."""
-    from cf_ray._report_plot import restart_label
+    from cf_ray._engine.observe.profile_plot import restart_label
     from cf_ray.report import restarts_frame
 
     left = 0.0

@@ -36,11 +36,17 @@ import time
 from collections.abc import Callable
 
 from cf_ray._engine.driver import jit as _jit
-from cf_ray._engine.driver.committed import CommitJob, CommitResult, Committed, CommittedIndex, files_present
-from cf_ray._engine.driver.pending import Pending, PendingTable
-from cf_ray._engine.driver.profile_book import ProfileBook
+from cf_ray._engine.driver.checkpoints.committed import (
+    CommitJob,
+    CommitResult,
+    Committed,
+    CommittedIndex,
+    files_present,
+)
+from cf_ray._engine.driver.checkpoints.pending import Pending, PendingTable
 from cf_ray._engine.driver.schedule import ScheduleBook
 from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.observe.profile_book import ProfileBook
 from cf_ray._engine.protocol.messages import (
     CheckpointKind,
     MemorySnapshot,

@@ -3,7 +3,7 @@
 is), and the assembly of a new shard from the old ranks' shards that overlap it (DCP's own planner
 helper, ``create_read_items_for_chunk_list``: N -> M ranks, or a whole tensor for a script that does
 not shard it, :func:`gather_whole`), with an optimizer's state keyed by FQN or by integer id.
-:class:`~cf_ray._engine.worker.sharded.ShardedState` (``sharded.py``) drives them.
+:class:`~cf_ray._engine.worker.restore.sharded.ShardedState` (``sharded.py``) drives them.
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ from typing import Any, cast
 
 from cf_ray._engine import env as _env
 from cf_ray._engine.protocol.messages import CheckpointRequest, PartFailed, Settled, SyncReply
-from cf_ray._engine.worker.controller_line import ControllerLine
-from cf_ray._engine.worker.controller_news import ControllerNews
-from cf_ray._engine.worker.controller_sync import SyncExchange
+from cf_ray._engine.worker.link.line import ControllerLine
+from cf_ray._engine.worker.link.news import ControllerNews
+from cf_ray._engine.worker.link.sync import SyncExchange
 from cf_ray._engine.worker.scheduler import Scheduler
 from cf_ray._engine.worker.timing import Timing
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import time
 
-from cf_ray._engine.worker.integrity import Refusals
-from cf_ray._engine.worker.restore_decision import Fallbacks
+from cf_ray._engine.worker.restore.decision import Fallbacks
+from cf_ray._engine.worker.restore.integrity import Refusals
 
 
 class RestoreRecord:

@@ -40,7 +40,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from cf_ray._engine.driver.goodput import Goodput, Restart
+from cf_ray._engine.observe.goodput import Goodput, Restart
 from cf_ray._engine.protocol.messages import CheckpointKind, SnapshotMeta
 from cf_ray.policy import RunEvent, RunEventKind
 

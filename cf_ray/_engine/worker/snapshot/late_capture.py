@@ -25,7 +25,7 @@ import numpy as np
 
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.worker.snapshot_job import LateObject, LateSlot, SnapshotJob
+from cf_ray._engine.worker.snapshot.job import LateObject, LateSlot, SnapshotJob
 
 logger = logging.getLogger("cf_ray")
 

@@ -51,16 +51,16 @@ from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.memory import slots as _slots
 from cf_ray._engine.protocol.messages import CheckpointKind, SnapshotMeta
-from cf_ray._engine.worker import fingerprint as _fp
-from cf_ray._engine.worker import sharded as _sharded
-from cf_ray._engine.worker.copy_engine import CopyEngine
 from cf_ray._engine.worker.cpu_budget import CpuBudget
 from cf_ray._engine.worker.cpu_budget import mark as cpu_mark
-from cf_ray._engine.worker.holder_handoff import HolderHandOff, ReplicaPlan, replica_due
-from cf_ray._engine.worker.late_capture import LateCapture, late_slots
-from cf_ray._engine.worker.rng import rng_state
-from cf_ray._engine.worker.snapshot_arenas import ArenaSource, SectionArenas, SnapshotSkipped
-from cf_ray._engine.worker.snapshot_job import LateObject, SnapshotJob, StagedSection
+from cf_ray._engine.worker.restore import sharded as _sharded
+from cf_ray._engine.worker.snapshot import fingerprint as _fp
+from cf_ray._engine.worker.snapshot.arenas import ArenaSource, SectionArenas, SnapshotSkipped
+from cf_ray._engine.worker.snapshot.copy_engine import CopyEngine
+from cf_ray._engine.worker.snapshot.handoff import HolderHandOff, ReplicaPlan, replica_due
+from cf_ray._engine.worker.snapshot.job import LateObject, SnapshotJob, StagedSection
+from cf_ray._engine.worker.snapshot.late_capture import LateCapture, late_slots
+from cf_ray._engine.worker.snapshot.rng import rng_state
 from cf_ray._engine.worker.timing import Timing
 
 logger = logging.getLogger("cf_ray")
@@ -137,7 +137,7 @@ class Snapshotter:
     @property
     def on_slot_wait(self) -> Callable[[float], bool] | None:
         """Called (on the training thread) while :meth:`begin` waits for a free slot
-        (:attr:`SectionArenas.on_slot_wait <cf_ray._engine.worker.snapshot_arenas.SectionArenas.on_slot_wait>`)."""
+        (:attr:`SectionArenas.on_slot_wait <cf_ray._engine.worker.snapshot.arenas.SectionArenas.on_slot_wait>`)."""
         return self.arenas.on_slot_wait
 
     @on_slot_wait.setter
@@ -239,7 +239,7 @@ class Snapshotter:
     def capture_late(self, next_epoch: int | None = None) -> float:
         """At the start of the call after a snapshot's: take the late objects' state again, into the
         slots the snapshot reserved for them (:meth:`LateCapture.capture
-        <cf_ray._engine.worker.late_capture.LateCapture.capture>`). Returns seconds spent."""
+        <cf_ray._engine.worker.snapshot.late_capture.LateCapture.capture>`). Returns seconds spent."""
         return self._late.capture(next_epoch)
 
     def wait_copy(self) -> float:

@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from cf_ray._engine import env as _env
-from cf_ray._engine.driver.profile_book import ProfileBook
 from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.observe.profile_book import ProfileBook
 from cf_ray._engine.storage.base import chunked, is_symlink
 from cf_ray._engine.storage.fs import Storage
 from cf_ray.errors import CorruptCheckpointError, UnsafePathError

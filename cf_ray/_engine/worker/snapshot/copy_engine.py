@@ -35,8 +35,8 @@ from cf_ray._engine.format import blocks as _blocks
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format import sections as _sections
 from cf_ray._engine.worker.cpu_budget import mark as cpu_mark
-from cf_ray._engine.worker.slot_arena import SlotArena
-from cf_ray._engine.worker.snapshot_job import Deferred, SnapshotJob, StagedSection
+from cf_ray._engine.worker.snapshot.job import Deferred, SnapshotJob, StagedSection
+from cf_ray._engine.worker.snapshot.slot_arena import SlotArena
 
 #: Blocks copied before they are checksummed, while they are still in the CPU's cache.
 CRC_WINDOW_BLOCKS = 32

@@ -34,9 +34,9 @@ import torch
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.memory import slots as _slots
-from cf_ray._engine.worker import fingerprint as _fp
-from cf_ray._engine.worker import sharded as _sharded
-from cf_ray._engine.worker.rng import check_rng_state, set_rng_state
+from cf_ray._engine.worker.restore import sharded as _sharded
+from cf_ray._engine.worker.snapshot import fingerprint as _fp
+from cf_ray._engine.worker.snapshot.rng import check_rng_state, set_rng_state
 from cf_ray.errors import CheckpointMismatchError, CorruptCheckpointError, ElasticResumeError, RestoreError
 
 logger = logging.getLogger("cf_ray")

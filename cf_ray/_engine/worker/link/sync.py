@@ -24,8 +24,8 @@ import ray.exceptions
 from cf_ray._engine import env as _env
 from cf_ray._engine.protocol.doorbell import Doorbell
 from cf_ray._engine.protocol.messages import SyncReply, SyncRequest
-from cf_ray._engine.worker.controller_line import ControllerLine
-from cf_ray._engine.worker.controller_news import ControllerNews
+from cf_ray._engine.worker.link.line import ControllerLine
+from cf_ray._engine.worker.link.news import ControllerNews
 from cf_ray._engine.worker.scheduler import Scheduler
 from cf_ray._engine.worker.timing import Timing
 

@@ -17,7 +17,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from cf_ray._engine.driver.commits import CommitBook
+from cf_ray._engine.driver.checkpoints.commits import CommitBook
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.protocol.messages import SectionState
 from cf_ray._engine.storage.fs import Storage

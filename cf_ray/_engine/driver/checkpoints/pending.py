@@ -16,7 +16,7 @@ import collections
 import time
 from dataclasses import dataclass, field
 
-from cf_ray._engine.driver.committed import CommittedIndex
+from cf_ray._engine.driver.checkpoints.committed import CommittedIndex
 from cf_ray._engine.driver.jit import JitWatch
 from cf_ray._engine.format import manifest as mf
 from cf_ray._engine.protocol.messages import SectionState, Settled, SnapshotMeta
