@@ -44,7 +44,7 @@ def connect(ctx: WorkerContext, config: CheckpointConfig) -> RunActors:
         return get_or_create_holder(ctx.key, ctx.storage, controller_name(ctx.key), _env.namespace())
 
     def resolve():
-        # SEAM (#16, driver side): resolve_controller() waits for a live controller and makes it
+        # SEAM (driver side): resolve_controller() waits for a live controller and makes it
         # again when it is gone for good; without it, the same get-or-create as at the start.
         resolve_controller = getattr(_controller, "resolve_controller", None)
         if resolve_controller is not None:

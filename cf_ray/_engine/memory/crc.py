@@ -1,7 +1,7 @@
-"""CRC-32 arithmetic over a section's blocks (``manifest.BLOCK_BYTES``): the CRC-32 of a whole buffer
-from its blocks' (zlib's ``crc32_combine``: isal's, in C, where it is installed, else in pure Python,
-a few dozen operations per block: ~4 us, which for the ~4,600 blocks of 1.2 GB held the GIL for
-20 ms of every checkpoint), and
+"""CRC-32 arithmetic over a section's blocks (``format/blocks.py``'s ``BLOCK_BYTES``): the CRC-32 of a
+whole buffer from its blocks' (zlib's ``crc32_combine``: isal's, in C, where it is installed, else in
+pure Python, a few dozen operations per block, which for a section of thousands of blocks holds the
+GIL for a noticeable part of every checkpoint), and
 :class:`BlockCheck`, which checks each block of a buffer against the index's CRC-32s as the bytes
 land (while they are in the CPU's cache: no second pass over memory)."""
 

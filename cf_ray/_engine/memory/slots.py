@@ -12,7 +12,7 @@ Layout: a header page, then the data (page-aligned, for ``O_DIRECT``). The heade
 slot holds — ``(generation, step, seq)``, whether it is complete — and carries the slot file's
 *nonce* (random, written by the holder when it made the file).
 
-Identity (issue 23): ``/proc/<pid>/fd/<n>`` names whatever that process has open under ``n`` *now*;
+Identity: ``/proc/<pid>/fd/<n>`` names whatever that process has open under ``n`` *now*;
 a holder that died and a new process that reused its pid and fd number would hand out another
 file. So whoever opens a slot (:func:`open_checked`) checks, before a byte is written or read, that
 the link names the memfd the holder described (``/memfd:cf_ray.<run>.<section>.<n> (deleted)``),

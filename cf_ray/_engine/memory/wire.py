@@ -4,7 +4,7 @@ A holder offers a section it holds to one reader on another node (a restore ther
 pulling a copy into a slot of its own) over one TCP connection: the holder's
 :class:`~cf_ray._engine.node.stream.SectionServer` sends it straight from the slot (``sendfile``),
 and the reader receives it into memory it owns. The bytes are copied once on each host, by the
-kernel, where Ray's object transfer copied them three times (the origin's ``put``, the transfer
+kernel, where Ray's object transfer would copy them three times (the origin's ``put``, the transfer
 into the reader node's store, the reader's own copy).
 
 Protocol, one request per connection: the reader sends :data:`MAGIC` and the offer's token (16

@@ -15,15 +15,15 @@ with one job and one lock:
 * :class:`~.sender.Sender` — every message to the controller, delivered in order, acknowledged.
 
 The hand-off (:meth:`Holder.stage`) returns once the holder has recorded the snapshot; the sender
-delivers ``part_staged`` to the controller on its own (issue 23: a restarting controller never
-stalls training). A holder that dies before it was delivered leaves a step the controller never
+delivers ``part_staged`` to the controller on its own, so a restarting controller never stalls
+training. A holder that dies before it was delivered leaves a step the controller never
 heard of, which ``settled()`` never calls settled: ``wait()``/``finish()`` report it.
 
 Ray calls: workers and the controller call the default group (:data:`CALLS` threads); other holders'
 ``hold_replica`` runs in its own ``peer`` group (:data:`PEER_CALLS` threads), so a slow peer never
 queues a worker's ``stage`` behind it.
 
-Liveness (issue #16): a holder that dies is restarted by Ray (``max_restarts=-1``) or made again by
+Liveness: a holder that dies is restarted by Ray (``max_restarts=-1``) or made again by
 the next ``get_or_create_holder`` on its node, empty; storage is the truth. The controller asks it to
 finish what it is writing (:meth:`Holder.drain`) before it kills it. Lifetime (``protocol/cluster.py``):
 a holder records the run it belongs to; :func:`get_or_create_holder` never reuses one whose run's

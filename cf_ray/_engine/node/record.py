@@ -1,4 +1,4 @@
-"""What a holder was given and what became of it (issue #16): the record a controller that starts
+"""What a holder was given and what became of it: the record a controller that starts
 again asks for (``resync``), and that its watch asks about sections pending too long (``lookup``).
 
 Per section of the newest :data:`MAX_RECORD_STEPS` steps not known settled: its ``part_staged`` and,

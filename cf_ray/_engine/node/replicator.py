@@ -1,4 +1,4 @@
-"""Peer copies (#12, issue 24): a holder's sections copied into holders of other nodes, so that the
+"""Peer copies: a holder's sections copied into holders of other nodes, so that the
 snapshot outlives the loss of its node.
 
 Origin side: with ``SnapshotMeta.replicas`` set, the newest staged entry of each section waits for
@@ -20,15 +20,15 @@ the origin's queue, and an origin whose node goes right after a copy ended would
 of that copy with it — the survivor's is what a restore plan relies on. A copy in flight when the
 origin's node goes fails (the stream breaks) and is never reported (the origin is gone), and a step
 half-copied at a node loss is passed over for the newest step every section of which has a copy.
-One pass over the bytes on each host, by the kernel (Ray's object transfer made three: the
+One pass over the bytes on each host, by the kernel (Ray's object transfer would make three: the
 origin's ``put``, the transfer, the peer's ``put``).
 
 **A step once begun is copied whole.** Only a step every section of which has a copy can be
 restored from memory after a node loss, so the thread finishes the step it started before it takes
 a newer one: a newer snapshot skips the sections of a step not begun, never the remaining sections
-of the step being copied (issue 28: with copies slower than the interval, newest-wins per section
-skipped the first snapshot's second section while its first was in flight, and with every copy that
-slow no step was ever copied whole). A remaining section whose slot the worker filled again since
+of the step being copied (with copies slower than the interval, newest-wins per section would skip
+a step's second section while its first is in flight, and with every copy that slow no step would
+ever be copied whole). A remaining section whose slot the worker filled again since
 is dropped (``take`` finds a newer fill), and the thread moves on. A preemption checkpoint
 (``SnapshotMeta.priority``) goes first all the same: its deadline does not wait for an older step.
 

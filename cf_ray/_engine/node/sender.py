@@ -1,11 +1,11 @@
-"""The holder's line to the controller: every message is delivered or its loss is seen (issue #16).
+"""The holder's line to the controller: every message is delivered or its loss is seen.
 
 One thread sends the holder's messages (``part_staged``, ``part_durable``, ``part_failed``,
 ``part_superseded``, ...: ``messages.HOLDER_MESSAGES``) in order from a bounded FIFO and waits for
 each to be acknowledged (the controller's method returned). What is queued when the thread is free
 goes in one call, ``Controller.deliver`` (at most :data:`BATCH` messages): a snapshot's sections are
-staged together, and at a checkpoint every iteration the Ray call per message was most of the
-holder's and the controller's CPU per checkpoint. A *lazy* message (``part_staged`` of a snapshot
+staged together, because at a checkpoint every iteration a Ray call per message would be most of
+the holder's and the controller's CPU per checkpoint. A *lazy* message (``part_staged`` of a snapshot
 held in memory only) waits up to :data:`LAZY_S` for company: such a snapshot is of use only while
 this holder lives, and a restore plan first has the holders deliver what they queued
 (``Holder.flush``, which sends lazy messages at once), so the controller needs it no sooner.

@@ -12,21 +12,21 @@ it again: ``write`` for a milestone or preemption checkpoint until it is written
 section of a step whose writing has started (the writer takes the lock over to write from it);
 ``protect`` for the protected copied step.
 
-**The protected copied step (issue 28).** With ``replica_every`` above 1 only some steps are copied to
+**The protected copied step.** With ``replica_every`` above 1 only some steps are copied to
 other nodes, and after a node loss only a copied step can be restored from memory — if this holder
 still has its *own* sections of it too. So the newest copied step that is complete as far as this
 holder can tell (every own section of it copied to a peer, and a copy of it from every origin whose
 copies of the previously protected step this holder keeps) is protected: its own slots pinned, its
 copies kept, until a newer step is complete or a commit at least as new makes memory restores of it
-pointless. Without that a step not copied coalesced over the survivor's own slot of the copied step
-(the slot the worker alternated to while the other was being written), and the restore after a
-node loss fell back to storage.
+pointless. Without that, a step not copied would be staged over the survivor's own slot of the
+copied step (the slot the worker alternates to while the other is being written), and the restore
+after a node loss would fall back to storage.
 
-**Peer copies (#12).** A copy of another node's section is received into a slot file of its own,
+**Peer copies.** A copy of another node's section is received into a slot file of its own,
 sealed once complete (nothing can change it afterwards). Per (origin holder, section): the copy of
 the protected step and the newest other one at most (one of them may be being received).
 
-**Freeing (issue 23 #5).** A commit ``(g, s)`` (the controller's ``forget``) frees the copies older than
+**Freeing.** A commit ``(g, s)`` (the controller's ``forget``) frees the copies older than
 it and the slots of every section whose newest snapshot here is older than the commit (older in
 ``(generation, step)`` order: a late commit of an older generation frees nothing of a newer one's):
 its rank was on another node at that step (re-placed, an elastic resize), no memory restore can

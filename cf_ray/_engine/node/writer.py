@@ -15,8 +15,8 @@ with ``O_DIRECT`` straight from the mapping, its CRC-32 the worker's (combined f
 the holder copies no byte; then the index. **Then the slot's bytes are checked against the index's
 block CRCs** (one read pass, ``crc_read_bytes``): the worker checksummed them as it copied, and a
 bit that changed in the holder's memory since (a bad DIMM, a stray write through the memfd) would
-otherwise be written under the worker's CRC and commit a checkpoint that no restore can read (found
-by the fault soak: the committed step was quarantined at the next restore). Checked after the write,
+otherwise be written under the worker's CRC and commit a checkpoint that no restore can read (the
+committed step would be quarantined at the next restore). Checked after the write,
 so a change before or during it is caught; a failed check fails the section (``part_failed``,
 naming the block): the step never commits and the previous checkpoint stays the latest. A slot
 filled again by a newer snapshot before its write started is reported superseded. An exception

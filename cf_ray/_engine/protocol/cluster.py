@@ -4,7 +4,7 @@ Nodes: :func:`alive_nodes`, :func:`draining_nodes`, :func:`head_node_id`. Owners
 (below): :class:`Owner`, :func:`current_owner`, :func:`owner_gone`, :func:`job_alive`,
 :func:`actor_alive`, :func:`fit_over`. Worker, node and driver rooms all use this module.
 
-A run's actors live as long as the run (issue #16).
+A run's actors live as long as the run.
 
 The controller and the holders are *detached* (a worker that Ray Train restarts must find them
 again, and a non-detached actor dies with the worker that created it), so Ray does not end them

@@ -172,7 +172,7 @@ class SnapshotMeta(Message):
     copy_s: float | None = None
     sync_s: float | None = None
     copied_bytes: int = 0
-    """Bytes the rank copied on the host for this snapshot (#14: the state once, with slots)."""
+    """Bytes the rank copied on the host for this snapshot (the state once, with slots)."""
     crc_read_bytes: int = 0
     """Bytes it read again to checksum them (0 when the checksums were taken as the copy landed)."""
     slot_wait_s: float | None = None
@@ -522,7 +522,7 @@ class Settled(Message):
     """Never heard of (not settled: its ``part_staged`` may not have arrived yet, or the controller
     restarted)."""
     safe: tuple[int, ...] = ()
-    """Just-in-time checkpoints still pending on storage but safe in a peer's memory (#12): every
+    """Just-in-time checkpoints still pending on storage but safe in a peer's memory: every
     section of a draining node has a copy on another node."""
     newest_committed: int | None = None
     """The newest committed step of any generation."""
