@@ -62,7 +62,8 @@ def ls_parser() -> argparse.ArgumentParser:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from cf_ray._engine.format import manifest as mf
+    from cf_ray._engine.format.catalog import list_committed
+    from cf_ray._engine.format.commit import read_manifest
     from cf_ray.errors import CfRayError, CheckpointNotFoundError
     from cf_ray.load import list_checkpoints, quarantined_checkpoints
 
@@ -70,9 +71,9 @@ def _ls(args: argparse.Namespace) -> int:
     infos = list_checkpoints(storage.root, storage.fs)
     quarantined = quarantined_checkpoints(storage.root, storage.fs)
     skipped = []  # committed, but its manifest cannot be read: list_checkpoints leaves it out
-    for c in mf.list_committed(storage, kinds=("step", "final"), skip_quarantined=True):
+    for c in list_committed(storage, kinds=("step", "final"), skip_quarantined=True):
         try:
-            mf.read_manifest(storage, c.path)
+            read_manifest(storage, c.path)
         except CheckpointNotFoundError:
             continue  # deleted since it was listed (keep-last of a live run): not damage
         except CfRayError as e:
@@ -102,11 +103,9 @@ def profile_parser() -> argparse.ArgumentParser:
         "Columns by default: step, kind, generation, interval, stall_ms, committed (and error when a\n"
         "checkpoint failed); --all adds the others. Seconds are shown as milliseconds (stall_s as\n"
         "stall_ms), Unix times as ISO 8601 UTC (*_unix as *_utc); a missing value is '-' in the\n"
-        "table, empty in CSV, null in JSON.\n\n"
-        "(cf-ray profile STORAGE_PATH NAME, the older form, still works and is deprecated)",
-        usage="cf-ray profile [-h] [--all] [--csv | --json] RUN",
+        "table, empty in CSV, null in JSON.",
     )
-    p.add_argument("where", nargs="+", metavar="RUN", help=_RUN_HELP)
+    p.add_argument("run", metavar="RUN", help=_RUN_HELP)
     p.add_argument(
         "--all", action="store_true", dest="all_columns", help="every column (default: those of the metrics guide)"
     )
@@ -117,19 +116,10 @@ def profile_parser() -> argparse.ArgumentParser:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    if len(args.where) > 2:
-        profile_parser().error("give one RUN: <storage_path>/<name> or a URI")
     from cf_ray._engine.observe.profile_table import render
     from cf_ray.run import Run
 
-    source = args.where[0]
-    if len(args.where) == 2:
-        source = f"{args.where[0].rstrip('/')}/{args.where[1]}"
-        print(
-            f"cf-ray profile STORAGE_PATH NAME is deprecated: give the run as one argument, cf-ray profile {source}",
-            file=sys.stderr,
-        )
-    storage, _ = locate(source)
+    storage, _ = locate(args.run)
     run = Run.from_path(storage.root, storage_filesystem=storage.fs)
     print(render(run.profile(), all_columns=args.all_columns, fmt=args.fmt or "table"))
     return 0

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import pyarrow.fs as pafs
 
 from cf_ray.errors import ConfigError
 from cf_ray.policy import FixedInterval, FrequencyPolicy
+from cf_ray.policy.base import SUBCLASS_HINT
 
 _RAY_SIGNAL = ("auto", "api", "off")
 
@@ -215,62 +216,22 @@ class CheckpointConfig:
     is drained first) and storage is the truth. ``0``: end them as soon as the ``fit()`` is seen to
     be over. A dead driver ends them at once; ``finish()`` after ``CF_RAY_CONTROLLER_LINGER_S``."""
 
-    # -- deprecated spellings, read-only, for one release -------------------------------------------------
-    @property
-    def replicas(self) -> int | None:
-        _warn_read("replicas", "replication.copies")
-        return self.replication.copies
-
-    @property
-    def replica_label(self) -> str | None:
-        _warn_read("replica_label", "replication.label")
-        return self.replication.label
-
-    @property
-    def replica_every(self) -> int:
-        _warn_read("replica_every", "replication.every")
-        return self.replication.every
-
-    @property
-    def durability_timeout_s(self) -> float | None:
-        _warn_read("durability_timeout_s", "durability_timeout.seconds")
-        return cast(DurabilityTimeout, self.durability_timeout).seconds
-
-    @property
-    def durability_factor(self) -> float:
-        _warn_read("durability_factor", "durability_timeout.factor")
-        return cast(DurabilityTimeout, self.durability_timeout).factor
-
-    @property
-    def durability_floor_s(self) -> float:
-        _warn_read("durability_floor_s", "durability_timeout.floor_s")
-        return cast(DurabilityTimeout, self.durability_timeout).floor_s
-
-    @property
-    def allow_missing_objects(self) -> bool:
-        _warn_read("allow_missing_objects", "'missing' in allow_mismatch")
-        return "missing" in self.allow_mismatch
-
-    @property
-    def allow_unexpected_objects(self) -> bool:
-        _warn_read("allow_unexpected_objects", "'unexpected' in allow_mismatch")
-        return "unexpected" in self.allow_mismatch
-
     def __post_init__(self):
         if not isinstance(self.preemption, (bool, PreemptionConfig)):
             raise ConfigError(
                 f"CheckpointConfig.preemption={self.preemption!r} must be True, False or a "
                 "cf_ray.preemption.PreemptionConfig"
             )
-        if isinstance(self.policy, type):  # the class passes the Protocol check and fails at the first call
+        if isinstance(self.policy, type):  # the class for the instance: say so, not "not a policy"
             raise ConfigError(
                 f"CheckpointConfig.policy={self.policy.__name__} is a class; pass an instance, "
                 f"e.g. policy={self.policy.__name__}()"
             )
         if not isinstance(self.policy, FrequencyPolicy):
             raise ConfigError(
-                f"CheckpointConfig.policy={self.policy!r} is not a policy; use "
-                "cf_ray.FixedInterval(every=k), cf_ray.EpochEnd() or cf_ray.Adaptive()"
+                f"CheckpointConfig.policy={self.policy!r} is not a FrequencyPolicy; use "
+                "cf_ray.FixedInterval(every=k), cf_ray.EpochEnd() or cf_ray.Adaptive(), or for a policy of your "
+                f"own {SUBCLASS_HINT}"
             )
         if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
             raise ConfigError(f"CheckpointConfig.keep_last={self.keep_last!r} must be an int >= 1 or None (keep all)")
@@ -313,14 +274,6 @@ class CheckpointConfig:
             )
 
 
-def _warn_read(old: str, new: str) -> None:
-    warnings.warn(
-        f"CheckpointConfig.{old} is deprecated and goes in the next release: read {new}",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-
-
 def _positive(v: Any) -> bool:
     """A finite int or float > 0 (not a bool)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
@@ -351,64 +304,6 @@ def _allow_mismatch(v: Any) -> frozenset[str]:
             "allow_mismatch={'missing'}), or empty to refuse both"
         )
     return out
-
-
-#: Spellings of an earlier release: old keyword -> (new field, its part). They keep working, with a
-#: DeprecationWarning, until the next release.
-_DEPRECATED = {
-    "replicas": ("replication", "copies"),
-    "replica_label": ("replication", "label"),
-    "replica_every": ("replication", "every"),
-    "durability_timeout_s": ("durability_timeout", "seconds"),
-    "durability_factor": ("durability_timeout", "factor"),
-    "durability_floor_s": ("durability_timeout", "floor_s"),
-    "allow_missing_objects": ("allow_mismatch", "missing"),
-    "allow_unexpected_objects": ("allow_mismatch", "unexpected"),
-}
-
-
-def _translate(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` with the deprecated spellings folded into the grouped fields (each warned of)."""
-    old = {k: kwargs.pop(k) for k in list(kwargs) if k in _DEPRECATED}
-    if not old:
-        return kwargs
-    groups: dict[str, dict[str, Any]] = {}
-    for name, value in old.items():
-        field_name, part = _DEPRECATED[name]
-        spelled = {
-            "replication": f"replication=cf_ray.config.Replication({part}=...)",
-            "durability_timeout": f"durability_timeout=cf_ray.config.DurabilityTimeout({part}=...)",
-            "allow_mismatch": f"allow_mismatch={{{part!r}}}",
-        }[field_name]
-        warnings.warn(
-            f"CheckpointConfig({name}=...) is deprecated and goes in the next release: use {spelled}",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        if field_name in kwargs:
-            raise ConfigError(f"CheckpointConfig: pass {field_name}=... or the deprecated {name}=..., not both")
-        if field_name == "allow_mismatch" and not isinstance(value, bool):
-            raise ConfigError(f"CheckpointConfig.{name}={value!r} must be True or False")
-        groups.setdefault(field_name, {})[part] = value
-    for field_name, parts in groups.items():
-        if field_name == "replication":
-            kwargs[field_name] = Replication(**parts)
-        elif field_name == "durability_timeout":
-            kwargs[field_name] = DurabilityTimeout(**parts)
-        else:
-            kwargs[field_name] = frozenset(p for p, on in parts.items() if on)
-    return kwargs
-
-
-_dataclass_init = CheckpointConfig.__init__
-
-
-def _init(self, **kwargs: Any) -> None:
-    _dataclass_init(self, **_translate(kwargs))
-
-
-_init.__doc__ = _dataclass_init.__doc__
-CheckpointConfig.__init__ = _init  # the deprecated spellings, for one release
 
 
 __all__ = ["CheckpointConfig", "DurabilityTimeout", "PreemptionConfig", "Replication"]

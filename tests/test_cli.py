@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from cf_ray import cli
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.commit import Manifest, commit
+from cf_ray._engine.format.layout import MANIFEST, SHARED, rank_section, section_files, step_dir
 from cf_ray._engine.format.safetensors import read_safetensors, write_final_model
+from cf_ray._engine.format.sections import write_section
 from cf_ray._engine.storage.fs import FsStorage
 
 from storage_helpers import arena_of, write_checkpoint
@@ -40,7 +42,7 @@ def run_dir(tmp_path):
     for step in (5, 10):
         write_checkpoint(storage, step, _model(step))
     write_checkpoint(storage, 15, _model(15), commit=False)
-    write_final_model(storage, mf.step_dir(12, "final"), _model(12), step=12, epoch=1)
+    write_final_model(storage, step_dir(12, "final"), _model(12), step=12, epoch=1)
     return tmp_path / "runs" / "r", storage
 
 
@@ -85,7 +87,7 @@ def test_verify_reports_every_committed_checkpoint_intact(run_dir, capsys):
 
 def test_verify_exits_1_and_names_the_file_when_a_byte_is_flipped(run_dir, capsys):
     run, storage = run_dir
-    data = os.path.join(storage.fs_path(mf.step_dir(10)), mf.section_files(1, mf.SHARED)[0])
+    data = os.path.join(storage.fs_path(step_dir(10)), section_files(1, SHARED)[0])
     with open(data, "r+b") as f:
         f.seek(os.path.getsize(data) // 2)
         byte = f.read(1)
@@ -106,11 +108,11 @@ def test_verify_exits_1_and_names_the_file_when_a_byte_is_flipped(run_dir, capsy
 
 def test_verify_finds_a_truncated_file_a_missing_one_and_a_damaged_manifest(run_dir, capsys):
     run, storage = run_dir
-    index = os.path.join(storage.fs_path(mf.step_dir(5)), mf.section_files(1, mf.SHARED)[1])
+    index = os.path.join(storage.fs_path(step_dir(5)), section_files(1, SHARED)[1])
     with open(index, "r+b") as f:
         f.truncate(os.path.getsize(index) - 3)
-    os.unlink(os.path.join(storage.fs_path(mf.step_dir(12, "final")), "model.safetensors"))
-    manifest = os.path.join(storage.fs_path(mf.step_dir(10)), mf.MANIFEST)
+    os.unlink(os.path.join(storage.fs_path(step_dir(12, "final")), "model.safetensors"))
+    manifest = os.path.join(storage.fs_path(step_dir(10)), MANIFEST)
     raw = open(manifest).read()
     with open(manifest, "w") as f:
         f.write(raw.replace('"epoch":0', '"epoch":7'))
@@ -125,7 +127,7 @@ def test_verify_finds_a_truncated_file_a_missing_one_and_a_damaged_manifest(run_
 
 def test_verify_of_one_checkpoint_directory_and_of_nothing(run_dir, tmp_path, capsys):
     _, storage = run_dir
-    rc, out, _ = _cli(capsys, "verify", storage.fs_path(mf.step_dir(10)))
+    rc, out, _ = _cli(capsys, "verify", storage.fs_path(step_dir(10)))
     assert rc == 0 and sorted(_lines(out)) == [10]
     rc, _, err = _cli(capsys, "verify", run_dir[0], "--step", 7)
     assert rc == 2 and "no committed checkpoint at step 7" in err
@@ -176,23 +178,23 @@ def test_export_torch_loads_with_weights_only(run_dir, tmp_path, capsys):
 
 def _write_full(storage, step: int, objects: dict, *, world_size: int = 1, replicated: bool = True):
     """A checkpoint holding ``objects`` (replicated), or ``objects`` per rank as shards (``replicated=False``)."""
-    directory, files, sections = mf.step_dir(step), {}, {}
-    trees = {mf.SHARED: {"objects": objects}} if replicated else {}
+    directory, files, sections = step_dir(step), {}, {}
+    trees = {SHARED: {"objects": objects}} if replicated else {}
     for r in range(world_size):
-        trees[mf.rank_section(r)] = (
+        trees[rank_section(r)] = (
             {"objects": {}, "counters": {"step": step, "epoch": 0}}
             if replicated
             else {"state": objects, "objects": {}, "counters": {"step": step, "epoch": 0}}
         )
     for sec, tree in trees.items():
         arena, index = arena_of(tree)
-        files.update(mf.write_section(storage, directory, 1, sec, arena, index))
-        data, idx = mf.section_files(1, sec)
+        files.update(write_section(storage, directory, 1, sec, arena, index))
+        data, idx = section_files(1, sec)
         sections[sec] = {"data": data, "index": idx}
-    mf.commit(
+    commit(
         storage,
         directory,
-        mf.Manifest(
+        Manifest(
             step=step,
             epoch=0,
             world_size=world_size,
@@ -264,8 +266,9 @@ def test_ls_and_profile_take_the_run_the_same_way(run_dir, capsys):
     assert rc == 0 and "step_000000000010" in out and "final_000000000012" in out
     rc, one, err = _cli(capsys, "profile", run)
     assert rc == 0 and "scheduled" in one and not err
-    rc, two, err = _cli(capsys, "profile", run.parent, run.name)  # the older form: deprecated, still works
-    assert rc == 0 and two == one and "deprecated" in err and f"cf-ray profile {run}" in err
+    with pytest.raises(SystemExit) as exit_:  # one RUN, not a storage path and a name
+        cli.main(["profile", str(run.parent), run.name])
+    assert exit_.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
 
 
 def test_the_command_line_reference_parses():
@@ -377,7 +380,7 @@ def test_a_reader_that_goes_away_is_no_error(run_dir):
 
 def test_ls_says_which_damaged_checkpoints_it_skipped(run_dir, capsys):
     run, storage = run_dir
-    manifest = os.path.join(storage.fs_path(mf.step_dir(10)), mf.MANIFEST)
+    manifest = os.path.join(storage.fs_path(step_dir(10)), MANIFEST)
     raw = open(manifest).read()
     with open(manifest, "w") as f:
         f.write(raw.replace('"epoch":0', '"epoch":7'))
@@ -427,7 +430,7 @@ def test_verify_reads_a_file_in_chunks_not_whole(tmp_path, capsys):
     torch.manual_seed(0)
     big = torch.nn.Linear(2048, 4096)  # 32 MiB of weights in one data file
     write_checkpoint(storage, 1, big)
-    data = os.path.join(storage.fs_path(mf.step_dir(1)), mf.section_files(1, mf.SHARED)[0])
+    data = os.path.join(storage.fs_path(step_dir(1)), section_files(1, SHARED)[0])
     assert os.path.getsize(data) > 4 * _verify.CHUNK_BYTES
     tracemalloc.start()
     try:

@@ -97,41 +97,6 @@ def test_grouped_settings_travel_together_and_take_their_short_forms():
     assert cf_ray.config.Replication is Replication  # an attribute after import cf_ray alone
 
 
-def test_the_old_spellings_keep_working_for_one_release_with_a_deprecation_warning():
-    """CheckpointConfig's fields of the previous release (replicas, replica_label, replica_every; the
-    three durability settings; the two object-mismatch allowances) fold into the grouped fields,
-    each with a DeprecationWarning naming the new spelling; reading them back warns the same way."""
-    with pytest.warns(DeprecationWarning) as caught:
-        c = cf_ray.CheckpointConfig(
-            replicas=1,
-            replica_label="pool",
-            replica_every=3,
-            durability_timeout_s=30,
-            durability_factor=2.0,
-            durability_floor_s=5.0,
-            allow_missing_objects=True,
-            allow_unexpected_objects=False,
-        )
-    said = " ".join(str(w.message) for w in caught)
-    assert len(caught) == 8
-    assert "Replication(copies=...)" in said and "DurabilityTimeout(floor_s=...)" in said
-    assert "allow_mismatch={'missing'}" in said
-    assert all(w.filename == __file__ for w in caught)  # attributed to the caller's line
-    assert c.replication == Replication(copies=1, label="pool", every=3)
-    assert c.durability_timeout == DurabilityTimeout(seconds=30, factor=2.0, floor_s=5.0)
-    assert c.allow_mismatch == frozenset({"missing"})
-    with pytest.warns(DeprecationWarning, match="read replication.every"):
-        assert c.replica_every == 3
-    with pytest.warns(DeprecationWarning, match="allow_mismatch"):
-        assert c.allow_missing_objects is True
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="not both"):
-        cf_ray.CheckpointConfig(replicas=1, replication=Replication(copies=0))
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="allow_missing_objects"):
-        cf_ray.CheckpointConfig(allow_missing_objects="yes")
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="Replication.every"):
-        cf_ray.CheckpointConfig(replica_every=0)
-
-
 def test_unwritable_storage_path_fails_before_training(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -221,10 +221,11 @@ def test_a_drain_too_short_for_any_tier_leaves_the_previous_checkpoint_the_lates
     # same step number: not of generation 1).
     listed = {c.step for c in cf_ray.list_checkpoints(str(root))}
     if jit_step in listed:
-        from cf_ray._engine.format import manifest as mf
+        from cf_ray._engine.format.commit import read_manifest
+        from cf_ray._engine.format.layout import step_dir
         from cf_ray._engine.storage.fs import FsStorage
 
-        assert mf.read_manifest(FsStorage.from_uri(str(root)), mf.step_dir(jit_step)).generation > 1
+        assert read_manifest(FsStorage.from_uri(str(root)), step_dir(jit_step)).generation > 1
     assert e2e.lineage(out) == e2e.lineage(reference)
     assert demo.states_equal(reference / "final_state.pt", out / "final_state.pt")
     assert res["steps"] == STEPS
@@ -433,7 +434,7 @@ def elastic_loop(cfg: dict) -> None:
         storage_path=cfg["storage"],
         run_name=cfg["run"],
         register_with_ray=False,
-        replicas=1,
+        replication=cf_ray.config.Replication(copies=1),
         preemption=cf_ray.PreemptionConfig(hold_extra_s=0.0),
     )
     ck = cf_ray.Checkpointer({"model": model, "optimizer": opt}, data={"sampler": sampler}, config=config)

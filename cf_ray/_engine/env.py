@@ -29,8 +29,8 @@ takes effect in the next object built; a Ray process reads the environment it wa
 **Module constants** (below, plain values): not read from the environment. Code reads them at the
 moment it needs them (``_env.UPLOAD_QUEUE``, or ``_env.get_int(_env.UPLOAD_QUEUE)``), so a test
 changes one with ``monkeypatch.setattr(env, "UPLOAD_QUEUE", 2)`` (in the test's process: a Ray
-actor's process imports its own copy). Until the next release, the variable a constant used to be
-(``CF_RAY_<NAME>``) is still honoured when it is set at import, with a :class:`DeprecationWarning`.
+actor's process imports its own copy). They are not settings: their values are the ones cf_ray is
+tested with, and an environment variable of the same name is not read.
 
 No fault injection is read here: tests inject their faults from outside cf_ray's code (the soak's
 probes, ``benchmarks/soak/probes.py``, also serve the end-to-end tests).
@@ -39,10 +39,6 @@ probes, ``benchmarks/soak/probes.py``, also serve the end-to-end tests).
 from __future__ import annotations
 
 import os
-import warnings
-from typing import TypeVar, cast
-
-_T = TypeVar("_T", int, float, str)
 
 # -- the environment variables (nine, each documented) ----------------------------------------
 #: Seconds a worker waits for the controller or a holder in a blocking call (restore, wait, close).
@@ -83,58 +79,37 @@ VARIABLES: dict[str, float] = {
 """Every environment variable cf_ray reads, with its default."""
 
 
-def _deprecated(name: str, default: _T) -> _T:
-    """A module constant's value: ``default``, or the value of the environment variable it used to be
-    (``CF_RAY_<name>``) when that is set, with a :class:`DeprecationWarning` (for one release)."""
-    var = f"CF_RAY_{name}"
-    raw = os.environ.get(var)
-    if raw is None or raw == "":
-        return default
-    warnings.warn(
-        f"the environment variable {var} is deprecated and will be ignored in the next cf_ray release: "
-        f"{name} is no longer a setting (its default, {default!r}, is what cf_ray is tested with)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    if isinstance(default, str):
-        return cast(_T, raw)
-    try:
-        return cast(_T, type(default)(float(raw)))
-    except ValueError:
-        raise ValueError(f"environment variable {var}={raw!r} is not a number; unset it") from None
-
-
 # -- module constants (not read from the environment; tests monkeypatch them) ---------------------------
 #: Seconds between two non-blocking polls of the controller by a worker whose doorbell the controller
 #: does not have (outside a Ray actor; ``protocol/doorbell.py``).
-POLL_INTERVAL_S: float = _deprecated("POLL_INTERVAL_S", 0.25)
+POLL_INTERVAL_S: float = 0.25
 #: Seconds between warnings while a blocking wait goes on (names the lagging ranks).
-WARN_INTERVAL_S: float = _deprecated("WARN_INTERVAL_S", 15.0)
+WARN_INTERVAL_S: float = 15.0
 #: Bytes per write call when streaming a checkpoint file to storage (and per read of an upload).
-WRITE_CHUNK_BYTES: int = _deprecated("WRITE_CHUNK_BYTES", 16 * 1024 * 1024)
+WRITE_CHUNK_BYTES: int = 16 * 1024 * 1024
 #: Namespace of cf_ray's named actors.
-NAMESPACE: str = _deprecated("NAMESPACE", "cf_ray")
+NAMESPACE: str = "cf_ray"
 #: Messages a holder keeps queued for the controller (part_staged, part_durable, ...) while it is
 #: unreachable; past this the oldest are dropped with a warning (the controller's watch recovers them).
-SEND_QUEUE: int = _deprecated("SEND_QUEUE", 4096)
+SEND_QUEUE: int = 4096
 #: Seconds between two checks by the controller of the holders that hold its pending sections
 #: (a dead or restarted holder's sections fail instead of staying pending forever).
-WATCH_INTERVAL_S: float = _deprecated("WATCH_INTERVAL_S", 5.0)
+WATCH_INTERVAL_S: float = 5.0
 #: Seconds a restore plan waits for a restarted controller to re-learn from the holders what they hold.
-RESYNC_TIMEOUT_S: float = _deprecated("RESYNC_TIMEOUT_S", 10.0)
+RESYNC_TIMEOUT_S: float = 10.0
 #: Uploads to the tiers queued at most; when full the oldest non-milestone one is dropped (logged).
-UPLOAD_QUEUE: int = _deprecated("UPLOAD_QUEUE", 16)
+UPLOAD_QUEUE: int = 16
 #: Tries of one upload on a transient error (OSError), with exponential backoff.
-UPLOAD_RETRIES: int = _deprecated("UPLOAD_RETRIES", 5)
+UPLOAD_RETRIES: int = 5
 #: Seconds before the first retry of an upload (doubled each time, at most 60 s).
-UPLOAD_BACKOFF_S: float = _deprecated("UPLOAD_BACKOFF_S", 1.0)
+UPLOAD_BACKOFF_S: float = 1.0
 #: Profile rows the controller keeps in memory; older ones go to storage in Parquet parts.
-PROFILE_WINDOW_ROWS: int = _deprecated("PROFILE_WINDOW_ROWS", 1000)
+PROFILE_WINDOW_ROWS: int = 1000
 #: Events (and failures) the controller keeps in memory, newest.
-EVENTS_WINDOW: int = _deprecated("EVENTS_WINDOW", 1000)
+EVENTS_WINDOW: int = 1000
 #: Seconds between two saves of the policy's learnt state during a run (so that a restarted
 #: controller does not profile again from scratch).
-POLICY_SAVE_INTERVAL_S: float = _deprecated("POLICY_SAVE_INTERVAL_S", 60.0)
+POLICY_SAVE_INTERVAL_S: float = 60.0
 #: Seconds between two saves of the profile's rows still in the controller's memory and its events
 #: (after a commit or an event), so that a controller Ray starts again lists what its predecessor
 #: had not written.
@@ -142,8 +117,8 @@ WINDOW_SAVE_INTERVAL_S: float = 5.0
 #: Seconds between two non-blocking polls of the controller by a worker whose doorbell the controller
 #: has (a Ray Train worker): a checkpoint request and a new schedule version ring it, so the poll only
 #: carries the timing samples, commits and failures, none of which needs a quarter of a second (each
-#: poll costs about 1 ms of the training thread and 0.7 ms of the controller's CPU). The step times
-#: reach the policy up to this much later.
+#: poll costs the training thread and the controller's CPU a call). The step times reach the policy
+#: up to this much later.
 BELL_POLL_INTERVAL_S: float = 1.0
 
 #: Steps after a restore whose loss (``Checkpointer.step(..., loss=)``) is read and checked for NaN and
@@ -155,23 +130,6 @@ TRUST_STEPS: int = 3
 #: spare), the holder's slots of a new layout — in all, before it is skipped and reported
 #: (``worker/snapshot/snapshotter.py``): one bound per snapshot, not per section.
 SLOT_WAIT_S: float = 60.0
-
-CONSTANTS = (
-    "POLL_INTERVAL_S",
-    "WARN_INTERVAL_S",
-    "WRITE_CHUNK_BYTES",
-    "NAMESPACE",
-    "SEND_QUEUE",
-    "WATCH_INTERVAL_S",
-    "RESYNC_TIMEOUT_S",
-    "UPLOAD_QUEUE",
-    "UPLOAD_RETRIES",
-    "UPLOAD_BACKOFF_S",
-    "PROFILE_WINDOW_ROWS",
-    "EVENTS_WINDOW",
-    "POLICY_SAVE_INTERVAL_S",
-)
-"""The names of the module constants above (once environment variables)."""
 
 
 def get_float(name: str | float) -> float:
