@@ -286,7 +286,7 @@ def save_profile(
     version or the new one, never a torn file.
 
     Args:
-        storage: the run's cf_ray root (e.g. an :class:`~cf_ray.storage.FsStorage`).
+        storage: the run's cf_ray root (e.g. an :class:`~cf_ray._engine.storage.fs.FsStorage`).
         rows: checkpoint rows (see :func:`profile_frame`).
         iter_rows: iteration samples (see :func:`iterations_frame`); ``None`` writes an empty table.
         restarts: the restarts (see :func:`restarts_frame`), written as ``restarts.parquet`` when given.

@@ -15,14 +15,14 @@ scratch). It exits on its own ``CF_RAY_CONTROLLER_LINGER_S`` seconds after every
 ``Checkpointer.finish()``, after asking every holder to finish what it is writing and writing the
 profile table to storage.
 
-Lifetime (issue #16, :mod:`.lifetime`): a controller of the same run key whose owner is gone is
+Lifetime (:mod:`.lifetime`): a controller of the same run key whose owner is gone is
 never reused: :func:`get_or_create_controller` shuts it down (its holders drained and killed) and
 creates a new one, with the new config, that starts from storage only and says so. A controller of
 the same run (Ray Train restarting workers) is reused. It is placed on the head node with a *hard*
 affinity (``num_cpus=0`` fits a 0-CPU head): the design (docs/ARCHITECTURE.md) draws it on the driver side, and a soft
 affinity requested from a worker lands it on the worker's node, which may be lost.
 
-Liveness and recovery (issue #16, :mod:`.recovery`): the controller is created detached with
+Liveness and recovery (:mod:`.recovery`): the controller is created detached with
 ``max_restarts=-1``: when its process dies, Ray runs the constructor again, which rebuilds the state
 from storage and from the holders of this run on every alive node. A controller that is gone for
 good (killed) is created again by whoever needs it: the workers call :func:`resolve_controller` when
@@ -141,8 +141,6 @@ def _owner_of(handle) -> tuple[Owner | None, bool]:
         return ray.get(handle.owner.remote(), timeout=_env.get_float(_env.ACTOR_TIMEOUT_S)), True
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
         return None, False
-    except AttributeError:  # a controller from before owners were recorded
-        return None, True
 
 
 def _retire(key: str, handle, theirs: Owner | None) -> None:

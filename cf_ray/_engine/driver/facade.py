@@ -1,20 +1,21 @@
 """The controller's logic as one object: a thin RPC facade over its parts, each with one job and one
 lock (the Ray actor class wraps it, :mod:`.controller`).
 
-=====================  ===========================================================  ==================
-part                   job                                                          lock
-=====================  ===========================================================  ==================
-:class:`~.ledger.Ledger`  generation, schedule, commits, profile, requests, control    the controller's
-                       state (:mod:`.commits`, :mod:`.profile_book`, :mod:`.schedule`)  lock (an RLock)
-:class:`~.recovery.Roster`  the run's holders: resync at start and of a new holder,     its own
-                       telling them what settled, drain and kill at the end
-:class:`~.watch.Watch`    asks holders about sections pending too long (a thread)    none (uses both)
-:class:`~.lifetime.Lifetime`  owner, finished ranks, the reaper (a thread), the linger   its own
-:class:`~.quarantine.Quarantine`  what is taken out of use, on the controller's own    its own (the file)
-                       evidence: re-read damaged checkpoints, distrusted snapshots
-:class:`~.maintenance.Maintenance`  keep-last, uploads, profile parts, re-reads (a      its own condition
-                       thread)
-=====================  ===========================================================  ==================
+Its parts:
+
+* :class:`~.ledger.Ledger` — generation, schedule, commits, profile, requests, control state
+  (:mod:`.checkpoints.commits`, :mod:`cf_ray._engine.observe.profile_book`, :mod:`.schedule`).
+  Lock: the controller's (an RLock).
+* :class:`~.recovery.Roster` — the run's holders: resync at start and of a new holder, telling them
+  what settled, drain and kill at the end. Lock: its own.
+* :class:`~.watch.Watch` — asks holders about sections pending too long (a thread). Lock: none of its
+  own.
+* :class:`~.lifetime.Lifetime` — owner, finished ranks, the reaper (a thread), the linger. Lock: its
+  own.
+* :class:`~.checkpoints.quarantine.Quarantine` — what is taken out of use, on the controller's own
+  evidence: re-read damaged checkpoints, distrusted snapshots. Lock: its own (the file's).
+* :class:`~.maintenance.Maintenance` — keep-last, uploads, profile parts, re-reads (a thread).
+  Lock: its own condition.
 
 Every RPC is a few lines that call one part or two. Storage I/O and calls to other actors happen
 outside the controller's lock; the cluster's facts (alive and draining nodes, GCS calls) are asked
@@ -236,13 +237,13 @@ class Controller:
         """``finish()`` on ``rank`` is about to take ``step`` again, persisted (its ``attempt``-th try):
         the step is pending until that snapshot commits or fails, whatever the snapshot before it said
         (held in memory only, a rank's skip, a failed write), so that ``settled`` never answers for it
-        from the old one (:meth:`.pending.PendingTable.reopen_final`). False: it is committed."""
+        from the old one (:meth:`.checkpoints.pending.PendingTable.reopen_final`). False: it is committed."""
         with self._ledger.lock:
             return self._ledger.commits.table.reopen_final(int(generation), int(step), int(rank), int(attempt))
 
     def keep_resume_point(self, step: int) -> int | None:
         """The final model names ``step`` as the run's resume point: never deleted by keep-last
-        (:meth:`.committed.CommittedIndex.keep_resume_point`). Returns the step kept."""
+        (:meth:`.checkpoints.committed.CommittedIndex.keep_resume_point`). Returns the step kept."""
         with self._ledger.lock:
             return self._ledger.commits.index.keep_resume_point(int(step))
 
@@ -346,17 +347,10 @@ class Controller:
         self._watch.once(min_age_s)
 
     # -- maintenance --------------------------------------------------------------------------------------
-    def maintenance_idle(self) -> bool:
-        """True when no upload, clean-up, re-read or profile write is queued or running."""
-        return self._maintenance.idle()
-
     def uploads_pending(self) -> list[int]:
         """Steps whose upload to the tiers is queued or running, oldest first (``Checkpointer.finish``
         waits until this is empty, or reports what is left)."""
         return self._maintenance.uploads_pending()
-
-    def pending_steps(self, generation: int) -> list[int]:
-        return self._ledger.pending_steps(generation)
 
     # -- what users read ----------------------------------------------------------------------------------
     def profile_rows(self) -> list[dict]:

@@ -1,4 +1,4 @@
-"""When a just-in-time (preemption) checkpoint is safe (#12, #24): derived from what happened, not
+"""When a just-in-time (preemption) checkpoint is safe: derived from what happened, not
 predicted.
 
 A preemption notice with a deadline leaves a fixed time. The snapshot is in its holders' memory as
@@ -15,16 +15,17 @@ node before the node goes. It is *safe* at the first of:
 The preempted ranks stop waiting as soon as one holds (``Controller.settled`` lists the step under
 ``safe`` when peer memory held first; ``committed`` when storage did); both go on in the background
 regardless, since the holders write and copy on their own. There is no prediction to get wrong:
-until #24 the controller predicted each tier's time from this run's bandwidths and only counted the
-tier it chose, but the choice changed nothing that happens (both tiers always go on) — only when the
-ranks were told — and with ``PreemptionConfig(hold=True)`` the ranks hold until the deadline anyway,
-so the preemption benchmark (``benchmarks/results/cluster-2026-11-26.json``: 0 steps wasted, every
-deadline made) could not show the prediction saving a step.
+predicting each tier's time from this run's bandwidths and counting only the tier chosen would
+change nothing that happens (both tiers always go on) — only when the ranks are told — and with
+``PreemptionConfig(hold=True)`` the ranks hold until the deadline anyway.
 
 The profile row of a just-in-time checkpoint: ``deadline_unix``, ``jit_left_s`` (seconds to the
 deadline when its last section was staged), ``jit_needs_copy`` (sections that needed a copy on
 another node), ``actual_peer_s`` / ``actual_storage_s`` (seconds from then to each tier, absent when
-it never happened), ``safe_tier``, ``safe_unix`` and ``made_deadline``.
+it never happened), ``safe_tier``, ``safe_unix`` and ``made_deadline``. The profile book holds the
+row; the functions below decide what goes in it (:func:`staged`, :func:`peer_safe`,
+:func:`committed`, :func:`failed`, :func:`abandoned`), and record a ``jit_safe`` event the first
+time a checkpoint is safe.
 
 No Ray and no torch here: the controller passes the node facts in, and the tests drive it directly.
 """
@@ -34,6 +35,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from cf_ray._engine.protocol.messages import SectionState
+
+if TYPE_CHECKING:
+    from cf_ray._engine.observe.profile_book import ProfileBook
 
 
 class SafeTier(enum.StrEnum):
@@ -90,4 +97,68 @@ def watch(*, now_unix: float, deadline_unix: float, nodes: Mapping[str, str], dr
     return JitWatch(deadline_unix=deadline_unix, staged_unix=now_unix, draining=draining, needs_copy=needs)
 
 
-__all__ = ["JitWatch", "SafeTier", "watch"]
+def staged(book: ProfileBook, generation: int, step: int, w: JitWatch) -> None:
+    """Every section of a just-in-time checkpoint is staged: what it needs to be safe."""
+    book.row(generation, step).update(w.row(), _jit_staged_unix=w.staged_unix)
+
+
+def peer_safe(book: ProfileBook, generation: int, step: int, w: JitWatch) -> None:
+    """Every section of a just-in-time checkpoint that needed one has a copy on another usable node."""
+    t = w.peer_safe_unix
+    if t is None:
+        return
+    row = book.row(generation, step)
+    row["actual_peer_s"] = round(t - w.staged_unix, 3)
+    _safe(book, row, generation, step, t, SafeTier.PEER)
+
+
+def committed(book: ProfileBook, generation: int, step: int) -> None:
+    """A checkpoint committed (its row has ``durable_unix``): a just-in-time one is safe in storage."""
+    row = book.find_row(generation, step)
+    if row is None or row.get("durable_unix") is None:
+        return
+    if row.get("_jit_staged_unix") is not None:
+        row["actual_storage_s"] = round(row["durable_unix"] - row["_jit_staged_unix"], 3)
+    if row.get("deadline_unix") is not None:
+        _safe(book, row, generation, step, row["durable_unix"], SafeTier.STORAGE)
+
+
+def failed(book: ProfileBook, generation: int, step: int) -> None:
+    """A checkpoint failed: a just-in-time one not yet safe missed its deadline (one already safe in
+    a peer's memory before the deadline made it)."""
+    row = book.find_row(generation, step)
+    if row is not None and row.get("deadline_unix") is not None and row.get("safe_unix") is None:
+        row["made_deadline"] = False
+
+
+def abandoned(book: ProfileBook, generation: int, step: int) -> None:
+    """The attempt of a just-in-time checkpoint ended before it was durable: its row says so, and it
+    missed its deadline unless it was already safe."""
+    row = book.find_row(generation, step)
+    if row is not None and row.get("deadline_unix") is not None:
+        row.update(where=SectionState.ABANDONED.value, error="not durable when its attempt ended")
+        failed(book, generation, step)
+
+
+def _safe(book: ProfileBook, row: dict, generation: int, step: int, t: float, tier: SafeTier) -> None:
+    """A just-in-time checkpoint is safe in ``tier`` at ``t``: the first such time decides whether
+    the deadline was met, and is recorded as a ``jit_safe`` event."""
+    if row.get("safe_unix") is not None and row["safe_unix"] <= t:
+        return
+    row.update(safe_unix=t, safe_tier=tier.value)
+    if row.get("deadline_unix") is not None:
+        row["made_deadline"] = t <= row["deadline_unix"]
+    book.add_event(
+        {
+            "event": "jit_safe",
+            "step": step,
+            "generation": generation,
+            "tier": tier.value,
+            "deadline_unix": row.get("deadline_unix"),
+            "made_deadline": row.get("made_deadline"),
+            "time": t,
+        }
+    )
+
+
+__all__ = ["JitWatch", "SafeTier", "abandoned", "committed", "failed", "peer_safe", "staged", "watch"]

@@ -1,6 +1,6 @@
 """The controller's bookkeeping, under its one lock: the generation, the schedule (:mod:`.schedule`),
-the commits (:mod:`.commits`), the profile (:mod:`.profile_book`), the checkpoint requests, and the
-controller's own small state on storage (:class:`~.recovery.ControlState`).
+the commits (:mod:`.checkpoints.commits`), the profile (:mod:`cf_ray._engine.observe.profile_book`),
+the checkpoint requests, and the controller's own small state on storage (:class:`~.recovery.ControlState`).
 
 Every method takes the lock for the bookkeeping only: storage I/O (a manifest, the control state)
 happens after it is released (a commit is decided under the lock, written without it, and recorded
@@ -25,7 +25,7 @@ from cf_ray._engine.driver.checkpoints.committed import CommitJob, load_committe
 from cf_ray._engine.driver.recovery import ControlState
 from cf_ray._engine.driver.schedule import ScheduleBook
 from cf_ray._engine.driver.schedule import explain as explain_policy
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.commit import Manifest
 from cf_ray._engine.observe.profile_book import ProfileBook
 from cf_ray._engine.protocol.messages import (
     CheckpointRequest,
@@ -74,7 +74,7 @@ class Ledger:
         *,
         resumed: bool,
         lineage: str | None,
-        on_commit: Callable[[int, mf.Manifest], None],
+        on_commit: Callable[[int, Manifest], None],
         on_profile_batch: Callable[[], None],
     ):
         self.key = key

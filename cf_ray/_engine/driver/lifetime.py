@@ -1,4 +1,4 @@
-"""How long a run's controller lives (issue #16): its owner, the ranks that finished, and the reaper.
+"""How long a run's controller lives: its owner, the ranks that finished, and the reaper.
 
 The controller records its :class:`~cf_ray._engine.protocol.cluster.Owner` — the driver's Ray job
 and the Ray Train run (``fit()``) — and the reaper thread (:meth:`Lifetime.reaper`) ends the run's

@@ -1,6 +1,6 @@
-"""The controller's maintenance thread: keep-last clean-up (:mod:`.retention`), copies to the upload
-tiers (:mod:`.uploads`), the profile's parts and window, the policy's state and the re-reads of checkpoints a
-restore found damaged (:mod:`.quarantine`), after each commit, off the actor's RPC threads (a slow
+"""The controller's maintenance thread: keep-last clean-up (:mod:`.checkpoints.retention`), copies to
+the upload tiers (:mod:`.checkpoints.uploads`), the profile's parts and window, the policy's state and
+the re-reads of checkpoints a restore found damaged (:mod:`.checkpoints.quarantine`), after each commit, off the actor's RPC threads (a slow
 delete, upload or re-read never delays a worker's poll) and never under the controller's lock while
 it does storage I/O.
 
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from cf_ray._engine.driver.checkpoints.commits import CommitBook
 from cf_ray._engine.driver.checkpoints.retention import Retention
 from cf_ray._engine.driver.checkpoints.uploads import Upload, Uploads
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.commit import Manifest
 from cf_ray._engine.observe.profile_book import ProfileBook
 from cf_ray._engine.storage.fs import Storage
 
@@ -85,7 +85,7 @@ class Maintenance:
         return self.uploads.tiers
 
     # -- called by the controller ----------------------------------------------------------------------
-    def after_commit(self, step: int, m: mf.Manifest) -> None:
+    def after_commit(self, step: int, m: Manifest) -> None:
         """A checkpoint committed: upload it (if it goes to the tiers), then clean up."""
         with self._cond:
             self.retention.committed()

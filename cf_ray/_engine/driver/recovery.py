@@ -1,4 +1,4 @@
-"""What lets the controller die and come back without losing durability (issue #16).
+"""What lets the controller die and come back without losing durability.
 
 * :class:`HolderLink`: the controller's calls to the run's holders, found by name on every alive
   node (``naming.holder_name``): ``resync`` (what a holder holds and has done lately, when the
@@ -14,9 +14,9 @@
   calls a holder.
 * :class:`ControlState`: the controller's own small state on storage, ``control_state.json`` — the
   newest generation handed out, the step each recent attempt restored, the in-memory snapshots
-  never to offer again (:mod:`.quarantine`) and the newest checkpoints that did not commit (the
-  failures the ranks report, :mod:`.events`) — so that a controller that starts again never hands out a
-  generation twice, never commits a step of a timeline that a later attempt replays, and never
+  never to offer again (:mod:`.checkpoints.quarantine`) and the newest checkpoints that did not
+  commit (the failures the ranks report, :mod:`cf_ray._engine.observe.events`) — so that a
+  controller that starts again never hands out a generation twice, never commits a step of a timeline that a later attempt replays, and never
   restores a snapshot that failed verification, nor forgets a step lost before it started.
 
 No torch here; Ray only in :class:`HolderLink`.
@@ -313,9 +313,9 @@ class Roster:
             if knew or self._restarted:
                 # Ray says it started this actor again, or a holder has handled snapshots of this run
                 # already (a fresh run's holders, made by its workers as it starts, hold nothing
-                # yet): the previous controller's process died. Said once, holders or not (the
-                # soak's seed 75: a controller killed mid-commit whose holders held nothing by the
-                # time it came back said nothing).
+                # yet): the previous controller's process died. Said once, holders or not: a
+                # controller killed mid-commit whose holders hold nothing by the time it comes back
+                # died all the same.
                 logger.warning(
                     "cf_ray: the controller of %s started again (the previous one's process died): "
                     "re-learnt the state of %d holder(s) and the committed checkpoints on storage; a "
@@ -397,7 +397,7 @@ class Roster:
 class ControlState:
     """``control_state.json``: the newest generation, the recent restores (generation -> the step it
     restored), the distrusted in-memory snapshots (``[generation, step]``) and the newest failures
-    (:meth:`.events.EventLog.saved_failures`). Written after the
+    (:meth:`cf_ray._engine.observe.events.EventLog.saved_failures`). Written after the
     controller's lock is released; writes are ordered (an older state never overwrites a newer one).
 
     Args:

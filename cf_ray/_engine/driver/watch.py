@@ -1,4 +1,4 @@
-"""The controller's watch (issue #16): nobody waits for ever on a section whose message was lost or
+"""The controller's watch: nobody waits for ever on a section whose message was lost or
 whose holder died.
 
 Every ``env.WATCH_INTERVAL_S`` the watch thread asks the holders about sections pending for at

@@ -6,7 +6,7 @@ The controller actor is threaded (``max_concurrency``), so Ray does not keep the
 holders sent ``part_staged`` and ``part_durable``: a section can be durable before the call saying
 which sections the step has. A commit is therefore tried from both.
 
-Every message is idempotent (issue #16): a holder re-sends what it is not sure arrived (after a
+Every message is idempotent: a holder re-sends what it is not sure arrived (after a
 timeout, to a controller that started again, in a resync), so the same ``part_staged`` or
 ``part_durable`` may come twice, or long after its step settled. A step commits once (the state
 goes pending -> committing -> committed); messages of a step that settled and left the pending
@@ -45,7 +45,8 @@ from cf_ray._engine.driver.checkpoints.committed import (
 )
 from cf_ray._engine.driver.checkpoints.pending import Pending, PendingTable
 from cf_ray._engine.driver.schedule import ScheduleBook
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.commit import Manifest, commit
+from cf_ray._engine.format.layout import MANIFEST, SHARED, rank_section, section_files, section_rank, step_dir
 from cf_ray._engine.observe.profile_book import ProfileBook
 from cf_ray._engine.protocol.messages import (
     CheckpointKind,
@@ -93,7 +94,7 @@ class CommitBook:
         *,
         book: ProfileBook,
         schedule: ScheduleBook,
-        on_commit: Callable[[int, mf.Manifest], None],
+        on_commit: Callable[[int, Manifest], None],
         restores: dict[int, int] | None = None,
         distrusted: list[tuple[int, int]] | None = None,
     ):
@@ -192,7 +193,7 @@ class CommitBook:
         ``settled`` RPC, less ``resynced``: :meth:`.pending.PendingTable.report`)."""
         return self.table.report(generation, steps)
 
-    # -- just-in-time checkpoints (#12, :mod:`.jit`) -----------------------------------------------------
+    # -- just-in-time checkpoints (:mod:`cf_ray._engine.driver.jit`) ---------------------------------------
     def _start_jit(self, p: Pending, draining: set[str] | None) -> None:
         """Once every section of a just-in-time checkpoint is staged: what makes it safe in a peer's
         memory (``draining``: the nodes Ray says are draining, asked by the caller outside the lock;
@@ -251,9 +252,9 @@ class CommitBook:
                 p.deadline_unix = float(meta.deadline_unix)
         job = None
         if p.parts.expected is None:
-            p.parts.expected = {mf.rank_section(r) for r in range(int(meta.world_size))}
+            p.parts.expected = {rank_section(r) for r in range(int(meta.world_size))}
             if meta.replicated:
-                p.parts.expected.add(mf.SHARED)
+                p.parts.expected.add(SHARED)
             # The controller is a threaded actor: a holder's part_durable calls may run before
             # the part_staged that says which sections to expect, so commit from here as well.
             self._report_persist(p)
@@ -327,7 +328,7 @@ class CommitBook:
         p.lost = lost and (p.state != SectionState.FAILED or p.lost)
         self.table.settle(p, SectionState.FAILED)
         self._book.log.add_failure(
-            generation=generation, step=step, section=section, rank=mf.section_rank(section), error=error
+            generation=generation, step=step, section=section, rank=section_rank(section), error=error
         )
         self._book.note_failed(generation, step, section, error)
         logger.warning("cf_ray: checkpoint of step %d not committed: %s failed: %s", step, section, error)
@@ -352,7 +353,7 @@ class CommitBook:
                 error = f"lost: node {node} was lost before this section was written; its attempt ended"
                 p.parts.failed[sec] = error
                 self._book.log.add_failure(
-                    generation=p.generation, step=p.step, section=sec, rank=mf.section_rank(sec), error=error
+                    generation=p.generation, step=p.step, section=sec, rank=section_rank(sec), error=error
                 )
                 self._book.note_failed(p.generation, p.step, sec, error)
                 logger.warning("cf_ray: checkpoint of step %d not committed: %s %s", p.step, sec, error)
@@ -370,8 +371,8 @@ class CommitBook:
         # holder spent writing this checkpoint (what "one persist in flight" has to fit).
         per_holder = per_holder_persist(p)
         for sec in sorted(p.parts.persist_s):
-            rank = mf.section_rank(sec)
-            if sec == mf.SHARED and mf.rank_section(0) in p.parts.persist_s:
+            rank = section_rank(sec)
+            if sec == SHARED and rank_section(0) in p.parts.persist_s:
                 continue  # rank 0's sample comes with its own section (same holder)
             self._schedule.add_sample(
                 Sample(rank=rank, step=p.step, ckpt_step=p.step, persist_s=per_holder[p.parts.staged.get(sec, "")])
@@ -391,10 +392,10 @@ class CommitBook:
         sections = {}
         for sec in sorted(p.parts.expected):
             files.update(p.parts.durable[sec])
-            data, index = mf.section_files(p.generation, sec)
+            data, index = section_files(p.generation, sec)
             sections[sec] = {"data": data, "index": index}
         meta = p.meta
-        m = mf.Manifest(
+        m = Manifest(
             step=p.step,
             epoch=int(meta.epoch),
             world_size=int(meta.world_size),
@@ -409,7 +410,7 @@ class CommitBook:
         )
         p.committing = True
         return CommitJob(
-            generation=p.generation, step=p.step, manifest=m, directory=mf.step_dir(p.step), verify_files=p.verify_files
+            generation=p.generation, step=p.step, manifest=m, directory=step_dir(p.step), verify_files=p.verify_files
         )
 
     # -- the commit itself --------------------------------------------------------------------------------
@@ -423,10 +424,10 @@ class CommitBook:
                 if job.verify_files and not files_present(self.storage, job.directory, job.manifest.files):
                     return CommitResult(missing=True)
                 if job.step > self._hint_step:
-                    mf.commit(self.storage, job.directory, job.manifest)
+                    commit(self.storage, job.directory, job.manifest)
                     self._hint_step = job.step
                 else:
-                    self.storage.write_file(f"{job.directory}/{mf.MANIFEST}", [job.manifest.to_bytes()])
+                    self.storage.write_file(f"{job.directory}/{MANIFEST}", [job.manifest.to_bytes()])
             except Exception as e:  # noqa: BLE001 - a failed commit leaves the previous one the latest
                 return CommitResult(error=f"{type(e).__name__}: {e}")
             return CommitResult(commit_s=time.perf_counter() - t0)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from cf_ray._engine.driver.checkpoints.committed import CommittedIndex
 from cf_ray._engine.driver.jit import JitWatch
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.layout import section_rank
 from cf_ray._engine.protocol.messages import SectionState, Settled, SnapshotMeta
 from cf_ray._engine.storage.fs import FileInfo
 
@@ -45,7 +45,7 @@ class Parts:
     staged_nodes: dict[str, str] = field(default_factory=dict)
     """section -> the node of that holder."""
     replicas: dict[str, dict[str, str]] = field(default_factory=dict)
-    """section -> {holder of another node with a copy: its node} (peer replicas, #12)."""
+    """section -> {holder of another node with a copy: its node} (peer replicas)."""
     writers: dict[str, str] = field(default_factory=dict)
     """section -> name of the holder that reported it durable or failed."""
     durable: dict[str, dict[str, FileInfo]] = field(default_factory=dict)
@@ -91,7 +91,8 @@ class Pending:
     deadline_unix: float | None = None
     """A just-in-time checkpoint's deadline: the earliest any rank's notice said."""
     jit: JitWatch | None = None
-    """A just-in-time checkpoint's watch (from the moment every section is staged, :mod:`.jit`)."""
+    """A just-in-time checkpoint's watch (from the moment every section is staged,
+    :mod:`cf_ray._engine.driver.jit`)."""
     memory_only: bool = False
     """Held in memory only (``SnapshotMeta.persist=False``): settled as superseded once every
     section is staged; a persisted snapshot of the same step (``finish()``) opens it again."""
@@ -136,7 +137,7 @@ class Pending:
     def stale_failure(self, section: str, holder: str) -> bool:
         """A rank's report that it skipped ``section`` (``holder`` empty) sent before that rank said it
         takes the step again in ``finish()``: about the snapshot taken before, not this one."""
-        return self.final is not None and not holder and mf.section_rank(section) not in self.final.ranks
+        return self.final is not None and not holder and section_rank(section) not in self.final.ranks
 
     def settling(self, now: float) -> bool:
         """Failed, and some of its sections a holder has are still to be written or failed (for at

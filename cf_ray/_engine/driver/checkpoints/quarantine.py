@@ -1,4 +1,4 @@
-"""What the controller takes out of use, and only on its own evidence (issue #23, #7 and #1).
+"""What the controller takes out of use, and only on its own evidence.
 
 * **A committed checkpoint** is quarantined — taken out of the committed index (restore plans no
   longer name it, keep-last no longer counts nor deletes it), listed in ``quarantine.json`` with the
@@ -38,8 +38,9 @@ import numpy as np
 
 from cf_ray._engine import env as _env
 from cf_ray._engine.driver.checkpoints.commits import CommitBook
-from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.format.manifest import QUARANTINE, Quarantined, load_quarantine_entries, write_quarantine
+from cf_ray._engine.format.catalog import QUARANTINE, Quarantined, load_quarantine_entries, write_quarantine
+from cf_ray._engine.format.commit import read_manifest
+from cf_ray._engine.format.layout import MANIFEST, step_dir
 from cf_ray._engine.observe.profile_book import ProfileBook
 from cf_ray._engine.protocol.messages import Distrusted
 from cf_ray._engine.storage.fs import Storage
@@ -65,11 +66,11 @@ def damage_of(storage: Storage, step: int) -> str | None:
     Raises:
         CannotTell: storage could not be read (an I/O error other than a missing file).
     """
-    directory = mf.step_dir(step)
+    directory = step_dir(step)
     try:
-        m = mf.read_manifest(storage, directory)
+        m = read_manifest(storage, directory)
     except CheckpointNotFoundError:
-        return f"its manifest {storage.uri(directory)}/{mf.MANIFEST} is missing"
+        return f"its manifest {storage.uri(directory)}/{MANIFEST} is missing"
     except CorruptCheckpointError as e:
         return str(e)
     except OSError as e:

@@ -18,7 +18,9 @@ import threading
 from collections.abc import Callable
 
 from cf_ray._engine.driver.checkpoints.commits import CommitBook
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.catalog import list_committed, list_uncommitted, to_delete
+from cf_ray._engine.format.commit import read_manifest
+from cf_ray._engine.format.layout import CHECKPOINTS, step_dir
 from cf_ray._engine.protocol.messages import SectionState
 from cf_ray._engine.storage.fs import Storage
 
@@ -79,14 +81,14 @@ class Retention:
             committed_index = self._commits.committed
             if self.keep_last is not None:
                 committed = [(s, c.kept) for s, c in committed_index.items()]  # milestones, resume points
-                doomed = [s for s in mf.to_delete(committed, self.keep_last) if s not in protected]
+                doomed = [s for s in to_delete(committed, self.keep_last) if s not in protected]
                 # The index is updated *before* deleting, so a concurrent restore plan never names a
                 # checkpoint that is being deleted (the same order as Ray's checkpoint manager).
                 for s in doomed:
                     self._commits.index.remove(s)
             newest = self._commits.newest_step()
         for s in doomed:
-            _delete(self.storage, mf.step_dir(s))
+            _delete(self.storage, step_dir(s))
         if newest is None:
             return
         due = force_scan or self._commits_since_scan * SCAN_ENTRIES_PER_COMMIT >= self._last_listing
@@ -100,10 +102,10 @@ class Retention:
         # leftovers, failed or superseded snapshots. Checkpoints commit out of step order when a
         # rank's section arrives late at its holder, so an older one may still be in flight, or may
         # commit between this listing and the check below: the check asks what the step is *now*
-        # (a step committed since the listing was deleted here once — a milestone, in CI). A step
+        # (else a step committed since the listing, a milestone say, would be deleted). A step
         # this controller has no record of may be one whose part_staged has not run yet (the actor
         # is threaded): it is deleted only if a later pass still finds it unknown and uncommitted.
-        leftovers = mf.list_uncommitted(self.storage)
+        leftovers = list_uncommitted(self.storage)
         with self._lock:
             committed_index = self._commits.committed
             self._last_listing = len(leftovers) + len(committed_index)
@@ -118,26 +120,26 @@ class Retention:
             ]
             self._unknown_seen = unknown
         for name in dead:
-            _delete(self.storage, f"{mf.CHECKPOINTS}/{name}")
+            _delete(self.storage, f"{CHECKPOINTS}/{name}")
 
     def retain_in(self, i: int, tier: Storage) -> None:
         if self.restoring or self.keep_last is None:
             return  # deferred until restored(); or nothing to delete
         known = self._tier_milestones[i]
         committed = []
-        steps = [c for c in mf.list_committed(tier)]
+        steps = [c for c in list_committed(tier)]
         for c in steps:
             if c.step not in known:
                 try:
-                    known[c.step] = mf.read_manifest(tier, c.path).milestone
+                    known[c.step] = read_manifest(tier, c.path).milestone
                 except Exception:  # noqa: BLE001
                     continue
             committed.append((c.step, known[c.step]))
         listed = {c.step for c in steps}
         for s in [s for s in known if s not in listed]:
             del known[s]
-        for s in mf.to_delete(committed, self.keep_last):
-            _delete(tier, mf.step_dir(s))
+        for s in to_delete(committed, self.keep_last):
+            _delete(tier, step_dir(s))
             known.pop(s, None)
 
 

@@ -1,4 +1,4 @@
-"""Copies of committed checkpoints to the upload tiers (issue #16), on the maintenance thread.
+"""Copies of committed checkpoints to the upload tiers, on the maintenance thread.
 
 A bounded queue (``env.UPLOAD_QUEUE``; when full, the oldest queued upload that is not a milestone is
 dropped, with a warning and an ``upload_dropped`` event); each file is streamed from the primary
@@ -23,7 +23,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from cf_ray._engine import env as _env
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.catalog import list_committed
+from cf_ray._engine.format.commit import Manifest, commit
+from cf_ray._engine.format.layout import step_dir
 from cf_ray._engine.observe.profile_book import ProfileBook
 from cf_ray._engine.storage.base import chunked, is_symlink
 from cf_ray._engine.storage.fs import Storage
@@ -40,7 +42,7 @@ class Upload:
     """One committed checkpoint to copy to the tiers."""
 
     step: int
-    manifest: mf.Manifest
+    manifest: Manifest
 
 
 class _Permanent(Exception):
@@ -82,7 +84,7 @@ class Uploads:
         self._running: int | None = None
 
     # -- the queue (under the condition) -------------------------------------------------------------------
-    def wanted(self, m: mf.Manifest) -> bool:
+    def wanted(self, m: Manifest) -> bool:
         return bool(self.tiers) and not (self.milestones_only and not m.milestone)
 
     def enqueue(self, up: Upload) -> None:
@@ -150,7 +152,7 @@ class Uploads:
 
     def _upload_to(self, tier: Storage, up: Upload) -> bool:
         step, m = up.step, up.manifest
-        directory = mf.step_dir(step)
+        directory = step_dir(step)
         delay = max(0.0, _env.get_float(_env.UPLOAD_BACKOFF_S))
         tries = max(1, _env.get_int(_env.UPLOAD_RETRIES))
         for attempt in range(1, tries + 1):
@@ -160,7 +162,7 @@ class Uploads:
                     got = tier.write_file(f"{directory}/{name}", _stream(self.storage, f"{directory}/{name}"))
                     if got != info:
                         raise _Permanent(f"upload of {name} to {tier.uri()} wrote {got}, the manifest says {info}")
-                mf.commit(tier, directory, m)  # the tier's own commit marker, written last
+                commit(tier, directory, m)  # the tier's own commit marker, written last
             except (
                 _Permanent,
                 CorruptCheckpointError,
@@ -232,7 +234,7 @@ def tier_steps(tiers: list[Storage]) -> tuple[tuple[int, ...], ...]:
     out = []
     for tier in tiers:
         try:
-            out.append(tuple(sorted((c.step for c in mf.list_committed(tier)), reverse=True)))
+            out.append(tuple(sorted((c.step for c in list_committed(tier)), reverse=True)))
         except Exception as e:  # noqa: BLE001 - an unreachable tier is not a reason to fail a restore
             logger.warning("cf_ray: cannot list upload tier %s: %s", tier.uri(), e)
             out.append(())
