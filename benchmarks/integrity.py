@@ -24,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.blocks import BLOCK_BYTES, Blocks, block_crcs, verify_blocks
 from cf_ray._engine.storage.base import crc32_of
 from cf_ray._engine.worker.restore import integrity
 from cf_ray._engine.worker.snapshot import fingerprint as fp
@@ -45,7 +45,7 @@ def measure(mib: int, rounds: int) -> dict[str, float]:
     per = 4 << 20  # elements per tensor: 16 MiB
     state = {f"w{i}": torch.randn(min(per, n - i)) for i in range(0, n, per)}
     buf = np.concatenate([t.numpy().view(np.uint8) for t in state.values()])
-    blocks = mf.Blocks(mf.BLOCK_BYTES, tuple(mf.block_crcs(buf)))
+    blocks = Blocks(BLOCK_BYTES, tuple(block_crcs(buf)))
     dst = np.empty_like(buf)
     model = torch.nn.Module()
     for name, t in state.items():
@@ -54,7 +54,7 @@ def measure(mib: int, rounds: int) -> dict[str, float]:
     rows = {
         "memcpy": _best(lambda: np.copyto(dst, buf), rounds),
         "crc32 whole": _best(lambda: crc32_of(buf), rounds),
-        "verify_blocks": _best(lambda: mf.verify_blocks(buf, blocks, "bench"), rounds),
+        "verify_blocks": _best(lambda: verify_blocks(buf, blocks, "bench"), rounds),
         "check_finite": _best(lambda: integrity.check_finite({"model": state}, {"model": model}), rounds),
         "fingerprints": _best(lambda: fp.object_fingerprint(state), rounds),
     }

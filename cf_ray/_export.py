@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.catalog import list_committed
+from cf_ray._engine.format.commit import read_manifest
 from cf_ray._engine.format.safetensors import _SAFETENSORS_DTYPES
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.errors import CfRayError, CheckpointNotFoundError, ConfigError
@@ -65,7 +66,7 @@ def choose(storage: FsStorage, directory: str | None, step: int | None, obj: str
             raise CheckpointNotFoundError(f"{storage.uri(directory)} is not a checkpoint of step {step}")
         return directory
     kinds = ("step", "final") if obj == "model" else ("step",)
-    committed = [c for c in mf.list_committed(storage, kinds=kinds) if step is None or c.step == step]
+    committed = [c for c in list_committed(storage, kinds=kinds) if step is None or c.step == step]
     if not committed:
         at = "" if step is None else f" at step {step}"
         raise CheckpointNotFoundError(
@@ -98,7 +99,7 @@ def export_model(
         raise ValueError(f"to={to!r}: use one of {FORMATS}")
     check_object_name(obj)
     path = choose(storage, directory, step, obj)
-    manifest = mf.read_manifest(storage, path)
+    manifest = read_manifest(storage, path)
     if not manifest.replicated and manifest.world_size > 1:
         raise CfRayError(
             f"{storage.uri(path)} holds per-rank shards of the state (replicated=False, "

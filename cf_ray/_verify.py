@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from cf_ray._engine.format import layout
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.commit import Manifest, read_manifest
+from cf_ray._engine.format.sections import parse_index, read_verified
 from cf_ray._engine.storage.base import Storage, _crc32, is_symlink
 from cf_ray.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
 
@@ -102,7 +103,7 @@ def _check(storage: Storage, path: str, name: str, step: int) -> CheckpointCheck
         return str(e).replace(prefix, "")
 
     try:
-        manifest = mf.read_manifest(storage, path)
+        manifest = read_manifest(storage, path)
     except CheckpointNotFoundError:
         return CheckpointCheck(name, step, "?", vanished=True, problems=("deleted while it was checked",))
     except (CorruptCheckpointError, UnsafePathError) as e:
@@ -137,7 +138,7 @@ def _check(storage: Storage, path: str, name: str, step: int) -> CheckpointCheck
     )
 
 
-def _stream_verified(storage: Storage, directory: str, manifest: mf.Manifest, name: str, *, keep: bool) -> np.ndarray:
+def _stream_verified(storage: Storage, directory: str, manifest: Manifest, name: str, *, keep: bool) -> np.ndarray:
     """Check one file's size and CRC-32 against the manifest, reading it a chunk at a time; the
     file's bytes when ``keep`` (a tensor table, to be parsed), else an empty array.
 
@@ -149,7 +150,7 @@ def _stream_verified(storage: Storage, directory: str, manifest: mf.Manifest, na
     where = f"{storage.uri(directory)}/{name}"
     read_range = getattr(storage, "read_range", None)
     if read_range is None:  # a storage without ranged reads (the protocol's optional method): one read
-        return _check_whole(mf.read_verified(storage, directory, manifest, name), keep)
+        return _check_whole(read_verified(storage, directory, manifest, name), keep)
     crc, size, parts = 0, 0, []
     try:
         while True:
@@ -205,7 +206,7 @@ def _still_there(storage: Storage, path: str) -> bool:
 def _check_index(buf: np.ndarray, name: str, data_size: int) -> list[str]:
     """The tensor table parses and every tensor lies inside its data file (which passed its own check)."""
     try:
-        _, entries = mf.parse_index(buf, name)
+        _, entries = parse_index(buf, name)
     except CorruptCheckpointError as e:
         return [str(e)]
     return [

@@ -39,7 +39,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.layout import step_dir
 from cf_ray._engine.protocol.messages import CheckpointKind, CheckpointRequest, RequestLevel, RestoreSource
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray._engine.worker.context import WorkerContext, check_tracked, unwrap_ddp
@@ -362,7 +362,7 @@ class Checkpointer:
         if self.rank == 0:  # who writes the model: what it names is never deleted by keep-last
             committed = self._link.keep_resume_point(committed)
         committed = int(self._steps.control.broadcast(committed))
-        resume = mf.step_dir(committed) if committed > 0 else None
+        resume = step_dir(committed) if committed > 0 else None
         durable = committed >= self.step_count
         if self.rank == 0 and not durable:
             self._durability.not_durable_at_finish(self.step_count, committed, limit, waited)

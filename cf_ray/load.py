@@ -17,8 +17,21 @@ import pyarrow.fs as pafs
 import torch
 
 from cf_ray._engine.format import codec as _codec
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.catalog import list_committed, load_quarantine
+from cf_ray._engine.format.commit import Manifest, read_manifest, read_pointer
+from cf_ray._engine.format.layout import (
+    _DIR_RE,
+    CHECKPOINTS,
+    FINAL_SECTION,
+    OBJECTS,
+    POINTER,
+    REGISTERED,
+    SHARED,
+    STATE,
+    rank_section,
+)
 from cf_ray._engine.format.safetensors import RESUME_KEY, read_safetensors
+from cf_ray._engine.format.sections import Section, load_section, read_verified
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.errors import CheckpointNotFoundError, CorruptCheckpointError
 
@@ -51,18 +64,18 @@ def open_run(source: Any, filesystem: pafs.FileSystem | None = None) -> tuple[Fs
     root, name = storage.root, None
     base = posixpath.basename(root)
     parent = posixpath.basename(posixpath.dirname(root))
-    if parent == mf.REGISTERED and storage.exists(mf.POINTER):  # what was registered with Ray Train
+    if parent == REGISTERED and storage.exists(POINTER):  # what was registered with Ray Train
         run = FsStorage(storage.fs, posixpath.dirname(posixpath.dirname(root)))
-        return run, mf.read_pointer(storage.read_file(mf.POINTER))
-    if mf._DIR_RE.match(base) and parent == mf.CHECKPOINTS:
+        return run, read_pointer(storage.read_file(POINTER))
+    if _DIR_RE.match(base) and parent == CHECKPOINTS:
         name = base
         root = posixpath.dirname(posixpath.dirname(root))
     elif base != "cf_ray":
         candidate = FsStorage(storage.fs, posixpath.join(root, "cf_ray"))
-        if candidate.exists(mf.CHECKPOINTS):
+        if candidate.exists(CHECKPOINTS):
             root = candidate.root
     run = FsStorage(storage.fs, root)
-    return run, (f"{mf.CHECKPOINTS}/{name}" if name else None)
+    return run, (f"{CHECKPOINTS}/{name}" if name else None)
 
 
 def resumable_checkpoint(source: Any, filesystem: pafs.FileSystem | None = None) -> tuple[FsStorage, str]:
@@ -78,32 +91,27 @@ def resumable_checkpoint(source: Any, filesystem: pafs.FileSystem | None = None)
     """
     run, directory = open_run(source, filesystem)
     if directory is None:
-        committed = mf.list_committed(run, skip_quarantined=True)
+        committed = list_committed(run, skip_quarantined=True)
         if not committed:
             raise CheckpointNotFoundError(f"no committed cf_ray checkpoint under {run.uri()}")
         directory = committed[-1].path
-    m = mf.read_manifest(run, directory)
+    m = read_manifest(run, directory)
     if m.kind == "final":
         directory = _full_checkpoint_of_final(run, directory, m)
-        mf.read_manifest(run, directory)  # it must still be there (CheckpointNotFoundError otherwise)
+        read_manifest(run, directory)  # it must still be there (CheckpointNotFoundError otherwise)
     return run, directory
 
 
-def _full_checkpoint_of_final(run: FsStorage, directory: str, m: mf.Manifest) -> str:
+def _full_checkpoint_of_final(run: FsStorage, directory: str, m: Manifest) -> str:
     target = m.extra.get(RESUME_KEY)
     if target is None:
         raise CheckpointNotFoundError(
             f"{run.uri(directory)} holds only the final model weights and names no full checkpoint of its run; "
             "resume from the run directory or a registered checkpoint instead"
         )
-    name = target.removeprefix(f"{mf.CHECKPOINTS}/") if isinstance(target, str) else ""
-    match = mf._DIR_RE.match(name)
-    if (
-        not isinstance(target, str)
-        or not target.startswith(f"{mf.CHECKPOINTS}/")
-        or not match
-        or match.group(1) != "step"
-    ):
+    name = target.removeprefix(f"{CHECKPOINTS}/") if isinstance(target, str) else ""
+    match = _DIR_RE.match(name)
+    if not isinstance(target, str) or not target.startswith(f"{CHECKPOINTS}/") or not match or match.group(1) != "step":
         raise CorruptCheckpointError(
             f"the final model's manifest {run.uri(directory)} names {target!r} as its full "
             "checkpoint, which is not a checkpoint of this run"
@@ -118,9 +126,9 @@ def list_checkpoints(source: Any, filesystem: pafs.FileSystem | None = None) -> 
     listed once, as the final model (kind ``final``), whose path resumes the run through it."""
     run, _ = open_run(source, filesystem)
     found = []
-    for c in mf.list_committed(run, kinds=("step", "final"), skip_quarantined=True):
+    for c in list_committed(run, kinds=("step", "final"), skip_quarantined=True):
         try:
-            found.append((c, mf.read_manifest(run, c.path)))
+            found.append((c, read_manifest(run, c.path)))
         except CorruptCheckpointError:
             continue
     folded = {m.extra.get(RESUME_KEY) for c, m in found if c.kind == "final" and m.extra.get("resume_step") == m.step}
@@ -142,7 +150,7 @@ def quarantined_checkpoints(source: Any, filesystem: pafs.FileSystem | None = No
     """The steps of a run's checkpoints that a restore found corrupt, and why: they stay on storage
     for inspection and are never restored from, listed or counted by keep-last again."""
     run, _ = open_run(source, filesystem)
-    return mf.load_quarantine(run)
+    return load_quarantine(run)
 
 
 def load_state(
@@ -170,8 +178,8 @@ def load_state(
     """
     run, directory = open_run(source, filesystem)
     if directory is None:
-        committed = mf.list_committed(run)
-        quarantined = mf.load_quarantine(run)
+        committed = list_committed(run)
+        quarantined = load_quarantine(run)
         if step is not None and step in quarantined and any(c.step == step for c in committed):
             raise CorruptCheckpointError(
                 f"checkpoint step {step} under {run.uri()} is quarantined: a restore found it corrupt "
@@ -187,15 +195,15 @@ def load_state(
         directory = committed[-1].path
     elif step is not None and not directory.endswith(f"{step:012d}"):
         raise CheckpointNotFoundError(f"{run.uri(directory)} is not the checkpoint of step {step}")
-    m = mf.read_manifest(run, directory)
+    m = read_manifest(run, directory)
     wanted = None if objects is None else set(objects)
     keyset = None if keys is None else set(keys)
-    if m.kind == "final" and wanted is not None and wanted - {mf.FINAL_SECTION} and RESUME_KEY in m.extra:
+    if m.kind == "final" and wanted is not None and wanted - {FINAL_SECTION} and RESUME_KEY in m.extra:
         # Objects besides the model: from the full checkpoint the final model names (same step).
         directory = _full_checkpoint_of_final(run, directory, m)
-        m = mf.read_manifest(run, directory)
+        m = read_manifest(run, directory)
     if m.kind == "final":
-        buf = mf.read_verified(run, directory, m, "model.safetensors")
+        buf = read_verified(run, directory, m, "model.safetensors")
         state = {"model": read_safetensors(buf, keyset)}
         missing = (wanted or set()) - set(state)
         if missing:
@@ -205,15 +213,15 @@ def load_state(
         return {k: v for k, v in state.items() if wanted is None or k in wanted}
     out: dict[str, Any] = {}
     if m.replicated:
-        shared = mf.load_section(run, directory, m, mf.SHARED)
-        objs = _select(shared, (mf.OBJECTS,), wanted, keyset)
+        shared = load_section(run, directory, m, SHARED)
+        objs = _select(shared, (OBJECTS,), wanted, keyset)
     else:
-        sec = mf.load_section(run, directory, m, mf.rank_section(rank))
-        objs = _select(sec, (mf.STATE,), wanted, keyset)
+        sec = load_section(run, directory, m, rank_section(rank))
+        objs = _select(sec, (STATE,), wanted, keyset)
     out.update(objs)
     if wanted is not None and wanted - set(out):
-        sec = mf.load_section(run, directory, m, mf.rank_section(rank))
-        out.update(_select(sec, (mf.OBJECTS,), wanted - set(out), keyset))
+        sec = load_section(run, directory, m, rank_section(rank))
+        out.update(_select(sec, (OBJECTS,), wanted - set(out), keyset))
     missing = (wanted or set()) - set(out)
     if missing:
         raise CheckpointNotFoundError(f"checkpoint {run.uri(directory)} has no objects {sorted(missing)}")
@@ -248,7 +256,7 @@ def load_into(
     return True
 
 
-def _select(section: mf.Section, path: tuple[str, ...], wanted, keyset) -> dict:
+def _select(section: Section, path: tuple[str, ...], wanted, keyset) -> dict:
     tree = section.tree
     for p in path:
         if not isinstance(tree, dict) or p not in tree:

@@ -18,7 +18,8 @@ import pyarrow.fs as pafs
 
 from cf_ray._engine.driver.facade import Controller
 from cf_ray._engine.driver.settings import ControllerSettings
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.layout import SHARED, section_rank, step_dir
+from cf_ray._engine.format.sections import write_section
 from cf_ray._engine.protocol.messages import (
     CheckpointKind,
     HolderState,
@@ -114,7 +115,7 @@ def make_controller(
 def wait_idle(ctl: Controller, timeout_s: float = 60) -> None:
     """Until the controller's maintenance thread (keep-last, uploads, re-reads) has nothing to do."""
     deadline = time.monotonic() + timeout_s
-    while not ctl.maintenance_idle():
+    while not ctl._maintenance.idle():
         assert time.monotonic() < deadline, "the controller's maintenance did not finish"
         time.sleep(0.01)
 
@@ -127,13 +128,13 @@ def meta(rank: int = 0, world_size: int = 1, *, replicated: bool = False, **kw) 
 
 def staged(gen: int, step: int, section: str, holder: str = "h", node: str = "", m: SnapshotMeta | None = None):
     """What a holder sends once it holds ``section`` of ``step``."""
-    m = m if m is not None else meta(mf.section_rank(section))
+    m = m if m is not None else meta(section_rank(section))
     return PartStaged(generation=gen, step=step, section=section, holder=holder, nbytes=8, meta=m, node_id=node)
 
 
 def durable(storage, gen: int, step: int, section: str, holder: str = "h", size: int = 8) -> PartDurable:
     """Phase 2 of one section for real (its files on storage) and the message that says so."""
-    files = mf.write_section(storage, mf.step_dir(step), gen, section, np.arange(size, dtype=np.uint8) % 251, b"{}")
+    files = write_section(storage, step_dir(step), gen, section, np.arange(size, dtype=np.uint8) % 251, b"{}")
     return PartDurable(
         generation=gen,
         step=step,
@@ -153,9 +154,9 @@ def replicated(gen: int, step: int, section: str, *, peer: str, node: str, origi
 
 def commit(ctl: Controller, gen: int, step: int, sections: list[str], holder: str = "h", node: str = "") -> None:
     """Every section of ``step`` staged and written, as its holders would; waits for the clean-up."""
-    world = sum(1 for s in sections if s != mf.SHARED)
+    world = sum(1 for s in sections if s != SHARED)
     for sec in sections:
-        m = meta(mf.section_rank(sec), world, replicated=mf.SHARED in sections)
+        m = meta(section_rank(sec), world, replicated=SHARED in sections)
         ctl.part_staged(staged(gen, step, sec, holder, node, m))
         ctl.part_durable(durable(ctl.storage, gen, step, sec, holder))
     wait_idle(ctl)

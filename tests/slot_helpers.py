@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.blocks import BLOCK_BYTES, block_crcs, with_blocks
 from cf_ray._engine.memory import crc as _crc
 from cf_ray._engine.memory import slots as _slots
 from cf_ray._engine.protocol.messages import SlotDesc, SnapshotMeta, Stage, StagedSlot
@@ -28,12 +28,12 @@ def fill_slot(descs, generation: int, step: int, arena: np.ndarray) -> SlotDesc:
 
 
 def staged_slot(descs, generation: int, step: int, section: str, arena: np.ndarray, index: bytes) -> StagedSlot:
-    crcs = mf.block_crcs(arena)
+    crcs = block_crcs(arena)
     return StagedSlot(
         section=section,
         slot=fill_slot(descs, generation, step, arena),
-        index=mf.with_blocks(index, crcs),
-        crc32=_crc.combine_blocks(crcs, mf.BLOCK_BYTES, arena.nbytes),
+        index=with_blocks(index, crcs),
+        crc32=_crc.combine_blocks(crcs, BLOCK_BYTES, arena.nbytes),
     )
 
 

@@ -6,7 +6,10 @@ import numpy as np
 import torch
 
 from cf_ray._engine.format import codec as _codec
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.commit import Manifest
+from cf_ray._engine.format.commit import commit as commit_manifest
+from cf_ray._engine.format.layout import SHARED, rank_section, section_files, step_dir
+from cf_ray._engine.format.sections import encode_index, write_section
 
 
 def arena_of(tree) -> tuple[np.ndarray, bytes]:
@@ -18,7 +21,7 @@ def arena_of(tree) -> tuple[np.ndarray, bytes]:
             raw[:] = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
         elif leaf.numel():
             raw[:] = leaf.contiguous().reshape(-1).view(torch.uint8).numpy()
-    return buf, mf.encode_index(flat)
+    return buf, encode_index(flat)
 
 
 def write_checkpoint(
@@ -30,23 +33,23 @@ def write_checkpoint(
     commit: bool = True,
     milestone: bool = False,
     world_size: int = 1,
-) -> mf.Manifest:
+) -> Manifest:
     """A replicated checkpoint of ``model`` at ``step``, written like the holder + controller do:
     one rank by default; with ``world_size`` > 1 every rank's section also holds a per-rank object
     ``data`` = ``{"rank": r, "position": 1000 * r + step}`` (what a data loader's position looks like)."""
-    directory = mf.step_dir(step)
+    directory = step_dir(step)
     files = {}
     sections = {}
-    trees = {mf.SHARED: {"objects": {"model": model.state_dict()}}}
+    trees = {SHARED: {"objects": {"model": model.state_dict()}}}
     for r in range(world_size):
         objects = {"data": {"rank": r, "position": 1000 * r + step}} if world_size > 1 else {}
-        trees[mf.rank_section(r)] = {"objects": objects, "counters": {"step": step, "epoch": 0}}
+        trees[rank_section(r)] = {"objects": objects, "counters": {"step": step, "epoch": 0}}
     for sec, tree in trees.items():
         arena, index = arena_of(tree)
-        files.update(mf.write_section(storage, directory, generation, sec, arena, index))
-        data, idx = mf.section_files(generation, sec)
+        files.update(write_section(storage, directory, generation, sec, arena, index))
+        data, idx = section_files(generation, sec)
         sections[sec] = {"data": data, "index": idx}
-    m = mf.Manifest(
+    m = Manifest(
         step=step,
         epoch=0,
         world_size=world_size,
@@ -57,5 +60,5 @@ def write_checkpoint(
         milestone=milestone,
     )
     if commit:
-        mf.commit(storage, directory, m)
+        commit_manifest(storage, directory, m)
     return m

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cf_ray._engine.format import codec as _codec
-from cf_ray._engine.format.manifest import parse_index
+from cf_ray._engine.format.sections import parse_index
 
 from storage_helpers import arena_of
 

@@ -26,7 +26,10 @@ from slot_helpers import stage_bytes
 from cf_ray._engine import env as _env
 from cf_ray._engine.driver.checkpoints import pending as pending_mod
 from cf_ray._engine.driver.recovery import CONTROL_STATE
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.catalog import list_committed
+from cf_ray._engine.format.commit import read_manifest
+from cf_ray._engine.format.layout import MANIFEST, rank_section, section_files, step_dir
+from cf_ray._engine.format.sections import verify_all, write_section
 from cf_ray._engine.protocol.messages import (
     CheckpointKind,
     HolderState,
@@ -47,7 +50,7 @@ from controller_harness import Holders, wait_idle
 from controller_harness import settings as _settings
 from faulty_fs import FaultyHandler
 
-SEC = mf.rank_section(0)
+SEC = rank_section(0)
 META = SnapshotMeta(rank=0, world_size=1, replicated=False, epoch=0, kind=CheckpointKind.SCHEDULED, interval=1)
 
 
@@ -64,7 +67,7 @@ def _staged(gen: int, step: int, holder: str = "h", meta: SnapshotMeta = META, s
 
 def _write(storage, gen: int, step: int, section: str = SEC, holder: str = "h", size: int = 8) -> PartDurable:
     """Phase 2 of one section for real (its files on storage) and the message that says so."""
-    files = mf.write_section(storage, mf.step_dir(step), gen, section, np.arange(size, dtype=np.uint8) % 251, b"{}")
+    files = write_section(storage, step_dir(step), gen, section, np.arange(size, dtype=np.uint8) % 251, b"{}")
     return PartDurable(
         generation=gen,
         step=step,
@@ -76,7 +79,7 @@ def _write(storage, gen: int, step: int, section: str = SEC, holder: str = "h", 
 
 
 def _fake_files(gen: int, section: str = SEC) -> dict:
-    data, index = mf.section_files(gen, section)
+    data, index = section_files(gen, section)
     return {data: {"size": 8, "crc32": 0}, index: {"size": 2, "crc32": 0}}
 
 
@@ -158,7 +161,7 @@ def test_the_controller_stays_flat_through_10000_commits(controller, tmp_path, t
         assert len(ctl._ledger.commits.table.entries) <= pending_mod.MAX_PENDING + 1
         assert len(ctl._ledger.commits.table.settled) <= pending_mod.MAX_SETTLED
         assert len(ctl._ledger.commits.committed) <= 2
-        assert [c.step for c in mf.list_committed(ctl.storage)] == [n - 1, n]
+        assert [c.step for c in list_committed(ctl.storage)] == [n - 1, n]
         rows = ctl.profile_rows()  # the parts on storage and the rows in memory
         assert [r["step"] for r in rows] == list(range(1, n + 1))
         assert all(r["committed"] is True and r["stall_s"] == pytest.approx(0.001) for r in rows)
@@ -174,7 +177,7 @@ def _count_manifest_writes(monkeypatch, storage) -> list[str]:
     real = storage.write_file
 
     def write_file(path, chunks):
-        if path.endswith(mf.MANIFEST):
+        if path.endswith(MANIFEST):
             writes.append(path)
         return real(path, chunks)
 
@@ -192,7 +195,7 @@ def test_every_holder_message_is_idempotent(controller, tmp_path, monkeypatch):
     msgs = [_staged(gen, 3), _write(storage, gen, 3)]
     for m in msgs + msgs[::-1] + msgs:
         (ctl.part_staged if isinstance(m, PartStaged) else ctl.part_durable)(m)
-    assert writes == [f"{mf.step_dir(3)}/{mf.MANIFEST}"]
+    assert writes == [f"{step_dir(3)}/{MANIFEST}"]
     assert ctl.part_durable(msgs[1]) == SectionState.COMMITTED  # the acknowledgement says where it stands
     assert len(ctl._ledger.schedule.samples) == 1  # the persist time went to the policy once
     # A failure that comes after the commit changes nothing.
@@ -223,12 +226,12 @@ def test_a_resynced_step_whose_files_are_gone_is_not_committed_again(controller,
     ctl = controller(storage, "gone", holders=Holders())
     gen = 1
     durable = _write(storage, gen, 4)
-    storage.delete_dir(mf.step_dir(4))  # what keep-last did before the controller died
+    storage.delete_dir(step_dir(4))  # what keep-last did before the controller died
     ok = _write(storage, gen, 5)
     ctl.apply_holder_state(
         HolderState(holder="h", generation=gen, staged=(_staged(gen, 4), _staged(gen, 5)), outcomes=(durable, ok))
     )
-    assert [c.step for c in mf.list_committed(storage)] == [5]
+    assert [c.step for c in list_committed(storage)] == [5]
     assert dataclasses.replace(ctl.settled(gen, [4, 5]), resynced=True) == Settled(
         generation=gen, committed=(5,), abandoned=(4,), newest_committed=5, resynced=True
     )
@@ -268,7 +271,7 @@ def test_settled_says_which_steps_nothing_more_will_happen_to(controller, tmp_pa
     ctl.part_staged(_staged(gen, 6))
     ctl.part_durable(_write(storage, gen, 6))
     out = ctl.settled(gen, [4, 5, 6])
-    assert out.abandoned == (4, 5, 6) and [c.step for c in mf.list_committed(storage)] == [1]
+    assert out.abandoned == (4, 5, 6) and [c.step for c in list_committed(storage)] == [1]
     assert ctl.settled(gen2, [1]).unknown == (1,)  # a step of another generation
 
 
@@ -499,7 +502,7 @@ def test_the_watch_recovers_lost_messages_and_fails_what_a_dead_holder_had(contr
     ctl.part_staged(_staged(gen, 4, holder="restarted"))
     ctl.part_durable(_write(storage, gen, 4, holder="restarted"))
     _wait_idle(ctl)
-    assert [c.step for c in mf.list_committed(storage)] == [1, 4]
+    assert [c.step for c in list_committed(storage)] == [1, 4]
     assert ("restarted", ((gen, 4),)) in link.forgotten  # the holder is told the step settled
     # ... and every holder of the run that it committed (their peers' copies older than it go).
     assert {n for n, c in link.committed_told if c == (gen, 4)} >= {"alive", "restarted"}
@@ -616,9 +619,9 @@ def test_uploads_stream_in_chunks_and_retry_transient_errors(controller, tmp_pat
     ctl.part_durable(_write(storage, gen, 3, size=100_000))
     _wait_idle(ctl)
     assert ctl.uploads_pending() == []
-    assert [c.step for c in mf.list_committed(tier.inner)] == [3]
-    m = mf.read_manifest(tier.inner, mf.step_dir(3))
-    mf.verify_all(tier.inner, mf.step_dir(3), m)
+    assert [c.step for c in list_committed(tier.inner)] == [3]
+    m = read_manifest(tier.inner, step_dir(3))
+    verify_all(tier.inner, step_dir(3), m)
     assert all(tier.streamed[name] for name in m.files)
     assert max(tier.chunk_sizes) <= 4096 and len(tier.chunk_sizes) >= 25
     assert [e["event"] for e in ctl.events() if e["event"].startswith("upload")] == ["upload"]
@@ -648,7 +651,7 @@ def test_the_upload_queue_is_bounded_and_drops_the_oldest_ordinary_upload(contro
     flaky.gate.set()
     _wait_idle(ctl)
     assert ctl.uploads_pending() == []
-    assert [c.step for c in mf.list_committed(tier)] == [1, 2, 6]
+    assert [c.step for c in list_committed(tier)] == [1, 2, 6]
 
 
 # -- the profile beyond the window ------------------------------------------------------------------
@@ -783,9 +786,9 @@ def test_a_holder_killed_mid_write_never_commits_that_step_and_later_steps_commi
             "step 5 to fail and step 6 to commit",
         )
         assert "lost" in out.failed[5]
-        assert [c.step for c in mf.list_committed(storage)] == [6]
+        assert [c.step for c in list_committed(storage)] == [6]
         time.sleep(1)
-        assert [c.step for c in mf.list_committed(storage)] == [6]
+        assert [c.step for c in list_committed(storage)] == [6]
     finally:
         _cleanup(ray, ctl, *holders)
 
@@ -859,7 +862,7 @@ def test_a_controller_restarted_mid_write_rebuilds_from_the_holder_and_commits(r
             120,
             "step 5 to commit through the restarted controller",
         )
-        assert [c.step for c in mf.list_committed(storage)] == [5]
+        assert [c.step for c in list_committed(storage)] == [5]
         # Never silent (found by the fault soak): the restarted controller says so, once.
         logs = ray._private.worker._global_node.get_logs_dir_path()
 
@@ -934,7 +937,7 @@ def test_a_step_lost_with_its_node_is_reported_to_the_next_attempt_once(controll
     two = SnapshotMeta(rank=0, world_size=2, replicated=False, epoch=0, kind=CheckpointKind.SCHEDULED)
     for step in (10, 15):
         for rank, (holder, node) in enumerate((("hA", "A"), ("hB", "B"))):
-            sec = mf.rank_section(rank)
+            sec = rank_section(rank)
             m = dataclasses.replace(two, rank=rank)
             ctl.part_staged(
                 PartStaged(generation=gen, step=step, section=sec, holder=holder, nbytes=8, meta=m, node_id=node)
@@ -952,12 +955,12 @@ def test_a_step_lost_with_its_node_is_reported_to_the_next_attempt_once(controll
         ctl.watch_once(min_age_s=0)
     assert ctl.settled(gen, [15]).committed == ()
     if order == "then_the_controller_starts_again":
-        _wait_for(ctl.maintenance_idle, 10, "the controller's state saved")
+        _wait_for(ctl._maintenance.idle, 10, "the controller's state saved")
         ctl = controller(ctl.storage, "lost", recreated=True, holders=holders, cluster=cluster)
         ctl._roster.resynced.wait(10)
     lost = [f for f in ctl.summary()["failures"] if f["step"] == 15]
     assert len(lost) == 1 and lost[0]["generation"] == gen and "lost" in lost[0]["error"]
-    assert lost[0]["section"] == mf.rank_section(0)
+    assert lost[0]["section"] == rank_section(0)
 
     for rank in (0, 1):
         link = _link_of(ctl, rank, gen2, committed=10)
@@ -968,4 +971,4 @@ def test_a_step_lost_with_its_node_is_reported_to_the_next_attempt_once(controll
         assert link.failures == reported  # what FinishSummary.failures holds
         # This attempt's own step 15 is another checkpoint: not settled by the earlier one's failure.
         link.track(15)
-        assert link._unsettled_locally([15], set()) == [15]
+        assert link._unsettled_locally([15]) == [15]

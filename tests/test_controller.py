@@ -19,9 +19,13 @@ import torch
 from slot_helpers import staged_slot
 
 from cf_ray._engine.driver import jit
+from cf_ray._engine.driver.checkpoints import retention
 from cf_ray._engine.driver.facade import Controller
 from cf_ray._engine.format import codec as _codec
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.catalog import QUARANTINE, Quarantined, list_committed, list_uncommitted, write_quarantine
+from cf_ray._engine.format.commit import read_manifest
+from cf_ray._engine.format.layout import MANIFEST, SHARED, rank_section, section_rank, step_dir
+from cf_ray._engine.format.sections import load_section, verify_all, write_section
 from cf_ray._engine.memory import slots
 from cf_ray._engine.protocol.messages import (
     CheckpointKind,
@@ -41,14 +45,14 @@ from controller_harness import Cluster, Holders, wait_idle
 from storage_helpers import arena_of
 
 WORLD = 2
-SECTIONS = [mf.SHARED, mf.rank_section(0), mf.rank_section(1)]
+SECTIONS = [SHARED, rank_section(0), rank_section(1)]
 
 
 def _write(ctl: Controller, step: int, section: str) -> tuple[dict, torch.Tensor]:
     """Phase 2 of one section, as a holder does it: the files and what part_durable carries."""
     value = torch.arange(8, dtype=torch.float32) + 100 * step + SECTIONS.index(section)
     arena, index = arena_of({"w": value})
-    files = mf.write_section(ctl.storage, mf.step_dir(step), ctl.generation, section, arena, index)
+    files = write_section(ctl.storage, step_dir(step), ctl.generation, section, arena, index)
     return {k: v.to_json() for k, v in files.items()}, value
 
 
@@ -61,7 +65,7 @@ def _staged(ctl: Controller, step: int, sec: str, **meta) -> PartStaged:
         section=sec,
         holder="holder",
         nbytes=32,
-        meta=SnapshotMeta(**meta, rank=mf.section_rank(sec)),
+        meta=SnapshotMeta(**meta, rank=section_rank(sec)),
     )
 
 
@@ -90,11 +94,11 @@ def test_commits_whatever_order_the_holder_messages_run_in(controller, order):
             ctl.part_durable(
                 PartDurable(generation=ctl.generation, step=step, section=sec, files=written[sec][0], persist_s=0.01)
             )
-    assert ctl.pending_steps(ctl.generation) == []
-    assert [c.step for c in mf.list_committed(ctl.storage)] == [step]
-    m = mf.read_manifest(ctl.storage, mf.step_dir(step))
+    assert ctl._ledger.pending_steps(ctl.generation) == []
+    assert [c.step for c in list_committed(ctl.storage)] == [step]
+    m = read_manifest(ctl.storage, step_dir(step))
     for sec in SECTIONS:
-        section = mf.load_section(ctl.storage, mf.step_dir(step), m, sec)
+        section = load_section(ctl.storage, step_dir(step), m, sec)
         got = _codec.view(section.buf, section.entries[0], copy=True)
         assert torch.equal(got, written[sec][1])
 
@@ -121,8 +125,8 @@ def test_one_call_of_a_holders_queued_messages_applies_each_in_order_and_a_refus
         )
     refused = ctl.deliver(tuple(batch))
     assert len(refused) == 2 and refused[0].startswith("commit_everything") and refused[1].startswith("part_durable")
-    assert ctl.pending_steps(ctl.generation) == []
-    assert [c.step for c in mf.list_committed(ctl.storage)] == [step]
+    assert ctl._ledger.pending_steps(ctl.generation) == []
+    assert [c.step for c in list_committed(ctl.storage)] == [step]
 
 
 def test_a_step_missing_a_section_stays_pending_and_uncommitted(controller):
@@ -131,8 +135,8 @@ def test_a_step_missing_a_section_stays_pending_and_uncommitted(controller):
         files, _ = _write(ctl, 3, sec)
         ctl.part_staged(_staged(ctl, 3, sec))
         ctl.part_durable(PartDurable(generation=ctl.generation, step=3, section=sec, files=files, persist_s=0.01))
-    assert ctl.pending_steps(ctl.generation) == [3]
-    assert mf.list_committed(ctl.storage) == []
+    assert ctl._ledger.pending_steps(ctl.generation) == [3]
+    assert list_committed(ctl.storage) == []
 
 
 def test_a_superseded_step_is_not_waited_for_nor_committed(controller):
@@ -146,8 +150,8 @@ def test_a_superseded_step_is_not_waited_for_nor_committed(controller):
         ctl.part_durable(
             PartDurable(generation=ctl.generation, step=4, section=sec, files=_write(ctl, 4, sec)[0], persist_s=0.01)
         )
-    assert ctl.pending_steps(ctl.generation) == []
-    assert mf.list_committed(ctl.storage) == []
+    assert ctl._ledger.pending_steps(ctl.generation) == []
+    assert list_committed(ctl.storage) == []
 
 
 def test_a_memory_only_step_settles_at_once_stays_restorable_and_is_committed_when_finish_persists_it(controller):
@@ -160,7 +164,7 @@ def test_a_memory_only_step_settles_at_once_stays_restorable_and_is_committed_wh
     ctl = controller(holders=link)
     for sec in SECTIONS:
         ctl.part_staged(_staged(ctl, 6, sec, persist=False))
-    assert ctl.pending_steps(ctl.generation) == []
+    assert ctl._ledger.pending_steps(ctl.generation) == []
     assert ctl.settled(ctl.generation, [6]).superseded == (6,)
     assert link.forgotten == []
     row = next(r for r in ctl.profile_rows() if r["step"] == 6)
@@ -173,12 +177,12 @@ def test_a_memory_only_step_settles_at_once_stays_restorable_and_is_committed_wh
         ctl.part_staged(_staged(ctl, 6, sec, persist=False))
     for sec in SECTIONS:  # finish(): the same step again, persisted
         ctl.part_staged(_staged(ctl, 6, sec, kind=CheckpointKind.MANUAL, milestone=True))
-    assert ctl.pending_steps(ctl.generation) == [6]
+    assert ctl._ledger.pending_steps(ctl.generation) == [6]
     for sec in SECTIONS:
         files, _ = _write(ctl, 6, sec)
         ctl.part_durable(PartDurable(generation=ctl.generation, step=6, section=sec, files=files, persist_s=0.01))
     wait_idle(ctl)
-    assert [c.step for c in mf.list_committed(ctl.storage)] == [6]
+    assert [c.step for c in list_committed(ctl.storage)] == [6]
     assert ctl.settled(ctl.generation, [6]).committed == (6,)
     assert link.forgotten == [("holder", ((ctl.generation, 6),))]
 
@@ -205,11 +209,11 @@ def test_a_held_final_step_finish_takes_again_is_pending_from_the_moment_a_rank_
     assert ctl.reopen_final(ctl.generation, 6, 0, 1)
     assert ctl.settled(ctl.generation, [6]).pending == (6,)  # before any holder said a word of it
     assert ctl.reopen_final(ctl.generation, 6, 1, 1)  # the other rank: the same try, nothing lost
-    ctl.part_staged(_staged(ctl, 6, mf.SHARED, persist=False))  # a held staging, delivered late
+    ctl.part_staged(_staged(ctl, 6, SHARED, persist=False))  # a held staging, delivered late
     assert ctl.settled(ctl.generation, [6]).pending == (6,)
     _persist(ctl, 6)
     assert ctl.settled(ctl.generation, [6]).committed == (6,)
-    assert [c.step for c in mf.list_committed(ctl.storage)] == [6]
+    assert [c.step for c in list_committed(ctl.storage)] == [6]
     assert not ctl.reopen_final(ctl.generation, 6, 0, 2)  # committed: nothing to open
 
 
@@ -219,12 +223,12 @@ def test_a_final_step_whose_held_snapshot_one_rank_skipped_commits_when_finish_p
     (it never could: only a superseded step opened again), and a skip that rank 1 reported before it
     said it takes the step again, delivered after rank 0 said so, is the old snapshot's, not this one's."""
     ctl = controller()
-    for sec in (mf.SHARED, mf.rank_section(0)):
+    for sec in (SHARED, rank_section(0)):
         ctl.part_staged(_staged(ctl, 6, sec, persist=False))
-    ctl.part_failed(PartFailed(generation=ctl.generation, step=6, section=mf.rank_section(1), error="no slot"))
+    ctl.part_failed(PartFailed(generation=ctl.generation, step=6, section=rank_section(1), error="no slot"))
     assert 6 in ctl.settled(ctl.generation, [6]).failed
     assert ctl.reopen_final(ctl.generation, 6, 0, 1)
-    ctl.part_failed(PartFailed(generation=ctl.generation, step=6, section=mf.rank_section(1), error="no slot"))
+    ctl.part_failed(PartFailed(generation=ctl.generation, step=6, section=rank_section(1), error="no slot"))
     assert ctl.settled(ctl.generation, [6]).pending == (6,)
     assert ctl.reopen_final(ctl.generation, 6, 1, 1)
     _persist(ctl, 6)
@@ -239,7 +243,7 @@ def test_a_failed_final_persist_is_taken_again_and_commits(controller):
         ctl.reopen_final(ctl.generation, 8, rank, 1)
     for sec in SECTIONS:
         ctl.part_staged(_staged(ctl, 8, sec, kind=CheckpointKind.MANUAL))
-    ctl.part_failed(PartFailed(generation=ctl.generation, step=8, section=mf.SHARED, error="EIO", holder="holder"))
+    ctl.part_failed(PartFailed(generation=ctl.generation, step=8, section=SHARED, error="EIO", holder="holder"))
     for sec in SECTIONS[1:]:
         ctl.part_failed(PartFailed(generation=ctl.generation, step=8, section=sec, error="EIO", holder="holder"))
     assert 8 in ctl.settled(ctl.generation, [8]).failed
@@ -262,17 +266,17 @@ def test_keep_last_never_deletes_the_resume_point_a_final_model_names(controller
     for step in (2, 4):
         _persist(ctl, step, kind=CheckpointKind.SCHEDULED)
     assert ctl.keep_resume_point(4) == 4
-    final = mf.step_dir(6, kind="final")
-    write_final_model(ctl.storage, final, torch.nn.Linear(2, 1), step=6, epoch=0, resume=mf.step_dir(4))
+    final = step_dir(6, kind="final")
+    write_final_model(ctl.storage, final, torch.nn.Linear(2, 1), step=6, epoch=0, resume=step_dir(4))
     _persist(ctl, 6, kind=CheckpointKind.MANUAL)  # the final checkpoint commits after finish() returned
     _persist(ctl, 8, kind=CheckpointKind.SCHEDULED)
-    assert [c.step for c in mf.list_committed(ctl.storage)] == [4, 8]
-    assert resumable_checkpoint(ctl.storage.uri(final))[1] == mf.step_dir(4)
+    assert [c.step for c in list_committed(ctl.storage)] == [4, 8]
+    assert resumable_checkpoint(ctl.storage.uri(final))[1] == step_dir(4)
     ctl._maintenance.stop()
     again = controller(keep_last=1)  # a controller that starts again: from storage
     _persist(again, 10, kind=CheckpointKind.SCHEDULED)
-    assert [c.step for c in mf.list_committed(again.storage)] == [4, 10]
-    assert resumable_checkpoint(again.storage.uri(final))[1] == mf.step_dir(4)
+    assert [c.step for c in list_committed(again.storage)] == [4, 10]
+    assert resumable_checkpoint(again.storage.uri(final))[1] == step_dir(4)
 
 
 def test_the_final_step_is_listed_once_as_the_final_model_and_no_milestone_the_user_did_not_set(controller, tmp_path):
@@ -289,8 +293,8 @@ def test_the_final_step_is_listed_once_as_the_final_model_and_no_milestone_the_u
         _persist(ctl, step, kind=CheckpointKind.SCHEDULED)
     _persist(ctl, 60, kind=CheckpointKind.MANUAL)  # finish()'s checkpoint, not a milestone
     assert ctl.keep_resume_point(60) == 60
-    final = mf.step_dir(60, kind="final")
-    write_final_model(ctl.storage, final, torch.nn.Linear(2, 1), step=60, epoch=2, resume=mf.step_dir(60))
+    final = step_dir(60, kind="final")
+    write_final_model(ctl.storage, final, torch.nn.Linear(2, 1), step=60, epoch=2, resume=step_dir(60))
     listed = [(c.step, c.kind, c.milestone, c.path.rsplit("/", 1)[1]) for c in cf_ray.list_checkpoints(str(tmp_path))]
     assert listed == [
         (40, "scheduled", False, "step_000000000040"),
@@ -299,8 +303,8 @@ def test_the_final_step_is_listed_once_as_the_final_model_and_no_milestone_the_u
     _persist(ctl, 80, kind=CheckpointKind.SCHEDULED)  # a later run in the same place
     _persist(ctl, 100, kind=CheckpointKind.SCHEDULED)
     _persist(ctl, 120, kind=CheckpointKind.SCHEDULED)
-    assert [c.step for c in mf.list_committed(ctl.storage)] == [60, 100, 120]
-    assert resumable_checkpoint(ctl.storage.uri(final))[1] == mf.step_dir(60)
+    assert [c.step for c in list_committed(ctl.storage)] == [60, 100, 120]
+    assert resumable_checkpoint(ctl.storage.uri(final))[1] == step_dir(60)
 
 
 def test_one_steps_section_failures_are_answered_together(controller):
@@ -310,19 +314,19 @@ def test_one_steps_section_failures_are_answered_together(controller):
     ctl = controller()
     for sec in SECTIONS:
         ctl.part_staged(_staged(ctl, 6, sec))
-    ctl.part_failed(PartFailed(generation=ctl.generation, step=6, section=mf.SHARED, error="EIO", holder="holder"))
+    ctl.part_failed(PartFailed(generation=ctl.generation, step=6, section=SHARED, error="EIO", holder="holder"))
     assert ctl.settled(ctl.generation, [6]).pending == (6,)
     ctl.part_failed(
-        PartFailed(generation=ctl.generation, step=6, section=mf.rank_section(0), error="EIO", holder="holder")
+        PartFailed(generation=ctl.generation, step=6, section=rank_section(0), error="EIO", holder="holder")
     )
     assert ctl.settled(ctl.generation, [6]).pending == (6,)
-    files, _ = _write(ctl, 6, mf.rank_section(1))
+    files, _ = _write(ctl, 6, rank_section(1))
     ctl.part_durable(
-        PartDurable(generation=ctl.generation, step=6, section=mf.rank_section(1), files=files, persist_s=0.01)
+        PartDurable(generation=ctl.generation, step=6, section=rank_section(1), files=files, persist_s=0.01)
     )
     settled = ctl.settled(ctl.generation, [6])
     assert 6 in settled.failed and settled.pending == ()
-    assert {f["section"] for f in ctl.summary()["failures"] if f["step"] == 6} == {mf.SHARED, mf.rank_section(0)}
+    assert {f["section"] for f in ctl.summary()["failures"] if f["step"] == 6} == {SHARED, rank_section(0)}
 
 
 _wait_maintenance = wait_idle
@@ -345,9 +349,9 @@ def test_a_checkpoint_committed_during_the_clean_up_of_older_directories_is_kept
                 ctl.part_durable(
                     PartDurable(generation=ctl.generation, step=step, section=sec, files=files, persist_s=0.01)
                 )
-    assert ctl.pending_steps(ctl.generation) == [10, 11]
+    assert ctl._ledger.pending_steps(ctl.generation) == [10, 11]
 
-    real_list = mf.list_uncommitted
+    real_list = list_uncommitted
     late = {"files": last[10][0]}
 
     def listing_then_the_late_section(storage):
@@ -359,16 +363,16 @@ def test_a_checkpoint_committed_during_the_clean_up_of_older_directories_is_kept
             )
         return out
 
-    monkeypatch.setattr(mf, "list_uncommitted", listing_then_the_late_section)
+    monkeypatch.setattr(retention, "list_uncommitted", listing_then_the_late_section)
     ctl.part_durable(
         PartDurable(generation=ctl.generation, step=11, section=SECTIONS[-1], files=last[11][0], persist_s=0.01)
     )  # 11 commits before 10
     _wait_maintenance(ctl)
     assert "files" not in late, "the interleaving under test did not happen"
-    assert [c.step for c in mf.list_committed(ctl.storage)] == [10, 11]
-    m = mf.read_manifest(ctl.storage, mf.step_dir(10))
+    assert [c.step for c in list_committed(ctl.storage)] == [10, 11]
+    m = read_manifest(ctl.storage, step_dir(10))
     assert m.milestone
-    section = mf.load_section(ctl.storage, mf.step_dir(10), m, SECTIONS[-1])  # verifies every checksum it reads
+    section = load_section(ctl.storage, step_dir(10), m, SECTIONS[-1])  # verifies every checksum it reads
     assert torch.equal(_codec.view(section.buf, section.entries[0], copy=True), last[10][1])
 
 
@@ -391,12 +395,12 @@ def test_clean_up_deletes_a_leftover_directory_only_once_it_is_known_dead(contro
     _write(ctl, 5, SECTIONS[0])
     ctl.part_failed(PartFailed(generation=ctl.generation, step=5, section=SECTIONS[1], error="IOError: disk full"))
     _commit(ctl, 6)
-    uncommitted = {s for _, s in mf.list_uncommitted(ctl.storage)}
+    uncommitted = {s for _, s in list_uncommitted(ctl.storage)}
     assert uncommitted == {3, 4}
     _commit(ctl, 4)
     _commit(ctl, 7)
-    assert mf.list_uncommitted(ctl.storage) == []
-    assert [c.step for c in mf.list_committed(ctl.storage)] == [4, 6, 7]
+    assert list_uncommitted(ctl.storage) == []
+    assert [c.step for c in list_committed(ctl.storage)] == [4, 6, 7]
 
 
 def test_keep_last_deletes_nothing_a_restore_plan_names_until_the_restore_is_done(controller):
@@ -407,19 +411,19 @@ def test_keep_last_deletes_nothing_a_restore_plan_names_until_the_restore_is_don
     plan = ctl.prepare_restore(WORLD)
     assert plan.storage == (4,)
     _commit(ctl, 6)  # the previous attempt's holder commits late
-    assert [c.step for c in mf.list_committed(ctl.storage)] == [4, 6]
-    m = mf.read_manifest(ctl.storage, mf.step_dir(4))
-    mf.verify_all(ctl.storage, mf.step_dir(4), m)  # the restore reads it whole
+    assert [c.step for c in list_committed(ctl.storage)] == [4, 6]
+    m = read_manifest(ctl.storage, step_dir(4))
+    verify_all(ctl.storage, step_dir(4), m)  # the restore reads it whole
     ctl.restored(Restored(source=RestoreSource.STORAGE, step=4, epoch=0))
     _wait_maintenance(ctl)
-    assert [c.step for c in mf.list_committed(ctl.storage)] == [6]  # deferred, not forgotten
+    assert [c.step for c in list_committed(ctl.storage)] == [6]  # deferred, not forgotten
 
 
 def _damage(ctl: Controller, step: int) -> None:
     """Flip one byte in the middle of the data file of rank 1's section of ``step`` on storage."""
-    m = mf.read_manifest(ctl.storage, mf.step_dir(step))
-    data = m.sections[mf.rank_section(1)]["data"]
-    path = f"{ctl.storage.fs_path(mf.step_dir(step))}/{data}"
+    m = read_manifest(ctl.storage, step_dir(step))
+    data = m.sections[rank_section(1)]["data"]
+    path = f"{ctl.storage.fs_path(step_dir(step))}/{data}"
     with open(path, "r+b") as f:
         f.seek(8)
         b = f.read(1)
@@ -444,7 +448,7 @@ def test_a_checkpoint_the_controller_rereads_damaged_is_quarantined_and_never_co
             "source": "storage",
             "step": 8,
             "corrupt": True,
-            "where": ctl.storage.uri(mf.step_dir(8)),
+            "where": ctl.storage.uri(step_dir(8)),
             "error": "CorruptCheckpointError: crc mismatch",
         }
     )
@@ -453,7 +457,7 @@ def test_a_checkpoint_the_controller_rereads_damaged_is_quarantined_and_never_co
     (event,) = [e for e in ctl.events() if e.get("event") == "quarantined"]
     assert event["step"] == 8 and "fails its checksum" in event["error"]  # the controller's own finding
     _commit(ctl, 9)
-    steps = [c.step for c in mf.list_committed(ctl.storage)]
+    steps = [c.step for c in list_committed(ctl.storage)]
     assert 6 in steps and 9 in steps, steps  # the good one is kept: 8 does not count
     assert 8 in steps  # quarantined, not deleted: kept for inspection
     assert ctl.summary()["committed_steps"] == [6, 9]
@@ -512,8 +516,8 @@ def test_a_step_committed_again_after_its_quarantine_is_listed_again(controller,
     assert lifted["step"] == 8 and "fails its checksum" in lifted["was"]
     assert [c.step for c in list_checkpoints(root)] == [6, 8]
     assert controller(keep_last=None).prepare_restore(WORLD).storage == (8, 6)  # a new controller
-    m = mf.read_manifest(ctl.storage, mf.step_dir(8))
-    mf.verify_all(ctl.storage, mf.step_dir(8), m)  # the new checkpoint, whole and intact
+    m = read_manifest(ctl.storage, step_dir(8))
+    verify_all(ctl.storage, step_dir(8), m)  # the new checkpoint, whole and intact
     assert m.generation == ctl.generation
 
 
@@ -547,14 +551,14 @@ def test_a_suspect_step_committed_again_by_the_next_generation_is_the_good_check
     _commit(ctl, 8)  # the replay commits step 8 again, generation 2
     _wait_maintenance(ctl)
     assert ctl.summary()["committed_steps"] == [6, 8]
-    assert mf.read_manifest(ctl.storage, mf.step_dir(8)).generation == ctl.generation != suspect
+    assert read_manifest(ctl.storage, step_dir(8)).generation == ctl.generation != suspect
     # Every reader, a controller started again among them.
     again = controller(run, keep_last=None)
     assert again.summary()["committed_steps"] == [6, 8]
     assert again.prepare_restore(WORLD).storage == (8, 6)
-    assert resumable_checkpoint(root)[1] == mf.step_dir(8)
+    assert resumable_checkpoint(root)[1] == step_dir(8)
     found = other_run_checkpoint(root, None)
-    assert found is not None and found[1] == mf.step_dir(8)
+    assert found is not None and found[1] == step_dir(8)
     assert [c.step for c in list_checkpoints(root)] == [6, 8]
     assert quarantined_checkpoints(root) == {}
     capsys.readouterr()
@@ -563,9 +567,9 @@ def test_a_suspect_step_committed_again_by_the_next_generation_is_the_good_check
     assert "step_000000000008" in listed and "quarantined" not in listed, listed
     # The same when the controller died before it took the entry out of quarantine.json: the entry
     # names generation 1's checkpoint, which is no longer the one on storage.
-    mf.write_quarantine(ctl.storage, {8: mf.Quarantined("non_finite", suspect, damaged=False)})
+    write_quarantine(ctl.storage, {8: Quarantined("non_finite", suspect, damaged=False)})
     assert controller(run, keep_last=None).prepare_restore(WORLD).storage == (8, 6)
-    assert resumable_checkpoint(root)[1] == mf.step_dir(8) and quarantined_checkpoints(root) == {}
+    assert resumable_checkpoint(root)[1] == step_dir(8) and quarantined_checkpoints(root) == {}
     # Keep-last counts it and deletes it in turn.
     kept = controller(run, keep_last=1)
     kept.prepare_restore(WORLD)
@@ -574,7 +578,7 @@ def test_a_suspect_step_committed_again_by_the_next_generation_is_the_good_check
         _commit(kept, step)
     _wait_maintenance(kept)
     assert kept.summary()["committed_steps"] == [12]
-    assert [c.step for c in mf.list_committed(kept.storage)] == [12]
+    assert [c.step for c in list_committed(kept.storage)] == [12]
 
 
 def test_memory_only_snapshots_of_an_abandoned_timeline_are_never_a_restore_candidate_again(controller):
@@ -625,7 +629,7 @@ def test_one_ranks_read_error_never_quarantines_a_checkpoint_that_reads_back_int
     ctl.record_event(event)
     _wait_maintenance(ctl)
     assert ctl.summary()["committed_steps"] == [6, 8]
-    assert not ctl.storage.exists(mf.QUARANTINE)
+    assert not ctl.storage.exists(QUARANTINE)
     (verified,) = [e for e in ctl.events() if e.get("event") == "verified"]
     assert verified["step"] == 8 and verified["intact"] is True and "is missing" in verified["error"]
     assert ctl.prepare_restore(WORLD).storage == (8, 6)
@@ -655,7 +659,7 @@ def test_a_memory_restore_takes_a_peers_copy_of_a_lost_nodes_section(controller)
     meta = {"world_size": 2, "replicated": False, "epoch": 0, "kind": CheckpointKind.SCHEDULED}
 
     def stage(step, sec, holder, node):
-        m = SnapshotMeta(**meta, rank=mf.section_rank(sec))
+        m = SnapshotMeta(**meta, rank=section_rank(sec))
         ctl.part_staged(
             PartStaged(generation=1, step=step, section=sec, holder=holder, nbytes=32, meta=m, node_id=node)
         )
@@ -668,7 +672,7 @@ def test_a_memory_restore_takes_a_peers_copy_of_a_lost_nodes_section(controller)
         )
 
     ctl.generation = 1
-    r0, r1 = mf.rank_section(0), mf.rank_section(1)
+    r0, r1 = rank_section(0), rank_section(1)
     for step in (5, 10):
         stage(step, r0, "hA", "A")
         stage(step, r1, "hB", "B")
@@ -702,7 +706,7 @@ def test_a_restarted_controller_learns_the_peers_copies_from_their_holders(contr
     from cf_ray._engine.node.holder import Holder
 
     meta = {"world_size": 2, "replicated": False, "epoch": 0, "kind": CheckpointKind.SCHEDULED}
-    r0, r1 = mf.rank_section(0), mf.rank_section(1)
+    r0, r1 = rank_section(0), rank_section(1)
 
     def holder_of(node):  # the holders of nodes A and B, here in the test's process
         return Holder(
@@ -797,7 +801,7 @@ def _stage2(ctl: Controller, step: int, nbytes: int, *, replicas: int = 1, **met
             PartStaged(
                 generation=1,
                 step=step,
-                section=mf.rank_section(rank),
+                section=rank_section(rank),
                 holder=holder,
                 nbytes=nbytes,
                 meta=m,
@@ -808,7 +812,7 @@ def _stage2(ctl: Controller, step: int, nbytes: int, *, replicas: int = 1, **met
 
 def _durable2(ctl: Controller, step: int, persist_s: float) -> None:
     for rank, holder in enumerate(("hA", "hB")):
-        sec = mf.rank_section(rank)
+        sec = rank_section(rank)
         files, _ = _write(ctl, step, sec)
         ctl.part_durable(
             PartDurable(generation=1, step=step, section=sec, files=files, persist_s=persist_s, holder=holder)
@@ -822,7 +826,7 @@ def _copied(ctl: Controller, step: int, rank: int, nbytes: int, seconds: float) 
         PartReplicated(
             generation=1,
             step=step,
-            section=mf.rank_section(rank),
+            section=rank_section(rank),
             holder=peer,
             node_id=node,
             origin=origin,
@@ -862,7 +866,7 @@ def test_a_jit_checkpoint_is_safe_once_the_draining_nodes_sections_have_a_copy_e
     report = ctl.settled(1, [7])
     assert report.pending == (7,) and report.safe == (7,)  # not committed, yet safe
     snap = ctl._ledger.commits.newest_in_memory({"A"})
-    assert snap.step == 7 and snap.sections == {mf.rank_section(0): "hA", mf.rank_section(1): "hA"}
+    assert snap.step == 7 and snap.sections == {rank_section(0): "hA", rank_section(1): "hA"}
     row = {r["step"]: r for r in ctl.profile_rows()}[7]
     assert row["safe_tier"] == "peer" and row["made_deadline"] is True and row["actual_peer_s"] < 2.5
     assert not row["committed"] and "actual_storage_s" not in row
@@ -893,18 +897,18 @@ def test_a_jit_checkpoint_committed_first_is_safe_in_storage_and_one_that_is_nei
 
     _stage2(ctl, 8, 10 * MB, replicas=0, kind=CheckpointKind.PREEMPT, priority=True, deadline_unix=time.time() + 0.02)
     assert ctl.settled(1, [8]).safe == ()
-    files, _ = _write(ctl, 8, mf.rank_section(0))
+    files, _ = _write(ctl, 8, rank_section(0))
     ctl.part_durable(
-        PartDurable(generation=1, step=8, section=mf.rank_section(0), files=files, persist_s=0.1, holder="hA")
+        PartDurable(generation=1, step=8, section=rank_section(0), files=files, persist_s=0.1, holder="hA")
     )
     ctl.part_failed(
-        PartFailed(generation=1, step=8, section=mf.rank_section(1), error="lost: holder hB died", holder="hB")
+        PartFailed(generation=1, step=8, section=rank_section(1), error="lost: holder hB died", holder="hB")
     )
     _wait_maintenance(ctl)
     row = {r["step"]: r for r in ctl.profile_rows()}[8]
     assert row["made_deadline"] is False and not row["committed"] and "safe_tier" not in row
     assert ctl.summary()["committed_steps"] == [5, 6]
-    assert not ctl.storage.exists(f"{mf.step_dir(8)}/{mf.MANIFEST}")
+    assert not ctl.storage.exists(f"{step_dir(8)}/{MANIFEST}")
 
 
 def test_which_sections_of_a_jit_checkpoint_need_a_copy():

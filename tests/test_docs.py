@@ -126,7 +126,7 @@ def docs_workspace(tmp_path, monkeypatch):
     import torch
 
     from cf_ray import report
-    from cf_ray._engine.format import manifest as mf
+    from cf_ray._engine.format.layout import step_dir
     from cf_ray._engine.format.safetensors import write_final_model
     from cf_ray._engine.storage.fs import FsStorage
 
@@ -139,7 +139,7 @@ def docs_workspace(tmp_path, monkeypatch):
     storage = FsStorage.from_uri(str(tmp_path / "cf_ray_runs")).child("my-run/cf_ray")
     for step in (5, 10):
         write_checkpoint(storage, step, model(step))
-    write_final_model(storage, mf.step_dir(12, "final"), model(12), step=12, epoch=1)
+    write_final_model(storage, step_dir(12, "final"), model(12), step=12, epoch=1)
     rows = [
         {"step": s, "epoch": 0, "kind": "scheduled", "generation": 1, "interval": 5, "stall_s": 0.01, "committed": True}
         for s in (5, 10)

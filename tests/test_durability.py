@@ -14,6 +14,7 @@ import torch
 from durability_fs import FlagHandler
 
 import cf_ray
+from cf_ray._engine.protocol.messages import Settled
 from cf_ray._engine.worker.link.controller import ControllerLink
 from cf_ray._engine.worker.scheduler import Scheduler
 from cf_ray._engine.worker.timing import Timing
@@ -150,20 +151,32 @@ def test_the_settings_are_checked(kwargs, field):
 
 
 class _Handle:
-    """A controller without ``settled`` (older code): it knows only its pending steps."""
-
-    def __init__(self, pending):
-        self.pending = pending
+    """A controller handle no call reaches: the tests replace ``ControllerLink.call``."""
 
     def __getattr__(self, name):
-        if name in ("settled", "uploads_pending"):
-            raise AttributeError(name)
         raise AssertionError(f"unexpected call {name}")
 
 
+class _Unheard:
+    """A controller that has committed every step up to ``committed`` and heard of no later one."""
+
+    def __init__(self, committed: int):
+        self.committed = committed
+
+    def call(self, method, generation, steps, **_):
+        assert method == "settled", method
+        return Settled(
+            generation=generation,
+            committed=tuple(s for s in steps if s <= self.committed),
+            unknown=tuple(s for s in steps if s > self.committed),
+            newest_committed=self.committed,
+        )
+
+
 def test_wait_treats_a_step_the_controller_has_not_heard_of_as_not_settled_and_reports_a_timeout(monkeypatch):
-    link = ControllerLink(_Handle([]), 0, Timing(), Scheduler(cf_ray.CheckpointConfig()), lambda r: None)
-    monkeypatch.setattr(link, "call", lambda method, *a, **k: [] if method == "pending_steps" else None)
+    link = ControllerLink(_Handle(), 0, Timing(), Scheduler(cf_ray.CheckpointConfig()), lambda r: None)
+    ctl = _Unheard(committed=15)
+    monkeypatch.setattr(link, "call", ctl.call)
     monkeypatch.setattr(link, "poll", lambda *a, **k: None)
     monkeypatch.setattr(link, "poll_blocking", lambda *a, **k: None)
     link.start_attempt(1, 10)
@@ -182,14 +195,14 @@ def test_wait_treats_a_step_the_controller_has_not_heard_of_as_not_settled_and_r
     }
     assert link.taken == []
     link.track(30)
-    link.known_committed = 30
+    ctl.committed = 30
     assert link.wait_durable(time.monotonic() + 5, 30, {}) == []  # committed: settled at once
 
 
 def _link_on(ctl, monkeypatch) -> ControllerLink:
     """A rank's link to the in-process controller ``ctl``: its calls go to ``ctl``, and each poll brings
     the failures ``ctl`` logged since the last one (what a ``SyncReply`` carries)."""
-    link = ControllerLink(_Handle([]), 0, Timing(), Scheduler(cf_ray.CheckpointConfig()), lambda r: None)
+    link = ControllerLink(_Handle(), 0, Timing(), Scheduler(cf_ray.CheckpointConfig()), lambda r: None)
     seen: set[int] = set()
 
     def poll(*a, **k):
@@ -200,7 +213,6 @@ def _link_on(ctl, monkeypatch) -> ControllerLink:
 
     monkeypatch.setattr(link, "poll", poll)
     monkeypatch.setattr(link, "poll_blocking", poll)
-    monkeypatch.setattr(link, "has", lambda method: True)
     monkeypatch.setattr(link, "call", lambda method, *a, **k: getattr(ctl, method)(*a))
     link.start_attempt(ctl.generation, 0)
     return link
@@ -212,25 +224,23 @@ def test_wait_reports_the_failures_of_one_steps_sections_together(controller, mo
     report ``rank_00000``'s in the next call; it reports both at once."""
     import threading
 
-    from cf_ray._engine.format import manifest as mf
+    from cf_ray._engine.format.layout import SHARED, rank_section, section_rank
     from cf_ray._engine.protocol.messages import PartFailed
 
     from controller_harness import durable, meta, staged
 
     ctl = controller()
     link = _link_on(ctl, monkeypatch)
-    sections = [mf.SHARED, mf.rank_section(0), mf.rank_section(1)]
+    sections = [SHARED, rank_section(0), rank_section(1)]
     for sec in sections:
-        ctl.part_staged(staged(ctl.generation, 6, sec, m=meta(mf.section_rank(sec), 2, replicated=True)))
+        ctl.part_staged(staged(ctl.generation, 6, sec, m=meta(section_rank(sec), 2, replicated=True)))
     link.track(6)
-    ctl.part_failed(PartFailed(generation=ctl.generation, step=6, section=mf.SHARED, error="EIO", holder="h"))
-    ctl.part_durable(durable(ctl.storage, ctl.generation, 6, mf.rank_section(1)))
+    ctl.part_failed(PartFailed(generation=ctl.generation, step=6, section=SHARED, error="EIO", holder="h"))
+    ctl.part_durable(durable(ctl.storage, ctl.generation, 6, rank_section(1)))
     link.poll(6, {})
 
     def later():
-        ctl.part_failed(
-            PartFailed(generation=ctl.generation, step=6, section=mf.rank_section(0), error="EIO", holder="h")
-        )
+        ctl.part_failed(PartFailed(generation=ctl.generation, step=6, section=rank_section(0), error="EIO", holder="h"))
 
     timer = threading.Timer(0.5, later)
     timer.start()
@@ -239,7 +249,7 @@ def test_wait_reports_the_failures_of_one_steps_sections_together(controller, mo
     finally:
         timer.join()
     got = link.new_failures(False)
-    assert sorted((f["step"], f["section"]) for f in got) == [(6, mf.rank_section(0)), (6, mf.SHARED)]
+    assert sorted((f["step"], f["section"]) for f in got) == [(6, rank_section(0)), (6, SHARED)]
 
 
 def test_finish_waits_for_a_held_final_step_it_takes_again_from_the_first_poll(controller, monkeypatch):
@@ -247,22 +257,22 @@ def test_finish_waits_for_a_held_final_step_it_takes_again_from_the_first_poll(c
     that a skip failed it on another rank. ``finish()`` says it takes the step again before its
     snapshot: the rank's first poll, which comes before any holder said a word of the new snapshot,
     finds it pending, and the wait ends only when it commits; the old skip is not this one's."""
-    from cf_ray._engine.format import manifest as mf
+    from cf_ray._engine.format.layout import rank_section, section_rank
     from cf_ray._engine.protocol.messages import PartFailed
 
     from controller_harness import durable, meta, staged
 
     ctl = controller()
     link = _link_on(ctl, monkeypatch)
-    ctl.part_staged(staged(ctl.generation, 8, mf.rank_section(0), m=meta(0, 2, persist=False)))
-    ctl.part_failed(PartFailed(generation=ctl.generation, step=8, section=mf.rank_section(1), error="no slot"))
+    ctl.part_staged(staged(ctl.generation, 8, rank_section(0), m=meta(0, 2, persist=False)))
+    ctl.part_failed(PartFailed(generation=ctl.generation, step=8, section=rank_section(1), error="no slot"))
     link.track(8)
     link.poll(8, {})
     link.reopen_final(8, 1)  # rank 0, before its snapshot
     ctl.reopen_final(ctl.generation, 8, 1, 1)  # rank 1, before its own
     assert link.wait_durable(time.monotonic() + 0.3, 8, {}, report_timeout=False) == [8]  # not settled
-    for sec in (mf.rank_section(0), mf.rank_section(1)):
-        ctl.part_staged(staged(ctl.generation, 8, sec, m=meta(mf.section_rank(sec), 2)))
+    for sec in (rank_section(0), rank_section(1)):
+        ctl.part_staged(staged(ctl.generation, 8, sec, m=meta(section_rank(sec), 2)))
         ctl.part_durable(durable(ctl.storage, ctl.generation, 8, sec))
     assert link.wait_durable(time.monotonic() + 5, 8, {}) == []
     assert link.known_committed == 8 and not link.final_failed(8)
@@ -623,7 +633,10 @@ def test_the_resume_point_finish_names_survives_the_final_steps_late_commit(ray_
     ):
         time.sleep(0.2)
     try:  # keep-last after step 6's commit is done (or the controller, lingering, drained and went)
-        while not ray_cluster.get(controller.maintenance_idle.remote(), timeout=60) and time.time() < deadline:
+        while (
+            not ray_cluster.get(controller.__ray_call__.remote(lambda c: c._maintenance.idle()), timeout=60)
+            and time.time() < deadline
+        ):
             time.sleep(0.2)
     except ray_cluster.exceptions.RayActorError:
         pass

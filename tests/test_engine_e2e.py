@@ -17,7 +17,10 @@ import torch
 import cf_ray
 from benchmarks.soak import probes
 from cf_ray import demo
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.catalog import list_committed, list_uncommitted
+from cf_ray._engine.format.commit import read_manifest
+from cf_ray._engine.format.layout import CHECKPOINTS, LATEST, MANIFEST, SHARED, rank_section, step_dir
+from cf_ray._engine.format.sections import verify_all
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.load import open_run, resumable_checkpoint
 
@@ -69,7 +72,7 @@ def assert_final(result: dict, *, durable: bool = True) -> None:
         resume = not_durable[-1]["resume_step"]
     final = result.get("final_path")
     if final and os.path.isdir(final):  # local storage (an S3 run's events say it)
-        with open(os.path.join(final, mf.MANIFEST)) as f:
+        with open(os.path.join(final, MANIFEST)) as f:
             assert json.load(f)["extra"]["resume_step"] == resume
 
 
@@ -184,7 +187,7 @@ def test_snapshots_held_in_memory_only_restore_bitwise_and_finish_persists_the_l
     # Attempt 1 persisted 2 and 8, attempt 2 12 (its first), 18, 24 and finish()'s 26; never a
     # memory-only one.
     storage = FsStorage(pafs.LocalFileSystem(), str(tmp_path / "storage" / "memonly" / "cf_ray"))
-    committed = {c.step for c in mf.list_committed(storage)}
+    committed = {c.step for c in list_committed(storage)}
     assert {2, 8, 12, 18, 24, 26} <= committed and not committed & {4, 6, 10, 16, 20, 22}, committed
     held = [r for r in result["profile"] if r.get("where") == "memory-only"]
     assert {r["step"] for r in held} >= {4, 6, 10, 14, 16, 20, 22}
@@ -210,7 +213,7 @@ def test_fixed_interval_measures_which_snapshots_to_write_and_the_run_ends_durab
     assert cadence[0]["why"]["persist"]["binding"] == "measured"
     held = {r["step"] for r in result["profile"] if r.get("where") == "memory-only" and not r.get("error")}
     storage = FsStorage(pafs.LocalFileSystem(), str(tmp_path / "storage" / "measured" / "cf_ray"))
-    committed = {c.step for c in mf.list_committed(storage)}
+    committed = {c.step for c in list_committed(storage)}
     assert held and not held & committed - {last}, (held, committed)
     assert last in committed and len(committed) < last / 2, committed
     # every snapshot before the cadence was measured was written
@@ -231,8 +234,8 @@ def test_failed_persist_never_fails_training(ray_cluster, tmp_path):
     assert failed and len(failed) == len(set(failed))  # surfaced, each failure once
     assert {s for s, _ in failed} >= {15, 20, 25}
     storage = FsStorage(pafs.LocalFileSystem(), str(ckpts / "faulty" / "cf_ray"))
-    assert [c.step for c in mf.list_committed(storage)] == [5, 10]  # the previous checkpoint stays the latest
-    assert bytes(storage.read_file(mf.LATEST)).decode() == "step_000000000010"
+    assert [c.step for c in list_committed(storage)] == [5, 10]  # the previous checkpoint stays the latest
+    assert bytes(storage.read_file(LATEST)).decode() == "step_000000000010"
     assert cf_ray.load_state(str(ckpts / "faulty"), objects=["model"])["model"]
 
 
@@ -241,17 +244,17 @@ def test_damaged_newest_checkpoints_are_skipped_on_restore(ray_cluster, tmp_path
     demo.run("damaged", str(tmp_path), cfg)
     root = tmp_path / "storage" / "damaged" / "cf_ray"
     storage = FsStorage(pafs.LocalFileSystem(), str(root))
-    committed = [c.step for c in mf.list_committed(storage)]
+    committed = [c.step for c in list_committed(storage)]
     # Snapshots that storage could not keep up with may be skipped; the newest one never is: the
     # final state's, which finish() takes at step 26 (#16: result.checkpoint resumes from it).
     assert len(committed) >= 3 and committed[-1] == 26 and 25 in committed, committed
     newest, second, third = committed[-1], committed[-2], committed[-3]
-    m1, m2 = mf.read_manifest(storage, mf.step_dir(newest)), mf.read_manifest(storage, mf.step_dir(second))
-    path = root / mf.step_dir(newest) / m1.sections[mf.SHARED]["data"]
+    m1, m2 = read_manifest(storage, step_dir(newest)), read_manifest(storage, step_dir(second))
+    path = root / step_dir(newest) / m1.sections[SHARED]["data"]
     data = bytearray(path.read_bytes())
     data[len(data) // 3] ^= 0x40  # one flipped bit
     path.write_bytes(bytes(data))
-    path = root / mf.step_dir(second) / m2.sections[mf.rank_section(1)]["index"]
+    path = root / step_dir(second) / m2.sections[rank_section(1)]["index"]
     path.write_bytes(path.read_bytes()[:-7])  # truncated
     demo.run("damaged", str(tmp_path), dict(cfg, epochs=3, restore_from="storage"))
     out = tmp_path / "out" / "damaged"
@@ -270,7 +273,7 @@ def test_keep_last_and_milestones_while_training(ray_cluster, tmp_path):
     def watch():
         while not done.is_set():
             try:
-                seen.append([c.step for c in mf.list_committed(storage)])
+                seen.append([c.step for c in list_committed(storage)])
             except Exception:  # noqa: BLE001 - the directory may not exist yet
                 pass
             time.sleep(0.02)
@@ -284,11 +287,11 @@ def test_keep_last_and_milestones_while_training(ray_cluster, tmp_path):
         t.join()
     first = next(i for i, s in enumerate(seen) if s)
     assert all(seen[first:]), "there was a moment with no committed checkpoint"
-    final = [c.step for c in mf.list_committed(storage)]
+    final = [c.step for c in list_committed(storage)]
     assert {10, 20} <= set(final)  # milestones are never deleted
     ordinary = [s for s in final if s not in (10, 20)]
     assert len(ordinary) <= 2 and max(final) == 2 * STEPS_PER_EPOCH
-    assert not mf.list_uncommitted(storage) or all(s > max(final) for _, s in mf.list_uncommitted(storage))
+    assert not list_uncommitted(storage) or all(s > max(final) for _, s in list_uncommitted(storage))
 
 
 def test_registered_with_ray_and_a_new_run_resumes_from_one_of_them(ray_cluster, tmp_path):
@@ -301,7 +304,7 @@ def test_registered_with_ray_and_a_new_run_resumes_from_one_of_them(ray_cluster,
     assert registered, "no intermediate checkpoint was registered with Ray Train"
     chosen = registered[-1]
     storage, directory = open_run(chosen)
-    assert storage.exists(f"{directory}/{mf.MANIFEST}")
+    assert storage.exists(f"{directory}/{MANIFEST}")
     step = int(directory.rsplit("_", 1)[1])
     # Ray Train v2 refuses TorchTrainer(resume_from_checkpoint=...); the checkpoint goes in the config.
     demo.run("continued", str(tmp_path), dict(SMALL, epochs=3, resume_from=chosen))
@@ -315,13 +318,13 @@ def test_upload_tier_serves_the_restore_when_the_primary_is_lost(ray_cluster, tm
     demo.run("tiered", str(tmp_path), cfg)
     primary = FsStorage(pafs.LocalFileSystem(), str(tmp_path / "storage" / "tiered" / "cf_ray"))
     tier = FsStorage(fs, f"{bucket}/archive/tiered/cf_ray")
-    in_tier = [c.step for c in mf.list_committed(tier)]
-    assert in_tier and in_tier == [c.step for c in mf.list_committed(primary)]  # every commit is mirrored
-    for c in mf.list_committed(tier):
-        mf.verify_all(tier, c.path, mf.read_manifest(tier, c.path))  # with its own manifest, verified
+    in_tier = [c.step for c in list_committed(tier)]
+    assert in_tier and in_tier == [c.step for c in list_committed(primary)]  # every commit is mirrored
+    for c in list_committed(tier):
+        verify_all(tier, c.path, read_manifest(tier, c.path))  # with its own manifest, verified
     import shutil
 
-    for d in (tmp_path / "storage" / "tiered" / "cf_ray" / mf.CHECKPOINTS).glob("step_*"):
+    for d in (tmp_path / "storage" / "tiered" / "cf_ray" / CHECKPOINTS).glob("step_*"):
         shutil.rmtree(d)  # the local copies are lost
     demo.run("tiered", str(tmp_path), dict(cfg, epochs=2, restore_from="storage"))
     latest = resumes(tmp_path / "out" / "tiered")[-1]
@@ -334,7 +337,7 @@ def test_resume_from_the_result_checkpoint_continues_bitwise_and_a_bad_one_raise
     first = demo.run("first", str(tmp_path), dict(SMALL, epochs=1))
     assert first.checkpoint.path.endswith(f"final_{STEPS_PER_EPOCH:012d}")  # the final model ...
     _, directory = resumable_checkpoint(first.checkpoint)  # ... names the full checkpoint
-    assert directory == mf.step_dir(STEPS_PER_EPOCH)
+    assert directory == step_dir(STEPS_PER_EPOCH)
     # A new run from the first one's result goes on with epoch 1 as if it had never stopped.
     demo.run("second", str(tmp_path), dict(SMALL, resume_from=first.checkpoint))
     out = tmp_path / "out" / "second"

@@ -15,7 +15,8 @@ import pytest
 import test_engine_e2e as e2e
 
 from cf_ray import demo
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.catalog import list_committed
+from cf_ray._engine.format.layout import LATEST, MANIFEST, SHARED, step_dir
 from cf_ray._engine.storage.fs import FsStorage
 
 pytestmark = pytest.mark.slow
@@ -94,10 +95,10 @@ def test_controller_killed_mid_run_later_checkpoints_commit_and_the_result_is_bi
     assert resumed["source"] == "fresh"
     # Every checkpoint taken after the kill is committed on storage; the final state's too.
     storage = FsStorage(pafs.LocalFileSystem(), str(tmp_path / "storage" / name / "cf_ray"))
-    on_storage = [c.step for c in mf.list_committed(storage)]
+    on_storage = [c.step for c in list_committed(storage)]
     after = [s for s in range(5, STEPS, 5) if s > killed["step"]] + [STEPS]
     assert set(after) <= set(on_storage), (killed, on_storage)
-    assert bytes(storage.read_file(mf.LATEST)).decode() == mf.step_dir(STEPS).split("/")[-1]
+    assert bytes(storage.read_file(LATEST)).decode() == step_dir(STEPS).split("/")[-1]
     # No silent gap: every checkpoint of the run is committed or reported as a failure.
     reported = set(result["committed_steps"]) | {f["step"] for f in result["failures"]}
     assert set(range(5, STEPS, 5)) | {STEPS} <= reported, result
@@ -181,7 +182,7 @@ def test_driver_sigkilled_mid_run_then_run_again_resumes_from_storage_exactly_on
         first = driver("first", step_sleep=0.25)
         first_controller = first.line("CONTROLLER", 240)
         deadline = time.time() + 240
-        while time.time() < deadline and len(mf.list_committed(ckpt_root)) < 2:  # steps 5 and 10 committed
+        while time.time() < deadline and len(list_committed(ckpt_root)) < 2:  # steps 5 and 10 committed
             time.sleep(0.05)
         first.kill()  # SIGKILL
         first_out = tmp_path / "first" / "out" / name
@@ -203,7 +204,7 @@ def test_driver_sigkilled_mid_run_then_run_again_resumes_from_storage_exactly_on
     assert second_controller != first_controller  # the dead run's controller was not reused
     second_out = tmp_path / "second" / "out" / name
     (resumed,) = e2e.resumes(second_out)
-    committed = [c.step for c in mf.list_committed(ckpt_root)]
+    committed = [c.step for c in list_committed(ckpt_root)]
     # From storage, at the newest step the first run committed (what its holder still wrote counts).
     assert resumed["source"] == "storage"
     assert resumed["step"] == max(s for s in committed if s <= last_step), (resumed, committed, last_step)
@@ -246,7 +247,7 @@ def test_a_failed_fit_releases_the_runs_actors_and_the_next_fit_resumes_from_sto
     while time.time() < deadline and actors_of_run():
         time.sleep(0.25)
     assert actors_of_run() == [], "the failed fit()'s actors outlived release_after_fit_s"
-    committed = [c.step for c in mf.list_committed(ckpt_root)]
+    committed = [c.step for c in list_committed(ckpt_root)]
     assert committed and max(committed) >= 5, committed
 
     demo.run(name, str(tmp_path / "second"), cfg, max_failures=0, storage_path=storage_path)
@@ -303,8 +304,8 @@ def test_holder_killed_mid_write_that_step_never_commits_later_ones_do_bitwise(r
     (resumed,) = e2e.resumes(out)
     assert resumed["source"] == "fresh"  # training never stopped
     storage = FsStorage(pafs.LocalFileSystem(), f"{root}/{name}/cf_ray")
-    on_storage = [c.step for c in mf.list_committed(storage)]
-    assert 10 not in on_storage and not storage.exists(f"{mf.step_dir(10)}/{mf.MANIFEST}"), on_storage  # never visible
+    on_storage = [c.step for c in list_committed(storage)]
+    assert 10 not in on_storage and not storage.exists(f"{step_dir(10)}/{MANIFEST}"), on_storage  # never visible
     assert {15, 20, 25, STEPS} <= set(on_storage), on_storage
     assert 10 in {f["step"] for f in result["failures"]}, result["failures"]  # reported, not silent
     assert result["committed_steps"] == on_storage
@@ -342,7 +343,7 @@ def test_a_bit_flipped_in_a_holders_slot_then_a_worker_killed_restores_the_intac
     # Each rank reads the shared section, and each says which block of it failed, read how and from where.
     refused = [e for e in events if e["event"] == "integrity_failure"]
     assert sorted((e["step"], e["rank"], e["section"], e["how"], e["blocks"]) for e in refused) == [
-        (f["step"], r, mf.SHARED, "in_place", [f["block"]]) for f in flipped for r in (0, 1)
+        (f["step"], r, SHARED, "in_place", [f["block"]]) for f in flipped for r in (0, 1)
     ]
     # The controller never offers those memory snapshots again (their checkpoints on storage are intact).
     distrusted = [(e["generation"], e["step"], e["source"]) for e in events if e["event"] == "distrusted"]

@@ -30,7 +30,11 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.blocks import RangedData
+from cf_ray._engine.format.commit import Manifest, read_manifest
+from cf_ray._engine.format.commit import commit as commit_manifest
+from cf_ray._engine.format.layout import SHARED, rank_section, section_files, step_dir
+from cf_ray._engine.format.sections import Section, load_section, parse_index, write_section
 from cf_ray._engine.protocol.messages import CheckpointKind
 from cf_ray._engine.storage.fs import FsStorage
 
@@ -148,9 +152,9 @@ def _worker(rank: int, port: int, root: str) -> None:
             with open(os.path.join(root, f"results_rank{rank}.json"), "w") as f:
                 json.dump(results, f)
 
-    section = mf.rank_section(rank)
+    section = rank_section(rank)
     storage = FsStorage(pafs.LocalFileSystem(), os.path.join(root, "run"))
-    directory = mf.step_dir(SNAP_STEP)
+    directory = step_dir(SNAP_STEP)
 
     def restore(loaded, model, opt, saved_world=WORLD, world_size=WORLD, replicated=False):
         state = {"model": model, "optimizer": opt}
@@ -197,7 +201,7 @@ def _worker(rank: int, port: int, root: str) -> None:
         }
         assert list(staged[SNAP_STEP]) == [section]  # this rank's section only, no shared one
         arena, index = staged[SNAP_STEP][section]
-        tree, entries = mf.parse_index(index, section)
+        tree, entries = parse_index(index, section)
         assert tree["sharded"] == sharded.describe()
         live = get_model_state_dict(model)
         by_name = {e.name: e for e in entries}
@@ -216,19 +220,18 @@ def _worker(rank: int, port: int, root: str) -> None:
             v.to_local() for s in opt.state.values() for k, v in s.items() if k != "step"
         ]
         assert all(t.data_ptr() in guarded for t in shards if t.numel())
-        files = mf.write_section(storage, directory, 1, section, arena, index)
+        files = write_section(storage, directory, 1, section, arena, index)
         gathered: list = [None] * WORLD
         dist.all_gather_object(gathered, files)
         if rank == 0:
             names = {
-                mf.rank_section(r): dict(zip(("data", "index"), mf.section_files(1, mf.rank_section(r))))
-                for r in range(WORLD)
+                rank_section(r): dict(zip(("data", "index"), section_files(1, rank_section(r)))) for r in range(WORLD)
             }
             merged = {k: v for d in gathered for k, v in d.items()}
-            manifest = mf.Manifest(
+            manifest = Manifest(
                 step=SNAP_STEP, epoch=0, world_size=WORLD, generation=1, replicated=False, sections=names, files=merged
             )
-            mf.commit(storage, directory, manifest)
+            commit_manifest(storage, directory, manifest)
         dist.barrier()
         _train(model, opt, (4, 5), rank)
         ref5 = _state(model, opt)
@@ -237,16 +240,16 @@ def _worker(rank: int, port: int, root: str) -> None:
     with scenario("restore_memory"):
         ro = arena.copy()
         ro.flags.writeable = False  # an object-store buffer is read-only
-        verified = restore({section: mf.Section(tree, entries, ro)}, model, opt)
+        verified = restore({section: Section(tree, entries, ro)}, model, opt)
         assert verified == ["model", "optimizer"]
         assert _same(_state(model, opt), ref3)
         _train(model, opt, (4, 5), rank)
         assert _same(_state(model, opt), ref5)  # continues bitwise
 
     with scenario("restore_storage"):
-        manifest = mf.read_manifest(storage, directory)
+        manifest = read_manifest(storage, directory)
         assert not manifest.replicated
-        loaded = {section: mf.load_section(storage, directory, manifest, section)}
+        loaded = {section: load_section(storage, directory, manifest, section)}
         restore(loaded, model, opt)
         assert _same(_state(model, opt), ref3)
         _train(model, opt, (4, 5), rank)
@@ -290,8 +293,8 @@ def _worker(rank: int, port: int, root: str) -> None:
         pr.close()
         every: list = [None] * WORLD
         dist.all_gather_object(every, ddp)
-        ddp = {n: mf.Section(*mf.parse_index(ix, n), arena) for d in every for n, (arena, ix) in d.items()}
-        assert set(ddp) == {mf.SHARED, *(mf.rank_section(r) for r in range(WORLD))}
+        ddp = {n: Section(*parse_index(ix, n), arena) for d in every for n, (arena, ix) in d.items()}
+        assert set(ddp) == {SHARED, *(rank_section(r) for r in range(WORLD))}
         want_model = {k: v.clone() for k, v in plain.state_dict().items()}
         names = [n for n, _ in plain.named_parameters()]
         want_opt = {
@@ -311,18 +314,18 @@ def _worker(rank: int, port: int, root: str) -> None:
         ddp_run = FsStorage(pafs.LocalFileSystem(), os.path.join(root, "ddp"))
         files = {}
         for n, (arena, ix) in every[rank].items():  # rank 0 writes the shared section too
-            files.update(mf.write_section(ddp_run, directory, 1, n, arena, ix))
+            files.update(write_section(ddp_run, directory, 1, n, arena, ix))
         gathered_files: list = [None] * WORLD
         dist.all_gather_object(gathered_files, files)
         if rank == 0:
             secs = {
-                n: dict(zip(("data", "index"), mf.section_files(1, n)))
-                for n in (mf.SHARED, *(mf.rank_section(r) for r in range(WORLD)))
+                n: dict(zip(("data", "index"), section_files(1, n)))
+                for n in (SHARED, *(rank_section(r) for r in range(WORLD)))
             }
-            mf.commit(
+            commit_manifest(
                 ddp_run,
                 directory,
-                mf.Manifest(
+                Manifest(
                     step=SNAP_STEP,
                     epoch=0,
                     world_size=WORLD,
@@ -333,14 +336,14 @@ def _worker(rank: int, port: int, root: str) -> None:
                 ),
             )
         dist.barrier()
-        ddp_manifest = mf.read_manifest(ddp_run, directory)
-        stored = {n: mf.load_section(ddp_run, directory, ddp_manifest, n, ranged=True) for n in (mf.SHARED, section)}
-        for loaded_ddp in ({n: ddp[n] for n in (mf.SHARED, section)}, stored):
+        ddp_manifest = read_manifest(ddp_run, directory)
+        stored = {n: load_section(ddp_run, directory, ddp_manifest, n, ranged=True) for n in (SHARED, section)}
+        for loaded_ddp in ({n: ddp[n] for n in (SHARED, section)}, stored):
             other, other_opt = _build(mesh, seed=3)
             restore(loaded_ddp, other, other_opt, replicated=True)
             got_model, got_opt = full_state(other, other_opt)
             assert _same(got_model, want_model) and _same(got_opt, want_opt)
-        assert stored[mf.SHARED].buf.bytes_read <= stored[mf.SHARED].buf.nbytes
+        assert stored[SHARED].buf.bytes_read <= stored[SHARED].buf.nbytes
         # FSDP2 state (the checkpoint of step 3 above) into an unsharded model and optimizer: every rank
         # gathers each whole tensor from both ranks' shards (what DDP's placement needs).
         torch.manual_seed(5)
@@ -348,7 +351,7 @@ def _worker(rank: int, port: int, root: str) -> None:
         whole_opt = torch.optim.Adam(whole.parameters(), lr=1e-2)
         for ranged in (False, True):
             every_rank = {
-                mf.rank_section(r): mf.load_section(storage, directory, manifest, mf.rank_section(r), ranged=ranged)
+                rank_section(r): load_section(storage, directory, manifest, rank_section(r), ranged=ranged)
                 for r in range(WORLD)
             }
             restore(every_rank, whole, whole_opt)
@@ -389,50 +392,47 @@ def _worker(rank: int, port: int, root: str) -> None:
         p1.close()
         f1_ref = _state(f1, f1_opt)
         assert list(got1) == [section]
-        _, e1 = mf.parse_index(got1[section][1], section)
+        _, e1 = parse_index(got1[section][1], section)
         assert all(e.shard is not None for e in e1 if e.name.startswith("state.model."))
         f1_run = FsStorage(pafs.LocalFileSystem(), os.path.join(root, "fsdp1"))
-        f1_files = mf.write_section(f1_run, directory, 1, section, *got1[section])
+        f1_files = write_section(f1_run, directory, 1, section, *got1[section])
         every_files: list = [None] * WORLD
         dist.all_gather_object(every_files, f1_files)
         if rank == 0:
-            mf.commit(
+            commit_manifest(
                 f1_run,
                 directory,
-                mf.Manifest(
+                Manifest(
                     step=SNAP_STEP,
                     epoch=0,
                     world_size=WORLD,
                     generation=1,
                     replicated=False,
                     sections={
-                        mf.rank_section(r): dict(zip(("data", "index"), mf.section_files(1, mf.rank_section(r))))
+                        rank_section(r): dict(zip(("data", "index"), section_files(1, rank_section(r))))
                         for r in range(WORLD)
                     },
                     files={k: v for d in every_files for k, v in d.items()},
                 ),
             )
         dist.barrier()
-        f1_manifest = mf.read_manifest(f1_run, directory)
+        f1_manifest = read_manifest(f1_run, directory)
         g1, g1_opt = build1(9)
         g1(torch.ones(1, 5)).sum().backward()
         g1_opt.step()  # Adam's state exists, other values
         g1_opt.zero_grad()
-        restore({section: mf.load_section(f1_run, directory, f1_manifest, section)}, g1, g1_opt)
+        restore({section: load_section(f1_run, directory, f1_manifest, section)}, g1, g1_opt)
         assert not _same(_state(g1, g1_opt), f1_ref)
         _train(g1, g1_opt, (4,), rank)
         assert _same(_state(g1, g1_opt), f1_ref)  # restored step 3, then step 4 again: bitwise
         # FSDP1 state into FSDP2 (both DTensor Shard(0) on the same mesh) and into a plain model.
         f2, f2_opt = _build(mesh, seed=11)
-        restore({section: mf.load_section(f1_run, directory, f1_manifest, section)}, f2, f2_opt)
+        restore({section: load_section(f1_run, directory, f1_manifest, section)}, f2, f2_opt)
         torch.manual_seed(12)
         p2 = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 1))
         p2_opt = torch.optim.Adam(p2.parameters(), lr=1e-2)
         restore(
-            {
-                mf.rank_section(r): mf.load_section(f1_run, directory, f1_manifest, mf.rank_section(r))
-                for r in range(WORLD)
-            },
+            {rank_section(r): load_section(f1_run, directory, f1_manifest, rank_section(r)) for r in range(WORLD)},
             p2,
             p2_opt,
         )
@@ -493,10 +493,7 @@ def _worker(rank: int, port: int, root: str) -> None:
         if rank == 0:
             mesh1 = DeviceMesh.from_group(solo[0], "cpu")
             m1, o1 = _build(mesh1, seed=4)
-            every = {
-                mf.rank_section(r): mf.load_section(storage, directory, manifest, mf.rank_section(r))
-                for r in range(WORLD)
-            }
+            every = {rank_section(r): load_section(storage, directory, manifest, rank_section(r)) for r in range(WORLD)}
             assert restore(every, m1, o1, saved_world=WORLD, world_size=1) == []  # resharded: no fingerprint applies
             got = _state(m1, o1)
             assert _same(got["model"], full3)  # one rank: the whole tensors, assembled from both old ranks
@@ -534,19 +531,19 @@ def _worker(rank: int, port: int, root: str) -> None:
             p1.capture_late()
             assert p1.wait_done(30) and not p1.take_errors()
             p1.close()
-            sec0 = mf.rank_section(0)
-            files = mf.write_section(run1, directory, 1, sec0, *one[sec0])
-            names = {sec0: dict(zip(("data", "index"), mf.section_files(1, sec0)))}
-            m = mf.Manifest(
+            sec0 = rank_section(0)
+            files = write_section(run1, directory, 1, sec0, *one[sec0])
+            names = {sec0: dict(zip(("data", "index"), section_files(1, sec0)))}
+            m = Manifest(
                 step=SNAP_STEP, epoch=0, world_size=1, generation=1, replicated=False, sections=names, files=files
             )
-            mf.commit(run1, directory, m)
+            commit_manifest(run1, directory, m)
         dist.barrier()
         m2, o2 = _build(mesh, seed=5)
-        manifest1 = mf.read_manifest(run1, directory)
-        sec1 = mf.load_section(run1, directory, manifest1, mf.rank_section(0))
+        manifest1 = read_manifest(run1, directory)
+        sec1 = load_section(run1, directory, manifest1, rank_section(0))
         held = sec1.buf.copy()
-        restore({mf.rank_section(0): sec1}, m2, o2, saved_world=1)
+        restore({rank_section(0): sec1}, m2, o2, saved_world=1)
         assert _same(_state(m2, o2), ref3)  # back on 2 ranks: the original shards, bitwise
         _train(m2, o2, (4, 5), rank)
         assert _same(_state(m2, o2), ref5)
@@ -561,7 +558,7 @@ def _worker(rank: int, port: int, root: str) -> None:
         import cf_ray
         from cf_ray._engine.format import safetensors as st
 
-        final_dir = mf.step_dir(SNAP_STEP, kind="final")
+        final_dir = step_dir(SNAP_STEP, kind="final")
         restore(loaded, model, opt)
         sd = get_model_state_dict(model)
         st.write_sharded_final_model(storage, final_dir, sd, rank=rank, step=SNAP_STEP, epoch=0, resume=directory)
@@ -627,7 +624,7 @@ def _worker(rank: int, port: int, root: str) -> None:
         before = _rss()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        st.write_sharded_final_model(storage, mf.step_dir(99, kind="final"), big_sd, rank=rank, step=99, epoch=0)
+        st.write_sharded_final_model(storage, step_dir(99, kind="final"), big_sd, rank=rank, step=99, epoch=0)
         peak = _hwm() - before
         st._write_hook = None
         with open(os.path.join(root, f"final_memory_rank{rank}.json"), "w") as f:
@@ -642,7 +639,7 @@ def _worker(rank: int, port: int, root: str) -> None:
             assert peak <= max(gather_only, one) + 2 * 2**20, (peak, gather_only)
             assert peak <= 2 * one + 2 * 2**20, f"rank 0 grew by {peak / 2**20:.1f} MiB writing 9 MiB tensors"
             got = safetensors.torch.load_file(
-                os.path.join(root, "run", mf.step_dir(99, kind="final"), "model.safetensors")
+                os.path.join(root, "run", step_dir(99, kind="final"), "model.safetensors")
             )
             assert _same(got, full_big)
         dist.barrier()
@@ -681,18 +678,17 @@ def _worker(rank: int, port: int, root: str) -> None:
             p.capture_late()
             assert p.wait_done(60) and not p.take_errors()
             p.close()
-            sec = mf.rank_section(r)
-            return mf.write_section(run, directory, 1, sec, *got[sec])
+            sec = rank_section(r)
+            return write_section(run, directory, 1, sec, *got[sec])
 
         def commit(run, world, files):
             names = {
-                mf.rank_section(r): dict(zip(("data", "index"), mf.section_files(1, mf.rank_section(r))))
-                for r in range(world)
+                rank_section(r): dict(zip(("data", "index"), section_files(1, rank_section(r)))) for r in range(world)
             }
-            mf.commit(
+            commit_manifest(
                 run,
                 directory,
-                mf.Manifest(
+                Manifest(
                     step=SNAP_STEP,
                     epoch=0,
                     world_size=world,
@@ -709,16 +705,16 @@ def _worker(rank: int, port: int, root: str) -> None:
             shard += sum(
                 v.to_local().numel() * v.element_size() for st in o.state.values() for k, v in st.items() if k != "step"
             )
-            man = mf.read_manifest(run, directory)
+            man = read_manifest(run, directory)
             before = _rss()
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
             # As the restore reads them at another world size: by range, only what overlaps this rank's shards.
             every = {
-                mf.rank_section(r): mf.load_section(run, directory, man, mf.rank_section(r), ranged=True)
+                rank_section(r): load_section(run, directory, man, rank_section(r), ranged=True)
                 for r in range(saved_world)
             }
-            assert all(isinstance(sec.buf, mf.RangedData) for sec in every.values())
+            assert all(isinstance(sec.buf, RangedData) for sec in every.values())
             restore(every, m, o, saved_world=saved_world, world_size=world)
             read = sum(sec.buf.bytes_read for sec in every.values())
             del every
@@ -848,17 +844,17 @@ def test_export_dcp_of_a_replicated_checkpoint_loads_with_dcp(tmp_path, capsys):
 
     model, opt = build(0)
     storage = FsStorage(pafs.LocalFileSystem(), str(tmp_path / "run"))
-    directory, files, sections = mf.step_dir(7), {}, {}
+    directory, files, sections = step_dir(7), {}, {}
     trees = {
-        mf.SHARED: {"objects": {"model": model.state_dict(), "optimizer": opt.state_dict()}},
-        mf.rank_section(0): {"objects": {}, "counters": {"step": 7, "epoch": 0}},
+        SHARED: {"objects": {"model": model.state_dict(), "optimizer": opt.state_dict()}},
+        rank_section(0): {"objects": {}, "counters": {"step": 7, "epoch": 0}},
     }
     for sec, tree in trees.items():
         arena, index = arena_of(tree)
-        files.update(mf.write_section(storage, directory, 1, sec, arena, index))
-        sections[sec] = dict(zip(("data", "index"), mf.section_files(1, sec)))
-    manifest = mf.Manifest(step=7, epoch=0, world_size=1, generation=1, replicated=True, sections=sections, files=files)
-    mf.commit(storage, directory, manifest)
+        files.update(write_section(storage, directory, 1, sec, arena, index))
+        sections[sec] = dict(zip(("data", "index"), section_files(1, sec)))
+    manifest = Manifest(step=7, epoch=0, world_size=1, generation=1, replicated=True, sections=sections, files=files)
+    commit_manifest(storage, directory, manifest)
     assert cli.main(["export", storage.root, "--to", "dcp", str(tmp_path / "dcp")]) == 0
     assert "torch.distributed.checkpoint directory" in capsys.readouterr().out
     fresh, fresh_opt = build(1)
@@ -987,5 +983,5 @@ def test_sharded_worker_sigkilled_resumes_bitwise(ray_cluster, tmp_path, wrapper
         assert not final["failures"] and final["committed"][-1] == E2E_STEPS
         assert final["final_equal"], f"rank {rank}: model.safetensors is not the uninterrupted run's model"
     storage = FsStorage(pafs.LocalFileSystem(), str(tmp_path / "storage" / "fsdp2_kill" / "cf_ray"))
-    newest = mf.read_manifest(storage, mf.step_dir(E2E_STEPS))
-    assert not newest.replicated and set(newest.sections) == {mf.rank_section(r) for r in range(WORLD)}
+    newest = read_manifest(storage, step_dir(E2E_STEPS))
+    assert not newest.replicated and set(newest.sections) == {rank_section(r) for r in range(WORLD)}

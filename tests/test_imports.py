@@ -23,7 +23,8 @@ def _python(code: str) -> str:
 def test_actor_modules_do_not_import_torch_or_pandas():
     code = (
         "import sys, cf_ray._engine.driver.controller, cf_ray._engine.node.holder, cf_ray.report, "
-        "cf_ray._engine.format.manifest; "
+        "cf_ray._engine.format.layout, cf_ray._engine.format.commit, cf_ray._engine.format.sections, "
+        "cf_ray._engine.format.blocks, cf_ray._engine.format.catalog; "
         "print(sorted(m for m in ('torch', 'pandas', 'pyarrow.parquet') if m in sys.modules))"
     )
     out = _python(code)

@@ -59,12 +59,12 @@ from cf_ray._engine.driver.controller import ControllerSettings, get_or_create_c
 from cf_ray._engine.protocol.cluster import head_node_id
 from cf_ray._engine.protocol.messages import CheckpointKind, Restored, RestoreSource, SnapshotMeta
 from cf_ray._engine.protocol.naming import controller_name, holder_name
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.layout import rank_section
 from cf_ray._engine.node.holder import resolve_holder
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.policy import FixedInterval
 
-SEC = mf.rank_section(0)
+SEC = rank_section(0)
 META = SnapshotMeta(rank=0, world_size=1, replicated=False, epoch=0, kind=CheckpointKind.SCHEDULED, interval=1)
 
 

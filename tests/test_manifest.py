@@ -17,7 +17,19 @@ import torch
 
 import cf_ray
 from cf_ray._engine.format import layout
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.blocks import BLOCK_BYTES, RangedData, read_region
+from cf_ray._engine.format.catalog import list_committed, list_uncommitted
+from cf_ray._engine.format.commit import (
+    Manifest,
+    _canonical,
+    _checksum_of,
+    commit,
+    read_manifest,
+    read_pointer,
+    write_pointer,
+)
+from cf_ray._engine.format.layout import MANIFEST, POINTER, SHARED, VERSION, step_dir
+from cf_ray._engine.format.sections import load_section, parse_index
 from cf_ray._engine.storage.base import FileInfo
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
@@ -36,18 +48,18 @@ def storage(tmp_path) -> FsStorage:
 
 
 def _raw_manifest(storage, step: int) -> bytes:
-    return bytes(storage.read_file(f"{mf.step_dir(step)}/{mf.MANIFEST}"))
+    return bytes(storage.read_file(f"{step_dir(step)}/{MANIFEST}"))
 
 
-def _as_dict(m: mf.Manifest) -> dict:
+def _as_dict(m: Manifest) -> dict:
     return json.loads(m.to_bytes())
 
 
 def _signed(d: dict) -> bytes:
     """``d`` with a valid checksum of its (possibly invalid) content: a writer's mistake, not damage."""
     d = {k: v for k, v in d.items() if k != "checksum"}
-    d["checksum"] = mf._checksum_of(d)
-    return mf._canonical(d).encode()
+    d["checksum"] = _checksum_of(d)
+    return _canonical(d).encode()
 
 
 def _flip(raw: bytes, bit: int) -> bytes:
@@ -62,13 +74,13 @@ def _flip(raw: bytes, bit: int) -> bytes:
 def test_every_single_bit_flip_of_a_manifest_is_detected(storage):
     write_checkpoint(storage, 10, _model(1), world_size=2)
     raw = _raw_manifest(storage, 10)
-    original = mf.Manifest.from_bytes(raw, "test")
+    original = Manifest.from_bytes(raw, "test")
     assert b"\n" not in raw and b": " not in raw  # compact: no insignificant whitespace to flip
     t0 = time.perf_counter()
     silently_different, identical = [], 0
     for bit in range(len(raw) * 8):
         try:
-            got = mf.Manifest.from_bytes(_flip(raw, bit), "test")
+            got = Manifest.from_bytes(_flip(raw, bit), "test")
         except CorruptCheckpointError as e:
             assert "test" in str(e)  # names the checkpoint's location
             continue
@@ -91,8 +103,8 @@ def test_a_rank_00000_to_rank_00001_flip_is_refused_and_load_state_does_not_retu
     damaged = _flip(raw, at * 8)  # '0' (0x30) -> '1' (0x31)
     assert b'"data":"g0001.rank_00001.bin"' in damaged[at - 30 : at + 10]
     with pytest.raises(CorruptCheckpointError, match="checksum"):
-        mf.Manifest.from_bytes(damaged, "test")
-    storage.write_file(f"{mf.step_dir(10)}/{mf.MANIFEST}", [damaged])
+        Manifest.from_bytes(damaged, "test")
+    storage.write_file(f"{step_dir(10)}/{MANIFEST}", [damaged])
     with pytest.raises(CorruptCheckpointError, match=r"MANIFEST\.json.*checksum"):
         cf_ray.load_state(root, objects=["data"], rank=0)
 
@@ -103,18 +115,18 @@ def test_a_version_1_manifest_without_a_checksum_still_reads(storage):
     del d["checksum"]
     d["version"] = 1
     v1 = json.dumps(d, indent=1, sort_keys=True).encode()  # exactly what the version-1 writer wrote
-    got = mf.Manifest.from_bytes(v1, "test")
+    got = Manifest.from_bytes(v1, "test")
     assert got.sections == m.sections and got.files == m.files and got.step == 10 and got.world_size == 1
-    storage.write_file(f"{mf.step_dir(10)}/{mf.MANIFEST}", [v1])
+    storage.write_file(f"{step_dir(10)}/{MANIFEST}", [v1])
     assert [c.step for c in cf_ray.list_checkpoints(storage.root)] == [10]
     assert set(cf_ray.load_state(storage.root, objects=["model"])["model"]) == {"0.weight", "0.bias"}
     # A version-1 manifest that carries a checksum field, or a version-2 one without it, is refused:
     # one cannot pass a damaged version-2 manifest off as an unchecked version-1 one.
     with pytest.raises(CorruptCheckpointError, match="checksum"):
-        mf.Manifest.from_bytes(json.dumps(dict(d, checksum=mf._checksum_of(d))).encode(), "test")
+        Manifest.from_bytes(json.dumps(dict(d, checksum=_checksum_of(d))).encode(), "test")
     with pytest.raises(CorruptCheckpointError, match="checksum"):
-        mf.Manifest.from_bytes(json.dumps(dict(d, version=2)).encode(), "test")
-    assert mf.VERSION == layout.VERSION == 2
+        Manifest.from_bytes(json.dumps(dict(d, version=2)).encode(), "test")
+    assert VERSION == layout.VERSION == 2
 
 
 def test_the_final_models_manifest_shape_is_accepted(tmp_path):
@@ -124,11 +136,11 @@ def test_the_final_models_manifest_shape_is_accepted(tmp_path):
         from cf_ray.checkpointer import write_final_model
     storage = FsStorage.from_uri(str(tmp_path / "run" / "cf_ray"))
     model = _model(3)
-    directory = mf.step_dir(40, kind="final")
+    directory = step_dir(40, kind="final")
     write_final_model(storage, directory, model, step=40, epoch=2)
-    m = mf.read_manifest(storage, directory)
+    m = read_manifest(storage, directory)
     assert (m.kind, m.world_size, m.sections) == ("final", 1, {"model": {"data": "model.safetensors"}})
-    assert [c.step for c in mf.list_committed(storage, kinds=("final",))] == [40]
+    assert [c.step for c in list_committed(storage, kinds=("final",))] == [40]
     got = cf_ray.load_state(storage.uri(directory))["model"]
     assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
     # Any other shape for "final" is refused.
@@ -140,7 +152,7 @@ def test_the_final_models_manifest_shape_is_accepted(tmp_path):
         {"files": {}},
     ):
         with pytest.raises(CorruptCheckpointError):
-            mf.Manifest.from_bytes(_signed({**d, **bad}), "test")
+            Manifest.from_bytes(_signed({**d, **bad}), "test")
 
 
 # -- the strict schema ---------------------------------------------------------------------------------
@@ -194,13 +206,13 @@ def _mutations(d: dict) -> dict[str, dict]:
 
 def test_schema_violations_raise_corrupt_checkpoint_error_naming_the_field_and_the_location(storage):
     d = _as_dict(write_checkpoint(storage, 10, _model(1), world_size=2))
-    mf.Manifest.from_bytes(_signed(d), "somewhere/MANIFEST.json")  # the unmodified one is fine
+    Manifest.from_bytes(_signed(d), "somewhere/MANIFEST.json")  # the unmodified one is fine
     with pytest.raises(CorruptCheckpointError, match="canonical"):  # every byte counts, whitespace included
-        mf.Manifest.from_bytes(json.dumps(json.loads(_signed(d)), indent=1).encode(), "somewhere/MANIFEST.json")
+        Manifest.from_bytes(json.dumps(json.loads(_signed(d)), indent=1).encode(), "somewhere/MANIFEST.json")
     for label, bad in _mutations(d).items():
         field = label.strip()
         with pytest.raises(CorruptCheckpointError) as info:
-            mf.Manifest.from_bytes(_signed(bad), "somewhere/MANIFEST.json")
+            Manifest.from_bytes(_signed(bad), "somewhere/MANIFEST.json")
         msg = str(info.value)
         assert "somewhere/MANIFEST.json" in msg, (label, msg)
         if field not in ("missing field", "unknown field", "version"):
@@ -211,7 +223,7 @@ def test_swapped_section_file_names_are_refused_even_with_a_valid_checksum(stora
     m = write_checkpoint(storage, 10, _model(1), world_size=2)
     swapped = dict(m.sections)
     swapped["rank_00000"], swapped["rank_00001"] = m.sections["rank_00001"], m.sections["rank_00000"]
-    bad = mf.Manifest(
+    bad = Manifest(
         step=m.step,
         epoch=m.epoch,
         world_size=2,
@@ -222,8 +234,8 @@ def test_swapped_section_file_names_are_refused_even_with_a_valid_checksum(stora
         files=m.files,
     )
     with pytest.raises(CorruptCheckpointError, match="sections.rank_0000"):
-        mf.Manifest.from_bytes(bad.to_bytes(), "test")
-    zero = mf.Manifest(
+        Manifest.from_bytes(bad.to_bytes(), "test")
+    zero = Manifest(
         step=1,
         epoch=0,
         world_size=0,
@@ -233,7 +245,7 @@ def test_swapped_section_file_names_are_refused_even_with_a_valid_checksum(stora
         files={},
     )
     with pytest.raises(CorruptCheckpointError, match="world_size"):
-        mf.Manifest.from_bytes(zero.to_bytes(), "test")
+        Manifest.from_bytes(zero.to_bytes(), "test")
 
 
 def test_garbage_never_raises_a_bare_error():
@@ -255,14 +267,14 @@ def test_garbage_never_raises_a_bare_error():
     ]
     for raw in cases:
         with pytest.raises(CorruptCheckpointError):
-            mf.Manifest.from_bytes(raw, "test")
+            Manifest.from_bytes(raw, "test")
 
 
 def test_an_unsafe_file_name_is_both_unsafe_and_corrupt(storage):
     m = write_checkpoint(storage, 10, _model(1))
-    raw = m.to_bytes().decode().replace(m.sections[mf.SHARED]["data"], "../../../../etc/passwd")
+    raw = m.to_bytes().decode().replace(m.sections[SHARED]["data"], "../../../../etc/passwd")
     with pytest.raises(UnsafePathError) as info:
-        mf.Manifest.from_bytes(raw.encode(), "test")
+        Manifest.from_bytes(raw.encode(), "test")
     assert isinstance(info.value, CorruptCheckpointError)
     assert pickle.loads(pickle.dumps(info.value)).args == info.value.args  # crosses an actor boundary
 
@@ -270,11 +282,11 @@ def test_an_unsafe_file_name_is_both_unsafe_and_corrupt(storage):
 def test_a_manifest_in_another_checkpoints_directory_is_refused(storage):
     write_checkpoint(storage, 10, _model(1))
     write_checkpoint(storage, 20, _model(2))
-    storage.write_file(f"{mf.step_dir(20)}/{mf.MANIFEST}", [_raw_manifest(storage, 10)])
+    storage.write_file(f"{step_dir(20)}/{MANIFEST}", [_raw_manifest(storage, 10)])
     with pytest.raises(CorruptCheckpointError, match="step_000000000020"):
-        mf.read_manifest(storage, mf.step_dir(20))
+        read_manifest(storage, step_dir(20))
     with pytest.raises(CheckpointNotFoundError):
-        mf.read_manifest(storage, mf.step_dir(30))
+        read_manifest(storage, step_dir(30))
 
 
 def test_kinds_are_the_checkpoint_kinds_of_the_messages():
@@ -303,13 +315,13 @@ def test_a_symlinked_entry_under_checkpoints_is_skipped_with_one_warning(tmp_pat
     os.symlink(root / "checkpoints" / "step_000000000010", root / "checkpoints" / "step_000000000040")
     os.makedirs(root / "checkpoints" / "step_000000000050")
     os.symlink(
-        root / "checkpoints" / "step_000000000010" / mf.MANIFEST,
-        root / "checkpoints" / "step_000000000050" / mf.MANIFEST,
+        root / "checkpoints" / "step_000000000010" / MANIFEST,
+        root / "checkpoints" / "step_000000000050" / MANIFEST,
     )
     with caplog.at_level(logging.WARNING, logger="cf_ray"):
-        assert [c.step for c in mf.list_committed(storage)] == [10]
-        assert mf.list_uncommitted(storage) == []  # never deleted through a link either
-        assert [c.step for c in mf.list_committed(storage)] == [10]
+        assert [c.step for c in list_committed(storage)] == [10]
+        assert list_uncommitted(storage) == []  # never deleted through a link either
+        assert [c.step for c in list_committed(storage)] == [10]
     warnings = _skipped_warnings(caplog)
     assert len(warnings) == 3, warnings  # one per entry, not one per listing
     for name in ("step_000000000030", "step_000000000040", "step_000000000050"):
@@ -321,7 +333,7 @@ def test_a_symlinked_entry_under_checkpoints_is_skipped_with_one_warning(tmp_pat
     # Reading one of them directly is refused, as unsafe and as corrupt.
     for step in (30, 40, 50):
         with pytest.raises(UnsafePathError) as info:
-            mf.read_manifest(storage, mf.step_dir(step))
+            read_manifest(storage, step_dir(step))
         assert isinstance(info.value, CorruptCheckpointError)
 
 
@@ -341,7 +353,7 @@ def test_an_entry_that_cannot_be_examined_is_skipped(storage, caplog):
             return storage.exists(path)
 
     with caplog.at_level(logging.WARNING, logger="cf_ray"):
-        assert [c.step for c in mf.list_committed(Flaky())] == [10]
+        assert [c.step for c in list_committed(Flaky())] == [10]
     assert any("step_000000000020" in w and "PermissionError" in w for w in _skipped_warnings(caplog))
 
 
@@ -349,15 +361,15 @@ def test_an_entry_that_cannot_be_examined_is_skipped(storage, caplog):
 
 
 def test_every_single_bit_flip_of_a_pointer_is_detected(storage):
-    directory = mf.write_pointer(storage, 120)
-    raw = bytes(storage.read_file(f"{directory}/{mf.POINTER}"))
-    assert mf.read_pointer(raw) == mf.step_dir(120)
+    directory = write_pointer(storage, 120)
+    raw = bytes(storage.read_file(f"{directory}/{POINTER}"))
+    assert read_pointer(raw) == step_dir(120)
     for bit in range(len(raw) * 8):
         try:
-            target = mf.read_pointer(_flip(raw, bit))
+            target = read_pointer(_flip(raw, bit))
         except CorruptCheckpointError:
             continue
-        assert target == mf.step_dir(120), (bit, _flip(raw, bit))
+        assert target == step_dir(120), (bit, _flip(raw, bit))
 
 
 def test_a_damaged_pointer_raises_corrupt_checkpoint_error():
@@ -375,10 +387,10 @@ def test_a_damaged_pointer_raises_corrupt_checkpoint_error():
         json.dumps({**good, "version": 7}).encode(),
     ):
         with pytest.raises(CorruptCheckpointError):
-            mf.read_pointer(raw)
+            read_pointer(raw)
     with pytest.raises(UnsafePathError):
-        mf.read_pointer(json.dumps({**good, "checkpoint": "checkpoints/../../etc"}).encode())
-    assert mf.read_pointer(json.dumps(good).encode()) == "checkpoints/step_000000000120"
+        read_pointer(json.dumps({**good, "checkpoint": "checkpoints/../../etc"}).encode())
+    assert read_pointer(json.dumps(good).encode()) == "checkpoints/step_000000000120"
 
 
 def test_a_damaged_index_raises_corrupt_checkpoint_error():
@@ -397,32 +409,32 @@ def test_a_damaged_index_raises_corrupt_checkpoint_error():
         json.dumps({"entries": [{**entry, "shape": "ab"}], "tree": {}}).encode(),
     ):
         with pytest.raises(CorruptCheckpointError, match="index here"):
-            mf.parse_index(raw, "here")
+            parse_index(raw, "here")
     good = json.dumps({"entries": [entry], "tree": {"t": {"__cf_tensor__": 0}}}).encode()
-    tree, entries = mf.parse_index(good, "here")
+    tree, entries = parse_index(good, "here")
     assert entries[0].shape == (2,)
 
 
 def test_a_damaged_data_file_of_a_section_is_refused_before_parsing(storage):
     m = write_checkpoint(storage, 10, _model(1))
-    name = m.sections[mf.SHARED]["index"]
-    path = f"{mf.step_dir(10)}/{name}"
+    name = m.sections[SHARED]["index"]
+    path = f"{step_dir(10)}/{name}"
     os.unlink(storage.fs_path(path))
     os.mkdir(storage.fs_path(path))  # a directory where a file should be
     with pytest.raises(CorruptCheckpointError):
-        mf.load_section(storage, mf.step_dir(10), m, mf.SHARED)
+        load_section(storage, step_dir(10), m, SHARED)
     os.rmdir(storage.fs_path(path))
-    os.symlink(storage.fs_path(f"{mf.step_dir(10)}/{m.sections[mf.SHARED]['data']}"), storage.fs_path(path))
+    os.symlink(storage.fs_path(f"{step_dir(10)}/{m.sections[SHARED]['data']}"), storage.fs_path(path))
     with pytest.raises(UnsafePathError) as info:
-        mf.load_section(storage, mf.step_dir(10), m, mf.SHARED)
+        load_section(storage, step_dir(10), m, SHARED)
     assert isinstance(info.value, CorruptCheckpointError)
     with pytest.raises(CorruptCheckpointError, match="no section"):
-        mf.load_section(storage, mf.step_dir(10), m, "model")
+        load_section(storage, step_dir(10), m, "model")
     assert m.files[name] == FileInfo(m.files[name].size, m.files[name].crc32)
 
 
 def test_extra_with_int_keys_and_non_ascii_text_round_trips():
-    m = mf.Manifest(
+    m = Manifest(
         step=3,
         epoch=1,
         world_size=1,
@@ -434,7 +446,7 @@ def test_extra_with_int_keys_and_non_ascii_text_round_trips():
         created_unix=1.5,
         extra={10: "b", 9: "c", "note": "épreuve ✓", "nan": float("nan")},
     )
-    got = mf.Manifest.from_bytes(m.to_bytes(), "test")
+    got = Manifest.from_bytes(m.to_bytes(), "test")
     assert got.extra["10"] == "b" and got.extra["9"] == "c" and got.extra["note"] == "épreuve ✓"
     assert (got.sections, got.files, got.created_unix, got.kind) == (m.sections, m.files, 1.5, "manual")
 
@@ -446,42 +458,42 @@ def test_a_ranged_read_checks_every_block_it_touches_and_reads_only_those(storag
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))  # ~2 MiB: 8 blocks
     m = write_checkpoint(storage, 10, model)
-    sec = mf.load_section(storage, mf.step_dir(10), m, mf.SHARED, ranged=True)
-    assert isinstance(sec.buf, mf.RangedData) and sec.buf.bytes_read == 0
+    sec = load_section(storage, step_dir(10), m, SHARED, ranged=True)
+    assert isinstance(sec.buf, RangedData) and sec.buf.bytes_read == 0
     by_name = {e.name: e for e in sec.entries}
     first = next(e for n, e in by_name.items() if n.endswith("0.weight"))
     last = next(e for n, e in by_name.items() if n.endswith("1.weight"))
-    rows = mf.read_region(sec.buf, first, [10, 0], [20, 512])  # 20 rows of 2 KiB: one or two blocks
+    rows = read_region(sec.buf, first, [10, 0], [20, 512])  # 20 rows of 2 KiB: one or two blocks
     assert torch.equal(rows, model[0].weight.detach()[10:30])
-    assert sec.buf.bytes_read <= 2 * mf.BLOCK_BYTES
+    assert sec.buf.bytes_read <= 2 * BLOCK_BYTES
     # Damage one byte inside the second weight: reading it fails, the first weight still reads.
-    data_path = storage.fs_path(f"{mf.step_dir(10)}/{m.sections[mf.SHARED]['data']}")
+    data_path = storage.fs_path(f"{step_dir(10)}/{m.sections[SHARED]['data']}")
     with open(data_path, "r+b") as f:
         f.seek(last.offset + last.nbytes // 2)
         byte = f.read(1)
         f.seek(last.offset + last.nbytes // 2)
         f.write(bytes([byte[0] ^ 0xFF]))
-    sec = mf.load_section(storage, mf.step_dir(10), m, mf.SHARED, ranged=True)
-    assert torch.equal(mf.read_region(sec.buf, first, [0, 0], [512, 512]), model[0].weight.detach())
+    sec = load_section(storage, step_dir(10), m, SHARED, ranged=True)
+    assert torch.equal(read_region(sec.buf, first, [0, 0], [512, 512]), model[0].weight.detach())
     with pytest.raises(CorruptCheckpointError, match="fails its checksum"):
-        mf.read_region(sec.buf, last, [0, 0], [512, 512])
+        read_region(sec.buf, last, [0, 0], [512, 512])
     with pytest.raises(CorruptCheckpointError, match="fails its checksum"):  # a whole read sees it too
-        mf.load_section(storage, mf.step_dir(10), m, mf.SHARED)
+        load_section(storage, step_dir(10), m, SHARED)
 
 
 def test_a_section_without_block_checksums_is_read_whole_and_verified_whole(storage):
     """Checkpoints written before block checksums existed: a ranged load reads the file whole (and
     verifies its CRC-32), so they restore at another number of ranks as before."""
     m = write_checkpoint(storage, 10, _model(1))
-    names = m.sections[mf.SHARED]
-    index_path = f"{mf.step_dir(10)}/{names['index']}"
+    names = m.sections[SHARED]
+    index_path = f"{step_dir(10)}/{names['index']}"
     raw = json.loads(bytes(storage.read_file(index_path)))
-    assert raw["blocks"]["bytes"] == mf.BLOCK_BYTES and len(raw["blocks"]["crc32"]) >= 1
+    assert raw["blocks"]["bytes"] == BLOCK_BYTES and len(raw["blocks"]["crc32"]) >= 1
     del raw["blocks"]
     info = storage.write_file(index_path, [json.dumps(raw).encode()])
     m = dataclasses.replace(m, files={**m.files, names["index"]: info})
-    mf.commit(storage, mf.step_dir(10), m)
-    sec = mf.load_section(storage, mf.step_dir(10), m, mf.SHARED, ranged=True)
+    commit(storage, step_dir(10), m)
+    sec = load_section(storage, step_dir(10), m, SHARED, ranged=True)
     assert isinstance(sec.buf, np.ndarray) and sec.buf.nbytes == m.files[names["data"]].size
     got = cf_ray.load_state(storage.uri(), objects=["model"])["model"]
     assert all(torch.equal(got[k], v) for k, v in _model(1).state_dict().items())

@@ -11,7 +11,11 @@ import numpy as np
 import pytest
 
 from cf_ray._engine.driver.facade import Controller
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.blocks import BLOCK_BYTES
+from cf_ray._engine.format.catalog import list_committed
+from cf_ray._engine.format.commit import read_manifest
+from cf_ray._engine.format.layout import MANIFEST, SHARED, rank_section, section_rank, step_dir
+from cf_ray._engine.format.sections import write_section
 from cf_ray._engine.protocol import messages as msgs
 from cf_ray._engine.protocol.messages import (
     PROTOCOL_VERSION,
@@ -62,7 +66,7 @@ META = SnapshotMeta(
     notice_source="user",
 )
 MEMORY = MemorySnapshot(
-    generation=2, step=10, sections={mf.SHARED: "cf_ray.holder.k.n1"}, world_size=2, epoch=1, replicated=True
+    generation=2, step=10, sections={SHARED: "cf_ray.holder.k.n1"}, world_size=2, epoch=1, replicated=True
 )
 SLOT = SlotDesc(path="/proc/1/fd/7", name="cf_ray.k.rank_00000.0", ino=12, dev=1, nonce=2**63 + 5, nbytes=4096, seq=3)
 STREAM = StreamDesc(host="10.0.0.2", port=4242, token=bytes(range(16)), nbytes=4096, tls=True)
@@ -71,13 +75,13 @@ EXAMPLES: list[Message] = [
     SLOT,
     STREAM,
     SectionAt(where=SLOT, index=b"{}", crc32=7),
-    StagedSlot(section=mf.rank_section(0), slot=SLOT, index=b"{}", crc32=7),
+    StagedSlot(section=rank_section(0), slot=SLOT, index=b"{}", crc32=7),
     Stage(generation=2, step=10, meta=META, sections=(StagedSlot(section="s", slot=SLOT, index=b"{}", crc32=7),)),
-    StageReply(recorded=False, unknown=(mf.SHARED,)),
+    StageReply(recorded=False, unknown=(SHARED,)),
     ReplicaOffer(
         generation=2,
         step=10,
-        section=mf.SHARED,
+        section=SHARED,
         index=b"{}",
         crc32=7,
         meta=META,
@@ -89,7 +93,7 @@ EXAMPLES: list[Message] = [
     PartStaged(
         generation=2,
         step=10,
-        section=mf.SHARED,
+        section=SHARED,
         holder="cf_ray.holder.k.n1",
         nbytes=64,
         meta=META,
@@ -97,14 +101,14 @@ EXAMPLES: list[Message] = [
         node_id="n1",
     ),
     PartDurable(
-        generation=2, step=10, section=mf.rank_section(1), files={"a.bin": {"size": 64, "crc32": 7}}, persist_s=0.5
+        generation=2, step=10, section=rank_section(1), files={"a.bin": {"size": 64, "crc32": 7}}, persist_s=0.5
     ),
-    PartFailed(generation=2, step=10, section=mf.rank_section(0), error="OSError: disk full"),
-    PartSuperseded(generation=2, step=10, section=mf.rank_section(0)),
+    PartFailed(generation=2, step=10, section=rank_section(0), error="OSError: disk full"),
+    PartSuperseded(generation=2, step=10, section=rank_section(0)),
     PartReplicated(
         generation=2,
         step=10,
-        section=mf.rank_section(0),
+        section=rank_section(0),
         holder="h2",
         node_id="n2",
         origin="h1",
@@ -112,7 +116,7 @@ EXAMPLES: list[Message] = [
         seconds=0.5,
     ),
     Schedule(schedule_version=3, interval=None),
-    Failure(seq=0, step=10, section=mf.rank_section(0), rank=0, error="OSError: disk full", generation=2),
+    Failure(seq=0, step=10, section=rank_section(0), rank=0, error="OSError: disk full", generation=2),
     CheckpointRequest(seq=1, deadline_unix=200.0, detail="resize", time_unix=100.0, generation=2),
     SyncRequest(
         rank=1,
@@ -144,11 +148,11 @@ EXAMPLES: list[Message] = [
         rank=1,
         generation=2,
         step=10,
-        section=mf.SHARED,
+        section=SHARED,
         holder="cf_ray.holder.k.n1",
         how="in_place",
         blocks=(3,),
-        block_bytes=mf.BLOCK_BYTES,
+        block_bytes=BLOCK_BYTES,
         error="block 3 fails its CRC-32",
     ),
     Settled(
@@ -168,14 +172,12 @@ EXAMPLES: list[Message] = [
         holder="cf_ray.holder.k.n1",
         node_id="n1",
         generation=2,
-        staged=(
-            PartStaged(generation=2, step=10, section=mf.SHARED, holder="cf_ray.holder.k.n1", nbytes=64, meta=META),
-        ),
+        staged=(PartStaged(generation=2, step=10, section=SHARED, holder="cf_ray.holder.k.n1", nbytes=64, meta=META),),
         outcomes=(
             PartDurable(
                 generation=2,
                 step=10,
-                section=mf.SHARED,
+                section=SHARED,
                 files={"a.bin": {"size": 64, "crc32": 7}},
                 persist_s=0.5,
                 holder="cf_ray.holder.k.n1",
@@ -262,14 +264,12 @@ def test_enum_values_are_the_stored_strings():
 # -- what reaches storage and the profile table through the controller ---------------------------------
 
 WORLD = 2
-SECTIONS = [mf.SHARED, mf.rank_section(0), mf.rank_section(1)]
+SECTIONS = [SHARED, rank_section(0), rank_section(1)]
 
 
 def _stage_and_write(ctl: Controller, step: int, kind: CheckpointKind, sections=SECTIONS, **meta) -> None:
     for sec in sections:
-        files = mf.write_section(
-            ctl.storage, mf.step_dir(step), ctl.generation, sec, np.arange(8, dtype=np.uint8), b"{}"
-        )
+        files = write_section(ctl.storage, step_dir(step), ctl.generation, sec, np.arange(8, dtype=np.uint8), b"{}")
         ctl.part_staged(
             PartStaged(
                 generation=ctl.generation,
@@ -278,7 +278,7 @@ def _stage_and_write(ctl: Controller, step: int, kind: CheckpointKind, sections=
                 holder="h",
                 nbytes=8,
                 meta=SnapshotMeta(
-                    rank=mf.section_rank(sec), world_size=WORLD, replicated=True, epoch=0, kind=kind, **meta
+                    rank=section_rank(sec), world_size=WORLD, replicated=True, epoch=0, kind=kind, **meta
                 ),
             )
         )
@@ -299,10 +299,10 @@ def test_enum_members_reach_storage_and_the_profile_table_as_plain_strings(contr
     _stage_and_write(ctl, 3, CheckpointKind.EPOCH)
     _stage_and_write(ctl, 4, CheckpointKind.PREEMPT, sections=SECTIONS[:2], deadline_unix=1e12)
     ctl.part_failed(PartFailed(generation=ctl.generation, step=4, section=SECTIONS[2], error="OSError: gone"))
-    assert [c.step for c in mf.list_committed(ctl.storage)] == [3]
-    m = mf.read_manifest(ctl.storage, mf.step_dir(3))
+    assert [c.step for c in list_committed(ctl.storage)] == [3]
+    m = read_manifest(ctl.storage, step_dir(3))
     assert type(m.kind) is str and m.kind == "epoch"
-    raw = json.loads(bytes(ctl.storage.read_file(f"{mf.step_dir(3)}/{mf.MANIFEST}")))
+    raw = json.loads(bytes(ctl.storage.read_file(f"{step_dir(3)}/{MANIFEST}")))
     assert raw["kind"] == "epoch"
     rows = {r["step"]: r for r in ctl.profile_rows()}
     assert type(rows[3]["kind"]) is str and rows[3]["kind"] == "epoch" and rows[3]["committed"] is True

@@ -16,7 +16,7 @@ import pytest
 from durability_fs import FlagHandler
 from slot_helpers import staged_slot
 
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.blocks import BLOCK_BYTES
 from cf_ray._engine.memory import slots
 from cf_ray._engine.node.holder import Holder
 from cf_ray._engine.protocol.messages import CheckpointKind, PartReplicated, SlotDesc, SnapshotMeta, Stage
@@ -154,7 +154,7 @@ def test_a_copy_moves_once_over_the_stream_into_a_sealed_slot_of_the_peers_own(t
     checked when ``part_replicated`` is sent, read in place on the peer's node, and sealed: no process
     can write it."""
     a, b = _pair(_local(tmp_path, "a"), _local(tmp_path, "b"))
-    nbytes = 3 * mf.BLOCK_BYTES + 1234
+    nbytes = 3 * BLOCK_BYTES + 1234
     data = _data(10, "rank_00000", nbytes)
     _stage(a, 1, 10, {"rank_00000": data}, _meta(0, replicas=1, persist=False))
     (msg,) = a._sender.wait_for("part_replicated", lambda m: True)
@@ -185,7 +185,7 @@ def test_the_peer_itself_tells_the_controller_of_each_copy_it_received(tmp_path)
     too, through its own line, as soon as the copy is sealed: which copy, where, and the section as
     its origin staged it (what a controller that never heard from the origin needs)."""
     a, b = _pair(_local(tmp_path, "a"), _local(tmp_path, "b"))
-    nbytes = 2 * mf.BLOCK_BYTES + 7
+    nbytes = 2 * BLOCK_BYTES + 7
     meta = _meta(0, replicas=1, persist=False)
     _stage(a, 1, 10, {"rank_00000": _data(10, "rank_00000", nbytes), "shared": _data(10, "shared", 99)}, meta)
     said = b._sender.wait_for("apply_holder_state", lambda m: True, count=2)
@@ -205,10 +205,10 @@ def test_a_copy_whose_bytes_changed_in_the_origins_memory_is_never_kept(tmp_path
     """A stray write into the origin's slot after the worker checksummed it: the peer checks every
     block as it lands, refuses the copy (the error names the block), and keeps nothing."""
     a, b = _pair(_local(tmp_path, "a"), _local(tmp_path, "b"))
-    nbytes = 4 * mf.BLOCK_BYTES
+    nbytes = 4 * BLOCK_BYTES
     descs = a.arena("rank_00000", nbytes)
     staged = staged_slot(descs, 1, 10, "rank_00000", _data(10, "rank_00000", nbytes), INDEX)
-    _stray_write(staged.slot.path, 2 * mf.BLOCK_BYTES + 17)
+    _stray_write(staged.slot.path, 2 * BLOCK_BYTES + 17)
     a.stage(Stage(generation=1, step=10, meta=_meta(0, replicas=1, persist=False), sections=(staged,)))
     (msg,) = a._sender.wait_for("part_replicated", lambda m: True)
     assert "block 2" in msg.error and not msg.holder, msg
@@ -225,10 +225,10 @@ def test_a_section_whose_bytes_changed_in_the_holders_memory_is_never_committed(
     bytes against the block CRCs (after writing them): the section fails, naming the block, and
     nothing of it is reported durable; the next snapshot is written as usual."""
     a = _holder(_local(tmp_path, "a"), "A")
-    nbytes = 4 * mf.BLOCK_BYTES
+    nbytes = 4 * BLOCK_BYTES
     descs = a.arena("rank_00000", nbytes)
     staged = staged_slot(descs, 1, 10, "rank_00000", _data(10, "rank_00000", nbytes), INDEX)
-    _stray_write(staged.slot.path, 2 * mf.BLOCK_BYTES + 17)  # after the checksums
+    _stray_write(staged.slot.path, 2 * BLOCK_BYTES + 17)  # after the checksums
     a.stage(Stage(generation=1, step=10, meta=_meta(0), sections=(staged,)))
     (failed,) = a._sender.wait_for("part_failed", lambda m: m.step == 10)
     assert "changed in the holder's memory" in failed.error and "block 2" in failed.error, failed
@@ -306,7 +306,7 @@ def test_after_a_node_loss_the_newest_copied_step_survives_whole_on_the_other_no
     flag = tmp_path / "hang"
     storage = FsStorage(pafs.PyFileSystem(FlagHandler(str(flag), "hang")), str(tmp_path / "ckpts"))
     a, b = _pair(storage, storage)
-    nbytes = mf.BLOCK_BYTES + 100
+    nbytes = BLOCK_BYTES + 100
     own = {"A": ["shared", "rank_00000"], "B": ["rank_00001"]}
     copied = []
     try:
@@ -359,7 +359,7 @@ def test_a_step_whose_copying_began_is_copied_whole_before_a_newer_one(tmp_path,
         _local(tmp_path, "a"), "A", peers=lambda meta, section: [SlowFirstCopy(holders["B"])] if meta.replicas else []
     )
     b = holders["B"] = _holder(_local(tmp_path, "b"), "B")
-    nbytes = mf.BLOCK_BYTES + 100
+    nbytes = BLOCK_BYTES + 100
     sections = ["rank_00000", "shared"]
     _stage(a, 1, 5, {s: _data(5, s, nbytes) for s in sections}, _meta(0, replicas=1, persist=False))
     assert began.wait(30)

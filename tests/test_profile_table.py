@@ -10,7 +10,7 @@ import json
 import pytest
 
 from cf_ray import cli, report
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.layout import SHARED, rank_section, section_rank
 from cf_ray._engine.protocol.messages import CheckpointKind, PartStaged, SnapshotMeta
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.policy import FixedInterval
@@ -94,10 +94,10 @@ def test_a_fixed_policys_rows_say_its_interval(controller):
     """``FixedInterval`` decides on the ranks and publishes no interval: the controller's rows said
     ``interval=None`` (an empty column in the demo's profile); they say its ``every``."""
     ctl = controller(policy=FixedInterval(every=4))
-    sections = [mf.SHARED, mf.rank_section(0)]
+    sections = [SHARED, rank_section(0)]
     for sec in sections:
         meta = SnapshotMeta(
-            rank=mf.section_rank(sec), world_size=1, replicated=True, epoch=0, kind=CheckpointKind.SCHEDULED
+            rank=section_rank(sec), world_size=1, replicated=True, epoch=0, kind=CheckpointKind.SCHEDULED
         )
         ctl.part_staged(PartStaged(generation=ctl.generation, step=4, section=sec, holder="h", nbytes=8, meta=meta))
     row = next(r for r in ctl.profile_rows() if r["step"] == 4)

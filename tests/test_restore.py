@@ -21,8 +21,11 @@ import pytest
 import torch
 
 import cf_ray
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format import sections as format_sections
+from cf_ray._engine.format.commit import Manifest, commit
+from cf_ray._engine.format.layout import MANIFEST, SHARED, rank_section, section_files, step_dir
 from cf_ray._engine.format.safetensors import read_safetensors, write_final_model
+from cf_ray._engine.format.sections import Section, load_section, parse_index, write_section
 from cf_ray._engine.protocol.messages import CheckpointKind, RestorePlan, RestoreSource
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray._engine.worker.context import WorkerContext
@@ -64,7 +67,7 @@ def _objects(seed=0, *, scheduler=True):
 
 def _with_fingerprints(tree: dict) -> dict:
     buf, index = arena_of(tree)
-    enc, entries = mf.parse_index(index, "test")
+    enc, entries = parse_index(index, "test")
     return dict(tree, **{fp.KEY: fp.section_fingerprints(enc, entries, buf)})
 
 
@@ -77,29 +80,29 @@ def _trees(state, data, step, *, rng=None, rank=0, world=1, fingerprints=True):
     }
     if fingerprints:
         shared, mine = _with_fingerprints(shared), _with_fingerprints(mine)
-    return {mf.SHARED: shared, mf.rank_section(rank): mine}
+    return {SHARED: shared, rank_section(rank): mine}
 
 
-def _sections(trees: dict) -> dict[str, mf.Section]:
+def _sections(trees: dict) -> dict[str, Section]:
     out = {}
     for name, tree in trees.items():
         buf, index = arena_of(tree)
-        enc, entries = mf.parse_index(index, name)
-        out[name] = mf.Section(enc, entries, buf)
+        enc, entries = parse_index(index, name)
+        out[name] = Section(enc, entries, buf)
     return out
 
 
 def _write(storage, step, trees, *, world=1, replicated=True, generation=1):
-    directory, files, sections = mf.step_dir(step), {}, {}
+    directory, files, sections = step_dir(step), {}, {}
     for sec, tree in trees.items():
         arena, index = arena_of(tree)
-        files.update(mf.write_section(storage, directory, generation, sec, arena, index))
-        d, i = mf.section_files(generation, sec)
+        files.update(write_section(storage, directory, generation, sec, arena, index))
+        d, i = section_files(generation, sec)
         sections[sec] = {"data": d, "index": i}
-    mf.commit(
+    commit(
         storage,
         directory,
-        mf.Manifest(
+        Manifest(
             step=step,
             epoch=0,
             world_size=world,
@@ -232,13 +235,13 @@ def test_a_checkpoint_no_candidate_of_which_this_script_can_use_raises_instead_o
     restorer, storage, _ = _restorer(tmp_path, state, data)
     saved, saved_data = _objects(seed=1)
     trees = _trees(saved, saved_data, 3)
-    trees[mf.rank_section(1)] = trees[mf.rank_section(0)]
-    trees[mf.rank_section(1)]["counters"] = dict(trees[mf.rank_section(0)]["counters"], rank=1, world_size=2)
-    trees[mf.rank_section(0)]["counters"] = dict(trees[mf.rank_section(1)]["counters"], rank=0)
+    trees[rank_section(1)] = trees[rank_section(0)]
+    trees[rank_section(1)]["counters"] = dict(trees[rank_section(0)]["counters"], rank=1, world_size=2)
+    trees[rank_section(0)]["counters"] = dict(trees[rank_section(1)]["counters"], rank=0)
     _write(
         storage,
         3,
-        {mf.rank_section(0): trees[mf.rank_section(0)], mf.rank_section(1): trees[mf.rank_section(1)]},
+        {rank_section(0): trees[rank_section(0)], rank_section(1): trees[rank_section(1)]},
         world=2,
         replicated=False,
     )
@@ -252,9 +255,7 @@ def test_swapped_rank_sections_are_refused():
     saved, saved_data = _objects(seed=1)
     state, data = _objects(seed=2)
     trees = _trees(saved, saved_data, 3, rank=1, world=2)  # rank 1's section ...
-    sections = _sections(
-        {mf.SHARED: trees[mf.SHARED], mf.rank_section(0): trees[mf.rank_section(1)]}
-    )  # ... as rank 0's
+    sections = _sections({SHARED: trees[SHARED], rank_section(0): trees[rank_section(1)]})  # ... as rank 0's
     with pytest.raises(CorruptCheckpointError, match="holds the state of rank 1"):
         restore_checks.validate(sections, saved_world=2, replicated=True, rank=0, world_size=2, state=state, data=data)
 
@@ -367,12 +368,10 @@ def test_fingerprints_of_the_snapshot_match_the_live_objects_and_catch_a_fresh_o
     state, data = _objects(seed=1)
     trees = _trees(state, data, 3)
     for name, obj in state.items():
-        assert trees[mf.SHARED][fp.KEY]["objects"][name] == fp.object_fingerprint(obj.state_dict())
-    assert trees[mf.rank_section(0)][fp.KEY]["objects"]["sampler"] == fp.object_fingerprint(
-        data["sampler"].state_dict()
-    )
+        assert trees[SHARED][fp.KEY]["objects"][name] == fp.object_fingerprint(obj.state_dict())
+    assert trees[rank_section(0)][fp.KEY]["objects"]["sampler"] == fp.object_fingerprint(data["sampler"].state_dict())
     fresh = torch.optim.Adam(state["model"].parameters(), lr=0.1)
-    assert fp.object_fingerprint(fresh.state_dict()) != trees[mf.SHARED][fp.KEY]["objects"]["optimizer"]
+    assert fp.object_fingerprint(fresh.state_dict()) != trees[SHARED][fp.KEY]["objects"]["optimizer"]
     assert fp.windows(10_000) == [(0, 1024), (2992, 4016), (5984, 7008), (8976, 10000)]
 
 
@@ -398,7 +397,7 @@ def test_transient_read_errors_are_tried_again(tmp_path, monkeypatch):
     state, data = _objects(seed=2)
     restorer, storage, _ = _restorer(tmp_path, state, data)
     _write(storage, 4, _trees(saved, saved_data, 4))
-    real, calls = mf.load_section, []
+    real, calls = load_section, []
 
     def flaky(*args):
         calls.append(1)
@@ -406,7 +405,7 @@ def test_transient_read_errors_are_tried_again(tmp_path, monkeypatch):
             raise ConnectionResetError("connection reset by peer")
         return real(*args)
 
-    monkeypatch.setattr(mf, "load_section", flaky)
+    monkeypatch.setattr(format_sections, "load_section", flaky)
     assert restorer.load(_plan(4)).step == 4 and len(calls) == 4  # two failures, then both sections
 
 
@@ -417,10 +416,10 @@ def test_a_final_model_names_the_full_checkpoint_and_resume_from_follows_it(tmp_
     saved, saved_data = _objects(seed=1)
     storage = FsStorage(pafs.LocalFileSystem(), str(tmp_path / "first" / "cf_ray"))
     _write(storage, 6, _trees(saved, saved_data, 6))
-    write_final_model(storage, mf.step_dir(6, kind="final"), saved["model"], step=6, epoch=0, resume=mf.step_dir(6))
-    final = str(tmp_path / "first" / "cf_ray" / mf.step_dir(6, kind="final"))
+    write_final_model(storage, step_dir(6, kind="final"), saved["model"], step=6, epoch=0, resume=step_dir(6))
+    final = str(tmp_path / "first" / "cf_ray" / step_dir(6, kind="final"))
     run, directory = resumable_checkpoint(final)
-    assert directory == mf.step_dir(6)
+    assert directory == step_dir(6)
     got = cf_ray.load_state(final, objects=["model", "optimizer"])  # beyond the model: the full checkpoint
     assert set(got) == {"model", "optimizer"}
     state, data = _objects(seed=2)
@@ -437,9 +436,9 @@ def test_a_resume_from_that_holds_no_checkpoint_is_a_config_error_naming_it(tmp_
             restorer.load(_plan())
     # A final model that names no full checkpoint (written before #16): refused, naming it.
     storage = FsStorage(pafs.LocalFileSystem(), str(tmp_path / "old" / "cf_ray"))
-    write_final_model(storage, mf.step_dir(3, kind="final"), state["model"], step=3, epoch=0)
+    write_final_model(storage, step_dir(3, kind="final"), state["model"], step=3, epoch=0)
     with pytest.raises(CheckpointNotFoundError, match="only the final model weights"):
-        resumable_checkpoint(str(tmp_path / "old" / "cf_ray" / mf.step_dir(3, kind="final")))
+        resumable_checkpoint(str(tmp_path / "old" / "cf_ray" / step_dir(3, kind="final")))
 
 
 # -- untyped errors -------------------------------------------------------------------------------------------
@@ -457,10 +456,10 @@ def test_a_safetensors_header_that_is_not_json_is_a_corrupt_checkpoint(tmp_path)
             read_safetensors(buf, None)
     # Through load_state and load_into: a final model whose header is garbage (its checksums match).
     storage = FsStorage(pafs.LocalFileSystem(), str(tmp_path / "r" / "cf_ray"))
-    directory = mf.step_dir(2, kind="final")
+    directory = step_dir(2, kind="final")
     header = b"\x80\x81 not json"
     info = storage.write_file(f"{directory}/model.safetensors", [len(header).to_bytes(8, "little") + header])
-    m = mf.Manifest(
+    m = Manifest(
         step=2,
         epoch=0,
         world_size=1,
@@ -471,7 +470,7 @@ def test_a_safetensors_header_that_is_not_json_is_a_corrupt_checkpoint(tmp_path)
         sections={"model": {"data": "model.safetensors"}},
         files={"model.safetensors": info},
     )
-    storage.write_file(f"{directory}/{mf.MANIFEST}", [m.to_bytes()])
+    storage.write_file(f"{directory}/{MANIFEST}", [m.to_bytes()])
     path = str(tmp_path / "r" / "cf_ray" / directory)
     with pytest.raises(CorruptCheckpointError, match="not JSON"):
         cf_ray.load_state(path)
@@ -481,7 +480,7 @@ def test_a_safetensors_header_that_is_not_json_is_a_corrupt_checkpoint(tmp_path)
 
 def test_load_state_of_a_section_without_objects_is_a_corrupt_checkpoint(tmp_path):
     storage = FsStorage(pafs.LocalFileSystem(), str(tmp_path / "r" / "cf_ray"))
-    _write(storage, 3, {mf.SHARED: {"not_objects": {}}, mf.rank_section(0): {"objects": {}}})
+    _write(storage, 3, {SHARED: {"not_objects": {}}, rank_section(0): {"objects": {}}})
     with pytest.raises(CorruptCheckpointError, match="no 'objects'"):
         cf_ray.load_state(str(tmp_path / "r"), objects=["model"])
 
@@ -495,8 +494,7 @@ class _Received:
 
     def __call__(self, job, sections):
         self.trees[job.step] = {
-            n: mf.Section(*mf.parse_index(s.index, n), s.arena.copy()).materialize(copy=True)
-            for n, s in sections.items()
+            n: Section(*parse_index(s.index, n), s.arena.copy()).materialize(copy=True) for n, s in sections.items()
         }
 
 
@@ -528,10 +526,10 @@ def test_a_scheduler_stepped_after_the_checkpoint_step_is_saved_as_of_that_step(
             sched.step()
         p.capture_late()
         assert p.wait_done(10)
-        saved = rec.trees[2][mf.SHARED]["objects"]
+        saved = rec.trees[2][SHARED]["objects"]
         assert saved["scheduler"]["last_epoch"] == 2  # after the scheduler's step of iteration 2, not 1
         assert saved["optimizer"]["param_groups"][0]["lr"] == 0.25  # the optimizer's copy of the LR too ...
-        fps = rec.trees[2][mf.SHARED][fp.KEY]["objects"]
+        fps = rec.trees[2][SHARED][fp.KEY]["objects"]
         assert fps["scheduler"] == fp.object_fingerprint(saved["scheduler"])  # ... and the fingerprint agrees
     finally:
         p.close()
@@ -550,7 +548,7 @@ def test_without_a_next_call_in_time_the_state_at_the_step_is_kept_with_a_warnin
         assert p.wait_done(10)  # handed off after late_wait_s, without the next call
         sched.step()
         p.capture_late()  # too late: changes nothing
-        assert rec.trees[1][mf.SHARED]["objects"]["scheduler"]["last_epoch"] == 0
+        assert rec.trees[1][SHARED]["objects"]["scheduler"]["last_epoch"] == 0
         assert "did not come within" in caplog.text
     finally:
         p.close()
@@ -797,7 +795,7 @@ class _Shuffler:
         np.random.default_rng(self.epoch).shuffle(self.perm)
 
 
-def _mapped_read_only(sections: dict[str, mf.Section]) -> tuple[dict[str, mf.Section], list]:
+def _mapped_read_only(sections: dict[str, Section]) -> tuple[dict[str, Section], list]:
     """The sections as a restore from memory reads them: their bytes in a shared file mapped
     read-only (a holder's slot), viewed in place."""
     import mmap
@@ -808,7 +806,7 @@ def _mapped_read_only(sections: dict[str, mf.Section]) -> tuple[dict[str, mf.Sec
         os.write(fd, sec.buf.tobytes())
         m = mmap.mmap(fd, sec.buf.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         keep.append((fd, m))
-        out[name] = mf.Section(sec.tree, sec.entries, np.frombuffer(m, dtype=np.uint8))
+        out[name] = Section(sec.tree, sec.entries, np.frombuffer(m, dtype=np.uint8))
     return out, keep
 
 

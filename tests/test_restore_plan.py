@@ -8,18 +8,19 @@ from __future__ import annotations
 import json
 
 from cf_ray._engine.driver.recovery import CONTROL_STATE
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.catalog import list_committed
+from cf_ray._engine.format.layout import rank_section
 from cf_ray._engine.protocol.messages import CheckpointKind, PartFailed, PartSuperseded, Restored, RestoreSource
 
 from controller_harness import commit, durable, meta, replicated, staged, wait_idle
 
-R0, R1 = mf.rank_section(0), mf.rank_section(1)
+R0, R1 = rank_section(0), rank_section(1)
 
 
 def _stage_both(ctl, gen: int, step: int) -> None:
     """Both ranks' sections of ``step`` held by their holders (nothing written yet)."""
     for rank, (holder, node) in enumerate((("hA", "A"), ("hB", "B"))):
-        ctl.part_staged(staged(gen, step, mf.rank_section(rank), holder, node, meta(rank, 2)))
+        ctl.part_staged(staged(gen, step, rank_section(rank), holder, node, meta(rank, 2)))
 
 
 def test_a_plan_never_names_a_snapshot_whose_step_failed_or_was_abandoned(controller):
@@ -158,7 +159,7 @@ def test_distrust_takes_a_suspect_snapshot_out_of_every_plan_and_quarantines_its
     assert plan.memory.step == 5 and plan.storage == (5,)  # neither 15 nor 10, from memory or storage
     root = ctl.storage.root
     assert quarantined_checkpoints(root) == {10: "non-finite loss 2 steps after restoring step 10"}
-    assert [c.step for c in mf.list_committed(ctl.storage)] == [5, 10]  # kept for inspection
+    assert [c.step for c in list_committed(ctl.storage)] == [5, 10]  # kept for inspection
     assert [c.step for c in list_checkpoints(root)] == [5]
     # Another generation's step 10 is another snapshot: distrusting it leaves this checkpoint alone.
     assert not ctl.distrust(gen + 7, 5, "another attempt's step 5").quarantined
@@ -168,7 +169,7 @@ def test_distrust_takes_a_suspect_snapshot_out_of_every_plan_and_quarantines_its
     commit(ctl, plan.generation, 25, [R0, R1], "hA", "A")
     wait_idle(ctl)
     assert [c.step for c in list_checkpoints(root)] == [20, 25]  # keep-last=2: 10 never counted
-    assert 10 in [c.step for c in mf.list_committed(ctl.storage)]  # ... and never deleted
+    assert 10 in [c.step for c in list_committed(ctl.storage)]  # ... and never deleted
 
 
 def test_a_preemption_checkpoint_staged_before_distrust_keeps_its_own_kind(controller):

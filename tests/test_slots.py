@@ -16,7 +16,9 @@ import pytest
 import torch
 from test_snapshot import _clone, _equal_trees, _job
 
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.blocks import BLOCK_BYTES, block_crcs, verify_blocks
+from cf_ray._engine.format.layout import section_files
+from cf_ray._engine.format.sections import Section, parse_index, parse_index_blocks, write_section_slot
 from cf_ray._engine.memory import crc
 from cf_ray._engine.memory import slots as shm
 from cf_ray._engine.node.slot_store import SlotStore
@@ -67,17 +69,17 @@ def test_a_snapshot_lands_once_in_the_holders_slot_with_its_checksums(tmp_path):
     assert lk is not None
     data = np.frombuffer(lk.data, dtype=np.uint8)
     # The block checksums in the index and the file's CRC are those of the bytes in the slot.
-    _tree, _entries, blocks = mf.parse_index_blocks(index, "test")
-    assert blocks is not None and list(blocks.crc32) == mf.block_crcs(data)
+    _tree, _entries, blocks = parse_index_blocks(index, "test")
+    assert blocks is not None and list(blocks.crc32) == block_crcs(data)
     assert crc == zlib.crc32(data)
-    tree, entries = mf.parse_index(index, "test")
-    assert _equal_trees(mf.Section(tree, entries, data).materialize(copy=True), expected)
+    tree, entries = parse_index(index, "test")
+    assert _equal_trees(Section(tree, entries, data).materialize(copy=True), expected)
 
     # The holder's write: straight from the slot, read back verified.
     storage = FsStorage(pafs.LocalFileSystem(), str(tmp_path))
-    files, _copied = mf.write_section_slot(storage, "step_1", 0, "s", lk.data, index, crc)
+    files, _copied = write_section_slot(storage, "step_1", 0, "s", lk.data, index, crc)
     lk.close()
-    data_name, _ = mf.section_files(0, "s")
+    data_name, _ = section_files(0, "s")
     assert files[data_name].crc32 == crc and files[data_name].size == desc.nbytes
     with open(os.path.join(str(tmp_path), "step_1", data_name), "rb") as f:
         assert zlib.crc32(f.read()) == crc
@@ -124,8 +126,8 @@ def test_the_next_snapshot_fills_the_other_slot_and_a_coalesced_one_is_never_rea
     assert holder.read(1)[0] is None
     for step in (2, 3):
         lk, index = holder.read(step)
-        tree, entries = mf.parse_index(index, "test")
-        got = mf.Section(tree, entries, np.frombuffer(lk.data, dtype=np.uint8)).materialize(copy=True)
+        tree, entries = parse_index(index, "test")
+        got = Section(tree, entries, np.frombuffer(lk.data, dtype=np.uint8)).materialize(copy=True)
         lk.close()
         assert _equal_trees(got, expected[step]), step
     snap.close()
@@ -221,8 +223,8 @@ def test_held_slots_are_never_filled_the_spare_takes_over_and_all_held_makes_the
     assert holder.staged[4]["s"][0].path == paths[1]
     for step in (3, 4):
         lk, index = holder.read(step)
-        tree, entries = mf.parse_index(index, "test")
-        got = mf.Section(tree, entries, np.frombuffer(lk.data, dtype=np.uint8)).materialize(copy=True)
+        tree, entries = parse_index(index, "test")
+        got = Section(tree, entries, np.frombuffer(lk.data, dtype=np.uint8)).materialize(copy=True)
         lk.close()
         assert _equal_trees(got, expected[step]), step
     for lk in locks[1:]:
@@ -270,10 +272,10 @@ def test_crc32_combine_is_zlibs(form, monkeypatch):
         monkeypatch.setattr(crc, "_combine_c", None)  # where isal is not installed
     else:
         assert crc._combine_c is not None  # isal is a dependency: the C form is the one used
-    data = os.urandom(3 * mf.BLOCK_BYTES + 1234)
-    blocks = mf.block_crcs(np.frombuffer(data, dtype=np.uint8))
-    assert crc.combine_blocks(blocks, mf.BLOCK_BYTES, len(data)) == zlib.crc32(data)
-    assert crc.combine_blocks([], mf.BLOCK_BYTES, 0) == zlib.crc32(b"")
+    data = os.urandom(3 * BLOCK_BYTES + 1234)
+    blocks = block_crcs(np.frombuffer(data, dtype=np.uint8))
+    assert crc.combine_blocks(blocks, BLOCK_BYTES, len(data)) == zlib.crc32(data)
+    assert crc.combine_blocks([], BLOCK_BYTES, 0) == zlib.crc32(b"")
     a, b = data[:1000], data[1000:]
     assert crc.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(data)
     assert crc.crc32_combine(zlib.crc32(a), zlib.crc32(b""), 0) == zlib.crc32(a)
@@ -282,13 +284,13 @@ def test_crc32_combine_is_zlibs(form, monkeypatch):
 def test_a_slot_filled_by_dma_is_checksummed_on_several_threads_block_for_block():
     # Not a DMA (no GPU here): the same read of a slot, split over threads, in the block layout
     # the index carries; a flipped byte changes exactly its own block's CRC.
-    n = 5 * copy_engine.CRC_TASK_BLOCKS * mf.BLOCK_BYTES + 12345
+    n = 5 * copy_engine.CRC_TASK_BLOCKS * BLOCK_BYTES + 12345
     buf = np.frombuffer(os.urandom(n), dtype=np.uint8).copy()
-    one = mf.block_crcs(buf)
+    one = block_crcs(buf)
     crcs, cpu = copy_engine.dma_block_crcs(buf, threads=4)
     assert crcs == one and cpu > 0.0  # the threads' CPU is reported (the caller's thread only waits)
     assert copy_engine.dma_block_crcs(buf, threads=1) == (one, 0.0)
-    buf[3 * mf.BLOCK_BYTES + 7] ^= 1
+    buf[3 * BLOCK_BYTES + 7] ^= 1
     flipped, _ = copy_engine.dma_block_crcs(buf, threads=4)
     assert [k for k, (a, b) in enumerate(zip(one, flipped)) if a != b] == [3]
 
@@ -337,10 +339,10 @@ def test_cuda_tensors_are_copied_by_dma_into_the_pinned_slot_on_their_devices_st
     train_step()  # weights change only after the guard: the DMA saw the step-1 weights
     assert snap.wait_done(timeout=60) and snap.take_errors() == []
     lk, index = holder.read(1)
-    tree, entries = mf.parse_index(index, "test")
-    got = mf.Section(tree, entries, np.frombuffer(lk.data, dtype=np.uint8)).materialize(copy=True)
-    _t, _e, blocks = mf.parse_index_blocks(index, "test")
-    assert blocks is not None and list(blocks.crc32) == mf.block_crcs(np.frombuffer(lk.data, dtype=np.uint8))
+    tree, entries = parse_index(index, "test")
+    got = Section(tree, entries, np.frombuffer(lk.data, dtype=np.uint8)).materialize(copy=True)
+    _t, _e, blocks = parse_index_blocks(index, "test")
+    assert blocks is not None and list(blocks.crc32) == block_crcs(np.frombuffer(lk.data, dtype=np.uint8))
     lk.close()
     assert all(torch.equal(got["model"][k], v) for k, v in expected.items())
     snap.close()
@@ -386,10 +388,10 @@ def test_cuda_copies_into_the_spare_slot_register_it_on_first_use():
     train_step()
     assert snap.wait_done(timeout=60) and snap.take_errors() == []
     lk, index = holder.read(3)
-    tree, entries = mf.parse_index(index, "test")
-    got = mf.Section(tree, entries, np.frombuffer(lk.data, dtype=np.uint8)).materialize(copy=True)
-    _t, _e, blocks = mf.parse_index_blocks(index, "test")
-    assert blocks is not None and list(blocks.crc32) == mf.block_crcs(np.frombuffer(lk.data, dtype=np.uint8))
+    tree, entries = parse_index(index, "test")
+    got = Section(tree, entries, np.frombuffer(lk.data, dtype=np.uint8)).materialize(copy=True)
+    _t, _e, blocks = parse_index_blocks(index, "test")
+    assert blocks is not None and list(blocks.crc32) == block_crcs(np.frombuffer(lk.data, dtype=np.uint8))
     lk.close()
     for lock in locks:
         lock.close()
@@ -604,8 +606,8 @@ def test_unguarded_device_tensors_land_before_their_blocks_are_checksummed_and_h
     lk, _ = holder.read(1)
     try:
         data = np.frombuffer(lk.data, dtype=np.uint8)
-        _tree, entries, blocks = mf.parse_index_blocks(index, "test")
-        mf.verify_blocks(data, blocks, "the slot")  # the checksums are those of the landed bytes
+        _tree, entries, blocks = parse_index_blocks(index, "test")
+        verify_blocks(data, blocks, "the slot")  # the checksums are those of the landed bytes
         assert zlib.crc32(data) == crc
         (e,) = entries
         assert np.array_equal(data[e.offset : e.offset + e.nbytes], expected)

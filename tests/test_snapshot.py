@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.sections import Section, parse_index
 from cf_ray._engine.node.slot_store import SlotStore
 from cf_ray._engine.worker.snapshot.snapshotter import Snapshotter
 
@@ -26,8 +26,8 @@ class _Received:
 
     def tree(self, step: int, name: str = "s"):
         buf, index = self.jobs[step][name]
-        tree, entries = mf.parse_index(index, "test")
-        return mf.Section(tree, entries, buf).materialize(copy=True)
+        tree, entries = parse_index(index, "test")
+        return Section(tree, entries, buf).materialize(copy=True)
 
 
 def _job():

@@ -21,7 +21,8 @@ import torch
 
 import cf_ray
 from cf_ray import preemption
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.catalog import list_committed, list_uncommitted
+from cf_ray._engine.format.layout import LATEST, MANIFEST, step_dir
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray._engine.worker import preemption_watcher
 from cf_ray._engine.worker.preemption_watcher import PreemptionWatcher
@@ -376,8 +377,8 @@ def test_jit_checkpoint_that_cannot_persist_leaves_the_previous_one_latest(ray_c
     assert row["kind"] == "preempt" and not row["committed"] and row["made_deadline"] is False
     assert [c.step for c in cf_ray.list_checkpoints(str(tmp_path / "nojit"))] == [3]
     storage = FsStorage(pafs.LocalFileSystem(), str(tmp_path / "nojit" / "cf_ray"))
-    assert bytes(storage.read_file(mf.LATEST)).decode() == mf.step_dir(3).rsplit("/", 1)[-1]
-    assert not storage.exists(f"{mf.step_dir(6)}/{mf.MANIFEST}")
+    assert bytes(storage.read_file(LATEST)).decode() == step_dir(3).rsplit("/", 1)[-1]
+    assert not storage.exists(f"{step_dir(6)}/{MANIFEST}")
     ck.finish()
 
 
@@ -450,7 +451,7 @@ class StallingHandler(FaultyHandler):
         return isinstance(other, StallingHandler) and other.flag == self.flag
 
     def _check(self, path):
-        if re.search(r"checkpoints/step_\d+/", path) and not path.endswith(mf.MANIFEST):
+        if re.search(r"checkpoints/step_\d+/", path) and not path.endswith(MANIFEST):
             t0 = time.time()
             while os.path.exists(self.flag) and time.time() - t0 < 120:
                 time.sleep(0.05)
@@ -513,9 +514,9 @@ def spot_loop(cfg: dict) -> None:
                     "saved_world_size": resume.saved_world_size,
                     "time": time.time(),
                     "segment": cfg.get("segment"),
-                    "visible": [c.step for c in mf.list_committed(storage)],
-                    "uncommitted": [s for _, s in mf.list_uncommitted(storage)],
-                    "latest": bytes(storage.read_file(mf.LATEST)).decode() if storage.exists(mf.LATEST) else None,
+                    "visible": [c.step for c in list_committed(storage)],
+                    "uncommitted": [s for _, s in list_uncommitted(storage)],
+                    "latest": bytes(storage.read_file(LATEST)).decode() if storage.exists(LATEST) else None,
                 },
                 f,
             )

@@ -14,7 +14,10 @@ import pytest
 import torch
 
 import cf_ray
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.catalog import list_committed, to_delete
+from cf_ray._engine.format.commit import read_manifest
+from cf_ray._engine.format.layout import MANIFEST, SHARED, step_dir
+from cf_ray._engine.format.sections import load_section, verify_all
 from cf_ray._engine.storage.base import FileInfo, Storage, chunked, safe_relpath
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.errors import CorruptCheckpointError, UnsafePathError
@@ -86,7 +89,7 @@ def test_symlink_out_of_the_root_is_refused(tmp_path):
 def test_commit_makes_a_checkpoint_visible_and_loadable(storage):
     model = _model(1)
     write_checkpoint(storage, 10, model)
-    assert [c.step for c in mf.list_committed(storage)] == [10]
+    assert [c.step for c in list_committed(storage)] == [10]
     got = cf_ray.load_state(
         storage.uri() if storage.fs.type_name == "local" else storage.root,
         objects=["model"],
@@ -100,33 +103,34 @@ def test_flipped_byte_and_truncated_file_are_detected_before_parsing(storage):
     m20 = write_checkpoint(storage, 20, _model(2))
     m30 = write_checkpoint(storage, 30, _model(3))
     # Flip one byte of step 30's data, truncate step 20's index.
-    d30, d20 = mf.step_dir(30), mf.step_dir(20)
-    name30 = m30.sections[mf.SHARED]["data"]
+    d30, d20 = step_dir(30), step_dir(20)
+    name30 = m30.sections[SHARED]["data"]
     buf = storage.read_file(f"{d30}/{name30}")
     buf[len(buf) // 2] ^= 0x01
     storage.write_file(f"{d30}/{name30}", [buf])
-    name20 = m20.sections[mf.SHARED]["index"]
+    name20 = m20.sections[SHARED]["index"]
     idx = storage.read_file(f"{d20}/{name20}")
     storage.write_file(f"{d20}/{name20}", [idx[: len(idx) // 2]])
     with pytest.raises(CorruptCheckpointError, match="checksum"):
-        mf.load_section(storage, d30, m30, mf.SHARED)
+        load_section(storage, d30, m30, SHARED)
     with pytest.raises(CorruptCheckpointError, match="truncated"):
-        mf.load_section(storage, d20, m20, mf.SHARED)
+        load_section(storage, d20, m20, SHARED)
     with pytest.raises(CorruptCheckpointError):
-        mf.verify_all(storage, d30, m30)
+        verify_all(storage, d30, m30)
 
 
 _WRITER = textwrap.dedent("""
     import os, signal, sys, torch
     sys.path.insert(0, {tests!r})
     from cf_ray._engine.storage.fs import FsStorage
-    from cf_ray._engine.format import manifest as mf
+    from cf_ray._engine.format.layout import SHARED, step_dir
+    from cf_ray._engine.format.sections import write_section
     from storage_helpers import arena_of
     storage = FsStorage.from_uri({root!r})
     torch.manual_seed(7)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
     arena, index = arena_of({{"objects": {{"model": model.state_dict()}}}})
-    mf.write_section(storage, mf.step_dir(20), 1, mf.SHARED, arena, index)
+    write_section(storage, step_dir(20), 1, SHARED, arena, index)
     os.kill(os.getpid(), signal.SIGKILL)  # dies between the data files and the manifest
 """)
 
@@ -138,13 +142,13 @@ def test_writer_killed_between_data_and_manifest_leaves_only_the_previous_checkp
     write_checkpoint(storage, 10, first)
     proc = subprocess.run([sys.executable, "-c", _WRITER.format(tests=os.path.dirname(__file__), root=root)])
     assert proc.returncode == -9
-    assert storage.list_dir(mf.step_dir(20))  # the half-written data is there ...
-    assert [c.step for c in mf.list_committed(storage)] == [10]  # ... and invisible to readers
+    assert storage.list_dir(step_dir(20))  # the half-written data is there ...
+    assert [c.step for c in list_committed(storage)] == [10]  # ... and invisible to readers
     assert _weights_equal(cf_ray.load_state(root, objects=["model"])["model"], first)
     # The next save of that step succeeds and is the one readers load.
     second = _model(2)
     write_checkpoint(storage, 20, second)
-    assert [c.step for c in mf.list_committed(storage)] == [10, 20]
+    assert [c.step for c in list_committed(storage)] == [10, 20]
     assert _weights_equal(cf_ray.load_state(root, objects=["model"])["model"], second)
 
 
@@ -159,11 +163,11 @@ def test_a_pickle_payload_is_never_executed(tmp_path):
             return (os.system, (f"touch {marker}",))
 
     payload = pickle.dumps(Exploit())
-    directory = mf.step_dir(10)
+    directory = step_dir(10)
     # An attacker who can write the files can also rewrite the manifest's sizes and checksums.
-    for name in (m.sections[mf.SHARED]["index"], m.sections[mf.SHARED]["data"]):
+    for name in (m.sections[SHARED]["index"], m.sections[SHARED]["data"]):
         m.files[name] = storage.write_file(f"{directory}/{name}", [payload])
-    storage.write_file(f"{directory}/{mf.MANIFEST}", [m.to_bytes()])
+    storage.write_file(f"{directory}/{MANIFEST}", [m.to_bytes()])
     with pytest.raises(CorruptCheckpointError):
         cf_ray.load_state(str(root))
     # A torch.save file handed to cf_ray is not a checkpoint either.
@@ -176,10 +180,10 @@ def test_a_pickle_payload_is_never_executed(tmp_path):
 def test_manifest_naming_files_outside_the_checkpoint_is_refused(tmp_path):
     storage = FsStorage.from_uri(str(tmp_path / "run" / "cf_ray"))
     m = write_checkpoint(storage, 10, _model(1))
-    raw = m.to_bytes().decode().replace(m.sections[mf.SHARED]["data"], "../../../../etc/passwd")
-    storage.write_file(f"{mf.step_dir(10)}/{mf.MANIFEST}", [raw.encode()])
+    raw = m.to_bytes().decode().replace(m.sections[SHARED]["data"], "../../../../etc/passwd")
+    storage.write_file(f"{step_dir(10)}/{MANIFEST}", [raw.encode()])
     with pytest.raises(UnsafePathError):
-        mf.read_manifest(storage, mf.step_dir(10))
+        read_manifest(storage, step_dir(10))
 
 
 def test_load_chosen_entries_from_a_chosen_checkpoint(tmp_path):
@@ -205,7 +209,7 @@ def test_keep_last_and_milestones_under_many_saves():
     committed: list[tuple[int, bool]] = []
     for step in range(1, 500):
         committed.append((step, rng.random() < 0.05))
-        doomed = set(mf.to_delete(committed, keep_last=3))
+        doomed = set(to_delete(committed, keep_last=3))
         committed = [(s, m) for s, m in committed if s not in doomed]
         assert max(s for s, _ in committed) == step  # the newest committed one always exists
         ordinary = [s for s, m in committed if not m]

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.sections import Section, parse_index
 from cf_ray._engine.memory import slots as shm
 from cf_ray._engine.memory import wire
 from cf_ray._engine.node import stream
@@ -401,7 +401,7 @@ def test_a_private_section_is_kept_as_views_and_the_parameters_bytes_are_given_b
     opt.step()
     tree = {"objects": {"model": model.state_dict(), "optimizer": opt.state_dict()}}
     arena, index = arena_of(tree)
-    enc, entries = mf.parse_index(index, "test")
+    enc, entries = parse_index(index, "test")
 
     fresh_model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
     fresh_opt = torch.optim.Adam(fresh_model.parameters())
@@ -411,7 +411,7 @@ def test_a_private_section_is_kept_as_views_and_the_parameters_bytes_are_given_b
     buf[:] = arena
     releasable: list = []
     states = restore_checks.materialize_objects(
-        mf.Section(enc, entries, buf, private=True), ("objects",), objs, releasable
+        Section(enc, entries, buf, private=True), ("objects",), objs, releasable
     )
     exp_avg = states["optimizer"]["state"][0]["exp_avg"]
     lo, hi = buf.ctypes.data, buf.ctypes.data + buf.nbytes
@@ -430,7 +430,7 @@ def test_a_private_section_is_kept_as_views_and_the_parameters_bytes_are_given_b
     ro = arena.copy()
     ro.flags.writeable = False
     releasable = []
-    states = restore_checks.materialize_objects(mf.Section(enc, entries, ro), ("objects",), objs, releasable)
+    states = restore_checks.materialize_objects(Section(enc, entries, ro), ("objects",), objs, releasable)
     exp_avg = states["optimizer"]["state"][0]["exp_avg"]
     assert not (ro.ctypes.data <= exp_avg.data_ptr() < ro.ctypes.data + ro.nbytes) and releasable == []
     exp_avg.add_(1)  # writable, its own memory

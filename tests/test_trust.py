@@ -20,7 +20,10 @@ import test_restore as tr
 import torch
 
 import cf_ray
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.blocks import BLOCK_BYTES, BlockMismatchError, Blocks, block_crcs, with_blocks
+from cf_ray._engine.format.commit import read_manifest
+from cf_ray._engine.format.layout import SHARED, rank_section, section_files, step_dir
+from cf_ray._engine.format.sections import Section, load_section, parse_index, parse_index_blocks, write_section
 from cf_ray._engine.memory import slots as shm
 from cf_ray._engine.memory import wire
 from cf_ray._engine.node import stream
@@ -42,18 +45,18 @@ from storage_helpers import arena_of
 # -- the bytes, whatever path they came by ---------------------------------------------------------------
 
 
-def _section_bytes(seed: int = 0) -> tuple[np.ndarray, bytes, mf.Blocks]:
+def _section_bytes(seed: int = 0) -> tuple[np.ndarray, bytes, Blocks]:
     """A section's data (a 1 MiB weight and more) and its index with the CRC-32 of every block."""
     torch.manual_seed(seed)
     buf, index = arena_of({"objects": {"w": torch.randn(512, 512), "b": torch.randn(300_000)}})
-    index = mf.with_blocks(index, mf.block_crcs(buf))
-    return buf, index, mf.Blocks(mf.BLOCK_BYTES, tuple(mf.block_crcs(buf)))
+    index = with_blocks(index, block_crcs(buf))
+    return buf, index, Blocks(BLOCK_BYTES, tuple(block_crcs(buf)))
 
 
 @pytest.mark.skipif(not shm.available(), reason="needs memfd_create (Linux)")
 def test_a_flipped_bit_in_a_streamed_section_is_refused_naming_its_block():
     buf, index, _ = _section_bytes()
-    tree, entries, blocks = mf.parse_index_blocks(index, "test")
+    tree, entries, blocks = parse_index_blocks(index, "test")
     w = next(e for e in entries if e.name.endswith("w"))
     flipped = buf.copy()
     at = w.offset + w.nbytes // 2 + 3  # the middle of the 1 MiB weight: no fingerprint window there
@@ -72,31 +75,31 @@ def test_a_flipped_bit_in_a_streamed_section_is_refused_naming_its_block():
         srv.close()
         for fd in fds:
             os.close(fd)
-    integrity.verify_section(mf.Section(tree, entries, good, private=True, blocks=blocks), "the good copy")
-    with pytest.raises(mf.BlockMismatchError, match=rf"from holder h \(direct\): block {at // mf.BLOCK_BYTES} ") as e:
+    integrity.verify_section(Section(tree, entries, good, private=True, blocks=blocks), "the good copy")
+    with pytest.raises(BlockMismatchError, match=rf"from holder h \(direct\): block {at // BLOCK_BYTES} ") as e:
         integrity.verify_section(
-            mf.Section(tree, entries, bad, private=True, blocks=blocks),
+            Section(tree, entries, bad, private=True, blocks=blocks),
             "section shared of step 10 from holder h (direct)",
         )
-    assert e.value.blocks == [at // mf.BLOCK_BYTES] and e.value.block_bytes == mf.BLOCK_BYTES
+    assert e.value.blocks == [at // BLOCK_BYTES] and e.value.block_bytes == BLOCK_BYTES
     # Fail closed: bytes from memory without block checksums are not used.
     with pytest.raises(CorruptCheckpointError, match="no block checksums"):
-        integrity.verify_section(mf.Section(tree, entries, good), "an index of before the blocks")
+        integrity.verify_section(Section(tree, entries, good), "an index of before the blocks")
 
 
 def test_a_damaged_file_on_storage_names_its_block(tmp_path):
     state, data = tr._objects(seed=1)
     _, storage, _ = tr._restorer(tmp_path, state, data)
     tr._write(storage, 5, tr._trees(state, data, 5))
-    m = mf.read_manifest(storage, mf.step_dir(5))
-    name = m.sections[mf.SHARED]["data"]
-    path = str(tmp_path / "run" / "cf_ray" / mf.step_dir(5) / name)
+    m = read_manifest(storage, step_dir(5))
+    name = m.sections[SHARED]["data"]
+    path = str(tmp_path / "run" / "cf_ray" / step_dir(5) / name)
     raw = bytearray(open(path, "rb").read())
     raw[len(raw) // 2] ^= 1
     open(path, "wb").write(bytes(raw))
-    with pytest.raises(mf.BlockMismatchError, match="fails its checksum") as e:
-        mf.load_section(storage, mf.step_dir(5), m, mf.SHARED)
-    assert e.value.blocks == [(len(raw) // 2) // mf.BLOCK_BYTES]
+    with pytest.raises(BlockMismatchError, match="fails its checksum") as e:
+        load_section(storage, step_dir(5), m, SHARED)
+    assert e.value.blocks == [(len(raw) // 2) // BLOCK_BYTES]
 
 
 # -- a saved state that is not finite, bytes that change under the load ----------------------------------------
@@ -142,7 +145,7 @@ def test_bytes_that_change_under_the_load_fall_back_instead_of_blaming_load_stat
     def apply_while_memory_changes(prep, *args):
         calls.append(prep.step)
         if prep.step == 10:  # a stray write into the mapped snapshot while it is being loaded
-            sec = restorer._sections[mf.SHARED]
+            sec = restorer._sections[SHARED]
             assert isinstance(sec.buf, np.ndarray)
             sec.buf[sec.entries[0].offset] ^= 0xFF
         return real_apply(prep, *args)
@@ -172,10 +175,10 @@ def test_a_refused_memory_snapshot_is_reported_for_the_controller_to_never_offer
     saved, saved_data = tr._objects(seed=4)
     tr._write(storage, 5, tr._trees(*tr._objects(seed=3), 5), generation=1)
     tr._write(storage, 10, tr._trees(saved, saved_data, 10), generation=1)
-    flipped = mf.BlockMismatchError("section shared of step 10 from h (in_place): block 0 ...", blocks=[0])
+    flipped = BlockMismatchError("section shared of step 10 from h (in_place): block 0 ...", blocks=[0])
 
     def damaged(self, cand, section):
-        raise mf.CorruptCheckpointError(f"no intact copy of section {section} of step 10: h: {flipped}")
+        raise CorruptCheckpointError(f"no intact copy of section {section} of step 10: h: {flipped}")
 
     monkeypatch.setattr(MemoryReader, "section", damaged)
     plan = tr._plan(10, 5)
@@ -207,7 +210,7 @@ def _memory(step: int, generation: int):
     return MemorySnapshot(
         generation=generation,
         step=step,
-        sections={mf.SHARED: "h", mf.rank_section(0): "h"},
+        sections={SHARED: "h", rank_section(0): "h"},
         world_size=1,
         epoch=0,
         replicated=True,
@@ -270,7 +273,7 @@ def _flip_in_slot(ck, step: int, section: str, entry_name: str, where: str) -> i
     at = ray.get(ck.holder.get_section.remote(ck.generation, step, section, node), timeout=60)
     desc = at.where
     assert isinstance(desc, SlotDesc), desc  # in place: this node's holder's slot
-    _, entries = mf.parse_index(at.index, "test")
+    _, entries = parse_index(at.index, "test")
     e = next(e for e in entries if e.name.endswith(entry_name))
     at = e.offset + (e.nbytes // 2 + 5 if where == "middle" else 1)
     fd = os.open(desc.path, os.O_RDWR)
@@ -298,7 +301,7 @@ def test_a_bit_flipped_in_a_held_slot_is_refused_and_the_intact_copy_on_storage_
         opt.zero_grad()
     ck.wait()  # step 5 is held in memory and committed, intact, on storage
     saved = {k: v.clone() for k, v in model.state_dict().items()}
-    at = _flip_in_slot(ck, 5, mf.SHARED, "1.weight", "middle")  # no fingerprint window samples it
+    at = _flip_in_slot(ck, 5, SHARED, "1.weight", "middle")  # no fingerprint window samples it
     ck.close()  # the worker dies; a new one restores
 
     for attempt in (1, 2):
@@ -311,7 +314,7 @@ def test_a_bit_flipped_in_a_held_slot_is_refused_and_the_intact_copy_on_storage_
         assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
         if attempt == 1:
             (copy,) = resume.refused_copies
-            assert (copy["section"], copy["how"], copy["blocks"]) == (mf.SHARED, "in_place", [at // mf.BLOCK_BYTES])
+            assert (copy["section"], copy["how"], copy["blocks"]) == (SHARED, "in_place", [at // BLOCK_BYTES])
             assert resume.fallbacks[0]["distrust"] == "integrity"
             assert f"refused section shared of step 5 from {copy['holder']} (in_place): section shared" in caplog.text
         else:  # a later attempt is not offered the snapshot that failed (the holder still has it)
@@ -424,10 +427,10 @@ def test_bytes_changed_in_memory_after_their_checksums_are_never_written(tmp_pat
 
     buf, index, blocks = _section_bytes()
     storage = FsStorage.from_uri(str(tmp_path))
-    files = mf.write_section(storage, "step_1", 1, "s", buf, index)
-    written = storage.read_file(f"step_1/{mf.section_files(1, 's')[1]}")
-    assert mf.parse_index_blocks(written, "written")[2] == blocks and files
+    files = write_section(storage, "step_1", 1, "s", buf, index)
+    written = storage.read_file(f"step_1/{section_files(1, 's')[1]}")
+    assert parse_index_blocks(written, "written")[2] == blocks and files
     changed = buf.copy()
     changed[-1] ^= 1
-    with pytest.raises(mf.BlockMismatchError, match="changed in memory after they were checksummed"):
-        mf.write_section(storage, "step_2", 1, "s", changed, index)
+    with pytest.raises(BlockMismatchError, match="changed in memory after they were checksummed"):
+        write_section(storage, "step_2", 1, "s", changed, index)

@@ -9,7 +9,9 @@ import signal
 
 import ray
 
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.blocks import BLOCK_BYTES
+from cf_ray._engine.format.layout import SHARED
+from cf_ray._engine.format.sections import parse_index
 from cf_ray._engine.memory import slots as shm
 from cf_ray._engine.protocol.messages import SlotDesc
 
@@ -23,7 +25,7 @@ def flip_in_slot(ckpt, step: int, section: str, entry: str, where: str) -> int:
     desc, index = at.where, at.index
     if not isinstance(desc, SlotDesc):
         raise RuntimeError(f"step {step}'s {section} is not in a slot of this node's holder: {desc!r}")
-    _, entries = mf.parse_index(index, "fault")
+    _, entries = parse_index(index, "fault")
     e = next(e for e in entries if e.name.endswith(entry))
     at = e.offset + (e.nbytes // 2 + 5 if where == "middle" else 1)
     fd = os.open(desc.path, os.O_RDWR)
@@ -46,9 +48,9 @@ def flip_then_kill(ckpt, rank: int, cfg: dict) -> None:
             continue
         ckpt.wait()
         step = ckpt.last_save_step
-        at = flip_in_slot(ckpt, step, mf.SHARED, cfg.get("flip_entry", "model.3.weight"), flip["where"])
+        at = flip_in_slot(ckpt, step, SHARED, cfg.get("flip_entry", "model.3.weight"), flip["where"])
         with open(marker, "w") as f:
-            json.dump({"step": step, "offset": at, "block": at // mf.BLOCK_BYTES, "generation": ckpt.generation}, f)
+            json.dump({"step": step, "offset": at, "block": at // BLOCK_BYTES, "generation": ckpt.generation}, f)
         os.kill(os.getpid(), signal.SIGKILL)
 
 

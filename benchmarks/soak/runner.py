@@ -417,7 +417,7 @@ class Soak:
 
     @staticmethod
     def _storage_state(ckpt_root: str) -> tuple[list[int], dict[int, str], dict[int, list[str]]]:
-        from cf_ray._engine.format import manifest as mf
+        from cf_ray._engine.format.catalog import list_committed
         from cf_ray._engine.storage.fs import FsStorage
         from cf_ray._verify import verify_run
         from cf_ray.load import open_run, quarantined_checkpoints
@@ -425,7 +425,7 @@ class Soak:
         if not os.path.isdir(ckpt_root):
             return [], {}, {}
         try:  # every full checkpoint on storage (list_checkpoints shows the final step's as the final model)
-            listed = sorted(c.step for c in mf.list_committed(open_run(ckpt_root)[0], skip_quarantined=True))
+            listed = sorted(c.step for c in list_committed(open_run(ckpt_root)[0], skip_quarantined=True))
         except Exception:  # noqa: BLE001 - nothing committed
             listed = []
         try:

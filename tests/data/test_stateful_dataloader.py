@@ -10,7 +10,7 @@ from conftest import IdDataset
 from torch.utils.data import DistributedSampler
 
 from cf_ray._engine.format import codec as _codec
-from cf_ray._engine.format.manifest import parse_index
+from cf_ray._engine.format.sections import parse_index
 from cf_ray.data.stateful_loader import StatefulDataLoaderSource, adapt_sources
 from cf_ray.errors import ConfigError, ElasticResumeError
 

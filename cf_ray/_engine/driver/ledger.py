@@ -22,6 +22,7 @@ from typing import Any
 
 from cf_ray._engine.driver.checkpoints.commits import CommitBook
 from cf_ray._engine.driver.checkpoints.committed import CommitJob, load_committed
+from cf_ray._engine.driver import jit as _jit
 from cf_ray._engine.driver.recovery import ControlState
 from cf_ray._engine.driver.schedule import ScheduleBook
 from cf_ray._engine.driver.schedule import explain as explain_policy
@@ -314,7 +315,7 @@ class Ledger:
                 )
             for gen, step in sorted({(g, s) for g, s, _ in unfound}):
                 if gen < self.generation and self.commits.table.abandon(gen, step):
-                    self.book.note_abandoned(gen, step)
+                    _jit.abandoned(self.book, gen, step)
                     logger.info(
                         "cf_ray: step %d of generation %d abandoned: a section was never handed to a "
                         "holder and its attempt is over",
@@ -407,7 +408,7 @@ class Ledger:
                 "pending": self.commits.table.pending_steps(),
                 "restore_fallbacks": self.book.log.fallback_counts(),
                 "distrusted": [list(k) for k in self.commits.distrusted],
-                "goodput": self.book.goodput.breakdown(),
+                "goodput": self.book.breakdown(),
             }
 
     def save_window(self) -> None:

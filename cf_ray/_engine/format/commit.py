@@ -10,8 +10,7 @@ and generation, so one damaged bit can never make rank 0 load rank 1's state; an
 the worker group) so that a straggling writer of an earlier generation can never overwrite a file
 that a newer manifest refers to.
 
-No torch: the controller writes and reads manifests. The rest of the format room is re-exported
-by :mod:`cf_ray._engine.format.manifest`, the name the other rooms use (``mf``).
+No torch: the controller writes and reads manifests.
 """
 
 from __future__ import annotations

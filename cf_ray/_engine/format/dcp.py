@@ -47,7 +47,10 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from cf_ray._engine.format import codec as _codec
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.blocks import Blocks, RangedData, read_region
+from cf_ray._engine.format.commit import Manifest, read_manifest
+from cf_ray._engine.format.layout import OBJECTS, SHARED, STATE, rank_section
+from cf_ray._engine.format.sections import load_section, parse_index_blocks, read_verified
 from cf_ray._engine.storage.base import Storage
 from cf_ray.errors import CfRayError, CorruptCheckpointError
 
@@ -182,14 +185,14 @@ def export_dcp(storage: Storage, directory: str, out_dir: str, *, objects: list[
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 
-    manifest = mf.read_manifest(storage, directory)
+    manifest = read_manifest(storage, directory)
     sections, where = _sections_of(manifest, storage.uri(directory))
     os.makedirs(out_dir, exist_ok=True)
     layout = _Chunks(storage.uri(directory))
     chunks = size = 0
     wanted = None if objects is None else set(objects)
     for r, name in enumerate(sections):
-        sec = mf.load_section(storage, directory, manifest, name)
+        sec = load_section(storage, directory, manifest, name)
         tree = sec.tree.get(where) if isinstance(sec.tree, dict) else None
         if not isinstance(tree, dict):
             raise CorruptCheckpointError(f"section {name} of {storage.uri(directory)} has no {where!r}")
@@ -240,13 +243,13 @@ def export_dcp(storage: Storage, directory: str, out_dir: str, *, objects: list[
     return DcpExported(path=out_dir, step=manifest.step, keys=len(layout.md), chunks=chunks, size_bytes=size)
 
 
-def _sections_of(manifest: mf.Manifest, where: str) -> tuple[list[str], str]:
+def _sections_of(manifest: Manifest, where: str) -> tuple[list[str], str]:
     """The sections that hold a checkpoint's tracked objects, and the key of those in their trees."""
     if manifest.kind == "final":
         raise CfRayError(f"{where} holds only the final model's weights; DCP needs a full checkpoint")
     if manifest.replicated:
-        return [mf.SHARED], mf.OBJECTS
-    return [mf.rank_section(r) for r in range(manifest.world_size)], mf.STATE
+        return [SHARED], OBJECTS
+    return [rank_section(r) for r in range(manifest.world_size)], STATE
 
 
 class CfRayReader(StorageReader):
@@ -263,8 +266,8 @@ class CfRayReader(StorageReader):
         self.directory = directory
         self.objects = objects
         self.storage_data: dict[Any, Any] = {}
-        self._manifest: mf.Manifest | None = None
-        self._blocks: dict[str, mf.Blocks | None] = {}
+        self._manifest: Manifest | None = None
+        self._blocks: dict[str, Blocks | None] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:  # noqa: ARG002 - DCP's interface
         self.storage_data = {}
@@ -276,13 +279,13 @@ class CfRayReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ARG002 - DCP's interface
         from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 
-        manifest = self._manifest = mf.read_manifest(self.storage, self.directory)
+        manifest = self._manifest = read_manifest(self.storage, self.directory)
         sections, where = _sections_of(manifest, self.storage.uri(self.directory))
         layout = _Chunks(self.storage.uri(self.directory))
         for name in sections:
             files = manifest.sections[name]
-            index = mf.read_verified(self.storage, self.directory, manifest, files["index"])
-            tree, entries, blocks = mf.parse_index_blocks(index, self.storage.uri(f"{self.directory}/{files['index']}"))
+            index = read_verified(self.storage, self.directory, manifest, files["index"])
+            tree, entries, blocks = parse_index_blocks(index, self.storage.uri(f"{self.directory}/{files['index']}"))
             self._blocks[files["data"]] = blocks
             held = tree.get(where) if isinstance(tree, dict) else None
             if not isinstance(held, dict):
@@ -330,17 +333,17 @@ class CfRayReader(StorageReader):
                 planner.load_bytes(req, io.BytesIO(info.raw))
             else:
                 per_file.setdefault(info.file, []).append(req)
-        manifest = self._manifest or mf.read_manifest(self.storage, self.directory)
+        manifest = self._manifest or read_manifest(self.storage, self.directory)
         for file, reqs in per_file.items():
             blocks, info = self._blocks.get(file), manifest.files[file]
-            data: np.ndarray | mf.RangedData
+            data: np.ndarray | RangedData
             if blocks is not None and callable(getattr(self.storage, "read_range", None)):
-                data = mf.RangedData(self.storage, f"{self.directory}/{file}", info.size, blocks)
+                data = RangedData(self.storage, f"{self.directory}/{file}", info.size, blocks)
             else:
-                data = mf.read_verified(self.storage, self.directory, manifest, file)
+                data = read_verified(self.storage, self.directory, manifest, file)
             for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].entry.offset):
                 e = self.storage_data[req.storage_index].entry
-                t = mf.read_region(data, e, list(req.storage_offsets), list(req.lengths))
+                t = read_region(data, e, list(req.storage_offsets), list(req.lengths))
                 target = planner.resolve_tensor(req).detach()
                 if target.size() != t.size():
                     raise CorruptCheckpointError(

@@ -13,7 +13,7 @@ Layout under a run's root (``<storage_path>/<run name>/cf_ray`` by default)::
 
 File names carry the *generation* (one per start of the worker group) so that a straggling writer
 of an earlier generation can never overwrite a file that a newer manifest refers to. The manifest
-and how it is read are in :mod:`cf_ray._engine.format.manifest`.
+and how it is read are in :mod:`cf_ray._engine.format.commit`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.commit import Manifest
+from cf_ray._engine.format.layout import MANIFEST
 from cf_ray._engine.storage.base import Storage
 from cf_ray.errors import CorruptCheckpointError
 
@@ -195,7 +196,7 @@ def _write_model(
     extra: dict[str, Any] = {}
     if resume is not None:
         extra = {RESUME_KEY: resume, "resume_step": int(resume.rsplit("_", 1)[1])}
-    m = mf.Manifest(
+    m = Manifest(
         step=step,
         epoch=epoch,
         world_size=1,
@@ -208,7 +209,7 @@ def _write_model(
         created_unix=time.time(),
         extra=extra,
     )
-    storage.write_file(f"{directory}/{mf.MANIFEST}", [m.to_bytes()])
+    storage.write_file(f"{directory}/{MANIFEST}", [m.to_bytes()])
 
 
 def _itemsize(dtype: torch.dtype) -> int:

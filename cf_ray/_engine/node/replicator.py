@@ -48,7 +48,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.blocks import BLOCK_BYTES
+from cf_ray._engine.format.sections import index_blocks
 from cf_ray._engine.memory import wire
 from cf_ray._engine.memory.crc import BlockCheck
 from cf_ray._engine.memory.slots import HEADER_BYTES
@@ -146,10 +147,10 @@ class Replicator:
         slot = self._store.new_copy(offer.origin, offer.origin_node, offer.section, nbytes)
         try:
             view = slot.fill()
-            blocks = mf.index_blocks(offer.index, f"copy of {offer.section}")
+            blocks = index_blocks(offer.index, f"copy of {offer.section}")
             check = BlockCheck(
                 view,
-                blocks.size if blocks is not None else mf.BLOCK_BYTES,
+                blocks.size if blocks is not None else BLOCK_BYTES,
                 list(blocks.crc32) if blocks is not None else None,
                 offer.crc32,
             )

@@ -33,7 +33,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.blocks import BLOCK_BYTES
+from cf_ray._engine.format.layout import step_dir
+from cf_ray._engine.format.sections import index_blocks, write_section_slot
 from cf_ray._engine.memory.crc import BlockCheck, BlockMismatch
 from cf_ray._engine.node.slot_store import Held, Key, SlotStore, When
 from cf_ray._engine.protocol.messages import PartDurable, PartFailed, PartSuperseded
@@ -200,9 +202,9 @@ class Writer:
                 generation=entry.generation, step=entry.step, section=entry.section, holder=self._holder
             )
         try:
-            files, copied = mf.write_section_slot(
+            files, copied = write_section_slot(
                 self.storage,
-                mf.step_dir(entry.step),
+                step_dir(entry.step),
                 entry.generation,
                 entry.section,
                 lk.data,
@@ -237,11 +239,11 @@ class Writer:
 def _check_blocks(entry: Held, data: memoryview) -> None:
     """The slot's bytes, as they are now, against the block CRCs the worker computed as it copied
     them; raises :class:`~cf_ray.errors.CorruptCheckpointError` naming the first block that differs."""
-    blocks = mf.index_blocks(entry.index, f"{entry.section} of step {entry.step}")
+    blocks = index_blocks(entry.index, f"{entry.section} of step {entry.step}")
     try:
         BlockCheck(
             data,
-            blocks.size if blocks is not None else mf.BLOCK_BYTES,
+            blocks.size if blocks is not None else BLOCK_BYTES,
             list(blocks.crc32) if blocks is not None else None,
             entry.crc32,
         ).finish()

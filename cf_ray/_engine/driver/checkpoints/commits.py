@@ -213,7 +213,7 @@ class CommitBook:
             nodes={sec: p.parts.staged_nodes.get(sec, "") for sec in p.parts.expected},
             draining=draining or (),
         )
-        self._book.note_jit_staged(p.generation, p.step, p.jit)
+        _jit.staged(self._book, p.generation, p.step, p.jit)
         logger.warning(
             "cf_ray: just-in-time checkpoint of step %d staged, %.1f s to the deadline: safe once committed, "
             "or once %s",
@@ -230,7 +230,7 @@ class CommitBook:
             return
         if p.jit.peer_safe(p.parts.staged_nodes, p.parts.replicas):
             p.jit.peer_safe_unix = time.time()
-            self._book.note_jit_peer_safe(p.generation, p.step, p.jit)
+            _jit.peer_safe(self._book, p.generation, p.step, p.jit)
 
     # -- transitions -----------------------------------------------------------------------------------
     def staged(self, msg: PartStaged, *, resync: bool = False, draining: set[str] | None = None) -> CommitJob | None:
@@ -331,6 +331,7 @@ class CommitBook:
             generation=generation, step=step, section=section, rank=section_rank(section), error=error
         )
         self._book.note_failed(generation, step, section, error)
+        _jit.failed(self._book, generation, step)
         logger.warning("cf_ray: checkpoint of step %d not committed: %s failed: %s", step, section, error)
         self._book.record_metrics(generation, step)
 
@@ -357,7 +358,7 @@ class CommitBook:
                 )
                 self._book.note_failed(p.generation, p.step, sec, error)
                 logger.warning("cf_ray: checkpoint of step %d not committed: %s %s", p.step, sec, error)
-            self._book.note_abandoned(p.generation, p.step)
+            _jit.abandoned(self._book, p.generation, p.step)
         return out
 
     def _report_persist(self, p: Pending) -> None:
@@ -464,6 +465,7 @@ class CommitBook:
             kind=m.kind,
             milestone=m.milestone,
         )
+        _jit.committed(self._book, p.generation, p.step)
         logger.info("cf_ray: committed step %d (%d bytes) at %s", p.step, row["bytes"], row["where"])
         self._book.record_metrics(p.generation, p.step)
         self._on_commit(p.step, m)

@@ -11,8 +11,8 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from cf_ray._engine.format import manifest as mf
-from cf_ray._engine.format.manifest import load_quarantine
+from cf_ray._engine.format.catalog import list_committed, load_quarantine
+from cf_ray._engine.format.commit import Manifest, read_manifest
 from cf_ray._engine.storage.fs import FileInfo, Storage
 
 logger = logging.getLogger("cf_ray")
@@ -43,7 +43,7 @@ class CommitJob:
 
     generation: int
     step: int
-    manifest: mf.Manifest
+    manifest: Manifest
     directory: str
     verify_files: bool
 
@@ -114,11 +114,11 @@ def load_committed(storage: Storage) -> tuple[dict[int, Committed], int]:
     committed: dict[int, Committed] = {}
     gens = [0]
     quarantined = load_quarantine(storage)
-    for c in mf.list_committed(storage):
+    for c in list_committed(storage):
         if c.step in quarantined:
             continue
         try:
-            m = mf.read_manifest(storage, c.path)
+            m = read_manifest(storage, c.path)
         except Exception as e:  # noqa: BLE001 - a bad manifest is skipped, readers verify again
             logger.warning("cf_ray: ignoring %s: %s", c.path, e)
             continue
@@ -134,9 +134,9 @@ def resume_points(storage: Storage) -> set[int]:
     """The steps the run's final models name as their resume point (the manifest's ``resume_step``,
     written by ``Checkpointer.finish()``); a final model that cannot be read names none."""
     out = set()
-    for c in mf.list_committed(storage, kinds=("final",)):
+    for c in list_committed(storage, kinds=("final",)):
         try:
-            step = mf.read_manifest(storage, c.path).extra.get("resume_step")
+            step = read_manifest(storage, c.path).extra.get("resume_step")
         except Exception as e:  # noqa: BLE001 - a bad manifest names nothing, readers verify again
             logger.warning("cf_ray: ignoring %s: %s", c.path, e)
             continue

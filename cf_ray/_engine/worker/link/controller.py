@@ -1,45 +1,349 @@
-"""This rank's line to the run's controller actor, without blocking the training thread; a facade
-over its parts:
+"""This rank's one link to the run's controller actor: one handle and one poll, without blocking
+the training thread. Split by the state each part owns:
 
-* the poll exchange (``controller_sync.py``): every ``env.POLL_INTERVAL_S`` a step sends a
-  :class:`SyncRequest` and picks the previous :class:`SyncReply` up only once it has arrived: new
-  schedule versions, the newest committed step, failed checkpoints, and checkpoint requests from
-  outside the workers (``cf_ray.preemption.notify_preemption``);
-* what the replies told (``controller_news.py``): the failures, each reported once, and the requests;
-* the controller's handle and its liveness (``controller_line.py``): on a Ray actor error the
-  controller is re-resolved, each incident logged once. What the link knows of the controller's
-  health (polls failed in a row, the age of the poll in flight, how fresh the last reply is) feeds
-  the durability watchdog (``watchdog.py``).
+* :class:`ControllerLine`: the controller's handle and its liveness. On a Ray actor error the
+  controller is re-resolved (the ``resolve`` callable: the run's controller, made again when it is
+  gone): a blocking call waits for it and retries once; a poll starts it on a thread of its own (the
+  next poll goes to the new handle). Each incident (calls failing until one is answered) is logged
+  once, with the rank and the step, and once more when the controller answers again; how long it
+  lasts and how many polls failed in a row feed the durability watchdog (``watchdog.py``).
+* :class:`ControllerNews`: what the replies told: failed checkpoints (this attempt's, and an earlier
+  attempt's that never committed), each reported once by ``wait()``/``finish()``, and checkpoint
+  requests from outside the workers (``cf_ray.preemption.notify_preemption``), each handed on once.
+  The sequence numbers seen go back with the next poll, so the controller sends each only once.
+* :class:`SyncExchange`: the poll. A step sends a :class:`SyncRequest` (the timing samples since the
+  last one, the schedule version received, the failures and requests seen) every
+  ``env.BELL_POLL_INTERVAL_S`` once the controller has the rank's doorbell, every
+  ``env.POLL_INTERVAL_S`` until then or without one, and picks the previous :class:`SyncReply` up
+  only once it has arrived; one poll is in flight at a time. What cannot wait for the next poll (a
+  checkpoint request from outside the workers, a new schedule version) rings the rank's
+  :class:`~cf_ray._engine.protocol.doorbell.Doorbell` and the next step polls at once. Inside a Ray
+  actor a poll carries the bell's address until a reply says that the controller (a new one too)
+  has it for this attempt. The request itself still comes in the poll's reply, so a bell that is
+  lost, or a rank without one, waits at most one poll interval.
+* :class:`ControllerLink`: the facade the step path holds, and the durability state: the steps this
+  rank took in this attempt that are not known settled, the newest committed step it knows of.
 
 Blocking calls are for the ends of a run: :meth:`ControllerLink.wait_durable` and the RPCs the user
 asks for (the profile, the events).
 
-Durability at the ends (``wait()``/``finish()``): the link keeps the steps this rank took in this
-attempt that are not known settled, and :meth:`ControllerLink.wait_durable` waits until each one is
-committed, failed, superseded or abandoned, or the deadline passed: then each one left is reported
-as a failure of its own (section ``timeout``).
+Durability at the ends (``wait()``/``finish()``): :meth:`ControllerLink.wait_durable` waits until
+each step taken is committed, failed, superseded or abandoned (the controller's ``settled``), or the
+deadline passed: then each one left is reported as a failure of its own (section ``timeout``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
+import ray
+import ray.exceptions
+
 from cf_ray._engine import env as _env
-from cf_ray._engine.protocol.messages import CheckpointRequest, PartFailed, Settled, SyncReply
-from cf_ray._engine.worker.link.line import ControllerLine
-from cf_ray._engine.worker.link.news import ControllerNews
-from cf_ray._engine.worker.link.sync import SyncExchange
+from cf_ray._engine.format.layout import rank_section
+from cf_ray._engine.protocol.doorbell import Doorbell
+from cf_ray._engine.protocol.messages import CheckpointRequest, PartFailed, Settled, SyncReply, SyncRequest
 from cf_ray._engine.worker.scheduler import Scheduler
 from cf_ray._engine.worker.timing import Timing
+from cf_ray.errors import PersistError
 
 logger = logging.getLogger("cf_ray")
 
 #: ``ControllerLink.taken`` is pruned of settled steps when it grows past this (between two waits).
 _PRUNE_AT = 64
+
+
+class ControllerLine:
+    """One rank's handle of the run's controller: blocking calls, re-resolving, incidents.
+
+    Args:
+        controller: the run's controller actor.
+        rank: this rank.
+        resolve: returns a live handle of the run's controller, creating it when it is gone (may
+            block); ``None``: never re-resolved.
+    """
+
+    def __init__(self, controller, rank: int, resolve: Callable[[], Any] | None = None):
+        self.controller = controller
+        """The handle calls go to (a new one once re-resolved)."""
+        self.rank = rank
+        self.poll_failures = 0
+        """Calls in a row that failed (0 once one is answered)."""
+        self.incident_since: float | None = None
+        """Monotonic time of the first failure of the incident going on (``None``: none)."""
+        self._resolve = resolve
+        self._resolving: threading.Thread | None = None
+
+    def call(self, method: str, *args, step: int | None = None, timeout_s: float | None = None) -> Any:
+        """A blocking RPC; on a Ray actor error the controller is re-resolved and the call made once more."""
+        timeout = _env.get_float(_env.ACTOR_TIMEOUT_S) if timeout_s is None else timeout_s
+        for attempt in (0, 1):
+            handle = self.controller
+            try:
+                out = ray.get(getattr(handle, method).remote(*args), timeout=timeout)
+            except ray.exceptions.RayActorError as e:
+                if attempt or self._resolve is None:
+                    raise
+                self.failed(step, e, reresolve=False)
+                self.join_resolving(timeout)
+                if self.controller is handle:
+                    self.controller = self._resolve()
+                continue
+            self.answered(step)
+            return out
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def failed(self, step: int | None, error: BaseException, *, reresolve: bool) -> None:
+        """A call failed (logged once per incident); ``reresolve``: re-resolve on a thread of its own."""
+        self.poll_failures += 1
+        if self.incident_since is None:
+            self.incident_since = time.monotonic()
+            what = (
+                "re-resolving it"
+                if (reresolve or self._resolve is not None) and isinstance(error, ray.exceptions.RayActorError)
+                else "training goes on"
+            )
+            logger.warning(
+                "cf_ray: rank %d: a call to the controller failed at step %s (%s: %s); %s",
+                self.rank,
+                step if step is not None else "-",
+                type(error).__name__,
+                error,
+                what,
+            )
+        if reresolve:
+            self._resolve_async()
+
+    def answered(self, step: int | None) -> None:
+        """A call was answered: the incident (if any) ends, and is said to."""
+        self.poll_failures = 0
+        if self.incident_since is not None:
+            self.incident_since = None
+            logger.warning(
+                "cf_ray: rank %d: the controller answers again (step %s)", self.rank, step if step is not None else "-"
+            )
+
+    def resolving(self) -> bool:
+        """Whether the controller is being re-resolved now (the old handle is dead)."""
+        return self._resolving is not None and self._resolving.is_alive()
+
+    def _resolve_async(self) -> None:
+        """Re-resolve the controller on a thread of its own (a poll never blocks the training thread)."""
+        if self._resolve is None or self.resolving():
+            return
+        resolve = self._resolve
+
+        def run() -> None:
+            try:
+                self.controller = resolve()
+            except Exception as e:  # noqa: BLE001 - the next failed poll tries again
+                logger.warning("cf_ray: rank %d: could not re-resolve the controller: %r", self.rank, e)
+
+        self._resolving = threading.Thread(target=run, name=f"cf_ray-resolve-r{self.rank}", daemon=True)
+        self._resolving.start()
+
+    def join_resolving(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) for a re-resolve going on."""
+        if self._resolving is not None:
+            self._resolving.join(timeout)
+            self._resolving = None
+
+
+class ControllerNews:
+    """Failures and requests this rank heard of, and which failures it reported.
+
+    Args:
+        rank: this rank.
+        on_request: called with each checkpoint request from the driver, on the training thread.
+    """
+
+    def __init__(self, rank: int, on_request: Callable[[CheckpointRequest], None]):
+        self.rank = rank
+        self.failures: list[dict] = []
+        """Failed checkpoints of this attempt, oldest first (``step``, ``section``, ``rank``, ``error``,
+        ``generation``), and those of earlier attempts of the run as the controller tells of them
+        (marked ``earlier_attempt: True``)."""
+        self.seen_failures = -1
+        """The newest failure's sequence number heard of (sent with each poll)."""
+        self.seen_requests = -1
+        """The newest request's sequence number heard of (sent with each poll)."""
+        self._on_request = on_request
+        self._reported = 0
+
+    def take(self, reply: SyncReply, generation: int) -> None:
+        """The failures and requests of a reply (``generation``: this attempt's)."""
+        for f in reply.failures:
+            self.seen_failures = max(self.seen_failures, f.seq)
+            if f.generation == generation:
+                self.failures.append(f.as_dict())
+                logger.warning(
+                    "cf_ray: rank %d: checkpoint of step %d failed (%s): %s; the previous committed "
+                    "checkpoint stays the latest",
+                    self.rank,
+                    f.step,
+                    f.section,
+                    f.error,
+                )
+            elif 0 < f.generation < generation:
+                # An earlier attempt's checkpoint that never committed (a step lost with its node, a
+                # failed write its ranks did not live to report): reported once by wait() and in
+                # FinishSummary.failures, marked, never counted as one of this attempt's steps.
+                self.failures.append({**f.as_dict(), "earlier_attempt": True})
+                if self.rank == 0:
+                    logger.warning(
+                        "cf_ray: checkpoint of step %d of an earlier attempt (generation %d) was never "
+                        "committed (%s): %s",
+                        f.step,
+                        f.generation,
+                        f.section,
+                        f.error,
+                    )
+        for r in reply.requests:  # cf_ray.preemption.notify_preemption() from the driver
+            self.seen_requests = max(self.seen_requests, r.seq)
+            self._on_request(r)
+
+    def add(self, step: int, section: str, error: str, generation: int) -> None:
+        """A failure this rank found itself."""
+        self.failures.append(
+            {"step": step, "section": section, "rank": self.rank, "error": error, "generation": generation}
+        )
+
+    def add_local(self, errors: list[tuple[int, BaseException]], generation: int) -> None:
+        """Snapshots of this rank that never reached its holder (``Snapshotter.take_errors``)."""
+        for step, err in errors:
+            self.add(step, rank_section(self.rank), f"{type(err).__name__}: {err}", generation)
+
+    def new(self, raise_on_error: bool) -> list[dict]:
+        """The failures not yet reported (each is reported once), an earlier attempt's included.
+
+        Raises:
+            PersistError: when ``raise_on_error`` and one of this attempt's is among them (an earlier
+                attempt's is reported, never raised: every new attempt would raise it again).
+        """
+        new = self.failures[self._reported :]
+        self._reported = len(self.failures)
+        own = [f for f in new if not f.get("earlier_attempt")]
+        if own and raise_on_error:
+            raise PersistError("; ".join(f"step {f['step']} ({f['section']}): {f['error']}" for f in own))
+        return new
+
+    @contextlib.contextmanager
+    def kept_unreported(self) -> Iterator[None]:
+        """Failures reported inside stay unreported for the user's next ``wait()``."""
+        reported = self._reported
+        try:
+            yield
+        finally:
+            self._reported = reported
+
+
+class SyncExchange:
+    """One rank's polls of the controller.
+
+    Args:
+        line: the controller's handle (a failed poll starts its re-resolve).
+        timing: whose samples each poll sends.
+        scheduler: which schedule version this rank has received.
+        news: the failures and requests seen (their sequence numbers go with each poll).
+        on_reply: called with each reply picked up, on the training thread.
+    """
+
+    def __init__(
+        self,
+        line: ControllerLine,
+        timing: Timing,
+        scheduler: Scheduler,
+        news: ControllerNews,
+        on_reply: Callable[[SyncReply], None],
+    ):
+        self.info_time: float | None = None
+        """When the request of the newest reply read was sent (``time.monotonic()``; ``None``: none yet)."""
+        self._line = line
+        self._timing = timing
+        self._scheduler = scheduler
+        self._news = news
+        self._on_reply = on_reply
+        self._ref = None
+        self._sent_at: float | None = None
+        self._last = 0.0
+        self._bell = Doorbell.here()
+        self._bell_known = False
+        """Whether the last reply said the controller has this rank's bell for this attempt."""
+
+    def in_flight_s(self, now: float) -> float:
+        """Seconds this rank has been waiting for the controller: the poll in flight's age, or the
+        time since a call first failed while the controller is being re-resolved (0: neither)."""
+        waiting = 0.0
+        if self._ref is not None and self._sent_at is not None:
+            waiting = now - self._sent_at
+        if self._line.incident_since is not None:
+            waiting = max(waiting, now - self._line.incident_since)
+        return max(waiting, 0.0)
+
+    def poll(self, step: int, copy_timings: dict[str, float], generation: int, force: bool = False) -> None:
+        """Pick up the reply to the last poll if it has arrived; send the next one when due
+        (``force``: now, however recent the last poll)."""
+        if self._ref is not None:
+            ready, _ = ray.wait([self._ref], timeout=0)
+            if not ready:
+                return
+            ref, self._ref = self._ref, None
+            self._read(ref, step, timeout=None)
+        if self._line.resolving():
+            return  # the old handle is dead; the next poll goes to the new one
+        now = time.monotonic()
+        if self._bell is not None and self._bell.take():
+            force = True
+        interval = _env.BELL_POLL_INTERVAL_S if self._bell_known else _env.POLL_INTERVAL_S
+        if force or now - self._last >= _env.get_float(interval):
+            rank = self._line.rank
+            bell = None if self._bell is None or self._bell_known else self._bell.address
+            samples, stats = self._timing.drain(rank, step, copy_timings)
+            req = SyncRequest(
+                rank=rank,
+                generation=generation,
+                samples=tuple(samples),
+                ckpt_stats=tuple(stats),
+                adopted_version=self._scheduler.received,
+                seen_failures=self._news.seen_failures,
+                seen_requests=self._news.seen_requests,
+                bell=bell,
+            )
+            self._ref = self._line.controller.sync.remote(req)
+            self._sent_at = now
+            self._last = now
+
+    def poll_blocking(self, step: int, copy_timings: dict[str, float], generation: int) -> None:
+        """Wait for the poll in flight, then poll once more and wait for that too."""
+        timeout = _env.get_float(_env.ACTOR_TIMEOUT_S)
+        if self._ref is not None:
+            ref, self._ref = self._ref, None
+            self._read(ref, step, timeout=timeout)
+        self._line.join_resolving(timeout)
+        self.poll(step, copy_timings, generation, force=True)
+        if self._ref is not None:
+            ref, self._ref = self._ref, None
+            self._read(ref, step, timeout=timeout)
+
+    def _read(self, ref, step: int, timeout: float | None) -> None:
+        sent_at = self._sent_at
+        try:
+            reply = cast(SyncReply, ray.get(ref, timeout=timeout))
+        except ray.exceptions.RayActorError as e:
+            self._line.failed(step, e, reresolve=True)
+            return
+        except Exception as e:  # noqa: BLE001 - a lost controller must not stop training
+            self._line.failed(step, e, reresolve=False)
+            return
+        self._line.answered(step)
+        self._bell_known = reply.bell_known
+        self.info_time = sent_at
+        self._on_reply(reply)
 
 
 class ControllerLink:
@@ -115,7 +419,7 @@ class ControllerLink:
 
     def safe(self, step: int) -> bool:
         """Whether ``step`` is committed, or is a just-in-time checkpoint that the controller says is
-        safe in the tier it chose for it (a peer's memory, #12), as this rank last heard."""
+        safe in the tier it chose for it (a peer's memory), as this rank last heard."""
         return self.committed(step) or step in self.safe_steps
 
     def track(self, step: int) -> None:
@@ -214,7 +518,7 @@ class ControllerLink:
                 logger.warning(
                     "cf_ray: rank %d: cannot ask the controller which checkpoints are settled: %r", self.rank, e
                 )
-                unsettled = self._unsettled_locally(list(self.taken), set())
+                unsettled = self._unsettled_locally(list(self.taken))
                 break
             self.taken = [s for s in self.taken if s in unsettled]
             if not unsettled or time.monotonic() >= deadline:
@@ -254,35 +558,27 @@ class ControllerLink:
         """Which of ``steps`` are not settled yet (committed, failed, superseded or abandoned)."""
         if not steps:
             return []
-        # SEAM (#16, driver side): the controller's settled(generation, steps) says it exactly. A
-        # controller without it (older code) is asked for its pending steps, and this rank judges
-        # the steps it has not heard of yet itself (_unsettled_locally).
-        if self.has("settled"):
-            report = cast(Settled, self.call("settled", self.generation, steps, step=step))
-            if report.newest_committed is not None:
-                self.known_committed = max(self.known_committed, report.newest_committed)
-            # A step this rank heard failed is waited for while the controller has it pending: the
-            # failures of its other sections are due (one step's failures are reported together).
-            # What this rank found itself, the controller may never hear of.
-            waiting = set(report.pending) | (set(report.unknown) - self._failed_steps())
-            safe = set(report.safe)
-            self.safe_steps |= safe
-            if safe_ok and safe:  # older checkpoints are moot once a newer one is safe
-                waiting = {s for s in waiting if s > max(safe)}
-            failed = self._failed_steps(local_only=True)
-            return [s for s in steps if s in waiting and s not in failed]
-        pending = set(cast(list, self.call("pending_steps", self.generation, step=step)))
-        return self._unsettled_locally(steps, pending)
+        report = cast(Settled, self.call("settled", self.generation, steps, step=step))
+        if report.newest_committed is not None:
+            self.known_committed = max(self.known_committed, report.newest_committed)
+        # A step this rank heard failed is waited for while the controller has it pending: the
+        # failures of its other sections are due (one step's failures are reported together).
+        # What this rank found itself, the controller may never hear of.
+        waiting = set(report.pending) | (set(report.unknown) - self._failed_steps())
+        safe = set(report.safe)
+        self.safe_steps |= safe
+        if safe_ok and safe:  # older checkpoints are moot once a newer one is safe
+            waiting = {s for s in waiting if s > max(safe)}
+        failed = self._failed_steps(local_only=True)
+        return [s for s in steps if s in waiting and s not in failed]
 
-    def _unsettled_locally(self, steps: list[int], pending: set[int]) -> list[int]:
-        """Without ``settled``: a step is not settled while the controller lists it pending, or when it
-        is newer than the newest committed step known and than every failed one (the controller may
-        not have heard of it yet; one superseded by a newer failed one is settled)."""
+    def _unsettled_locally(self, steps: list[int]) -> list[int]:
+        """What this rank judges alone when the controller cannot be asked: a step is not settled when
+        it is newer than the newest committed step known and than every failed one (one superseded
+        by a newer failed one is settled)."""
         failed = self._failed_steps()
         newest_failed = max(failed, default=-1)
-        return [
-            s for s in steps if s not in failed and (s in pending or (s > self.known_committed and s > newest_failed))
-        ]
+        return [s for s in steps if s not in failed and s > self.known_committed and s > newest_failed]
 
     # -- the final checkpoint (``finish()``) -------------------------------------------------------------
     def reopen_final(self, step: int, attempt: int) -> None:
@@ -293,8 +589,7 @@ class ControllerLink:
         if step not in self.taken:
             self.taken.append(step)
         try:
-            if self.has("reopen_final"):  # SEAM (#16): an older controller opens it on the persisted staging
-                self.call("reopen_final", self.generation, step, self.rank, attempt, step=step)
+            self.call("reopen_final", self.generation, step, self.rank, attempt, step=step)
         except Exception as e:  # noqa: BLE001 - the wait then asks what the controller knows, as before
             logger.warning("cf_ray: rank %d: could not tell the controller of the final checkpoint: %r", self.rank, e)
 
@@ -312,7 +607,7 @@ class ControllerLink:
         deletes it. Returns the step kept, which the final model names (the newest committed step
         when keep-last took ``step`` out first; 0: none)."""
         try:
-            if step <= 0 or not self.has("keep_resume_point"):
+            if step <= 0:
                 return step
             kept = self.call("keep_resume_point", step, step=step)
         except Exception as e:  # noqa: BLE001 - the final model names it all the same, unprotected
@@ -341,15 +636,9 @@ class ControllerLink:
         """
         deadline = time.monotonic() + _env.get_float(_env.ACTOR_TIMEOUT_S)
         left: list[int] = []
-        # SEAM (#16, driver side): uploads_pending() names what is left; older controllers only
-        # say whether their maintenance thread is idle.
-        uploads = self.has("uploads_pending")
         while time.monotonic() < deadline:
-            if uploads:
-                left = cast(list, self.call("uploads_pending", step=step))
-                if not left:
-                    return []
-            elif self.call("maintenance_idle", step=step):
+            left = cast(list, self.call("uploads_pending", step=step))
+            if not left:
                 return []
             time.sleep(0.1)
         logger.warning(
@@ -386,10 +675,6 @@ class ControllerLink:
             )
             for sec in sections:
                 self._news.add(step, sec, error, self.generation)
-
-    def has(self, method: str) -> bool:
-        """Whether the controller has ``method`` (one of older code may not)."""
-        return self._line.has(method)
 
     # -- what happened, and the end -----------------------------------------------------------------
     def profile_rows(self) -> list[dict]:

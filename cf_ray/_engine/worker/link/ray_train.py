@@ -18,7 +18,8 @@ import ray.train
 import torch
 
 from cf_ray._engine import env as _env
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.commit import write_pointer
+from cf_ray._engine.format.layout import step_dir
 from cf_ray._engine.format.safetensors import write_final_model, write_sharded_final_model
 from cf_ray._engine.worker.context import WorkerContext
 from cf_ray._engine.worker.control import Agreement, ControlPlane
@@ -101,7 +102,7 @@ class RayTrainLink:
         pointer = None
         if self.rank == 0:
             try:
-                pointer = mf.write_pointer(self.storage, step)
+                pointer = write_pointer(self.storage, step)
             except Exception as e:  # noqa: BLE001 - registration is bookkeeping; never fail training for it
                 logger.warning("cf_ray: could not register step %d with Ray Train: %s", step, e)
         ckpt = Checkpoint(path=self.storage.fs_path(pointer), filesystem=self.storage.fs) if pointer else None
@@ -126,7 +127,7 @@ class RayTrainLink:
             return self._final_sharded(step, epoch, control, resume)
         if not isinstance(self.final_module, torch.nn.Module):
             return None, []
-        final_dir = mf.step_dir(step, kind="final")
+        final_dir = step_dir(step, kind="final")
         ok, failures = True, []
         if self.rank == 0:
             try:
@@ -142,7 +143,7 @@ class RayTrainLink:
         self, step: int, epoch: int, control: ControlPlane, resume: str | None
     ) -> tuple[str | None, list[dict]]:
         assert self.final_sharded is not None
-        final_dir = mf.step_dir(step, kind="final")
+        final_dir = step_dir(step, kind="final")
         ok, failures = True, []
         control.drain()  # the agreement's exchange in flight, before the collectives of the gathering
         try:

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from cf_ray._engine.format import codec as _codec
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.layout import COUNTERS, OBJECTS, RNG, SHARED, STATE, rank_section
+from cf_ray._engine.format.sections import Section
 from cf_ray._engine.memory import slots as _slots
 from cf_ray._engine.worker.restore import sharded as _sharded
 from cf_ray._engine.worker.snapshot import fingerprint as _fp
@@ -87,7 +88,7 @@ class Prepared:
 
 
 def validate(
-    loaded: dict[str, mf.Section],
+    loaded: dict[str, Section],
     *,
     saved_world: Any,
     replicated: bool,
@@ -123,17 +124,17 @@ def validate(
     same_world = saved_world == world_size
     wanted = [rank] if same_world else list(range(saved_world))
     trees = {r: _rank_tree(loaded, r, saved_world) for r in wanted}
-    steps = {int(t[mf.COUNTERS]["step"]) for t in trees.values()}
+    steps = {int(t[COUNTERS]["step"]) for t in trees.values()}
     if len(steps) != 1:
         raise CorruptCheckpointError(f"the ranks' sections disagree on the step: {sorted(steps)}")
     mine = trees[rank] if rank in trees else trees[0]
     # -- the tracked state (model, optimizer, schedulers, ...) ----------------------------------------
     if replicated:
-        section, where, fp_tree = _section(loaded, mf.SHARED), (mf.OBJECTS,), _section(loaded, mf.SHARED).tree
+        section, where, fp_tree = _section(loaded, SHARED), (OBJECTS,), _section(loaded, SHARED).tree
     elif reshard:
-        section, where, fp_tree = _section(loaded, mf.rank_section(0)), (mf.STATE,), trees[0]
+        section, where, fp_tree = _section(loaded, rank_section(0)), (STATE,), trees[0]
     else:
-        section, where, fp_tree = _section(loaded, mf.rank_section(rank)), (mf.STATE,), mine
+        section, where, fp_tree = _section(loaded, rank_section(rank)), (STATE,), mine
     saved_state = _encoded_at(section, where)
     fresh_state = check_names(state, saved_state, "state", allow_missing, allow_unexpected)
     # Saved sharded (FSDP2), unsharded here (DDP, a plain module): gathered whole from every old rank.
@@ -150,8 +151,8 @@ def validate(
         per_rank = [
             _sharded.decode(
                 _held(loaded, r, name),
-                _section(loaded, mf.rank_section(r)).entries,
-                _section(loaded, mf.rank_section(r)).buf,
+                _section(loaded, rank_section(r)).entries,
+                _section(loaded, rank_section(r)).buf,
                 copy=False,
             )
             for r in range(saved_world)
@@ -170,8 +171,8 @@ def validate(
                 per_rank = [
                     sharded.decode(
                         _held(loaded, r, name),
-                        _section(loaded, mf.rank_section(r)).entries,
-                        _section(loaded, mf.rank_section(r)).buf,
+                        _section(loaded, rank_section(r)).entries,
+                        _section(loaded, rank_section(r)).buf,
                         copy=False,
                     )
                     for r in range(saved_world)
@@ -192,20 +193,20 @@ def validate(
             sharded.check(name, saved)
             states[name] = sharded.to_live(name, saved)
     # -- RNG --------------------------------------------------------------------------------------------
-    rng = mine[mf.RNG] if (same_world or rank < saved_world) else None
+    rng = mine[RNG] if (same_world or rank < saved_world) else None
     if rng is not None:
         check_rng_state(rng, f"rank {rank if same_world else min(rank, saved_world - 1)}")
     # -- the data objects -----------------------------------------------------------------------------
     data_states: dict[str, Any] = {}
-    fresh_data = check_names(data, mine[mf.OBJECTS], "data", allow_missing, allow_unexpected)
+    fresh_data = check_names(data, mine[OBJECTS], "data", allow_missing, allow_unexpected)
     for name, obj in data.items():
         if name in fresh_data:
             continue
         if same_world:
-            data_states[name] = mine[mf.OBJECTS][name]
+            data_states[name] = mine[OBJECTS][name]
             dry_run(obj, "load_state_dict", data_states[name])
         else:
-            olds = [trees[r][mf.OBJECTS].get(name) for r in range(saved_world)]
+            olds = [trees[r][OBJECTS].get(name) for r in range(saved_world)]
             if any(s is None for s in olds):
                 raise CorruptCheckpointError(f"data object {name!r} is missing from some old rank's section")
             if not hasattr(obj, "load_elastic_state"):
@@ -216,12 +217,12 @@ def validate(
                 )
             data_states[name] = olds
             dry_run(obj, "load_elastic_state", olds, rank, world_size)
-    fps = _fingerprints(fp_tree, mf.OBJECTS if replicated else mf.STATE)
+    fps = _fingerprints(fp_tree, OBJECTS if replicated else STATE)
     prep = Prepared(
         saved_world=saved_world,
         replicated=replicated,
-        step=int(mine[mf.COUNTERS]["step"]),
-        epoch=int(mine[mf.COUNTERS]["epoch"]),
+        step=int(mine[COUNTERS]["step"]),
+        epoch=int(mine[COUNTERS]["epoch"]),
         state=states,
         data=data_states,
         rng=rng,
@@ -229,9 +230,7 @@ def validate(
             # Resharded, gathered or split objects differ from what any one old rank held: checked by the
             # load (DCP's set_*_state_dict, load_state_dict), not by fingerprints.
             "state": {n: f for n, f in fps.items() if n in states and n not in converted},
-            "data": {n: f for n, f in _fingerprints(mine, mf.OBJECTS).items() if n in data_states}
-            if same_world
-            else {},
+            "data": {n: f for n, f in _fingerprints(mine, OBJECTS).items() if n in data_states} if same_world else {},
         },
         fresh=fresh_state + fresh_data,
         elastic=not same_world,
@@ -359,19 +358,19 @@ def check_layout(name: str, obj: Any, saved: Any) -> None:
             raise CorruptCheckpointError(f"optimizer {name!r}: state for parameters the groups do not list")
 
 
-def _saved_sharded_names(loaded: dict[str, mf.Section]) -> dict[str, dict]:
+def _saved_sharded_names(loaded: dict[str, Section]) -> dict[str, dict]:
     """The objects the checkpoint saved sharded (FSDP2/DTensor), as its rank sections describe them
     (``{"model": {"kind": "module"}, "optimizer": {"kind": "optimizer", "module": "model"}}``)."""
-    sec = next((sec for name, sec in sorted(loaded.items()) if name != mf.SHARED), None)  # every rank's says it
+    sec = next((sec for name, sec in sorted(loaded.items()) if name != SHARED), None)  # every rank's says it
     saved = sec.tree.get(_sharded.KEY) if sec is not None and isinstance(sec.tree, dict) else None
     return {k: v for k, v in saved.items() if isinstance(v, dict)} if isinstance(saved, dict) else {}
 
 
-def _held(loaded: dict[str, mf.Section], r: int, name: str) -> Any:
+def _held(loaded: dict[str, Section], r: int, name: str) -> Any:
     """The encoded state of tracked object ``name`` in old rank ``r``'s section."""
-    held = _encoded_at(_section(loaded, mf.rank_section(r)), (mf.STATE,))
+    held = _encoded_at(_section(loaded, rank_section(r)), (STATE,))
     if name not in held:
-        raise CorruptCheckpointError(f"{name!r} is missing from section {mf.rank_section(r)}")
+        raise CorruptCheckpointError(f"{name!r} is missing from section {rank_section(r)}")
     return held[name]
 
 
@@ -403,31 +402,31 @@ def _probe(obj: Any) -> Any:
 # -- reading the trees -------------------------------------------------------------------------------------
 
 
-def _section(loaded: dict[str, mf.Section], name: str) -> mf.Section:
+def _section(loaded: dict[str, Section], name: str) -> Section:
     sec = loaded.get(name)
     if sec is None:
         raise CorruptCheckpointError(f"the checkpoint has no section {name!r}")
     return sec
 
 
-def _rank_tree(loaded: dict[str, mf.Section], r: int, saved_world: int) -> dict:
-    name = mf.rank_section(r)
+def _rank_tree(loaded: dict[str, Section], r: int, saved_world: int) -> dict:
+    name = rank_section(r)
     try:
         sec = _section(loaded, name)
-        if isinstance(sec.tree, dict) and isinstance(sec.tree.get(mf.STATE), dict):
+        if isinstance(sec.tree, dict) and isinstance(sec.tree.get(STATE), dict):
             # The tracked state stays encoded here (its names are what is looked at); it is decoded
             # object by object where it is loaded, so that a section read by range is read only there.
             # The rest (data states, RNG: small) is copied: the data objects keep what they are given
             # and may change it in place, which a view of a holder's slot, mapped read-only and
             # filled again later, would refuse or change under them.
-            rest = {k: v for k, v in sec.tree.items() if k != mf.STATE}
-            tree = mf.Section(rest, sec.entries, sec.buf).materialize(copy=True)
-            tree[mf.STATE] = sec.tree[mf.STATE]
+            rest = {k: v for k, v in sec.tree.items() if k != STATE}
+            tree = Section(rest, sec.entries, sec.buf).materialize(copy=True)
+            tree[STATE] = sec.tree[STATE]
         else:
             tree = sec.materialize(copy=True)
-        if not isinstance(tree, dict) or not isinstance(tree.get(mf.OBJECTS), dict) or mf.RNG not in tree:
+        if not isinstance(tree, dict) or not isinstance(tree.get(OBJECTS), dict) or RNG not in tree:
             raise TypeError("expected objects, rng and counters")
-        counters = tree[mf.COUNTERS]
+        counters = tree[COUNTERS]
         step, epoch = counters["step"], counters["epoch"]
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (step, epoch)):
             raise TypeError(f"bad counters {counters!r}")
@@ -444,7 +443,7 @@ def _rank_tree(loaded: dict[str, mf.Section], r: int, saved_world: int) -> dict:
     return tree
 
 
-def _encoded_at(section: mf.Section, path: tuple[str, ...]) -> dict:
+def _encoded_at(section: Section, path: tuple[str, ...]) -> dict:
     tree = section.tree
     for p in path:
         if not isinstance(tree, dict) or p not in tree:
@@ -461,7 +460,7 @@ def _fingerprints(tree: Any, path: str) -> dict[str, str]:
     return {k: v for k, v in got.items() if isinstance(v, str)} if isinstance(got, dict) else {}
 
 
-def materialize_objects(section: mf.Section, path: tuple[str, ...], objs: dict, releasable: list | None = None) -> dict:
+def materialize_objects(section: Section, path: tuple[str, ...], objs: dict, releasable: list | None = None) -> dict:
     """The saved states of tracked objects, with as few copies as is safe.
 
     ``nn.Module.load_state_dict`` copies into the module's own parameters, so a module gets views
@@ -506,7 +505,7 @@ class _Copier:
 
     _ALIGN = 64
 
-    def __init__(self, section: mf.Section, sub: Any):
+    def __init__(self, section: Section, sub: Any):
         self.section = section
         sizes: list[int] = []
         if isinstance(section.buf, np.ndarray):  # not a section read by range: those reads copy already

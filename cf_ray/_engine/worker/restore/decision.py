@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.layout import parse_step_dir
 from cf_ray._engine.protocol.messages import RestoreSource
 from cf_ray._engine.worker.restore.storage import describe
 from cf_ray._engine.worker.restore.trust_gate import Reason, Suspect, tell_controller
@@ -123,7 +123,7 @@ class Fallbacks:
         logger.warning("cf_ray: rank %d: cannot restore %s (%s); falling back", self.rank, where, why)
         bad = next((s for s in statuses if s.distrust), None)  # the snapshot itself failed a check
         memory = source is RestoreSource.MEMORY
-        step = cand.step if memory else mf.parse_step_dir(cand[1])
+        step = cand.step if memory else parse_step_dir(cand[1])
         reason = Reason(bad.distrust) if bad is not None else None
         if reason is Reason.NON_FINITE and step is not None:
             self.rolled_back_from = max(step, self.rolled_back_from or step)

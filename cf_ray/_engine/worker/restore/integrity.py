@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.blocks import BLOCKS_NAMED, bad_blocks, verify_blocks
+from cf_ray._engine.format.sections import Section
 from cf_ray._engine.protocol.messages import IntegrityFailure
 from cf_ray.errors import CorruptCheckpointError
 
@@ -49,7 +50,7 @@ class NonFiniteStateError(CorruptCheckpointError):
     """A snapshot's saved parameters or optimizer state hold NaN or infinity."""
 
 
-def verify_section(section: mf.Section, where: str) -> None:
+def verify_section(section: Section, where: str) -> None:
     """Check every byte of a section that came from memory against its block checksums.
 
     Raises:
@@ -57,19 +58,19 @@ def verify_section(section: mf.Section, where: str) -> None:
         CorruptCheckpointError: the section has no block checksums (refused: fail closed).
     """
     if isinstance(section.buf, np.ndarray):
-        mf.verify_blocks(section.buf, section.blocks, where)
+        verify_blocks(section.buf, section.blocks, where)
     # A RangedData checks every block it reads, as it reads it.
 
 
-def recheck(sections: dict[str, mf.Section]) -> str:
+def recheck(sections: dict[str, Section]) -> str:
     """After a fingerprint mismatch: the blocks of the sections loaded that differ now from their
     checksums (``""``: every block still intact, so the bytes did not change under the load)."""
     bad = []
     for name, sec in sorted(sections.items()):
         if isinstance(sec.buf, np.ndarray) and sec.blocks is not None:
-            blocks = mf.bad_blocks(sec.buf, sec.blocks)
+            blocks = bad_blocks(sec.buf, sec.blocks)
             if blocks:
-                bad.append(f"section {name}: blocks {blocks[: mf.BLOCKS_NAMED]}")
+                bad.append(f"section {name}: blocks {blocks[:BLOCKS_NAMED]}")
     return "; ".join(bad)
 
 
@@ -93,7 +94,7 @@ class Refusals:
             section=section,
             holder=holder,
             how=how,
-            blocks=tuple(getattr(error, "blocks", ())[: mf.BLOCKS_NAMED]),
+            blocks=tuple(getattr(error, "blocks", ())[:BLOCKS_NAMED]),
             block_bytes=int(getattr(error, "block_bytes", 0)),
             error=str(error)[:1000],
         )

@@ -16,7 +16,7 @@ import ray
 import ray.exceptions
 
 from cf_ray._engine import env as _env
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.sections import Section, parse_index_blocks
 from cf_ray._engine.memory import slots as _slots
 from cf_ray._engine.memory import wire as _wire
 from cf_ray._engine.protocol.messages import MemorySnapshot, SectionAt, SlotDesc, StreamDesc
@@ -40,7 +40,7 @@ class MemoryReader:
         self.rank = rank
         self.record = record
 
-    def section(self, cand: MemorySnapshot, section: str) -> mf.Section:
+    def section(self, cand: MemorySnapshot, section: str) -> Section:
         """A section from the memory of its holder, else of a holder of another node with a copy
         (a peer replica: the section's own node may be lost): in place from a slot of a holder of
         this node, over a direct transfer from a holder of another node (``memory/wire.py``)."""
@@ -128,8 +128,8 @@ class MemoryReader:
         return arr
 
     @staticmethod
-    def _memory_section(at: SectionAt, arena: np.ndarray, section: str) -> mf.Section:
+    def _memory_section(at: SectionAt, arena: np.ndarray, section: str) -> Section:
         """The section from the bytes a holder gave and its index (which carries the CRC-32 of every
         block: ``at.index``; of the whole: ``at.crc32``). A streamed buffer is this process's own."""
-        tree, entries, blocks = mf.parse_index_blocks(at.index, f"memory:{section}")
-        return mf.Section(tree, entries, arena, private=isinstance(at.where, StreamDesc), blocks=blocks)
+        tree, entries, blocks = parse_index_blocks(at.index, f"memory:{section}")
+        return Section(tree, entries, arena, private=isinstance(at.where, StreamDesc), blocks=blocks)

@@ -45,7 +45,9 @@ import numpy as np
 import ray
 import ray.exceptions
 
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.commit import read_manifest
+from cf_ray._engine.format.layout import SHARED, rank_section, step_dir
+from cf_ray._engine.format.sections import Section
 from cf_ray._engine.protocol.messages import Restored, RestorePlan, RestoreSource
 from cf_ray._engine.worker.context import WorkerContext
 from cf_ray._engine.worker.control import ControlPlane
@@ -183,7 +185,7 @@ class Restorer:
         )
         """What the last restore did: phases timed, bytes read, copies refused, candidates skipped, objects verified."""
         self.memory = MemoryReader(ctx.rank, self.record)
-        self._sections: dict[str, mf.Section] = {}  # the candidate being applied (rechecked on a mismatch)
+        self._sections: dict[str, Section] = {}  # the candidate being applied (rechecked on a mismatch)
         self._generation = -1  # the generation that took the candidate being read
 
     @property
@@ -247,7 +249,7 @@ class Restorer:
             for i, steps in enumerate(plan.tiers):
                 found.extend((s, i + 1, self.ctx.tiers[i]) for s in steps)
             candidates.extend(
-                (RestoreSource.STORAGE, (st, mf.step_dir(s))) for s, _, st in sorted(found, key=lambda x: (-x[0], x[1]))
+                (RestoreSource.STORAGE, (st, step_dir(s))) for s, _, st in sorted(found, key=lambda x: (-x[0], x[1]))
             )
             if not found:
                 # A new run started from another run's checkpoint.
@@ -467,14 +469,14 @@ class Restorer:
         )
 
     def _sections_needed(self, saved_world: int, replicated: bool) -> list[str]:
-        needed = [mf.SHARED] if replicated else []
+        needed = [SHARED] if replicated else []
         if saved_world == self.world_size:
-            needed.append(mf.rank_section(self.rank))
+            needed.append(rank_section(self.rank))
         else:
-            needed.extend(mf.rank_section(r) for r in range(max(saved_world, 0)))
+            needed.extend(rank_section(r) for r in range(max(saved_world, 0)))
         return needed
 
-    def _fetch(self, source: RestoreSource, cand) -> tuple[dict[str, mf.Section], Any, bool]:
+    def _fetch(self, source: RestoreSource, cand) -> tuple[dict[str, Section], Any, bool]:
         """Read and verify everything this rank needs: (sections, saved world size, replicated)."""
         if source is RestoreSource.MEMORY:
             saved_world, replicated = cand.world_size, bool(cand.replicated)
@@ -484,7 +486,7 @@ class Restorer:
                 out[sec] = read(self.memory.section, cand, sec)
             return out, saved_world, replicated
         storage, directory = cand
-        manifest = read(mf.read_manifest, storage, directory)
+        manifest = read(read_manifest, storage, directory)
         self._generation = manifest.generation
         why = self.trust.why_not(RestoreSource.STORAGE, manifest.generation, manifest.step)
         if why is not None and (storage is self.ctx.storage or storage in self.ctx.tiers):
@@ -506,14 +508,14 @@ class Restorer:
                 self.record.count("storage", sec.buf.nbytes)
         return out, manifest.world_size, manifest.replicated
 
-    def _also_needed(self, loaded: dict[str, mf.Section], saved_world: int, replicated: bool) -> list[str]:
+    def _also_needed(self, loaded: dict[str, Section], saved_world: int, replicated: bool) -> list[str]:
         """The other ranks' sections, when this rank's says that objects tracked unsharded here were
         saved sharded (FSDP2 state into DDP: every old rank's shards make the whole tensors)."""
         if replicated or saved_world != self.world_size:
             return []
-        own = loaded.get(mf.rank_section(self.rank))
+        own = loaded.get(rank_section(self.rank))
         saved = own.tree.get(_sharded.KEY) if own is not None and isinstance(own.tree, dict) else None
         live = self.sharded.names if self.sharded is not None else set()
         if not isinstance(saved, dict) or not any(n in self.state and n not in live for n in saved):
             return []
-        return [mf.rank_section(r) for r in range(saved_world) if r != self.rank]
+        return [rank_section(r) for r in range(saved_world) if r != self.rank]

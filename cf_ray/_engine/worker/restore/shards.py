@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from cf_ray._engine.format import codec as _codec
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.blocks import RangedData, read_region
 from cf_ray.errors import CheckpointMismatchError, ConfigError, CorruptCheckpointError
 
 
@@ -30,7 +30,7 @@ class SavedShard:
     name: str
     """The entry's path in the section (for messages)."""
     entry: _codec.TensorEntry | None = None
-    data: mf.RangedData | None = None
+    data: RangedData | None = None
     """Where its bytes are when ``local`` is ``None``."""
 
     @property
@@ -49,7 +49,7 @@ class SavedShard:
         if self.local is not None:
             return narrow_tensor_by_index(self.local, offsets, lengths)
         assert self.entry is not None and self.data is not None
-        return mf.read_region(self.data, self.entry, offsets, lengths)
+        return read_region(self.data, self.entry, offsets, lengths)
 
 
 def decode(tree: Any, entries: list[_codec.TensorEntry], buf: Any, *, copy: bool, whole: bool = False) -> Any:
@@ -67,7 +67,7 @@ def decode(tree: Any, entries: list[_codec.TensorEntry], buf: Any, *, copy: bool
         shard = e.shard
         if shard is None and whole and e.kind == "torch" and len(e.shape) >= 1:
             shard = _codec.ShardInfo(tuple(e.shape), (0,) * len(e.shape), "whole")
-        if shard is not None and e.kind == "torch" and isinstance(buf, mf.RangedData):
+        if shard is not None and e.kind == "torch" and isinstance(buf, RangedData):
             return SavedShard(None, shard, e.name, e, buf)  # read where it is assembled, the parts needed
         t = _codec.view(buf, e, copy=copy, readonly_ok=not copy)
         return SavedShard(t, shard, e.name) if shard is not None and isinstance(t, torch.Tensor) else t

@@ -13,7 +13,9 @@ from typing import Any
 import ray
 import ray.train
 
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format import sections
+from cf_ray._engine.format.commit import Manifest
+from cf_ray._engine.format.sections import Section
 from cf_ray._engine.storage.base import Storage
 from cf_ray.errors import CfRayError, ConfigError
 
@@ -47,11 +49,11 @@ def read(fn, *args):
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def load_section(storage: Storage, directory: str, manifest: mf.Manifest, section: str, ranged: bool) -> mf.Section:
+def load_section(storage: Storage, directory: str, manifest: Manifest, section: str, ranged: bool) -> Section:
     """One section of a committed checkpoint (``ranged``: read by block, as it is used)."""
     if ranged:
-        return mf.load_section(storage, directory, manifest, section, ranged=True)
-    return mf.load_section(storage, directory, manifest, section)
+        return sections.load_section(storage, directory, manifest, section, ranged=True)
+    return sections.load_section(storage, directory, manifest, section)
 
 
 def source_name(source: Any) -> str:

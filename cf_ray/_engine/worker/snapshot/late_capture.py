@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from cf_ray._engine.format import codec as _codec
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.layout import COUNTERS
 from cf_ray._engine.worker.snapshot.job import LateObject, LateSlot, SnapshotJob
 
 logger = logging.getLogger("cf_ray")
@@ -189,7 +189,7 @@ class LateCapture:
 def _resume_at_epoch(job: SnapshotJob, epoch: int) -> None:
     """The snapshot's counters (every section that has them) and its metadata say ``epoch``."""
     for flat in job.flats.values():
-        counters = flat.tree.get(mf.COUNTERS) if isinstance(flat.tree, dict) else None
+        counters = flat.tree.get(COUNTERS) if isinstance(flat.tree, dict) else None
         if isinstance(counters, dict) and "epoch" in counters:
             counters["epoch"] = epoch
     if dataclasses.is_dataclass(job.meta) and hasattr(job.meta, "epoch"):

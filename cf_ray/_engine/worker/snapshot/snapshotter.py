@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from cf_ray._engine.format import codec as _codec
-from cf_ray._engine.format import manifest as mf
+from cf_ray._engine.format.layout import COUNTERS, OBJECTS, RNG, SHARED, STATE, rank_section
 from cf_ray._engine.memory import slots as _slots
 from cf_ray._engine.protocol.messages import CheckpointKind, SnapshotMeta
 from cf_ray._engine.worker.cpu_budget import CpuBudget
@@ -498,9 +498,9 @@ class Phase1:
         if not self._late_names:
             return {}
         if self.replicated:
-            section, key = mf.SHARED, mf.OBJECTS
+            section, key = SHARED, OBJECTS
         else:
-            section, key = mf.rank_section(self.rank), mf.STATE
+            section, key = rank_section(self.rank), STATE
         if section not in sections:
             return {}
         late: list = [((key, n), self.state[n].state_dict) for n in self._late_names]
@@ -561,10 +561,10 @@ class Phase1:
     def _sections(self, step: int, epoch: int) -> dict[str, Any]:
         """This rank's snapshot: section name -> state tree (references; copied by the snapshotter)."""
         rank_tree = {
-            mf.OBJECTS: {name: obj.state_dict() for name, obj in self.data.items()},
-            mf.RNG: rng_state(),
+            OBJECTS: {name: obj.state_dict() for name, obj in self.data.items()},
+            RNG: rng_state(),
             # rank and world_size: a restore checks that a rank's section is that rank's.
-            mf.COUNTERS: {"step": step, "epoch": epoch, "rank": self.rank, "world_size": self.world_size},
+            COUNTERS: {"step": step, "epoch": epoch, "rank": self.rank, "world_size": self.world_size},
         }
         sections: dict[str, Any] = {}
         replicated = (
@@ -574,12 +574,12 @@ class Phase1:
         )
         if self.replicated:
             if self.rank == 0:
-                sections[mf.SHARED] = {mf.OBJECTS: replicated}
+                sections[SHARED] = {OBJECTS: replicated}
         else:
-            rank_tree[mf.STATE] = replicated
+            rank_tree[STATE] = replicated
             if self.sharded is not None:
                 rank_tree[_sharded.KEY] = self.sharded.describe()
-        sections[mf.rank_section(self.rank)] = rank_tree
+        sections[rank_section(self.rank)] = rank_tree
         return sections
 
     def _guarded_ptrs(self) -> set[int]:
