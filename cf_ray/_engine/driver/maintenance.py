@@ -1,8 +1,8 @@
 """The controller's maintenance thread: keep-last clean-up (:mod:`.checkpoints.retention`), copies to
 the upload tiers (:mod:`.checkpoints.uploads`), the profile's parts and window, the policy's state and
-the re-reads of checkpoints a restore found damaged (:mod:`.checkpoints.quarantine`), after each commit, off the actor's RPC threads (a slow
-delete, upload or re-read never delays a worker's poll) and never under the controller's lock while
-it does storage I/O.
+the re-reads of checkpoints a restore found damaged (:mod:`.checkpoints.quarantine`), after each
+commit, off the actor's RPC threads (a slow delete, upload or re-read never delays a worker's poll)
+and never under the controller's lock while it does storage I/O.
 
 One condition of its own guards what is due (and the upload queue); the thread takes the
 controller's lock only for its reads of the committed index and the pending table.

@@ -16,8 +16,9 @@
   newest generation handed out, the step each recent attempt restored, the in-memory snapshots
   never to offer again (:mod:`.checkpoints.quarantine`) and the newest checkpoints that did not
   commit (the failures the ranks report, :mod:`cf_ray._engine.observe.events`) — so that a
-  controller that starts again never hands out a generation twice, never commits a step of a timeline that a later attempt replays, and never
-  restores a snapshot that failed verification, nor forgets a step lost before it started.
+  controller that starts again never hands out a generation twice, never commits a step of a
+  timeline that a later attempt replays, and never restores a snapshot that failed verification,
+  nor forgets a step lost before it started.
 
 No torch here; Ray only in :class:`HolderLink`.
 """

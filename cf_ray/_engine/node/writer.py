@@ -10,7 +10,7 @@ would commit until storage caught up. Milestones and preemption checkpoints are 
 section of a step once its writing has started (and a section of it that arrives late), so that a
 started step is never lost in part to a refill.
 
-A section is written with ``manifest.write_section_slot`` under the slot's shared lock: the data file
+A section is written with ``format/sections.py``'s ``write_section_slot`` under the slot's shared lock: the data file
 with ``O_DIRECT`` straight from the mapping, its CRC-32 the worker's (combined from its blocks), so
 the holder copies no byte; then the index. **Then the slot's bytes are checked against the index's
 block CRCs** (one read pass, ``crc_read_bytes``): the worker checksummed them as it copied, and a

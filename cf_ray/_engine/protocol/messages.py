@@ -189,7 +189,7 @@ class SnapshotMeta(Message):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StagedSlot(Message):
     """One section of a snapshot as the worker hands it over: the slot it copied it into, its index
-    with the block CRC-32s (``manifest.with_blocks``) and the CRC-32 of the whole data."""
+    with the block CRC-32s (``format/blocks.py``'s ``with_blocks``) and the CRC-32 of the whole data."""
 
     section: str
     slot: SlotDesc
@@ -419,7 +419,7 @@ class SyncRequest(Message):
     seen_requests: int = -1
     bell: tuple[Any, int] | None = None
     """The rank's doorbell, ``(actor handle, token)``, until the controller has it for this attempt
-    (``worker/link/sync.py``); ``None``: known already, or the rank runs outside a Ray actor."""
+    (``worker/link/controller.py``); ``None``: known already, or the rank runs outside a Ray actor."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -480,7 +480,7 @@ class IntegrityFailure(Message):
     how: str
     """How they came: ``in_place``, ``direct``, ``object_store``, ``storage``."""
     blocks: tuple[int, ...] = ()
-    """The blocks that failed (indices, at most ``manifest.BLOCKS_NAMED``); empty: not a block check."""
+    """The blocks that failed (indices, at most ``format/blocks.py``'s ``BLOCKS_NAMED``); empty: not a block check."""
     block_bytes: int = 0
     error: str = ""
 

@@ -2,11 +2,10 @@
 
 CPython runs a full (generation 2) collection once the objects promoted since the last one reach a
 quarter of those that survived it. A training process that imported torch, Ray and cf_ray holds
-~400k objects, and a full collection of them takes 200-300 ms on the 2-core machine the benchmarks
-run on, holding the GIL: the training thread stops for that long. cf_ray's setup (its imports, the
-restore, its actors' handles) and its objects of each checkpoint pushed the count over that threshold
-a few seconds into the loop: traced with ``gc.callbacks``, one such pause in about every other
-80-iteration fit of the user-loop benchmark, none in the same loop without cf_ray.
+hundreds of thousands of objects, and a full collection of them takes a few hundred milliseconds,
+holding the GIL: the training thread stops for that long. cf_ray's setup (its imports, the restore,
+its actors' handles) and its objects of each checkpoint push the count over that threshold a few
+seconds into the loop, so without the freeze such a pause lands inside the training loop.
 
 So at the end of :meth:`~cf_ray.Checkpointer.restore` (before the loop) one full collection runs,
 then ``gc.freeze()`` moves every object alive then (modules, the model, the optimizer, Ray's state)

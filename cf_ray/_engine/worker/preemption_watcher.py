@@ -269,7 +269,7 @@ class PreemptionWatcher:
             step: the checkpoint's step.
             wait: ``Checkpointer.wait``: blocks up to the given seconds until nothing is pending.
             committed: whether ``step`` is safe, as this rank knows it: committed (or a newer one), or
-                held in a peer's memory when the controller chose that tier for it (#12).
+                held in a peer's memory on a node that is not going (the controller's ``safe``).
         """
         self.jit_steps.append(step)
         with self._lock:

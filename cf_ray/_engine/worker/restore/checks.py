@@ -9,7 +9,7 @@ dtype and this rank's shard, ``sharded.py``, resharded first when the number of 
 the data objects' states (each source's own checks,
 run on a copy where cf_ray knows how: its samplers, loaders and readers). :func:`apply` then loads
 what was validated, and :func:`verify` checks each loaded object against the fingerprint the
-snapshot recorded (``fingerprint.py``).
+snapshot recorded (``snapshot/fingerprint.py``).
 
 What :func:`validate` raises says what kind of refusal it is: :class:`~cf_ray.errors.CorruptCheckpointError`
 (damage: the restore falls back to an older candidate), :class:`~cf_ray.errors.CheckpointMismatchError`
@@ -434,7 +434,8 @@ def _rank_tree(loaded: dict[str, Section], r: int, saved_world: int) -> dict:
         raise
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"section {name} is malformed: {e}") from None
-    # Written since #16: a section that is not that rank's (its files swapped) is refused here.
+    # The rank and world size the section says it holds: a section that is not that rank's (its files
+    # swapped) is refused here.
     if counters.get("rank", r) != r or counters.get("world_size", saved_world) != saved_world:
         raise CorruptCheckpointError(
             f"section {name} holds the state of rank {counters.get('rank')} of "
@@ -500,8 +501,8 @@ def materialize_objects(section: Section, path: tuple[str, ...], objs: dict, rel
 
 class _Copier:
     """The copies of one object's tensors, made into one private buffer whose pages are made present
-    at once (``shm.private_buffer``): a copy into fresh memory page fault by page fault costs about
-    three times the copy (measured: 0.25 s against 0.08 s per GB)."""
+    at once (``shm.private_buffer``): a copy into fresh memory, page fault by page fault, costs a
+    multiple of the copy itself."""
 
     _ALIGN = 64
 

@@ -1,4 +1,4 @@
-"""The restore's one decision, shared by every rank (``restore.py``), and what it tells people.
+"""The restore's one decision, shared by every rank (``restorer.py``), and what it tells people.
 
 Every phase of a restore ends with an exchange of every rank's :class:`Status` (an all-gather on
 cf_ray's own group). :func:`decide` raises on every rank when some rank failed; a candidate some

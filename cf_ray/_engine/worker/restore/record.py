@@ -16,7 +16,7 @@ class RestoreRecord:
 
     Args:
         refusals: the copies of sections whose bytes failed a check (``integrity.py``).
-        fallbacks: the candidates every rank skipped (``restore_decision.py``).
+        fallbacks: the candidates every rank skipped (``decision.py``).
     """
 
     def __init__(self, refusals: Refusals, fallbacks: Fallbacks):

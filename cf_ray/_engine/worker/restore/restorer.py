@@ -1,8 +1,8 @@
 """Restore at the start of an attempt: the controller's plan, the candidates it names (a holder's
 snapshot in memory, committed checkpoints on storage and the upload tiers, another run's
-checkpoint), each one read (``restore_memory.py``, ``restore_storage.py``), verified and *validated*
-on every rank before any tracked object is touched (``restore_checks.py``), then applied and checked
-against the fingerprints the snapshot recorded; what it did is kept in ``restore_record.py``.
+checkpoint), each one read (``memory.py``, ``storage.py``), verified and *validated* on every rank
+before any tracked object is touched (``checks.py``), then applied and checked against the
+fingerprints the snapshot recorded; what it did is kept in ``record.py`` (all in ``restore/``).
 
 Verified before use (``integrity.py``): every byte that came from memory against its block's CRC-32
 (a copy that fails is refused, the next copy tried, then the next candidate), every file from
@@ -10,7 +10,7 @@ storage against the manifest's CRC-32, and the saved parameters and optimizer st
 infinity. A snapshot that failed is never offered again (the controller's plans leave it out; this
 restore skips the other copies of what it refused itself: ``trust_gate.RunTrust``).
 
-One decision, shared (``restore_decision.py``): every phase (the plan, the candidates, each
+One decision, shared (``decision.py``): every phase (the plan, the candidates, each
 candidate's read and validation, the load) ends with an exchange of every rank's outcome (a small
 all-gather on cf_ray's own group), so an error on any rank reaches every rank within seconds, never
 as a hang in a collective:
@@ -491,7 +491,7 @@ class Restorer:
         why = self.trust.why_not(RestoreSource.STORAGE, manifest.generation, manifest.step)
         if why is not None and (storage is self.ctx.storage or storage in self.ctx.tiers):
             raise LookupError(f"step {manifest.step} holds the state this restore refused already ({why})")
-        if manifest.kind == "final":
+        if manifest.final_model:
             raise CorruptCheckpointError(
                 f"{storage.uri(directory)} holds only final model weights; load it "
                 "with cf_ray.load_into(...) instead of resuming from it"

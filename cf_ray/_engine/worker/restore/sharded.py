@@ -24,12 +24,12 @@ Restore at another number of ranks (N -> M, 2 -> 1 and 1 -> 2 included): every r
 rank's index, and :meth:`ShardedState.reshard` assembles each of its new shards from the old shards
 that overlap it, with the overlaps computed by DCP's own planner helper
 (``create_read_items_for_chunk_list``); what is not a shard (Adam's step, the parameter groups)
-comes from old rank 0. From storage, the old sections are read by range
-(``manifest.RangedData``): of each old shard only the rows that overlap this rank's new shard, every
-block read checked against its CRC-32, one region at a time, so a rank's memory grows by its new
-shard plus one tensor at most (measured in tests/test_fsdp2.py). From memory the old sections are
-the node's holder's slots (shared memory, read in place) or streamed from another node's. Not yet: tensor parallelism beyond
-what DTensor placements describe (untested).
+comes from old rank 0. From storage, the old sections are read by range (``format/blocks.py``'s
+``RangedData``): of each old shard only the rows that overlap this rank's new shard, every block
+read checked against its CRC-32, one region at a time, so a rank's memory grows by its new shard
+plus one tensor at most (tests/test_fsdp2.py asserts it). From memory the old sections are the
+node's holder's slots (shared memory, read in place) or streamed from another node's. Not covered:
+tensor parallelism beyond what DTensor placements describe (untested).
 A checkpoint exported with ``cf-ray export RUN --to dcp`` loads at any world size with
 ``torch.distributed.checkpoint.load``.
 """

@@ -56,7 +56,7 @@ def decode(tree: Any, entries: list[_codec.TensorEntry], buf: Any, *, copy: bool
     """A saved (encoded) state with its sharded tensors as :class:`SavedShard`.
 
     Args:
-        buf: the section's bytes; a shard in a section read by range (``manifest.RangedData``) is
+        buf: the section's bytes; a shard in a section read by range (``format/blocks.py``'s ``RangedData``) is
             left unread (``local=None``): :func:`_assemble` reads the parts it needs.
         copy: other tensors are private copies (else views of ``buf`` where it allows).
         whole: the state was saved unsharded (DDP): its tensors of one or more dimensions become

@@ -1,5 +1,5 @@
 """Reading a restore candidate from storage: transient errors tried again, every file verified
-before it is parsed (``manifest.read_verified``: size and CRC-32, and on a mismatch the blocks that
+before it is parsed (``format/sections.py``'s ``read_verified``: size and CRC-32, and on a mismatch the blocks that
 differ), and the checkpoint of another run that a new run starts from (``resume_from``, or the one
 Ray Train hands it).
 """

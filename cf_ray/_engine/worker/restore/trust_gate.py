@@ -1,4 +1,4 @@
-"""Trust-gated recovery (#23): what a run's restores must never use again, and the first steps after
+"""Trust-gated recovery: what a run's restores must never use again, and the first steps after
 a restore, watched.
 
 **Distrusted snapshots.** A snapshot whose bytes failed a check (a block's CRC-32, a fingerprint

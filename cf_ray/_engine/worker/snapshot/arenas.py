@@ -1,6 +1,6 @@
 """The snapshot arenas of one rank: per section, the holder's slots mapped here (a
 :class:`~cf_ray._engine.worker.snapshot.slot_arena.SlotArena`), reused while the section's layout stays the
-same, faulted in ahead of the first snapshot (``snapshot.py``'s module doc says why), and a free
+same, faulted in ahead of the first snapshot (``snapshotter.py``'s module doc says why), and a free
 slot of each waited for (said while it waits) before a snapshot is skipped
 (:class:`SnapshotSkipped`, never a hang of the training thread); so is the previous snapshot's
 hand-off to the holder (:meth:`SectionArenas.wait_previous`) and the holder's slots of a section

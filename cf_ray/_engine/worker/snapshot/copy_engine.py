@@ -11,8 +11,8 @@ Checksums: a slot filled from host memory is copied window by window and each wi
 checksummed right after its copy, while the bytes are still in the CPU's cache
 (:func:`_copy_checksummed`: no second pass over memory); a slot that device tensors were copied
 into by DMA is read once after the guard (:meth:`CopyEngine.checksum_dma`, on several threads: the
-CPU's cores are idle while a GPU trains, and one thread's ~9 GB/s of CRC-32 was longer than a
-training step for 1.2 GB of state; :func:`crc_threads`); the blocks a late
+CPU's cores are idle while a GPU trains, and one thread's CRC-32 over a few GB of state can take
+longer than a training step; :func:`crc_threads`); the blocks a late
 capture wrote are checksummed again (:meth:`CopyEngine.checksum_late`). Where blocks begin and end,
 and how an index carries their checksums, is the format's (``format/blocks.py``,
 ``format/sections.py``): this module asks it.

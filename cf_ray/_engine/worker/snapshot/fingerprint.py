@@ -1,5 +1,5 @@
 """Fingerprints of tracked objects: what a snapshot records of each one, and what a restore checks
-against the object's live state once it is loaded (``restore.py``).
+against the object's live state once it is loaded (``restore/restorer.py``).
 
 A fingerprint is cheap by design, since the snapshot side runs on every checkpoint: it covers the
 object's whole *structure* (every key, every non-tensor value, each tensor's dtype, shape and kind)

@@ -4,13 +4,13 @@ the holder is gone, or is a new one that does not know the slots (Ray restarted 
 holder is found or made again and the snapshot is copied into its slots and staged once more. Also
 which snapshots are copied to peers (:class:`ReplicaPlan`, :func:`replica_due`).
 
-Hand-off: the arenas are the node's holder's shared-memory slots (``slot_arena.py``, ``snapshot_arenas.py``): the worker
-copies each section once, into a slot the holder owns (so the snapshot outlives this worker), and
-hands over a typed :class:`~cf_ray._engine.protocol.messages.Stage` naming the slots, the indexes
-with their block CRC-32s and each section's CRC-32 (``HolderActor.stage``): no bytes travel. (Until
-issue 24 a platform without ``memfd_create``, or ``SHM_SLOTS=0``, passed the arena by value
-through the object store, re-``put`` by the holder: two more passes on the host; cf_ray needs
-Linux now, where Ray runs GPU training, and says so at once elsewhere.)
+Hand-off: the arenas are the node's holder's shared-memory slots (``snapshot/slot_arena.py``,
+``snapshot/arenas.py``): the worker copies each section once, into a slot the holder owns (so the
+snapshot outlives this worker), and hands over a typed :class:`~cf_ray._engine.protocol.messages.Stage` naming the slots, the indexes
+with their block CRC-32s and each section's CRC-32 (``HolderActor.stage``): no bytes travel. There
+is no by-value path through the object store (re-``put`` by the holder: two more passes on the
+host): cf_ray needs Linux's ``memfd_create``, where Ray runs GPU training, and says so at once
+elsewhere.
 """
 
 from __future__ import annotations

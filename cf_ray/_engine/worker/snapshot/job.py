@@ -1,6 +1,6 @@
 """What a snapshot in flight is, as the parts of phase 1 share it: the snapshotter's thread and queue
-(``snapshot.py``), the copy engine (``copy_engine.py``), the late capture (``late_capture.py``) and
-the hand-off to the holder (``holder_handoff.py``). Records with no behaviour of their own.
+(``snapshotter.py``), the copy engine (``copy_engine.py``), the late capture (``late_capture.py``)
+and the hand-off to the holder (``handoff.py``). Records with no behaviour of their own.
 """
 
 from __future__ import annotations

@@ -153,10 +153,9 @@ class SlotArena:
     def fault_in(self) -> None:
         """Map every page of the two regular slots now, writable, keeping what they hold (a restored
         snapshot may be there); the spare's pages are taken only if it is ever used.
-        ``MADV_POPULATE_WRITE`` (Linux 5.14), else a write of the byte each page holds. (Until
-        2026-11-29 this was ``a[::page] = a[::page]``, which numpy skips as a self-assignment: the
-        first two checkpoints of every attempt took the page faults in their copy, 0.22 s instead
-        of 0.04 s for 302 MB, behind the weight-update guard.)"""
+        ``MADV_POPULATE_WRITE`` (Linux 5.14), else a write of the byte each page holds (a copy of
+        it: ``a[::page] = a[::page]`` is a self-assignment numpy skips, and the first checkpoints of
+        every attempt would take the page faults in their copy, behind the weight-update guard)."""
         for slot, t in zip(self.slots[:_REGULAR], self._tensors):
             try:
                 slot.map.madvise(_MADV_POPULATE_WRITE)

@@ -11,13 +11,13 @@ what makes that safe.
 Buffers: one *arena* per section (a flat ``uint8`` tensor, pinned on CUDA machines), reused
 while the layout stays the same. They are allocated and faulted in ahead of the first snapshot
 (:meth:`Snapshotter.prepare`, on the background thread, a few steps before it): the first write
-to new memory page-faults, and faulting in a 300 MB arena while the backward pass allocates and
-frees its own buffers took ~1 s here (against ~30 ms for the copy into a warm arena), all of it a
-guard wait on the training thread at the first checkpoint. How the bytes are copied and
+to new memory page-faults, and faulting in an arena while the backward pass allocates and frees
+its own buffers costs many times the copy into a warm arena, all of it a guard wait on the training
+thread at the first checkpoint. How the bytes are copied and
 checksummed: ``copy_engine.py``.
 
 Hand-off: the arenas are the node's holder's shared-memory slots: the worker copies each section
-once, into a slot the holder owns, and hands over a typed ``Stage`` naming them (``holder_handoff.py``).
+once, into a slot the holder owns, and hands over a typed ``Stage`` naming them (``handoff.py``).
 
 Late state: the small objects that are neither modules nor optimizers (schedulers, ...) are taken
 again at the start of the next Checkpointer call, into the slots the snapshot reserved for them
@@ -30,9 +30,9 @@ against it once it is loaded.
 Here: :class:`Snapshotter`, the background thread and its queue (no Ray; it calls back a
 ``hand_off``), and :class:`Phase1`, what the Checkpointer drives (what a snapshot holds and its
 metadata). Their parts, one job each: the arenas of each section and the wait for a free slot
-(``snapshot_arenas.py``), the copies and block checksums (``copy_engine.py``), the late capture
+(``arenas.py``), the copies and block checksums (``copy_engine.py``), the late capture
 (``late_capture.py``), the hand-off to the holder, made again with a new holder of this node once
-when the holder died (``holder_handoff.py``), and the job they share (``snapshot_job.py``).
+when the holder died (``handoff.py``), and the job they share (``job.py``), all in ``snapshot/``.
 """
 
 from __future__ import annotations
