@@ -117,7 +117,7 @@ def test_the_books_feed_the_runs_failures_to_the_policy_and_split_the_wall_time(
     storage = FsStorage.from_uri(str(tmp_path))
     schedule = ScheduleBook(Adaptive(budget_pct=5.0, mtbf_s=3600.0), storage)
     book = ProfileBook("run", storage, schedule)
-    t0 = book.goodput.started_unix
+    t0 = book.badput.started_unix
     book.add_event({"event": "restore", "source": "fresh", "step": 0, "seconds": 0.5, "generation": 1, "time": t0 + 2})
     for step in (5, 10, 15):
         book.add_iteration(0, step, 0.01, 5)
@@ -129,10 +129,10 @@ def test_the_books_feed_the_runs_failures_to_the_policy_and_split_the_wall_time(
     assert hazard["failures"] == 1 and hazard["measured_recoveries"] == 1 and "memory" in hazard["recovery_by_source"]
     book.add_event({"event": "notice", "seq": 1, "generation": 2, "time": time.time(), "detail": ""})
     book.add_event({"event": "notice", "seq": 2, "generation": 2, "time": time.time(), "detail": ""})  # same attempt
-    rates = [e for e in book.events if e["event"] == "failure_rate"]
+    rates = [e for e in book.log.plain_events() if e["event"] == "failure_rate"]
     assert [(e["why"], e["failures"]) for e in rates] == [("restart", 1), ("notice", 2)]
     assert rates[-1]["mtbf_s"] < 3600.0  # two failures within seconds: a much higher rate than the prior
-    b = book.goodput.breakdown()
+    b = book.breakdown()
     assert b["badput_s"]["checkpoint_save"] == pytest.approx(3 * 0.03)
     assert b["badput_s"]["checkpoint_restore"] == pytest.approx(0.5 + 0.2)
     assert b["badput_s"]["wasted_progress"] == pytest.approx(5 * 0.01)
@@ -145,18 +145,18 @@ def test_the_books_feed_the_runs_failures_to_the_policy_and_split_the_wall_time(
 def test_badput_categories_add_up_to_the_wall_time():
     """A timeline whose times agree with each other: 20 steps of 0.5 s and one stall of 0.2 s, a
     failure, 10 steps lost, a recovery of 21.8 s with a 2 s restore, 5 steps more."""
-    from cf_ray._engine.observe.badput import CATEGORIES, Badput
+    from cf_ray._engine.observe.goodput import CATEGORIES, Badput
 
-    g = Badput(started_unix=90.0)  # the controller started at 90
+    g, b = Goodput(), Badput(started_unix=90.0)  # the controller started at 90
     g.on_restore(generation=1, source="fresh", step=0, restore_s=1.0, now_unix=100.0)  # the run's start
     g.on_sample(10, 0.5, 10, 106.0)  # the first iteration started at 101
-    g.note_stall(1, 0, {"step": 10, "stall_s": 0.15, "guard_s": 0.05})
-    g.note_stall(1, 1, {"step": 10, "stall_s": 0.1})  # the slowest rank's stall counts
+    b.note_stall(1, 0, {"step": 10, "stall_s": 0.15, "guard_s": 0.05})
+    b.note_stall(1, 1, {"step": 10, "stall_s": 0.1})  # the slowest rank's stall counts
     g.on_sample(20, 0.5, 10, 111.2)
     r = g.on_restore(generation=2, source="memory", step=10, restore_s=2.0, now_unix=130.0)
     assert r is not None and r.failure_unix == 111.2
     g.on_sample(15, 0.5, 5, 135.0)  # the first resumed iteration ended at 133
-    out = g.breakdown()
+    out = b.breakdown(g)
     bad = out["badput_s"]
     assert out["wall_s"] == pytest.approx(45.0) and out["productive_s"] == pytest.approx(7.5)
     assert bad == pytest.approx(

@@ -10,8 +10,7 @@ import time
 import pytest
 
 from cf_ray import report
-from cf_ray._engine.observe.badput import Badput
-from cf_ray._engine.observe.goodput import Goodput
+from cf_ray._engine.observe.goodput import Badput, Goodput
 from cf_ray._engine.worker.link import ray_train_fast
 from cf_ray._engine.worker.restore.restorer import process_start_unix
 
@@ -66,16 +65,16 @@ def test_a_restart_in_a_process_started_before_the_failure_splits_at_rank_0s_loa
 
 
 def test_badput_sums_the_recovery_parts_over_the_restarts():
-    b = Badput(started_unix=99.0)
-    b.on_restore(generation=1, source="fresh", step=0, restore_s=0.5, now_unix=100.0)
-    b.on_sample(10, 0.1, 10, 102.0)
-    b.on_restore(
+    g, b = Goodput(), Badput(started_unix=99.0)
+    g.on_restore(generation=1, source="fresh", step=0, restore_s=0.5, now_unix=100.0)
+    g.on_sample(10, 0.1, 10, 102.0)
+    g.on_restore(
         generation=2, source="memory", step=10, restore_s=0.2, now_unix=108.0,
         process_start_unix=104.0, restore_begin_unix=107.7,
     )  # fmt: skip
-    b.on_sample(11, 0.1, 1, 108.1)
-    b.on_restore(generation=3, source="storage", step=11, restore_s=1.0, now_unix=120.0)
-    parts = b.breakdown()["recovery_parts_s"]
+    g.on_sample(11, 0.1, 1, 108.1)
+    g.on_restore(generation=3, source="storage", step=11, restore_s=1.0, now_unix=120.0)
+    parts = b.breakdown(g)["recovery_parts_s"]
     assert parts["rebuild_s"] == pytest.approx(2.0) and parts["rebuild_count"] == 1
     assert parts["setup_s"] == pytest.approx(3.7) and parts["restore_s"] == pytest.approx(1.2)
     assert parts["restore_count"] == 2 and parts["first_step_s"] == pytest.approx(0.1)

@@ -37,6 +37,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from cf_ray._engine.protocol.events import JitSafeEvent
 from cf_ray._engine.protocol.messages import SectionState
 
 if TYPE_CHECKING:
@@ -149,15 +150,14 @@ def _safe(book: ProfileBook, row: dict, generation: int, step: int, t: float, ti
     if row.get("deadline_unix") is not None:
         row["made_deadline"] = t <= row["deadline_unix"]
     book.add_event(
-        {
-            "event": "jit_safe",
-            "step": step,
-            "generation": generation,
-            "tier": tier.value,
-            "deadline_unix": row.get("deadline_unix"),
-            "made_deadline": row.get("made_deadline"),
-            "time": t,
-        }
+        JitSafeEvent(
+            step=step,
+            generation=generation,
+            tier=tier.value,
+            deadline_unix=row.get("deadline_unix"),
+            made_deadline=row.get("made_deadline"),
+            time=t,
+        )
     )
 
 

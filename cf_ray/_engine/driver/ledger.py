@@ -20,14 +20,15 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from cf_ray._engine.driver import jit as _jit
 from cf_ray._engine.driver.checkpoints.commits import CommitBook
 from cf_ray._engine.driver.checkpoints.committed import CommitJob, load_committed
-from cf_ray._engine.driver import jit as _jit
 from cf_ray._engine.driver.recovery import ControlState
 from cf_ray._engine.driver.schedule import ScheduleBook
 from cf_ray._engine.driver.schedule import explain as explain_policy
 from cf_ray._engine.format.commit import Manifest
 from cf_ray._engine.observe.profile_book import ProfileBook
+from cf_ray._engine.protocol.events import Event, NoticeEvent, RestoreEvent
 from cf_ray._engine.protocol.messages import (
     CheckpointRequest,
     HolderState,
@@ -131,18 +132,17 @@ class Ledger:
         step belong to a timeline this attempt replays and are abandoned (:meth:`CommitBook.abandon_after`)."""
         with self.lock:
             self.book.add_event(
-                {
-                    "source": RestoreSource(info.source).value,
-                    "step": info.step,
-                    "epoch": info.epoch,
-                    "seconds": info.seconds,
-                    "world_size": info.world_size,
-                    "saved_world_size": info.saved_world_size,
+                RestoreEvent.make(
                     **info.extra,
-                    "event": "restore",
-                    "generation": self.generation,
-                    "time": time.time(),
-                }
+                    source=RestoreSource(info.source).value,
+                    step=info.step,
+                    epoch=info.epoch,
+                    seconds=info.seconds,
+                    world_size=info.world_size,
+                    saved_world_size=info.saved_world_size,
+                    generation=self.generation,
+                    time=time.time(),
+                )
             )
             self.commits.abandon_after(self.generation, info.step, alive_nodes)
             state = self._control_state()
@@ -223,14 +223,13 @@ class Ledger:
             )
             self.requests.append(req)
             self.book.add_event(
-                {
-                    "seq": req.seq,
-                    "deadline_unix": req.deadline_unix,
-                    "detail": req.detail,
-                    "time": req.time_unix,
-                    "generation": req.generation,
-                    "event": "notice",
-                }
+                NoticeEvent(
+                    seq=req.seq,
+                    deadline_unix=req.deadline_unix,
+                    detail=req.detail,
+                    time=req.time_unix,
+                    generation=req.generation,
+                )
             )
             self._ring_due = True
             return req
@@ -368,17 +367,19 @@ class Ledger:
         return state, settled
 
     # -- what users read -----------------------------------------------------------------------------------
-    def record_event(self, event: dict) -> None:
+    def record_event(self, event: Event) -> None:
+        """A worker's event, timed now unless it has a time."""
         with self.lock:
-            self.book.add_event(dict(event, time=event.get("time", time.time())))
+            self.book.add_event(event.stamped(time.time()))
 
-    def _event(self, event: dict | None) -> None:
+    def _event(self, event: Event | None) -> None:
         if event is not None:
             self.book.add_event(event)
 
     def events(self) -> list[dict]:
+        """The events in their plain form, oldest first."""
         with self.lock:
-            return list(self.book.events)
+            return self.book.log.plain_events()
 
     def iteration_rows(self) -> list[dict]:
         with self.lock:
@@ -404,7 +405,7 @@ class Ledger:
                 "interval": self.schedule.current_interval,
                 "schedules": self.schedule.as_dicts(),
                 "failures": self.book.log.failure_dicts(),
-                "events": list(self.book.events),
+                "events": self.book.log.plain_events(),
                 "pending": self.commits.table.pending_steps(),
                 "restore_fallbacks": self.book.log.fallback_counts(),
                 "distrusted": [list(k) for k in self.commits.distrusted],
@@ -416,7 +417,7 @@ class Ledger:
         (:meth:`ProfileParts.save_window`): a controller that Ray starts again in this one's place
         lists them."""
         with self.lock:
-            rows, events = self.book.profile_rows(), list(self.book.events)
+            rows, events = self.book.profile_rows(), self.book.log.plain_events()
         self.book.parts.save_window(rows, events)
 
     def save_profile(self) -> None:
@@ -431,7 +432,7 @@ class Ledger:
         from cf_ray._engine.observe.event_files import save_events
 
         with self.lock:
-            events = list(self.book.events)
+            events = self.book.log.plain_events()
         try:
             save_events(self.book.storage, events)
         except Exception as e:  # noqa: BLE001 - the events are a report, never a reason to fail

@@ -1,7 +1,31 @@
-"""Goodput of a run (issue #15): each restart's cost (work lost, recovery time, restore source and
-time) and the run's effective training time ratio, from the iteration samples and restore events
-the controller's profile already sees. Exported as Ray metrics (:mod:`.metrics`) and saved as
-``restarts.parquet`` (``cf_ray.report.read_run_restarts``).
+"""Goodput and badput of a run, from what the controller already sees: the iteration samples, the
+staged snapshots, the restore events and each checkpoint's training-thread stall.
+
+* :class:`Goodput` owns the run's timeline: each restart's cost (work lost, recovery time and its
+  parts, restore source and time), the progress and the mean iteration time, and the effective
+  training time ratio. The restarts are the ``restarts`` table (``cf_ray.report.read_run_restarts``).
+* :class:`Badput` owns what the timeline does not: when the controller started and the checkpoint
+  stalls; :meth:`Badput.breakdown` splits the wall time into productive time and the badput
+  categories of Google's ML Goodput Measurement (:data:`CATEGORIES`), from both. The controller
+  exports it as Ray metrics (``cf_ray_productive_seconds``, ``cf_ray_badput_seconds`` by
+  ``category``), returns it in its summary and saves it as ``goodput.json`` with the profile.
+
+The categories (seconds; they add up to the wall time since the controller started, up to the
+overlap said under ``other``):
+
+* ``productive``: progress on the current timeline x the mean iteration time (as the effective
+  training ratio counts it; the slowdown of iterations that overlap a background copy is in it);
+* ``checkpoint_save``: the training-thread stall of every checkpoint (slowest rank's);
+* ``checkpoint_restore``: every restore's own duration (the first attempt's included);
+* ``wasted_progress``: training redone after restarts (the work lost);
+* ``recovery``: for each restart, failure to first resumed iteration less its restore and that
+  iteration (failure detection, Ray Train restarting the worker group, processes and models built
+  again);
+* ``startup``: the controller's start (the first rank's ``Checkpointer``) to the first iteration,
+  less the first attempt's restore;
+* ``other``: the rest (iteration-time noise, data stalls, the time since the newest report); never
+  below 0: the categories are estimates from when the workers' reports arrive, and two of them (a
+  recovery, the work lost before it) can overlap by a report's lag.
 
 No Ray, no storage, no lock: the profile (:class:`~.profile_book.ProfileBook`) calls it under the
 controller's lock.
@@ -12,6 +36,14 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import asdict, dataclass
+
+from cf_ray._engine.protocol.events import RestoreEvent
+
+#: The badput categories, in the order users see them.
+CATEGORIES = ("checkpoint_save", "checkpoint_restore", "wasted_progress", "recovery", "startup", "other")
+
+_STALLS_KEPT = 256
+"""Checkpoints whose per-rank stalls are kept (a rank's late report of an older one is still added)."""
 
 
 @dataclass
@@ -108,6 +140,9 @@ class Goodput:
         self.lost_s_total = 0.0
         self._fallbacks: list[tuple[str, str]] = []
         """(source, cause) of the restore fallbacks since the newest restore (the next restart's)."""
+        self.start_restore_s = 0.0
+        """The first attempt's restore (a resume from another run's or an earlier run's checkpoint):
+        not a restart, but badput all the same."""
 
     def mean_iter_s(self) -> float | None:
         return self._iter_total_s / self._iters if self._iters else None
@@ -187,6 +222,7 @@ class Goodput:
             self._started = True
             self._start_step = self._reached_step = step
             self._start_unix = now_unix
+            self.start_restore_s += float(restore_s or 0.0)
             return None
         if self._first_unix is None:  # the first attempt ended before its first sample came
             self._first_unix = self._start_unix if self._start_unix is not None else previous_attempt_unix
@@ -240,17 +276,17 @@ class Goodput:
         return [asdict(r) for r in self.restarts]
 
 
-def restore_args(event: dict) -> dict:
+def restore_args(event: RestoreEvent) -> dict:
     """:meth:`Goodput.on_restore`'s arguments from the controller's ``restore`` event."""
     return {
-        "generation": event.get("generation") or 0,
-        "source": str(event.get("source")),
-        "step": event.get("step") or 0,
-        "restore_s": event.get("seconds") or 0.0,
-        "now_unix": event.get("time") or time.time(),
-        "process_start_unix": event.get("process_start_unix"),
-        "restore_begin_unix": event.get("restore_begin_unix"),
-        "code_start_unix": event.get("code_start_unix"),
+        "generation": event.generation or 0,
+        "source": str(event.source),
+        "step": event.step or 0,
+        "restore_s": event.seconds or 0.0,
+        "now_unix": event.time or time.time(),
+        "process_start_unix": event.process_start_unix,
+        "restore_begin_unix": event.restore_begin_unix,
+        "code_start_unix": event.code_start_unix,
     }
 
 
@@ -274,4 +310,85 @@ def _split(
         restart.setup_s = restore_begin_unix - start
 
 
-__all__ = ["Goodput", "Restart", "restore_args"]
+class Badput:
+    """Where the wall time went (the module docstring): the checkpoint stalls and the controller's
+    start, which the timeline (:class:`Goodput`) does not hold, and the breakdown of both.
+
+    Args:
+        started_unix: when the controller started (the start of the run's wall time; now by default).
+    """
+
+    def __init__(self, started_unix: float | None = None):
+        self.started_unix = time.time() if started_unix is None else started_unix
+        self.stall_s = 0.0
+        """Sum over checkpoints of the slowest rank's training-thread stall."""
+        self._stalls: collections.OrderedDict[tuple[int, int], dict[int, float]] = collections.OrderedDict()
+        """(generation, step) -> rank -> stall, the newest :data:`_STALLS_KEPT`: a rank's late report
+        of a kept checkpoint raises its slowest stall instead of adding a second one."""
+
+    def note_stall(self, generation: int, rank: int, stats: dict) -> None:
+        """A rank's timings of one checkpoint (``SyncRequest.ckpt_stats``): its stall, the synchronous
+        part plus its guard wait, counts for the slowest rank."""
+        seconds = (stats.get("stall_s") or 0.0) + (stats.get("guard_s") or 0.0)
+        if "stall_s" not in stats or not isinstance(seconds, (int, float)) or seconds < 0:
+            return
+        per_rank = self._stalls.setdefault((int(generation), int(stats["step"])), {})
+        before = max(per_rank.values(), default=0.0)
+        per_rank[int(rank)] = float(seconds)
+        self.stall_s += max(per_rank.values()) - before
+        while len(self._stalls) > _STALLS_KEPT:
+            self._stalls.popitem(last=False)
+
+    def breakdown(self, goodput: Goodput, now_unix: float | None = None) -> dict:
+        """``{"wall_s", "productive_s", "effective_training_ratio", "badput_s": {category: s},
+        "shares": {category or "productive": share of wall}, "restarts", "recovery_parts_s"}`` of the
+        run whose timeline is ``goodput``; the wall time ends at its newest report (``now_unix``, or
+        now, before any)."""
+        end = goodput.last_unix if goodput.last_unix is not None else (now_unix or time.time())
+        wall = max(0.0, end - self.started_unix)
+        restarts = list(goodput.restarts)
+        productive = goodput.useful_s() or 0.0
+        first = goodput.first_unix
+        start_restore = goodput.start_restore_s
+        bad = {
+            "checkpoint_save": self.stall_s,
+            "checkpoint_restore": start_restore + sum(r.restore_s or 0.0 for r in restarts),
+            "wasted_progress": goodput.lost_s_total,
+            "recovery": sum(_infra(r, goodput.mean_iter_s() or 0.0) for r in restarts),
+            "startup": max(0.0, first - self.started_unix - start_restore) if first is not None else 0.0,
+        }
+        bad["other"] = max(0.0, wall - productive - sum(bad.values()))
+        shares = {"productive": productive / wall if wall else None}
+        shares.update({k: (v / wall if wall else None) for k, v in bad.items()})
+        return {
+            "wall_s": wall,
+            "productive_s": productive,
+            "effective_training_ratio": goodput.effective_ratio(),
+            "badput_s": bad,
+            "shares": shares,
+            "restarts": len(restarts),
+            "recovery_parts_s": _parts(restarts),
+        }
+
+
+def _parts(restarts: list[Restart]) -> dict:
+    """The recovery's parts summed over the restarts that have them (``Restart.rebuild_s``,
+    ``setup_s``, ``restore_s``, ``first_step_s``): where the ``recovery`` and ``checkpoint_restore``
+    badput went, with how many restarts each sum covers."""
+    out: dict = {}
+    for name in ("rebuild_s", "setup_s", "restore_s", "first_step_s"):
+        vals = [getattr(r, name) for r in restarts if getattr(r, name) is not None]
+        out[name] = sum(vals)
+        out[name.removesuffix("_s") + "_count"] = len(vals)
+    return out
+
+
+def _infra(r: Restart, iter_s: float) -> float:
+    """A restart's recovery less its restore and its first resumed iteration (productive), 0 until
+    it has resumed."""
+    if r.recovery_s is None:
+        return 0.0
+    return max(0.0, r.recovery_s - (r.restore_s or 0.0) - iter_s)
+
+
+__all__ = ["CATEGORIES", "Badput", "Goodput", "Restart", "restore_args"]

@@ -1,5 +1,5 @@
 """Where a run's wall time went, as users read it (issue #26): the goodput/badput breakdown the
-controller keeps (:mod:`cf_ray._engine.observe.badput`), as a table and a plot, and its file on
+controller keeps (:mod:`cf_ray._engine.observe.goodput`), as a table and a plot, and its file on
 storage; its Ray metrics are :class:`cf_ray.report.GoodputMetrics`. :mod:`cf_ray.report`
 re-exports the public names; read a run's with ``cf_ray.Run(storage_path, name).goodput()``.
 
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from cf_ray._engine.lazy import lazy_module
-from cf_ray._engine.observe.badput import CATEGORIES
+from cf_ray._engine.observe.goodput import CATEGORIES
 from cf_ray._engine.storage.fs import FileInfo, Storage
 from cf_ray.errors import CorruptCheckpointError
 

@@ -1,17 +1,19 @@
 """The controller's record of the run: one profile row per checkpoint and the iteration rows,
-exported to Ray metrics and written to storage (``cf_ray.report``); the events and failures
-(:mod:`.events`), the goodput and badput (:mod:`.goodput`, :mod:`.badput`) it feeds, and the run's
-failures it passes on to the policy (``ScheduleBook.failures``, issue #26).
+exported to Ray metrics and written to storage (:mod:`.profile_files`); the events and failures
+(:mod:`.events`), the goodput and badput (:mod:`.goodput`) it feeds, and the run's failures it
+passes on to the schedule's failure feed (:class:`ScheduleView`).
 
 A row is a plain dict keyed by ``(generation, step)``; its columns and values are the profile
-table's (``cf_ray.report.profile_frame``). Keys starting with ``_`` are per-rank inputs folded
-into the public columns by :meth:`ProfileBook.profile_rows`.
+table's (:func:`.profile_files.profile_frame`). Keys starting with ``_`` are inputs folded into the
+public columns by :meth:`ProfileBook.profile_rows`. The book records; what a column means for a
+decision (whether a just-in-time checkpoint was safe in time) is the driver's, which reads and
+writes the rows through :meth:`ProfileBook.row` and :meth:`ProfileBook.find_row`.
 
-Bounded (issue #16): memory and per-commit work stay constant however many checkpoints a run takes.
+Bounded: memory and per-commit work stay constant however many checkpoints a run takes.
 
-* Rows: the newest ``env.PROFILE_WINDOW_ROWS`` (1,000) are kept in memory; when the window is full,
-  its oldest quarter leaves memory as one batch of public rows, which the maintenance thread appends
-  to storage as a Parquet part (:mod:`.profile_parts`). :meth:`ProfileBook.all_rows` returns the parts
+* Rows: the newest ``env.PROFILE_WINDOW_ROWS`` are kept in memory; when the window is full, its
+  oldest quarter leaves memory as one batch of public rows, which the maintenance thread appends to
+  storage as a Parquet part (:mod:`.profile_files`). :meth:`ProfileBook.all_rows` returns the parts
   and the window together; :meth:`ProfileBook.save` (the end of a run) writes the whole table to
   ``profile.parquet``, which ``cf_ray.report.read_run_profile`` reads. A row mentioned again after
   it left memory (a rank's late timings) is merged with its part on read.
@@ -30,23 +32,59 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 from cf_ray._engine import env as _env
-from cf_ray._engine.driver.jit import JitWatch, SafeTier
-from cf_ray._engine.driver.schedule import ScheduleBook, checkpoint_stats
-from cf_ray._engine.observe.badput import Badput
 from cf_ray._engine.observe.events import EventLog, fallback_cause
-from cf_ray._engine.observe.goodput import Restart, restore_args
+from cf_ray._engine.observe.goodput import Badput, Goodput, Restart, restore_args
 from cf_ray._engine.observe.metrics import MetricsExport
 from cf_ray._engine.observe.profile_parts import ProfileParts, merge_rows, new_lineage
+from cf_ray._engine.protocol.events import (
+    DistrustedEvent,
+    DurabilityLostEvent,
+    DurabilityRestoredEvent,
+    Event,
+    NoticeEvent,
+    QuarantinedEvent,
+    RestoreEvent,
+    RestoreFallbackEvent,
+    as_event,
+)
 from cf_ray._engine.protocol.messages import CheckpointKind, PartReplicated, SectionState, SnapshotMeta
 from cf_ray._engine.storage.fs import Storage
+from cf_ray.policy import Sample
 
 logger = logging.getLogger("cf_ray")
 
 #: Per-rank timings a worker reports of its checkpoints (``SyncRequest.ckpt_stats``).
 _RANK_TIMINGS = ("stall_s", "sync_s", "guard_s", "copy_s", "handoff_s")
+
+
+class FailureSink(Protocol):
+    """Where the book passes the run's failures on (the driver's ``FailureFeed``): the restores, the
+    first resumed iteration of each restart, the preemption notices and the staged snapshots that
+    answer one. ``attach`` gives it the book's event log and metrics export for its own records."""
+
+    def attach(self, log: Any, export: Any) -> None: ...
+    def restore(self, event: RestoreEvent, restart: Restart | None) -> None: ...
+    def resumed(self, restart: Restart) -> None: ...
+    def notice(self, event: NoticeEvent) -> None: ...
+    def staged(self, generation: int, meta: SnapshotMeta) -> None: ...
+
+
+class ScheduleView(Protocol):
+    """What the book reads of the controller's schedule (the driver's ``ScheduleBook``): the
+    interval a new row starts with, the timing samples (a row's overhead when the policy measured
+    none), the policy's own measure of a checkpoint, and the failure feed."""
+
+    @property
+    def interval_in_force(self) -> int | None: ...
+    @property
+    def samples(self) -> Iterable[Sample]: ...
+    @property
+    def failures(self) -> FailureSink: ...
+    def checkpoint_stats(self, step: int) -> dict | None: ...
 
 
 class ProfileBook:
@@ -56,12 +94,11 @@ class ProfileBook:
     Args:
         key: the run key (the metrics' ``run`` tag).
         storage: the run's storage (where the profile table is saved).
-        schedule: the schedule (the interval a new row starts with; the policy and samples the
-            overhead column comes from).
+        schedule: the schedule (:class:`ScheduleView`).
         lineage: where this controller's evicted rows go (:class:`ProfileParts`); a new lineage
             when ``None``.
         seq_base: the first failure's ``seq`` (a controller that starts again during a run counts
-            above its predecessor, see :mod:`.schedule`).
+            above its predecessor).
         on_batch: called (under the controller's lock) when a batch of rows left memory and waits
             to be written (:meth:`write_parts`, by the maintenance thread).
     """
@@ -70,7 +107,7 @@ class ProfileBook:
         self,
         key: str,
         storage: Storage,
-        schedule: ScheduleBook,
+        schedule: ScheduleView,
         *,
         lineage: str | None = None,
         seq_base: int = 0,
@@ -94,7 +131,10 @@ class ProfileBook:
         """The events, the failures and the restore fallbacks."""
         self.log.restore_events(self.parts.predecessor_events)
         self._iters: collections.deque = collections.deque(maxlen=20000)
-        self.goodput = Badput(events_window)
+        self.goodput = Goodput(events_window)
+        """The run's timeline: restarts, progress, the effective training ratio."""
+        self.badput = Badput()
+        """The stalls and the controller's start: where the wall time went, with :attr:`goodput`."""
         self._export = MetricsExport(key)
         schedule.failures.attach(self.log, self._export)
         self._lost_since: tuple[int, int] | None = None
@@ -143,7 +183,7 @@ class ProfileBook:
                 row.setdefault(f"_{k}", {})[rank] = stats[k]
         if "nbytes" in stats:
             row.setdefault("_rank_bytes", {})[rank] = stats["nbytes"]
-        self.goodput.note_stall(generation, rank, stats)
+        self.badput.note_stall(generation, rank, stats)
 
     def note_staged(self, generation: int, step: int, meta: SnapshotMeta) -> None:
         try:
@@ -190,39 +230,10 @@ class ProfileBook:
             row["replica_bytes"] = row.get("replica_bytes", 0) + msg.nbytes
             row["replica_s"] = max(row.get("replica_s") or 0.0, msg.seconds)
 
-    def note_jit_staged(self, generation: int, step: int, jit: JitWatch) -> None:
-        """Every section of a just-in-time checkpoint is staged: what it needs to be safe (:mod:`.jit`)."""
-        row = self.row(generation, step)
-        row.update(jit.row(), _jit_staged_unix=jit.staged_unix)
-
-    def note_jit_peer_safe(self, generation: int, step: int, jit: JitWatch) -> None:
-        """Every section of a just-in-time checkpoint that needed one has a copy on another usable node."""
-        t = jit.peer_safe_unix
-        if t is None:
-            return
-        row = self.row(generation, step)
-        row["actual_peer_s"] = round(t - jit.staged_unix, 3)
-        self._safe(row, generation, step, t, SafeTier.PEER)
-
-    def _safe(self, row: dict, generation: int, step: int, t: float, tier: SafeTier) -> None:
-        """A just-in-time checkpoint is safe in ``tier`` at ``t``: the first such time decides whether
-        the deadline was met."""
-        if row.get("safe_unix") is not None and row["safe_unix"] <= t:
-            return
-        row.update(safe_unix=t, safe_tier=tier.value)
-        if row.get("deadline_unix") is not None:
-            row["made_deadline"] = t <= row["deadline_unix"]
-        self.add_event(
-            {
-                "event": "jit_safe",
-                "step": step,
-                "generation": generation,
-                "tier": tier.value,
-                "deadline_unix": row.get("deadline_unix"),
-                "made_deadline": row.get("made_deadline"),
-                "time": t,
-            }
-        )
+    def find_row(self, generation: int, step: int) -> dict | None:
+        """The row of a checkpoint if it is in memory (``None``: never mentioned, or already left for
+        storage), without making one."""
+        return self._rows.get((generation, step))
 
     def note_superseded(self, generation: int, step: int, *, held: bool = False) -> None:
         """Not written: superseded by a newer snapshot, or ``held`` in memory only by the schedule (no error)."""
@@ -232,16 +243,6 @@ class ProfileBook:
     def note_failed(self, generation: int, step: int, section: str, error: str) -> None:
         row = self.row(generation, step)
         row.update(committed=False, where=SectionState.FAILED.value, error=f"{section}: {error}")
-        if row.get("deadline_unix") is not None and row.get("safe_unix") is None:
-            row["made_deadline"] = False  # safe in a peer's memory before the deadline stays met
-
-    def note_abandoned(self, generation: int, step: int) -> None:
-        """A just-in-time checkpoint of an attempt that ended before it was durable."""
-        row = self._rows.get((generation, step))
-        if row is not None and row.get("deadline_unix") is not None:
-            row.update(where=SectionState.ABANDONED.value, error="not durable when its attempt ended")
-            if row.get("safe_unix") is None:
-                row["made_deadline"] = False
 
     def note_committed(
         self,
@@ -269,10 +270,6 @@ class ProfileBook:
             milestone=milestone,
         )
         row["durable_unix"] = time.time()
-        if row.get("_jit_staged_unix") is not None:
-            row["actual_storage_s"] = round(row["durable_unix"] - row["_jit_staged_unix"], 3)
-        if row.get("deadline_unix") is not None:
-            self._safe(row, generation, step, row["durable_unix"], SafeTier.STORAGE)
         return row
 
     def memory_rows(self) -> list[dict]:
@@ -318,7 +315,7 @@ class ProfileBook:
         if "bytes" not in r and row.get("_rank_bytes"):
             r["bytes"] = sum(row["_rank_bytes"].values())
         interval = r.get("interval")
-        stats = checkpoint_stats(self.schedule.policy, step)
+        stats = self.schedule.checkpoint_stats(step)
         if stats and stats.get("overhead_pct") is not None:
             r["overhead_pct"] = stats["overhead_pct"]
         elif stall is not None and interval and iter_s:
@@ -361,16 +358,16 @@ class ProfileBook:
         except Exception:  # noqa: BLE001 - goodput is a report, never a reason to fail
             logger.debug("cf_ray: goodput bookkeeping failed", exc_info=True)
 
-    def _mark_durability(self, event: dict, lost: bool) -> None:
+    def _mark_durability(self, event: DurabilityLostEvent | DurabilityRestoredEvent) -> None:
         """The profile's ``durability_lost`` column: the rows of the checkpoints that were taken and
         not committed while an episode was open (from the step since which nothing committed)."""
-        if not lost:
+        if not isinstance(event, DurabilityLostEvent):
             self._lost_since = None
             return
-        generation = int(event.get("generation") or 0)
-        since = event.get("since_step")
+        generation = int(event.generation or 0)
+        since = event.since_step
         if since is None:
-            since = (event.get("committed_step") or 0) + 1
+            since = (event.committed_step or 0) + 1
         self._lost_since = (generation, int(since))
         for (gen, step), row in self._rows.items():
             if gen == generation and step >= since and not row.get("committed"):
@@ -379,22 +376,24 @@ class ProfileBook:
     def iteration_rows(self) -> list[dict]:
         return list(self._iters)
 
-    def add_event(self, event: dict) -> None:
+    def add_event(self, event: Event | dict) -> None:
+        """Record ``event`` (a plain form is typed first) and pass it on to what it concerns: the
+        profile's ``durability_lost`` column, the goodput, the failure feed, the metrics."""
+        event = as_event(event)
         self.log.add(event)
-        kind = event.get("event")
-        if kind in ("durability_lost", "durability_restored"):  # the workers' watchdog
-            lost = kind == "durability_lost"
+        if isinstance(event, (DurabilityLostEvent, DurabilityRestoredEvent)):  # the workers' watchdog
+            lost = isinstance(event, DurabilityLostEvent)
             if lost:
-                logger.warning("cf_ray: run %s: checkpoints are not becoming durable: %s", self.key, event)
-            self._mark_durability(event, lost)
+                logger.warning("cf_ray: run %s: checkpoints are not becoming durable: %s", self.key, event.to_dict())
+            self._mark_durability(event)
             self._export.durability(lost)
-        elif kind == "restore_fallback":
-            source, cause = str(event.get("source")), fallback_cause(event)
+        elif isinstance(event, RestoreFallbackEvent):
+            source, cause = event.source, fallback_cause(event)
             self.goodput.on_fallback(source, cause)
             self._export.fallback(source, cause)
-        elif kind in ("quarantined", "distrusted"):
-            self._export.taken_out("quarantined" if kind == "quarantined" else "memory")
-        elif kind == "restore":  # the controller's restored(): a restart's cost, or the run's start
+        elif isinstance(event, (QuarantinedEvent, DistrustedEvent)):
+            self._export.taken_out("quarantined" if isinstance(event, QuarantinedEvent) else "memory")
+        elif isinstance(event, RestoreEvent):  # the controller's restored(): a restart's cost, or the run's start
             try:
                 restart = self.goodput.on_restore(**restore_args(event))
                 if restart is not None:
@@ -402,17 +401,21 @@ class ProfileBook:
                 self.schedule.failures.restore(event, restart)
             except Exception:  # noqa: BLE001
                 logger.debug("cf_ray: goodput bookkeeping failed", exc_info=True)
-        elif kind == "notice":  # the driver's notify_preemption: a failure, for the failure rate
+        elif isinstance(event, NoticeEvent):  # the driver's notify_preemption: a failure, for the failure rate
             self.schedule.failures.notice(event)
 
     @property
-    def events(self):
+    def events(self) -> collections.deque[Event]:
         """The events, oldest first (the newest window)."""
         return self.log.events
 
     def restart_rows(self) -> list[dict]:
-        """One dict per restart (the ``restarts`` table, :func:`cf_ray.report.restarts_frame`)."""
+        """One dict per restart (the ``restarts`` table, :func:`.profile_files.restarts_frame`)."""
         return self.goodput.rows()
+
+    def breakdown(self) -> dict:
+        """Where the run's wall time went (:meth:`.goodput.Badput.breakdown`)."""
+        return self.badput.breakdown(self.goodput)
 
     # -- export -------------------------------------------------------------------------------------------
     def record_metrics(self, generation: int, step: int) -> None:
@@ -428,7 +431,7 @@ class ProfileBook:
 
     def _export_goodput(self, restart: Restart | None, *, resumed: bool = False) -> None:
         """Export a restart (when it happens; its recovery time once resumed) and the ratio to Ray metrics."""
-        self._export.restart(restart, self.goodput.effective_ratio(), resumed=resumed, badput=self.goodput.breakdown())
+        self._export.restart(restart, self.goodput.effective_ratio(), resumed=resumed, badput=self.breakdown())
 
     def save(self, lock: threading.RLock) -> None:
         """Write the profile table (every row of this lineage) and the iteration rows to storage;
@@ -439,7 +442,7 @@ class ProfileBook:
 
             with lock:
                 iterations = self.iteration_rows()
-                restarts, goodput = self.restart_rows(), self.goodput.breakdown()
+                restarts, goodput = self.restart_rows(), self.breakdown()
             rows = self.all_rows(lock)
             report.save_profile(self.storage, rows, iterations, restarts=restarts, goodput=goodput)
         except Exception as e:  # noqa: BLE001 - the profile is a report, never a reason to fail
