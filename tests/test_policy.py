@@ -274,6 +274,53 @@ def test_anyof_forwards_the_adaptive_member():
         q.load_state_dict({"members": []})
 
 
+def test_a_policy_of_ones_own_overrides_only_should_save_and_the_controller_runs_it(tmp_path):
+    """The base class declares every method the engine calls, with its default: a subclass that
+    overrides ``should_save`` alone is planned, reported, saved and resized by the controller's
+    schedule without a probe; an object that does not subclass it is refused, saying what to change."""
+    import pyarrow.fs as pafs
+
+    import cf_ray
+    from cf_ray._engine.driver.schedule import ScheduleBook, checkpoint_stats, explain
+    from cf_ray._engine.storage.fs import FsStorage
+    from cf_ray.policy import RunEvent, RunEventKind
+
+    class EveryPrime(FrequencyPolicy):
+        def should_save(self, step, ctx):
+            return step > 1 and all(step % d for d in range(2, int(step**0.5) + 1))
+
+    p = EveryPrime()
+    assert [s for s in range(1, 12) if p.should_save(s, SaveContext(s, 0, 0))] == [2, 3, 5, 7, 11]
+    assert (p.initial_interval(), p.step_interval(), p.plan([], None), p.persist_cadence()) == (None, None, None, 1)
+    assert (p.hazard(), p.explain(), p.checkpoint_stats(3), p.state_dict()) == (None, None, None, None)
+    book = ScheduleBook(p, FsStorage(pafs.LocalFileSystem(), str(tmp_path)))
+    book.observe(RunEvent(kind=RunEventKind.START, time_unix=0.0, generation=1))
+    book.add_sample(Sample(rank=0, step=10, iter_s=0.1, iters=10))
+    assert book.replan() is None and book.interval_in_force is None
+    assert book.hazard()["failures"] == 0  # the controller's own estimate
+    assert explain(p) is None and checkpoint_stats(p, 3) is None and book.state_bytes() is None
+    assert book.reprofile_if_resized(1, 2) is not None  # a fresh copy: nothing to adopt, nothing fails
+    assert cf_ray.CheckpointConfig(policy=p).policy is p
+    # FixedInterval fixes its step interval on the ranks: what the profile's interval column says.
+    assert ScheduleBook(FixedInterval(7), FsStorage(pafs.LocalFileSystem(), str(tmp_path))).interval_in_force == 7
+
+    class DuckTyped:
+        def should_save(self, step, ctx):
+            return False
+
+        def plan(self, samples, current):
+            return None
+
+        def initial_interval(self):
+            return None
+
+    for where in (lambda q: cf_ray.CheckpointConfig(policy=q), lambda q: AnyOf(policies=[q])):
+        with pytest.raises(ConfigError, match="subclass cf_ray.policy.FrequencyPolicy"):
+            where(DuckTyped())
+    with pytest.raises(TypeError, match="should_save"):
+        type("NoDecision", (FrequencyPolicy,), {})()
+
+
 @pytest.mark.parametrize(
     "kwargs, field_name",
     [

@@ -12,7 +12,7 @@ import pytest
 from benchmarks import failure_sim as fs
 from benchmarks import failure_traces as ft
 from cf_ray.errors import ConfigError
-from cf_ray.policy import Adaptive, AnyOf, FixedInterval, RunEvent, RunEventKind, Sample
+from cf_ray.policy import Adaptive, AnyOf, FixedInterval, FrequencyPolicy, RunEvent, RunEventKind, Sample
 from cf_ray.policy._hazard import (
     DEFAULT_RECOVERY_S,
     HazardModel,
@@ -222,31 +222,28 @@ def test_snapshots_between_persists_are_held_in_memory_while_the_runs_failures_k
 
 def test_the_controller_publishes_a_schedule_version_when_the_persist_cadence_changes(tmp_path):
     """The ranks learn ``persist_every`` with the interval, as a new schedule version; a policy
-    whose ``persist_every`` fails or answers nonsense persists every snapshot."""
+    whose ``persist_cadence`` fails or answers nonsense persists every snapshot."""
     import pyarrow.fs as pafs
 
     from cf_ray._engine.driver.schedule import ScheduleBook
     from cf_ray._engine.storage.fs import FsStorage
 
-    class Cadence:
+    class Cadence(FrequencyPolicy):
         n: object = 2
 
         def should_save(self, step, ctx):
             return False
 
-        def plan(self, samples, current):
-            return None
-
         def initial_interval(self):
             return 4
 
-        def persist_every(self):
+        def persist_cadence(self):
             if isinstance(self.n, Exception):
                 raise self.n
-            return self.n
+            return self.n  # pyright: ignore[reportReturnType] - answers nonsense on purpose
 
     policy = Cadence()
-    book = ScheduleBook(policy, FsStorage(pafs.LocalFileSystem(), str(tmp_path)))  # pyright: ignore[reportArgumentType]
+    book = ScheduleBook(policy, FsStorage(pafs.LocalFileSystem(), str(tmp_path)))
     assert [(s.interval, s.persist_every) for s in book.all()] == [(4, 2)]  # from the first version on
     assert book.replan() is None  # nothing changed: no new version
     policy.n = 5

@@ -3,7 +3,8 @@ goodput given how often the run fails, under an overhead budget and a bound on l
 
 The user-facing configuration, the worker side (:meth:`Adaptive.should_save`,
 :meth:`Adaptive.initial_interval`: pure, configuration only) and the controller side
-(:meth:`Adaptive.plan`, :meth:`Adaptive.observe` and the optional methods). What the samples teach
+(:meth:`Adaptive.plan`, :meth:`Adaptive.observe` and the other methods
+:class:`~cf_ray.policy.base.FrequencyPolicy` declares). What the samples teach
 lives in :mod:`cf_ray.policy._estimator` (samples -> estimates); what the run's failures teach in
 :mod:`cf_ray.policy._hazard` (events -> failure rate, recovery time); the decision ladder that turns
 both into the interval lives in :mod:`cf_ray.policy._rules`.
@@ -20,14 +21,14 @@ from cf_ray.policy import _rules
 from cf_ray.policy._estimate import _max_or_none, _nonneg, _pos
 from cf_ray.policy._estimator import Estimator
 from cf_ray.policy._hazard import HazardModel, RunEvent
-from cf_ray.policy.base import Sample, SaveContext
+from cf_ray.policy.base import FrequencyPolicy, Sample, SaveContext
 
 _STATE_VERSION = 2
 """2: the failure history (``hazard``) is kept with the profile; version 1 profiles are still read."""
 
 
 @dataclass(kw_only=True, slots=True)
-class Adaptive:
+class Adaptive(FrequencyPolicy):
     """The checkpoint interval that maximises goodput, under an overhead budget, decided by the controller.
 
     The worker side checkpoints when ``step - last_save_step >= interval`` where ``interval`` is
@@ -112,11 +113,12 @@ class Adaptive:
     measurements once they are in, at once if they differ by more than ``drift_ratio``. The
     profile keeps the failure history too.
 
-    **Optional methods for the controller:** :meth:`observe` (the run's failures),
-    :meth:`explain` (a JSON-able dict of why the interval is what it is, as of the last
-    :meth:`plan`), :meth:`checkpoint_stats` (what one checkpoint cost, for the profile table),
-    :meth:`state_dict` (keep with the run) and :meth:`load_state_dict` (into a freshly built
-    policy, before the first :meth:`plan`).
+    **The controller's methods** (declared by :class:`FrequencyPolicy`): :meth:`observe` (the
+    run's failures), :meth:`hazard` and :meth:`adopt_failures` (the failure rate), :meth:`explain`
+    (a JSON-able dict of why the interval is what it is, as of the last :meth:`plan`),
+    :meth:`checkpoint_stats` (what one checkpoint cost, for the profile table),
+    :meth:`persist_cadence`, :meth:`state_dict` (keep with the run) and :meth:`load_state_dict`
+    (into a freshly built policy, before the first :meth:`plan`).
 
     The object is mutable on the controller (``plan`` updates it); the copies on the workers only
     ever run :meth:`should_save` and :meth:`initial_interval`, which depend on configuration only.
@@ -261,11 +263,16 @@ class Adaptive:
             rules.published(decision, base, info, estimator.ckpt_clock, estimator.max_step)
         return k if k != current else None
 
-    def persist_every(self) -> int:
+    def persist_cadence(self) -> int:
         """One scheduled snapshot in how many is persisted, as of the last :meth:`plan` (the others
         are held in memory only: restorable after a failure that leaves their holder alive, never
         written); see :func:`cf_ray.policy._rules.persist_cadence` for the rule. 1 until the run's
         failure rate is known."""
+        return self._rule_state.persist_every
+
+    def persist_every(self) -> int:
+        """:meth:`persist_cadence`, under the name ``FixedInterval``'s field and
+        ``explain()["persist"]`` use."""
         return self._rule_state.persist_every
 
     def observe(self, event: RunEvent) -> None:
@@ -287,7 +294,7 @@ class Adaptive:
         ``prior``, ``recovery_s``, ``recovery_by_source``, ``storage_share``."""
         return self._hazard.estimate().as_dict()
 
-    def adopt_failures(self, other: object) -> None:
+    def adopt_failures(self, other: FrequencyPolicy) -> None:
         """Continue ``other``'s failure history (a fresh copy of the policy after a resize: the
         costs are measured again, the failure rate is the run's)."""
         if isinstance(other, Adaptive):

@@ -1,22 +1,18 @@
 """When to checkpoint: small, pure policy objects (no Ray inside), in the manner of Orbax's
 save-decision policies.
 
-A policy has two sides:
+Every policy subclasses :class:`FrequencyPolicy`, which declares each method the engine calls and
+its default, so the engine calls them plainly and a policy overrides only what it does. A policy
+has two sides:
 
-* ``should_save(step, ctx)`` runs on every rank after each optimizer step. It must be a pure
-  function of its arguments, because every rank evaluates it independently and all ranks must
-  agree: ``ctx`` holds only values that every rank has agreed on (the step, the epoch boundary, the
-  last checkpoint step and the interval the controller published and the ranks adopted together).
-* ``plan(samples, current)`` runs in the driver-side controller for adaptive policies: it turns
-  timing samples from every rank into the interval to use next. Fixed policies return ``None``.
-* ``initial_interval()`` is the interval every rank uses before the controller publishes one. It
-  depends on the policy's configuration only (never on loaded state), so every rank computes the
-  same value from its own copy of the policy.
+* the ranks' side, ``should_save(step, ctx)`` (required) after each optimizer step, and
+  ``initial_interval()`` and ``step_interval()``: pure functions of the configuration and of
+  ``ctx``, because every rank evaluates them on its own copy and all ranks must agree;
+* the controller's side, ``plan(samples, current)`` and the optional methods (failures, state,
+  reports): only the controller's copy learns, so it alone may hold state.
 
-This module holds the protocol and the fixed policies. :class:`~cf_ray.policy.adaptive.Adaptive`
-(in :mod:`cf_ray.policy.adaptive`) also offers optional methods for the controller:
-:meth:`Adaptive.explain`, :meth:`Adaptive.checkpoint_stats`, :meth:`Adaptive.state_dict` and
-:meth:`Adaptive.load_state_dict`.
+This module holds the base class and the fixed policies; :class:`~cf_ray.policy.adaptive.Adaptive`
+is in :mod:`cf_ray.policy.adaptive`.
 """
 
 from __future__ import annotations
@@ -24,11 +20,15 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 from cf_ray.errors import ConfigError
+
+if TYPE_CHECKING:
+    from cf_ray.policy._hazard import RunEvent
 
 
 class PolicyWarning(UserWarning):
@@ -96,15 +96,83 @@ class Sample:
     ``None`` lets the policy infer it from ``ckpt_step`` and the copy and persist times."""
 
 
-@runtime_checkable
-class FrequencyPolicy(Protocol):
-    """Decides checkpoint steps. See the module docstring for which side calls what."""
+class FrequencyPolicy(ABC):
+    """Decides checkpoint steps: subclass it and override :meth:`should_save`; every other method
+    the engine calls is declared here with its default, which is what a policy that does not
+    override it gets.
 
-    def should_save(self, step: int, ctx: SaveContext) -> bool: ...
+    Contract: the ranks call :meth:`should_save`, :meth:`initial_interval` and
+    :meth:`step_interval` on their own copies, so those depend on the configuration and their
+    arguments only (all ranks must decide alike). The controller calls the rest on its copy, under
+    its lock, never from two threads at once; a method that raises there is logged and its default
+    used (a policy bug must not stop checkpointing). The engine accepts only subclasses
+    (``CheckpointConfig`` refuses another object and says to subclass), so the defaults below are
+    the one place that says what a method left out means.
+    """
 
-    def plan(self, samples: Sequence[Sample], current: int | None) -> int | None: ...
+    __slots__ = ()
 
-    def initial_interval(self) -> int | None: ...
+    # -- the ranks' side: pure --------------------------------------------------------------------
+    @abstractmethod
+    def should_save(self, step: int, ctx: SaveContext) -> bool:
+        """Whether ``step`` is a checkpoint step, from ``ctx`` (what every rank agreed on) and the
+        configuration only."""
+
+    def initial_interval(self) -> int | None:
+        """The interval the ranks use before the controller publishes one (``SaveContext.interval``
+        until then). Configuration only, never loaded state. Default ``None``: not controller-driven."""
+        return None
+
+    def step_interval(self) -> int | None:
+        """Steps between scheduled checkpoints when the policy fixes them itself on the ranks
+        (``FixedInterval.every``), for what counts in intervals (peer replicas, the profile's
+        ``interval``) while the controller publishes none. Default ``None``: no fixed step interval."""
+        return None
+
+    # -- the controller's side --------------------------------------------------------------------
+    def plan(self, samples: Sequence[Sample], current: int | None) -> int | None:  # noqa: ARG002 (the default ignores it)
+        """The interval to publish next from the timing samples of every rank, or ``None`` to keep
+        ``current``. Default ``None``: the policy does not learn an interval."""
+        return None
+
+    def persist_cadence(self) -> int:
+        """One scheduled checkpoint in how many is persisted (written to storage and committed);
+        the others are held in memory only. Asked after every :meth:`plan`; a change becomes a new
+        schedule version. Default 1: every checkpoint is persisted."""
+        return 1
+
+    def observe(self, event: RunEvent) -> None:  # noqa: ARG002 (the default ignores it)
+        """One of the run's failure events (start, restart, resumption, preemption notice, the
+        clock), before the next :meth:`plan`. Default: ignored."""
+        return None
+
+    def hazard(self) -> dict | None:
+        """The failure-rate estimate as a JSON-able dict (:meth:`Adaptive.hazard` has the keys), or
+        ``None`` to let the controller report its own. Default ``None``."""
+        return None
+
+    def adopt_failures(self, other: FrequencyPolicy) -> None:  # noqa: ARG002 (the default ignores it)
+        """Continue ``other``'s failure history: called on a fresh copy after the number of workers
+        changed (costs are measured again; the failure rate is the run's). Default: nothing kept."""
+        return None
+
+    def explain(self) -> dict | None:
+        """Why the interval is what it is, as a JSON-able dict (``Checkpointer.explain()``, the
+        ``why`` of each ``interval`` event), or ``None``. Default ``None``."""
+        return None
+
+    def checkpoint_stats(self, step: int) -> dict | None:  # noqa: ARG002 (the default ignores it)
+        """What the checkpoint at ``step`` cost, for the profile table, or ``None``. Default ``None``."""
+        return None
+
+    def state_dict(self) -> dict | None:
+        """The learnt state to keep with the run (JSON-able), or ``None`` for none. Default ``None``."""
+        return None
+
+    def load_state_dict(self, state: dict) -> None:  # noqa: ARG002 (the default ignores it)
+        """Start from what :meth:`state_dict` saved, on a freshly built policy, before the first
+        :meth:`plan`; raise on a state it cannot read (it is then ignored). Default: ignored."""
+        return None
 
 
 MAX_PERSIST_EVERY = 16
@@ -120,7 +188,7 @@ snapshots to storage."""
 
 
 @dataclass(slots=True)
-class FixedInterval:
+class FixedInterval(FrequencyPolicy):
     """Checkpoint every ``every`` optimizer steps (CheckFreq's MANUAL mode): ``FixedInterval(10)`` or
     ``FixedInterval(every=10)``."""
 
@@ -175,8 +243,12 @@ class FixedInterval:
             self.measured = measured_cadence(list(self.persists.values()), iters, self.every, self.measured)
         return None
 
-    def initial_interval(self) -> int | None:
-        return None  # not controller-driven
+    def step_interval(self) -> int:
+        return self.every
+
+    def persist_cadence(self) -> int:
+        """``persist_every``, or with ``None`` the cadence :meth:`plan` measured."""
+        return self.measured if self.persist_every is None else self.persist_every
 
     def explain(self) -> dict:
         """Why the interval is what it is (see :meth:`Adaptive.explain`)."""
@@ -216,7 +288,7 @@ def measured_cadence(persist_s: Sequence[float], iter_s: Sequence[float], every:
 
 
 @dataclass(kw_only=True, slots=True)
-class EpochEnd:
+class EpochEnd(FrequencyPolicy):
     """Checkpoint only at epoch boundaries (CheckFreq's baseline), every ``every`` epochs."""
 
     every: int = 1
@@ -229,12 +301,6 @@ class EpochEnd:
     def should_save(self, step: int, ctx: SaveContext) -> bool:  # noqa: ARG002 (protocol signature)
         return ctx.epoch_end and ctx.epoch % self.every == 0
 
-    def plan(self, samples: Sequence[Sample], current: int | None) -> int | None:  # noqa: ARG002 (protocol signature)
-        return None
-
-    def initial_interval(self) -> int | None:
-        return None
-
     def explain(self) -> dict:
         """Why the interval is what it is (see :meth:`Adaptive.explain`)."""
         return {
@@ -246,11 +312,13 @@ class EpochEnd:
 
 
 @dataclass(kw_only=True, slots=True)
-class AnyOf:
+class AnyOf(FrequencyPolicy):
     """Checkpoint when any of ``policies`` says so; an adaptive member's plan is used.
 
-    The optional methods (``observe``, ``explain``, ``checkpoint_stats``, ``state_dict``,
-    ``load_state_dict``) are forwarded to the members that have them.
+    The controller's methods go to every member (``observe``, ``adopt_failures``,
+    ``load_state_dict``) or to the first that answers (``plan``, ``initial_interval``,
+    ``step_interval``, ``hazard``, ``checkpoint_stats``); ``persist_cadence`` is the smallest of
+    the members' (the most often any of them asks for storage).
     """
 
     policies: tuple = field(default_factory=tuple)
@@ -262,7 +330,7 @@ class AnyOf:
             raise ConfigError("AnyOf(policies=...) needs at least one policy")
         for p in self.policies:
             if not isinstance(p, FrequencyPolicy):
-                raise ConfigError(f"AnyOf: {p!r} is not a FrequencyPolicy")
+                raise ConfigError(f"AnyOf: {p!r} is not a FrequencyPolicy; {SUBCLASS_HINT}")
 
     def should_save(self, step: int, ctx: SaveContext) -> bool:
         return any(p.should_save(step, ctx) for p in self.policies)
@@ -281,36 +349,38 @@ class AnyOf:
                 return k
         return None
 
-    def persist_every(self) -> int:
-        """The smallest of the members' (the most often any of them asks storage to be refreshed)."""
+    def step_interval(self) -> int | None:
+        return _first(p.step_interval() for p in self.policies)
+
+    def persist_cadence(self) -> int:
         return min(persist_every_of(p) for p in self.policies)
 
     def explain(self) -> dict:
         """The members' explanations, in order (see :meth:`Adaptive.explain`)."""
-        parts = [p.explain() if hasattr(p, "explain") else {"policy": type(p).__name__} for p in self.policies]
+        parts = [p.explain() or {"policy": type(p).__name__} for p in self.policies]
         driver = next((e for e in parts if e.get("interval") is not None and e.get("policy") == "Adaptive"), None)
         out: dict[str, Any] = dict(driver) if driver else {"interval": None}
         out.update(policy="AnyOf", members=parts)
         return out
 
-    def observe(self, event) -> None:
-        """Pass the run's failure events (:meth:`Adaptive.observe`) to the members that take them."""
+    def observe(self, event: RunEvent) -> None:
         for p in self.policies:
-            if hasattr(p, "observe"):
-                p.observe(event)
+            p.observe(event)
+
+    def hazard(self) -> dict | None:
+        return _first(p.hazard() for p in self.policies)
+
+    def adopt_failures(self, other: FrequencyPolicy) -> None:
+        if isinstance(other, AnyOf) and len(other.policies) == len(self.policies):
+            for p, q in zip(self.policies, other.policies):
+                p.adopt_failures(q)
 
     def checkpoint_stats(self, step: int) -> dict | None:
-        """The first member's :meth:`Adaptive.checkpoint_stats` that knows ``step``."""
-        for p in self.policies:
-            if hasattr(p, "checkpoint_stats"):
-                stats = p.checkpoint_stats(step)
-                if stats is not None:
-                    return stats
-        return None
+        return _first(p.checkpoint_stats(step) for p in self.policies)
 
     def state_dict(self) -> dict:
         """The members' state, by position (``None`` for members without state)."""
-        return {"members": [p.state_dict() if hasattr(p, "state_dict") else None for p in self.policies]}
+        return {"members": [p.state_dict() for p in self.policies]}
 
     def load_state_dict(self, state: dict) -> None:
         """Load what :meth:`state_dict` returned into a freshly built ``AnyOf`` of the same members."""
@@ -318,20 +388,27 @@ class AnyOf:
         if not isinstance(members, list) or len(members) != len(self.policies):
             raise ConfigError(f"AnyOf.load_state_dict: expected {len(self.policies)} member states, got {members!r}")
         for p, s in zip(self.policies, members):
-            if s is not None and hasattr(p, "load_state_dict"):
+            if s is not None:
                 p.load_state_dict(s)
 
 
-def persist_every_of(policy: Any) -> int:
-    """One scheduled checkpoint in how many ``policy`` persists: its ``persist_every`` (a method, as
-    :class:`~cf_ray.policy.Adaptive` and :class:`AnyOf` have, or a field, as :class:`FixedInterval`
-    has); 1 for a policy without one, or one that fails or answers something else than an int >= 1
-    (a policy bug must not keep checkpoints from storage; logged once per policy type)."""
-    n = getattr(policy, "persist_every", 1)
-    if n is None:  # FixedInterval's default: chosen from measurement
-        n = getattr(policy, "measured", 1)
+SUBCLASS_HINT = (
+    "subclass cf_ray.policy.FrequencyPolicy and override should_save (plan, initial_interval and the "
+    "controller's optional methods have defaults there)"
+)
+"""What a refused policy object is told to change."""
+
+
+def _first(answers: Iterable[Any]) -> Any:
+    """The first answer that is not ``None`` (members are asked in order, lazily)."""
+    return next((a for a in answers if a is not None), None)
+
+
+def persist_every_of(policy: FrequencyPolicy) -> int:
+    """``policy.persist_cadence()``, checked: 1 when it raises or answers something else than an
+    int >= 1 (a policy bug must not keep checkpoints from storage; logged once per policy type)."""
     try:
-        n = n() if callable(n) else n
+        n = policy.persist_cadence()
     except Exception:  # noqa: BLE001
         _warn_once(policy, "failed", exc_info=True)
         return 1
@@ -349,5 +426,5 @@ def _warn_once(policy: Any, what: str, exc_info: bool = False) -> None:
     if key not in _WARNED:
         _WARNED.add(key)
         logging.getLogger("cf_ray").warning(
-            "cf_ray: %s.persist_every %s; every checkpoint is persisted", key[0], what, exc_info=exc_info
+            "cf_ray: %s.persist_cadence() %s; every checkpoint is persisted", key[0], what, exc_info=exc_info
         )

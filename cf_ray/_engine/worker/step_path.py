@@ -1,10 +1,12 @@
 """One rank's per-step path, under the :class:`~cf_ray.Checkpointer` facade: the parts a step goes
-through, built and wired, and the sequence over them.
+through, built and wired, and the sequence over them. The run's actors are handed in
+(:class:`RunActors`, found or made by the wiring module beside ``worker/``): nothing in ``worker/``
+looks up or makes an actor of ``driver/`` or ``node/``, so it imports neither.
 
 Per step, on the training thread: the weight-update guard (wait for an in-flight background copy,
 usually already done), the user's update, one asynchronous exchange with the other ranks
-(``control.py``), the policy's decision (``scheduler.py``), the snapshot (``snapshot.py``'s phase 1),
-a non-blocking poll of the controller (``controller_link.py``), and the durability watchdog's
+(``control.py``), the policy's decision (``scheduler.py``), the snapshot (``snapshot/``'s phase 1),
+a non-blocking poll of the controller (``link/controller.py``), and the durability watchdog's
 judgement (``durability.py``). Nothing in a step waits for storage or for the controller. Where each
 part's time goes is counted in ``cpu_budget.py``'s parts. At the ends: the start of an attempt (after
 the restore plan), and the waits for this rank's checkpoints to settle.
@@ -16,11 +18,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from cf_ray._engine import env as _env
 from cf_ray._engine.protocol.messages import CheckpointKind, CheckpointRequest
-from cf_ray._engine.wiring import connect
 from cf_ray._engine.worker.context import WorkerContext
 from cf_ray._engine.worker.control import Agreement, ControlPlane
 from cf_ray._engine.worker.cpu_budget import Mark
@@ -40,6 +42,21 @@ from cf_ray.config import CheckpointConfig
 FINAL_TRIES = 3
 
 
+@dataclass(frozen=True, slots=True)
+class RunActors:
+    """The run's actors as the step path is handed them (the wiring module finds or makes them): the
+    step path never looks an actor up itself, so ``worker/`` imports neither ``driver/`` nor ``node/``."""
+
+    controller: Any
+    """The run's controller actor."""
+    holder: Any
+    """This node's holder actor."""
+    resolve_controller: Callable[[], Any]
+    """A live handle of the run's controller, made again when it is gone (may block)."""
+    resolve_holder: Callable[[], Any]
+    """This node's holder, made again when it is gone."""
+
+
 class StepPath:
     """The parts of one rank's step and the sequence over them.
 
@@ -49,6 +66,7 @@ class StepPath:
         state, data: the tracked objects (replicated; per rank).
         sharded: the tracked objects whose state is sharded (FSDP2/DTensor), or ``None``.
         on_request: called with each checkpoint request from the driver (through the controller's replies).
+        actors: the run's controller and this node's holder, and how to make each again.
     """
 
     def __init__(
@@ -59,10 +77,10 @@ class StepPath:
         data: dict[str, Any],
         sharded: ShardedState | None,
         on_request: Callable[[CheckpointRequest], None],
+        actors: RunActors,
     ):
         self.config = config
         self.rank = ctx.rank
-        actors = connect(ctx, config)
         self.control = ControlPlane(ctx.rank, ctx.world_size)
         self.timing = Timing()
         self.scheduler = Scheduler(config)
@@ -184,7 +202,7 @@ class StepPath:
             milestone=milestone,
             interval=self.scheduler.interval,
             notice=notice,
-            replica_interval=self.scheduler.interval or getattr(self.config.policy, "every", None),
+            replica_interval=self.scheduler.interval or self.config.policy.step_interval(),
             persist=persist,
         )
         self.scheduler.saved(step)
@@ -239,7 +257,7 @@ class StepPath:
                 self.link.add_local_failures(self.phase1.take_errors())  # the snapshots before this one
                 self.link.reopen_final(step, tries)
                 milestone = bool(scheduler.milestone_every and step % scheduler.milestone_every == 0)
-                self.snapshot(CheckpointKind.MANUAL, step, epoch, preemption, milestone=milestone)  # every rank
+                self.snapshot(CheckpointKind.FINAL, step, epoch, preemption, milestone=milestone)  # every rank
                 capture_late()  # nothing runs between this checkpoint and the end
             self._settle(step, deadline, report_timeout=True, hint="CheckpointConfig(finish_timeout_s=...)")
             failed = self.rank == 0 and step > 0 and tries < FINAL_TRIES and time.monotonic() < deadline
