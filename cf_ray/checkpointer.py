@@ -24,9 +24,10 @@ A failed save never fails the job, and is never silent: each failure is logged a
 says so once per episode (``CheckpointConfig(on_durability_lost="raise")`` fails the attempt instead).
 
 :class:`Checkpointer` is a facade: each step of that sequence is one part under
-``cf_ray/_engine/worker/`` (run_actors, context, control, scheduler, timing, snapshot,
-controller_link, durability, ray_train, restore, trust_gate, preemption_watcher; what it returns is
-in results), and ``step_path.py`` builds the parts of a step and runs the sequence over them.
+``cf_ray/_engine/worker/`` (context, control, scheduler, timing, durability, preemption_watcher,
+``snapshot/``, ``restore/`` with its trust gate, ``link/``'s controller link and Ray Train glue; what
+it returns is in results), the run's actors come from ``cf_ray/_engine/wiring.py``, and
+``step_path.py`` builds the parts of a step and runs the sequence over them.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from typing import Any
 
 from cf_ray._engine.format.layout import step_dir
 from cf_ray._engine.protocol.messages import CheckpointKind, CheckpointRequest, RequestLevel, RestoreSource
-from cf_ray._engine.storage.fs import FsStorage
+from cf_ray._engine.storage.base import Storage
+from cf_ray._engine.wiring import step_path
 from cf_ray._engine.worker.context import WorkerContext, check_tracked, unwrap_ddp
 from cf_ray._engine.worker.gc_freeze import GcFreeze
 from cf_ray._engine.worker.preemption_watcher import PreemptionWatcher
@@ -49,7 +51,6 @@ from cf_ray._engine.worker.restore.restorer import Outcome, Restorer, newest_com
 from cf_ray._engine.worker.restore.sharded import ShardedState
 from cf_ray._engine.worker.restore.trust_gate import rollbacks
 from cf_ray._engine.worker.results import FinishSummary, Resume
-from cf_ray._engine.worker.step_path import StepPath
 from cf_ray.config import CheckpointConfig
 from cf_ray.errors import ConfigError
 
@@ -112,7 +113,7 @@ class Checkpointer:
                 " (replicated=True is ignored for this run)" if self.config.replicated else "",
             )
         # The parts of a step (step_path.py); the ones this facade calls itself are named here too.
-        self._steps = StepPath(ctx, self.config, self.state, self.data, sharded, self._heard_from_driver)
+        self._steps = step_path(ctx, self.config, self.state, self.data, sharded, self._heard_from_driver)
         self._phase1, self._link, self._durability = self._steps.phase1, self._steps.link, self._steps.durability
         self._phase1.on_slot_wait = self._during_slot_wait
         self._restorer = Restorer(
@@ -422,7 +423,7 @@ class Checkpointer:
         return self._ctx.world_size
 
     @property
-    def storage(self) -> FsStorage:
+    def storage(self) -> Storage:
         """The run's cf_ray root on the primary storage."""
         return self._ctx.storage
 

@@ -323,8 +323,8 @@ def copy_said(h: Held, holder: str, node: str) -> tuple[PartReplicated, PartStag
 
 
 #: Seconds the cluster's list of alive nodes is reused by :func:`find_peers` (a GCS call at every
-#: snapshot was a seventh of the holder's Python at a checkpoint every iteration; nodes come and go
-#: far less often: a new one is used, and a lost one no longer offered, within this).
+#: snapshot would be a large part of the holder's Python at a checkpoint every iteration; nodes come
+#: and go far less often: a new one is used, and a lost one no longer offered, within this).
 NODES_TTL_S = 1.0
 _nodes: tuple[float, list[dict]] = (float("-inf"), [])
 

@@ -122,7 +122,7 @@ def check_finite(saved: dict[str, Any], live: dict[str, Any]) -> int:
     mask may hold ``-inf`` on purpose), nor is what is neither a module nor an optimizer.
 
     Args:
-        saved: tracked name -> its saved state (``restore_checks.Prepared.state``).
+        saved: tracked name -> its saved state (``checks.Prepared.state``).
         live: the tracked objects (which names are modules, optimizers, and a module's parameters).
 
     Returns:
