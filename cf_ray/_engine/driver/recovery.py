@@ -40,7 +40,7 @@ from cf_ray._engine.protocol import cluster
 from cf_ray._engine.protocol.cluster import Owner, owner_gone
 from cf_ray._engine.protocol.messages import Failure, HolderState, SectionState
 from cf_ray._engine.protocol.naming import holder_name
-from cf_ray._engine.storage.fs import Storage
+from cf_ray._engine.storage.base import Storage
 
 logger = logging.getLogger("cf_ray")
 
@@ -49,8 +49,8 @@ CONTROL_STATE = "control_state.json"
 
 #: Ray errors that mean "that actor is gone, or not reachable now".
 # ActorUnschedulableError: a holder pinned to a node that was removed (Ray would restart it, but its
-# node is gone): as gone as a dead one; without it the watch failed on every pass and the lost node's
-# sections stayed pending.
+# node is gone): as gone as a dead one; without it the watch would fail on every pass and the lost
+# node's sections would stay pending.
 _GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError, ValueError)
 
 

@@ -195,7 +195,7 @@ class Slot:
     def reader(self) -> mmap.mmap:
         """The slot mapped read-only, once, for every read this process makes of it (:class:`ReadLock`
         borrows it): a slot persisted at every checkpoint is not mapped and unmapped each time, which
-        cost more CPU than the write itself (page tables of the whole slot built and torn down)."""
+        would cost more CPU than the write itself (page tables of the whole slot built and torn down)."""
         if self._reader is None:
             self._reader = mmap.mmap(self.fd, slot_size(self.nbytes), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         return self._reader

@@ -89,7 +89,7 @@ def _older(when: When, than: When) -> bool:
     """Whether a snapshot at ``when`` can no longer be restored from memory once ``than`` is committed:
     ``(generation, step)`` in order. An older generation's step, however high, belongs to a timeline a
     newer attempt replaced; a newer generation's step, however low, is not older than a late commit
-    of an older generation (freeing it made the worker stage into slots its holder no longer knew)."""
+    of an older generation (freeing it would make the worker stage into slots its holder no longer knows)."""
     return when < than
 
 

@@ -167,8 +167,8 @@ class Writer:
                 self._current_left = self._waiting.pop(self._current)
                 # A step whose writing starts is never superseded, not even in part: its other
                 # sections' slots are not filled again before they are written (without this, with
-                # storage slower than two snapshots, every started step lost a section and nothing
-                # committed).
+                # storage slower than two snapshots, every started step would lose a section and
+                # nothing would commit).
                 for e in self._current_left.values():
                     self._store.pin(e, "write")
                 if self._current not in self._started:

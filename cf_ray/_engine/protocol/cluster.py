@@ -13,9 +13,9 @@ when the run ends. What does:
 * every actor records its :class:`Owner`: the Ray job of the driver that runs the training (a Ray
   Train worker's job id is its driver's) and, under Ray Train v2, the id of the run's
   ``TrainController`` actor (one per ``fit()``; gone when ``fit()`` returned or the driver died);
-* the controller's reaper (:meth:`Controller._reaper_loop`) checks every ``CF_RAY_REAPER_INTERVAL_S``
-  whether the run is over, and then drains the holders, saves the profile, kills the holders and
-  exits (:meth:`Controller.run_over`):
+* the controller's reaper (:meth:`~cf_ray._engine.driver.lifetime.Lifetime.reaper`) checks every
+  ``CF_RAY_REAPER_INTERVAL_S`` whether the run is over, and then drains the holders, saves the
+  profile, kills the holders and exits (:meth:`~cf_ray._engine.driver.lifetime.Lifetime.run_over`):
 
   - the driver's job is dead (driver killed, the script exited after Ctrl-C or ``max_failures``):
     at once;
@@ -25,8 +25,9 @@ when the run ends. What does:
     a ``fit()`` of the same run attached meanwhile (:meth:`Controller.attach`, called by every worker
     that gets the controller). A ``fit()`` that comes back in time resumes with them, from memory
     when the snapshots allow it, as a restart of the worker group would; one that comes later
-    resumes from storage. (Ending them the moment a ``fit()`` ended broke the runs that resume with
-    a second ``fit()`` in the same process — the elastic segments, the notebook's interrupted cell.)
+    resumes from storage. (Ending them the moment a ``fit()`` ends would break the runs that resume
+    with a second ``fit()`` in the same process — the elastic segments, the notebook's interrupted
+    cell.)
     Ray Train keeps a finished ``fit()``'s ``TrainController`` alive (the driver's SIGINT handler
     holds its handle until the next ``fit()``), so its state is asked, not only its liveness;
   - every rank called ``finish()``: the controller's linger (``CF_RAY_CONTROLLER_LINGER_S``) ends it;
@@ -36,7 +37,7 @@ when the run ends. What does:
   taken (storage is the truth), and the new run's ``CheckpointConfig`` applies.
 
 Checks read the GCS directly (the job table filtered to one job, one actor's entry): no dashboard
-needed, about a millisecond each. When a check cannot tell (GCS unreachable), the owner counts as
+needed, one small GCS call each. When a check cannot tell (GCS unreachable), the owner counts as
 alive: nothing is ever ended on a guess. No torch here.
 """
 

@@ -17,12 +17,9 @@ from typing import Any
 
 from cf_ray.errors import CfRayError
 
-#: Bumped whenever a message below changes shape (2: the holder's name on every holder message,
-#: :class:`HolderState`; 3: :class:`Settled` and :class:`Distrusted` replace dicts, the hand-off, a
-#: section's whereabouts and a peer copy's offer are typed (:class:`Stage`, :class:`SectionAt`,
-#: :class:`ReplicaOffer`), slots are named by :class:`SlotDesc` with their identity, streams by
-#: :class:`StreamDesc` with a one-use token; 4: a poll carries the rank's doorbell, its reply whether
-#: the controller has it).
+#: Bumped whenever a message below changes shape (a field added, removed or retyped), so that a
+#: process of another cf_ray version refuses the message (:class:`ProtocolError`) instead of
+#: misreading it.
 PROTOCOL_VERSION = 4
 
 

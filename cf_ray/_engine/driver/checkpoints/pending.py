@@ -20,7 +20,7 @@ from cf_ray._engine.driver.checkpoints.committed import CommittedIndex
 from cf_ray._engine.driver.jit import JitWatch
 from cf_ray._engine.format.layout import section_rank
 from cf_ray._engine.protocol.messages import SectionState, Settled, SnapshotMeta
-from cf_ray._engine.storage.fs import FileInfo
+from cf_ray._engine.storage.base import FileInfo
 
 #: How many (generation, step) entries the pending table keeps; older settled ones are forgotten.
 MAX_PENDING = 64
@@ -277,7 +277,7 @@ class PendingTable:
         messages; so do those that failed only because their holder died (``lost``): their attempt
         ended. Returns the entries abandoned now. Superseded ones past ``step`` (held in memory
         only, or replaced before they were written) are abandoned too, their holders told, but not
-        returned (nothing was to be written): else they stayed memory restore candidates, and a
+        returned (nothing was to be written): else they would stay memory restore candidates, and a
         later attempt could go back into the timeline this one replaced, past its commits."""
         self.restores[generation] = step
         for g in sorted(self.restores)[:-MAX_RESTORES]:
