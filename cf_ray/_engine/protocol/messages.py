@@ -262,7 +262,7 @@ class PartStaged(Message):
     holder_put_s: float = 0.0
     node_id: str = ""
     holder_copied_bytes: int = 0
-    """Bytes the holder copied to take the section (a by-value hand-off's re-put; 0 with slots)."""
+    """Bytes the holder copied to take the section (0: it takes the worker's slots as they are)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -475,7 +475,7 @@ class IntegrityFailure(Message):
     holder: str
     """Where the bytes came from: a holder's actor name, or the storage URI of the file."""
     how: str
-    """How they came: ``in_place``, ``direct``, ``object_store``, ``storage``."""
+    """How they came: ``in_place``, ``direct``, ``storage``."""
     blocks: tuple[int, ...] = ()
     """The blocks that failed (indices, at most ``format/blocks.py``'s ``BLOCKS_NAMED``); empty: not a block check."""
     block_bytes: int = 0

@@ -66,8 +66,8 @@ class PreemptionOutcome:
     step: int
     """The step of the just-in-time checkpoint."""
     durable: bool
-    """Safe when this rank stopped waiting for it: committed, or in a peer's memory when the
-    controller chose that tier for it (the profile row's ``safe_tier`` says which)."""
+    """Safe when this rank stopped waiting for it: committed, or in a peer's memory on a node
+    that is not going, whichever came first (the profile row's ``safe_tier`` says which)."""
     durable_before_deadline: bool | None
     """Safe before the deadline (``None``: no deadline)."""
     waited_s: float

@@ -32,8 +32,7 @@ class Resume:
     into the tracked objects), ``verify`` (the fingerprints); the rest is the ranks' agreement."""
     read_bytes: dict = field(default_factory=dict)
     """Bytes this rank read, by how: ``in_place`` (its node's holder's memory, mapped), ``direct``
-    (streamed from a holder of another node: a lost node's sections, a peer's copy), ``object_store``
-    (through Ray's object transfer), ``storage``."""
+    (streamed from a holder of another node: a lost node's sections, a peer's copy), ``storage``."""
     fallbacks: list = field(default_factory=list)
     """The newer candidates every rank skipped, and why (``where``, ``rank``, ``error``, ``distrust``:
     ``"integrity"`` when its bytes failed their checks, ``"non_finite"`` when its state did)."""

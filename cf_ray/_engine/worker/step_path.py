@@ -103,7 +103,7 @@ class StepPath:
         )
         self.durability = Durability(config, ctx.rank, self.link, ctx.storage.uri())
         self.trust = TrustGate(ctx.rank)  # the first steps after a restore (trust_gate.py)
-        self.ray_train = RayTrainLink.for_run(ctx, config, state, sharded)
+        self.ray_train = RayTrainLink.for_run(ctx, config, state, sharded, self.link.keep_registered)
 
     def before_update(self, step: int, loss: Any) -> float:
         """Before the user's update at ``step`` (this rank's step count): the trust gate's loss, the
@@ -206,7 +206,7 @@ class StepPath:
             persist=persist,
         )
         self.scheduler.saved(step)
-        if sync_s is None or self.phase1.skipped is not None:  # no free slot in time (snapshot.py)
+        if sync_s is None or self.phase1.skipped is not None:  # no free slot in time (snapshot/arenas.py)
             if self.phase1.skipped is not None:
                 self.link.report_skipped(step, *self.phase1.skipped)
             return

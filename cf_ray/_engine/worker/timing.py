@@ -29,7 +29,7 @@ class Timing:
         self.stall_s_total = 0.0
         """Seconds the training thread spent on checkpoints (starting them and the guard)."""
         self.prepare_overlap = False
-        """The last iteration overlapped the fault-in of the snapshot buffers (snapshot.py)."""
+        """The last iteration overlapped the fault-in of the snapshot buffers (snapshot/snapshotter.py)."""
         self._ckpt_stats: collections.deque = collections.deque(maxlen=64)
         self._iter_sum_s = 0.0
         self._iter_n = 0

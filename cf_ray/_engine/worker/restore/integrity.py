@@ -1,13 +1,13 @@
 """What a restore checks of the bytes it is about to use, whatever path they came by.
 
 Every byte a restore uses is verified before use, at the granularity the section's index already
-has: the CRC-32 of every 256 KiB block (``format/blocks.py``'s ``BLOCK_BYTES``), computed by the worker as its
-copy landed in the holder's slot (or over the arena, by value). The check is the same for every
-path: a slot mapped in place, a section streamed from another node, an object-store copy, a peer's
-copy (:func:`verify_section`, on the bytes and the index, whichever way they came); a file read
-from storage is checked against the manifest's CRC-32 before it is parsed, and a failure there names
-the blocks too (``format/sections.py``'s ``read_verified``); a ranged read checks every block it
-touches (``format/blocks.py``'s ``RangedData``). Bytes without block checksums are refused (fail closed).
+has: the CRC-32 of every 256 KiB block (``format/blocks.py``'s ``BLOCK_BYTES``), computed by the
+worker as its copy landed in the holder's slot. The check is the same for every path: a slot mapped
+in place, a section streamed from another node, a peer's copy (:func:`verify_section`, on the bytes
+and the index, whichever way they came); a file read from storage is checked against the manifest's
+CRC-32 before it is parsed, and a failure there names the blocks too (``format/sections.py``'s
+``read_verified``); a ranged read checks every block it touches (``format/blocks.py``'s
+``RangedData``). Bytes without block checksums are refused (fail closed).
 
 A failure is not an error of the run: the copy is refused, logged once by the rank that read it
 (which block of which section, from where and how), reported to the controller as an
@@ -16,8 +16,8 @@ copy (a peer's), then the next candidate (storage). The snapshot is then distrus
 (``trust_gate.py``): never offered to a restore again.
 
 After loading, each object is compared with the fingerprint the snapshot recorded of it
-(``snapshot/fingerprint.py``). A mismatch there means the object was not restored as saved: either its bytes
-changed under the load (memory mapped in place, written by someone else) or its
+(``snapshot/fingerprint.py``). A mismatch there means the object was not restored as saved: either
+its bytes changed under the load (memory mapped in place, written by someone else) or its
 ``load_state_dict()`` does not load everything. :func:`recheck` tells the two apart by checking the
 blocks again: damaged bytes make the restore fall back like any refused copy; intact bytes mean the
 load is at fault, and the restore raises.
@@ -54,7 +54,7 @@ def verify_section(section: Section, where: str) -> None:
     """Check every byte of a section that came from memory against its block checksums.
 
     Raises:
-        manifest.BlockMismatchError: some blocks differ (named in the message and ``.blocks``).
+        BlockMismatchError: some blocks differ (named in the message and ``.blocks``).
         CorruptCheckpointError: the section has no block checksums (refused: fail closed).
     """
     if isinstance(section.buf, np.ndarray):

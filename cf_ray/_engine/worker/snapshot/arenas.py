@@ -163,7 +163,7 @@ class SectionArenas:
         (``done``) at most what is left of the bound (:meth:`left`), saying so while it waits; a hand-off to a holder that
         stopped answering (Ray restarting it, a call stuck in Ray) never holds the training thread
         for longer. (The watchdog is not fed here: a hand-off is not a storage wait, and polling the
-        controller with the in-flight snapshot's timings confused its episodes.) Returns seconds
+        controller with the in-flight snapshot's timings would confuse its episodes.) Returns seconds
         waited.
 
         Raises:

@@ -134,8 +134,8 @@ class SlotArena:
 
     def dst(self, entry: _codec.TensorEntry) -> torch.Tensor:
         """Where ``entry``'s bytes go in the slot being filled, as a tensor of its dtype and shape (made
-        once per slot and entry: three tensor ops per entry at every snapshot were a tenth of the
-        training thread's share of a checkpoint every iteration)."""
+        once per slot and entry: three tensor ops per entry at every snapshot would be a large part of
+        the training thread's share of a checkpoint every iteration)."""
         key = (self.current, entry.offset, entry.nbytes, entry.dtype, entry.shape, entry.kind)
         view = self._views.get(key)
         if view is None:
