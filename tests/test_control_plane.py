@@ -385,7 +385,7 @@ def test_a_controller_started_again_lists_the_events_its_predecessor_held(contro
 
 
 def _window_text(storage) -> str:
-    from cf_ray._engine.observe.profile_parts import PROFILE_PARTS, WINDOW
+    from cf_ray._engine.observe.profile_files import PROFILE_PARTS, WINDOW
 
     for lineage in storage.list_dir(PROFILE_PARTS):
         path = f"{PROFILE_PARTS}/{lineage}/{WINDOW}"

@@ -190,7 +190,7 @@ def test_a_memory_only_step_settles_at_once_stays_restorable_and_is_committed_wh
 def _persist(ctl: Controller, step: int, sections=SECTIONS, **meta) -> None:
     """``finish()``'s persisted snapshot of ``step``: staged and written, section by section."""
     for sec in sections:
-        ctl.part_staged(_staged(ctl, step, sec, **{"kind": CheckpointKind.MANUAL, **meta}))
+        ctl.part_staged(_staged(ctl, step, sec, **{"kind": CheckpointKind.FINAL, **meta}))
         files, _ = _write(ctl, step, sec)
         ctl.part_durable(PartDurable(generation=ctl.generation, step=step, section=sec, files=files, persist_s=0.01))
     wait_idle(ctl)
@@ -268,7 +268,7 @@ def test_keep_last_never_deletes_the_resume_point_a_final_model_names(controller
     assert ctl.keep_resume_point(4) == 4
     final = step_dir(6, kind="final")
     write_final_model(ctl.storage, final, torch.nn.Linear(2, 1), step=6, epoch=0, resume=step_dir(4))
-    _persist(ctl, 6, kind=CheckpointKind.MANUAL)  # the final checkpoint commits after finish() returned
+    _persist(ctl, 6)  # the final checkpoint commits after finish() returned
     _persist(ctl, 8, kind=CheckpointKind.SCHEDULED)
     assert [c.step for c in list_committed(ctl.storage)] == [4, 8]
     assert resumable_checkpoint(ctl.storage.uri(final))[1] == step_dir(4)
@@ -281,9 +281,10 @@ def test_keep_last_never_deletes_the_resume_point_a_final_model_names(controller
 
 def test_the_final_step_is_listed_once_as_the_final_model_and_no_milestone_the_user_did_not_set(controller, tmp_path):
     """``keep_last=2`` and no ``milestone_every``: the run's end used to be listed twice, ``(60, final,
-    milestone)`` and ``(60, manual, milestone)``. The full checkpoint the final model names at its own
-    step is listed once, as the final model (kind ``final``, which resumes the run through it), and
-    nothing is a milestone; keep-last still never deletes it (it is the resume point)."""
+    milestone)`` and ``(60, manual, milestone)``. ``finish()``'s full checkpoint is of kind ``final``
+    (its manifest and its profile row; a ``manual`` checkpoint is one the user asked for), listed once,
+    as the final model (which resumes the run through it), and nothing is a milestone; keep-last still
+    never deletes it (it is the resume point)."""
     import cf_ray
     from cf_ray._engine.format.safetensors import write_final_model
     from cf_ray.load import resumable_checkpoint
@@ -291,7 +292,10 @@ def test_the_final_step_is_listed_once_as_the_final_model_and_no_milestone_the_u
     ctl = controller(keep_last=2)
     for step in (20, 40):
         _persist(ctl, step, kind=CheckpointKind.SCHEDULED)
-    _persist(ctl, 60, kind=CheckpointKind.MANUAL)  # finish()'s checkpoint, not a milestone
+    _persist(ctl, 60)  # finish()'s checkpoint, not a milestone
+    assert read_manifest(ctl.storage, step_dir(60)).kind == "final"
+    assert {r["step"]: r["kind"] for r in ctl.profile_rows()}[60] == "final"
+    assert [(c.step, c.kind, c.milestone) for c in cf_ray.list_checkpoints(str(tmp_path))][-1] == (60, "final", False)
     assert ctl.keep_resume_point(60) == 60
     final = step_dir(60, kind="final")
     write_final_model(ctl.storage, final, torch.nn.Linear(2, 1), step=60, epoch=2, resume=step_dir(60))
@@ -305,6 +309,42 @@ def test_the_final_step_is_listed_once_as_the_final_model_and_no_milestone_the_u
     _persist(ctl, 120, kind=CheckpointKind.SCHEDULED)
     assert [c.step for c in list_committed(ctl.storage)] == [60, 100, 120]
     assert resumable_checkpoint(ctl.storage.uri(final))[1] == step_dir(60)
+
+
+def test_keep_last_spares_what_ray_train_lists_until_ray_drops_its_pointer(controller, tmp_path, caplog):
+    """``keep_last=1`` with registration: a step rank 0 registers with Ray Train (a pointer directory
+    Ray lists in ``result.best_checkpoints``) used to be deleted by keep-last like any other, and the
+    pointer Ray handed back then named a checkpoint that was gone. Keep-last spares it (it still
+    counts toward ``keep_last``) while its pointer is there, also in a controller that starts again;
+    once Ray's ``num_to_keep`` deletes the pointer, keep-last deletes the step. A step keep-last took
+    out already is not registered."""
+    import logging
+
+    from cf_ray._engine.format.commit import write_pointer
+    from cf_ray._engine.format.layout import pointer_dir
+    from cf_ray.load import resumable_checkpoint
+
+    caplog.set_level(logging.WARNING, logger="cf_ray")
+    ctl = controller(keep_last=1)
+    _persist(ctl, 2, kind=CheckpointKind.SCHEDULED)
+    assert ctl.keep_registered(2)  # rank 0 asks first, then writes the pointer and reports it
+    listed = ctl.storage.uri(write_pointer(ctl.storage, 2))
+    for step in (4, 6, 8):
+        _persist(ctl, step, kind=CheckpointKind.SCHEDULED)
+    assert [c.step for c in list_committed(ctl.storage)] == [2, 8]
+    run, directory = resumable_checkpoint(listed)  # what Ray lists loads
+    assert directory == step_dir(2) and verify_all(run, directory, read_manifest(run, directory)) is None
+    assert "keeps step 2 beyond keep_last=1: it is registered with Ray Train" in caplog.text
+    assert not ctl.keep_registered(4)  # gone: not registered
+    assert ctl.keep_registered(8)
+    write_pointer(ctl.storage, 8)
+    ctl.storage.delete_dir(pointer_dir(2))  # Ray's num_to_keep=1 drops the older one
+    _persist(ctl, 10, kind=CheckpointKind.SCHEDULED)
+    assert [c.step for c in list_committed(ctl.storage)] == [8, 10]
+    ctl._maintenance.stop()
+    again = controller(keep_last=1)  # a controller that starts again: Ray's list read from storage
+    _persist(again, 12, kind=CheckpointKind.SCHEDULED)
+    assert [c.step for c in list_committed(again.storage)] == [8, 12]
 
 
 def test_one_steps_section_failures_are_answered_together(controller):

@@ -56,7 +56,7 @@ from cf_ray._engine.protocol.cluster import (
     train_controller,
 )
 from cf_ray._engine.protocol.naming import controller_name, run_key
-from cf_ray._engine.storage.fs import Storage
+from cf_ray._engine.storage.base import Storage
 
 logger = logging.getLogger("cf_ray")
 

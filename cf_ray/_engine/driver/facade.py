@@ -44,9 +44,10 @@ from cf_ray._engine.driver.maintenance import Maintenance
 from cf_ray._engine.driver.recovery import HolderLink, Roster, in_ray_actor, was_reconstructed
 from cf_ray._engine.driver.settings import ControllerSettings
 from cf_ray._engine.driver.watch import Watch
-from cf_ray._engine.observe.profile_parts import delete_other_lineages, newest_lineage
+from cf_ray._engine.observe.profile_files import delete_other_lineages, newest_lineage
 from cf_ray._engine.protocol.cluster import Owner, run_name_of
 from cf_ray._engine.protocol.doorbell import ring_all
+from cf_ray._engine.protocol.events import Event, RestoreFallbackEvent, as_event
 from cf_ray._engine.protocol.messages import (
     HOLDER_MESSAGES,
     CheckpointKind,
@@ -65,7 +66,7 @@ from cf_ray._engine.protocol.messages import (
     SyncReply,
     SyncRequest,
 )
-from cf_ray._engine.storage.fs import Storage
+from cf_ray._engine.storage.base import Storage
 
 logger = logging.getLogger("cf_ray")
 
@@ -247,6 +248,13 @@ class Controller:
         with self._ledger.lock:
             return self._ledger.commits.index.keep_resume_point(int(step))
 
+    def keep_registered(self, step: int) -> bool:
+        """A rank is about to register ``step`` with Ray Train: keep-last spares it while Ray lists it
+        (:meth:`.checkpoints.committed.CommittedIndex.keep_registered`). False: it is gone already,
+        and is not to be registered."""
+        with self._ledger.lock:
+            return self._ledger.commits.index.keep_registered(int(step))
+
     def ping(self) -> dict:
         """A cheap liveness check: ``{"generation": int, "resynced": bool}``."""
         return {"generation": self.generation, "resynced": self._roster.resynced.is_set()}
@@ -367,25 +375,26 @@ class Controller:
         """Why the interval is what it is (the policy's ``explain()``), for users and notebooks."""
         return self._ledger.explain()
 
-    def record_event(self, event: dict) -> None:
-        """An event from a worker. A ``restore_fallback`` from this run's storage that found damage
-        makes the controller re-read that checkpoint (quarantined only if it is damaged); one from
-        memory whose bytes failed verification takes that snapshot out of every later plan."""
+    def record_event(self, event: Event | dict) -> None:
+        """An event from a worker (typed, or its plain form: :class:`EventError` for one that names
+        no known kind or lacks a field). A ``restore_fallback`` from this run's storage that found
+        damage makes the controller re-read that checkpoint (quarantined only if it is damaged); one
+        from memory whose bytes failed verification takes that snapshot out of every later plan."""
+        event = as_event(event)
         self._ledger.record_event(event)
-        if event.get("event") != "restore_fallback":
+        if not isinstance(event, RestoreFallbackEvent):
             return
-        step, generation = event.get("step"), event.get("generation")
-        damage = bool(event.get("corrupt") or event.get("damage") or event.get("verification"))
-        if not damage or not isinstance(step, int):
+        step, generation = event.step, event.generation
+        if not event.damaged or not isinstance(step, int):
             return
-        error = str(event.get("error", "damaged"))[:500]
-        if event.get("source") == "memory":
+        error = str(event.error if event.error is not None else "damaged")[:500]
+        if event.source == "memory":
             if isinstance(generation, int):
                 self._quarantine.distrust(
                     generation, step, f"failed verification in a restore: {error}", source="memory"
                 )
                 self._ledger.write_control_state()
-        elif event.get("source") == "storage":
+        elif event.source == "storage":
             self._quarantine.suspect(step, error)
 
     def summary(self) -> dict:

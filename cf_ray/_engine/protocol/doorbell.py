@@ -1,5 +1,5 @@
 """A rank's doorbell: how the controller has a rank poll at once, without waiting for the poll
-interval (``worker/link/sync.py``), when a checkpoint request comes from outside the workers
+interval (``worker/link/controller.py``), when a checkpoint request comes from outside the workers
 (``cf_ray.preemption.notify_preemption``) or it published a new schedule version.
 
 Inside a Ray actor (a Ray Train worker) a rank's polls carry its bell's address, ``(actor handle,

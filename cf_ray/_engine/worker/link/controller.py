@@ -47,6 +47,7 @@ import ray.exceptions
 from cf_ray._engine import env as _env
 from cf_ray._engine.format.layout import rank_section
 from cf_ray._engine.protocol.doorbell import Doorbell
+from cf_ray._engine.protocol.events import Event
 from cf_ray._engine.protocol.messages import CheckpointRequest, PartFailed, Settled, SyncReply, SyncRequest
 from cf_ray._engine.worker.scheduler import Scheduler
 from cf_ray._engine.worker.timing import Timing
@@ -615,6 +616,16 @@ class ControllerLink:
             return step
         return 0 if kept is None else int(kept)
 
+    def keep_registered(self, step: int) -> bool:
+        """Rank 0 is about to register committed ``step`` with Ray Train: keep-last spares it while
+        Ray lists it. False: it is gone, or the controller could not say (a warning): it is not
+        registered, since Ray would then list a checkpoint that may not load."""
+        try:
+            return bool(self.call("keep_registered", step, step=step))
+        except Exception as e:  # noqa: BLE001 - registration is bookkeeping: this one is left out
+            logger.warning("cf_ray: rank %d: step %d not registered with Ray Train: %r", self.rank, step, e)
+            return False
+
     def new_failures(self, raise_on_error: bool) -> list[dict]:
         """The failures not yet reported (each is reported once), an earlier attempt's included.
 
@@ -650,7 +661,7 @@ class ControllerLink:
         )
         return left
 
-    def record_event(self, event: dict, *, wait: bool = False) -> None:
+    def record_event(self, event: Event, *, wait: bool = False) -> None:
         """An event for the controller's event list (and profile): fire-and-forget, or (``wait``) once
         the controller has recorded it (what another process must see next: a distrusted snapshot)."""
         try:
@@ -659,7 +670,7 @@ class ControllerLink:
             else:
                 self.controller.record_event.remote(event)
         except Exception as e:  # noqa: BLE001 - bookkeeping never fails training
-            logger.warning("cf_ray: rank %d: could not record event %s: %r", self.rank, event.get("event"), e)
+            logger.warning("cf_ray: rank %d: could not record event %s: %r", self.rank, event.kind, e)
 
     def report_skipped(self, step: int, error: str, sections: list[str]) -> None:
         """A snapshot this rank did not take (no free slot in time): the controller fails its step, so
