@@ -207,7 +207,8 @@ class CheckpointConfig:
     """At the end of :meth:`~cf_ray.Checkpointer.restore`, run one full garbage collection and freeze
     what is alive (``gc.freeze()``: modules, model, optimizer), so that a full collection in the loop
     scans only newer objects instead of stopping training to scan everything alive (hundreds of
-    milliseconds with torch and Ray loaded); undone at ``finish()`` and ``close()``. ``False`` leaves the garbage collector alone."""
+    milliseconds with torch and Ray loaded); undone at ``finish()`` and ``close()``. ``False``
+    leaves the garbage collector alone."""
     release_after_fit_s: float = 120.0
     """How long the run's actors — and the snapshots they hold in memory — outlive a ``fit()`` that
     ended without ``finish()`` (Ctrl-C, ``FailureConfig(max_failures)`` exhausted, an error) while
