@@ -134,10 +134,10 @@ class Run:
         if not ray.is_initialized():
             return None
         from cf_ray._engine.driver.controller import get_controller, run_key
-        from cf_ray._engine.storage.fs import FsStorage
+        from cf_ray._engine.storage.backends import open_storage
 
         # The key as the run's Checkpointer derives it: from the URI of the run's cf_ray folder and its name.
-        storage = FsStorage.from_uri(self.storage_path, self.storage_filesystem).child(f"{self.name}/{_RUN_SUBDIR}")
+        storage = open_storage(self.storage_path, self.storage_filesystem).child(f"{self.name}/{_RUN_SUBDIR}")
         return get_controller(run_key(storage.uri(), self.name))
 
     def _ask(self, method: str, *, what: str) -> tuple[bool, Any]:
@@ -256,7 +256,7 @@ class Run:
 
         Raises:
             RunUnavailableError: the run is not alive and saved no events (it is running in a
-                cluster this process is not connected to, or an older cf_ray ran it), or the
+                cluster this process is not connected to, or its controller never reached its end), or the
                 controller did not answer in time.
             CorruptCheckpointError: the saved events are not readable.
 
@@ -268,9 +268,9 @@ class Run:
         if found:
             return events
         from cf_ray._engine.observe.event_files import EVENTS_FILE, load_events
-        from cf_ray._engine.storage.fs import FsStorage
+        from cf_ray._engine.storage.backends import open_storage
 
-        storage = FsStorage.from_uri(self.storage_path, self.storage_filesystem).child(f"{self.name}/{_RUN_SUBDIR}")
+        storage = open_storage(self.storage_path, self.storage_filesystem).child(f"{self.name}/{_RUN_SUBDIR}")
         saved = load_events(storage)
         if saved is None:
             raise RunUnavailableError(
@@ -328,7 +328,7 @@ class Run:
         ``cf_ray.report.plot_badput`` a plot.
 
         Live from the controller, else what the run saved at its end (``goodput.json``); ``None`` when
-        it saved none (a run older than this cf_ray, or one whose controller never ended).
+        it saved none (its controller never reached its end).
 
         Raises:
             RunUnavailableError: the live controller did not answer in time.
