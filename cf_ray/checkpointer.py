@@ -270,7 +270,7 @@ class Checkpointer:
             source=outcome.source,
             attempt=self.generation,
             rolled_back_from=self._restorer.record.fallbacks.rolled_back_from
-            or (rollback["restored_step"] if rollback else None),
+            or (rollback.restored_step if rollback else None),
         )
         self.resume = self._resumed(outcome, seconds=time.perf_counter() - t0)
         self._restorer.report(outcome, self.resume.seconds)
