@@ -348,7 +348,10 @@ class SyncExchange:
 
 
 class ControllerLink:
-    """One rank's polls of the controller, and what it learnt from them.
+    """One rank's link to the controller, the one object the rank's parts hold: the poll, the
+    blocking calls, and what this rank knows of its checkpoints (the steps taken and not known
+    settled, the newest committed step, the safe ones). Invariant: a step leaves ``taken`` only once
+    it is known committed, failed, superseded or abandoned, or reported as a ``timeout`` failure.
 
     Args:
         controller: the run's controller actor.

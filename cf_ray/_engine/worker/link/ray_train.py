@@ -39,6 +39,8 @@ class RayTrainLink:
         final_module: the tracked module written as the final model (``None``: none).
         final_sharded: for a sharded (FSDP2) final model instead: a function returning its state dict
             (DTensors), written by every rank together, one tensor at a time.
+        keep_registered: asks the controller to spare a committed step from keep-last while Ray Train
+            lists it (``ControllerLink.keep_registered``); False: it is gone, and is not registered.
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class RayTrainLink:
         register_with_ray: bool,
         final_module: torch.nn.Module | None,
         final_sharded: Callable[[], dict[str, Any]] | None = None,
+        keep_registered: Callable[[int], bool] | None = None,
     ):
         self.rank = ctx.rank
         self.storage = ctx.storage
@@ -54,20 +57,30 @@ class RayTrainLink:
         self.register_with_ray = register_with_ray
         self.final_module = final_module
         self.final_sharded = final_sharded
+        self.keep_registered = keep_registered or (lambda _step: True)
         self.metrics: dict[str, Any] = {}
         """User metrics sent with each registration of a checkpoint with Ray Train."""
         self._registered = 0
         self._last_register = time.monotonic()
 
     @classmethod
-    def for_run(cls, ctx: WorkerContext, config: Any, state: dict[str, Any], sharded: Any) -> RayTrainLink:
+    def for_run(
+        cls,
+        ctx: WorkerContext,
+        config: Any,
+        state: dict[str, Any],
+        sharded: Any,
+        keep_registered: Callable[[int], bool] | None = None,
+    ) -> RayTrainLink:
         """The link for ``CheckpointConfig`` (``register_with_ray``, ``final_model``): a sharded final
-        model is gathered by every rank one tensor at a time and written by rank 0 (#13)."""
+        model is gathered by every rank one tensor at a time and written by rank 0."""
         name = config.final_model
         module = state.get(name) if name else None
         if sharded is not None and name in sharded.modules:
-            return cls(ctx, config.register_with_ray, None, functools.partial(sharded.state_dict, name))
-        return cls(ctx, config.register_with_ray, module)
+            return cls(
+                ctx, config.register_with_ray, None, functools.partial(sharded.state_dict, name), keep_registered
+            )
+        return cls(ctx, config.register_with_ray, module, keep_registered=keep_registered)
 
     def start_attempt(self, committed_step: int) -> None:
         """At restore: what was committed before this attempt counts as registered."""
@@ -98,14 +111,17 @@ class RayTrainLink:
         # Ray Train remembers every registered checkpoint and, when a run with the same name starts
         # again, refuses to start if one of them is gone. keep-last deletes checkpoints, so what is
         # registered is a small pointer directory that cf_ray never deletes (Ray's own
-        # CheckpointConfig(num_to_keep=...) may), naming the checkpoint it stands for.
+        # CheckpointConfig(num_to_keep=...) may), naming the checkpoint it stands for. What Ray lists
+        # must load: the controller spares the step from keep-last first, while the pointer is there
+        # (a step keep-last took out already is not registered: the ranks report metrics only).
         pointer = None
-        if self.rank == 0:
+        if self.rank == 0 and self.keep_registered(step):
             try:
                 pointer = write_pointer(self.storage, step)
             except Exception as e:  # noqa: BLE001 - registration is bookkeeping; never fail training for it
                 logger.warning("cf_ray: could not register step %d with Ray Train: %s", step, e)
-        ckpt = Checkpoint(path=self.storage.fs_path(pointer), filesystem=self.storage.fs) if pointer else None
+        where = self.storage.pyarrow_location(pointer) if pointer else None  # what Ray Train can read
+        ckpt = Checkpoint(path=where[1], filesystem=where[0]) if where else None
         metrics = dict(self.metrics, cf_ray_step=step, cf_ray_epoch=epoch)
         ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
 
@@ -165,7 +181,8 @@ class RayTrainLink:
         if self.register_with_ray and self.ray_storage is not None:
             from ray.train import Checkpoint, CheckpointUploadMode
 
-            ckpt = Checkpoint(path=self.storage.fs_path(final_dir), filesystem=self.storage.fs)
+            where = self.storage.pyarrow_location(final_dir)
+            ckpt = Checkpoint(path=where[1], filesystem=where[0]) if where else None
             ray.train.report(
                 dict(self.metrics, cf_ray_step=step, cf_ray_final=True),
                 checkpoint=ckpt if self.rank == 0 else None,

@@ -2,7 +2,7 @@
 internals (environment variable names, their meaning in the pinned Ray) is in this module.
 
 Ray Train's controller finds a dead rank by polling its workers every
-``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` seconds (2 s by default on Ray 2.60): the poll of a killed
+``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` seconds (Ray Train's default: 2 s): the poll of a killed
 worker's actor fails at the first poll after its death, so detection waits half an interval on
 average and a whole one at worst. A poll is one small actor call per rank; cf_ray makes it shorter.
 The controller reads the variable from the driver's environment when ``fit()`` starts it (Ray
@@ -74,7 +74,7 @@ def health_check_s(environ: MutableMapping[str, str] | None = None) -> float:
     """In a Ray Train worker: the interval at which Ray Train's controller polls the workers (Ray
     Train passes the variable on from the controller to its workers). When cf_ray's shorter value
     did not reach it (``cf_ray`` not imported in the driver before ``fit()``, or turned off), says
-    so once in the log: a failure is then seen up to Ray's 2 s later."""
+    so once in the log: a failure is then seen up to Ray Train's default interval later."""
     global _said
     env = os.environ if environ is None else environ
     raw = env.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
