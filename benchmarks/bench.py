@@ -155,7 +155,7 @@ def measure_limits(directory: Path, nbytes: int) -> dict:
     import numpy as np
     import torch
 
-    from cf_ray._engine.storage.fs import _crc32
+    from cf_ray._engine.storage.base import _crc32
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -27,14 +27,13 @@ import time
 
 def stream_path(nbytes: int, repeats: int) -> dict:
     import numpy as np
-    import pyarrow.fs as pafs
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from slot_helpers import staged_slot
 
     from cf_ray._engine.node.holder import Holder
     from cf_ray._engine.protocol.messages import CheckpointKind, SnapshotMeta, Stage
-    from cf_ray._engine.storage.fs import FsStorage
+    from cf_ray._engine.storage.backends import open_storage
 
     class Sink:
         def __init__(self):
@@ -57,7 +56,7 @@ def stream_path(nbytes: int, repeats: int) -> dict:
             return self.h.hold_replica(offer)
 
     root = tempfile.mkdtemp()
-    storage = FsStorage(pafs.LocalFileSystem(), root)
+    storage = open_storage(root)
     holders: dict = {}
     for node in ("A", "B"):
         peer = "B" if node == "A" else "A"

@@ -50,14 +50,17 @@ def locate(source: str) -> tuple[FsStorage, str | None]:
     """
     import pyarrow.fs as pafs
 
+    from cf_ray._engine.format.catalog import open_run
+    from cf_ray._engine.storage.backends import open_storage
     from cf_ray._engine.storage.fs import FsStorage
-    from cf_ray.load import open_run
 
     try:
-        given = FsStorage.from_uri(source)
-    except (ValueError, TypeError) as e:  # pyarrow.ArrowInvalid is a ValueError: no such scheme, no bucket
+        given = open_storage(source)
+    except (ValueError, TypeError) as e:  # no such scheme, no bucket (ConfigError, pyarrow.ArrowInvalid)
         raise CliError(f"{source!r} is not a path or URI cf-ray can read ({_first_line(e)})") from None
     where = given.uri()
+    if not isinstance(given, FsStorage):  # cf-ray lists with pyarrow and hands its file system to cf_ray.load
+        raise CliError(f"cf-ray reads runs on pyarrow file systems; {where} is not on one")
     kind = _stat(given, given.root, where)
     if kind == pafs.FileType.NotFound:
         raise CliError(f"no run at {where}: nothing is there; give the run's directory <storage_path>/<name>")
@@ -70,8 +73,10 @@ def locate(source: str) -> tuple[FsStorage, str | None]:
         storage, directory = open_run(source)
     except OSError as e:
         raise CliError(f"cannot read {where}: {_first_line(e)}") from None
+    if not isinstance(storage, FsStorage):
+        raise CliError(f"cf-ray reads runs on pyarrow file systems; {where} is not on one")
     if directory is None and posixpath.basename(storage.root) != "cf_ray":
-        inner = FsStorage(storage.fs, posixpath.join(storage.root, "cf_ray"))
+        inner = storage.child("cf_ray")
         if _stat(inner, inner.root, where) == pafs.FileType.Directory:
             return inner, None  # a run that has committed nothing yet (its profile, its quarantine)
         if any(_stat(storage, posixpath.join(storage.root, n), where) != pafs.FileType.NotFound for n in _ROOT_FILES):

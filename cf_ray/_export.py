@@ -29,6 +29,7 @@ import torch
 from cf_ray._engine.format.catalog import list_committed
 from cf_ray._engine.format.commit import read_manifest
 from cf_ray._engine.format.safetensors import _SAFETENSORS_DTYPES
+from cf_ray._engine.storage.base import Storage
 from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.errors import CfRayError, CheckpointNotFoundError, ConfigError
 from cf_ray.load import load_state
@@ -57,7 +58,7 @@ class Exported:
     """Their total size."""
 
 
-def choose(storage: FsStorage, directory: str | None, step: int | None, obj: str) -> str:
+def choose(storage: Storage, directory: str | None, step: int | None, obj: str) -> str:
     """The checkpoint directory to export: ``directory`` when given, else the newest committed one
     (of ``step``, when given); for the same step the final model wins when ``obj`` is ``model``
     (it holds nothing else)."""
@@ -134,7 +135,7 @@ def export_model(
 
 
 def export_dcp_dir(
-    storage: FsStorage,
+    storage: Storage,
     directory: str | None,
     out_dir: str,
     *,

@@ -21,7 +21,7 @@ import numpy as np
 from cf_ray._engine.format import layout
 from cf_ray._engine.format.commit import Manifest, read_manifest
 from cf_ray._engine.format.sections import parse_index, read_verified
-from cf_ray._engine.storage.base import Storage, _crc32, is_symlink
+from cf_ray._engine.storage.base import Storage, _crc32
 from cf_ray.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
 
 #: Bytes read at a time: the memory ``verify`` needs, beyond the tensor tables.
@@ -78,7 +78,7 @@ def verify_run(storage: Storage, directory: str | None = None, *, step: int | No
             continue
         path = f"{layout.CHECKPOINTS}/{name}"
         try:
-            unsafe = is_symlink(storage, path) or is_symlink(storage, f"{path}/{layout.MANIFEST}")
+            unsafe = storage.is_symlink(path) or storage.is_symlink(f"{path}/{layout.MANIFEST}")
             committed = unsafe or storage.exists(f"{path}/{layout.MANIFEST}")
         except (UnsafePathError, OSError) as e:
             found.append(CheckpointCheck(name, int(m.group(2)), "?", problems=(f"cannot be examined: {e}",)))
@@ -111,7 +111,7 @@ def _check(storage: Storage, path: str, name: str, step: int) -> CheckpointCheck
     problems = []
     data_of_index = {names["index"]: names["data"] for names in manifest.sections.values() if "index" in names}
     for file_name in manifest.files:
-        final = file_name == layout.FINAL_MODEL_FILE and manifest.kind == "final"
+        final = file_name == layout.FINAL_MODEL_FILE and manifest.final_model
         try:
             kept = _stream_verified(storage, path, manifest, file_name, keep=file_name in data_of_index)
             if final:
@@ -148,15 +148,14 @@ def _stream_verified(storage: Storage, directory: str, manifest: Manifest, name:
     """
     info = manifest.files[name]
     where = f"{storage.uri(directory)}/{name}"
-    read_range = getattr(storage, "read_range", None)
-    if read_range is None:  # a storage without ranged reads (the protocol's optional method): one read
+    if not storage.ranged_reads:  # the backend reads whole files anyway: one read
         return _check_whole(read_verified(storage, directory, manifest, name), keep)
     crc, size, parts = 0, 0, []
     try:
         while True:
             # One byte more than the manifest's size at most: enough to tell an extended file.
             want = min(CHUNK_BYTES, info.size + 1 - size)
-            chunk = read_range(f"{directory}/{name}", size, want) if want > 0 else np.empty(0, np.uint8)
+            chunk = storage.read_range(f"{directory}/{name}", size, want) if want > 0 else np.empty(0, np.uint8)
             crc = _crc32(chunk.data, crc) if chunk.nbytes else crc
             size += chunk.nbytes
             if keep and chunk.nbytes:
@@ -184,12 +183,11 @@ def _check_whole(buf: np.ndarray, keep: bool) -> np.ndarray:
 def _safetensors_head(storage: Storage, path: str, size: int) -> np.ndarray:
     """The 8-byte length and the JSON header of a safetensors file (already verified): what
     :func:`_check_safetensors` parses, without its tensors."""
-    read_range = getattr(storage, "read_range", None)
-    if read_range is None:
+    if not storage.ranged_reads:
         return storage.read_file(path)[: min(size, 8 + _MAX_HEADER)]
-    head = read_range(path, 0, 8)
+    head = storage.read_range(path, 0, 8)
     n = int.from_bytes(bytes(head[:8]), "little") if head.nbytes == 8 else 0
-    return np.concatenate([head, read_range(path, 8, min(max(n, 0), _MAX_HEADER, max(size - 8, 0)))])
+    return np.concatenate([head, storage.read_range(path, 8, min(max(n, 0), _MAX_HEADER, max(size - 8, 0)))])
 
 
 #: A safetensors header longer than this is taken as damaged (safetensors' own limit is 100 MB).

@@ -8,7 +8,6 @@ manifest's size and CRC-32 before it is parsed.
 
 from __future__ import annotations
 
-import posixpath
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,22 +16,24 @@ import pyarrow.fs as pafs
 import torch
 
 from cf_ray._engine.format import codec as _codec
-from cf_ray._engine.format.catalog import list_committed, load_quarantine
-from cf_ray._engine.format.commit import Manifest, read_manifest, read_pointer
+from cf_ray._engine.format.catalog import (
+    full_checkpoint_of_final,
+    list_committed,
+    load_quarantine,
+    open_run,
+    resumable_checkpoint,
+)
+from cf_ray._engine.format.commit import read_manifest
 from cf_ray._engine.format.layout import (
-    _DIR_RE,
-    CHECKPOINTS,
     FINAL_SECTION,
     OBJECTS,
-    POINTER,
-    REGISTERED,
+    RESUME_KEY,
     SHARED,
     STATE,
     rank_section,
 )
-from cf_ray._engine.format.safetensors import RESUME_KEY, read_safetensors
+from cf_ray._engine.format.safetensors import read_safetensors
 from cf_ray._engine.format.sections import Section, load_section, read_verified
-from cf_ray._engine.storage.fs import FsStorage
 from cf_ray.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 
@@ -46,77 +47,6 @@ class CheckpointInfo:
     milestone: bool
     world_size: int
     path: str
-
-
-def open_run(source: Any, filesystem: pafs.FileSystem | None = None) -> tuple[FsStorage, str | None]:
-    """(storage at the run's cf_ray root, a checkpoint directory under it or None).
-
-    ``source`` may be: a run directory (``<storage_path>/<name>``), its ``cf_ray`` root, one
-    checkpoint's directory (``.../checkpoints/step_000000000120``), as a local path or a URI, or a
-    ``ray.train.Checkpoint`` (``result.checkpoint``, or one of ``result.best_checkpoints``, which
-    are pointers to checkpoints).
-    """
-    if hasattr(source, "path") and hasattr(source, "filesystem"):  # ray.train.Checkpoint
-        filesystem, source = source.filesystem, source.path
-    if not isinstance(source, str):
-        raise TypeError(f"expected a path, a URI or a ray.train.Checkpoint, got {type(source).__name__}")
-    storage = FsStorage.from_uri(source, filesystem)
-    root, name = storage.root, None
-    base = posixpath.basename(root)
-    parent = posixpath.basename(posixpath.dirname(root))
-    if parent == REGISTERED and storage.exists(POINTER):  # what was registered with Ray Train
-        run = FsStorage(storage.fs, posixpath.dirname(posixpath.dirname(root)))
-        return run, read_pointer(storage.read_file(POINTER))
-    if _DIR_RE.match(base) and parent == CHECKPOINTS:
-        name = base
-        root = posixpath.dirname(posixpath.dirname(root))
-    elif base != "cf_ray":
-        candidate = FsStorage(storage.fs, posixpath.join(root, "cf_ray"))
-        if candidate.exists(CHECKPOINTS):
-            root = candidate.root
-    run = FsStorage(storage.fs, root)
-    return run, (f"{CHECKPOINTS}/{name}" if name else None)
-
-
-def resumable_checkpoint(source: Any, filesystem: pafs.FileSystem | None = None) -> tuple[FsStorage, str]:
-    """(the run's storage, the full checkpoint's directory) that ``source`` names or points at: a
-    run (its newest committed checkpoint), a checkpoint directory, a pointer registered with Ray
-    Train, or a final model (``result.checkpoint``), followed to the full checkpoint its manifest
-    names (written by ``Checkpointer.finish()``).
-
-    Raises:
-        CheckpointNotFoundError: no committed full checkpoint there (or the one a final model names
-            is gone).
-        CorruptCheckpointError: a damaged manifest or pointer.
-    """
-    run, directory = open_run(source, filesystem)
-    if directory is None:
-        committed = list_committed(run, skip_quarantined=True)
-        if not committed:
-            raise CheckpointNotFoundError(f"no committed cf_ray checkpoint under {run.uri()}")
-        directory = committed[-1].path
-    m = read_manifest(run, directory)
-    if m.kind == "final":
-        directory = _full_checkpoint_of_final(run, directory, m)
-        read_manifest(run, directory)  # it must still be there (CheckpointNotFoundError otherwise)
-    return run, directory
-
-
-def _full_checkpoint_of_final(run: FsStorage, directory: str, m: Manifest) -> str:
-    target = m.extra.get(RESUME_KEY)
-    if target is None:
-        raise CheckpointNotFoundError(
-            f"{run.uri(directory)} holds only the final model weights and names no full checkpoint of its run; "
-            "resume from the run directory or a registered checkpoint instead"
-        )
-    name = target.removeprefix(f"{CHECKPOINTS}/") if isinstance(target, str) else ""
-    match = _DIR_RE.match(name)
-    if not isinstance(target, str) or not target.startswith(f"{CHECKPOINTS}/") or not match or match.group(1) != "step":
-        raise CorruptCheckpointError(
-            f"the final model's manifest {run.uri(directory)} names {target!r} as its full "
-            "checkpoint, which is not a checkpoint of this run"
-        )
-    return target
 
 
 def list_checkpoints(source: Any, filesystem: pafs.FileSystem | None = None) -> list[CheckpointInfo]:
@@ -198,11 +128,11 @@ def load_state(
     m = read_manifest(run, directory)
     wanted = None if objects is None else set(objects)
     keyset = None if keys is None else set(keys)
-    if m.kind == "final" and wanted is not None and wanted - {FINAL_SECTION} and RESUME_KEY in m.extra:
+    if m.final_model and wanted is not None and wanted - {FINAL_SECTION} and RESUME_KEY in m.extra:
         # Objects besides the model: from the full checkpoint the final model names (same step).
-        directory = _full_checkpoint_of_final(run, directory, m)
+        directory = full_checkpoint_of_final(run, directory, m)
         m = read_manifest(run, directory)
-    if m.kind == "final":
+    if m.final_model:
         buf = read_verified(run, directory, m, "model.safetensors")
         state = {"model": read_safetensors(buf, keyset)}
         missing = (wanted or set()) - set(state)
@@ -274,3 +204,16 @@ def _select(section: Section, path: tuple[str, ...], wanted, keyset) -> dict:
             sub = _codec.select_keys(sub, keyset)
         out[name] = _codec.unflatten(sub, lambda _i, e: _codec.view(section.buf, e, copy=True), section.entries)
     return out
+
+
+# open_run and resumable_checkpoint are defined in the format room's catalog (the engine finds a run
+# there too) and are part of this module's public face.
+__all__ = [
+    "CheckpointInfo",
+    "list_checkpoints",
+    "load_into",
+    "load_state",
+    "open_run",
+    "quarantined_checkpoints",
+    "resumable_checkpoint",
+]

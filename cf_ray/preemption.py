@@ -108,9 +108,9 @@ def controller_of(storage_path: str, run_name: str, storage_filesystem=None):
     """
     from cf_ray._engine.driver.controller import get_controller
     from cf_ray._engine.protocol.naming import run_key
-    from cf_ray._engine.storage.fs import FsStorage
+    from cf_ray._engine.storage.backends import open_storage
 
-    storage = FsStorage.from_uri(storage_path, storage_filesystem).child(f"{run_name}/cf_ray")
+    storage = open_storage(storage_path, storage_filesystem).child(f"{run_name}/cf_ray")
     return get_controller(run_key(storage.uri(), run_name))
 
 

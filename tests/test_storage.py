@@ -8,21 +8,23 @@ import random
 import subprocess
 import sys
 import textwrap
+import zlib
 
 import numpy as np
 import pytest
 import torch
 
 import cf_ray
+from cf_ray._engine.format.blocks import block_crcs, with_blocks
 from cf_ray._engine.format.catalog import list_committed, to_delete
 from cf_ray._engine.format.commit import read_manifest
-from cf_ray._engine.format.layout import MANIFEST, SHARED, step_dir
-from cf_ray._engine.format.sections import load_section, verify_all
+from cf_ray._engine.format.layout import MANIFEST, SHARED, section_files, step_dir
+from cf_ray._engine.format.sections import load_section, verify_all, write_section_slot
 from cf_ray._engine.storage.base import FileInfo, Storage, chunked, safe_relpath
 from cf_ray._engine.storage.fs import FsStorage
-from cf_ray.errors import CorruptCheckpointError, UnsafePathError
+from cf_ray.errors import ConfigError, CorruptCheckpointError, UnsafePathError
 
-from storage_helpers import write_checkpoint
+from storage_helpers import arena_of, write_checkpoint
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -42,26 +44,136 @@ def _weights_equal(a: dict, b: torch.nn.Module) -> bool:
     return all(torch.equal(a[k], v) for k, v in b.state_dict().items())
 
 
-def test_fs_storage_and_a_faulty_storage_satisfy_the_protocol(storage):
-    class Faulty:
+class MemStorage(Storage):
+    """A backend of the six abstract methods only, in memory: every other ability is the base
+    class's default."""
+
+    def __init__(self, files: dict | None = None):
+        self.files: dict[str, bytes] = {} if files is None else files
+
+    def write_file(self, path, chunks):
+        data = b"".join(bytes(memoryview(c).cast("B")) for c in chunks)
+        self.files[safe_relpath(path)] = data
+        return FileInfo(len(data), zlib.crc32(data))
+
+    def read_file(self, path):
+        return np.frombuffer(self.files[safe_relpath(path)], dtype=np.uint8).copy()
+
+    def list_dir(self, path):
+        prefix = f"{safe_relpath(path)}/" if path else ""
+        return sorted({k[len(prefix) :].split("/")[0] for k in self.files if k.startswith(prefix)})
+
+    def exists(self, path):
+        rel = safe_relpath(path)
+        return rel in self.files or any(k.startswith(f"{rel}/") for k in self.files)
+
+    def delete_dir(self, path):
+        rel = safe_relpath(path)
+        for k in [k for k in self.files if k.startswith(f"{rel}/")]:
+            del self.files[k]
+
+    def uri(self, path=""):
+        return f"mem://{path}"
+
+    @classmethod
+    def from_uri(cls, uri, filesystem=None):
+        return cls(filesystem)
+
+
+def test_fs_storage_and_a_faulty_storage_satisfy_the_contract(storage):
+    class Faulty(Storage):
         """Fails every write: what a test double for a broken bucket looks like."""
 
         def write_file(self, path, chunks):
             raise OSError("disk on fire")
 
-        read_file = list_dir = exists = delete_dir = uri = FsStorage.read_file
+        def uri(self, path=""):
+            return f"faulty://{path}"
 
-    assert isinstance(storage, Storage)
-    assert isinstance(Faulty(), Storage)
+        read_file = list_dir = exists = delete_dir = FsStorage.read_file
+
+    assert isinstance(storage, Storage) and storage.ranged_reads
+    assert isinstance(Faulty(), Storage) and not Faulty.ranged_reads
     with pytest.raises(OSError):
         Faulty().write_file("x", [b""])
+    with pytest.raises(ConfigError, match="not writable"):
+        Faulty().check_writable()
+
+
+def test_a_backend_of_six_methods_has_every_ability_by_default():
+    mem = MemStorage()
+    data = np.random.default_rng(0).integers(0, 256, 100_003, dtype=np.uint8)
+    crc = zlib.crc32(data)
+    info, copied = mem.write_buffer("a/data.bin", memoryview(data), crc)
+    assert info == FileInfo(data.nbytes, crc) and copied == data.nbytes
+    info, _ = mem.write_buffer("a/other.bin", memoryview(data), crc ^ 1)
+    assert info.crc32 == crc  # the CRC-32 of what was written, for the caller to compare with its own
+    assert np.array_equal(mem.read_range("a/data.bin", 99_000, 5_000), data[99_000:])
+    assert mem.read_range("a/data.bin", 5, 0).nbytes == 0
+    assert b"".join(bytes(c) for c in mem.read_chunks("a/data.bin", 4096)) == data.tobytes()
+    assert mem.file_size("a/data.bin") == data.nbytes and mem.file_size("a/none") is None
+    assert not mem.is_symlink("a/data.bin")
+    with pytest.raises(UnsafePathError):
+        mem.is_symlink("../x")
+    assert mem.pyarrow_location("a") is None
+    mem.check_writable()
+    assert mem.list_dir("") == ["a"]  # the probe is gone
+    # A child storage: every path under its prefix, every ability the parent's.
+    run = mem.child("run/cf_ray")
+    run.write_file("x/y.bin", [b"abc"])
+    assert mem.files["run/cf_ray/x/y.bin"] == b"abc" and run.list_dir("x") == ["y.bin"]
+    assert run.uri("x") == "mem://run/cf_ray/x" and run.child("x").read_file("y.bin").tobytes() == b"abc"
+    assert not run.ranged_reads and run.file_size("x/y.bin") == 3
+    with pytest.raises(UnsafePathError):
+        run.delete_dir("")
+    back = pickle.loads(pickle.dumps(run))  # what an actor is handed
+    assert back.uri() == run.uri() and back.read_file("x/y.bin").tobytes() == b"abc"
+    assert mem.child("run").child("cf_ray") == run
+
+
+def test_a_checkpoint_on_a_backend_of_six_methods_is_written_listed_and_read_back():
+    """The format asks a backend for nothing beyond the contract: a section written from a slot
+    buffer, committed, listed and read back (ranged reads asked for: whole files instead)."""
+    mem = MemStorage()
+    model = _model(3)
+    write_checkpoint(mem, 10, model)
+    assert [c.step for c in list_committed(mem)] == [10]
+    m = read_manifest(mem, step_dir(10))
+    sec = load_section(mem, step_dir(10), m, SHARED, ranged=True)
+    assert isinstance(sec.buf, np.ndarray)  # no RangedData without ranged reads
+    verify_all(mem, step_dir(10), m)
+    arena, index = arena_of({"objects": {"model": model.state_dict()}})
+    crc = zlib.crc32(arena)
+    files, copied = write_section_slot(
+        mem, step_dir(20), 1, SHARED, memoryview(arena), with_blocks(index, block_crcs(arena)), crc
+    )
+    assert copied == arena.nbytes and files[section_files(1, SHARED)[0]] == FileInfo(arena.nbytes, crc)
+    with pytest.raises(CorruptCheckpointError, match="changed in memory"):
+        write_section_slot(mem, step_dir(30), 1, SHARED, memoryview(arena), index, crc ^ 1)
+
+
+def test_every_location_is_opened_by_the_backend_its_scheme_names(tmp_path, monkeypatch):
+    from cf_ray._engine.storage import backends
+
+    local = backends.open_storage(str(tmp_path / "run"))
+    assert isinstance(local, FsStorage) and local.root == str(tmp_path / "run")
+    assert backends.open_storage(f"file://{tmp_path}/run") == local
+    with pytest.raises(ConfigError, match="no storage backend for nope://"):
+        backends.open_storage("nope://bucket/x")
+    # A new backend: its class and one line in the table.
+    monkeypatch.setitem(backends.BACKENDS, "mem", f"{__name__}:MemStorage")
+    files: dict = {}
+    mem = backends.open_storage("mem://anything", files)
+    assert isinstance(mem, MemStorage)
+    mem.child("run/cf_ray").write_file("f", [b"x"])
+    assert files == {"run/cf_ray/f": b"x"}
 
 
 @pytest.mark.parametrize("nbytes", [3_000_001, 100_001], ids=["checksummed-on-a-thread", "checksummed-inline"])
 def test_write_read_roundtrip_with_checksum(storage, nbytes):
     data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     info = storage.write_file("a/b/data.bin", [data[:1000], data[1000:]])
-    assert info == FileInfo(data.nbytes, __import__("zlib").crc32(data))
+    assert info == FileInfo(data.nbytes, zlib.crc32(data))
     assert np.array_equal(storage.read_file("a/b/data.bin"), data)
     assert storage.list_dir("a/b") == ["data.bin"]  # no temporary files left behind
     storage.delete_dir("a")
@@ -221,8 +333,6 @@ def test_keep_last_and_milestones_under_many_saves():
 def test_large_local_writes_go_direct_and_stay_exact(tmp_path, monkeypatch):
     """Files of one chunk or more are written with O_DIRECT from an aligned bounce buffer (where the
     file system takes it); whatever the chunking of the stream, the bytes and the CRC are exact."""
-    import zlib
-
     from cf_ray._engine.storage import direct_io as dio
     from cf_ray._engine.storage.base import chunked
 
@@ -238,7 +348,7 @@ def test_large_local_writes_go_direct_and_stay_exact(tmp_path, monkeypatch):
         assert (info.size, info.crc32) == (n, zlib.crc32(data))
         assert np.array_equal(s.read_file(f"d/f{n}"), data)
     fd = os.open(tmp_path / "raw", os.O_WRONLY | os.O_CREAT)
-    w = dio._DirectWriter(fd)
+    w = dio.DirectWriter(fd)
     data = rng.integers(0, 256, 2 * chunk + 10, dtype=np.uint8)
     w.write(memoryview(data))
     assert w.direct or os.fstat(fd).st_dev in dio._direct_refused  # used, or refused by this file system
@@ -257,7 +367,7 @@ def test_a_range_read_returns_exactly_those_bytes(storage):
 
 
 def test_a_write_whose_checksum_thread_dies_fails_and_never_hangs(monkeypatch):
-    """Issue 23 #9: the O_DIRECT writer hands chunks to a CRC-32 thread through a bounded queue; when
+    """The O_DIRECT writer hands chunks to a CRC-32 thread through a bounded queue; when
     that thread fails, the write fails with its error (no file with a made-up checksum) instead of
     waiting for ever on the full queue."""
     import threading
@@ -280,7 +390,7 @@ def test_a_write_whose_checksum_thread_dies_fails_and_never_hangs(monkeypatch):
 
     def write():
         try:
-            direct_io._write_with_crc(chunks, written.append)
+            direct_io.write_with_crc(chunks, written.append)
         except BaseException as e:  # noqa: BLE001 - what the test looks at
             outcome["error"] = e
 
@@ -294,7 +404,7 @@ def test_a_write_whose_checksum_thread_dies_fails_and_never_hangs(monkeypatch):
 
 
 def test_directories_made_for_a_file_are_made_durable(tmp_path, monkeypatch):
-    """Issue 23 #9: a new file's directory is fsynced after its rename, and so is the parent of every
+    """A new file's directory is fsynced after its rename, and so is the parent of every
     directory made on the way (a new directory's entry lives in its parent)."""
     real_fsync = os.fsync
     synced: list[str] = []

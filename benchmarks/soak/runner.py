@@ -418,7 +418,7 @@ class Soak:
     @staticmethod
     def _storage_state(ckpt_root: str) -> tuple[list[int], dict[int, str], dict[int, list[str]]]:
         from cf_ray._engine.format.catalog import list_committed
-        from cf_ray._engine.storage.fs import FsStorage
+        from cf_ray._engine.storage.backends import open_storage
         from cf_ray._verify import verify_run
         from cf_ray.load import open_run, quarantined_checkpoints
 
@@ -434,7 +434,7 @@ class Soak:
             quarantined = {}
         problems: dict[int, list[str]] = {}
         try:
-            for c in verify_run(FsStorage.from_uri(ckpt_root)):
+            for c in verify_run(open_storage(ckpt_root)):
                 if c.problems and not c.vanished and c.kind != "final":
                     problems.setdefault(c.step, []).extend(c.problems)
         except Exception as e:  # noqa: BLE001 - nothing to verify

@@ -45,7 +45,7 @@ from cf_ray._engine.protocol.messages import (
     SyncReply,
     SyncRequest,
 )
-from cf_ray._engine.storage.fs import Storage
+from cf_ray._engine.storage.base import Storage
 from cf_ray.policy import FrequencyPolicy, Sample
 
 logger = logging.getLogger("cf_ray")

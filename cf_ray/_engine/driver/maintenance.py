@@ -21,7 +21,7 @@ from cf_ray._engine.driver.checkpoints.retention import Retention
 from cf_ray._engine.driver.checkpoints.uploads import Upload, Uploads
 from cf_ray._engine.format.commit import Manifest
 from cf_ray._engine.observe.profile_book import ProfileBook
-from cf_ray._engine.storage.fs import Storage
+from cf_ray._engine.storage.base import Storage
 
 logger = logging.getLogger("cf_ray")
 

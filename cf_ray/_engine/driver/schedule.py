@@ -26,7 +26,7 @@ from typing import Any
 from cf_ray._engine.observe.goodput import Restart
 from cf_ray._engine.protocol.events import FailureRateEvent, IntervalEvent, NoticeEvent, ReprofileEvent, RestoreEvent
 from cf_ray._engine.protocol.messages import CheckpointKind, Schedule, SnapshotMeta
-from cf_ray._engine.storage.fs import Storage
+from cf_ray._engine.storage.base import Storage
 from cf_ray.policy import FrequencyPolicy, RunEvent, RunEventKind, Sample
 from cf_ray.policy._hazard import HazardModel
 from cf_ray.policy.base import persist_every_of
@@ -159,7 +159,7 @@ class ScheduleBook:
         profile row's), or ``None``: what the profile book asks of the schedule."""
         return checkpoint_stats(self.policy, step)
 
-    def replan(self) -> dict | None:
+    def replan(self) -> IntervalEvent | None:
         """Ask the policy; a new interval is published as a new version. Returns the ``interval``
         event to record, or ``None`` when nothing changed. The policy first learns the time (the run
         is up while its workers poll: its exposure to failures)."""

@@ -201,7 +201,7 @@ class RangedData:
         if first == last and self._last is not None and self._last[0] == first:
             return self._last[1][start - lo : start - lo + nbytes].copy()  # small entries side by side
         try:
-            raw = self.storage.read_range(self.path, lo, hi - lo)  # type: ignore[attr-defined]
+            raw = self.storage.read_range(self.path, lo, hi - lo)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{self.storage.uri(self.path)} is missing") from None
         if raw.nbytes != hi - lo:

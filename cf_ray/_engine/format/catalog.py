@@ -1,16 +1,21 @@
-"""The committed checkpoints of a run's root: listing them (safely: a link or an unreadable entry is
-skipped with a warning), the quarantine list of those a restore found corrupt, and keep-last."""
+"""The committed checkpoints of a run's root: finding the run a path names, listing its checkpoints
+(safely: a link or an unreadable entry is skipped with a warning), the quarantine list of those a
+restore found corrupt, and keep-last."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import posixpath
 from dataclasses import dataclass
+from typing import Any
 
-from cf_ray._engine.format.commit import UnsafeCheckpointError, _uri, read_manifest
-from cf_ray._engine.format.layout import _DIR_RE, CHECKPOINTS, MANIFEST, step_dir
-from cf_ray._engine.storage.base import Storage, is_symlink
-from cf_ray.errors import CfRayError, UnsafePathError
+from cf_ray._engine.format.commit import Manifest, UnsafeCheckpointError, _uri, read_manifest, read_pointer
+from cf_ray._engine.format.layout import _DIR_RE, CHECKPOINTS, MANIFEST, POINTER, REGISTERED, RESUME_KEY, step_dir
+from cf_ray._engine.storage.backends import open_storage
+from cf_ray._engine.storage.base import Storage
+from cf_ray.errors import CfRayError, CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
 
 logger = logging.getLogger("cf_ray")
 
@@ -118,6 +123,12 @@ def list_committed(
     return out
 
 
+def registered_steps(storage: Storage) -> set[int]:
+    """The steps whose pointer directory (``registered/step_<n>``, :func:`.layout.pointer_dir`) is on
+    storage: the checkpoints Ray Train lists. A name of another shape is not a pointer of cf_ray's."""
+    return {int(m.group(2)) for m in map(_DIR_RE.match, storage.list_dir(REGISTERED)) if m and m.group(1) == "step"}
+
+
 def list_uncommitted(storage: Storage) -> list[tuple[str, int]]:
     """Checkpoint directories without a manifest: (name, step). Unsafe or unreadable entries are
     skipped as in :func:`list_committed` (and so never deleted through a link)."""
@@ -135,7 +146,7 @@ def _has_manifest(storage: Storage, name: str) -> bool | None:
     directory = f"{CHECKPOINTS}/{name}"
     try:
         for path in (directory, f"{directory}/{MANIFEST}"):
-            if is_symlink(storage, path):
+            if storage.is_symlink(path):
                 raise UnsafeCheckpointError(f"{path} is a symbolic link")
         return storage.exists(f"{directory}/{MANIFEST}")
     except (UnsafePathError, OSError) as e:
@@ -177,3 +188,84 @@ def to_delete(committed: list[tuple[int, bool]], keep_last: int | None) -> list[
     newest = max((s for s, _ in committed), default=None)
     doomed = ordinary[:-keep_last] if keep_last > 0 else ordinary
     return [s for s in doomed if s != newest]
+
+
+# -- the run a path names ------------------------------------------------------------------------------
+def open_run(source: Any, filesystem: Any = None) -> tuple[Storage, str | None]:
+    """(storage at the run's cf_ray root, a checkpoint directory under it or None).
+
+    ``source`` may be: a run directory (``<storage_path>/<name>``), its ``cf_ray`` root, one
+    checkpoint's directory (``.../checkpoints/step_000000000120``), as a local path or a URI, or a
+    ``ray.train.Checkpoint`` (``result.checkpoint``, or one of ``result.best_checkpoints``, which
+    are pointers to checkpoints). The path is read by its names alone, so any backend that
+    :func:`~cf_ray._engine.storage.backends.open_storage` opens serves: ``filesystem`` goes with it.
+
+    Raises:
+        TypeError: ``source`` is neither a string nor a ``ray.train.Checkpoint``.
+    """
+    if hasattr(source, "path") and hasattr(source, "filesystem"):  # ray.train.Checkpoint
+        filesystem, source = source.filesystem, source.path
+    if not isinstance(source, str):
+        raise TypeError(f"expected a path, a URI or a ray.train.Checkpoint, got {type(source).__name__}")
+    if filesystem is None and "://" not in source:
+        source = os.path.abspath(os.path.expanduser(source))  # its names, whatever the working directory
+    path = source.rstrip("/") or "/"
+    base, parent = posixpath.basename(path), posixpath.basename(posixpath.dirname(path))
+    if parent == REGISTERED:  # what was registered with Ray Train: a pointer
+        pointer = open_storage(path, filesystem)
+        if pointer.exists(POINTER):
+            run = open_storage(posixpath.dirname(posixpath.dirname(path)), filesystem)
+            return run, read_pointer(pointer.read_file(POINTER))
+    if _DIR_RE.match(base) and parent == CHECKPOINTS:
+        return open_storage(posixpath.dirname(posixpath.dirname(path)), filesystem), f"{CHECKPOINTS}/{base}"
+    run = open_storage(path, filesystem)
+    if base != "cf_ray" and run.exists(f"cf_ray/{CHECKPOINTS}"):
+        run = run.child("cf_ray")
+    return run, None
+
+
+def resumable_checkpoint(source: Any, filesystem: Any = None) -> tuple[Storage, str]:
+    """(the run's storage, the full checkpoint's directory) that ``source`` names or points at: a
+    run (its newest committed checkpoint), a checkpoint directory, a pointer registered with Ray
+    Train, or a final model (``result.checkpoint``), followed to the full checkpoint its manifest
+    names (written by ``Checkpointer.finish()``).
+
+    Raises:
+        CheckpointNotFoundError: no committed full checkpoint there (or the one a final model names
+            is gone).
+        CorruptCheckpointError: a damaged manifest or pointer.
+    """
+    run, directory = open_run(source, filesystem)
+    if directory is None:
+        committed = list_committed(run, skip_quarantined=True)
+        if not committed:
+            raise CheckpointNotFoundError(f"no committed cf_ray checkpoint under {run.uri()}")
+        directory = committed[-1].path
+    m = read_manifest(run, directory)
+    if m.final_model:
+        directory = full_checkpoint_of_final(run, directory, m)
+        read_manifest(run, directory)  # it must still be there (CheckpointNotFoundError otherwise)
+    return run, directory
+
+
+def full_checkpoint_of_final(run: Storage, directory: str, m: Manifest) -> str:
+    """The full checkpoint (``checkpoints/step_<n>``) that the final model at ``directory`` names.
+
+    Raises:
+        CheckpointNotFoundError: the final model names none.
+        CorruptCheckpointError: it names something that is not a step checkpoint of this run.
+    """
+    target = m.extra.get(RESUME_KEY)
+    if target is None:
+        raise CheckpointNotFoundError(
+            f"{run.uri(directory)} holds only the final model weights and names no full checkpoint of its run; "
+            "resume from the run directory or a registered checkpoint instead"
+        )
+    name = target.removeprefix(f"{CHECKPOINTS}/") if isinstance(target, str) else ""
+    match = _DIR_RE.match(name)
+    if not isinstance(target, str) or not target.startswith(f"{CHECKPOINTS}/") or not match or match.group(1) != "step":
+        raise CorruptCheckpointError(
+            f"the final model's manifest {run.uri(directory)} names {target!r} as its full "
+            "checkpoint, which is not a checkpoint of this run"
+        )
+    return target

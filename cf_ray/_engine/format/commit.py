@@ -39,14 +39,14 @@ from cf_ray._engine.format.layout import (
     MANIFEST,
     MAX_WORLD_SIZE,
     POINTER,
-    REGISTERED,
     SHARED,
     VERSION,
+    pointer_dir,
     rank_section,
     section_files,
     step_dir,
 )
-from cf_ray._engine.storage.base import FileInfo, Storage, is_symlink
+from cf_ray._engine.storage.base import FileInfo, Storage
 from cf_ray.errors import CfRayError, CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
 
 logger = logging.getLogger("cf_ray")
@@ -74,7 +74,9 @@ class Manifest:
     replicated: bool
     """True when model/optimizer state was written once (``shared`` section) for all ranks."""
     kind: str = "scheduled"
-    """Why it was taken: scheduled, epoch, manual, preempt, final."""
+    """Why it was taken: scheduled, epoch, manual, preempt, final. ``final`` is the kind of both what
+    ``finish()`` writes: the full checkpoint of the final state (``step_<n>/``, resumable) and the
+    consolidated model (``final_<n>/``, :attr:`final_model`)."""
     milestone: bool = False
     """Milestones are never deleted by keep-last clean-up."""
     sections: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -85,6 +87,13 @@ class Manifest:
     """Wall-clock time of the commit (``time.time()`` when 0 at :meth:`to_bytes`)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form JSON-able details stored with the manifest."""
+
+    @property
+    def final_model(self) -> bool:
+        """Whether this is a final model's manifest (``final_<n>/``: one ``model`` section, no state to
+        resume from), not a full checkpoint. Told by the section, never by ``kind`` alone: the full
+        checkpoint ``finish()`` takes of the final state is of kind ``final`` too."""
+        return self.kind == "final" and FINAL_SECTION in self.sections
 
     def to_bytes(self) -> bytes:
         """Compact, key-sorted JSON carrying ``checksum``: the SHA-256 of the canonical JSON of every
@@ -272,7 +281,7 @@ def _parse_manifest(raw: bytes | np.ndarray) -> Manifest:
     extra = _typed_field(d, "extra", dict)
     files = _parse_files(_typed_field(d, "files", dict))
     raw_sections = _typed_field(d, "sections", dict)
-    if kind == "final":
+    if kind == "final" and FINAL_SECTION in raw_sections:  # a final model; a full final checkpoint has no "model"
         sections = _final_sections(raw_sections, world_size)
     else:
         sections = _step_sections(raw_sections, world_size, replicated, generation)
@@ -374,8 +383,10 @@ POINTER_VERSION = 1
 
 def write_pointer(storage: Storage, step: int) -> str:
     """A directory ``registered/step_<step>`` holding only a pointer to ``checkpoints/step_<step>``:
-    what is registered with Ray Train, so that cf_ray's keep-last never deletes what Ray remembers."""
-    directory = f"{REGISTERED}/step_{step:012d}"
+    what is registered with Ray Train. Ray Train refuses to start a run again when a directory it
+    lists is gone, so cf_ray never deletes a pointer; keep-last keeps the checkpoint a pointer names
+    while the pointer is there (Ray's ``num_to_keep`` deletes pointers), so what Ray lists loads."""
+    directory = pointer_dir(step)
     body = json.dumps(
         {"format": "cf_ray-pointer", "version": POINTER_VERSION, "checkpoint": step_dir(step), "step": step}
     )
@@ -435,7 +446,7 @@ def read_manifest(storage: Storage, directory: str) -> Manifest:
     path = f"{directory}/{MANIFEST}"
     try:
         for p in (directory, path):
-            if is_symlink(storage, p):
+            if storage.is_symlink(p):
                 raise UnsafeCheckpointError(f"refusing {_uri(storage, p)}: it is a symbolic link")
         raw = storage.read_file(path)
     except FileNotFoundError:
@@ -449,9 +460,9 @@ def read_manifest(storage: Storage, directory: str) -> Manifest:
     where = _uri(storage, path)
     m = Manifest.from_bytes(raw, where)
     dm = _DIR_RE.match(posixpath.basename(directory.rstrip("/")))
-    if dm and (int(dm.group(2)) != m.step or (dm.group(1) == "final") != (m.kind == "final")):
+    if dm and (int(dm.group(2)) != m.step or (dm.group(1) == "final") != m.final_model):
         raise CorruptCheckpointError(
-            f"manifest {where} is malformed: field 'step'/'kind': it says step {m.step} "
-            f"kind {m.kind!r}, but lies in {dm.group(0)}"
+            f"manifest {where} is malformed: field 'step'/'kind': it says step {m.step}, "
+            f"{'a final model' if m.final_model else 'a full checkpoint'} of kind {m.kind!r}, but lies in {dm.group(0)}"
         )
     return m

@@ -245,7 +245,7 @@ def export_dcp(storage: Storage, directory: str, out_dir: str, *, objects: list[
 
 def _sections_of(manifest: Manifest, where: str) -> tuple[list[str], str]:
     """The sections that hold a checkpoint's tracked objects, and the key of those in their trees."""
-    if manifest.kind == "final":
+    if manifest.final_model:
         raise CfRayError(f"{where} holds only the final model's weights; DCP needs a full checkpoint")
     if manifest.replicated:
         return [SHARED], OBJECTS
@@ -337,7 +337,7 @@ class CfRayReader(StorageReader):
         for file, reqs in per_file.items():
             blocks, info = self._blocks.get(file), manifest.files[file]
             data: np.ndarray | RangedData
-            if blocks is not None and callable(getattr(self.storage, "read_range", None)):
+            if blocks is not None and self.storage.ranged_reads:
                 data = RangedData(self.storage, f"{self.directory}/{file}", info.size, blocks)
             else:
                 data = read_verified(self.storage, self.directory, manifest, file)

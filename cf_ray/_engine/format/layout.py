@@ -43,6 +43,9 @@ COUNTERS = "counters"
 #: The final model's one section and file (``final_<step>/``): what ``write_final_model`` writes.
 FINAL_SECTION = "model"
 FINAL_MODEL_FILE = "model.safetensors"
+#: Key in a final model's manifest ``extra``: the run's full checkpoint (``checkpoints/step_<n>``)
+#: at the end of training, which ``resume_from=result.checkpoint`` follows.
+RESUME_KEY = "resume"
 #: Every ``kind`` a manifest may carry: the values of ``messages.CheckpointKind`` (the format does
 #: not import the driver's messages; tests/test_manifest.py checks that the two agree).
 KINDS = ("scheduled", "epoch", "manual", "preempt", "final")
@@ -65,6 +68,12 @@ def section_rank(section: str) -> int:
 
 def step_dir(step: int, kind: str = "step") -> str:
     return f"{CHECKPOINTS}/{kind}_{step:012d}"
+
+
+def pointer_dir(step: int) -> str:
+    """The directory registered with Ray Train for ``checkpoints/step_<step>``: it holds only a
+    pointer (:data:`POINTER`) to that checkpoint; cf_ray never deletes it (Ray Train may)."""
+    return f"{REGISTERED}/step_{step:012d}"
 
 
 def parse_step_dir(directory: str) -> int | None:

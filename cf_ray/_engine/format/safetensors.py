@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from cf_ray._engine.format.commit import Manifest
-from cf_ray._engine.format.layout import MANIFEST
+from cf_ray._engine.format.layout import MANIFEST, RESUME_KEY
 from cf_ray._engine.storage.base import Storage
 from cf_ray.errors import CorruptCheckpointError
 
@@ -35,11 +35,6 @@ _SAFETENSORS_DTYPES = {
 }
 #: The other way round, for reading.
 _ST_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
-
-
-#: Key in a final model's manifest ``extra``: the run's full checkpoint (``checkpoints/step_<n>``)
-#: at the end of training, which ``resume_from=result.checkpoint`` follows.
-RESUME_KEY = "resume"
 
 
 def write_final_model(

@@ -25,7 +25,7 @@ from cf_ray._engine.format.blocks import (
 )
 from cf_ray._engine.format.commit import Manifest, UnsafeCheckpointError, _is_int
 from cf_ray._engine.format.layout import section_files
-from cf_ray._engine.storage.base import FileInfo, Storage, chunked, crc32_of, is_symlink
+from cf_ray._engine.storage.base import FileInfo, Storage, chunked, crc32_of
 from cf_ray.errors import CorruptCheckpointError, UnsafePathError
 
 if TYPE_CHECKING:
@@ -75,21 +75,17 @@ def write_section_slot(
 ) -> tuple[dict[str, FileInfo], int]:
     """Phase 2 of one section held in a snapshot slot (``node/shm.py``): ``index`` already carries
     the block checksums and ``crc32`` is the data's, both computed by the worker as it copied, so the
-    data is written straight from the slot and not read again. A storage without ``write_buffer``
-    streams it (and checksums it again: the two must agree). Returns the manifest's file infos and
-    the bytes copied on the host by the write."""
+    data is written straight from the slot and not read again where the backend can
+    (``Storage.write_buffer``); a backend that checksums what it writes reports that CRC-32, which
+    must agree with the worker's. Returns the manifest's file infos and the bytes copied on the host
+    by the write."""
     data_name, index_name = section_files(generation, section)
-    write_buffer = getattr(storage, "write_buffer", None)
-    if callable(write_buffer):
-        written: tuple[FileInfo, int] = write_buffer(f"{directory}/{data_name}", data, crc32)  # pyright: ignore[reportAssignmentType] - FsStorage.write_buffer
-        info_data, copied = written
-    else:
-        info_data, copied = storage.write_file(f"{directory}/{data_name}", chunked(data)), data.nbytes
-        if info_data.crc32 != crc32:
-            raise CorruptCheckpointError(
-                f"section {section}: the snapshot's bytes changed in memory after they were checksummed "
-                f"(CRC-32 {info_data.crc32:#010x}, expected {crc32:#010x})"
-            )
+    info_data, copied = storage.write_buffer(f"{directory}/{data_name}", data, crc32)
+    if info_data.crc32 != crc32:
+        raise CorruptCheckpointError(
+            f"section {section}: the snapshot's bytes changed in memory after they were checksummed "
+            f"(CRC-32 {info_data.crc32:#010x}, expected {crc32:#010x})"
+        )
     info_index = storage.write_file(f"{directory}/{index_name}", [index])
     return {data_name: info_data, index_name: info_index}, copied
 
@@ -223,8 +219,8 @@ def load_section(
     tree, entries, blocks = parse_index_blocks(index, storage.uri(f"{directory}/{names['index']}"))
     info = manifest.files.get(names["data"])
     buf: np.ndarray | RangedData
-    if ranged and blocks is not None and info is not None and callable(getattr(storage, "read_range", None)):
-        if is_symlink(storage, f"{directory}/{names['data']}"):
+    if ranged and blocks is not None and info is not None and storage.ranged_reads:
+        if storage.is_symlink(f"{directory}/{names['data']}"):
             raise UnsafeCheckpointError(f"{storage.uri(directory)}/{names['data']} is a symbolic link")
         buf = RangedData(storage, f"{directory}/{names['data']}", info.size, blocks)
     else:

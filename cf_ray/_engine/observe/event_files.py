@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from cf_ray._engine.storage.fs import FileInfo, Storage
+from cf_ray._engine.storage.base import FileInfo, Storage
 from cf_ray.errors import CorruptCheckpointError
 
 #: Where the events are saved with the profile (``<storage_path>/<run_name>/cf_ray/events.json``).

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from cf_ray._engine.lazy import lazy_module
 from cf_ray._engine.observe.goodput import CATEGORIES
-from cf_ray._engine.storage.fs import FileInfo, Storage
+from cf_ray._engine.observe.profile_frames import restarts_frame
+from cf_ray._engine.observe.profile_plot import new_axes, place_legend, restart_label, say_not_enough
+from cf_ray._engine.storage.base import FileInfo, Storage
 from cf_ray.errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
@@ -73,8 +75,6 @@ def plot_badput(breakdowns: Mapping[str, Mapping | None] | Mapping, ax=None, *, 
     Returns:
         The ``matplotlib.figure.Figure``.
     """
-    from cf_ray._engine.observe.profile_plot import new_axes, place_legend, say_not_enough
-
     one = breakdowns is None or "badput_s" in breakdowns or "wall_s" in breakdowns
     runs: dict[str, Mapping | None] = {"run": breakdowns} if one else dict(breakdowns)
     per_run = {"run": restarts} if restarts is not None and not isinstance(restarts, Mapping) else dict(restarts or {})
@@ -113,9 +113,6 @@ def plot_badput(breakdowns: Mapping[str, Mapping | None] | Mapping, ax=None, *, 
 def _restart_bars(ax, y: float, restarts, wall: float, number: int, handles: list) -> int:
     """Each restart of a run as a segment of its row: work lost plus failure to the first resumed
     iteration, as a share of the run's wall time, numbered; returns the last restart number."""
-    from cf_ray._engine.observe.profile_plot import restart_label
-    from cf_ray.report import restarts_frame
-
     left = 0.0
     for r in restarts_frame(restarts).to_dict("records"):
         number += 1

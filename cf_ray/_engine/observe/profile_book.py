@@ -39,7 +39,7 @@ from cf_ray._engine import env as _env
 from cf_ray._engine.observe.events import EventLog, fallback_cause
 from cf_ray._engine.observe.goodput import Badput, Goodput, Restart, restore_args
 from cf_ray._engine.observe.metrics import MetricsExport
-from cf_ray._engine.observe.profile_parts import ProfileParts, merge_rows, new_lineage
+from cf_ray._engine.observe.profile_files import ProfileParts, merge_rows, new_lineage, save_profile
 from cf_ray._engine.protocol.events import (
     DistrustedEvent,
     DurabilityLostEvent,
@@ -52,7 +52,7 @@ from cf_ray._engine.protocol.events import (
     as_event,
 )
 from cf_ray._engine.protocol.messages import CheckpointKind, PartReplicated, SectionState, SnapshotMeta
-from cf_ray._engine.storage.fs import Storage
+from cf_ray._engine.storage.base import Storage
 from cf_ray.policy import Sample
 
 logger = logging.getLogger("cf_ray")
@@ -214,7 +214,8 @@ class ProfileBook:
         section)``)."""
         if (generation, step) not in self._rows and (generation, step) in self._evicted:
             return
-        self.row(generation, step).setdefault("_copies", {})[key] = (copied, crc_read)
+        row = self.row(generation, step)
+        row.setdefault("_copies", {})[key] = (copied, crc_read)
 
     def note_replicated(self, msg: PartReplicated) -> None:
         """A peer replica of a section (#12): its bytes and seconds (the slowest section's), or a
@@ -438,13 +439,11 @@ class ProfileBook:
         never fails the caller. The rows in memory are read under ``lock`` (the controller's),
         the parts are read and the table written without it."""
         try:
-            from cf_ray import report
-
             with lock:
                 iterations = self.iteration_rows()
                 restarts, goodput = self.restart_rows(), self.breakdown()
             rows = self.all_rows(lock)
-            report.save_profile(self.storage, rows, iterations, restarts=restarts, goodput=goodput)
+            save_profile(self.storage, rows, iterations, restarts=restarts, goodput=goodput)
         except Exception as e:  # noqa: BLE001 - the profile is a report, never a reason to fail
             logger.warning("cf_ray: could not save the profile table: %s", e)
 

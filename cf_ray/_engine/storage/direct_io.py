@@ -8,7 +8,7 @@ that buffer instead of copying every byte into the page cache, which measured 0.
 core trains. The tail, and every file on a file system that refuses ``O_DIRECT`` (tmpfs), is
 written through the page cache. ``CF_RAY_DIRECT_IO=0`` turns it off.
 
-:func:`_write_with_crc` is used for every write of :class:`~cf_ray._engine.storage.fs.FsStorage`,
+:func:`write_with_crc` is used for every write of :class:`~cf_ray._engine.storage.fs.FsStorage`,
 local or not; the rest only for local disk.
 """
 
@@ -24,7 +24,7 @@ from cf_ray._engine import env as _env
 from cf_ray._engine.storage.base import FileInfo, _crc32
 
 
-def _write_all(fd: int, mv: memoryview) -> None:
+def write_all(fd: int, mv: memoryview) -> None:
     while mv.nbytes:
         n = os.write(fd, mv)
         mv = mv[n:]
@@ -35,11 +35,11 @@ _direct_refused: set[int] = set()  # devices whose file system refused O_DIRECT
 _bounce = threading.local()
 
 
-def _direct_io_wanted(fd: int) -> bool:
+def direct_io_wanted(fd: int) -> bool:
     return bool(_O_DIRECT) and _env.get_int(_env.DIRECT_IO) != 0 and os.fstat(fd).st_dev not in _direct_refused
 
 
-class _DirectWriter:
+class DirectWriter:
     """Writes a stream to ``fd``: whole chunks with ``O_DIRECT`` from a page-aligned bounce buffer,
     the rest (small files, the tail) through the page cache.
 
@@ -65,7 +65,7 @@ class _DirectWriter:
 
     def write(self, mv: memoryview) -> None:
         if self.refused and not self.fill:
-            _write_all(self.fd, mv)
+            write_all(self.fd, mv)
             return
         cap = self.buf.nbytes
         while mv.nbytes:
@@ -110,7 +110,7 @@ class _DirectWriter:
         if self.direct:
             self._set_direct(False)
         if self.fill:
-            _write_all(self.fd, self.buf[: self.fill])
+            write_all(self.fd, self.buf[: self.fill])
             self.fill = 0
 
 
@@ -126,8 +126,8 @@ def write_aligned(fd: int, mv: memoryview) -> int:
     n = mv.nbytes
     aligned = n - n % page
     addr = _address(mv)
-    if not aligned or addr % page or not _direct_io_wanted(fd):
-        _write_all(fd, mv)
+    if not aligned or addr % page or not direct_io_wanted(fd):
+        write_all(fd, mv)
         return n
     import fcntl
 
@@ -144,7 +144,7 @@ def write_aligned(fd: int, mv: memoryview) -> int:
         _direct_refused.add(os.fstat(fd).st_dev)  # this file system takes no O_DIRECT writes
     finally:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags)
-    _write_all(fd, mv[off:])
+    write_all(fd, mv[off:])
     return n - off
 
 
@@ -161,7 +161,7 @@ def _address(mv: memoryview) -> int:
 INLINE_CRC_BYTES = 1 << 20
 
 
-def _write_with_crc(chunks: Iterable[memoryview | bytes], write) -> FileInfo:
+def write_with_crc(chunks: Iterable[memoryview | bytes], write) -> FileInfo:
     """Write ``chunks`` in order while a second thread computes their CRC-32 (for a small write
     given as a list or tuple, :data:`INLINE_CRC_BYTES`, on the calling thread).
 

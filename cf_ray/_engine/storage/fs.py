@@ -1,5 +1,5 @@
-""":class:`FsStorage`: the :class:`~cf_ray._engine.storage.base.Storage` protocol, implemented once
-over ``pyarrow.fs``.
+""":class:`FsStorage`: a :class:`~cf_ray._engine.storage.base.Storage` over any ``pyarrow.fs`` file
+system (local disk, S3, GCS, HDFS, Azure), with every optional ability of the base class.
 
 Durability:
 * local disk: data goes to a temporary name in the same directory, is fsynced, renamed into place,
@@ -17,32 +17,27 @@ from __future__ import annotations
 import os
 import posixpath
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-# Storage, chunked, crc32_of, _crc32, _O_DIRECT and _direct_refused were defined here before the split
-# into base/fs/direct_io; they stay importable from here until every importer names the module that
-# now defines them (issue #11).
-from cf_ray._engine.storage.base import FileInfo, Storage, _crc32, chunked, crc32_of, safe_relpath  # noqa: F401
-from cf_ray._engine.storage.direct_io import (  # noqa: F401
-    _O_DIRECT,
-    _direct_io_wanted,
-    _direct_refused,
-    _DirectWriter,
-    _write_all,
-    _write_with_crc,
+from cf_ray._engine.storage.base import FileInfo, Storage, chunked, not_writable, safe_relpath
+from cf_ray._engine.storage.direct_io import (
+    DirectWriter,
+    direct_io_wanted,
     write_aligned,
+    write_all,
+    write_with_crc,
 )
 from cf_ray.errors import ConfigError, UnsafePathError
 
 T = TypeVar("T")
 
 
-class FsStorage:
+class FsStorage(Storage):
     """:class:`Storage` over any ``pyarrow.fs.FileSystem``, holding an ``(fs, root)`` pair.
 
     Args:
@@ -59,9 +54,13 @@ class FsStorage:
         if self._local:
             self.root = os.path.abspath(self.root)
 
+    ranged_reads = True
+
     @classmethod
     def from_uri(cls, uri: str, filesystem: pafs.FileSystem | None = None) -> FsStorage:
-        """Build from ``/local/path``, ``file://``, ``s3://bucket/prefix``, ``gs://...``."""
+        """Build from ``/local/path``, ``file://``, ``s3://bucket/prefix``, ``gs://...``; with a
+        ``filesystem``, ``uri`` is the root's path on it. The opener
+        :func:`~cf_ray._engine.storage.backends.open_storage` calls for these schemes."""
         if filesystem is not None:
             return cls(filesystem, uri)
         if "://" not in uri:
@@ -124,30 +123,50 @@ class FsStorage:
             self.write_file(probe, [b"ok"])
             self.fs.delete_file(self._abs(probe))
         except Exception as e:  # noqa: BLE001 - any failure means "cannot write here"
-            raise ConfigError(
-                f"checkpoint storage {self.uri()} is not writable ({type(e).__name__}: {e}); "
-                "pass a storage_path you can write to (RunConfig(storage_path=...) or "
-                "CheckpointConfig(storage_path=...))"
-            ) from e
+            raise not_writable(self, e) from e
 
-    # -- Storage protocol ----------------------------------------------------------------------
+    def pyarrow_location(self, path: str = "") -> tuple[pafs.FileSystem, str]:
+        return self.fs, self.fs_path(path)
+
+    def file_size(self, path: str) -> int | None:
+        got = self.fs.get_file_info(self._abs(path))
+        return None if got.type == pafs.FileType.NotFound else got.size
+
+    def read_chunks(self, path: str, size: int) -> Iterator[memoryview | bytes]:
+        """``path`` in chunks of at most ``size`` bytes, read from a ``pyarrow`` stream as they are
+        consumed, never whole in memory.
+
+        Raises:
+            UnsafePathError: ``path`` is a symbolic link.
+        """
+        full = self._abs(path)
+        if self._local and os.path.islink(full):
+            raise UnsafePathError(f"refusing to read {full}: it is a symbolic link")
+        with self.fs.open_input_stream(full) as f:
+            while True:
+                buf = f.read_buffer(size)
+                if buf is None or buf.size == 0:
+                    return
+                yield memoryview(buf)
+
+    # -- the six every backend implements ------------------------------------------------------
     def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> FileInfo:
         full = self._abs(path)
         parent = posixpath.dirname(full)
         if self._local:
 
             def stream(fd: int) -> FileInfo:
-                if _direct_io_wanted(fd):
-                    writer = _DirectWriter(fd)
-                    info = _write_with_crc(chunks, writer.write)
+                if direct_io_wanted(fd):
+                    writer = DirectWriter(fd)
+                    info = write_with_crc(chunks, writer.write)
                     writer.close()
                     return info
-                return _write_with_crc(chunks, lambda mv: _write_all(fd, mv))
+                return write_with_crc(chunks, lambda mv: write_all(fd, mv))
 
             return _replace_local(full, stream)
         self.fs.create_dir(parent, recursive=True)
         with self.fs.open_output_stream(full) as out:
-            return _write_with_crc(chunks, lambda mv: out.write(pa.py_buffer(mv)))
+            return write_with_crc(chunks, lambda mv: out.write(pa.py_buffer(mv)))
 
     def write_buffer(self, path: str, buf: memoryview, crc32: int) -> tuple[FileInfo, int]:
         """Write ``path`` durably and atomically from one buffer whose CRC-32 the caller computed

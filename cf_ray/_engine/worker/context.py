@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from cf_ray._engine.protocol.naming import run_key
-from cf_ray._engine.storage.fs import FsStorage
+from cf_ray._engine.storage.backends import open_storage
+from cf_ray._engine.storage.base import Storage
 from cf_ray.config import CheckpointConfig
 from cf_ray.errors import ConfigError
 
@@ -26,11 +27,11 @@ class WorkerContext:
     """Number of ranks of this attempt."""
     run_name: str
     """The run's name (``CheckpointConfig.run_name`` or Ray Train's experiment name)."""
-    storage: FsStorage
+    storage: Storage
     """The run's cf_ray root on the primary storage (checked writable)."""
     ray_storage: Any | None
     """Ray Train's ``StorageContext`` when checkpoints live in its run directory, else ``None``."""
-    tiers: tuple[FsStorage, ...] = ()
+    tiers: tuple[Storage, ...] = ()
     """Upload destinations (``CheckpointConfig.upload_path``), checked writable."""
 
     @property
@@ -49,9 +50,7 @@ class WorkerContext:
         storage.check_writable()
         tiers = []
         if config.upload_path:
-            tier = FsStorage.from_uri(config.upload_path, config.upload_filesystem).child(
-                f"{_safe_name(run_name)}/cf_ray"
-            )
+            tier = open_storage(config.upload_path, config.upload_filesystem).child(f"{_safe_name(run_name)}/cf_ray")
             tier.check_writable()
             tiers.append(tier)
         return cls(
@@ -123,11 +122,8 @@ def _context(config: CheckpointConfig):
         raise ConfigError("outside Ray Train, CheckpointConfig(run_name=...) is required")
     run_name = _safe_name(run_name)
     if config.storage_path is not None:
-        storage = FsStorage.from_uri(config.storage_path, config.storage_filesystem).child(f"{run_name}/cf_ray")
-        if ray_storage is not None and not (
-            storage.fs_path().startswith(ray_storage.experiment_fs_path + "/")
-            and storage.fs.equals(ray_storage.storage_filesystem)
-        ):
+        storage = open_storage(config.storage_path, config.storage_filesystem).child(f"{run_name}/cf_ray")
+        if ray_storage is not None and not _inside_ray_run(storage, ray_storage):
             if config.register_with_ray:
                 warnings.warn(
                     "CheckpointConfig.storage_path is outside Ray Train's run directory, so checkpoints "
@@ -136,7 +132,18 @@ def _context(config: CheckpointConfig):
                 )
             ray_storage = None
     elif ray_storage is not None:
-        storage = FsStorage(ray_storage.storage_filesystem, f"{ray_storage.experiment_fs_path}/cf_ray")
+        storage = open_storage(f"{ray_storage.experiment_fs_path}/cf_ray", ray_storage.storage_filesystem)
     else:
         raise ConfigError("outside Ray Train, CheckpointConfig(storage_path=...) is required")
     return rank, world, run_name, storage, ray_storage
+
+
+def _inside_ray_run(storage: Storage, ray_storage: Any) -> bool:
+    """Whether ``storage`` lies in Ray Train's run directory, on the same file system: only there
+    can a checkpoint be registered with Ray Train (it takes a ``pyarrow`` file system and a path)."""
+    where = storage.pyarrow_location()
+    return (
+        where is not None
+        and where[1].startswith(ray_storage.experiment_fs_path + "/")
+        and where[0].equals(ray_storage.storage_filesystem)
+    )

@@ -56,7 +56,7 @@ from cf_ray._engine.protocol.messages import (
     SectionState,
     Settled,
 )
-from cf_ray._engine.storage.fs import FileInfo, Storage
+from cf_ray._engine.storage.base import FileInfo, Storage
 from cf_ray.policy import Sample
 
 logger = logging.getLogger("cf_ray")

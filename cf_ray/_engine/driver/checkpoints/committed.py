@@ -11,9 +11,9 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from cf_ray._engine.format.catalog import list_committed, load_quarantine
+from cf_ray._engine.format.catalog import list_committed, load_quarantine, registered_steps
 from cf_ray._engine.format.commit import Manifest, read_manifest
-from cf_ray._engine.storage.fs import FileInfo, Storage
+from cf_ray._engine.storage.base import FileInfo, Storage
 
 logger = logging.getLogger("cf_ray")
 
@@ -30,10 +30,16 @@ class Committed:
     resume_point: bool = False
     """A final model names it for ``resume_from=result.checkpoint`` (``Checkpointer.finish()``,
     :func:`resume_points`)."""
+    registered: bool = False
+    """Registered with Ray Train: a pointer directory (``registered/step_<n>``) names it, and a
+    checkpoint Ray Train hands back (``result.best_checkpoints``, ``get_checkpoint()``) must load.
+    Keep-last spares it while the pointer is there; Ray's ``num_to_keep`` deletes pointers
+    (``retention.py``)."""
 
     @property
     def kept(self) -> bool:
-        """Never deleted by keep-last: a milestone, or the resume point of a final model."""
+        """Never deleted by keep-last, and not counted by it: a milestone, or the resume point of a
+        final model."""
         return self.milestone or self.resume_point
 
 
@@ -103,6 +109,20 @@ class CommittedIndex:
         self.entries[step] = dataclasses.replace(self.entries[step], resume_point=True)
         return step
 
+    def keep_registered(self, step: int) -> bool:
+        """A rank is about to register ``step`` with Ray Train: keep-last keeps it from now on, while
+        its pointer is there (:attr:`Committed.registered`). False: keep-last took it out already (it
+        is not to be registered: Ray would list a checkpoint that cannot load)."""
+        if step not in self.entries:
+            return False
+        self.entries[step] = dataclasses.replace(self.entries[step], registered=True)
+        return True
+
+    def unregister(self, step: int) -> None:
+        """Ray Train no longer lists ``step`` (its pointer is gone): an ordinary checkpoint again."""
+        if step in self.entries:
+            self.entries[step] = dataclasses.replace(self.entries[step], registered=False)
+
     def steps(self, *, newest_first: bool = False) -> list[int]:
         return sorted(self.entries, reverse=newest_first)
 
@@ -110,7 +130,8 @@ class CommittedIndex:
 def load_committed(storage: Storage) -> tuple[dict[int, Committed], int]:
     """The committed checkpoints on storage (step -> entry) and the newest generation among them
     (0 when there is none): what a controller that starts again rebuilds from storage. Quarantined
-    steps (``quarantine.json``) are left out."""
+    steps (``quarantine.json``) are left out; the steps a final model names and those Ray Train lists
+    (a pointer directory) are marked kept, as the controller before had them."""
     committed: dict[int, Committed] = {}
     gens = [0]
     quarantined = load_quarantine(storage)
@@ -127,6 +148,9 @@ def load_committed(storage: Storage) -> tuple[dict[int, Committed], int]:
     for step in resume_points(storage):
         if step in committed:
             committed[step] = dataclasses.replace(committed[step], resume_point=True)
+    for step in registered_steps(storage):
+        if step in committed:
+            committed[step] = dataclasses.replace(committed[step], registered=True)
     return committed, max(gens)
 
 
@@ -147,17 +171,7 @@ def resume_points(storage: Storage) -> set[int]:
 
 def files_present(storage: Storage, directory: str, files: dict[str, FileInfo]) -> bool:
     """Whether every file is on storage with its size (its content is verified by readers)."""
-    fs = getattr(storage, "fs", None)
-    fs_path = getattr(storage, "fs_path", None)
-    for name, info in files.items():
-        path = f"{directory}/{name}"
-        if fs is not None and callable(fs_path):
-            got = fs.get_file_info(fs_path(path))
-            if got.size is None or got.size != info.size:
-                return False
-        elif not storage.exists(path):
-            return False
-    return True
+    return all(storage.file_size(f"{directory}/{name}") == info.size for name, info in files.items())
 
 
 __all__ = [

@@ -42,8 +42,15 @@ from cf_ray._engine.format.catalog import QUARANTINE, Quarantined, load_quaranti
 from cf_ray._engine.format.commit import read_manifest
 from cf_ray._engine.format.layout import MANIFEST, step_dir
 from cf_ray._engine.observe.profile_book import ProfileBook
+from cf_ray._engine.protocol.events import (
+    DistrustedEvent,
+    Event,
+    QuarantinedEvent,
+    QuarantineLiftedEvent,
+    VerifiedEvent,
+)
 from cf_ray._engine.protocol.messages import Distrusted
-from cf_ray._engine.storage.fs import Storage
+from cf_ray._engine.storage.base import Storage
 from cf_ray.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 try:  # the same CRC-32 as zlib's, faster
@@ -93,14 +100,13 @@ def damage_of(storage: Storage, step: int) -> str | None:
 
 
 def _size_and_crc(storage: Storage, path: str) -> tuple[int, int]:
-    read_range = getattr(storage, "read_range", None)
-    if not callable(read_range):
+    if not storage.ranged_reads:
         buf = storage.read_file(path)
         return int(buf.nbytes), _crc32(buf.data)
     chunk = max(1, _env.get_int(_env.WRITE_CHUNK_BYTES))
     size = crc = 0
     while True:
-        buf = np.asarray(read_range(path, size, chunk), dtype=np.uint8)
+        buf = np.asarray(storage.read_range(path, size, chunk), dtype=np.uint8)
         crc = _crc32(buf.data, crc)
         size += int(buf.nbytes)
         if buf.nbytes < chunk:
@@ -163,7 +169,7 @@ class Quarantine:
                 error,
                 e,
             )
-            self._event({"event": "verified", "step": step, "intact": None, "error": error, "reread": str(e)})
+            self._event(VerifiedEvent(step=step, intact=None, error=error, reread=str(e)))
             return False
         if damage is None:
             logger.warning(
@@ -172,7 +178,7 @@ class Quarantine:
                 step,
                 error,
             )
-            self._event({"event": "verified", "step": step, "intact": True, "error": error})
+            self._event(VerifiedEvent(step=step, intact=True, error=error))
             return False
         return self.quarantine(step, damage, damaged=True)
 
@@ -185,9 +191,7 @@ class Quarantine:
             c = self._commits.index.get(step)
             if c is None or not self._commits.quarantine(step, why, generation):
                 return False
-            self._book.add_event(
-                {"event": "quarantined", "step": step, "generation": c.generation, "error": why, "time": time.time()}
-            )
+            self._book.add_event(QuarantinedEvent(step=step, generation=c.generation, error=why, time=time.time()))
         with self._file_lock:
             # Of that generation's checkpoint alone: a later generation's commit of the step is not it.
             self.entries[step] = Quarantined(why, c.generation, damaged)
@@ -214,7 +218,7 @@ class Quarantine:
         entry leaves ``quarantine.json`` on the maintenance thread; until then, and if the controller
         dies first, readers already see the new checkpoint (the entry names the old generation).
         Keyed by step alone, every later listing (a new controller, a new driver, ``cf-ray ls``,
-        ``resume_from``) hid the new checkpoint, and keep-last never deleted it."""
+        ``resume_from``) would hide the new checkpoint, and keep-last would never delete it."""
         with self._file_lock:
             q = self.entries.get(step)
             if q is None or q.generation == generation:
@@ -232,7 +236,7 @@ class Quarantine:
                 write_quarantine(self.storage, dict(self.entries))
             except Exception as e:  # noqa: BLE001 - the index is already right; the file only outlives us
                 logger.warning("cf_ray: could not write %s: %s", QUARANTINE, e)
-        self._event({"event": "quarantine_lifted", "step": step, "generation": generation, "was": why})
+        self._event(QuarantineLiftedEvent(step=step, generation=generation, was=why))
         logger.warning(
             "cf_ray: checkpoint step %d committed again (generation %d): the quarantine of its earlier "
             "checkpoint (%s) is lifted",
@@ -250,14 +254,7 @@ class Quarantine:
         with self._lock:
             self._commits.distrust(generation, step)
             self._book.add_event(
-                {
-                    "event": "distrusted",
-                    "generation": generation,
-                    "step": step,
-                    "reason": reason,
-                    "source": source,
-                    "time": time.time(),
-                }
+                DistrustedEvent(generation=generation, step=step, reason=reason, source=source, time=time.time())
             )
         logger.warning(
             "cf_ray: the snapshot of step %d (generation %d) is never offered to a restore again: %s",
@@ -268,9 +265,9 @@ class Quarantine:
         quarantined = False if source == "memory" else self.quarantine(step, reason, generation)
         return Distrusted(generation=generation, step=step, memory=True, quarantined=quarantined)
 
-    def _event(self, event: dict) -> None:
+    def _event(self, event: Event) -> None:
         with self._lock:
-            self._book.add_event({**event, "time": time.time()})
+            self._book.add_event(event.stamped(time.time()))
 
 
 __all__ = ["CannotTell", "Quarantine", "damage_of"]

@@ -27,8 +27,8 @@ from cf_ray._engine.format.catalog import list_committed
 from cf_ray._engine.format.commit import Manifest, commit
 from cf_ray._engine.format.layout import step_dir
 from cf_ray._engine.observe.profile_book import ProfileBook
-from cf_ray._engine.storage.base import chunked, is_symlink
-from cf_ray._engine.storage.fs import Storage
+from cf_ray._engine.protocol.events import UploadDroppedEvent, UploadEvent, UploadFailedEvent
+from cf_ray._engine.storage.base import Storage
 from cf_ray.errors import CorruptCheckpointError, UnsafePathError
 
 logger = logging.getLogger("cf_ray")
@@ -107,9 +107,7 @@ class Uploads:
                     "env.UPLOAD_QUEUE",
                     victim.step,
                 )
-                self._book.add_event(
-                    {"event": "upload_dropped", "step": victim.step, "reason": "upload queue full", "time": time.time()}
-                )
+                self._book.add_event(UploadDroppedEvent(step=victim.step, reason="upload queue full", time=time.time()))
                 if victim is up:
                     return
         self._queue.append(up)
@@ -192,41 +190,23 @@ class Uploads:
             except Exception as e:  # noqa: BLE001
                 return self._upload_failed(step, tier, e)
             self._book.add_event(
-                {
-                    "event": "upload",
-                    "step": step,
-                    "tier": tier.uri(directory),
-                    "seconds": time.perf_counter() - t0,
-                    "time": time.time(),
-                }
+                UploadEvent(step=step, tier=tier.uri(directory), seconds=time.perf_counter() - t0, time=time.time())
             )
             return True
         return False
 
     def _upload_failed(self, step: int, tier: Storage, e: BaseException) -> bool:
         logger.warning("cf_ray: upload of step %d to %s failed: %s", step, tier.uri(), e)
-        self._book.add_event(
-            {"event": "upload_failed", "step": step, "tier": tier.uri(), "error": str(e), "time": time.time()}
-        )
+        self._book.add_event(UploadFailedEvent(step=step, tier=tier.uri(), error=str(e), time=time.time()))
         return False
 
 
 def _stream(storage: Storage, path: str) -> Iterator[memoryview | bytes]:
-    """A file of ``storage`` in ``env.WRITE_CHUNK_BYTES`` chunks, read as it is consumed (a
-    pyarrow input stream when the storage has one), never whole in memory."""
-    if is_symlink(storage, path):
+    """A file of ``storage`` in ``env.WRITE_CHUNK_BYTES`` chunks, read as it is consumed where the
+    backend streams (``Storage.read_chunks``)."""
+    if storage.is_symlink(path):
         raise UnsafePathError(f"refusing to upload {storage.uri(path)}: it is a symbolic link")
-    size = max(1, _env.get_int(_env.WRITE_CHUNK_BYTES))
-    fs, fs_path = getattr(storage, "fs", None), getattr(storage, "fs_path", None)
-    if fs is None or not callable(fs_path):
-        yield from chunked(storage.read_file(path), size)
-        return
-    with fs.open_input_stream(fs_path(path)) as f:
-        while True:
-            buf = f.read_buffer(size)
-            if buf is None or buf.size == 0:
-                return
-            yield memoryview(buf)
+    yield from storage.read_chunks(path, max(1, _env.get_int(_env.WRITE_CHUNK_BYTES)))
 
 
 def tier_steps(tiers: list[Storage]) -> tuple[tuple[int, ...], ...]:

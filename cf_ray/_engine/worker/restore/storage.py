@@ -14,6 +14,7 @@ import ray
 import ray.train
 
 from cf_ray._engine.format import sections
+from cf_ray._engine.format.catalog import resumable_checkpoint
 from cf_ray._engine.format.commit import Manifest
 from cf_ray._engine.format.sections import Section
 from cf_ray._engine.storage.base import Storage
@@ -69,8 +70,6 @@ def other_run_checkpoint(resume_from: Any, ray_storage: Any) -> tuple[Storage, s
     Raises:
         ConfigError: ``resume_from`` holds no cf_ray checkpoint to resume from (naming it).
     """
-    from cf_ray.load import resumable_checkpoint
-
     source = resume_from
     if source is not None:
         try:
