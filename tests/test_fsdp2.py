@@ -609,12 +609,22 @@ def _worker(rank: int, port: int, root: str) -> None:
         one = 1536 * 1536 * 4
         alive: list = []
 
-        def hook(arr):  # how many earlier tensors' bytes are still alive when the next is written
-            alive.append(sum(r() is not None for r in refs))
-            refs.append(weakref.ref(arr))
-
         refs: list = []
-        st._write_hook = hook
+
+        class Watched(FsStorage):
+            """Counts, as each tensor's bytes (a numpy array; the header is bytes) are handed to the
+            write, how many earlier tensors' bytes are still alive."""
+
+            def write_file(self, path, chunks):
+                def watched():
+                    for c in chunks:
+                        if isinstance(c, np.ndarray):
+                            alive.append(sum(r() is not None for r in refs))
+                            refs.append(weakref.ref(c))
+                        yield c
+
+                return super().write_file(path, watched())
+
         # The storage's O_DIRECT bounce buffer (env.WRITE_CHUNK_BYTES, 16 MiB, once per thread and
         # reused) is touched before the measurement: it does not grow with the model.
         import numpy as np
@@ -624,9 +634,9 @@ def _worker(rank: int, port: int, root: str) -> None:
         before = _rss()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        st.write_sharded_final_model(storage, step_dir(99, kind="final"), big_sd, rank=rank, step=99, epoch=0)
+        watched = Watched(storage.fs, storage.root)
+        st.write_sharded_final_model(watched, step_dir(99, kind="final"), big_sd, rank=rank, step=99, epoch=0)
         peak = _hwm() - before
-        st._write_hook = None
         with open(os.path.join(root, f"final_memory_rank{rank}.json"), "w") as f:
             json.dump({"peak_growth": peak, "one_tensor": one, "model": 6 * (one + 1536 * 4)}, f)
         dist.barrier()

@@ -118,9 +118,6 @@ class _Gathered:
             self.take()
 
 
-#: Test hook: called with each tensor's bytes (a numpy array) as they are handed to the storage, once the
-#: previous tensor's are released (instrumentation only).
-_write_hook: Any = None
 
 
 def _specs(sd: dict[str, Any]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -179,8 +176,6 @@ def _write_model(
             )
             del host
             previous = weakref.ref(arr)
-            if _write_hook is not None:
-                _write_hook(arr)
             yield arr
             del arr
             # An empty chunk: the writer's loop variable would otherwise hold this tensor's bytes
