@@ -380,7 +380,7 @@ def _hashable(k: Any) -> Any:
 
 def view(buf: Any, entry: TensorEntry, *, copy: bool, readonly_ok: bool = False) -> torch.Tensor | np.ndarray:
     """The tensor or array of ``entry`` inside the uint8 buffer ``buf`` (a copy if ``copy``): an
-    array, or what slices to one (``manifest.RangedData`` reads the slice from storage).
+    array, or what slices to one (:class:`~cf_ray._engine.format.blocks.RangedData` reads the slice from storage).
 
     A read-only ``buf`` (an object-store buffer) is copied unless ``readonly_ok``: the caller then
     promises only to read the tensor (``nn.Module.load_state_dict`` copies out of it).

@@ -377,7 +377,7 @@ def commit(storage: Storage, directory: str, manifest: Manifest) -> None:
         logger.warning("cf_ray: could not update the 'latest' hint (%s); the checkpoint is committed", e)
 
 
-#: The pointer's own format version; it has not changed since version 1 of the layout.
+#: The format version written into every pointer.
 POINTER_VERSION = 1
 
 

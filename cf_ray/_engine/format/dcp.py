@@ -23,7 +23,7 @@ same metadata from the sections' index files alone and reads each item's raw byt
 the section data files, and only the rows a rank needs when a read is a range of whole rows (FSDP2's
 ``Shard(0)``): a load at another number of ranks reads the byte ranges that overlap its shards.
 The index files are verified against the manifest; every block of a data file that a read touches
-is checked against its CRC-32 (``manifest.RangedData``; checkpoints written before block checksums
+is checked against its CRC-32 (:class:`~cf_ray._engine.format.blocks.RangedData`; checkpoints written before block checksums
 existed are read whole and verified whole).
 
 Sharded tensors (FSDP2) contribute one chunk per rank (the rank's shard, at its global offsets;

@@ -21,9 +21,9 @@ from __future__ import annotations
 import re
 
 FORMAT = "cf_ray"
-#: Version 2: the manifest carries a checksum of its own content (``checksum``) and is written as
-#: compact JSON. Version 1 manifests (no self-checksum) are still read: checkpoints written before
-#: that change stay loadable.
+#: The manifest's format version. Version 2 carries a checksum of its own content (``checksum``) and
+#: is written as compact JSON; version 1 (no self-checksum) is read too, its files verified by size
+#: and CRC-32 like any other's.
 VERSION = 2
 MANIFEST = "MANIFEST.json"
 CHECKPOINTS = "checkpoints"

@@ -118,8 +118,6 @@ class _Gathered:
             self.take()
 
 
-
-
 def _specs(sd: dict[str, Any]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """(name, dtype, global shape) of each tensor, in order; DTensors by their global shape."""
     out = []

@@ -3,9 +3,8 @@ CRC-32 computed on a second thread while the bytes are written.
 
 Files of at least one chunk (``env.WRITE_CHUNK_BYTES``, 16 MiB) are written with ``O_DIRECT``
 through a page-aligned bounce buffer where the file system allows it: the kernel then DMAs from
-that buffer instead of copying every byte into the page cache, which measured 0.07 s instead of
-0.1-1.0 s of CPU for 300 MB here — CPU that a checkpoint otherwise takes from training when every
-core trains. The tail, and every file on a file system that refuses ``O_DIRECT`` (tmpfs), is
+that buffer instead of copying every byte into the page cache, so a checkpoint's write costs little
+CPU, which it would otherwise take from training when every core trains. The tail, and every file on a file system that refuses ``O_DIRECT`` (tmpfs), is
 written through the page cache. ``CF_RAY_DIRECT_IO=0`` turns it off.
 
 :func:`write_with_crc` is used for every write of :class:`~cf_ray._engine.storage.fs.FsStorage`,
@@ -166,8 +165,8 @@ def write_with_crc(chunks: Iterable[memoryview | bytes], write) -> FileInfo:
     given as a list or tuple, :data:`INLINE_CRC_BYTES`, on the calling thread).
 
     Both ``os.write``/pyarrow writes and the CRC-32 release the GIL on large buffers, so the
-    checksum overlaps with the writes instead of adding to them (with ISA-L it runs at ~13-20 GB/s
-    here, far above the disk; zlib's, the fallback, at ~1-3 GB/s, the same order as the disk).
+    checksum overlaps with the writes instead of adding to them (ISA-L's CRC-32 is far faster than
+    a disk; zlib's, the fallback, is of the same order as one, so overlapping it matters).
 
     If the checksum thread fails, the write fails with its error (never a file with a made-up
     CRC-32), and never hangs: the thread keeps taking chunks after an error, and the writer stops
