@@ -248,7 +248,7 @@ def test_the_controller_publishes_a_schedule_version_when_the_persist_cadence_ch
     assert book.replan() is None  # nothing changed: no new version
     policy.n = 5
     ev5 = book.replan()
-    assert ev5 is not None and (ev5["interval"], ev5["persist_every"], ev5["previous_persist_every"]) == (4, 5, 2)
+    assert ev5 is not None and (ev5.interval, ev5.persist_every, ev5.previous_persist_every) == (4, 5, 2)
     assert [(s.interval, s.persist_every) for s in book.since(0)] == [(4, 5)]
     for bad in (RuntimeError("policy bug"), 0, "3", True):
         policy.n = bad

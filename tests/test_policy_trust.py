@@ -39,6 +39,23 @@ def fast_job(seed: int = 0, slowdown: float = 0.45) -> tp.Trace:
     )
 
 
+def short_job(seed: int) -> tp.Trace:
+    """A notebook-sized job: 75 ms iterations whose checkpoints stall 60 ms (a synchronous copy),
+    then copy and persist ~80 ms in the background: at the first interval (5 steps) a checkpoint
+    costs about 16 % of the training time."""
+    return tp.Trace(
+        ranks=2,
+        iter_s=0.075,
+        stall_s=0.06,
+        copy_s=0.03,
+        nbytes=50_000_000,
+        bw=1e9,
+        iter_noise=0.05,
+        ckpt_noise=0.2,
+        seed=seed,
+    )
+
+
 def quiet(fn, *a, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PolicyWarning)
@@ -62,6 +79,31 @@ def test_a_job_whose_checkpoints_slow_every_iteration_keeps_its_budget(budget):
     cost = true_cost_s(trace)
     assert p.explain()["cost_s"] >= 0.6 * cost, p.explain()  # not the stall alone
     assert run.interval_at(2000) >= 0.8 * cost / (budget / 100 * trace.iter_s)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_short_run_widens_its_first_interval_at_the_first_poll_that_carries_a_cost(seed):
+    # 50 steps (under 4 s): the first interval governs most of the run. The first poll brings the
+    # first checkpoints' stall and an iteration time (its mean includes warm-up iterations: the only
+    # one there is); the interval widens to what the budget allows from then on, not a poll later.
+    trace, budget = short_job(seed), 5.0
+    run = quiet(tp.simulate, Adaptive(budget_pct=budget), trace, 50)
+    first, second, *rest = run.ckpt_steps()
+    k_budget = trace.stall_s / (budget / 100 * trace.iter_s)  # the stall alone, against the budget
+    assert (first, second) == (5, 10), run.ckpts  # the profiling checkpoint, and the one in flight at the poll
+    assert rest and rest[0] - second >= 0.8 * k_budget, run.changes
+    assert run.overhead_pct(1) <= 1.6 * budget, run.changes  # at the first interval: about 3 x budget
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_first_decision_never_shortens_the_interval_on_a_cost_it_has_not_measured(seed):
+    # Checkpoints whose copy and persist slow the iterations, sampled a second at a time: the first
+    # samples span several checkpoints, so they cannot tell the slowdown; the stall alone (1.5 ms)
+    # would ask for every step. The provisional interval widens or stays, never shortens.
+    p = Adaptive(budget_pct=5.0)
+    run = quiet(tp.simulate, p, fast_job(seed), 50)
+    provisional = [k for _, k, phase in run.changes if phase == "provisional"]
+    assert provisional and min(provisional) >= p.initial_interval(), run.changes
 
 
 def test_stuck_at_one_step_widens():

@@ -114,6 +114,11 @@ class Estimator:
             self.max_step = max(self.max_step, s.step)
             first = s.step - iters + 1
             if first <= r.warm_until:
+                if s.step > r.warm_until:
+                    # Its mean includes warm-up iterations, so it is no measurement; but it is the
+                    # only iteration time there is until the next sample, a poll later, and the
+                    # first checkpoint's stall needs one to be weighed against the budget at once.
+                    r.rough = s.iter_s
                 return
             self._ingest_iters(s.rank, r, s, first, iters)
 
@@ -254,7 +259,7 @@ class Estimator:
                 continue
             b = r.base()
             if b is None:
-                b = r.dirty_base()
+                b = r.dirty_base() or r.rough
                 if b is None:
                     continue
                 clean = False
@@ -415,12 +420,13 @@ class Estimator:
 
 
 class _Rank:
-    __slots__ = ("clean", "dirty", "_base", "last_step", "warm_until", "seen", "cur")
+    __slots__ = ("clean", "dirty", "_base", "rough", "last_step", "warm_until", "seen", "cur")
 
     def __init__(self, warmup: int):
         self.clean: deque = deque(maxlen=16)  # (iter_s, iters) with nothing in flight
         self.dirty: deque = deque(maxlen=16)  # (iter_s, iters) overlapping a copy/persist
         self._base: float | None = None
+        self.rough: float | None = None  # a mean over warm-up iterations too: until anything better
         self.last_step = 0
         self.warm_until = warmup
         self.seen = 0

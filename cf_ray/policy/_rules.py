@@ -392,27 +392,34 @@ class _Ladder:
         return None, self.info
 
     def _provisional(self) -> Verdict | None:
+        """Once the first checkpoint is profiled: widen at once, and once, to what the budget and
+        the persist in flight ask for; never shorten before the tuned decision.
+
+        Reason: the first interval is a guess that a short run lives under, and every checkpoint
+        taken at it costs what the first one did, so a cost that breaks the budget widens it at the
+        first poll that carries it. How much the copy and persist slow the iterations that overlap
+        them is not known yet (a slowdown read from samples that each span several checkpoints is
+        none), so they count as lost training time (what they cost when every core trains): the
+        interval errs wide. Shortening waits for the tuned decision, made on a measured cost.
+        """
         if self.phase is not Phase.PROVISIONAL:
             return None
-        st, est, info_ = self.st, self.est, self.info
-        k, binding = self.k, self.binding
-        # Every iteration timed so far overlapped a checkpoint: decide once now, and again as
-        # soon as iterations with nothing in flight have been timed (one interval later).
+        st, est = self.st, self.est
         if st.decided:
-            info_["reason"] = f"keeping {self.current}: waiting for iterations timed with nothing in flight"
-            return None, info_
-        st.decided = True
-        if not est.settled:
-            # How much the copy and persist slow the iterations that overlap them is not known
-            # yet. Until it is, count them as lost training time (what they cost when every
-            # core trains): the first interval then errs wide, not short (a few checkpoints
-            # that each cost a whole persist); the measured cost replaces it as soon as the
-            # first checkpoint's overlap is over.
-            cost = max(est.cost, est.bg)
-            k, binding, conflicts = target(self.cfg, est, cost, est.bg)
-            info_ = dict(info(self.cfg, est, k, binding, conflicts, self.current, cost), phase=self.phase.value)
-        info_["reason"] = f"first checkpoint profiled: interval {k} ({binding} binds), provisional"
-        return self._publish(k), info_
+            self.info["reason"] = f"keeping {self.current}: waiting for iterations timed with nothing in flight"
+            return None, self.info
+        cost = max(est.cost, est.bg)
+        k, binding, conflicts = target(self.cfg, est, cost, est.bg)
+        info_ = dict(info(self.cfg, est, k, binding, conflicts, self.current, cost), phase=self.phase.value)
+        if k > self.current:
+            st.decided = True  # once: the next decision is the tuned one
+            info_["reason"] = f"first checkpoint profiled: interval {k} ({binding} binds), provisional"
+            return k, info_
+        info_["reason"] = (
+            f"first checkpoint profiled: keeping {self.current} ({binding} allows {k}) until the cost of a "
+            "checkpoint is measured"
+        )
+        return None, info_
 
     def _warn_conflicts(self) -> None:
         """Not a rung (never decides): from here on, warn once per kind of rule that gave way."""

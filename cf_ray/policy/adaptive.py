@@ -99,15 +99,16 @@ class Adaptive(FrequencyPolicy):
     (``headroom``) is the dead band.
 
     **Profiling** is the first checkpoint, at ``first_checkpoint_step``: once its stall and persist
-    time are known (or a second checkpoint has been seen without a persist time) a *provisional*
-    interval is published; until the slowdown of the iterations that overlap the checkpoint has been
-    measured (its copy and persist are over and a later iteration has been timed), its copy and
-    persist count as lost training time — what they cost when every core trains — so the
-    provisional interval errs wide, never short. A slowdown measured while the iteration time itself
-    moved by more than 25 % (the first iterations of a job are slower: allocator, caches) is not a
-    measurement. It is tuned as soon as that slowdown and iterations
-    with nothing in flight have been timed (or after three checkpoints), and hysteresis applies
-    from then on. A profile kept
+    time are known (or a second checkpoint has been seen without a persist time), with the first
+    iteration time there is (a sample whose mean includes warm-up iterations stands in until a clean
+    one comes), a *provisional* interval is published at once: the first interval is a guess that a
+    short run lives under. Until the slowdown of the iterations that overlap the checkpoint has been
+    measured, its copy and persist count as lost training time — what they cost when every core
+    trains — and the provisional interval only widens the first one, never shortens it: it errs
+    wide, never short. A slowdown measured while the iteration time itself moved by more than 25 %
+    (the first iterations of a job are slower: allocator, caches) is not a measurement. It is tuned
+    as soon as that slowdown and iterations with nothing in flight have been timed (or after three
+    checkpoints), and hysteresis applies from then on. A profile kept
     with the run (:meth:`state_dict` / :meth:`load_state_dict`) makes :meth:`plan` return the
     previous interval (re-derived for this configuration) on its first call; it is replaced by new
     measurements once they are in, at once if they differ by more than ``drift_ratio``. The
