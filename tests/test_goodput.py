@@ -17,7 +17,8 @@ import pytest
 from cf_ray import report
 from cf_ray._engine.observe.goodput import Goodput
 from cf_ray._engine.observe.profile_book import ProfileBook
-from cf_ray._engine.observe.profile_parts import ProfileParts
+from cf_ray._engine.observe.profile_files import ProfileParts
+from cf_ray._engine.observe.profile_frames import coerce, read_parquet
 from cf_ray._engine.protocol.messages import CheckpointKind, SnapshotMeta
 from cf_ray._engine.storage.fs import FsStorage
 
@@ -204,7 +205,7 @@ def test_load_profile_of_a_clean_run_is_the_saved_table(tmp_path):
     storage = FsStorage.from_uri(str(tmp_path))
     ProfileParts(storage, "00000000000000000001").write([_row(1, 5, persist_s=1.0)])
     report.save_profile(storage, [_row(1, 5, persist_s=1.0), _row(1, 10, sync_s=0.1)], [])
-    saved = report._coerce(report._read_parquet(storage, report.PROFILE_FILE), report.PROFILE_COLUMNS)
+    saved = coerce(read_parquet(storage, report.PROFILE_FILE), report.PROFILE_COLUMNS)
     assert report.load_profile(storage)[0].equals(saved)
     with pytest.raises(FileNotFoundError):
         report.load_profile(FsStorage.from_uri(str(tmp_path / "empty")))

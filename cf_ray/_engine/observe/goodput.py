@@ -117,15 +117,14 @@ class Goodput:
     def __init__(self, max_restarts: int = 1000):
         self.restarts: collections.deque[Restart] = collections.deque(maxlen=max(1, max_restarts))
         self._start_step: int | None = None
-        """The step the run started from."""
+        """The step the run started from; set by the run's start (its first restore, or a sample
+        before any), so ``None`` until the start was seen."""
         self._reached_step: int | None = None
         """The newest step reported on the current timeline (since the newest restore)."""
         self._first_unix: float | None = None
         """When the run's first iteration started (estimated)."""
         self._last_unix: float | None = None
         """When the newest sample or staged snapshot arrived."""
-        self._started = False
-        """Whether the run's start (its first restore, or a sample before any) was seen."""
         self._start_unix: float | None = None
         """When the run's first attempt restored (its start)."""
         self._attempt_unix: float | None = None
@@ -161,7 +160,6 @@ class Goodput:
         """A rank's sample; returns the pending restart when this sample is its first resumed iteration."""
         step, iters = int(step), int(iters)
         timed = iters > 0 and iter_s > 0
-        self._started = True
         if self._first_unix is None:
             self._first_unix = now_unix - (iters * iter_s if timed else 0.0)
             if self._start_step is None:
@@ -217,9 +215,8 @@ class Goodput:
         step, previous_attempt_unix = int(step), self._attempt_unix
         self._generation = max(int(generation), self._generation or 0)
         self._attempt_unix = now_unix
-        if not self._started:  # where the run starts
+        if self._start_step is None:  # where the run starts
             self._fallbacks = []
-            self._started = True
             self._start_step = self._reached_step = step
             self._start_unix = now_unix
             self.start_restore_s += float(restore_s or 0.0)

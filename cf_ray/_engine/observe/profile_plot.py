@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from cf_ray._engine.lazy import lazy_module
+from cf_ray._engine.observe.profile_frames import iterations_frame, profile_frame, restarts_frame
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -59,8 +60,6 @@ def plot_profile(
     Raises:
         ImportError: matplotlib is not installed (``pip install cf-ray[plot]``).
     """
-    from cf_ray.report import iterations_frame, profile_frame, restarts_frame
-
     try:
         import matplotlib.lines as mlines
     except ImportError as e:
