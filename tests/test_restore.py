@@ -145,7 +145,7 @@ class _Link:
         self.generation = 2
 
     def record_event(self, event, wait=False):
-        self.events.append(event)
+        self.events.append(event.to_dict())  # typed, listed in its plain form as the controller lists it
 
     def call(self, method, *args, **kwargs):
         assert method == "distrust", method

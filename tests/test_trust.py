@@ -199,8 +199,11 @@ def test_a_refused_memory_snapshot_is_reported_for_the_controller_to_never_offer
     flip = RunTrust().adding(Suspect(10, 1, RestoreSource.MEMORY, Reason.INTEGRITY, "block 0"))
     assert flip.why_not(RestoreSource.MEMORY, 1, 10) and not flip.why_not(RestoreSource.STORAGE, 1, 10)
     # A rollback is read back from the controller's events: the next attempt knows it is one.
-    events = [{"event": "rolled_back", "attempt": 4, "restored_step": 15}, {"event": "distrusted", "step": 15}]
-    assert RunTrust.from_events(events).rollback_into(5)["restored_step"] == 15
+    events = [
+        {"event": "rolled_back", "step": 17, "attempt": 4, "restored_step": 15},
+        {"event": "distrusted", "generation": 4, "step": 15},
+    ]
+    assert RunTrust.from_events(events).rollback_into(5).restored_step == 15
     assert RunTrust.from_events(events).rollback_into(6) is None
 
 

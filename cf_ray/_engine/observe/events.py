@@ -1,9 +1,10 @@
 """The run's events and the failures the workers learn of, kept by the controller (bounded windows).
 
-* Events: restores, fallbacks, notices, interval changes, uploads, quarantines, in order; the
-  newest ``env.EVENTS_WINDOW`` (1,000). They are saved with the profile's rows in memory
-  (``profile_parts.py``'s ``window.json``): a controller that starts again during the run lists
-  them (:meth:`EventLog.restore_events`).
+* Events: restores, fallbacks, notices, interval changes, uploads, quarantines, in order, typed
+  (:class:`~cf_ray._engine.protocol.events.Event`); the newest ``env.EVENTS_WINDOW``. They are
+  saved, in their plain form, with the profile's rows in memory (``profile_files.py``'s
+  ``window.json``): a controller that starts again during the run lists them
+  (:meth:`EventLog.restore_events`).
 * Failures: a checkpoint that did not commit (a section or the manifest could not be written, a
   holder lost what it held), as the workers learn of them from ``sync`` (:class:`Failure`, each with
   a ``seq`` that keeps counting across controllers: workers ask for the failures after the last one
@@ -22,9 +23,14 @@ No Ray, no storage: the profile (:class:`~.profile_book.ProfileBook`) calls it u
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
+from cf_ray._engine.protocol.events import Event, EventError, RestoreFallbackEvent, as_event
 from cf_ray._engine.protocol.messages import Failure
+
+logger = logging.getLogger("cf_ray")
 
 #: How many of the newest failures the controller's state on storage keeps (``control_state.json``).
 SAVED_FAILURES = 64
@@ -33,11 +39,11 @@ SAVED_FAILURES = 64
 VERIFICATION, REFUSED = "verification", "refused"
 
 
-def fallback_cause(event: dict) -> str:
-    """Why a ``restore_fallback`` event fell back: :data:`VERIFICATION` when the bytes did not verify
-    (``corrupt``, or ``verification`` as the worker's restore says of a block checksum or fingerprint
-    mismatch), else :data:`REFUSED`."""
-    return VERIFICATION if event.get("corrupt") or event.get("verification") else REFUSED
+def fallback_cause(event: RestoreFallbackEvent) -> str:
+    """Why a restore fell back: :data:`VERIFICATION` when the bytes did not verify (``corrupt``, or
+    ``verification`` as the worker's restore says of a block checksum or fingerprint mismatch), else
+    :data:`REFUSED`."""
+    return VERIFICATION if event.corrupt or event.verification else REFUSED
 
 
 class EventLog:
@@ -50,7 +56,7 @@ class EventLog:
     """
 
     def __init__(self, window: int, seq_base: int = 0):
-        self.events: collections.deque[dict] = collections.deque(maxlen=max(1, window))
+        self.events: collections.deque[Event] = collections.deque(maxlen=max(1, window))
         """Restores, fallbacks, notices, interval changes, uploads, in order (the newest)."""
         self._failures: collections.deque[Failure] = collections.deque(maxlen=max(1, window))
         self._next_seq = int(seq_base)
@@ -63,22 +69,34 @@ class EventLog:
         """Called (under the controller's lock) after each event added: the controller saves the
         window of events with the profile's rows (``window.json``), on its maintenance thread."""
 
-    def add(self, event: dict) -> None:
+    def add(self, event: Event | Mapping[str, Any]) -> None:
+        """Append ``event`` (a plain form is typed first: :func:`~cf_ray._engine.protocol.events.as_event`)."""
+        event = as_event(event)
         self.events.append(event)
-        if event.get("event") == "restore_fallback":
-            self.fallbacks[(str(event.get("source")), fallback_cause(event))] += 1
+        if isinstance(event, RestoreFallbackEvent):
+            self.fallbacks[(event.source, fallback_cause(event))] += 1
         if self.on_event is not None:
             self.on_event()
 
-    def restore_events(self, events: list[dict]) -> None:
-        """The events a predecessor saved, listed again before any of this controller's (the restore
-        fallbacks among them counted again)."""
+    def restore_events(self, events: Iterable[Mapping[str, Any]]) -> None:
+        """The events a predecessor saved (their plain form), listed again before any of this
+        controller's (the restore fallbacks among them counted again); one that does not read as an
+        event is skipped with a warning (the window is a report, never a reason to fail)."""
         on_event, self.on_event = self.on_event, None
         try:
-            for event in events:
+            for plain in events:
+                try:
+                    event = Event.from_dict(plain)
+                except EventError as e:
+                    logger.warning("cf_ray: skipping a saved event: %s", e)
+                    continue
                 self.add(event)
         finally:
             self.on_event = on_event
+
+    def plain_events(self) -> list[dict[str, Any]]:
+        """The events in their plain form, oldest first (what users read and storage keeps)."""
+        return [e.to_dict() for e in self.events]
 
     def add_failure(self, *, generation: int, step: int, section: str, rank: int, error: str) -> Failure:
         failure = Failure(seq=self._next_seq, step=step, section=section, rank=rank, error=error, generation=generation)

@@ -100,8 +100,10 @@ def _build(cls: type[Event], values: Mapping[str, Any]) -> Event:
         raise EventError(f"a {cls.KIND!r} event without {', '.join(missing)}: {dict(values)!r}"[:1000])
     names = {f.name for f in named}
     tuples = {f.name for f in named if f.default == ()}
-    known = {k: tuple(v) if k in tuples and isinstance(v, list) else v for k, v in values.items() if k in names}
-    extra = {k: v for k, v in values.items() if k not in names}
+    known: dict[str, Any] = {
+        k: tuple(v) if k in tuples and isinstance(v, list) else v for k, v in values.items() if k in names
+    }
+    extra = {k: v for k, v in values.items() if k not in names and k != "event"}
     return cls(**known, extra=extra)
 
 
@@ -172,7 +174,8 @@ class IntervalEvent(Event):
     KIND: ClassVar[str] = "interval"
     OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"time", "persist_every", "previous_persist_every"})
 
-    interval: int
+    interval: int | None
+    """The new interval (``None``: the policy has not set one)."""
     previous: int | None = None
     persist_every: int | None = None
     previous_persist_every: int | None = None

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cf_ray.errors import CfRayError
+
+if TYPE_CHECKING:
+    from cf_ray._engine.protocol.events import IntegrityFailureEvent
 
 #: Bumped whenever a message below changes shape (a field added, removed or retyped), so that a
 #: process of another cf_ray version refuses the message (:class:`ProtocolError`) instead of
 #: misreading it.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class ProtocolError(CfRayError):
@@ -481,20 +484,21 @@ class IntegrityFailure(Message):
     block_bytes: int = 0
     error: str = ""
 
-    def event(self) -> dict[str, Any]:
-        """As the controller records it (``events()``)."""
-        return {
-            "event": "integrity_failure",
-            "rank": self.rank,
-            "generation": self.generation,
-            "step": self.step,
-            "section": self.section,
-            "holder": self.holder,
-            "how": self.how,
-            "blocks": list(self.blocks),
-            "block_bytes": self.block_bytes,
-            "error": self.error,
-        }
+    def event(self) -> IntegrityFailureEvent:
+        """The ``integrity_failure`` event the controller records of it."""
+        from cf_ray._engine.protocol.events import IntegrityFailureEvent  # events.py builds on this module
+
+        return IntegrityFailureEvent(
+            rank=self.rank,
+            generation=self.generation,
+            step=self.step,
+            section=self.section,
+            holder=self.holder,
+            how=self.how,
+            blocks=self.blocks,
+            block_bytes=self.block_bytes,
+            error=self.error,
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Any, NoReturn, cast
 
+from cf_ray._engine.protocol.events import DurabilityLostEvent, DurabilityRestoredEvent, FinalNotDurableEvent
 from cf_ray._engine.worker.link.controller import ControllerLink
 from cf_ray._engine.worker.watchdog import DurabilitySettings, DurabilityWatchdog, Knowledge
 from cf_ray.config import CheckpointConfig, DurabilityTimeout
@@ -91,14 +92,13 @@ class Durability:
             step - committed,
         )
         self.link.record_event(
-            {
-                "event": "final_not_durable",
-                "step": step,
-                "resume_step": committed,
-                "waited_s": round(waited, 3),
-                "limit_s": limit,
-                "generation": self.link.generation,
-            }
+            FinalNotDurableEvent(
+                step=step,
+                resume_step=committed,
+                waited_s=round(waited, 3),
+                limit_s=limit,
+                generation=self.link.generation,
+            )
         )
 
     # -- the judgement, said --------------------------------------------------------------------------
@@ -134,15 +134,14 @@ class Durability:
         )
         if self.rank == 0 and self._lost_reported:
             link.record_event(
-                {
-                    "event": "durability_restored",
-                    "rank": self.rank,
-                    "step": step,
-                    "committed_step": change.committed_step,
-                    "lost_s": change.lost_s,
-                    "reason": ep.reason.value,
-                    "generation": link.generation,
-                }
+                DurabilityRestoredEvent(
+                    rank=self.rank,
+                    step=step,
+                    committed_step=change.committed_step,
+                    lost_s=change.lost_s,
+                    reason=ep.reason.value,
+                    generation=link.generation,
+                )
             )
         self._lost_reported = False
 
@@ -160,20 +159,22 @@ class Durability:
             return
         self._lost_reported = True
         ep = self.watchdog.episode
-        event: dict[str, Any] = {
-            "event": "durability_lost",
-            "rank": self.rank,
-            "step": step,
-            "committed_step": self.link.known_committed,
-            "generation": self.link.generation,
-            "action": self.config.on_durability_lost,
-            "failures": [f"step {f['step']} ({f['section']}): {f['error']}" for f in self.link.failures[-3:]],
-        }
-        if ep is not None:
-            event.update(reason=ep.reason.value, since_step=ep.since_step, waited_s=ep.waited_s, limit_s=ep.limit_s)
-        else:
-            event.update(reason="another_rank")
-        self.link.record_event(event)
+        episode: dict[str, Any] = (
+            {"reason": ep.reason.value, "since_step": ep.since_step, "waited_s": ep.waited_s, "limit_s": ep.limit_s}
+            if ep is not None
+            else {"reason": "another_rank"}
+        )
+        self.link.record_event(
+            DurabilityLostEvent(
+                rank=self.rank,
+                step=step,
+                committed_step=self.link.known_committed,
+                generation=self.link.generation,
+                action=self.config.on_durability_lost,
+                failures=tuple(f"step {f['step']} ({f['section']}): {f['error']}" for f in self.link.failures[-3:]),
+                **episode,
+            )
+        )
 
     def _lost_message(self, step: int, *, action: bool) -> str:
         """What happened, as this rank knows it, and (``action``) what cf_ray does about it."""

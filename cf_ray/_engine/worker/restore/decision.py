@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cf_ray._engine.format.layout import parse_step_dir
+from cf_ray._engine.protocol.events import RestoreFallbackEvent
 from cf_ray._engine.protocol.messages import RestoreSource
 from cf_ray._engine.worker.restore.storage import describe
 from cf_ray._engine.worker.restore.trust_gate import Reason, Suspect, tell_controller
@@ -135,24 +136,25 @@ class Fallbacks:
             suspect = Suspect(step, generation, source, reason, f"rank {bad.rank}: {bad.error}"[:1000])
         if self.rank != 0:
             return suspect
-        event = {
-            "event": "restore_fallback",
-            "source": source.value,
-            "where": where,
-            "error": first.error,
-            "rank": first.rank,
-            "corrupt": first.corrupt and reason is not Reason.NON_FINITE,
-        }
+        named: dict[str, Any] = {}
         if memory:
             # The controller takes a memory snapshot whose bytes failed out of every later plan.
-            event.update(step=step, generation=generation, verification=reason is Reason.INTEGRITY)
+            named.update(step=step, generation=generation, verification=reason is Reason.INTEGRITY)
         elif cand[0] is self._primary and step is not None:
             # A committed checkpoint of this run's own storage: a corrupt one makes the controller
             # re-read it (and quarantine it only if it is damaged).
-            event.update(step=step, generation=generation)
-        if reason is Reason.NON_FINITE:
-            event["non_finite"] = True
-        self.link.record_event(event)
+            named.update(step=step, generation=generation)
+        self.link.record_event(
+            RestoreFallbackEvent(
+                source=source.value,
+                where=where,
+                error=first.error,
+                rank=first.rank,
+                corrupt=first.corrupt and reason is not Reason.NON_FINITE,
+                non_finite=True if reason is Reason.NON_FINITE else None,
+                **named,
+            )
+        )
         if suspect is not None and reason is Reason.NON_FINITE:
             try:  # never offered again, and its checkpoint on storage quarantined with the reason
                 tell_controller(self.link, [suspect])

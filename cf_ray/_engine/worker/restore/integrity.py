@@ -40,6 +40,7 @@ import torch
 
 from cf_ray._engine.format.blocks import BLOCKS_NAMED, bad_blocks, verify_blocks
 from cf_ray._engine.format.sections import Section
+from cf_ray._engine.protocol.events import IntegrityFailureEvent
 from cf_ray._engine.protocol.messages import IntegrityFailure
 from cf_ray.errors import CorruptCheckpointError
 
@@ -78,7 +79,7 @@ class Refusals:
     """The copies of sections this rank refused in one restore: each logged once, and reported to
     the controller as an ``integrity_failure`` event (``record_event``)."""
 
-    def __init__(self, rank: int, record_event: Callable[[dict], None]):
+    def __init__(self, rank: int, record_event: Callable[[IntegrityFailureEvent], None]):
         self.rank = rank
         self._record_event = record_event
         self.items: list[IntegrityFailure] = []

@@ -433,7 +433,7 @@ class Restorer:
             phases=dict(self.record.phases),
             read_bytes=dict(self.record.read_bytes),
             fallbacks=list(self.record.fallbacks.items),
-            refused_copies=[f.event() for f in self.record.refusals.items],
+            refused_copies=[f.event().to_dict() for f in self.record.refusals.items],
             rolled_back_from=rolled_back_from,
         )
 

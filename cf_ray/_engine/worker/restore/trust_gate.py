@@ -36,20 +36,23 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from cf_ray._engine import env as _env
+from cf_ray._engine.protocol.events import (
+    Event,
+    EventError,
+    RestoreEvent,
+    RolledBackEvent,
+    TrustExhaustedEvent,
+    as_event,
+)
 from cf_ray._engine.protocol.messages import RestoreSource
 from cf_ray.errors import RestoreError
 
 logger = logging.getLogger("cf_ray")
-
-#: The event of a rollback (rank 0, once per suspect).
-ROLLED_BACK = "rolled_back"
-#: The event that stops the run: a non-finite loss after a rollback.
-EXHAUSTED = "trust_exhausted"
 
 
 class NonFiniteAfterRestore(RestoreError):
@@ -92,20 +95,22 @@ class RunTrust:
     """What one restore knows of the run's trust: the trust gate's own events (a rollback, a stopped
     run), read back from the controller by rank 0 at the plan, and what this restore refused."""
 
-    rollbacks: tuple[dict, ...] = ()
+    rollbacks: tuple[RolledBackEvent, ...] = ()
     """The ``rolled_back`` events, oldest first."""
-    exhausted: dict | None = None
+    exhausted: TrustExhaustedEvent | None = None
     """The ``trust_exhausted`` event, when the run was stopped."""
     suspects: tuple[Suspect, ...] = ()
     """What this restore refused itself (its other copies are not tried)."""
 
     @classmethod
-    def from_events(cls, events: Iterable[dict]) -> RunTrust:
+    def from_events(cls, events: Iterable[Event | Mapping[str, Any]]) -> RunTrust:
+        """The trust gate's events among the controller's (typed, or their plain form; one that does
+        not read as an event is not the trust gate's and is passed over)."""
         rollbacks, exhausted = [], None
-        for e in events:
-            if isinstance(e, dict) and e.get("event") == ROLLED_BACK:
+        for e in _typed(events):
+            if isinstance(e, RolledBackEvent):
                 rollbacks.append(e)
-            elif isinstance(e, dict) and e.get("event") == EXHAUSTED:
+            elif isinstance(e, TrustExhaustedEvent):
                 exhausted = e
         return cls(tuple(rollbacks), exhausted)
 
@@ -120,10 +125,10 @@ class RunTrust:
                 return f"{s.reason.value}: {s.detail}"
         return None
 
-    def rollback_into(self, attempt: int) -> dict | None:
+    def rollback_into(self, attempt: int) -> RolledBackEvent | None:
         """The ``rolled_back`` event of the attempt before ``attempt``: this attempt is the rollback it
         asked for (``None``: it is not)."""
-        return next((e for e in reversed(self.rollbacks) if e.get("attempt") == attempt - 1), None)
+        return next((e for e in reversed(self.rollbacks) if e.attempt == attempt - 1), None)
 
 
 def trust_steps() -> int:
@@ -233,14 +238,14 @@ class TrustGate:
         error = self.error(at_step)
         if self.rank == 0:
             logger.warning("%s", error)
-            event = {
-                "event": EXHAUSTED if self.exhausted else ROLLED_BACK,
-                "step": at_step,
-                "restored_step": self.restored_step,
-                "rolled_back_from": self.rolled_back_from,
-                "attempt": self.attempt,
-                "detail": self.describe(at_step),
-            }
+            stop = TrustExhaustedEvent if self.exhausted else RolledBackEvent
+            event = stop(
+                step=at_step,
+                restored_step=self.restored_step,
+                rolled_back_from=self.rolled_back_from,
+                attempt=self.attempt,
+                detail=self.describe(at_step),
+            )
             try:
                 tell_controller(link, self.suspects(self.describe(at_step)))
                 link.record_event(event, wait=True)
@@ -276,27 +281,33 @@ def tell_controller(link: Any, suspects: list[Suspect]) -> None:
         link.call("distrust", s.generation, s.step, f"{s.reason.value}: {s.detail}"[:500], timeout_s=timeout)
 
 
-def rollbacks(events: Iterable[dict]) -> list[dict]:
+def _typed(events: Iterable[Event | Mapping[str, Any]]) -> Iterator[Event]:
+    for e in events:
+        try:
+            yield as_event(e)
+        except EventError:
+            continue
+
+
+def rollbacks(events: Iterable[Event | Mapping[str, Any]]) -> list[dict]:
     """The run's rollbacks past a snapshot that went non-finite, from the controller's events
     (``FinishSummary.rollbacks``)."""
     out = []
-    for e in events:
-        if not isinstance(e, dict):
-            continue
-        if e.get("event") in (ROLLED_BACK, EXHAUSTED):
+    for e in _typed(events):
+        if isinstance(e, (RolledBackEvent, TrustExhaustedEvent)):
             out.append(
                 {
-                    "suspect_step": e.get("restored_step"),
-                    "at_step": e.get("step"),
+                    "suspect_step": e.restored_step,
+                    "at_step": e.step,
                     "reason": "non-finite loss after the restore",
-                    "stopped": e.get("event") == EXHAUSTED,
+                    "stopped": isinstance(e, TrustExhaustedEvent),
                 }
             )
-        elif e.get("event") == "restore" and e.get("rolled_back_from") is not None:
+        elif isinstance(e, RestoreEvent) and e.rolled_back_from is not None:
             out.append(
                 {
-                    "suspect_step": e["rolled_back_from"],
-                    "restored_step": e.get("step"),
+                    "suspect_step": e.rolled_back_from,
+                    "restored_step": e.step,
                     "reason": "non-finite saved state",
                     "stopped": False,
                 }
@@ -304,13 +315,13 @@ def rollbacks(events: Iterable[dict]) -> list[dict]:
     return out
 
 
-def stopped_error(exhausted: dict) -> NonFiniteAfterRestore:
+def stopped_error(exhausted: TrustExhaustedEvent) -> NonFiniteAfterRestore:
     """What a restore raises in a run that was stopped (a ``trust_exhausted`` event)."""
     return NonFiniteAfterRestore(
         "cf_ray: this run was stopped at its attempt "
-        f"{exhausted.get('attempt')}: {exhausted.get('detail', 'the loss went non-finite after a rollback')}. "
+        f"{exhausted.attempt}: {exhausted.detail or 'the loss went non-finite after a rollback'}. "
         "It is not restored again; start a new run (CheckpointConfig(resume_from=...) a checkpoint older "
-        f"than step {exhausted.get('restored_step')})"
+        f"than step {exhausted.restored_step})"
     )
 
 
