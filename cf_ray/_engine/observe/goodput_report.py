@@ -1,4 +1,4 @@
-"""Where a run's wall time went, as users read it (issue #26): the goodput/badput breakdown the
+"""Where a run's wall time went, as users read it: the goodput/badput breakdown the
 controller keeps (:mod:`cf_ray._engine.observe.goodput`), as a table and a plot, and its file on
 storage; its Ray metrics are :class:`cf_ray.report.GoodputMetrics`. :mod:`cf_ray.report`
 re-exports the public names; read a run's with ``cf_ray.Run(storage_path, name).goodput()``.
@@ -133,7 +133,7 @@ def save_goodput(storage: Storage, breakdown: Mapping) -> FileInfo:
 
 
 def load_goodput(storage: Storage) -> dict[str, Any] | None:
-    """What :func:`save_goodput` wrote, or ``None`` (a run saved before #26, or none).
+    """What :func:`save_goodput` wrote, or ``None`` (the run saved no breakdown).
 
     Raises:
         CorruptCheckpointError: the file is not JSON.

@@ -153,7 +153,7 @@ class GoodputMetrics:
       offered again, ``quarantined`` for a committed checkpoint quarantined on storage);
     * ``cf_ray_productive_seconds`` (gauge, s) and ``cf_ray_badput_seconds`` (gauge, s, tag
       ``category``: ``checkpoint_save``, ``checkpoint_restore``, ``wasted_progress``, ``recovery``,
-      ``startup``, ``other``): where the wall time went (issue #26, ``cf_ray.report.badput_frame``);
+      ``startup``, ``other``): where the wall time went (``cf_ray.report.badput_frame``);
     * ``cf_ray_failure_mtbf_seconds`` (gauge, s): the estimated mean time up between the run's
       failures (the policy's, or the controller's own without a prior), after each failure counted.
 
@@ -351,7 +351,7 @@ class MetricsExport:
             logger.debug("cf_ray: goodput metrics export failed", exc_info=True)
 
     def mtbf(self, mtbf_s: float | None) -> None:
-        """The failure rate's estimate after a failure was counted (issue #26)."""
+        """The failure rate's estimate after a failure was counted."""
         try:
             self.goodput.record_mtbf(mtbf_s)
         except Exception:  # noqa: BLE001

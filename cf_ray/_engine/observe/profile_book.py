@@ -200,7 +200,7 @@ class ProfileBook:
             interval=meta.interval if meta.interval is not None else self.schedule.interval_in_force,
             world_size=meta.world_size,
         )
-        # Host passes (#14): what each rank copied and read again for its snapshot, and its wait for a slot.
+        # Host passes: what each rank copied and read again for its snapshot, and its wait for a slot.
         row.setdefault("_copies", {})[("rank", meta.rank)] = (meta.copied_bytes, meta.crc_read_bytes)
         if meta.slot_wait_s is not None:
             row.setdefault("_slot_wait_s", {})[meta.rank] = meta.slot_wait_s
@@ -218,7 +218,7 @@ class ProfileBook:
         row.setdefault("_copies", {})[key] = (copied, crc_read)
 
     def note_replicated(self, msg: PartReplicated) -> None:
-        """A peer replica of a section (#12): its bytes and seconds (the slowest section's), or a
+        """A peer replica of a section: its bytes and seconds (the slowest section's), or a
         copy skipped for a newer snapshot or failed, in the checkpoint's row."""
         if (msg.generation, msg.step) not in self._rows and (msg.generation, msg.step) in self._evicted:
             return  # the row already left for storage
