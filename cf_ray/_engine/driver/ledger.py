@@ -432,7 +432,7 @@ class Ledger:
         from cf_ray._engine.observe.event_files import save_events
 
         with self.lock:
-            events = self.book.log.plain_events()
+            events = list(self.book.events)  # typed and frozen: their plain form is made outside the lock
         try:
             save_events(self.book.storage, events)
         except Exception as e:  # noqa: BLE001 - the events are a report, never a reason to fail

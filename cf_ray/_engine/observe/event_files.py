@@ -2,7 +2,10 @@
 failure counts, quarantines, notices), saved with the profile at the run's end as ``events.json``,
 so that ``cf_ray.Run(storage_path, name).events()`` reads them after the controller is gone, as
 ``profile()`` reads the profile table. The file holds what the live ``events()`` returned last:
-the controller's window of events (its newest thousand), oldest first.
+the controller's window of events, oldest first, each in its plain form
+(:meth:`~cf_ray._engine.protocol.events.Event.to_dict`). Reading gives that plain form back as it
+was written (a run of another cf_ray version may name kinds this one does not; a reader that needs
+them typed calls ``Event.from_dict``).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from cf_ray._engine.protocol.events import Event
 from cf_ray._engine.storage.base import FileInfo, Storage
 from cf_ray.errors import CorruptCheckpointError
 
@@ -27,10 +31,12 @@ def _jsonable(v: Any) -> Any:
     return value if isinstance(value, (str, int, float)) else str(v)
 
 
-def save_events(storage: Storage, events: Iterable[Mapping]) -> FileInfo:
-    """Write ``events`` (oldest first) as ``events.json``, whole, through :meth:`Storage.write_file`
-    (a reader sees the previous file or this one, never a torn one)."""
-    body = json.dumps([dict(e) for e in events], default=_jsonable, allow_nan=True)
+def save_events(storage: Storage, events: Iterable[Event | Mapping]) -> FileInfo:
+    """Write ``events`` (oldest first; typed, or already in their plain form) as ``events.json``,
+    whole, through :meth:`Storage.write_file` (a reader sees the previous file or this one, never a
+    torn one)."""
+    plain = [e.to_dict() if isinstance(e, Event) else dict(e) for e in events]
+    body = json.dumps(plain, default=_jsonable, allow_nan=True)
     return storage.write_file(EVENTS_FILE, [body.encode()])
 
 
