@@ -73,7 +73,7 @@ def verify_run(storage: Storage, directory: str | None = None, *, step: int | No
             names = []
     found = []
     for name in names:
-        m = layout._DIR_RE.match(name)
+        m = layout.DIR_RE.match(name)
         if not m or (step is not None and int(m.group(2)) != step):
             continue
         path = f"{layout.CHECKPOINTS}/{name}"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cf_ray._engine.format.commit import Manifest, UnsafeCheckpointError, _uri, read_manifest, read_pointer
-from cf_ray._engine.format.layout import _DIR_RE, CHECKPOINTS, MANIFEST, POINTER, REGISTERED, RESUME_KEY, step_dir
+from cf_ray._engine.format.layout import CHECKPOINTS, DIR_RE, MANIFEST, POINTER, REGISTERED, RESUME_KEY, step_dir
 from cf_ray._engine.storage.backends import open_storage
 from cf_ray._engine.storage.base import Storage
 from cf_ray.errors import CfRayError, CheckpointNotFoundError, CorruptCheckpointError, UnsafePathError
@@ -111,7 +111,7 @@ def list_committed(
     """
     out = []
     for name in storage.list_dir(CHECKPOINTS):
-        m = _DIR_RE.match(name)
+        m = DIR_RE.match(name)
         if not m or m.group(1) not in kinds:
             continue
         if _has_manifest(storage, name) is True:
@@ -126,7 +126,7 @@ def list_committed(
 def registered_steps(storage: Storage) -> set[int]:
     """The steps whose pointer directory (``registered/step_<n>``, :func:`.layout.pointer_dir`) is on
     storage: the checkpoints Ray Train lists. A name of another shape is not a pointer of cf_ray's."""
-    return {int(m.group(2)) for m in map(_DIR_RE.match, storage.list_dir(REGISTERED)) if m and m.group(1) == "step"}
+    return {int(m.group(2)) for m in map(DIR_RE.match, storage.list_dir(REGISTERED)) if m and m.group(1) == "step"}
 
 
 def list_uncommitted(storage: Storage) -> list[tuple[str, int]]:
@@ -134,7 +134,7 @@ def list_uncommitted(storage: Storage) -> list[tuple[str, int]]:
     skipped as in :func:`list_committed` (and so never deleted through a link)."""
     out = []
     for name in storage.list_dir(CHECKPOINTS):
-        m = _DIR_RE.match(name)
+        m = DIR_RE.match(name)
         if m and _has_manifest(storage, name) is False:
             out.append((name, int(m.group(2))))
     return out
@@ -216,7 +216,7 @@ def open_run(source: Any, filesystem: Any = None) -> tuple[Storage, str | None]:
         if pointer.exists(POINTER):
             run = open_storage(posixpath.dirname(posixpath.dirname(path)), filesystem)
             return run, read_pointer(pointer.read_file(POINTER))
-    if _DIR_RE.match(base) and parent == CHECKPOINTS:
+    if DIR_RE.match(base) and parent == CHECKPOINTS:
         return open_storage(posixpath.dirname(posixpath.dirname(path)), filesystem), f"{CHECKPOINTS}/{base}"
     run = open_storage(path, filesystem)
     if base != "cf_ray" and run.exists(f"cf_ray/{CHECKPOINTS}"):
@@ -262,7 +262,7 @@ def full_checkpoint_of_final(run: Storage, directory: str, m: Manifest) -> str:
             "resume from the run directory or a registered checkpoint instead"
         )
     name = target.removeprefix(f"{CHECKPOINTS}/") if isinstance(target, str) else ""
-    match = _DIR_RE.match(name)
+    match = DIR_RE.match(name)
     if not isinstance(target, str) or not target.startswith(f"{CHECKPOINTS}/") or not match or match.group(1) != "step":
         raise CorruptCheckpointError(
             f"the final model's manifest {run.uri(directory)} names {target!r} as its full "

@@ -27,10 +27,9 @@ from typing import Any, TypeGuard
 import numpy as np
 
 from cf_ray._engine.format.layout import (
-    _DIR_RE,
-    _FILE_RE,
-    _SECTION_RE,
     CHECKPOINTS,
+    DIR_RE,
+    FILE_RE,
     FINAL_MODEL_FILE,
     FINAL_SECTION,
     FORMAT,
@@ -39,6 +38,7 @@ from cf_ray._engine.format.layout import (
     MANIFEST,
     MAX_WORLD_SIZE,
     POINTER,
+    SECTION_RE,
     SHARED,
     VERSION,
     pointer_dir,
@@ -335,7 +335,7 @@ def _step_sections(raw: dict, world_size: int, replicated: bool, generation: int
     and each section's files are named for that section and this generation: no file name can move
     to another section (rank 0 reading rank 1's state) without the manifest noticing."""
     for sec in raw:
-        if not _SECTION_RE.match(sec):
+        if not SECTION_RE.match(sec):
             raise _Malformed("sections", f"bad section name {sec!r}")
     if len(raw) != world_size + int(replicated):
         raise _Malformed(
@@ -364,7 +364,7 @@ def _step_sections(raw: dict, world_size: int, replicated: bool, generation: int
 
 
 def _check_file_name(name: str) -> None:
-    if not isinstance(name, str) or not _FILE_RE.match(name) or ".." in name:
+    if not isinstance(name, str) or not FILE_RE.match(name) or ".." in name:
         raise UnsafeCheckpointError(f"file name {name!r} in a manifest is not a plain file name; refusing it")
 
 
@@ -413,7 +413,7 @@ def read_pointer(raw: bytes | np.ndarray) -> str:
     target = d["checkpoint"]
     if (
         d.get("format") != "cf_ray-pointer"
-        or not _DIR_RE.match(target.removeprefix(f"{CHECKPOINTS}/"))
+        or not DIR_RE.match(target.removeprefix(f"{CHECKPOINTS}/"))
         or not target.startswith(f"{CHECKPOINTS}/")
     ):
         raise UnsafeCheckpointError(f"checkpoint pointer names {target!r}, which is not a checkpoint of this run")
@@ -459,7 +459,7 @@ def read_manifest(storage: Storage, directory: str) -> Manifest:
         raise CorruptCheckpointError(f"manifest {_uri(storage, path)} is not a file: {e}") from None
     where = _uri(storage, path)
     m = Manifest.from_bytes(raw, where)
-    dm = _DIR_RE.match(posixpath.basename(directory.rstrip("/")))
+    dm = DIR_RE.match(posixpath.basename(directory.rstrip("/")))
     if dm and (int(dm.group(2)) != m.step or (dm.group(1) == "final") != m.final_model):
         raise CorruptCheckpointError(
             f"manifest {where} is malformed: field 'step'/'kind': it says step {m.step}, "

@@ -52,9 +52,12 @@ KINDS = ("scheduled", "epoch", "manual", "preempt", "final")
 #: Per-rank sections are ``rank_00000`` .. ``rank_99999``.
 MAX_WORLD_SIZE = 100_000
 
-_DIR_RE = re.compile(r"^(step|final)_(\d{12})$")
-_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}$")
-_SECTION_RE = re.compile(r"^(shared|rank_\d{5})$")
+#: A checkpoint directory's name: its kind (``step`` or ``final``) and its step, twelve digits.
+DIR_RE = re.compile(r"^(step|final)_(\d{12})$")
+#: A file name a manifest may list: plain, never a path (no ``/``, no leading dot).
+FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}$")
+#: A section's name: ``shared`` or ``rank_<5 digits>``.
+SECTION_RE = re.compile(r"^(shared|rank_\d{5})$")
 
 
 def rank_section(rank: int) -> str:
@@ -78,7 +81,7 @@ def pointer_dir(step: int) -> str:
 
 def parse_step_dir(directory: str) -> int | None:
     """The step of ``checkpoints/step_NNNNNNNNNNNN`` (the inverse of :func:`step_dir`), else ``None``."""
-    m = _DIR_RE.match(directory.rstrip("/").rsplit("/", 1)[-1])
+    m = DIR_RE.match(directory.rstrip("/").rsplit("/", 1)[-1])
     return int(m.group(2)) if m and m.group(1) == "step" else None
 
 
