@@ -289,6 +289,33 @@ def test_a_manifest_in_another_checkpoints_directory_is_refused(storage):
         read_manifest(storage, step_dir(30))
 
 
+def test_a_full_checkpoint_of_kind_final_is_resumable_in_its_step_directory_and_nowhere_else(storage):
+    """``finish()``'s full checkpoint of the final state is of kind ``final``, like the final model: a
+    manifest is a final model by its one ``model`` section, never by its kind. A full checkpoint of
+    kind ``final`` reads, loads and resumes from ``step_<n>/``; in ``final_<n>/`` it is refused, and
+    so is a final model's manifest in ``step_<n>/`` (each reader would misread the other's files)."""
+    from cf_ray._engine.format.safetensors import write_final_model
+    from cf_ray.load import resumable_checkpoint
+
+    model = _model(1)
+    d = _as_dict(write_checkpoint(storage, 10, model))
+    storage.write_file(f"{step_dir(10)}/{MANIFEST}", [_signed({**d, "kind": "final"})])
+    m = read_manifest(storage, step_dir(10))
+    assert (m.kind, m.final_model, sorted(m.sections)) == ("final", False, ["rank_00000", "shared"])
+    assert resumable_checkpoint(storage.uri(step_dir(10)))[1] == step_dir(10)
+    got = cf_ray.load_state(storage.uri(step_dir(10)))["model"]
+    assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
+    assert [(c.step, c.kind) for c in cf_ray.list_checkpoints(storage.uri())] == [(10, "final")]
+    storage.write_file(f"{step_dir(10, 'final')}/{MANIFEST}", [_raw_manifest(storage, 10)])
+    with pytest.raises(CorruptCheckpointError, match="a full checkpoint of kind 'final', but lies in final_0"):
+        read_manifest(storage, step_dir(10, "final"))
+    write_final_model(storage, step_dir(20, "final"), model, step=20, epoch=0)
+    assert read_manifest(storage, step_dir(20, "final")).final_model
+    storage.write_file(f"{step_dir(20)}/{MANIFEST}", [bytes(storage.read_file(f"{step_dir(20, 'final')}/{MANIFEST}"))])
+    with pytest.raises(CorruptCheckpointError, match="a final model of kind 'final', but lies in step_0"):
+        read_manifest(storage, step_dir(20))
+
+
 def test_kinds_are_the_checkpoint_kinds_of_the_messages():
     from cf_ray._engine.protocol.messages import CheckpointKind
 
