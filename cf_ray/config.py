@@ -153,7 +153,10 @@ class CheckpointConfig:
     upload: str = "all"
     """What goes to ``upload_path``: ``"all"`` committed checkpoints or only ``"milestones"``."""
     keep_last: int | None = 3
-    """Committed checkpoints to keep (milestones and the final model are never deleted); ``None`` keeps all."""
+    """Committed checkpoints to keep (milestones and the final model are never deleted); ``None`` keeps all.
+    A checkpoint registered with Ray Train (``register_with_ray``) counts toward it but is kept while
+    Ray lists it, so that each of ``result.best_checkpoints`` loads: Ray's
+    ``RunConfig(checkpoint_config=ray.train.CheckpointConfig(num_to_keep=...))`` bounds that list."""
     milestone_every: int | None = None
     """Every this many steps, the checkpoint is a milestone, never deleted by keep-last."""
     replicated: bool = True
