@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from cf_ray._engine.protocol.events import Event, EventError, RestoreFallbackEvent, as_event
+from cf_ray._engine.protocol.events import Event, EventError, RestoreFallbackEvent
 from cf_ray._engine.protocol.messages import Failure
 
 logger = logging.getLogger("cf_ray")
@@ -57,7 +57,7 @@ class EventLog:
 
     def __init__(self, window: int, seq_base: int = 0):
         self.events: collections.deque[Event] = collections.deque(maxlen=max(1, window))
-        """Restores, fallbacks, notices, interval changes, uploads, in order (the newest)."""
+        """Restores, fallbacks, notices, interval changes, uploads, in order (the newest), typed."""
         self._failures: collections.deque[Failure] = collections.deque(maxlen=max(1, window))
         self._next_seq = int(seq_base)
         self.fallbacks: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -69,9 +69,7 @@ class EventLog:
         """Called (under the controller's lock) after each event added: the controller saves the
         window of events with the profile's rows (``window.json``), on its maintenance thread."""
 
-    def add(self, event: Event | Mapping[str, Any]) -> None:
-        """Append ``event`` (a plain form is typed first: :func:`~cf_ray._engine.protocol.events.as_event`)."""
-        event = as_event(event)
+    def add(self, event: Event) -> None:
         self.events.append(event)
         if isinstance(event, RestoreFallbackEvent):
             self.fallbacks[(event.source, fallback_cause(event))] += 1
