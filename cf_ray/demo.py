@@ -11,7 +11,6 @@ the same job. Everything is written under ``--dir`` (default ``./cf_ray_runs/dem
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
@@ -49,13 +48,12 @@ DEFAULTS: dict[str, Any] = {
     "upload_filesystem": None,
     "step_sleep": 0.0,
     "kill_after_handoff": False,  # wait until the last snapshot is in the holder before the SIGKILL
-    "env": {},
+    "env": {},  # environment variables set in the worker before anything else (cf_ray's variables)
     "release_after_fit_s": 120.0,  # CheckpointConfig.release_after_fit_s
     "replicas": None,  # CheckpointConfig.replication.copies (None: 1 on a cluster of several nodes)
     "replica_label": None,  # CheckpointConfig.replication.label
     "replica_every": 1,  # CheckpointConfig.replication.every
-    "resume_from": None,  # another run's checkpoint to start from (CheckpointConfig.resume_from)  # environment variables set in the worker before anything else (cf_ray tunables)
-    "fault_hook": None,  # tests: "module:function" called after every step with (ckpt, rank, cfg)
+    "resume_from": None,  # another run's checkpoint to start from (CheckpointConfig.resume_from)
 }
 
 
@@ -173,9 +171,6 @@ def train_loop_per_worker(config: dict) -> None:
             ids_log.write(json.dumps({"step": ckpt.step_count, "epoch": epoch, "ids": ids.tolist()}) + "\n")
             if cfg["step_sleep"]:
                 time.sleep(cfg["step_sleep"])
-            if cfg["fault_hook"]:
-                module, fn = cfg["fault_hook"].split(":")
-                getattr(importlib.import_module(module), fn)(ckpt, rank, cfg)
             if (
                 cfg["kill_at"] is not None
                 and rank == cfg["kill_rank"]

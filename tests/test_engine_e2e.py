@@ -17,7 +17,7 @@ import torch
 import cf_ray
 from benchmarks.soak import probes
 from cf_ray import demo
-from cf_ray._engine.format.catalog import list_committed, list_uncommitted
+from cf_ray._engine.format.catalog import list_committed, list_uncommitted, registered_steps
 from cf_ray._engine.format.commit import read_manifest
 from cf_ray._engine.format.layout import CHECKPOINTS, LATEST, MANIFEST, SHARED, rank_section, step_dir
 from cf_ray._engine.format.sections import verify_all
@@ -152,17 +152,20 @@ def test_worker_sigkilled_at_a_random_step_resumes_bitwise_identical(
 
 
 def test_a_worker_killed_mid_copy_resumes_from_the_previous_snapshot_in_memory_bitwise(
-    ray_cluster, reference, tmp_path
+    ray_cluster, reference, tmp_path, monkeypatch
 ):
-    """Rank 0 is SIGKILLed in the middle of copying step 10's snapshot into its slot (#14): that
+    """Rank 0 is SIGKILLed in the middle of copying step 10's snapshot into its slot: that
     slot (the model and optimizer, rank 0 saves them) reads as being filled and step 10 is never restored; the previous snapshot (step 5) is
     still whole in the other slots of the node's holder, and the run resumes from it, in place from
     memory, bitwise equal to the uninterrupted run, every sample once."""
-    # The soak's mid-copy probe, installed from the training loop (demo's fault_hook), armed to
+    # The soak's mid-copy probe, installed in each worker before demo's loop starts, armed to
     # SIGKILL its own process after the first tensor of rank 0's copy of step 10 landed, once.
+    import trust_faults
+
     control = str(tmp_path / "control")
     probes.arm(control, "mid_copy", {"fault": "midcopy", "rank": 0, "step": 10, "kill": True})
-    cfg = dict(SMALL, restore_from="memory", env={probes.CONTROL_ENV: control}, fault_hook="trust_faults:soak_probes")
+    monkeypatch.setattr(demo, "train_loop_per_worker", trust_faults.soak_probes_loop)
+    cfg = dict(SMALL, restore_from="memory", env={probes.CONTROL_ENV: control})
     demo.run("midcopy", str(tmp_path), cfg)
     out = tmp_path / "out" / "midcopy"
     fired = probes.fired(control, "midcopy")
@@ -289,23 +292,29 @@ def test_keep_last_and_milestones_while_training(ray_cluster, tmp_path):
     assert all(seen[first:]), "there was a moment with no committed checkpoint"
     final = [c.step for c in list_committed(storage)]
     assert {10, 20} <= set(final)  # milestones are never deleted
-    ordinary = [s for s in final if s not in (10, 20)]
+    listed = registered_steps(storage)  # registered with Ray Train (at most every 10 s): spared while listed
+    ordinary = [s for s in final if s not in (10, 20) and s not in listed]
     assert len(ordinary) <= 2 and max(final) == 2 * STEPS_PER_EPOCH
     assert not list_uncommitted(storage) or all(s > max(final) for _, s in list_uncommitted(storage))
 
 
 def test_registered_with_ray_and_a_new_run_resumes_from_one_of_them(ray_cluster, tmp_path):
-    # keep_last=None: keep-last deletes the checkpoint an older pointer names, and on a loaded machine
-    # the only step registered during the loop (15) was older than the 3 kept (20, 25 and finish()'s 26).
-    cfg = dict(SMALL, step_sleep=0.05, keep_last=None, env={"CF_RAY_REGISTER_INTERVAL_S": "0"})
+    """``keep_last=1`` and a registration at every chance: every checkpoint Ray Train hands back in
+    ``result.best_checkpoints`` loads, although keep-last keeps one ordinary checkpoint (a step
+    registered during the loop used to be deleted by it, its pointer naming a checkpoint that was
+    gone), and a new run resumes from the oldest of them."""
+    cfg = dict(SMALL, step_sleep=0.05, keep_last=1, env={"CF_RAY_REGISTER_INTERVAL_S": "0"})
     result = demo.run("registered", str(tmp_path), cfg)
     assert result.checkpoint.path.endswith("final_000000000026")
     registered = [c for c, _ in result.best_checkpoints if "/registered/step_" in c.path]
     assert registered, "no intermediate checkpoint was registered with Ray Train"
-    chosen = registered[-1]
+    for listed in registered:  # each one Ray lists loads: its manifest and every file, verified
+        storage, directory = open_run(listed)
+        verify_all(storage, directory, read_manifest(storage, directory))
+    chosen = registered[0]  # older than finish()'s step 26, the one ordinary checkpoint keep_last=1 keeps
     storage, directory = open_run(chosen)
-    assert storage.exists(f"{directory}/{MANIFEST}")
     step = int(directory.rsplit("_", 1)[1])
+    assert step < 2 * STEPS_PER_EPOCH
     # Ray Train v2 refuses TorchTrainer(resume_from_checkpoint=...); the checkpoint goes in the config.
     demo.run("continued", str(tmp_path), dict(SMALL, epochs=3, resume_from=chosen))
     first = resumes(tmp_path / "out" / "continued")[0]

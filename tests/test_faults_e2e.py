@@ -13,6 +13,7 @@ import time
 import pyarrow.fs as pafs
 import pytest
 import test_engine_e2e as e2e
+import trust_faults
 
 from cf_ray import demo
 from cf_ray._engine.format.catalog import list_committed
@@ -317,19 +318,20 @@ def test_holder_killed_mid_write_that_step_never_commits_later_ones_do_bitwise(r
 
 
 def test_a_bit_flipped_in_a_holders_slot_then_a_worker_killed_restores_the_intact_copy_bitwise(
-    ray_cluster, reference, tmp_path
+    ray_cluster, reference, tmp_path, monkeypatch
 ):
     """Twice in one run, rank 1 waits until the newest checkpoint is committed (storage holds it
     intact), flips one bit of the model's 16 KiB weight in the holder's slot of that step, and is
-    SIGKILLed: first in the middle of the weight (no fingerprint window samples it: restored silently
-    before #23), then in its first floats (caught by the fingerprint before #23, and fatal). Each time
-    every byte is checked against its block's CRC-32 before use: the memory copy is refused (the block
+    SIGKILLed (the fault runs after every step in the worker: tests/trust_faults.py): first in the
+    middle of the weight (where a sampled fingerprint would not look), then in its first floats. Each
+    time every byte is checked against its block's CRC-32 before use: the memory copy is refused (the block
     named, an event), the restore takes the intact copy on storage, and the run ends bitwise equal to
     an uninterrupted one."""
     name = "flipped"
     out = tmp_path / "out" / name
     flips = [{"at": 12, "where": "middle"}, {"at": 22, "where": "first"}]
-    cfg = dict(e2e.SMALL, keep_last=None, fault_hook="trust_faults:flip_then_kill", flips=flips)
+    monkeypatch.setattr(demo, "train_loop_per_worker", trust_faults.flip_then_kill_loop)
+    cfg = dict(e2e.SMALL, keep_last=None, flips=flips)
     demo.run(name, str(tmp_path), cfg)
     flipped = [json.load(open(out / f"flipped{i}.json")) for i in range(2)]
     assert [f["step"] for f in flipped] == [10, 20]

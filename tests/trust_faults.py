@@ -1,5 +1,10 @@
-"""Faults the end-to-end trust tests inject from inside a training loop (``demo``'s ``fault_hook``):
-importable by Ray's worker processes (tests/ is on their PYTHONPATH)."""
+"""Faults the end-to-end tests inject from inside demo's training loop, from outside cf_ray's code.
+
+A test runs one of the ``*_loop`` functions below in place of :func:`cf_ray.demo.train_loop_per_worker`
+(``monkeypatch.setattr(demo, "train_loop_per_worker", trust_faults.flip_then_kill_loop)`` before
+``demo.run``): each sets its fault up in the Ray Train worker's process and then runs demo's own loop,
+so the job trained is the same as the reference's. This module is importable by Ray's worker
+processes (tests/ is on their PYTHONPATH), so the loop travels to them by name."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import signal
 
 import ray
 
+from cf_ray import demo
 from cf_ray._engine.format.blocks import BLOCK_BYTES
 from cf_ray._engine.format.layout import SHARED
 from cf_ray._engine.format.sections import parse_index
@@ -54,9 +60,42 @@ def flip_then_kill(ckpt, rank: int, cfg: dict) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def soak_probes(ckpt, rank: int, cfg: dict) -> None:
-    """Installs the soak's probes (``benchmarks/soak/probes.py``) in this worker process, once: they
-    fire where the control directory that ``SOAK_CONTROL_DIR`` (from ``cfg["env"]``) names arms them."""
+#: demo's own training loop, taken at import (a test replaces ``demo.train_loop_per_worker`` in the
+#: driver's process; a worker's process imports demo afresh).
+_DEMO_LOOP = demo.train_loop_per_worker
+
+
+def _after_every_step(fault, config: dict) -> None:
+    """Run ``fault(ckpt, rank, cfg)`` right after every ``Checkpointer.step`` of this process (the
+    step's update applied and its snapshot, if any, handed to the holder)."""
+    import ray.train
+
+    from cf_ray.checkpointer import Checkpointer
+
+    cfg = {**demo.DEFAULTS, **config}
+    rank = ray.train.get_context().get_world_rank()
+    step = Checkpointer.step
+
+    def stepped(self, *optimizers, **kwargs):
+        taken = step(self, *optimizers, **kwargs)
+        fault(self, rank, cfg)
+        return taken
+
+    Checkpointer.step = stepped  # type: ignore[method-assign]
+
+
+def flip_then_kill_loop(config: dict) -> None:
+    """demo's loop with :func:`flip_then_kill` after every step."""
+    _after_every_step(flip_then_kill, config)
+    _DEMO_LOOP(config)
+
+
+def soak_probes_loop(config: dict) -> None:
+    """demo's loop in a process with the soak's probes (``benchmarks/soak/probes.py``) installed
+    before it starts: they fire where the control directory that ``SOAK_CONTROL_DIR`` (from
+    ``config["env"]``, set here first, as the loop sets it) names arms them."""
     from benchmarks.soak import probes
 
+    os.environ.update(config.get("env", {}))
     probes.install()
+    _DEMO_LOOP(config)

@@ -12,7 +12,7 @@ the arm (an atomic rename), writes ``at/<fault>.json`` (its pid, what it was doi
   it copies the first of those tensors into the slot itself, so the slot is part filled and not
   sealed, and holds there until the driver SIGKILLs the process (at most :data:`HOLD_S`); an arm
   with ``"kill": true`` SIGKILLs its own process there instead (tests/test_engine_e2e.py's fault,
-  installed by demo's ``fault_hook``: no driver to kill it).
+  installed by a wrapper of demo's training loop: no driver to kill it).
 * ``restore`` (``Checkpointer.restore``): holds inside the restore's first ``load_state_dict`` (the
   bytes read and checked, nothing loaded yet) until the driver SIGKILLs the process; ``at/<fault>.done.json``
   says when a restore ended without loading anything (a fresh start).
@@ -21,8 +21,8 @@ the arm (an atomic rename), writes ``at/<fault>.json`` (its pid, what it was doi
   and goes on.
 
 :func:`arm` arms a probe and :func:`fired` reads where it fired. The end-to-end tests install the
-probes through demo's ``fault_hook`` instead (tests/trust_faults.py's ``soak_probes``), once the
-training loop has set ``SOAK_CONTROL_DIR`` from its ``env``.
+probes from a wrapper of demo's training loop instead (tests/trust_faults.py's ``soak_probes_loop``),
+which sets ``SOAK_CONTROL_DIR`` from the run's ``env`` first.
 The modules are patched right after their first import (an import hook), so that a process that
 never imports them (a holder never imports torch) pays nothing.
 """

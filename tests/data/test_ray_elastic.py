@@ -53,9 +53,20 @@ def segment(ds, world, states, batches, *, epoch=0, **cfg):
     return seen, [roundtrip(it.state_dict()) for it in its], its
 
 
-def test_every_row_once_across_world_size_changes_mid_epoch(ray_local):
+def test_every_row_once_across_world_size_changes_mid_epoch(ray_local, monkeypatch):
     """2 -> 1 -> 2 workers within one epoch (equal=False: every row), then the next epoch is a
-    plain epoch of the new world size."""
+    plain epoch of the new world size; at the end the group's actor holds no block."""
+    from cf_ray._engine.data import block_stream
+
+    class CountingStream(block_stream.BlockStream):
+        """The real actor, plus a count of the block refs it still holds over all passes (a local
+        class: Ray ships it to the actor's process by value)."""
+
+        def held(self) -> int:
+            with self._lock:
+                return sum(sum(e is not None for e in p.entries) for p in self._passes.values())
+
+    monkeypatch.setattr(block_stream, "BlockStream", CountingStream)
     seen, states = [], None
     for world, batches in [(2, 6), (1, 9), (2, None)]:
         got, states, its = segment(make_ds(), world, states, batches, chunk_rows=8, equal=False)

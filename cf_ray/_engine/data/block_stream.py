@@ -225,11 +225,6 @@ class BlockStream:
             if len(self._done[key]) == self._world and key in self._passes:
                 self._passes.pop(key).stop()
 
-    def held(self) -> int:
-        """Block refs this actor still holds, over all passes (for tests and leak checks)."""
-        with self._lock:
-            return sum(sum(e is not None for e in p.entries) for p in self._passes.values())
-
     def entries(
         self, key: tuple[int, int], rank: int, start: int, ahead_rows: int, wait_s: float
     ) -> tuple[list[Entry], bool]:
