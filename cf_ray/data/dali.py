@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from cf_ray.data._checks import check_int
+from cf_ray._engine.data.checks import check_int
 from cf_ray.data.sampler import ResumableSampler
 from cf_ray.errors import ConfigError
 

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from cf_ray.data._cursor import SamplerHeldPosition
+from cf_ray._engine.data.cursor import SamplerHeldPosition
 from cf_ray.data.sampler import ResumableDistributedSampler, ResumableSampler
 from cf_ray.errors import ConfigError
 
@@ -111,7 +111,7 @@ class ResumableDataLoader(SamplerHeldPosition, DataLoader):
         return self._pass(inner, self._recorder.sizes)
 
     def _pass(self, inner: Iterator[Any], sizes: deque) -> Iterator[Any]:
-        sampler: ResumableSampler = self.sampler
+        sampler = cast(ResumableSampler, self.sampler)  # checked in __init__
         for batch in inner:
             # Batches arrive in the order their indices were drawn (in_order=True), so the size
             # at the head of the queue is this batch's.

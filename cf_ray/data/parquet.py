@@ -25,8 +25,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from cf_ray.data._checks import check_int
-from cf_ray.data._cursor import EpochCursor
+from cf_ray._engine.data.checks import check_int
+from cf_ray._engine.data.cursor import EpochCursor
 from cf_ray.errors import ConfigError
 
 _FORMATS = ("pyarrow", "numpy", "pandas")

@@ -1,5 +1,5 @@
 """The contract between cf_ray's checkpoint engine and the data sources (the helpers the sources
-share are in :mod:`cf_ray.data._cursor` and :mod:`cf_ray.data._checks`).
+share are in :mod:`cf_ray._engine.data.cursor` and :mod:`cf_ray._engine.data.checks`).
 
 Call order, on every rank (objects given to ``Checkpointer(data=...)`` are per rank)::
 

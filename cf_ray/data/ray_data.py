@@ -76,7 +76,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from cf_ray.data._checks import (
+from cf_ray._engine.data.checks import (
     FORMAT_KEY,
     check_elastic_states,
     check_format,

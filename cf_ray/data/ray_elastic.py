@@ -51,7 +51,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cf_ray.data._checks import FORMAT_KEY, check_elastic_states, check_format, check_int, check_same, resolve_world
+from cf_ray._engine.data.checks import (
+    FORMAT_KEY,
+    check_elastic_states,
+    check_format,
+    check_int,
+    check_same,
+    resolve_world,
+)
 from cf_ray.data._row_plan import PlanOrderError, RowPlan
 from cf_ray.data.protocols import DataOrderError
 from cf_ray.errors import ConfigError, ElasticResumeError

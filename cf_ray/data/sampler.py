@@ -13,7 +13,7 @@ how far the training loop got, so a restarted run continues at the next unconsum
   indices that no old rank had consumed, so the epoch still sees each index exactly once.
 
 :class:`ResumableSampler` is the base of the index samplers (:class:`cf_ray.data.ShardedDataset`
-has one too); the position and epoch rules live in :class:`cf_ray.data._cursor.EpochCursor`.
+has one too); the position and epoch rules live in :class:`cf_ray._engine.data.cursor.EpochCursor`.
 """
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from cf_ray.data._checks import check_int
-from cf_ray.data._cursor import EpochCursor
+from cf_ray._engine.data.checks import check_int
+from cf_ray._engine.data.cursor import EpochCursor
 from cf_ray.errors import ConfigError, ElasticResumeError
 
 _EMPTY = np.empty(0, dtype=np.int64)
 
 
 class ResumableSampler(EpochCursor, Sampler[int]):
-    """Base class of the resumable index samplers: an :class:`~cf_ray.data._cursor.EpochCursor`
+    """Base class of the resumable index samplers: an :class:`~cf_ray._engine.data.cursor.EpochCursor`
     whose plan is an array of dataset indices.
 
     Subclasses implement :meth:`_base_lists` (the per-rank lists of a fresh epoch) and

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from cf_ray.data._checks import check_int
-from cf_ray.data._cursor import SamplerHeldPosition
+from cf_ray._engine.data.checks import check_int
+from cf_ray._engine.data.cursor import SamplerHeldPosition
 from cf_ray.data.sampler import ResumableSampler
 from cf_ray.errors import ConfigError
 

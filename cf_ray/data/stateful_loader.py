@@ -45,7 +45,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cf_ray.data._checks import FORMAT_KEY, check_elastic_states, check_format, check_same, resolve_world
+from cf_ray._engine.data.checks import FORMAT_KEY, check_elastic_states, check_format, check_same, resolve_world
 from cf_ray.errors import ConfigError, ElasticResumeError
 
 _MODULE = "torchdata.stateful_dataloader"

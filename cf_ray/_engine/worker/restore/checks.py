@@ -24,13 +24,14 @@ import copy
 import dataclasses
 import logging
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from cf_ray._engine.data.cursor import EpochCursor, SamplerHeldPosition
 from cf_ray._engine.format import codec as _codec
 from cf_ray._engine.format.layout import COUNTERS, OBJECTS, RNG, SHARED, STATE, rank_section
 from cf_ray._engine.format.sections import Section
@@ -41,20 +42,6 @@ from cf_ray._engine.worker.snapshot.rng import check_rng_state, set_rng_state
 from cf_ray.errors import CheckpointMismatchError, CorruptCheckpointError, ElasticResumeError, RestoreError
 
 logger = logging.getLogger("cf_ray")
-
-
-def check_module_keys(name: str, live: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
-    """The saved state of module ``name`` has exactly the live model's keys.
-
-    Raises:
-        CheckpointMismatchError: naming the keys missing and unexpected (at most 10 each).
-    """
-    missing, unexpected = [k for k in live if k not in saved], [k for k in saved if k not in live]
-    if missing or unexpected:
-        raise CheckpointMismatchError(
-            f"module {name!r}: the checkpoint lacks keys {missing[:10]} and has keys {unexpected[:10]} the model "
-            "does not have: the model changed since the checkpoint was saved"
-        )
 
 
 @dataclass(slots=True)
@@ -327,7 +314,7 @@ def check_layout(name: str, obj: Any, saved: Any) -> None:
         if not isinstance(saved, dict):
             raise CorruptCheckpointError(f"the saved state of module {name!r} is not a mapping")
         live = obj.state_dict()
-        check_module_keys(name, live, saved)
+        _sharded.check_module_keys(name, live, saved)
         for k, t in live.items():
             s = saved[k]
             if isinstance(t, torch.Tensor) and (
@@ -388,8 +375,6 @@ def dry_run(obj: Any, method: str, *args) -> None:
 
 
 def _probe(obj: Any) -> Any:
-    from cf_ray.data._cursor import EpochCursor, SamplerHeldPosition
-
     if isinstance(obj, EpochCursor):
         probe = copy.copy(obj)
         probe._set_position = lambda *_a, **_k: None  # every check runs; nothing is set
@@ -501,7 +486,7 @@ def materialize_objects(section: Section, path: tuple[str, ...], objs: dict, rel
 
 class _Copier:
     """The copies of one object's tensors, made into one private buffer whose pages are made present
-    at once (``shm.private_buffer``): a copy into fresh memory, page fault by page fault, costs a
+    at once (``memory/slots.py``'s ``private_buffer``): a copy into fresh memory, page fault by page fault, costs a
     multiple of the copy itself."""
 
     _ALIGN = 64

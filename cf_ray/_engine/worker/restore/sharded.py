@@ -152,8 +152,8 @@ class ShardedState:
 
     def describe(self) -> dict[str, dict[str, str]]:
         """What a section records of the sharded objects (``KEY``): kind, an optimizer's module, and
-        the wrapper (``"fsdp1"`` when FSDP1 modules are involved; recorded only then, so that the
-        sections of FSDP2 runs stay as they were)."""
+        the wrapper (``"fsdp1"`` when FSDP1 modules are involved; recorded only then: an FSDP2 run's
+        sections carry no wrapper, which reads as FSDP2)."""
         out: dict[str, dict[str, str]] = {n: {"kind": "module", **self._wrapper(n)} for n in self.modules}
         out.update({n: {"kind": "optimizer", "module": m, **self._wrapper(m)} for n, (m, _) in self.optimizers.items()})
         return out
@@ -220,8 +220,6 @@ class ShardedState:
         if not isinstance(saved, dict):
             raise CorruptCheckpointError(f"the saved state of {name!r} is not a mapping")
         if name in self.modules:
-            from cf_ray._engine.worker.restore.checks import check_module_keys
-
             live = self._live_model(name)
             check_module_keys(name, live, saved)
             for k, t in live.items():
@@ -337,8 +335,6 @@ class ShardedState:
         module_name = name if name in self.modules else self.optimizers[name][0]
         live = self._live_model(module_name)
         if name in self.modules:
-            from cf_ray._engine.worker.restore.checks import check_module_keys
-
             check_module_keys(name, live, saved)
             return {
                 k: _assemble(f"module {name!r}: {k}", [v], live[k]) if isinstance(v, SavedShard) else v
@@ -369,6 +365,21 @@ class ShardedState:
             for name, mod in self.modules.items():
                 if name in states:
                     dsd.set_model_state_dict(mod, states[name])
+
+
+def check_module_keys(name: str, live: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+    """The saved state of module ``name`` has exactly the live model's keys (a sharded module's here,
+    a plain one's in ``checks.py``, which imports this module: one message for both).
+
+    Raises:
+        CheckpointMismatchError: naming the keys missing and unexpected (at most 10 each).
+    """
+    missing, unexpected = [k for k in live if k not in saved], [k for k in saved if k not in live]
+    if missing or unexpected:
+        raise CheckpointMismatchError(
+            f"module {name!r}: the checkpoint lacks keys {missing[:10]} and has keys {unexpected[:10]} the model "
+            "does not have: the model changed since the checkpoint was saved"
+        )
 
 
 def _check_tensor(what: str, live: Any, saved: Any, *, check_dtype: bool) -> None:

@@ -1,6 +1,10 @@
-"""The position machinery the sources share: :class:`EpochCursor` (a per-rank plan of each epoch
-and a position in it, with the epoch rules of :mod:`cf_ray.data.protocols`) and
-:class:`SamplerHeldPosition` (for sources whose position lives in their sampler)."""
+"""The position machinery the data sources of :mod:`cf_ray.data` share: :class:`EpochCursor` (a
+per-rank plan of each epoch and a position in it, with the epoch rules of :mod:`cf_ray.data.protocols`)
+and :class:`SamplerHeldPosition` (for sources whose position lives in their sampler).
+
+It lives in the engine, not in :mod:`cf_ray.data`, because a restore validates a data object's saved
+state on a throw-away copy of it (``worker/restore/checks.py``) and must recognise these classes
+without importing the public package."""
 
 from __future__ import annotations
 
@@ -8,13 +12,17 @@ import copy
 import json
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-from cf_ray.data._checks import FORMAT_KEY, check_elastic_states, check_format, check_int, check_same, resolve_world
+from cf_ray._engine.data.checks import (
+    FORMAT_KEY,
+    check_elastic_states,
+    check_format,
+    check_int,
+    check_same,
+    resolve_world,
+)
 from cf_ray.errors import ConfigError, ElasticResumeError
-
-if TYPE_CHECKING:
-    from cf_ray.data.sampler import ResumableSampler
 
 
 class EpochCursor:
@@ -279,11 +287,12 @@ class EpochCursor:
 
 
 class SamplerHeldPosition:
-    """Mixin for sources whose position lives in ``self.sampler`` (a :class:`ResumableSampler`):
+    """Mixin for sources whose position lives in ``self.sampler`` (a ``cf_ray.data.ResumableSampler``,
+    an :class:`EpochCursor`):
     the ``Stateful``/``ElasticStateful`` methods forward to it, so registering the source or its
     sampler with the Checkpointer saves the same state."""
 
-    sampler: ResumableSampler
+    sampler: EpochCursor
     """The sampler that holds the position; the class using the mixin sets it."""
 
     def set_epoch(self, epoch: int) -> None:
