@@ -5,6 +5,7 @@ and in a controller started again."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import pytest
@@ -88,6 +89,8 @@ def test_every_kind_round_trips_through_its_plain_form():
         assert Event.from_dict(plain) == event, event.kind
         assert Event.from_dict(plain).to_dict() == plain
         assert pickle.loads(pickle.dumps(event)) == event  # as Ray carries a worker's event
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            event.time = 0.0  # pyright: ignore[reportAttributeAccessIssue] - frozen, as every message
     restore = SAMPLES[0].to_dict()
     assert restore["a_newer_writers_key"] == [1, 2] and restore["saved_world_size"] is None
     assert SAMPLES[4].to_dict() == {
