@@ -595,6 +595,11 @@ def test_finish_waits_for_the_held_last_step_it_persists_again_and_lists_it_once
     assert "not committed within" not in caplog.text
     listed = [(c.step, c.kind, c.milestone) for c in cf_ray.list_checkpoints(str(tmp_path / "held"))]
     assert listed == [(2, "scheduled", False), (8, "scheduled", False), (10, "final", False)]
+    # finish()'s full checkpoint is of kind final (it was "manual", a kind the user never asked for).
+    from cf_ray._engine.format.commit import read_manifest
+    from cf_ray._engine.format.layout import step_dir
+
+    assert read_manifest(ck.storage, step_dir(10)).kind == "final"
     _, directory = resumable_checkpoint_of(summary.final_path)
     assert directory.endswith("step_000000000010")
 
