@@ -356,7 +356,8 @@ def test_failure_history_is_kept_with_the_profile_and_carried_over_a_resize():
     fresh.plan([], None)
     assert fresh.explain()["hazard"]["failures"] == 1
     old = {k: v for k, v in state.items() if k != "hazard"}
-    Adaptive(budget_pct=5.0).load_state_dict(dict(old, version=1))  # a profile saved before #26
+    with pytest.raises(ConfigError, match="version-2"):  # another format: refused, the run profiles again
+        Adaptive(budget_pct=5.0).load_state_dict(dict(old, version=1))
     resized = Adaptive(budget_pct=5.0)
     resized.adopt_failures(p)
     assert resized._hazard.estimate().failures == 1

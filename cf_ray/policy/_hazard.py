@@ -45,9 +45,8 @@ from dataclasses import dataclass, field
 
 DEFAULT_RECOVERY_S = 60.0
 """The recovery time (failure to the first resumed iteration) assumed before this run has measured
-one: Ray Train's restart of the worker group plus a restore. On a 2-core machine with a 1 GB state
-cf_ray measured 17 s from memory and 25 s from storage (``benchmarks/results/full-2026-11-25.json``);
-clusters take longer to replace a node."""
+one: Ray Train's restart of the worker group plus a restore. A generous guess on purpose: a cluster
+that replaces a node takes longer than a restart in place, and the run's own recoveries replace it."""
 
 _RECENT = 16
 """Recoveries kept per restore source (the newest)."""

@@ -24,7 +24,8 @@ from cf_ray.policy._hazard import HazardModel, RunEvent
 from cf_ray.policy.base import FrequencyPolicy, Sample, SaveContext
 
 _STATE_VERSION = 2
-"""2: the failure history (``hazard``) is kept with the profile; version 1 profiles are still read."""
+"""The format of :meth:`Adaptive.state_dict` (the estimates, the interval and the failure history); a
+profile of another version is refused, and the run profiles again."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -387,7 +388,7 @@ class Adaptive(FrequencyPolicy):
         Raises:
             ConfigError: ``state`` is not a profile of a version this cf_ray can read.
         """
-        if not isinstance(state, dict) or state.get("version") not in (1, _STATE_VERSION):
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
             raise ConfigError(
                 f"Adaptive.load_state_dict: not a version-{_STATE_VERSION} policy profile: {state!r}; "
                 "delete the saved policy state to profile again"

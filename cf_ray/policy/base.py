@@ -206,8 +206,8 @@ class FixedInterval(FrequencyPolicy):
     Every checkpoint is persisted until two persists and the iteration time are measured; then one
     in ``N``, the fewest that keep the holder's writing within :data:`PERSIST_SHARE` (10 %) of the
     run's time: ``N = ceil(persist_s / (0.1 * every * iter_s))``, at most :data:`MAX_PERSIST_EVERY`.
-    Storage's recovery point is then about ten persists' time (2-3 s for 300 MB on a disk that
-    writes 1.5 GB/s); with checkpoints as far apart as ten persists, every one is persisted."""
+    Storage's recovery point is then about ten persists' time; with checkpoints as far apart as ten
+    persists, every one is persisted."""
     measured: int = field(default=1, init=False, repr=False, compare=False)
     """The cadence :meth:`plan` chose from measurement (``persist_every=None``)."""
     persists: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
