@@ -321,6 +321,52 @@ def test_a_policy_of_ones_own_overrides_only_should_save_and_the_controller_runs
         type("NoDecision", (FrequencyPolicy,), {})()
 
 
+def test_a_policy_that_learns_is_one_class_the_controller_plans_saves_and_restores(tmp_path):
+    """A learning policy written outside cf_ray (one class, no registration): the controller's
+    schedule publishes what its ``plan`` learns, saves its ``state_dict`` with the run and loads it
+    into the next controller's fresh copy, and reports its ``explain``."""
+    import pyarrow.fs as pafs
+
+    from cf_ray._engine.driver.schedule import ScheduleBook
+    from cf_ray._engine.storage.fs import FsStorage
+
+    class TenSeconds(FrequencyPolicy):
+        """Checkpoint every ten seconds of training, from the ranks' iteration times."""
+
+        def __init__(self):
+            self.iter_s: float | None = None
+
+        def should_save(self, step, ctx):
+            return step - ctx.last_save_step >= (ctx.interval or 5)
+
+        def initial_interval(self):
+            return 5
+
+        def plan(self, samples, current):
+            times = [x.iter_s for x in samples if x.iters]
+            if times:
+                self.iter_s = sum(times) / len(times)
+            return None if self.iter_s is None else max(1, round(10.0 / self.iter_s))
+
+        def explain(self):
+            return {"policy": "TenSeconds", "iter_s": self.iter_s}
+
+        def state_dict(self):
+            return {"iter_s": self.iter_s}
+
+        def load_state_dict(self, state):
+            self.iter_s = state["iter_s"]
+
+    storage = FsStorage(pafs.LocalFileSystem(), str(tmp_path))
+    book = ScheduleBook(TenSeconds(), storage)
+    book.add_sample(Sample(rank=0, step=20, iter_s=0.5, iters=20))
+    event = book.replan()
+    assert event is not None and event.interval == 20 and event.why == {"policy": "TenSeconds", "iter_s": 0.5}
+    book.save_state()
+    again = ScheduleBook(TenSeconds(), storage)  # a restarted controller: the saved state is loaded
+    assert again.policy.iter_s == 0.5 and again.replan() is not None and again.current_interval == 20
+
+
 @pytest.mark.parametrize(
     "kwargs, field_name",
     [
