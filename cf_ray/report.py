@@ -25,12 +25,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cf_ray._engine.observe.goodput_report import GOODPUT_FILE, badput_frame, load_goodput, plot_badput
 from cf_ray._engine.observe.metrics import CheckpointMetrics, GoodputMetrics
 from cf_ray._engine.observe.profile_files import (
+    GOODPUT_FILE,
     ITERATIONS_FILE,
     PROFILE_FILE,
     RESTARTS_FILE,
+    load_goodput,
     load_profile,
     load_restarts,
     save_profile,
@@ -39,11 +40,12 @@ from cf_ray._engine.observe.profile_frames import ITERATION_COLUMNS as ITERATION
 from cf_ray._engine.observe.profile_frames import PROFILE_COLUMNS as PROFILE_COLUMNS
 from cf_ray._engine.observe.profile_frames import RESTART_COLUMNS as RESTART_COLUMNS
 from cf_ray._engine.observe.profile_frames import (
+    badput_frame,
     iterations_frame,
     profile_frame,
     restarts_frame,
 )
-from cf_ray._engine.observe.profile_plot import plot_profile
+from cf_ray._engine.observe.profile_plot import plot_badput, plot_profile
 from cf_ray._engine.storage.backends import open_storage
 from cf_ray._engine.storage.base import Storage
 

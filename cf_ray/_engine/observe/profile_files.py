@@ -23,9 +23,8 @@ import posixpath
 import re
 import time
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from cf_ray._engine.observe.goodput_report import GOODPUT_FILE, save_goodput
 from cf_ray._engine.observe.profile_frames import (
     ITERATION_COLUMNS,
     PROFILE_COLUMNS,
@@ -39,6 +38,7 @@ from cf_ray._engine.observe.profile_frames import (
     restarts_frame,
 )
 from cf_ray._engine.storage.base import FileInfo, Storage
+from cf_ray.errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -51,6 +51,8 @@ PROFILE_FILE = "profile.parquet"
 ITERATIONS_FILE = "iterations.parquet"
 #: The restarts of the run and what each cost (goodput), next to it.
 RESTARTS_FILE = "restarts.parquet"
+#: Where the breakdown of the wall time is saved with the profile (``Badput.breakdown``).
+GOODPUT_FILE = "goodput.json"
 #: Where the controller appends the rows that left its memory (``profile/<lineage>/part-<n>.parquet``).
 PROFILE_PARTS = "profile"
 #: In a lineage's directory: the rows a controller still held in memory and its events, as of its last
@@ -313,6 +315,25 @@ def load_restarts(storage: Storage) -> pd.DataFrame:
     return coerce(read_parquet(storage, RESTARTS_FILE), RESTART_COLUMNS)
 
 
+def save_goodput(storage: Storage, breakdown: Mapping) -> FileInfo:
+    """Write the breakdown as ``goodput.json`` (whole, through :meth:`Storage.write_file`)."""
+    return storage.write_file(GOODPUT_FILE, [json.dumps(dict(breakdown), sort_keys=True, default=float).encode()])
+
+
+def load_goodput(storage: Storage) -> dict[str, Any] | None:
+    """What :func:`save_goodput` wrote, or ``None`` (the run saved no breakdown).
+
+    Raises:
+        CorruptCheckpointError: the file is not JSON.
+    """
+    if not storage.exists(GOODPUT_FILE):
+        return None
+    try:
+        return json.loads(bytes(storage.read_file(GOODPUT_FILE)))
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{storage.uri(GOODPUT_FILE)} is not JSON ({e})") from e
+
+
 def _jsonable(v):
     """A value of a row that JSON has no type for (a numpy number, a tuple) as one it has."""
     item = getattr(v, "item", None)
@@ -324,16 +345,19 @@ def _sort_key(v) -> tuple:
 
 
 __all__ = [
+    "GOODPUT_FILE",
     "ITERATIONS_FILE",
     "PROFILE_FILE",
     "PROFILE_PARTS",
     "RESTARTS_FILE",
     "ProfileParts",
     "delete_other_lineages",
+    "load_goodput",
     "load_profile",
     "load_restarts",
     "merge_rows",
     "new_lineage",
     "newest_lineage",
+    "save_goodput",
     "save_profile",
 ]

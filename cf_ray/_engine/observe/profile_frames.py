@@ -1,5 +1,5 @@
-"""The profile's tables: the profile (one row per checkpoint), the iteration times and the
-restarts, as pandas frames with one schema each (:data:`PROFILE_COLUMNS`, :data:`ITERATION_COLUMNS`,
+"""The profile's tables: the profile (one row per checkpoint), the iteration times, the
+restarts and where the wall time went (:func:`badput_frame`), as pandas frames with one schema each (:data:`PROFILE_COLUMNS`, :data:`ITERATION_COLUMNS`,
 :data:`RESTART_COLUMNS`), and as Parquet bytes. Every writer and reader of the tables (the
 controller's parts and saved profile, ``cf_ray.report``, the plots, ``cf-ray profile``) goes through
 these frames, so a column has the same name, dtype and place wherever a user meets it.
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from cf_ray._engine.lazy import lazy_module
+from cf_ray._engine.observe.goodput import CATEGORIES
 from cf_ray._engine.storage.base import Storage
 from cf_ray.errors import CorruptCheckpointError
 
@@ -285,10 +286,30 @@ def read_parquet(storage: Storage, path: str) -> pd.DataFrame:
     return df.astype(object).where(df.notna(), None) if len(df) else df.astype(object)
 
 
+def badput_frame(breakdown: Mapping) -> pd.DataFrame:
+    """The breakdown as a table: one row per category (``productive`` first), its seconds and its
+    share of the wall time.
+
+    Args:
+        breakdown: ``Run.goodput()`` (what the controller's summary and ``goodput.json`` hold).
+    """
+    wall = breakdown.get("wall_s") or 0.0
+    rows = [("productive", breakdown.get("productive_s") or 0.0)]
+    rows += [(c, (breakdown.get("badput_s") or {}).get(c) or 0.0) for c in CATEGORIES]
+    return pd.DataFrame(
+        {
+            "category": [c for c, _ in rows],
+            "seconds": [float(s) for _, s in rows],
+            "share": [float(s) / wall if wall else float("nan") for _, s in rows],
+        }
+    )
+
+
 __all__ = [
     "ITERATION_COLUMNS",
     "PROFILE_COLUMNS",
     "RESTART_COLUMNS",
+    "badput_frame",
     "coerce",
     "iterations_frame",
     "missing",

@@ -1,6 +1,6 @@
-"""The plots of :mod:`cf_ray.report`: a run's profile over its steps (:func:`plot_profile`), and
-what :func:`cf_ray.report.plot_badput` shares with it: how a restart is marked and labelled, where
-the legend goes, and what a plot says when there is not enough data to draw.
+"""The plots of :mod:`cf_ray.report`: a run's profile over its steps (:func:`plot_profile`) and
+where its wall time went (:func:`plot_badput`), and what they share: how a restart is marked and
+labelled, where the legend goes, and what a plot says when there is not enough data to draw.
 
 A restart is what a user reads a profile for: each one is shaded where its attempt redid work
 (from the restored step, as many steps as were lost), with a line at the generation boundary and
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from cf_ray._engine.lazy import lazy_module
-from cf_ray._engine.observe.profile_frames import iterations_frame, profile_frame, restarts_frame
+from cf_ray._engine.observe.profile_frames import badput_frame, iterations_frame, profile_frame, restarts_frame
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -29,6 +29,17 @@ _KIND_STYLE = {"scheduled": "-", "epoch": "--", "manual": ":", "preempt": "-.", 
 _RESTART_COLOUR = "tab:red"
 #: Fewer points than this and each one is marked: a line through one point draws nothing.
 _MARK_BELOW = 50
+
+#: Colours of the categories in :func:`plot_badput` (productive first).
+_COLOURS = {
+    "productive": "tab:green",
+    "checkpoint_save": "tab:orange",
+    "checkpoint_restore": "tab:purple",
+    "wasted_progress": "tab:red",
+    "recovery": "tab:brown",
+    "startup": "tab:gray",
+    "other": "0.8",
+}
 
 
 def plot_profile(
@@ -210,3 +221,70 @@ def _missing(v) -> bool:
         return bool(pd.isna(v))
     except (TypeError, ValueError):
         return False
+
+
+def plot_badput(breakdowns: Mapping[str, Mapping | None] | Mapping, ax=None, *, restarts=None):
+    """Draw where the wall time went: one horizontal bar per run, split by category; under it, when
+    its restarts are given, what each restart cost (work lost, then failure to the first resumed
+    iteration), shaded and numbered, named in the legend.
+
+    Args:
+        breakdowns: one breakdown (``Run.goodput()``), or ``{label: breakdown}`` for several runs; a
+            run with no breakdown (``None``) or no wall time yet says so on its row.
+        ax: a matplotlib ``Axes``; a new figure when ``None``.
+        restarts: the restarts table of the run (:func:`cf_ray.report.read_run_restarts`), or
+            ``{label: table}`` (labels of ``breakdowns``; runs left out have no restart row).
+
+    Returns:
+        The ``matplotlib.figure.Figure``.
+    """
+    one = breakdowns is None or "badput_s" in breakdowns or "wall_s" in breakdowns
+    runs: dict[str, Mapping | None] = {"run": breakdowns} if one else dict(breakdowns)
+    per_run = {"run": restarts} if restarts is not None and not isinstance(restarts, Mapping) else dict(restarts or {})
+    rows: list[tuple[str, str | None]] = [(label, None) for label in runs]
+    for label in runs:
+        if per_run.get(label) is not None and len(per_run[label]):
+            rows.insert(rows.index((label, None)) + 1, (label, "restarts"))
+    fig, ax, own = new_axes(ax, (10, 1.4 + 0.5 * len(rows)))
+    handles, number = [], 0
+    for y, (label, what) in enumerate(rows):
+        breakdown = runs[label]
+        wall = float((breakdown or {}).get("wall_s") or 0.0)
+        if what is None and wall <= 0:
+            say_not_enough(ax, "no breakdown yet" if breakdown is None else "no wall time measured yet", y=y,
+                           transform=ax.get_yaxis_transform())  # fmt: skip
+        elif what is None:
+            df = badput_frame(breakdown or {})
+            left = 0.0
+            for category, share in zip(df["category"].tolist(), df["share"].tolist()):
+                share = 0.0 if share != share else float(share)  # NaN: no wall time yet
+                bar = ax.barh(y, share * 100, left=left, color=_COLOURS[category], label=category)
+                if category not in [h.get_label() for h in handles]:
+                    handles.append(bar)
+                left += share * 100
+        else:
+            number = _restart_bars(ax, y, per_run[label], wall, number, handles)
+    ax.set_yticks(range(len(rows)), [label if what is None else f"{label}: restarts" for label, what in rows])
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # the first run on top, its restarts under it; rows with no bar too
+    ax.set_xlabel("share of wall time (%)")
+    ax.set_xlim(0, 100)
+    ax.set_title("where the wall time went (goodput and badput)")
+    place_legend(fig, ax, handles, own=own, ncol=2 if number else 4)
+    return fig
+
+
+def _restart_bars(ax, y: float, restarts, wall: float, number: int, handles: list) -> int:
+    """Each restart of a run as a segment of its row: work lost plus failure to the first resumed
+    iteration, as a share of the run's wall time, numbered; returns the last restart number."""
+    left = 0.0
+    for r in restarts_frame(restarts).to_dict("records"):
+        number += 1
+        cost = sum(float(r[k]) for k in ("lost_s", "recovery_s") if r.get(k) is not None and r[k] == r[k])
+        width = 100.0 * cost / wall if wall > 0 else 0.0
+        shade = "tab:red" if number % 2 else "salmon"
+        bar = ax.barh(y, width, left=left, height=0.5, color=shade, hatch="//", edgecolor="white")
+        ax.text(left + width / 2, y, str(number), ha="center", va="center", fontsize="small", color="black")
+        handles.append(bar)
+        bar.set_label(f"{restart_label(number, r)}: {cost:.1f} s (work lost + recovery)")
+        left += width
+    return number
