@@ -324,7 +324,8 @@ def test_a_driver_notice_rings_the_ranks_doorbell_so_the_next_step_hears_it_not_
     heard_s = time.time() - t0
     ray.get(rank.finish.remote(), timeout=120)
     assert heard_s < 5.0
-    (jit,) = cf_ray.list_checkpoints(str(tmp_path / "bell"))
+    # The policy's every=100 may have checkpointed step 100 before the notice (a fast machine).
+    (jit,) = [c for c in cf_ray.list_checkpoints(str(tmp_path / "bell")) if c.kind == "preempt"]
     assert jit.step > 0
 
 
