@@ -39,14 +39,14 @@ def fast_job(seed: int = 0, slowdown: float = 0.45) -> tp.Trace:
     )
 
 
-def short_job(seed: int) -> tp.Trace:
-    """A notebook-sized job: 75 ms iterations whose checkpoints stall 60 ms (a synchronous copy),
-    then copy and persist ~80 ms in the background: at the first interval (5 steps) a checkpoint
-    costs about 16 % of the training time."""
+def short_job(seed: int, stall_s: float = 0.06) -> tp.Trace:
+    """A notebook-sized job: 75 ms iterations whose checkpoints stall ``stall_s`` (a synchronous
+    copy), then copy and persist ~80 ms in the background: at the first interval (5 steps) a
+    checkpoint of 60 ms costs about 16 % of the training time."""
     return tp.Trace(
         ranks=2,
         iter_s=0.075,
-        stall_s=0.06,
+        stall_s=stall_s,
         copy_s=0.03,
         nbytes=50_000_000,
         bw=1e9,
@@ -81,18 +81,21 @@ def test_a_job_whose_checkpoints_slow_every_iteration_keeps_its_budget(budget):
     assert run.interval_at(2000) >= 0.8 * cost / (budget / 100 * trace.iter_s)
 
 
+@pytest.mark.parametrize("stall_s", [0.06, 0.2])
 @pytest.mark.parametrize("seed", range(4))
-def test_a_short_run_widens_its_first_interval_at_the_first_poll_that_carries_a_cost(seed):
+def test_a_short_run_widens_its_first_interval_at_the_first_poll_that_carries_a_cost(seed, stall_s):
     # 50 steps (under 4 s): the first interval governs most of the run. The first poll brings the
-    # first checkpoints' stall and an iteration time (its mean includes warm-up iterations: the only
-    # one there is); the interval widens to what the budget allows from then on, not a poll later.
-    trace, budget = short_job(seed), 5.0
+    # newest checkpoint's stall, the first one's persist time and an iteration time (its mean
+    # includes warm-up iterations: the only one there is); the interval widens to what the budget
+    # allows from then on, not a poll later.
+    trace, budget = short_job(seed, stall_s), 5.0
     run = quiet(tp.simulate, Adaptive(budget_pct=budget), trace, 50)
     first, second, *rest = run.ckpt_steps()
     k_budget = trace.stall_s / (budget / 100 * trace.iter_s)  # the stall alone, against the budget
     assert (first, second) == (5, 10), run.ckpts  # the profiling checkpoint, and the one in flight at the poll
-    assert rest and rest[0] - second >= 0.8 * k_budget, run.changes
-    assert run.overhead_pct(1) <= 1.6 * budget, run.changes  # at the first interval: about 3 x budget
+    assert all(step - second >= 0.8 * k_budget for step in rest), run.changes
+    if stall_s < 0.1:  # (two 0.2 s checkpoints before the first poll are a quarter of such a run)
+        assert run.overhead_pct(1) <= 1.6 * budget, run.changes  # at the first interval: about 3 x budget
 
 
 @pytest.mark.parametrize("seed", range(3))

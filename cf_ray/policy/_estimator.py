@@ -163,9 +163,11 @@ class Estimator:
                 # intervals most checkpoints are never heard of until their persist time comes
                 # from the controller — and at an interval shorter than the persist, the ones the
                 # holder wrote are the only evidence of how long a persist takes. Keep those
-                # (in step order); drop anything else older than the newest checkpoint, and
-                # whatever is older than every checkpoint still kept.
-                if s.persist_s is None or (self.recs and c < next(iter(self.recs))):
+                # (in step order); drop anything else older than the newest checkpoint, and, once
+                # as many are kept as the window needs, whatever is older than every one of them
+                # (a run's first persist time counts even when its first sample named a later one).
+                full = len(self.recs) >= 2 * self.window + 4
+                if s.persist_s is None or (full and c < next(iter(self.recs))):
                     return
                 self.ckpt_clock += 1
                 self.rev += 1
