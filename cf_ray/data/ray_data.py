@@ -71,10 +71,8 @@ rows of the interrupted epoch on resume and of requiring a deterministic order.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, cast
-
-import numpy as np
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 from cf_ray._engine.data.checks import (
     FORMAT_KEY,
@@ -82,6 +80,7 @@ from cf_ray._engine.data.checks import (
     check_format,
     check_int,
     check_same,
+    id_digest,
     resolve_world,
 )
 from cf_ray.data.protocols import DataOrderError
@@ -255,7 +254,7 @@ class ResumableRayDataIterator:
     def _count(self, batch: Any, n: int) -> None:
         self._rows += n
         if self.id_column is not None:
-            self._digest = (self._digest + _id_digest(batch, self.id_column)) & _MASK
+            self._digest = (self._digest + id_digest(batch, self.id_column)) & _MASK
 
     def _check_digest(self, want: int, rows: int) -> None:
         if self.id_column is not None and self._digest != want:
@@ -373,22 +372,3 @@ def _num_rows(batch: Any) -> int:
             return len(value)
         return 0
     return len(batch)  # pandas.DataFrame
-
-
-def _id_digest(batch: Any, column: str) -> int:
-    """Sum of 64-bit hashes of the ids in ``batch``: independent of order and of batching."""
-    import pandas.util
-
-    # pandas.util resolves hash_array lazily, so type checkers see only an object.
-    hash_array = cast("Callable[[np.ndarray], np.ndarray]", pandas.util.hash_array)
-
-    try:
-        ids = batch[column]
-    except (KeyError, TypeError):
-        raise ConfigError(f"id_column={column!r} is not a column of the batches") from None
-    if hasattr(ids, "to_numpy"):
-        ids = ids.to_numpy()
-    elif hasattr(ids, "numpy"):  # torch tensor
-        ids = ids.detach().cpu().numpy()
-    hashes = hash_array(np.asarray(ids).ravel())  # fixed key: stable across processes
-    return int(hashes.sum(dtype=np.uint64))

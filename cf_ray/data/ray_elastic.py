@@ -57,6 +57,7 @@ from cf_ray._engine.data.checks import (
     check_format,
     check_int,
     check_same,
+    id_digest,
     resolve_world,
 )
 from cf_ray.data._row_plan import PlanOrderError, RowPlan
@@ -481,11 +482,9 @@ def _concat(parts: list[Any]) -> Any:
 def _digest(table: Any, column: str | None) -> str | None:
     if column is None:
         return None
-    from cf_ray.data.ray_data import _id_digest
-
     if column not in table.column_names:
         raise ConfigError(f"id_column={column!r} is not a column of the dataset (it has {table.column_names})")
-    return f"{_id_digest({column: table.column(column).to_numpy()}, column):016x}"
+    return f"{id_digest({column: table.column(column).to_numpy()}, column):016x}"
 
 
 def _format(table: Any, fmt: str, torch_batches: bool) -> Any:

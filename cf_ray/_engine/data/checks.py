@@ -1,10 +1,11 @@
-"""Input checks shared by the data sources: ints, world size, and the checks a saved state must
-pass before a source loads it (format tag, settings, one consistent state per old rank)."""
+"""Input checks shared by the data sources: ints, world size, the checks a saved state must pass
+before a source loads it (format tag, settings, one consistent state per old rank), and the digest
+of the ids read, by which a resumed Ray Data pipeline is checked to yield the same rows."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
 
 from cf_ray.errors import ConfigError, ElasticResumeError
 
@@ -112,3 +113,25 @@ def check_elastic_states(owner: str, states: Sequence[Mapping[str, Any]], fmt: s
                     f"{s.get(key)!r}); they do not come from the same checkpoint step"
                 )
     return len(states)  # == old_world, checked above
+
+
+def id_digest(batch: Any, column: str) -> int:
+    """Sum of 64-bit hashes of the ids in ``batch``: independent of order and of batching, so both
+    Ray Data iterators (``cf_ray/data/ray_data.py``, ``ray_elastic.py``) compare the rows a resumed
+    pipeline yields with those the state recorded, whatever the blocks and batches."""
+    import numpy as np
+    import pandas.util
+
+    # pandas.util resolves hash_array lazily, so type checkers see only an object.
+    hash_array = cast("Callable[[Any], Any]", pandas.util.hash_array)
+
+    try:
+        ids = batch[column]
+    except (KeyError, TypeError):
+        raise ConfigError(f"id_column={column!r} is not a column of the batches") from None
+    if hasattr(ids, "to_numpy"):
+        ids = ids.to_numpy()
+    elif hasattr(ids, "numpy"):  # torch tensor
+        ids = ids.detach().cpu().numpy()
+    hashes = hash_array(np.asarray(ids).ravel())  # fixed key: stable across processes
+    return int(hashes.sum(dtype=np.uint64))
