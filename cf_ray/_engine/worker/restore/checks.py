@@ -486,8 +486,8 @@ def materialize_objects(section: Section, path: tuple[str, ...], objs: dict, rel
 
 class _Copier:
     """The copies of one object's tensors, made into one private buffer whose pages are made present
-    at once (``memory/slots.py``'s ``private_buffer``): a copy into fresh memory, page fault by page fault, costs a
-    multiple of the copy itself."""
+    at once (``memory/slots.py``'s ``private_buffer``): a copy into fresh memory, page fault by page
+    fault, costs a multiple of the copy itself."""
 
     _ALIGN = 64
 
