@@ -6,11 +6,11 @@ which snapshots are copied to peers (:class:`ReplicaPlan`, :func:`replica_due`).
 
 Hand-off: the arenas are the node's holder's shared-memory slots (``snapshot/slot_arena.py``,
 ``snapshot/arenas.py``): the worker copies each section once, into a slot the holder owns (so the
-snapshot outlives this worker), and hands over a typed :class:`~cf_ray._engine.protocol.messages.Stage` naming the slots, the indexes
-with their block CRC-32s and each section's CRC-32 (``HolderActor.stage``): no bytes travel. There
-is no by-value path through the object store (re-``put`` by the holder: two more passes on the
-host): cf_ray needs Linux's ``memfd_create``, where Ray runs GPU training, and says so at once
-elsewhere.
+snapshot outlives this worker), and hands over a typed
+:class:`~cf_ray._engine.protocol.messages.Stage` naming the slots, the indexes with their block
+CRC-32s and each section's CRC-32 (``HolderActor.stage``): no bytes travel. There is no by-value
+path through the object store (re-``put`` by the holder: two more passes on the host): cf_ray needs
+Linux's ``memfd_create``, where Ray runs GPU training, and says so at once elsewhere.
 """
 
 from __future__ import annotations
