@@ -73,7 +73,7 @@ def write_section(
 def write_section_slot(
     storage: Storage, directory: str, generation: int, section: str, data: memoryview, index: bytes, crc32: int
 ) -> tuple[dict[str, FileInfo], int]:
-    """Phase 2 of one section held in a snapshot slot (``node/shm.py``): ``index`` already carries
+    """Phase 2 of one section held in a snapshot slot (``memory/slots.py``): ``index`` already carries
     the block checksums and ``crc32`` is the data's, both computed by the worker as it copied, so the
     data is written straight from the slot and not read again where the backend can
     (``Storage.write_buffer``); a backend that checksums what it writes reports that CRC-32, which

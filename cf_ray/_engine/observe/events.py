@@ -12,7 +12,8 @@
   earlier attempt reaches the ranks of the later one too: ``FinishSummary.failures`` and ``wait()``
   report it once (``earlier_attempt: True``), so a step lost with its node is never silent. The
   newest :data:`SAVED_FAILURES` are saved with the controller's state (``control_state.json``,
-  :class:`~.recovery.ControlState`): a controller that starts again during the run still lists them.
+  :class:`~cf_ray._engine.driver.recovery.ControlState`): a controller that starts again during the
+  run still lists them.
 * The restores that fell back from a candidate, counted by source and cause (``verification``: the
   bytes failed their block checksums or the fingerprints after loading, or the read found damage;
   ``refused``: anything else), for the summary and the metrics.

@@ -4,7 +4,7 @@ exported to Ray metrics and written to storage (:mod:`.profile_files`); the even
 passes on to the schedule's failure feed (:class:`ScheduleView`).
 
 A row is a plain dict keyed by ``(generation, step)``; its columns and values are the profile
-table's (:func:`.profile_files.profile_frame`). Keys starting with ``_`` are inputs folded into the
+table's (:func:`.profile_frames.profile_frame`). Keys starting with ``_`` are inputs folded into the
 public columns by :meth:`ProfileBook.profile_rows`. The book records; what a column means for a
 decision (whether a just-in-time checkpoint was safe in time) is the driver's, which reads and
 writes the rows through :meth:`ProfileBook.row` and :meth:`ProfileBook.find_row`.
@@ -411,7 +411,7 @@ class ProfileBook:
         return self.log.events
 
     def restart_rows(self) -> list[dict]:
-        """One dict per restart (the ``restarts`` table, :func:`.profile_files.restarts_frame`)."""
+        """One dict per restart (the ``restarts`` table, :func:`.profile_frames.restarts_frame`)."""
         return self.goodput.rows()
 
     def breakdown(self) -> dict:
