@@ -951,6 +951,41 @@ def test_a_jit_checkpoint_committed_first_is_safe_in_storage_and_one_that_is_nei
     assert not ctl.storage.exists(f"{step_dir(8)}/{MANIFEST}")
 
 
+def test_a_jit_checkpoint_safe_in_a_peer_before_its_deadline_stays_met_when_its_write_fails(tmp_path):
+    """The decision is the driver's (``jit``), the row the profile book's: the first safe time
+    decides ``made_deadline``; a failure or an abandoned attempt afterwards does not undo it, one
+    before any safe time makes it missed; one ``jit_safe`` event per checkpoint made safe."""
+    from cf_ray._engine.driver.schedule import ScheduleBook
+    from cf_ray._engine.observe.profile_book import ProfileBook
+    from cf_ray._engine.storage.fs import FsStorage
+    from cf_ray.policy import FixedInterval
+
+    storage = FsStorage.from_uri(str(tmp_path))
+    book = ProfileBook("run", storage, ScheduleBook(FixedInterval(every=5), storage))
+    meta = SnapshotMeta(
+        rank=0, world_size=1, replicated=False, epoch=0, kind=CheckpointKind.PREEMPT, deadline_unix=100.0,
+        notice_unix=90.0, notice_source="driver",
+    )  # fmt: skip
+    for step in (7, 9):
+        book.note_staged(1, step, meta)
+    w = jit.watch(now_unix=95.0, deadline_unix=100.0, nodes={rank_section(0): "A"}, draining={"A"})
+    jit.staged(book, 1, 7, w)
+    w.peer_safe_unix = 97.0
+    jit.peer_safe(book, 1, 7, w)
+    book.note_failed(1, 7, rank_section(0), "OSError: disk full")
+    jit.failed(book, 1, 7)
+    jit.abandoned(book, 1, 7)
+    row = book.find_row(1, 7)
+    assert row is not None and (row["safe_tier"], row["made_deadline"], row["actual_peer_s"]) == ("peer", True, 2.0)
+    assert row["jit_left_s"] == 5.0 and row["jit_needs_copy"] == 1 and row["where"] == "abandoned"
+    book.note_failed(1, 9, rank_section(0), "OSError: disk full")  # never safe
+    jit.failed(book, 1, 9)
+    row = book.find_row(1, 9)
+    assert row is not None and row["made_deadline"] is False and "safe_tier" not in row
+    events = [e.to_dict() for e in book.events]
+    assert [(e["step"], e["tier"]) for e in events if e["event"] == "jit_safe"] == [(7, "peer")]
+
+
 def test_which_sections_of_a_jit_checkpoint_need_a_copy():
     """The pure rule: when no node is known to drain (a SIGTERM, a driver's notice) every section
     needs a copy on another node; with a draining node only its sections do, and a copy on its own
