@@ -11,6 +11,11 @@ newest :data:`MAX_VERSIONS` versions are kept (ranks adopt the newest they all h
 next to the run (``policy_state.json``) with the profile, so a controller that restarts does not
 have to profile the interval again from scratch.
 
+The policy also learns the run's failures: the profile book, which sees the restores, the resumed
+iterations and the preemption notices, passes them to the schedule's :class:`FailureFeed`, which
+turns them into the policy's :class:`~cf_ray.policy.RunEvent` objects (the book imports nothing of
+the driver: it sees the schedule through its ``ScheduleView`` protocol).
+
 Not thread-safe on its own: the controller calls it under its lock.
 """
 
