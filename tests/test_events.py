@@ -13,7 +13,13 @@ import pytest
 import cf_ray
 from cf_ray._engine.protocol import events as ev
 from cf_ray._engine.protocol.events import KINDS, Event, EventError
-from cf_ray._engine.protocol.messages import PROTOCOL_VERSION, ProtocolError, Restored, RestoreSource
+from cf_ray._engine.protocol.messages import (
+    PROTOCOL_VERSION,
+    IntegrityFailure,
+    ProtocolError,
+    Restored,
+    RestoreSource,
+)
 from cf_ray._engine.storage.fs import FsStorage
 
 #: One event of every kind, every field set (the values as the emitters give them).
@@ -138,6 +144,10 @@ def test_the_plain_form_is_the_one_stored_before_the_events_were_typed():
         "block_bytes": 0,
         "error": "",
     }
+    # A refused copy's message and its event say the same.
+    refused = IntegrityFailure(rank=0, generation=1, step=2, section="s", holder="h", how="storage", blocks=(1,))
+    assert ev.IntegrityFailureEvent.of(refused).to_dict()["blocks"] == [1]
+    assert ev.IntegrityFailureEvent.of(refused) == Event.from_dict(ev.IntegrityFailureEvent.of(refused).to_dict())
     # A worker's event has no time until the controller stamps it; one with a time keeps it.
     assert "time" not in storage.to_dict() and storage.stamped(5.0).time == 5.0
     assert verified.stamped(9.0).time == 2.0

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, ClassVar
 
-from cf_ray._engine.protocol.messages import Message, ProtocolError
+from cf_ray._engine.protocol.messages import IntegrityFailure, Message, ProtocolError
 
 
 class EventError(ProtocolError):
@@ -350,6 +350,21 @@ class IntegrityFailureEvent(Event):
     blocks: Sequence[int] = ()
     block_bytes: int = 0
     error: str = ""
+
+    @classmethod
+    def of(cls, failure: IntegrityFailure) -> IntegrityFailureEvent:
+        """The event the controller records of ``failure``."""
+        return cls(
+            rank=failure.rank,
+            generation=failure.generation,
+            step=failure.step,
+            section=failure.section,
+            holder=failure.holder,
+            how=failure.how,
+            blocks=failure.blocks,
+            block_bytes=failure.block_bytes,
+            error=failure.error,
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

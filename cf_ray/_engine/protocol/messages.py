@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cf_ray.errors import CfRayError
-
-if TYPE_CHECKING:
-    from cf_ray._engine.protocol.events import IntegrityFailureEvent
 
 #: Bumped whenever a message below changes shape (a field added, removed or retyped), so that a
 #: process of another cf_ray version refuses the message (:class:`ProtocolError`) instead of
@@ -483,22 +480,6 @@ class IntegrityFailure(Message):
     """The blocks that failed (indices, at most ``format/blocks.py``'s ``BLOCKS_NAMED``); empty: not a block check."""
     block_bytes: int = 0
     error: str = ""
-
-    def event(self) -> IntegrityFailureEvent:
-        """The ``integrity_failure`` event the controller records of it."""
-        from cf_ray._engine.protocol.events import IntegrityFailureEvent  # events.py builds on this module
-
-        return IntegrityFailureEvent(
-            rank=self.rank,
-            generation=self.generation,
-            step=self.step,
-            section=self.section,
-            holder=self.holder,
-            how=self.how,
-            blocks=self.blocks,
-            block_bytes=self.block_bytes,
-            error=self.error,
-        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

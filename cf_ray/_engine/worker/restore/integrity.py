@@ -110,7 +110,7 @@ class Refusals:
             error,
             next_,
         )
-        self._record_event(failure.event())
+        self._record_event(IntegrityFailureEvent.of(failure))
         return failure
 
 

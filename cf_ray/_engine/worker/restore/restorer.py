@@ -48,6 +48,7 @@ import ray.exceptions
 from cf_ray._engine.format.commit import read_manifest
 from cf_ray._engine.format.layout import SHARED, rank_section, step_dir
 from cf_ray._engine.format.sections import Section
+from cf_ray._engine.protocol.events import IntegrityFailureEvent
 from cf_ray._engine.protocol.messages import Restored, RestorePlan, RestoreSource
 from cf_ray._engine.worker.context import WorkerContext
 from cf_ray._engine.worker.control import ControlPlane
@@ -433,7 +434,7 @@ class Restorer:
             phases=dict(self.record.phases),
             read_bytes=dict(self.record.read_bytes),
             fallbacks=list(self.record.fallbacks.items),
-            refused_copies=[f.event().to_dict() for f in self.record.refusals.items],
+            refused_copies=[IntegrityFailureEvent.of(f).to_dict() for f in self.record.refusals.items],
             rolled_back_from=rolled_back_from,
         )
 
