@@ -267,7 +267,7 @@ class Run:
         found, events = self._ask("events", what="the run's events")
         if found:
             return events
-        from cf_ray._engine.observe.event_files import EVENTS_FILE, load_events
+        from cf_ray._engine.observe.profile_files import EVENTS_FILE, load_events
         from cf_ray._engine.storage.backends import open_storage
 
         storage = open_storage(self.storage_path, self.storage_filesystem).child(f"{self.name}/{_RUN_SUBDIR}")

@@ -429,7 +429,7 @@ class Ledger:
     def save_events(self) -> None:
         """Write the events as ``events.json`` beside the profile, so that a finished run's events
         stay readable (``Run.events()``) once the controller is gone; never raises (a report)."""
-        from cf_ray._engine.observe.event_files import save_events
+        from cf_ray._engine.observe.profile_files import save_events
 
         with self.lock:
             events = list(self.book.events)  # typed and frozen: their plain form is made outside the lock

@@ -1,7 +1,8 @@
 """The profile on storage, under the run's cf_ray folder: the whole tables a controller writes at
 its end (:data:`PROFILE_FILE`, :data:`ITERATIONS_FILE`, :data:`RESTARTS_FILE` and the goodput
 breakdown, :func:`save_profile`), the parts it appends while the run goes on, and reading them
-back as one table (:func:`load_profile`).
+back as one table (:func:`load_profile`), and the run's events (:data:`EVENTS_FILE`,
+:func:`save_events`) so that ``cf_ray.Run(...).events()`` reads them once the controller is gone.
 
 While the run goes on, when the controller's window of rows is full, its oldest quarter leaves
 memory as one batch, which the maintenance thread appends to storage as a Parquet part,
@@ -37,6 +38,7 @@ from cf_ray._engine.observe.profile_frames import (
     read_parquet,
     restarts_frame,
 )
+from cf_ray._engine.protocol.events import Event
 from cf_ray._engine.storage.base import FileInfo, Storage
 from cf_ray.errors import CorruptCheckpointError
 
@@ -53,6 +55,8 @@ ITERATIONS_FILE = "iterations.parquet"
 RESTARTS_FILE = "restarts.parquet"
 #: Where the breakdown of the wall time is saved with the profile (``Badput.breakdown``).
 GOODPUT_FILE = "goodput.json"
+#: Where the controller's events are saved with the profile at the run's end.
+EVENTS_FILE = "events.json"
 #: Where the controller appends the rows that left its memory (``profile/<lineage>/part-<n>.parquet``).
 PROFILE_PARTS = "profile"
 #: In a lineage's directory: the rows a controller still held in memory and its events, as of its last
@@ -334,10 +338,40 @@ def load_goodput(storage: Storage) -> dict[str, Any] | None:
         raise CorruptCheckpointError(f"{storage.uri(GOODPUT_FILE)} is not JSON ({e})") from e
 
 
-def _jsonable(v):
-    """A value of a row that JSON has no type for (a numpy number, a tuple) as one it has."""
+def save_events(storage: Storage, events: Iterable[Event | Mapping]) -> FileInfo:
+    """Write ``events`` (oldest first; typed, or already in their plain form) as ``events.json``:
+    what the live ``events()`` returned last, each in its plain form
+    (:meth:`~cf_ray._engine.protocol.events.Event.to_dict`)."""
+    plain = [e.to_dict() if isinstance(e, Event) else dict(e) for e in events]
+    return storage.write_file(EVENTS_FILE, [json.dumps(plain, default=_jsonable, allow_nan=True).encode()])
+
+
+def load_events(storage: Storage) -> list[dict] | None:
+    """What :func:`save_events` wrote, oldest first and in the plain form as it was written (a run
+    of another cf_ray version may name kinds this one does not; a reader that needs them typed
+    calls ``Event.from_dict``); ``None`` when the run saved none (it has not ended).
+
+    Raises:
+        CorruptCheckpointError: the file is not a JSON list of objects.
+    """
+    if not storage.exists(EVENTS_FILE):
+        return None
+    try:
+        saved = json.loads(bytes(storage.read_file(EVENTS_FILE)))
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{storage.uri(EVENTS_FILE)} is not JSON ({e})") from e
+    if not isinstance(saved, list) or not all(isinstance(e, dict) for e in saved):
+        raise CorruptCheckpointError(f"{storage.uri(EVENTS_FILE)} is not a list of events")
+    return saved
+
+
+def _jsonable(v: Any) -> Any:
+    """A value JSON has no type for (a numpy number, an enum, a tuple's item) as one it has."""
     item = getattr(v, "item", None)
-    return item() if callable(item) else str(v)
+    if callable(item):
+        return item()
+    value = getattr(v, "value", None)
+    return value if isinstance(value, (str, int, float)) else str(v)
 
 
 def _sort_key(v) -> tuple:
@@ -345,6 +379,7 @@ def _sort_key(v) -> tuple:
 
 
 __all__ = [
+    "EVENTS_FILE",
     "GOODPUT_FILE",
     "ITERATIONS_FILE",
     "PROFILE_FILE",
@@ -352,12 +387,14 @@ __all__ = [
     "RESTARTS_FILE",
     "ProfileParts",
     "delete_other_lineages",
+    "load_events",
     "load_goodput",
     "load_profile",
     "load_restarts",
     "merge_rows",
     "new_lineage",
     "newest_lineage",
+    "save_events",
     "save_goodput",
     "save_profile",
 ]
