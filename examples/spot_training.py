@@ -14,7 +14,7 @@ loop is ordinary: a ``Checkpointer``, a resumable sampler, ``ckpt.step``).
    the next step all ranks reach, persists it first and holds training until the node goes; Ray
    Train restarts the group on the surviving and the new node (``max_preemption_failures``), and
    cf_ray restores it — the lost rank's state from the copy a holder on the surviving node keeps
-   (``replicas``, peer memory) when that copy is as new as storage, else from storage.
+   (``replication``, peer memory) when that copy is as new as storage, else from storage.
 
 Printed: when the notice came, the checkpoint's step, whether it was durable before the deadline,
 the steps lost (0 expected), where the restart restored from, and whether the final model and
@@ -89,7 +89,7 @@ def train_loop_per_worker(cfg: dict) -> None:
             run_name=cfg["run"],
             register_with_ray=False,
             final_model=None,
-            # replicas=None (the default): one copy on another node, since the cluster has several.
+            # replication's copies=None (the default): one copy on another node, since the cluster has several.
         ),
     )
     resume = ckpt.restore()
