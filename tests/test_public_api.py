@@ -263,14 +263,13 @@ def test_run_asks_the_live_controller_and_falls_back_to_storage_when_it_is_gone(
     assert [r["step"] for r in run.profile_rows()] == [5, 10, 15]  # the saved table again
 
 
-def test_cli_profile_takes_the_run_directory_or_the_two_arguments(run_on_disk, capsys):
+def test_cli_profile_and_ls_take_the_run_directory(run_on_disk, capsys):
     from cf_ray import cli
 
     root, _ = run_on_disk
     assert cli.main(["profile", str(root / "r1")]) == 0
     one = capsys.readouterr().out
-    assert cli.main(["profile", str(root), "r1"]) == 0
-    assert capsys.readouterr().out == one and "preempt" in one and "disk full" in one
+    assert "preempt" in one and "disk full" in one
     assert cli.main(["ls", str(root / "r1")]) == 0
     assert "step_000000000010" in capsys.readouterr().out
 
