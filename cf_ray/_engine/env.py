@@ -27,7 +27,7 @@ takes effect in the next object built; a Ray process reads the environment it wa
 ==============================  =======  =====================================================
 
 **Module constants** (below, plain values): not read from the environment. Code reads them at the
-moment it needs them (``_env.UPLOAD_QUEUE``, or ``_env.get_int(_env.UPLOAD_QUEUE)``), so a test
+moment it needs them (``_env.UPLOAD_QUEUE``, not a copy taken at import), so a test
 changes one with ``monkeypatch.setattr(env, "UPLOAD_QUEUE", 2)`` (in the test's process: a Ray
 actor's process imports its own copy). They are not settings: their values are the ones cf_ray is
 tested with, and an environment variable of the same name is not read.
@@ -132,11 +132,13 @@ TRUST_STEPS: int = 3
 SLOT_WAIT_S: float = 60.0
 
 
-def get_float(name: str | float) -> float:
-    """The value of an environment variable of :data:`VARIABLES` (its default when unset), or, given
-    a module constant's value (``get_float(env.UPLOAD_BACKOFF_S)``), that value."""
-    if not isinstance(name, str):
-        return float(name)
+def get_float(name: str) -> float:
+    """The value of environment variable ``name`` of :data:`VARIABLES` (its default when unset or
+    empty), read now, so that a process reads the environment it runs in.
+
+    Raises:
+        ValueError: the variable is set to something that is not a number (naming it).
+    """
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return float(VARIABLES[name])
@@ -146,7 +148,8 @@ def get_float(name: str | float) -> float:
         raise ValueError(f"environment variable {name}={raw!r} is not a number; unset it or give a number") from None
 
 
-def get_int(name: str | int) -> int:
+def get_int(name: str) -> int:
+    """:func:`get_float`, as an int."""
     return int(get_float(name))
 
 

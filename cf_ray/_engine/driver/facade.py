@@ -121,7 +121,7 @@ class Controller:
             commits=self._ledger.commits,
             book=self._ledger.book,
             periodic=[
-                (_env.get_float(_env.POLICY_SAVE_INTERVAL_S), self._ledger.save_policy_state),
+                (_env.POLICY_SAVE_INTERVAL_S, self._ledger.save_policy_state),
                 (_env.WINDOW_SAVE_INTERVAL_S, self._ledger.save_window),
             ],
         )
@@ -185,7 +185,7 @@ class Controller:
         have said what they hold, so that a memory restore is not missed. Until this attempt has
         restored, keep-last deletes nothing: the plan names checkpoints that a late commit of the
         previous attempt would otherwise push out (``keep_last=1``)."""
-        self._roster.resynced.wait(timeout=_env.get_float(_env.RESYNC_TIMEOUT_S))
+        self._roster.resynced.wait(timeout=_env.RESYNC_TIMEOUT_S)
         self._roster.flush(FLUSH_TIMEOUT_S)  # snapshots handed off just before the failure are known
         alive = self._cluster.alive_node_ids()
         self._maintenance.defer_deletions()

@@ -66,7 +66,7 @@ class Watch:
 
     def loop(self, stopping: threading.Event) -> None:
         """The watch thread's body (until ``stopping``)."""
-        while not stopping.wait(max(0.2, _env.get_float(_env.WATCH_INTERVAL_S))):
+        while not stopping.wait(max(0.2, _env.WATCH_INTERVAL_S)):
             try:
                 self.once()
             except Exception:  # noqa: BLE001 - the watch never dies
@@ -78,7 +78,7 @@ class Watch:
         link = self._roster.link
         if link is None:
             return
-        interval = _env.get_float(_env.WATCH_INTERVAL_S)
+        interval = _env.WATCH_INTERVAL_S
         min_age_s = interval if min_age_s is None else min_age_s
         with self._ledger.lock:
             by_holder, orphans = watch_targets(self._ledger.commits.table, min_age_s)

@@ -92,7 +92,7 @@ class Sender:
     def send_all(self, messages: list[tuple[str, Any]], *, lazy: bool = False) -> None:
         """Queue ``[(method, msg)]`` together (so they go in one call when the thread is free);
         ``lazy``: they may wait up to :data:`LAZY_S` for later messages (module doc)."""
-        limit = max(1, _env.get_int(_env.SEND_QUEUE))
+        limit = max(1, _env.SEND_QUEUE)
         due = time.monotonic() + LAZY_S if lazy else 0.0
         with self._cond:
             for method, msg in messages:

@@ -261,7 +261,7 @@ class SectionServer:
         self.dropped += 1
         now = time.monotonic()
         if now >= self._next_drop_log:
-            self._next_drop_log = now + _env.get_float(_env.WARN_INTERVAL_S)
+            self._next_drop_log = now + _env.WARN_INTERVAL_S
             logger.warning(
                 "cf_ray: the section server at %s:%d closed a connection from %s unserved: %s (%d so far; "
                 "a cf_ray reader sends its request at once, so something else may be connecting to it)",

@@ -117,7 +117,7 @@ class ProfileBook:
         self.storage = storage
         self.schedule = schedule
         self.parts = ProfileParts(storage, lineage or new_lineage(), continued=lineage is not None)
-        self._window = max(4, _env.get_int(_env.PROFILE_WINDOW_ROWS))
+        self._window = max(4, _env.PROFILE_WINDOW_ROWS)
         self._rows: dict[tuple[int, int], dict] = {}
         """(generation, step) -> row, oldest first mention first; at most the window."""
         self._unwritten: list[list[dict]] = []
@@ -126,7 +126,7 @@ class ProfileBook:
         """Keys of the rows that left memory most recently (at most the window): a later mention
         makes a fragment (no defaults), merged with the part on read."""
         self._on_batch = on_batch
-        events_window = max(1, _env.get_int(_env.EVENTS_WINDOW))
+        events_window = max(1, _env.EVENTS_WINDOW)
         self.log = EventLog(events_window, seq_base)
         """The events, the failures and the restore fallbacks."""
         self.log.restore_events(self.parts.predecessor_events)

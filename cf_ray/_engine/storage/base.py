@@ -251,7 +251,7 @@ def _byte_view(buf: np.ndarray | memoryview | bytes) -> memoryview:
 
 def chunked(buf: np.ndarray | memoryview | bytes, chunk: int | None = None) -> Iterable[memoryview]:
     """Yield ``buf`` in chunks of :data:`_env.WRITE_CHUNK_BYTES`."""
-    size = chunk or _env.get_int(_env.WRITE_CHUNK_BYTES)
+    size = chunk or _env.WRITE_CHUNK_BYTES
     mv = _byte_view(buf)
     for i in range(0, mv.nbytes, size):
         yield mv[i : i + size]

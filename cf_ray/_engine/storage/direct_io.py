@@ -52,7 +52,7 @@ class DirectWriter:
         import mmap
 
         self.fd = fd
-        size = _env.get_int(_env.WRITE_CHUNK_BYTES)
+        size = _env.WRITE_CHUNK_BYTES
         size = max(size - size % mmap.PAGESIZE, mmap.PAGESIZE)
         buf = getattr(_bounce, "buf", None)
         if buf is None or len(buf) != size:
@@ -131,7 +131,7 @@ def write_aligned(fd: int, mv: memoryview) -> int:
     import fcntl
 
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    chunk = max(_env.get_int(_env.WRITE_CHUNK_BYTES) // page, 1) * page
+    chunk = max(_env.WRITE_CHUNK_BYTES // page, 1) * page
     off = 0
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)

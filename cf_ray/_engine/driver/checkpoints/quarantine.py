@@ -103,7 +103,7 @@ def _size_and_crc(storage: Storage, path: str) -> tuple[int, int]:
     if not storage.ranged_reads:
         buf = storage.read_file(path)
         return int(buf.nbytes), _crc32(buf.data)
-    chunk = max(1, _env.get_int(_env.WRITE_CHUNK_BYTES))
+    chunk = max(1, _env.WRITE_CHUNK_BYTES)
     size = crc = 0
     while True:
         buf = np.asarray(storage.read_range(path, size, chunk), dtype=np.uint8)

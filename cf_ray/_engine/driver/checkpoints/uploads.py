@@ -92,7 +92,7 @@ class Uploads:
         self._enqueue_upload(up)
 
     def _enqueue_upload(self, up: Upload) -> None:
-        limit = max(1, _env.get_int(_env.UPLOAD_QUEUE))
+        limit = max(1, _env.UPLOAD_QUEUE)
         if len(self._queue) >= limit:
             victim = next((u for u in self._queue if not u.manifest.milestone), None)
             if victim is None and not up.manifest.milestone:
@@ -151,8 +151,8 @@ class Uploads:
     def _upload_to(self, tier: Storage, up: Upload) -> bool:
         step, m = up.step, up.manifest
         directory = step_dir(step)
-        delay = max(0.0, _env.get_float(_env.UPLOAD_BACKOFF_S))
-        tries = max(1, _env.get_int(_env.UPLOAD_RETRIES))
+        delay = max(0.0, _env.UPLOAD_BACKOFF_S)
+        tries = max(1, _env.UPLOAD_RETRIES)
         for attempt in range(1, tries + 1):
             t0 = time.perf_counter()
             try:
@@ -206,7 +206,7 @@ def _stream(storage: Storage, path: str) -> Iterator[memoryview | bytes]:
     backend streams (``Storage.read_chunks``)."""
     if storage.is_symlink(path):
         raise UnsafePathError(f"refusing to upload {storage.uri(path)}: it is a symbolic link")
-    yield from storage.read_chunks(path, max(1, _env.get_int(_env.WRITE_CHUNK_BYTES)))
+    yield from storage.read_chunks(path, max(1, _env.WRITE_CHUNK_BYTES))
 
 
 def tier_steps(tiers: list[Storage]) -> tuple[tuple[int, ...], ...]:

@@ -301,7 +301,7 @@ class SyncExchange:
         if self._bell is not None and self._bell.take():
             force = True
         interval = _env.BELL_POLL_INTERVAL_S if self._bell_known else _env.POLL_INTERVAL_S
-        if force or now - self._last >= _env.get_float(interval):
+        if force or now - self._last >= interval:
             rank = self._line.rank
             bell = None if self._bell is None or self._bell_known else self._bell.address
             samples, stats = self._timing.drain(rank, step, copy_timings)
@@ -512,7 +512,7 @@ class ControllerLink:
             The steps not settled at the deadline.
         """
         t0 = time.monotonic()
-        warn_at = t0 + _env.get_float(_env.WARN_INTERVAL_S)
+        warn_at = t0 + _env.WARN_INTERVAL_S
         unsettled: list[int] = []
         while True:
             self.poll(step, copy_timings)  # the failures and the committed step as they come
@@ -535,7 +535,7 @@ class ControllerLink:
                     max(0.0, deadline - time.monotonic()),
                     hint,
                 )
-                warn_at = time.monotonic() + _env.get_float(_env.WARN_INTERVAL_S)
+                warn_at = time.monotonic() + _env.WARN_INTERVAL_S
             time.sleep(0.05)
         try:
             self.poll_blocking(step, copy_timings)

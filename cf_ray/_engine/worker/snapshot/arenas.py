@@ -94,7 +94,7 @@ class SectionArenas:
     @contextlib.contextmanager
     def bounded(self) -> Iterator[None]:
         """One snapshot's waits (``Snapshotter.begin``), all under one bound, :attr:`deadline`."""
-        self.deadline = time.monotonic() + _env.get_float(_env.SLOT_WAIT_S)
+        self.deadline = time.monotonic() + _env.SLOT_WAIT_S
         try:
             yield
         finally:
@@ -102,7 +102,7 @@ class SectionArenas:
 
     def left(self) -> float:
         """Seconds the snapshot being begun may still wait (``env.SLOT_WAIT_S`` when none is)."""
-        limit = _env.get_float(_env.SLOT_WAIT_S)
+        limit = _env.SLOT_WAIT_S
         return limit if self.deadline is None else max(0.0, min(limit, self.deadline - time.monotonic()))
 
     def fault_in(self, layouts: dict[str, tuple[tuple, int]]) -> None:
@@ -198,7 +198,7 @@ class SectionArenas:
         ``env.WARN_INTERVAL_S`` (the caller sets ``_next_wait_log`` to 1.0 as its wait starts)."""
         if waited_s < self._next_wait_log:
             return False
-        self._next_wait_log = waited_s + _env.get_float(_env.WARN_INTERVAL_S)
+        self._next_wait_log = waited_s + _env.WARN_INTERVAL_S
         return True
 
     def waited(self, step: int, slot_wait_s: float) -> None:

@@ -108,7 +108,7 @@ class HolderHandOff:
                     raise
                 raise SnapshotSkipped(
                     f"skipped: this node's holder did not give the slots of section {section} (a new layout, "
-                    f"{nbytes} bytes) within the snapshot's {_env.get_float(_env.SLOT_WAIT_S):.0f} s"
+                    f"{nbytes} bytes) within the snapshot's {_env.SLOT_WAIT_S:.0f} s"
                 ) from None
 
         try:
