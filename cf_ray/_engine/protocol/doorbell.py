@@ -80,7 +80,10 @@ def ring_all(addresses: list[tuple[Any, int]], timeout_s: float = 10.0) -> int:
 
 
 def current_actor():
-    """The handle of the Ray actor this process runs, or ``None`` (the driver, a task, no Ray)."""
+    """The handle of the Ray actor this process runs, or ``None`` (the driver, a task, no Ray). Never
+    starts Ray: asking a process without Ray for its runtime context would start a local one."""
+    if not ray.is_initialized():
+        return None
     try:
         ctx = ray.get_runtime_context()
         if ctx.get_actor_id() is None:
