@@ -317,7 +317,7 @@ def test_keep_last_spares_what_ray_train_lists_until_ray_drops_its_pointer(contr
     pointer Ray handed back then named a checkpoint that was gone. Keep-last spares it (it still
     counts toward ``keep_last``) while its pointer is there, also in a controller that starts again;
     once Ray's ``num_to_keep`` deletes the pointer, keep-last deletes the step. A step keep-last took
-    out already is not registered."""
+    out already is replaced by the newest committed one (what Ray lists always loads)."""
     import logging
 
     from cf_ray._engine.format.commit import write_pointer
@@ -327,7 +327,7 @@ def test_keep_last_spares_what_ray_train_lists_until_ray_drops_its_pointer(contr
     caplog.set_level(logging.WARNING, logger="cf_ray")
     ctl = controller(keep_last=1)
     _persist(ctl, 2, kind=CheckpointKind.SCHEDULED)
-    assert ctl.keep_registered(2)  # rank 0 asks first, then writes the pointer and reports it
+    assert ctl.keep_registered(2) == 2  # rank 0 asks first, then writes the pointer and reports it
     listed = ctl.storage.uri(write_pointer(ctl.storage, 2))
     for step in (4, 6, 8):
         _persist(ctl, step, kind=CheckpointKind.SCHEDULED)
@@ -335,8 +335,8 @@ def test_keep_last_spares_what_ray_train_lists_until_ray_drops_its_pointer(contr
     run, directory = resumable_checkpoint(listed)  # what Ray lists loads
     assert directory == step_dir(2) and verify_all(run, directory, read_manifest(run, directory)) is None
     assert "keeps step 2 beyond keep_last=1: it is registered with Ray Train" in caplog.text
-    assert not ctl.keep_registered(4)  # gone: not registered
-    assert ctl.keep_registered(8)
+    assert ctl.keep_registered(4) == 8  # gone: the newest committed step is kept and registered instead
+    assert ctl.keep_registered(8) == 8
     write_pointer(ctl.storage, 8)
     ctl.storage.delete_dir(pointer_dir(2))  # Ray's num_to_keep=1 drops the older one
     _persist(ctl, 10, kind=CheckpointKind.SCHEDULED)

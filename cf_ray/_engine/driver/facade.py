@@ -248,10 +248,10 @@ class Controller:
         with self._ledger.lock:
             return self._ledger.commits.index.keep_resume_point(int(step))
 
-    def keep_registered(self, step: int) -> bool:
+    def keep_registered(self, step: int) -> int | None:
         """A rank is about to register ``step`` with Ray Train: keep-last spares it while Ray lists it
-        (:meth:`.checkpoints.committed.CommittedIndex.keep_registered`). False: it is gone already,
-        and is not to be registered."""
+        (:meth:`.checkpoints.committed.CommittedIndex.keep_registered`). Returns the step kept: ``step``,
+        or the newest committed one when keep-last took ``step`` out already (``None``: none)."""
         with self._ledger.lock:
             return self._ledger.commits.index.keep_registered(int(step))
 

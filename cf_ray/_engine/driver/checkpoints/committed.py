@@ -109,14 +109,19 @@ class CommittedIndex:
         self.entries[step] = dataclasses.replace(self.entries[step], resume_point=True)
         return step
 
-    def keep_registered(self, step: int) -> bool:
+    def keep_registered(self, step: int) -> int | None:
         """A rank is about to register ``step`` with Ray Train: keep-last keeps it from now on, while
-        its pointer is there (:attr:`Committed.registered`). False: keep-last took it out already (it
-        is not to be registered: Ray would list a checkpoint that cannot load)."""
+        its pointer is there (:attr:`Committed.registered`). When keep-last took ``step`` out already
+        (the ranks agree on a step some iterations after it committed, and a small ``keep_last`` moves
+        on meanwhile), the newest committed step, which keep-last never deletes, is kept and registered
+        instead: Ray only ever lists a checkpoint that loads. Returns the step kept (``None``: none
+        newer is committed; nothing is registered)."""
         if step not in self.entries:
-            return False
+            if self._newest is None or self._newest < step:
+                return None
+            step = self._newest
         self.entries[step] = dataclasses.replace(self.entries[step], registered=True)
-        return True
+        return step
 
     def unregister(self, step: int) -> None:
         """Ray Train no longer lists ``step`` (its pointer is gone): an ordinary checkpoint again."""

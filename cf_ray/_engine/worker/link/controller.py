@@ -619,15 +619,17 @@ class ControllerLink:
             return step
         return 0 if kept is None else int(kept)
 
-    def keep_registered(self, step: int) -> bool:
+    def keep_registered(self, step: int) -> int | None:
         """Rank 0 is about to register committed ``step`` with Ray Train: keep-last spares it while
-        Ray lists it. False: it is gone, or the controller could not say (a warning): it is not
-        registered, since Ray would then list a checkpoint that may not load."""
+        Ray lists it. Returns the step kept and to be registered (the newest committed one when
+        ``step`` is gone already); ``None`` when none is, or the controller could not say (a warning):
+        nothing is registered, since Ray would then list a checkpoint that may not load."""
         try:
-            return bool(self.call("keep_registered", step, step=step))
+            kept = self.call("keep_registered", step, step=step)
         except Exception as e:  # noqa: BLE001 - registration is bookkeeping: this one is left out
             logger.warning("cf_ray: rank %d: step %d not registered with Ray Train: %r", self.rank, step, e)
-            return False
+            return None
+        return None if kept is None else int(kept)
 
     def new_failures(self, raise_on_error: bool) -> list[dict]:
         """The failures not yet reported (each is reported once), an earlier attempt's included.

@@ -40,7 +40,8 @@ class RayTrainLink:
         final_sharded: for a sharded (FSDP2) final model instead: a function returning its state dict
             (DTensors), written by every rank together, one tensor at a time.
         keep_registered: asks the controller to spare a committed step from keep-last while Ray Train
-            lists it (``ControllerLink.keep_registered``); False: it is gone, and is not registered.
+            lists it (``ControllerLink.keep_registered``); returns the step kept (the newest committed
+            one when the step asked for is gone), or ``None``: nothing is registered.
     """
 
     def __init__(
@@ -49,7 +50,7 @@ class RayTrainLink:
         register_with_ray: bool,
         final_module: torch.nn.Module | None,
         final_sharded: Callable[[], dict[str, Any]] | None = None,
-        keep_registered: Callable[[int], bool] | None = None,
+        keep_registered: Callable[[int], int | None] | None = None,
     ):
         self.rank = ctx.rank
         self.storage = ctx.storage
@@ -57,7 +58,7 @@ class RayTrainLink:
         self.register_with_ray = register_with_ray
         self.final_module = final_module
         self.final_sharded = final_sharded
-        self.keep_registered = keep_registered or (lambda _step: True)
+        self.keep_registered = keep_registered or (lambda step: step)
         self.metrics: dict[str, Any] = {}
         """User metrics sent with each registration of a checkpoint with Ray Train."""
         self._registered = 0
@@ -70,7 +71,7 @@ class RayTrainLink:
         config: Any,
         state: dict[str, Any],
         sharded: Any,
-        keep_registered: Callable[[int], bool] | None = None,
+        keep_registered: Callable[[int], int | None] | None = None,
     ) -> RayTrainLink:
         """The link for ``CheckpointConfig`` (``register_with_ray``, ``final_model``): a sharded final
         model is gathered by every rank one tensor at a time and written by rank 0."""
@@ -113,16 +114,18 @@ class RayTrainLink:
         # registered is a small pointer directory that cf_ray never deletes (Ray's own
         # CheckpointConfig(num_to_keep=...) may), naming the checkpoint it stands for. What Ray lists
         # must load: the controller spares the step from keep-last first, while the pointer is there
-        # (a step keep-last took out already is not registered: the ranks report metrics only).
-        pointer = None
-        if self.rank == 0 and self.keep_registered(step):
+        # (a step keep-last took out already is replaced by the newest committed one, which keep-last
+        # never deletes; every rank still reports, as Ray Train's report is collective).
+        pointer, registered = None, step
+        kept = self.keep_registered(step) if self.rank == 0 else None
+        if kept is not None:
             try:
-                pointer = write_pointer(self.storage, step)
+                pointer, registered = write_pointer(self.storage, kept), kept
             except Exception as e:  # noqa: BLE001 - registration is bookkeeping; never fail training for it
-                logger.warning("cf_ray: could not register step %d with Ray Train: %s", step, e)
+                logger.warning("cf_ray: could not register step %d with Ray Train: %s", kept, e)
         where = self.storage.pyarrow_location(pointer) if pointer else None  # what Ray Train can read
         ckpt = Checkpoint(path=where[1], filesystem=where[0]) if where else None
-        metrics = dict(self.metrics, cf_ray_step=step, cf_ray_epoch=epoch)
+        metrics = dict(self.metrics, cf_ray_step=registered, cf_ray_epoch=epoch)
         ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
 
     # -- the end of training --------------------------------------------------------------------------
