@@ -277,6 +277,21 @@ def _worker(rank: int, port: int, root: str) -> None:
                 raise AssertionError("a checkpoint of another model was loaded")
             assert _same(_local(get_model_state_dict(other)), before)  # nothing was touched
             assert not other_opt.state
+        # The same model, its optimizer's parameters split into two groups: named, nothing loaded.
+        other, _ = _build(mesh, seed=3)
+        params = list(other.parameters())
+        other_opt = torch.optim.Adam([{"params": params[:2]}, {"params": params[2:], "lr": 1e-3}], lr=1e-2)
+        before = _local(get_model_state_dict(other))
+        try:
+            restore(loaded, other, other_opt)
+        except CheckpointMismatchError as e:
+            assert (
+                "optimizer 'optimizer': parameter groups of sizes [4] in the checkpoint, [2, 2] in this script"
+                in str(e)
+            ), str(e)
+        else:
+            raise AssertionError("a checkpoint of other optimizer groups was loaded")
+        assert _same(_local(get_model_state_dict(other)), before) and not other_opt.state
 
     with scenario("convert"):  # DDP (replicated) state into FSDP2 and FSDP2 state into DDP (#13)
         torch.manual_seed(0)

@@ -294,6 +294,23 @@ def test_a_model_whose_shapes_changed_is_a_mismatch_naming_the_key():
         )
 
 
+def test_an_optimizer_whose_groups_changed_is_a_mismatch_and_a_malformed_one_is_corrupt():
+    saved, saved_data = _objects(seed=1, scheduler=False)
+    state, data = _objects(seed=2, scheduler=False)
+    params = list(state["model"].parameters())
+    state["optimizer"] = torch.optim.Adam([{"params": params[:2]}, {"params": params[2:], "lr": 0.01}], lr=0.1)
+    sections = _sections(_trees(saved, saved_data, 3))
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"optimizer 'optimizer': parameter groups of sizes \[4\] in the checkpoint, \[2, 2\] in this script",
+    ):
+        restore_checks.validate(sections, saved_world=1, replicated=True, rank=0, world_size=1, state=state, data=data)
+    assert not state["optimizer"].state  # nothing was loaded
+    malformed = {"param_groups": [{"lr": 0.1}], "state": {}}  # a group without its parameters
+    with pytest.raises(CorruptCheckpointError, match=r"the saved state of optimizer 'optimizer' is malformed"):
+        restore_checks.check_layout("optimizer", saved["optimizer"], malformed)
+
+
 # -- the script and the checkpoint track the same objects --------------------------------------------------
 
 

@@ -135,18 +135,13 @@ def validate(
     )
     for name in gather:
         described = saved_sharded[name]
-        per_rank = [
-            _sharded.decode(
-                _held(loaded, r, name),
-                _section(loaded, rank_section(r)).entries,
-                _section(loaded, rank_section(r)).buf,
-                copy=False,
-            )
-            for r in range(saved_world)
-        ]
         owner = described.get("module")
         states[name] = _sharded.gather_whole(
-            described.get("kind", ""), name, per_rank, state[name], state.get(owner) if isinstance(owner, str) else None
+            described.get("kind", ""),
+            name,
+            _every_rank(loaded, name, saved_world),
+            state[name],
+            state.get(owner) if isinstance(owner, str) else None,
         )
     for name, obj in state.items():
         if name in states:
@@ -155,16 +150,7 @@ def validate(
     if sharded is not None:
         for name in sorted(live_sharded & set(saved_state)):
             if reshard and name in saved_sharded:
-                per_rank = [
-                    sharded.decode(
-                        _held(loaded, r, name),
-                        _section(loaded, rank_section(r)).entries,
-                        _section(loaded, rank_section(r)).buf,
-                        copy=False,
-                    )
-                    for r in range(saved_world)
-                ]
-                saved = sharded.reshard(name, per_rank)
+                saved = sharded.reshard(name, _every_rank(loaded, name, saved_world))
                 converted.add(name)
             elif name in saved_sharded:
                 # A module's shards are copied by load_state_dict: views; the optimizer keeps its own copies.
@@ -326,22 +312,9 @@ def check_layout(name: str, obj: Any, saved: Any) -> None:
                     f"{got} in the checkpoint: the model changed since it was saved"
                 )
     elif isinstance(obj, torch.optim.Optimizer):
-        groups = saved.get("param_groups") if isinstance(saved, dict) else None
-        if (
-            not isinstance(groups, list)
-            or not isinstance(saved.get("state"), dict)
-            or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
-        ):
-            raise CorruptCheckpointError(f"the saved state of optimizer {name!r} is malformed")
-        live = [len(g["params"]) for g in obj.param_groups]
-        got = [len(g["params"]) for g in groups]
-        if live != got:
-            raise CheckpointMismatchError(
-                f"optimizer {name!r}: parameter groups of sizes {got} in the checkpoint, "
-                f"{live} in this script: the model or its groups changed"
-            )
+        groups, opt_state = _sharded.check_optimizer_groups(name, saved, obj.param_groups)
         ids = {p for g in groups for p in g["params"]}
-        if not set(saved["state"]) <= ids:
+        if not set(opt_state) <= ids:
             raise CorruptCheckpointError(f"optimizer {name!r}: state for parameters the groups do not list")
 
 
@@ -351,6 +324,17 @@ def _saved_sharded_names(loaded: dict[str, Section]) -> dict[str, dict]:
     sec = next((sec for name, sec in sorted(loaded.items()) if name != SHARED), None)  # every rank's says it
     saved = sec.tree.get(_sharded.KEY) if sec is not None and isinstance(sec.tree, dict) else None
     return {k: v for k, v in saved.items() if isinstance(v, dict)} if isinstance(saved, dict) else {}
+
+
+def _every_rank(loaded: dict[str, Section], name: str, saved_world: int) -> list[Any]:
+    """The saved state of sharded object ``name`` in each old rank's section, decoded without a copy:
+    its shards are views of the section buffers, which ``gather_whole`` and ``reshard`` assemble into
+    new tensors."""
+    per_rank = []
+    for r in range(saved_world):
+        sec = _section(loaded, rank_section(r))
+        per_rank.append(_sharded.decode(_held(loaded, r, name), sec.entries, sec.buf, copy=False))
+    return per_rank
 
 
 def _held(loaded: dict[str, Section], r: int, name: str) -> Any:

@@ -227,18 +227,7 @@ class ShardedState:
             return
         owner, opt = self.optimizers[name]
         params = {k: v for k, v in self._live_model(owner).items() if isinstance(v, torch.Tensor)}
-        groups, state = saved.get("param_groups"), saved.get("state")
-        if not isinstance(groups, list) or not isinstance(state, dict):
-            raise CorruptCheckpointError(f"the saved state of optimizer {name!r} is malformed")
-        if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
-            raise CorruptCheckpointError(f"the saved state of optimizer {name!r} is malformed")
-        live_sizes = [len(g["params"]) for g in opt.param_groups]
-        got = [len(g["params"]) for g in groups]
-        if live_sizes != got:
-            raise CheckpointMismatchError(
-                f"optimizer {name!r}: parameter groups of sizes {got} in the checkpoint, "
-                f"{live_sizes} in this script: the model or its groups changed"
-            )
+        groups, state = check_optimizer_groups(name, saved, opt.param_groups)
         unknown = [p for g in groups for p in g["params"] if p not in params]
         unknown += [p for p in state if p not in params]
         if unknown:
@@ -380,6 +369,33 @@ def check_module_keys(name: str, live: Mapping[str, Any], saved: Mapping[str, An
             f"module {name!r}: the checkpoint lacks keys {missing[:10]} and has keys {unexpected[:10]} the model "
             "does not have: the model changed since the checkpoint was saved"
         )
+
+
+def check_optimizer_groups(name: str, saved: Any, live_groups: list[dict[str, Any]]) -> tuple[list[dict], dict]:
+    """The saved state of optimizer ``name`` is a state dict whose parameter groups have the sizes of
+    the live ``param_groups`` (a sharded optimizer's here, a plain one's in ``checks.py``: one message
+    for both). Returns the saved ``(param_groups, state)``.
+
+    Raises:
+        CorruptCheckpointError: the saved state is not an optimizer state dict.
+        CheckpointMismatchError: the group sizes differ (the model or its groups changed).
+    """
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    state = saved.get("state") if isinstance(saved, dict) else None
+    if (
+        not isinstance(groups, list)
+        or not isinstance(state, dict)
+        or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+    ):
+        raise CorruptCheckpointError(f"the saved state of optimizer {name!r} is malformed")
+    live = [len(g["params"]) for g in live_groups]
+    got = [len(g["params"]) for g in groups]
+    if live != got:
+        raise CheckpointMismatchError(
+            f"optimizer {name!r}: parameter groups of sizes {got} in the checkpoint, "
+            f"{live} in this script: the model or its groups changed"
+        )
+    return groups, state
 
 
 def _check_tensor(what: str, live: Any, saved: Any, *, check_dtype: bool) -> None:
