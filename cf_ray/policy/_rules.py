@@ -23,6 +23,16 @@ from cf_ray.policy.base import MAX_PERSIST_EVERY, PolicyWarning
 if TYPE_CHECKING:
     from cf_ray.policy.adaptive import Adaptive
 
+TOO_SHORT_CKPTS = 50
+"""Checkpoints for which an interval found too short stays out of reach of the rung that shortens:
+the estimates that allow it again are the ones that just allowed it wrongly, and going back and
+forth costs the widening each time."""
+
+SLOWDOWN_UNSEEN_CKPTS = 6
+"""Checkpoints after which the cost measured is taken as it is even when no checkpoint's slowdown
+could be told apart (the engine does not say which checkpoint a sample follows, say): the interval
+then rests on the stall, the probe windows and the cadence, which correct it either way."""
+
 Verdict = tuple["int | None", dict]
 """What a decision returns: the interval to publish (``None``: keep the current one) and the
 explanation (:meth:`Adaptive.explain`)."""
@@ -59,6 +69,10 @@ class RuleState:
     """The checkpoint count when a clearly shorter interval was first found possible."""
     widen_since: int | None = None
     """The checkpoint count when a marginal overrun of the budget was first seen."""
+    too_short: tuple[int, int, dict] | None = None
+    """The interval last found too short (over the budget, or its persist did not fit), the
+    checkpoint count then, and the changes of level known then: the rung that shortens does not go
+    back to it for :data:`TOO_SHORT_CKPTS` checkpoints, nor until a new change of level."""
     warned: set[str] = field(default_factory=set)
     """The kinds of conflict already warned about (one :class:`PolicyWarning` per kind)."""
     current: int | None = None
@@ -305,6 +319,38 @@ def info(
     }
 
 
+def slowdown_measured(est: Estimate) -> bool:
+    """Whether the cost to decide on holds what a checkpoint's copy and persist take from the
+    iterations they overlap (:func:`decision_cost`).
+
+    Measured: by the cadence (the iterations under the interval in force against those with
+    nothing in flight), or by a saved profile; or, where a sample is no longer than about two
+    overlaps, by a checkpoint's overlap measured against iterations timed with nothing in flight
+    (against iterations that overlap checkpoints too it is none), or after
+    :data:`SLOWDOWN_UNSEEN_CKPTS` checkpoints when none can be told apart. A longer sample holds a
+    slowdown of a few iterations' worth in the noise of its other iterations: the per-checkpoint
+    attribution then reads about none, and only the cadence measures it.
+    """
+    if est.cost_source == "cadence" or est.source != "measured":
+        return True
+    if est.sample_iters * est.t > 2.0 * est.bg:
+        return est.detail.cadence is not None
+    return (est.settled and est.t_clean) or est.n >= SLOWDOWN_UNSEEN_CKPTS
+
+
+def decision_cost(est: Estimate) -> float:
+    """The training time one checkpoint costs, as the rules weigh it: the estimate once its slowdown
+    is measured (with long samples, no less than the cadence measures); until then the copy and
+    persist count as lost time, as in the provisional decision, so the interval errs wide and
+    shortens only on a measured cost."""
+    if not slowdown_measured(est):
+        return max(est.cost, est.bg)
+    m = est.detail.cadence
+    if m is not None and est.sample_iters * est.t > 2.0 * est.bg:
+        return max(est.cost, est.stall + max(m.slowdown, 0.0))
+    return est.cost
+
+
 def phase_of(est: Estimate, prior: dict | None) -> Phase:
     """Which phase the estimates put the policy in."""
     ready = est.source == "measured" and (est.has_persist or est.n >= 2)
@@ -341,13 +387,28 @@ def decide(
 class _Ladder:
     """One decision: the rungs in order; the first that returns a :data:`Verdict` decides."""
 
-    __slots__ = ("cfg", "st", "est", "prior", "ckpt_clock", "current", "k", "binding", "conflicts", "info", "phase")
+    __slots__ = (
+        "cfg",
+        "st",
+        "est",
+        "prior",
+        "ckpt_clock",
+        "current",
+        "cost",
+        "k",
+        "binding",
+        "conflicts",
+        "info",
+        "phase",
+    )
 
     def __init__(self, cfg: Adaptive, st: RuleState, est: Estimate, prior: dict | None, ckpt_clock: int, current: int):
         self.cfg, self.st, self.est, self.prior = cfg, st, est, prior
         self.ckpt_clock, self.current = ckpt_clock, current
-        self.k, self.binding, self.conflicts = target(cfg, est)
-        self.info = info(cfg, est, self.k, self.binding, self.conflicts, current)
+        self.cost = decision_cost(est)
+        self.k, self.binding, self.conflicts = target(cfg, est, self.cost)
+        self.info = info(cfg, est, self.k, self.binding, self.conflicts, current, self.cost)
+        self.info["slowdown_measured"] = slowdown_measured(est)
         self.phase = phase_of(est, prior)
         self.info["phase"] = self.phase.value
 
@@ -377,6 +438,13 @@ class _Ladder:
         info_["reason"] = (
             f"{info_.get('reason', '')}; a checkpoint costs {est.cost:.3g} s (+/- {est.cost_se:.2g}, "
             f"{est.cost_source}), an iteration {est.t:.3g} s"
+            + (
+                f"; its slowdown not measured yet, the copy and persist ({est.bg:.3g} s) count as lost time"
+                if not self.info["slowdown_measured"]
+                else f"; weighed at {self.cost:.3g} s, as the cadence measures it"
+                if self.cost != est.cost
+                else ""
+            )
             + (f", the job's overhead so far {measured:.3g}%" if measured is not None else "")
         )
         return verdict
@@ -472,8 +540,12 @@ class _Ladder:
                 f"persist in flight: {est.bg:.3g} s of copy+persist do not fit in {current} steps "
                 f"of {t:.3g} s: widening to {k}"
             )
+            self._too_short()
             return k, self.info
         return None
+
+    def _too_short(self) -> None:
+        self.st.too_short = (self.current, self.ckpt_clock, dict(self.est.detail.drift))
 
     def _over_budget(self) -> Verdict | None:
         st, est, t, k, current = self.st, self.est, self.est.t, self.k, self.current
@@ -487,6 +559,7 @@ class _Ladder:
                 self.info["reason"] = (
                     f"over budget: {100 * over:.3g}% > {self.cfg.budget_pct:g}% at {current} steps: widening to {k}"
                 )
+                self._too_short()
                 return k, self.info
             if st.widen_since is None:
                 st.widen_since = self.ckpt_clock
@@ -529,14 +602,21 @@ class _Ladder:
         # the persist + 2: a persist short of its time makes training wait; at least three
         # checkpoints since the last drift), only when that is clearly shorter, and
         # only when it is still so at the next checkpoint.
-        k_safe = target(self.cfg, est, est.cost + est.cost_se, est.bg + 2.0 * est.bg_se)[0]
+        cost = self.cost + est.cost_se
+        k_safe = target(self.cfg, est, cost, est.bg + 2.0 * est.bg_se)[0]
+        if st.too_short is not None:
+            short, at, drift = st.too_short
+            if self.ckpt_clock - at > TOO_SHORT_CKPTS or est.detail.drift != drift:
+                st.too_short = None
+            else:
+                k_safe = max(k_safe, short + 1)
         if k_safe <= math.floor(current * self.cfg.shrink_ratio) and est.n_level >= 3:
             if st.shrink_since is None:
                 st.shrink_since = self.ckpt_clock
             elif self.ckpt_clock > st.shrink_since and self.ckpt_clock > st.changed_at:
                 self.info["reason"] = (
                     f"headroom: {k_safe} steps meet every rule (predicted overhead "
-                    f"{100 * est.cost / (k_safe * t):.3g}%): shortening from {current}"
+                    f"{100 * cost / (k_safe * t):.3g}%): shortening from {current}"
                 )
                 return k_safe, self.info
             self.info["reason"] = (
