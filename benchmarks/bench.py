@@ -452,9 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cf-register",
         action="store_true",
-        help="let cf_ray register its checkpoints with Ray Train (off by default: with Ray's "
-        "num_to_keep, Ray then deletes directories cf_ray's keep_last already deleted and the "
-        "run fails with 'Path not found')",
+        help="register the cf_ray variants' checkpoints with Ray Train (off by default: the segments "
+        "measure cf_ray's checkpoint path without Ray Train's bookkeeping, a ray.train.report of every "
+        "rank at most every CF_RAY_REGISTER_INTERVAL_S)",
     )
     p.add_argument("--storage", default=None, help="checkpoint storage directory (default: OUT/work)")
     p.add_argument("--keep-storage", action="store_true", help="keep the checkpoints written (default: delete)")
@@ -679,8 +679,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             t0 = time.time()
             error = None
             try:
-                # Ray keeps its last 2 checkpoints; with cf_ray registering into the same run, Ray's
-                # clean-up trips over cf_ray's own keep-last deletions (see --cf-register).
+                # Ray keeps its last 2 checkpoints (the Ray variants' and, with --cf-register, cf_ray's
+                # pointers; cf_ray keeps a registered step until Ray drops it).
                 _fit(
                     segments._bench_loop,
                     cfg,

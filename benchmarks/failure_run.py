@@ -157,8 +157,8 @@ def _failure_loop(cfg: dict) -> None:
         )
         ckpt = cf_ray.Checkpointer(
             {"model": model, "optimizer": opt},
-            # Not registered with Ray Train: its num_to_keep would delete what cf_ray's keep_last did
-            # (as in the bench's own cf_ray variants); no consolidated final model (not timed anyway).
+            # Not registered with Ray Train, as in the bench's own cf_ray variants (cf_ray's checkpoint
+            # path without Ray Train's bookkeeping); no consolidated final model (not timed anyway).
             config=cf_ray.CheckpointConfig(policy=policy, keep_last=2, final_model=None, register_with_ray=False),
         )
         resume = ckpt.restore()
