@@ -55,6 +55,7 @@ from cf_ray._engine.data.checks import (
     FORMAT_KEY,
     check_elastic_states,
     check_format,
+    check_history,
     check_int,
     check_same,
     id_digest,
@@ -390,13 +391,7 @@ class ElasticRayDataIterator:
             complete = state["complete"]
             if not isinstance(complete, bool):
                 raise TypeError("complete must be a bool")
-            history = []
-            for h in state["history"]:
-                w = check_int("history.world_size", h["world_size"], minimum=1)
-                cons = [check_int("history.consumed", c, minimum=0) for c in h["consumed"]]
-                if len(cons) != w:
-                    raise ValueError(f"history entry has {len(cons)} counts for {w} ranks")
-                history.append({"world_size": w, "consumed": cons})
+            history = check_history(state["history"])
             last = state["last"]
             if last is not None:
                 runs = [

@@ -58,6 +58,8 @@ def test_state_of_another_source_rank_or_malformed():
     s = ResumableDistributedSampler(IdDataset(10), rank=0, world_size=1)
     with pytest.raises(ConfigError, match="malformed state"):
         s.load_state_dict(dict(state, consumed="2"))
+    with pytest.raises(ConfigError, match=r"malformed state \(history entry .* has 1 counts for 2 ranks\)"):
+        s.load_state_dict(dict(state, history=[{"world_size": 2, "consumed": [1]}]))
     with pytest.raises(ConfigError, match="computes 10"):
         s.load_state_dict(dict(state, consumed=11, epoch_len=11))
     with pytest.raises(ConfigError, match="expects a dict"):

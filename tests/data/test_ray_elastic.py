@@ -122,6 +122,8 @@ def test_settings_and_unsupported_arguments_are_refused(ray_local):
     state = roundtrip(it.state_dict())
     with pytest.raises(ConfigError, match="batch_size"):
         ResumableRayDataIterator(shard, batch_size=5).load_state_dict(state)
+    with pytest.raises(ConfigError, match=r"malformed state \(history entry .* has 1 counts for 2 ranks\)"):
+        it.load_state_dict(dict(state, history=[{"world_size": 2, "consumed": [1]}]))
     plain = ResumableRayDataIterator(make_ds(), batch_size=4, rank=0, world_size=1)
     with pytest.raises(ConfigError, match="format"):
         plain.load_state_dict(state)  # switching the config between runs is said clearly

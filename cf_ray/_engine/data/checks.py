@@ -79,6 +79,24 @@ def check_same(owner: str, state: Mapping[str, Any], expected: Mapping[str, Any]
             )
 
 
+def check_history(history: Any) -> list[dict[str, Any]]:
+    """A saved ``history`` (each earlier world size of the epoch, with what each of its ranks
+    consumed), checked and copied: ``[{"world_size": w, "consumed": [c_0, ..., c_w-1]}, ...]``.
+
+    Raises:
+        ConfigError: an entry's counts are not ints ``>= 0``, or not one per rank.
+        KeyError, TypeError: an entry is not such a mapping (the caller names the state malformed).
+    """
+    checked = []
+    for seg in history:
+        w = check_int("history.world_size", seg["world_size"], minimum=1)
+        cons = [check_int("history.consumed", c, minimum=0) for c in seg["consumed"]]
+        if len(cons) != w:
+            raise ConfigError(f"history entry {seg!r} has {len(cons)} counts for {w} ranks")
+        checked.append({"world_size": w, "consumed": cons})
+    return checked
+
+
 def check_elastic_states(owner: str, states: Sequence[Mapping[str, Any]], fmt: str, same_keys: Sequence[str]) -> int:
     """Check that ``states`` are the states of every rank of one old run; return its world size.
 

@@ -18,6 +18,7 @@ from cf_ray._engine.data.checks import (
     FORMAT_KEY,
     check_elastic_states,
     check_format,
+    check_history,
     check_int,
     check_same,
     resolve_world,
@@ -254,13 +255,7 @@ class EpochCursor:
         try:
             epoch = check_int("epoch", state["epoch"], minimum=0)
             consumed = check_int("consumed", state["consumed"], minimum=0)
-            history = []
-            for seg in state["history"]:
-                w = check_int("history.world_size", seg["world_size"], minimum=1)
-                cons = [check_int("history.consumed", c, minimum=0) for c in seg["consumed"]]
-                if len(cons) != w:
-                    raise ConfigError(f"history entry {seg!r} has {len(cons)} counts for {w} ranks")
-                history.append({"world_size": w, "consumed": cons})
+            history = check_history(state["history"])
         except (KeyError, TypeError, ConfigError) as e:
             raise ConfigError(f"{owner}: malformed state ({e}); pass a dict saved by {owner}.state_dict()") from None
         for i, seg in enumerate(history):
