@@ -329,13 +329,18 @@ def slowdown_measured(est: Estimate) -> bool:
     (against iterations that overlap checkpoints too it is none), or after
     :data:`SLOWDOWN_UNSEEN_CKPTS` checkpoints when none can be told apart. A longer sample holds a
     slowdown of a few iterations' worth in the noise of its other iterations: the per-checkpoint
-    attribution then reads about none, and only the cadence measures it.
+    attribution then reads about none, and only the cadence measures it (or, when no iteration was
+    ever timed with nothing in flight, the figures there are after :data:`SLOWDOWN_UNSEEN_CKPTS`
+    checkpoints: the probe windows then make clean ones, and the cadence corrects it).
     """
     if est.cost_source == "cadence" or est.source != "measured":
         return True
+    unseen = est.n >= SLOWDOWN_UNSEEN_CKPTS
     if est.sample_iters * est.t > 2.0 * est.bg:
-        return est.detail.cadence is not None
-    return (est.settled and est.t_clean) or est.n >= SLOWDOWN_UNSEEN_CKPTS
+        # Without a single iteration timed with nothing in flight there is nothing for the cadence
+        # to compare with until a probe window makes some: what there is counts after a while.
+        return est.detail.cadence is not None or (unseen and not est.t_clean)
+    return (est.settled and est.t_clean) or unseen
 
 
 def decision_cost(est: Estimate) -> float:
