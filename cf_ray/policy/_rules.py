@@ -319,7 +319,7 @@ def info(
     }
 
 
-def slowdown_measured(est: Estimate) -> bool:
+def slowdown_measured(est: Estimate, current: int) -> bool:
     """Whether the cost to decide on holds what a checkpoint's copy and persist take from the
     iterations they overlap (:func:`decision_cost`).
 
@@ -337,18 +337,27 @@ def slowdown_measured(est: Estimate) -> bool:
         return True
     unseen = est.n >= SLOWDOWN_UNSEEN_CKPTS
     if est.sample_iters * est.t > 2.0 * est.bg:
-        # Without a single iteration timed with nothing in flight there is nothing for the cadence
-        # to compare with until a probe window makes some: what there is counts after a while.
-        return est.detail.cadence is not None or (unseen and not est.t_clean)
+        # The cadence measures it once its standard error is under half the copy and persist time
+        # (a figure it cannot tell from none, on a busy machine, is no measure). Without a single
+        # iteration timed with nothing in flight there is nothing for it to compare with until a
+        # probe window makes some: what there is counts after a while.
+        # Checkpoints four samples apart or more leave clean samples on both sides of each overlap:
+        # three of them, measured so, tell it too.
+        m = est.detail.cadence
+        return (
+            (m is not None and m.se < 0.5 * est.bg)
+            or (est.settled and est.t_clean and est.n >= 3 and current >= 4 * est.sample_iters)
+            or (unseen and not est.t_clean)
+        )
     return (est.settled and est.t_clean) or unseen
 
 
-def decision_cost(est: Estimate) -> float:
+def decision_cost(est: Estimate, current: int) -> float:
     """The training time one checkpoint costs, as the rules weigh it: the estimate once its slowdown
     is measured (with long samples, no less than the cadence measures); until then the copy and
     persist count as lost time, as in the provisional decision, so the interval errs wide and
     shortens only on a measured cost."""
-    if not slowdown_measured(est):
+    if not slowdown_measured(est, current):
         return max(est.cost, est.bg)
     m = est.detail.cadence
     if m is not None and est.sample_iters * est.t > 2.0 * est.bg:
@@ -410,10 +419,10 @@ class _Ladder:
     def __init__(self, cfg: Adaptive, st: RuleState, est: Estimate, prior: dict | None, ckpt_clock: int, current: int):
         self.cfg, self.st, self.est, self.prior = cfg, st, est, prior
         self.ckpt_clock, self.current = ckpt_clock, current
-        self.cost = decision_cost(est)
+        self.cost = decision_cost(est, current)
         self.k, self.binding, self.conflicts = target(cfg, est, self.cost)
         self.info = info(cfg, est, self.k, self.binding, self.conflicts, current, self.cost)
-        self.info["slowdown_measured"] = slowdown_measured(est)
+        self.info["slowdown_measured"] = slowdown_measured(est, current)
         self.phase = phase_of(est, prior)
         self.info["phase"] = self.phase.value
 
