@@ -523,7 +523,7 @@ def _targets(results: dict) -> list[dict]:
                     text + " (per-round difference <= 0)",
                     diff(setting, cf, o, scale),
                     0.0,
-                    note=f"cf_ray {cf['overhead_pct']:+.1f} %, {other} {o['overhead_pct']:+.1f} %",
+                    note=f"cf_ray {_pct(cf['overhead_pct'])}, {other} {_pct(o['overhead_pct'])}",
                 )
         cfs = [v for v in results["variants"] if v["setting"] == setting and v["variant"].startswith("cf_")]
         if cfs and lim.get("memcpy_gbps"):
@@ -629,3 +629,8 @@ def _fmt(x, spec=".3f", none="–"):
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return none
     return format(x, spec)
+
+
+def _pct(v) -> str:
+    """An overhead in percent, or why there is none (no fit without checkpoints to compare with)."""
+    return "n/a (no baseline fit)" if v is None else f"{v:+.1f} %"

@@ -121,3 +121,16 @@ def test_a_segment_lead_in_fills_both_snapshot_slots_before_its_window(k):
     # faulted in), at least three iterations: the window's checkpoints all reuse warm slots.
     assert lead % k == 0 and lead // k >= 2 and lead >= 3
     assert window_for(k, 40) % k == 0
+
+
+def test_targets_without_a_baseline_fit_say_so_instead_of_failing():
+    # `cf-ray bench --variants cf_fixed,ray_sync` (no `none` fit): no overhead to judge; the table
+    # must still be written (it lost results.json before).
+    variants = [_variant("w2", "cf_fixed", 10, [1.0]), _variant("w2", "ray_sync", 10, [2.0])]
+    for v in variants:
+        v["overhead_pct"] = None
+        v["overhead_interval"] = None
+        v["overhead_pct_per_round"] = {}
+    results = {"limits": {}, "config": {}, "settings": [{"setting": "w2"}], "variants": variants, "recovery": None}
+    t = {x["id"]: x for x in _targets(results)}
+    assert "no baseline fit" in t["vs_ray_sync"]["note"]
