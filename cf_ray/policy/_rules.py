@@ -333,19 +333,22 @@ def slowdown_measured(est: Estimate, current: int) -> bool:
     ever timed with nothing in flight, the figures there are after :data:`SLOWDOWN_UNSEEN_CKPTS`
     checkpoints: the probe windows then make clean ones, and the cadence corrects it).
     """
-    if est.cost_source == "cadence" or est.source != "measured":
+    if est.source != "measured":
         return True
+    m = est.detail.cadence
+    # The cadence measures it once its standard error is under half the copy and persist time (a
+    # figure it cannot tell from none, on a busy machine, is no measure).
+    cadence = m is not None and m.se < 0.5 * est.bg
+    if est.cost_source == "cadence":
+        return cadence
     unseen = est.n >= SLOWDOWN_UNSEEN_CKPTS
     if est.sample_iters * est.t > 2.0 * est.bg:
-        # The cadence measures it once its standard error is under half the copy and persist time
-        # (a figure it cannot tell from none, on a busy machine, is no measure). Without a single
-        # iteration timed with nothing in flight there is nothing for it to compare with until a
-        # probe window makes some: what there is counts after a while.
         # Checkpoints four samples apart or more leave clean samples on both sides of each overlap:
-        # three of them, measured so, tell it too.
-        m = est.detail.cadence
+        # three of them, measured so, tell it too. Without a single iteration timed with nothing in
+        # flight there is nothing for the cadence to compare with until a probe window makes some:
+        # what there is counts after a while.
         return (
-            (m is not None and m.se < 0.5 * est.bg)
+            cadence
             or (est.settled and est.t_clean and est.n >= 3 and current >= 4 * est.sample_iters)
             or (unseen and not est.t_clean)
         )
