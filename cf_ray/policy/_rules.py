@@ -65,10 +65,16 @@ class RuleState:
     """An interval was decided from measurements (the first tuned decision is behind us)."""
     changed_at: int = -1
     """The checkpoint count (``Estimator.ckpt_clock``) when the interval last changed."""
-    shrink_since: int | None = None
-    """The checkpoint count when a clearly shorter interval was first found possible."""
-    widen_since: int | None = None
-    """The checkpoint count when a marginal overrun of the budget was first seen."""
+    since: dict[str, int] = field(default_factory=dict)
+    """The checkpoint count when a move waiting to be confirmed at a later checkpoint was first
+    asked for: ``shrink`` (a clearly shorter interval possible), ``widen`` (a marginal overrun of
+    the budget), ``cost`` (a rise of the cost alone asking for a wider goodput interval)."""
+    slowdown_seen: bool = False
+    """Some decision rested on a measured slowdown (:func:`slowdown_measured`); it stays so until
+    the estimates change level, so that a rule of evidence tied to the interval does not flip with
+    the interval it sets."""
+    slowdown_drift: dict = field(default_factory=dict)
+    """The changes of level known when ``slowdown_seen`` was set."""
     too_short: tuple[int, int, dict] | None = None
     """The interval last found too short (over the budget, or its persist did not fit), the
     checkpoint count then, and the changes of level known then: the rung that shortens does not go
@@ -101,7 +107,7 @@ class RuleState:
         }
         self.changed_at = ckpt_clock
         self.mtbf_s = (info.get("hazard") or {}).get("mtbf_s")
-        self.shrink_since = self.widen_since = None
+        self.since.clear()
         self.binding = info.get("binding")
         info.update(interval=decision, previous=current)
         info["lost_work_s"] = decision * info["iter_s"] if info.get("iter_s") else None
@@ -355,12 +361,12 @@ def slowdown_measured(est: Estimate, current: int) -> bool:
     return (est.settled and est.t_clean) or unseen
 
 
-def decision_cost(est: Estimate, current: int) -> float:
+def decision_cost(est: Estimate, measured: bool) -> float:
     """The training time one checkpoint costs, as the rules weigh it: the estimate once its slowdown
-    is measured (with long samples, no less than the cadence measures); until then the copy and
+    is ``measured`` (with long samples, no less than the cadence measures); until then the copy and
     persist count as lost time, as in the provisional decision, so the interval errs wide and
     shortens only on a measured cost."""
-    if not slowdown_measured(est, current):
+    if not measured:
         return max(est.cost, est.bg)
     m = est.detail.cadence
     if m is not None and est.sample_iters * est.t > 2.0 * est.bg:
@@ -422,10 +428,16 @@ class _Ladder:
     def __init__(self, cfg: Adaptive, st: RuleState, est: Estimate, prior: dict | None, ckpt_clock: int, current: int):
         self.cfg, self.st, self.est, self.prior = cfg, st, est, prior
         self.ckpt_clock, self.current = ckpt_clock, current
-        self.cost = decision_cost(est, current)
+        measured = slowdown_measured(est, current)
+        if st.slowdown_seen and est.detail.drift != st.slowdown_drift:
+            st.slowdown_seen = False  # a new level: its slowdown is measured afresh
+        if measured:
+            st.slowdown_seen, st.slowdown_drift = True, dict(est.detail.drift)
+        measured = measured or st.slowdown_seen
+        self.cost = decision_cost(est, measured)
         self.k, self.binding, self.conflicts = target(cfg, est, self.cost)
         self.info = info(cfg, est, self.k, self.binding, self.conflicts, current, self.cost)
-        self.info["slowdown_measured"] = slowdown_measured(est, current)
+        self.info["slowdown_measured"] = measured
         self.phase = phase_of(est, prior)
         self.info["phase"] = self.phase.value
 
@@ -571,20 +583,19 @@ class _Ladder:
         if k > current and over > budget:
             # A clear overrun widens at once; a marginal one must still be there at the next checkpoint.
             if over > budget * (1.0 + 2.0 * self.cfg.headroom) or (
-                st.widen_since is not None and self.ckpt_clock > st.widen_since
+                "widen" in st.since and self.ckpt_clock > st.since["widen"]
             ):
                 self.info["reason"] = (
                     f"over budget: {100 * over:.3g}% > {self.cfg.budget_pct:g}% at {current} steps: widening to {k}"
                 )
                 self._too_short()
                 return k, self.info
-            if st.widen_since is None:
-                st.widen_since = self.ckpt_clock
+            st.since.setdefault("widen", self.ckpt_clock)
             self.info["reason"] = (
                 f"keeping {current}: {100 * over:.3g}% is over the budget, confirming at the next checkpoint"
             )
             return None, self.info
-        st.widen_since = None
+        st.since.pop("widen", None)
         return None
 
     def _failure_rate_moved(self) -> Verdict | None:
@@ -597,16 +608,32 @@ class _Ladder:
             return None
         ratio = self.cfg.shrink_ratio
         if k > math.floor(current * ratio) and k < math.ceil(current / ratio):
+            st.since.pop("cost", None)
             return None
         hz = self.est.hazard
         assert hz is not None  # a goodput candidate needs a hazard estimate
-        if k < current and st.mtbf_s is not None:
+        then = best_steps(self.est.t, max(self.est.cost, 0.0), st.mtbf_s) if st.mtbf_s is not None else None
+        if k < current and then is not None:
             # Shorten at once only for the failure rate: at today's cost, did the goodput interval
             # move by the ratio between the failure rate then and now? A move of the cost alone
             # goes through the pessimistic estimates of ``_room_to_shorten``.
-            then = best_steps(self.est.t, max(self.est.cost, 0.0), st.mtbf_s)
-            if then is not None and goodput > math.floor(then * ratio):
+            if goodput > math.floor(then * ratio):
                 return None
+        if k > current and then is not None and goodput < math.ceil(then / ratio):
+            # Widen at once only for the failure rate too: a rise of the cost alone (the estimates
+            # of a restarted group, one slow checkpoint) must still be there at the next checkpoint,
+            # or it would undo the shortening that failures just made.
+            if self.ckpt_clock <= st.since.setdefault("cost", self.ckpt_clock):
+                self.info["reason"] = (
+                    f"keeping {current}: the cost asks for {k} (goodput binds), confirming at the next checkpoint"
+                )
+                return None, self.info
+            st.since.pop("cost", None)
+            self.info["reason"] = (
+                f"cost: {self.est.cost:.3g} s per checkpoint: widening from {current} to {k} (goodput binds)"
+            )
+            return k, self.info
+        st.since.pop("cost", None)
         self.info["reason"] = (
             f"failure rate: one failure every {hz.mtbf_s:.3g} s up ({hz.failures} in {hz.exposure_s:.3g} s): "
             f"{'shortening' if k < current else 'widening'} from {current} to {k} ({self.binding} binds)"
@@ -628,9 +655,8 @@ class _Ladder:
             else:
                 k_safe = max(k_safe, short + 1)
         if k_safe <= math.floor(current * self.cfg.shrink_ratio) and est.n_level >= 3:
-            if st.shrink_since is None:
-                st.shrink_since = self.ckpt_clock
-            elif self.ckpt_clock > st.shrink_since and self.ckpt_clock > st.changed_at:
+            since = st.since.setdefault("shrink", self.ckpt_clock)
+            if self.ckpt_clock > since and self.ckpt_clock > st.changed_at:
                 self.info["reason"] = (
                     f"headroom: {k_safe} steps meet every rule (predicted overhead "
                     f"{100 * cost / (k_safe * t):.3g}%): shortening from {current}"
@@ -640,7 +666,7 @@ class _Ladder:
                 f"keeping {current}: shorter interval {k_safe} possible, confirming at the next checkpoint"
             )
             return None, self.info
-        st.shrink_since = None
+        st.since.pop("shrink", None)
         return None
 
     def _keep(self) -> Verdict:
