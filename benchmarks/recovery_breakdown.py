@@ -9,7 +9,8 @@ step, is cut into parts from timestamps that are observable without touching Ray
   placement group removed);
 * ``reschedule``: to the new group's start (the controller's state machine);
 * ``placement``: to the new rank processes created (their ``/proc`` start time; a process that
-  Ray had started before, as an idle worker, makes this part negative, kept as measured);
+  Ray had started before, as an idle worker, makes this part negative, kept as measured: a spare
+  process cf_ray made ready, ``cf_ray/_engine/worker/link/ray_train_spare.py``);
 * ``actor_start``: to the new actors answering (Python and Ray started, Ray Train's worker made);
 * ``process_group``: to the new group started (train context, ``init_process_group``);
 * ``launch``: to the training function running on rank 0;
@@ -21,8 +22,11 @@ step, is cut into parts from timestamps that are observable without touching Ray
 
 ``python -m benchmarks.recovery_breakdown --json benchmarks/results/recovery-DATE.json`` runs it with
 the demo's model and the 302 MB state, each under every ``--settings`` (``ray``: Ray Train's defaults;
-``cf_ray``: what cf_ray sets when it is imported in the driver) in one Ray session, and prints the
-table of medians. The machine's load is printed beside it: figures from a shared machine are
+``cf_ray``: what cf_ray sets when it is imported in the driver, and the spare worker process each
+rank keeps; ``cf_ray_no_spare``: the same without the spare) in one Ray session, and prints the
+table of medians. With a spare, the rank that kills itself first waits until every rank's spare is
+there (a failure minutes into a run finds them ready); the ``spare`` column counts the recoveries
+whose rank 0 ran in one. The machine's load is printed beside it: figures from a shared machine are
 marked so.
 """
 
@@ -101,6 +105,7 @@ def _loop(cfg: dict) -> None:
     import torch
 
     import cf_ray
+    from cf_ray._engine.worker.link import ray_train_spare
     from cf_ray._engine.worker.restore.restorer import process_start_unix
 
     imported_t = time.time()
@@ -158,15 +163,29 @@ def _loop(cfg: dict) -> None:
                 "first_step": first_t,
                 "restore_s": resume.seconds,
                 "phases": resume.phases,
+                "pid": os.getpid(),
+                "spare": ray_train_spare.arrival(restart=resume.generation > 1),
             }
             with open(out / f"attempt_rank{rank}_gen{resume.generation}.json", "w") as f:
                 json.dump(rec, f)
         if rank == 1 and kills < cfg["kills"] and step >= resume.step + cfg["gap"] and step % cfg["interval"] == 0:
             ckpt.wait_snapshot()  # the snapshot of this step is in the holder: the restore is from memory
+            _wait_spares(2)
             with open(out / f"kill_{kills:03d}.json", "w") as f:
                 json.dump({"t": time.time(), "step": step, "gen": resume.generation}, f)
             os.kill(os.getpid(), signal.SIGKILL)
     ckpt.finish()
+
+
+def _wait_spares(ranks: int, timeout_s: float = 60.0) -> None:
+    """With spares on, until every rank of the node has its spare (or ``timeout_s`` passed)."""
+    from cf_ray._engine.worker.link import ray_train_spare
+
+    if not ray_train_spare.enabled():
+        return
+    spares, deadline = ray_train_spare._Me().dir, time.monotonic() + timeout_s
+    while time.monotonic() < deadline and len(list(spares.glob("*.json"))) < ranks:
+        time.sleep(0.2)
 
 
 def breakdown(timeline: list[dict], kills: list[dict], attempts: list[dict]) -> list[dict]:
@@ -214,6 +233,7 @@ def breakdown(timeline: list[dict], kills: list[dict], attempts: list[dict]) -> 
             killed_step=kill["step"],
             phases={k: round(v, 4) for k, v in r0["phases"].items()},
             processes_reused=any(a["proc_start"] < t for a in ranks),
+            spare=r0.get("spare"),
         )
         rows.append(row)
     return rows
@@ -229,6 +249,14 @@ SETTINGS = {
     "ray": {"CF_RAY_RAY_TRAIN_DEFAULTS": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"},
     # what cf_ray sets (cf_ray._engine.worker.link.ray_train_fast): nothing to do but import cf_ray in the driver
     "cf_ray": {},
+    # the same, without the spare worker processes (ray_train_spare.py)
+    "cf_ray_no_spare": {},
+}
+WORKER_ENV = {
+    # the workers' environment (their runtime_env): cf_ray's spare is off where it is "0"
+    "ray": {"CF_RAY_RAY_TRAIN_DEFAULTS": "0"},
+    "cf_ray": {},
+    "cf_ray_no_spare": {"CF_RAY_RAY_TRAIN_DEFAULTS": "0"},
 }
 
 
@@ -262,6 +290,7 @@ def run_one(model: str, setting: str, kills: int, root: Path, gap: int, interval
                 storage_path=str(root / "storage"),
                 failure_config=ray.train.FailureConfig(max_failures=kills + 2),
                 callbacks=[Timeline(str(out / "timeline.jsonl"))],
+                worker_runtime_env={"env_vars": WORKER_ENV[setting]},
             ),
         ).fit()
     finally:
@@ -279,20 +308,23 @@ def medians(rows: list[dict]) -> dict:
 
 
 def render(res: dict) -> str:
-    head = "| model | settings | kills | " + " | ".join(PARTS) + " | total (min-max) | source |"
-    lines = [head, "|" + "---|" * (len(PARTS) + 5)]
+    head = "| model | settings | kills | " + " | ".join(PARTS) + " | total (min-max) | source | spare |"
+    lines = [head, "|" + "---|" * (len(PARTS) + 6)]
     for run in res["runs"]:
         med = run["medians"]
         done = [r for r in run["rows"] if not r.get("incomplete")]
         if not med:
-            lines.append(f"| {run['model']} | {run['setting']} | 0 | " + " | ".join("-" for _ in PARTS) + " | - | - |")
+            lines.append(
+                f"| {run['model']} | {run['setting']} | 0 | " + " | ".join("-" for _ in PARTS) + " | - | - | - |"
+            )
             continue
         totals = [r["total"] for r in done]
         srcs = ",".join(sorted({r["source"] for r in done}))
         lines.append(
             f"| {run['model']} | {run['setting']} | {len(done)} | "
             + " | ".join(f"{med[p]:.2f}" for p in PARTS)
-            + f" | **{med['total']:.2f}** ({min(totals):.2f}-{max(totals):.2f}) | {srcs} |"
+            + f" | **{med['total']:.2f}** ({min(totals):.2f}-{max(totals):.2f}) | {srcs}"
+            + f" | {sum(r.get('spare') == 'taken' for r in done)}/{len(done)} |"
         )
     return "\n".join(lines)
 
@@ -300,7 +332,9 @@ def render(res: dict) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.recovery_breakdown", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="demo,302mb", help="demo, 302mb (comma-separated)")
-    p.add_argument("--settings", default="ray,cf_ray", help="ray, cf_ray (comma-separated; each model under each)")
+    p.add_argument(
+        "--settings", default="ray,cf_ray", help="ray, cf_ray, cf_ray_no_spare (comma-separated; each model under each)"
+    )
     p.add_argument("--kills", type=int, default=3, help="SIGKILLs per fit (one recovery each)")
     p.add_argument("--gap", type=int, default=8, help="steps after each restore before the next kill")
     p.add_argument("--interval", type=int, default=5, help="checkpoint every this many steps")

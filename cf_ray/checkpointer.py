@@ -332,11 +332,10 @@ class Checkpointer:
             self._steps.wait(self.step_count, timeout, report_timeout=False, safe_ok=True)
 
     def finish(self) -> FinishSummary:
-        """End of training: checkpoint the final state (unless the last checkpoint is of this step and
-        is persisted: one the schedule held in memory only, or one that failed, is taken again,
-        persisted; one that fails is taken again while the wait lasts), wait for every checkpoint
-        taken, write the consolidated model, register it with Ray Train as the run's result, and
-        release cf_ray's actors and threads (:meth:`close`). Call on every rank.
+        """End of training: checkpoint the final state (unless the last checkpoint is of this step and is persisted: one
+        the schedule held in memory only, or one that failed, is taken again, persisted; one that fails is taken again
+        while the wait lasts), wait for every checkpoint taken, write the consolidated model, register it with Ray Train
+        as the run's result, and release cf_ray's actors and threads (:meth:`close`). Call on every rank.
 
         The checkpoint of the final state is of kind ``final`` (a milestone only by ``milestone_every``).
         The final model names the newest committed full checkpoint (the final one when it committed in
@@ -374,6 +373,7 @@ class Checkpointer:
             self._link.wait_maintenance(self.step_count)  # uploads to the tiers finish before fit() returns
         self._steps.control.broadcast(None)  # every rank leaves together, after the uploads
         summary = self._link.finish(self.rank, self.world_size)
+        self._restorer.spare.end()  # no restart follows: this rank's spare process ends
         self.close()
         self._lifecycle = _Lifecycle.FINISHED
         failures = _final_tries(

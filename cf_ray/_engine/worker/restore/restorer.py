@@ -52,7 +52,7 @@ from cf_ray._engine.protocol.events import IntegrityFailureEvent
 from cf_ray._engine.protocol.messages import Restored, RestorePlan, RestoreSource
 from cf_ray._engine.worker.context import WorkerContext
 from cf_ray._engine.worker.control import ControlPlane
-from cf_ray._engine.worker.link import ray_train_fast
+from cf_ray._engine.worker.link import ray_train_fast, ray_train_spare
 from cf_ray._engine.worker.link.controller import ControllerLink
 from cf_ray._engine.worker.restore import checks as _checks
 from cf_ray._engine.worker.restore import integrity as _integrity
@@ -188,6 +188,8 @@ class Restorer:
         self.memory = MemoryReader(ctx.rank, self.record)
         self._sections: dict[str, Section] = {}  # the candidate being applied (rechecked on a mismatch)
         self._generation = -1  # the generation that took the candidate being read
+        self.spare = ray_train_spare.Spare(ctx.rank)
+        """This rank's spare worker process for the next attempt (made once this attempt restored)."""
 
     @property
     def rank(self) -> int:
@@ -443,13 +445,17 @@ class Restorer:
         return cast(list, self.control.all_gather(status))
 
     def report(self, outcome: Outcome, seconds: float) -> None:
-        """Tell the controller where the attempt resumed from (rank 0) and log it."""
+        """Tell the controller where the attempt resumed from (rank 0) and log it; then this rank's
+        spare process for the next attempt is made (``link/ray_train_spare.py``)."""
+        spare = ray_train_spare.arrival(restart=self.link.generation > 1)  # this process: a spare?
         if self.rank == 0:
             extra = self.record.fallbacks.extra()  # the candidates skipped, and why (the restart's event)
             # Where the restart's recovery went before the restore (Restart.rebuild_s, setup_s).
             extra.update(process_start_unix=process_start_unix(), restore_begin_unix=time.time() - seconds)
             extra.update(code_start_unix=LOADED_UNIX)
             extra.update(health_check_s=ray_train_fast.health_check_s())  # how soon Ray Train saw a failure
+            if spare:
+                extra.update(spare=spare)  # whether the restart's new process was a spare, or why not
             self.link.controller.restored.remote(
                 Restored(
                     source=outcome.source,
@@ -468,6 +474,7 @@ class Restorer:
             outcome.epoch,
             outcome.source.value,
         )
+        self.spare.start()
 
     def _sections_needed(self, saved_world: int, replicated: bool) -> list[str]:
         needed = [SHARED] if replicated else []
