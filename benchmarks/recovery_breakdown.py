@@ -25,8 +25,9 @@ the demo's model and the 302 MB state, each under every ``--settings`` (``ray``:
 ``cf_ray``: what cf_ray sets when it is imported in the driver, and the spare worker process each
 rank keeps; ``cf_ray_no_spare``: the same without the spare) in one Ray session, and prints the
 table of medians. With a spare, the rank that kills itself first waits until every rank's spare is
-there (a failure minutes into a run finds them ready); the ``spare`` column counts the recoveries
-whose rank 0 ran in one. The machine's load is printed beside it: figures from a shared machine are
+there and settled (a failure minutes into a run finds them ready); the ``spare`` column counts the
+recoveries whose rank 0 ran in one. ``RAY_preload_python_modules`` (Ray's node setting, read by
+``ray.init``) makes every worker process import those modules before it takes work, a spare too. The machine's load is printed beside it: figures from a shared machine are
 marked so.
 """
 
@@ -178,7 +179,8 @@ def _loop(cfg: dict) -> None:
 
 
 def _wait_spares(ranks: int, timeout_s: float = 60.0) -> None:
-    """With spares on, until every rank of the node has its spare (or ``timeout_s`` passed)."""
+    """With spares on, until every rank of the node has its spare and each has settled (its CPU
+    time unchanged for a second: Python, Ray and any preloaded module imported), or ``timeout_s``."""
     from cf_ray._engine.worker.link import ray_train_spare
 
     if not ray_train_spare.enabled():
@@ -186,6 +188,24 @@ def _wait_spares(ranks: int, timeout_s: float = 60.0) -> None:
     spares, deadline = ray_train_spare._Me().dir, time.monotonic() + timeout_s
     while time.monotonic() < deadline and len(list(spares.glob("*.json"))) < ranks:
         time.sleep(0.2)
+    pids = [int(p.stem) for p in spares.glob("*.json")]
+
+    def cpu() -> list[int]:
+        out = []
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                out.append(int(fields[11]) + int(fields[12]))
+            except (OSError, IndexError, ValueError):
+                out.append(-1)
+        return out
+
+    last, still = cpu(), 0
+    while time.monotonic() < deadline and still < 4:
+        time.sleep(0.25)
+        now = cpu()
+        still, last = (still + 1 if now == last else 0), now
 
 
 def breakdown(timeline: list[dict], kills: list[dict], attempts: list[dict]) -> list[dict]:
@@ -375,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_start": load0,
         "loadavg_end": os.getloadavg(),
         "cpus": os.cpu_count(),
+        # Ray's node setting that imports these in every worker process before it takes work (spares too)
+        "preload_python_modules": os.environ.get("RAY_preload_python_modules"),
         "wall_s": round(time.time() - t0, 1),
         "runs": runs,
     }

@@ -58,3 +58,56 @@ def test_the_restarted_ranks_run_in_the_spares_their_predecessors_made_and_resum
         time.sleep(0.2)
     assert not any(_alive(h) for h in held), held
     assert not any(os.path.exists(os.path.join(a["dir"], f"{a['record']['pid']}.json")) for a in at_finish)
+
+
+class _Here:
+    """This process as ``ray_train_spare`` sees a Ray worker, with its spares' directory under ``tmp``."""
+
+    def __init__(self, tmp):
+        self.job, self.raylet, self.env_vars, self.dir = "01000000", "1", {}, tmp
+
+
+def _record(pid: int) -> dict:
+    return {"pid": pid, "start_ticks": ray_train_spare._start_ticks(pid), "for_pid": 1, "rank": 0, "unix": 0.0}
+
+
+@pytest.fixture
+def here(tmp_path, monkeypatch):
+    monkeypatch.setattr(ray_train_spare, "_Me", lambda: _Here(tmp_path))
+    monkeypatch.setattr(ray_train_spare, "_arrival", None)
+    monkeypatch.delenv("CF_RAY_RAY_TRAIN_DEFAULTS", raising=False)
+    return tmp_path
+
+
+def test_a_process_a_previous_attempt_made_its_spare_is_taken_and_no_longer_listed(here):
+    (here / f"{os.getpid()}.json").write_text(json.dumps(_record(os.getpid())))
+    assert ray_train_spare.arrival(restart=True) == "taken"
+    assert not list(here.glob("*.json"))
+
+
+def test_a_restart_in_a_new_process_says_why_once(here, caplog):
+    with caplog.at_level("INFO", logger="cf_ray"):
+        why = ray_train_spare.arrival(restart=True)
+        assert ray_train_spare.arrival(restart=True) == why
+    assert why == "not taken: no spare was ready on this node before the failure", why
+    assert [r.getMessage() for r in caplog.records if "fast path not taken" in r.getMessage()] == [
+        f"cf_ray: fast path not taken: this rank runs in a new worker process ({why})"
+    ]
+
+
+def test_a_spare_that_ended_is_said_gone_and_its_record_dropped(here):
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (here / f"{gone.pid}.json").write_text(json.dumps(dict(_record(os.getpid()), pid=gone.pid)))
+    why = ray_train_spare.arrival(restart=True)
+    assert why == "not taken: the spares made on this node were gone (taken by another task, or ended)", why
+    assert not list(here.glob("*.json"))
+
+
+def test_the_run_s_first_attempt_says_nothing_and_the_switch_turns_it_off(here, monkeypatch):
+    assert ray_train_spare.arrival(restart=False) is None
+    monkeypatch.setenv("CF_RAY_RAY_TRAIN_DEFAULTS", "0")
+    assert ray_train_spare.arrival(restart=True) is None
+    assert ray_train_spare.Spare(0).start()._thread is None  # no spare is made
