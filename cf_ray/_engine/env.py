@@ -23,7 +23,8 @@ takes effect in the next object built; a Ray process reads the environment it wa
                                          (the cores over ``LOCAL_WORLD_SIZE``, at most 8)
 ``CF_RAY_ALLOW_UNTESTED_RAY``   unset    ``1``: import cf_ray with a Ray it was not tested with
 ``CF_RAY_RAY_TRAIN_DEFAULTS``   1        ``0``: ``import cf_ray`` in the driver leaves Ray Train's
-                                         health-check interval at Ray's default (2 s)
+                                         health-check interval at Ray's default (2 s); in a
+                                         worker, no spare worker process is made
 ==============================  =======  =====================================================
 
 **Module constants** (below, plain values): not read from the environment. Code reads them at the
@@ -62,7 +63,8 @@ CRC_THREADS = "CF_RAY_CRC_THREADS"
 #: "1" lets cf_ray import with a Ray version it was not tested with (``cf_ray._version``).
 ALLOW_UNTESTED_RAY = "CF_RAY_ALLOW_UNTESTED_RAY"
 #: "0" keeps Ray Train's own defaults for the settings cf_ray gives it in the driver when imported
-#: there (its health-check interval: ``cf_ray/_engine/worker/link/ray_train_fast.py``).
+#: there (its health-check interval: ``cf_ray/_engine/worker/link/ray_train_fast.py``) and, in a
+#: worker's environment, makes no spare worker process (``link/ray_train_spare.py``).
 RAY_TRAIN_DEFAULTS = "CF_RAY_RAY_TRAIN_DEFAULTS"
 
 VARIABLES: dict[str, float] = {
