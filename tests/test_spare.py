@@ -74,6 +74,7 @@ def _record(pid: int) -> dict:
 @pytest.fixture
 def here(tmp_path, monkeypatch):
     monkeypatch.setattr(ray_train_spare, "_Me", lambda: _Here(tmp_path))
+    monkeypatch.setattr(ray_train_spare, "_in_ray_worker", lambda: True)
     monkeypatch.setattr(ray_train_spare, "_arrival", None)
     monkeypatch.delenv("CF_RAY_RAY_TRAIN_DEFAULTS", raising=False)
     return tmp_path
@@ -111,3 +112,16 @@ def test_the_run_s_first_attempt_says_nothing_and_the_switch_turns_it_off(here, 
     monkeypatch.setenv("CF_RAY_RAY_TRAIN_DEFAULTS", "0")
     assert ray_train_spare.arrival(restart=True) is None
     assert ray_train_spare.Spare(0).start()._thread is None  # no spare is made
+
+
+def test_outside_a_ray_worker_nothing_is_asked_of_ray(monkeypatch):
+    """The driver, or a Checkpointer used in a test's own process: no spare, no restart said, and
+    Ray is not started by the asking (its runtime context would start a local Ray)."""
+    import ray
+
+    monkeypatch.delenv("RAY_RAYLET_PID", raising=False)
+    monkeypatch.setattr(ray_train_spare, "_arrival", None)
+    was = ray.is_initialized()
+    assert ray_train_spare.arrival(restart=True) is None
+    assert ray_train_spare.Spare(0).start()._thread is None
+    assert ray.is_initialized() == was

@@ -57,6 +57,14 @@ def enabled() -> bool:
     return ray_train_fast.enabled()
 
 
+def _in_ray_worker() -> bool:
+    """A process the raylet started, connected to Ray (asking Ray's runtime context anywhere else
+    would start a local Ray)."""
+    import ray
+
+    return bool(os.environ.get("RAY_RAYLET_PID")) and ray.is_initialized()
+
+
 def _spares_dir(raylet: str, job: str) -> Path:
     """Where the spares of ``job`` on the node of ``raylet`` are claimed (a job id alone repeats
     across Ray clusters on one machine)."""
@@ -187,7 +195,7 @@ class Spare:
         self._thread: threading.Thread | None = None
 
     def start(self) -> Spare:
-        if enabled() and self._thread is None:
+        if enabled() and self._thread is None and _in_ray_worker():
             self._thread = threading.Thread(target=self._run, name="cf_ray-spare", daemon=True)
             self._thread.start()
         return self
@@ -253,7 +261,7 @@ def arrival(*, restart: bool) -> str | None:
     """Whether this process is a spare a previous attempt made (``"taken"``), and why not otherwise
     (``"not taken: ..."``, logged once); ``None`` on a run's first attempt without one, or turned off."""
     global _arrival
-    if _arrival is not None or not enabled():
+    if _arrival is not None or not enabled() or not _in_ray_worker():
         return _arrival
     try:
         me = _Me()
