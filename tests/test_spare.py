@@ -12,7 +12,7 @@ import pytest
 import spare_loop
 from test_engine_e2e import SMALL, assert_resumed_from_memory_bitwise, result_of
 
-from cf_ray import demo
+from cf_ray import demo, report
 from cf_ray._engine.worker.link import ray_train_spare
 
 pytestmark = pytest.mark.slow
@@ -47,6 +47,8 @@ def test_the_restarted_ranks_run_in_the_spares_their_predecessors_made_and_resum
     restores = [e for e in result_of(out)["events"] if e.get("event") == "restore"]
     assert restores[-1].get("spare") == "taken", restores
     assert "spare" not in restores[0], restores  # the run's start: no spare to take
+    (row,) = report.read_run_restarts(str(tmp_path / "storage"), "spare").to_dict("records")
+    assert row["spare"] == "taken", row  # the restarts table says it too
     # The run is the uninterrupted one, bitwise, every sample once.
     assert_resumed_from_memory_bitwise(out, reference, 10)
     # finish() ended the spares the last attempt's ranks held: none is left waiting.

@@ -87,6 +87,9 @@ class Restart:
     ``init_process_group`` and the user's set-up (model, optimizer, ``Checkpointer``)."""
     first_step_s: float | None = None
     """From the restore reaching the controller to the end of the first resumed iteration."""
+    spare: str | None = None
+    """Whether rank 0's new process was the spare one its predecessor made ready (``taken``), or why
+    not (``not taken: ...``); ``None`` when spares are off."""
 
 
 class Goodput:
@@ -206,6 +209,7 @@ class Goodput:
         process_start_unix: float | None = None,
         restore_begin_unix: float | None = None,
         code_start_unix: float | None = None,
+        spare: str | None = None,
     ) -> Restart | None:
         """An attempt restored ``step``; returns the restart it makes (``None`` for the run's start:
         the first restore, unless samples came before it). ``process_start_unix`` and
@@ -237,6 +241,7 @@ class Goodput:
             restored_unix=now_unix,
             fallbacks=len(self._fallbacks),
             memory_failed=sum(1 for src, cause in self._fallbacks if src == "memory" and cause == "verification"),
+            spare=spare,
         )
         _split(restart, process_start_unix, restore_begin_unix, code_start_unix)
         self._fallbacks = []
@@ -284,6 +289,7 @@ def restore_args(event: RestoreEvent) -> dict:
         "process_start_unix": event.process_start_unix,
         "restore_begin_unix": event.restore_begin_unix,
         "code_start_unix": event.code_start_unix,
+        "spare": event.spare,
     }
 
 

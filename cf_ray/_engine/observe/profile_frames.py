@@ -79,6 +79,7 @@ RESTART_COLUMNS: dict[str, Any] = {
     "rebuild_s": "float64",
     "setup_s": "float64",
     "first_step_s": "float64",
+    "spare": object,
 }
 # How a per-rank value (a sequence, or a mapping rank -> value) becomes the row's value.
 _PER_RANK = {"stall_s": max, "copy_s": max, "persist_s": max, "bytes": sum}
@@ -135,7 +136,8 @@ def restarts_frame(rows: Iterable[Mapping] | pd.DataFrame) -> pd.DataFrame:
     parts of ``recovery_s``: ``rebuild_s`` (to the start of rank 0's new process: Ray Train seeing
     the failure and rebuilding the worker group), ``setup_s`` (from there to ``restore()``: imports,
     ``init_process_group``, the user's set-up), ``restore_s`` and ``first_step_s`` (from the restore
-    to the end of the first resumed iteration).
+    to the end of the first resumed iteration); ``spare``: ``taken`` when rank 0's new process was
+    the spare its predecessor made ready, else why not.
     """
     records = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else [dict(r) for r in rows]
     return _frame(records, RESTART_COLUMNS)

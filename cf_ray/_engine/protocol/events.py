@@ -132,6 +132,7 @@ class RestoreEvent(Event):
             "restore_begin_unix",
             "code_start_unix",
             "health_check_s",
+            "spare",
         }
     )
 
@@ -152,6 +153,8 @@ class RestoreEvent(Event):
     code_start_unix: float | None = None
     """Rank 0's process start, its call of ``restore()`` and its load of cf_ray (a restart's parts)."""
     health_check_s: float | None = None
+    spare: str | None = None
+    """``taken`` when rank 0's new process was the spare its predecessor made ready, else why not."""
     generation: int | None = None
 
 
