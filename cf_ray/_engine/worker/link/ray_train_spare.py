@@ -28,6 +28,7 @@ group, and the user's imports and set-up, which run in the new actor as before.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -162,6 +163,8 @@ def _claim(me: _Me, since_ticks: int, rank: int) -> dict | None:
             fd = os.open(me.dir / f"{pid}.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             continue  # another rank's
+        except FileNotFoundError:
+            return None  # the directory went with another rank's finish(): made again at the next look
         with os.fdopen(fd, "w") as f:
             json.dump(record, f)
         return record
@@ -247,6 +250,8 @@ class Spare:
         record, self.record = self.record, None
         if self._me is not None and record is not None:
             _end(self._me, record)
+            with contextlib.suppress(OSError):  # the node's last spare of the job: no directory left
+                self._me.dir.rmdir()
 
 
 def _now_ticks() -> int:
