@@ -51,6 +51,24 @@ def test_a_schedule_asks_for_the_soak_storage_only_when_a_fault_needs_it():
     assert {f.kind for s in range(1, 50) for f in draw(s, 39, kinds=("node_loss",)).faults} == {"node_loss"}
 
 
+def test_spare_kills_are_drawn_with_their_points_and_the_older_kinds_still_draw_the_older_schedules():
+    from benchmarks.soak.schedule import WEIGHTS
+
+    assert KINDS["spare_kill"] == ("then_kill", "while_made") and set(WEIGHTS) == set(KINDS)
+    made = [draw(s, 39, kinds=("spare_kill",)) for s in range(1, 60)]
+    assert {f.point for d in made for f in d.faults} == {"then_kill", "while_made"}
+    for d in made:  # a kill while the spare is made kills twice (max_failures counts both)
+        assert d.kills == sum(2 if f.point == "while_made" else 1 for f in d.faults)
+    # A soak of the kinds before the spare (the 200 seeds of docs/benchmarks/soak.md) is drawn again
+    # with --kinds naming them: seed 11 of the quick preset is still the one the slow test below runs.
+    older = tuple(k for k in KINDS if k != "spare_kill")
+    faults = [(f.kind, f.point, f.step, f.params) for f in draw(11, 26, kinds=older).faults]
+    assert faults == [
+        ("file_flip", "then_kill", 11, {"section": "shared", "where": 0.544}),
+        ("storage_error", "outage", 15, {"seconds": 1.9}),
+    ]
+
+
 # -- the faulty storage ----------------------------------------------------------------------------------
 
 
@@ -200,6 +218,110 @@ def test_a_flip_that_finds_nothing_to_flip_leaves_no_worker_stopped():
         for w in workers:
             w.kill()
             w.wait()
+
+
+# -- the spare worker processes, from outside --------------------------------------------------------------
+
+
+def _process(tmp_path, job: str = "02000000", title: str | None = None):
+    """A process with a Ray worker's environment (raylet 4242, job ``job``, temp dir ``tmp_path``),
+    titled ``title`` (``ray::IDLE``: an idle Ray worker) if given."""
+    env = dict(os.environ, RAY_RAYLET_PID="4242", RAY_JOB_ID=job, TMPDIR=str(tmp_path))
+    argv = [title or sys.executable, "-c", "import time; time.sleep(60)"]
+    proc = subprocess.Popen(argv, executable=sys.executable, env=env)
+    deadline = time.time() + 10
+    while procs.ray_ids(proc.pid) is None and time.time() < deadline:  # exec'd with its environment
+        time.sleep(0.01)
+    return proc
+
+
+def _claim(tmp_path, spare, worker, rank: int = 1) -> str:
+    d = tmp_path / procs.SPARES / "4242-02000000"
+    d.mkdir(parents=True, exist_ok=True)
+    rec = {"pid": spare.pid, "start_ticks": procs.start_ticks(spare.pid), "for_pid": worker.pid, "rank": rank}
+    (d / f"{spare.pid}.json").write_text(json.dumps(rec))
+    return str(d)
+
+
+def _injector(place):
+    import types
+
+    from benchmarks.soak.inject import Injector
+
+    mon = types.SimpleNamespace(
+        placement=lambda: place, committed=lambda: [], newest_generation=lambda: 1, newest_step=lambda *gen: 7
+    )
+    inj = Injector.__new__(Injector)
+    inj.mon, inj.alive = mon, lambda: True
+    return inj
+
+
+def test_a_ranks_spare_is_found_from_its_claim_or_as_the_idle_worker_of_its_node_and_job(tmp_path):
+    worker = _process(tmp_path)
+    spare = _process(tmp_path, title="ray::IDLE")
+    making = _process(tmp_path, title="ray::IDLE")  # started for a rank, not claimed (yet)
+    other_job = _process(tmp_path, job="03000000", title="ray::IDLE")
+    try:
+        where = _claim(tmp_path, spare, worker)
+        assert procs.spares_dir(worker.pid) == where
+        (got,) = procs.spares_of(worker.pid)
+        assert (got["pid"], got["rank"], got["alive"], got["idle"]) == (spare.pid, 1, True, True)
+        assert procs.spares_of(spare.pid) == []  # claimed for the worker, not for anyone else
+        since = procs.start_ticks(worker.pid) or 0
+        assert procs.unclaimed_idle("4242", "02000000", where, since) == [making.pid]
+        assert procs.idle_workers_of_job("02000000", since) == sorted([spare.pid, making.pid])
+        assert [c["pid"] for c in procs.job_spares("02000000", str(tmp_path))] == [spare.pid]
+        assert not procs.is_idle_worker(worker.pid)
+        spare.kill()
+        spare.wait()
+        (gone,) = procs.spares_of(worker.pid)
+        assert not gone["alive"] and not gone["idle"]  # its claim is left, its process is not
+    finally:
+        for p in (worker, spare, making, other_job):
+            p.kill()
+            p.wait()
+
+
+def test_a_spare_kill_kills_the_ranks_spare_then_the_rank_and_falls_back_to_the_unclaimed_one(tmp_path, monkeypatch):
+    import types
+
+    from benchmarks.soak import inject
+    from benchmarks.soak.schedule import Fault
+
+    monkeypatch.setattr(inject, "SPARE_WAIT_S", 0.5)
+    fault = Fault(id="F1.0", kind="spare_kill", point="then_kill", step=7, rank=1)
+    for claimed in (True, False):
+        worker = _process(tmp_path)
+        spare = _process(tmp_path, title="ray::IDLE")
+        try:
+            if claimed:
+                _claim(tmp_path, spare, worker)
+            place = types.SimpleNamespace(workers={1: (worker.pid, "node", 1)}, holders={})
+            rec = {"injected": False, "landed": {}}
+            inject.Injector._spare_kill(_injector(place), fault, rec)
+            assert rec["injected"] and rec["landed"]["spare_pids"] == [spare.pid], rec
+            how = "claimed" if claimed else "unclaimed idle"
+            assert rec["landed"]["point"] == f"rank 1's spare(s) [{spare.pid}] ({how}) killed, then its worker"
+            assert spare.wait(10) == -9 and worker.wait(10) == -9  # the spare first, then the rank
+            at_kill = rec["landed"]["killed"]["spares_at_kill"]
+            assert [(c["pid"], c["alive"]) for c in at_kill] == ([(spare.pid, False)] if claimed else [])
+        finally:
+            for p in (worker, spare):
+                p.kill()
+                p.wait()
+            for f in (tmp_path / procs.SPARES).glob("*/*.json"):
+                f.unlink()
+    # No spare at all: the rank is killed at the step, and the record says there was none.
+    worker = _process(tmp_path)
+    try:
+        place = types.SimpleNamespace(workers={1: (worker.pid, "node", 1)}, holders={})
+        rec = {"injected": False, "landed": {}}
+        inject.Injector._spare_kill(_injector(place), fault, rec)
+        assert rec["injected"] and rec["landed"]["point"].startswith("at the step (no spare of rank 1")
+        assert worker.wait(10) == -9
+    finally:
+        worker.kill()
+        worker.wait()
 
 
 def test_a_bit_is_flipped_in_a_file(tmp_path):
@@ -406,6 +528,63 @@ def test_judge_sees_a_fault_only_where_the_run_reports_it():
     assert checks.judge(alive, run)["outcome"] == "silent"
 
 
+def test_a_restarts_word_on_its_spare_is_judged_against_where_its_rank_0_ran():
+    """A kill's restart (the next attempt's ``restore`` event, rank 0's) must say ``taken`` exactly when
+    its rank 0 runs in a spare that was ready at the kill; a spare not ready yet fails nothing, and a
+    restart that says nothing of its spare is a silent fallback."""
+    ready = [{"pid": 501, "for_pid": 400, "rank": 0, "alive": True, "idle": True}]
+    killed = {"signalled": True, "generation": 1, "spares_at_kill": ready}
+    kill = _fault("worker_kill", landed={"killed": killed})
+
+    def run(said, rank0):
+        event = {"event": "restore", "generation": 2, "source": "memory", "step": 8}
+        if said is not None:
+            event["spare"] = said
+        restored = {"generation": 2, "rank": 0, "source": "memory", "step": 8}
+        return {"resumes": [restored], "result": {"events": [event]}, "workers": {2: {0: rank0, 1: 777}}}
+
+    got = checks.judge(kill, run("taken", 501))
+    assert got["outcome"] == "seen" and got["spare"]["ok"] and got["spare"]["expected"] == "taken", got
+    assert checks.judge(kill, run("not taken: no spare was ready on this node", 777))["outcome"] == "seen"
+    wrong = checks.judge(kill, run("not taken: no spare was ready on this node", 501))
+    assert wrong["outcome"] == "silent" and "ran in a spare ready at the kill" in wrong["evidence"][0], wrong
+    assert checks.judge(kill, run("taken", 777))["outcome"] == "silent"
+    assert checks.judge(kill, run(None, 777))["evidence"] == [
+        "spare: attempt 2's restart said nothing of its spare process"
+    ]
+    # No spare ready at the kill (the spare is made after the restore): recorded, nothing failed.
+    early = _fault("worker_kill", landed={"killed": dict(killed, spares_at_kill=[])})
+    got = checks.judge(early, run("not taken: no spare was ready on this node", 777))
+    assert got["outcome"] == "seen" and "(no spare was ready at the kill)" in got["spare"]["why"], got
+    # A spare killed first, then its rank: its restart said why it took none (the log line too).
+    dead = [dict(ready[0], alive=False, idle=False)]
+    sk = _fault("spare_kill", point="then_kill", landed={"killed": dict(killed, spares_at_kill=dead)})
+    sk["log_lines"] = ["cf_ray: fast path not taken: this rank runs in a new worker process (not taken: ...)"]
+    got = checks.judge(sk, run("not taken: the spares made on this node were gone", 501))
+    assert got["outcome"] == "seen" and got["evidence"][-1].startswith("cf_ray: fast path not taken"), got
+    # The second kill of ``while_made``: the attempt after the one the probe held is judged.
+    held = {"probe": {"pid": 900, "generation": 1}, "signalled": True, "spares_at_kill": []}
+    wm = _fault("spare_kill", point="while_made", landed=dict(held, first_kill=killed))
+    assert checks.judge(wm, run("not taken: no spare was ready on this node", 777))["spare"]["attempt"] == 2
+    # No restore event of the next attempt (the run failed): judged as any kill.
+    assert "spare" not in checks.judge(kill, dict(run("taken", 501), result={"events": []}))
+
+
+def test_nothing_of_a_run_may_be_left_and_older_soaks_are_not_failed_for_a_later_check():
+    assert checks.no_orphans([], [], [])["ok"]
+    claim = {"pid": 501, "for_pid": 400, "rank": 0, "alive": True, "idle": True, "file": "x/501.json"}
+    left = checks.no_orphans([], [claim], [501, 502])
+    assert not left["ok"] and left["spare_processes"] == [501, 502]
+    assert not checks.no_orphans([], [dict(claim, alive=False)], [])["ok"]  # a claim file left is too
+    assert not checks.no_orphans(["cf_ray.holder.soak1-x"], [], [])["ok"]
+    ok = {c: {"ok": True} for c in report.CHECKS if c != "no_orphans"}
+    older = {"seed": 1, "ok": True, "durations": {"with_cleanup_s": 1.0}, "checks": ok, "faults": []}
+    s = report.summarise([older])
+    assert s["checks"]["no_orphans"] == {"pass": 0, "fail": 0} and s["failed_seeds"] == {}
+    newer = dict(older, seed=2, ok=False, checks=dict(ok, no_orphans=left))
+    assert report.summarise([older, newer])["failed_seeds"] == {"2": ["no_orphans"]}
+
+
 def test_a_schedule_is_judged_again_on_the_files_the_soak_kept(tmp_path):
     """``benchmarks.soak.rejudge``: a record the judge of its day called silent (seed 103 of part 4: a
     stream flip read by the removed node's holder) is judged again on its own kept evidence; the
@@ -576,7 +755,8 @@ def test_the_soak_runs_a_schedule_on_a_multinode_cluster_and_every_check_holds(t
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     out = tmp_path / "soak"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.soak", "--seed", "11", "--preset", "quick", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.soak", "--seed", "11", "--preset", "quick", "--out", str(out)]
+        + ["--kinds", ",".join(k for k in KINDS if k != "spare_kill")],  # seed 11 as drawn before the spare
         cwd=root,
         env=env,
         capture_output=True,
@@ -595,3 +775,4 @@ def test_the_soak_runs_a_schedule_on_a_multinode_cluster_and_every_check_holds(t
     s = doc["summary"]
     assert (s["not_bitwise"], s["samples_wrong"], s["committed_lost"], s["silent_faults"]) == (0, 0, 0, 0)
     assert "| not bitwise |" in (out / "soak.md").read_text()
+    assert rec["checks"]["no_orphans"]["ok"], rec["checks"]["no_orphans"]  # no spare process nor claim left

@@ -15,6 +15,9 @@ Checks (each ``{"ok": bool, ...}``):
   keep-last removed it by design (it is not a milestone and ``keep_last`` newer ones that are not are
   listed) or the soak itself damaged it (``file_flip``).
 * ``no_silent``: every fault the soak injected was seen (:func:`judge`).
+* ``no_orphans``: after the run, nothing of it is left: no named actor of cf_ray's (controller,
+  holders), no claim file of a spare worker process, no idle Ray worker of the job started during the
+  run (a spare process a rank made and nobody ended).
 * ``memory``: in every sample taken once the newest attempt had committed (1 s after) with all its
   ranks placed, and in one taken after the run ended (before its holders go), each holder's
   resident slot memory and its own ``held_bytes()`` are at most the bound of issue 23: three slot
@@ -144,6 +147,20 @@ def _first_commits(mon: dict) -> dict[int, float]:
     return out
 
 
+def no_orphans(actors: list[str], claims: list[dict], idle: list[int]) -> dict:
+    """After the run (given the time its controller, holders and spares take to go): no named actor of
+    cf_ray's of the run, no spare claim file of the run's job (``claims``: :func:`procs.job_spares`),
+    and no idle Ray worker of the job started during the run (``idle``: a spare left, claimed or not).
+    """
+    spares = sorted({int(c.get("pid", 0)) for c in claims if c.get("alive")} | set(idle))
+    return {
+        "ok": not actors and not claims and not spares,
+        "actors": actors,
+        "claims": [{k: c.get(k) for k in ("pid", "for_pid", "rank", "alive", "idle", "file")} for c in claims],
+        "spare_processes": spares,
+    }
+
+
 # -- was each fault seen? -------------------------------------------------------------------------------
 def judge(fault: dict, run: dict) -> dict:
     """``{"outcome": seen|silent|unexercised|not_injected, "evidence": [...]}`` for one fault.
@@ -163,10 +180,19 @@ def judge(fault: dict, run: dict) -> dict:
         evidence.append(f"the run failed: {run['fit_error'][:200]}")
     later = [r for r in run.get("resumes", []) if r.get("generation", 0) > gen]
     exercised = True
-    if kind in ("worker_kill", "node_loss"):
+    if kind in ("worker_kill", "node_loss", "spare_kill"):
         evidence += [
             f"attempt {r['generation']} rank {r['rank']} restored ({r['source']}, step {r['step']})" for r in later[:2]
         ]
+        if kind != "node_loss":
+            said = spare_said(fault, run)
+            if said is not None:
+                if not said["ok"]:  # the restart's report of its spare is missing or wrong: a silent fallback
+                    return {"outcome": "silent", "evidence": [f"spare: {said['why']}"], "spare": said}
+                evidence.append(f"spare: {said['why']}")
+                if kind == "spare_kill":
+                    evidence += _lines(lines, r"fast path not taken")
+                return {"outcome": "seen" if later else "silent", "evidence": evidence[:8], "spare": said}
     elif kind == "holder_kill":
         evidence += _lines(lines, r"holder")
         evidence += [f"failure: {f}" for f in failures if "holder" in str(f.get("error", "")).lower()][:3]
@@ -244,6 +270,46 @@ def judge(fault: dict, run: dict) -> dict:
     return {"outcome": "seen" if evidence else "silent", "evidence": evidence[:8]}
 
 
+def spare_said(fault: dict, run: dict) -> dict | None:
+    """What the restart after a worker kill said of its spare process (the ``spare`` field of the
+    next attempt's ``restore`` event: rank 0's), against where rank 0 of that attempt ran. ``None``
+    when there is nothing to judge (no kill landed, or no restore event of the next attempt).
+
+    ``ok`` is false when the restart said nothing of its spare, or said ``taken`` while rank 0 ran
+    in a process that was no spare ready at the kill, or ``not taken`` while it ran in one. A spare
+    that was not ready at the kill (made after the restore, the kill came first) fails nothing: the
+    record says so (``ready_at_kill``)."""
+    landed = fault.get("landed", {})
+    if fault.get("point") in ("mid_restore", "while_made"):  # the second kill's restart is the one
+        probe = landed.get("probe") or {}
+        if not probe.get("pid") or not landed.get("signalled"):
+            return None
+        base = probe.get("generation") or ((landed.get("first_kill") or {}).get("generation", 0) + 1)
+        spares = landed.get("spares_at_kill")
+    else:
+        killed = landed.get("killed") or {}
+        if not killed.get("signalled"):
+            return None
+        base, spares = killed.get("generation", 0), killed.get("spares_at_kill")
+    nxt = int(base) + 1
+    events = ((run.get("result") or {}).get("events")) or []
+    ev = next((e for e in events if e.get("event") == "restore" and e.get("generation") == nxt), None)
+    if ev is None:
+        return None
+    said = ev.get("spare")
+    ready = sorted(int(c["pid"]) for c in spares or () if c.get("idle"))
+    r0 = ((run.get("workers") or {}).get(nxt) or {}).get(0)
+    expected = None if r0 is None or spares is None else ("taken" if r0 in ready else "not taken")
+    out = {"attempt": nxt, "said": said, "rank0_pid": r0, "ready_at_kill": ready, "expected": expected}
+    if not said:
+        return dict(out, ok=False, why=f"attempt {nxt}'s restart said nothing of its spare process")
+    if expected is not None and (said == "taken") != (expected == "taken"):
+        where = "a spare ready at the kill" if expected == "taken" else "no spare ready at the kill"
+        return dict(out, ok=False, why=f"attempt {nxt} said {said!r}, but rank 0 (pid {r0}) ran in {where}")
+    note = "" if ready else " (no spare was ready at the kill)"
+    return dict(out, ok=True, why=f"attempt {nxt} said {said!r}{note}")
+
+
 def _flipped_steps(fault: dict) -> set[int]:
     landed = fault.get("landed", {})
     if fault["kind"] == "slot_flip":
@@ -280,4 +346,14 @@ def _lines(lines: list[str], pattern: str) -> list[str]:
     return [ln for ln in lines if rx.search(ln)][:3]
 
 
-__all__ = ["committed_kept", "exactly_once", "judge", "lineage", "memory_bound", "memory_bounded", "reported_total"]
+__all__ = [
+    "committed_kept",
+    "exactly_once",
+    "judge",
+    "lineage",
+    "memory_bound",
+    "memory_bounded",
+    "no_orphans",
+    "reported_total",
+    "spare_said",
+]

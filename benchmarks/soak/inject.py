@@ -24,7 +24,16 @@ file_flip          workers SIGSTOPped; one bit flipped in the newest committed c
                    restore reads storage); the others SIGCONTinued
 stream_flip        the ``stream_flip`` probe armed (the next direct transfer gets a bit flipped as it
                    lands), then rank r's node removed
+spare_kill         ``then_kill``: SIGKILL of the spare process rank r made ready for the next attempt
+                   (its claim file names the rank's worker; waited for up to :data:`SPARE_WAIT_S`,
+                   else the idle ``ray::IDLE`` worker of its node and job that no claim names), then of
+                   rank r's worker; ``while_made``: a first SIGKILL, then the restarted rank r SIGKILLed
+                   right after its restore returned (the ``restore`` probe armed ``after``), while
+                   its spare is being made
 =================  ==============================================================================
+
+Every kill of a training worker records the spares claimed on the nodes of the run's workers at
+that moment (``spares_at_kill``): whether the restart could take one.
 """
 
 from __future__ import annotations
@@ -45,6 +54,8 @@ from benchmarks.soak.schedule import Fault
 STEP_WAIT_S = 240.0
 #: Longest wait for a probe or a storage gate to report its point.
 POINT_WAIT_S = 60.0
+#: Longest wait for rank r's spare to be claimed before ``spare_kill`` kills whatever it finds.
+SPARE_WAIT_S = 20.0
 
 
 def _section(fault: Fault) -> str:
@@ -112,6 +123,7 @@ class Injector:
             return None
         pid, node, gen = w
         slots = self._rank_slots(rank, node)
+        spares = self._spares_now(also=pid)
         ok = procs.signal_pid(pid)
         rec["landed"][key] = {
             "rank": rank,
@@ -121,8 +133,24 @@ class Injector:
             "step": self.mon.newest_step(gen),
             "signalled": ok,
             "slots_at_kill": slots,
+            "spares_at_kill": spares,
         }
         return pid
+
+    def _spares_now(self, also: int | None = None) -> list[dict]:
+        """The spares claimed for the run's job on every node now (each: its pid, the worker and rank
+        it was made for, its directory, whether it is alive and idle); the job is read from a worker
+        of the run (``also``, or one placed)."""
+        for pid in ([also] if also else []) + self._pids_of_workers():
+            where = procs.spares_dir(pid)
+            if where is not None:  # every node's claims of the run's job: <tmp>/cf_ray-spares/*-<job>
+                tmp, job = os.path.dirname(os.path.dirname(where)), os.path.basename(where).rsplit("-", 1)[1]
+                return [
+                    {k: c.get(k) for k in ("pid", "for_pid", "rank", "alive", "idle")}
+                    | {"dir": os.path.basename(os.path.dirname(c["file"]))}
+                    for c in procs.job_spares(job, tmp)
+                ]
+        return []
 
     def _rank_slots(self, rank: int, node: str) -> list[dict]:
         """The slot headers of rank ``rank``'s sections in its node's holder (what a kill interrupted)."""
@@ -225,11 +253,13 @@ class Injector:
             self._disarm("restore")
             if got.get("at") is not None:
                 landed["probe"] = got["at"]
+                landed["spares_at_kill"] = self._spares_now(also=int(got["at"]["pid"]))
                 landed["signalled"] = procs.signal_pid(int(got["at"]["pid"]))
                 landed["point"] = f"mid-restore: {got['at'].get('point')}"
                 rec["injected"] = landed["signalled"]
             elif got.get("done") is not None:
                 landed["probe"] = got["done"]
+                landed["spares_at_kill"] = self._spares_now(also=int(got["done"]["pid"]))
                 landed["signalled"] = procs.signal_pid(int(got["done"]["pid"]))
                 landed["point"] = "after the restore (it loaded nothing: a fresh start)"
                 rec["injected"] = landed["signalled"]
@@ -369,6 +399,63 @@ class Injector:
         self._arm("stream_flip", {"fault": fault.id, "where": fault.params["where"]})
         self._node_loss(fault, rec)
         rec["landed"]["point"] = "the next direct transfer (armed), then rank's node removed"
+
+    def _spare_kill(self, fault: Fault, rec: dict) -> None:
+        landed = rec["landed"]
+        if fault.point == "while_made":
+            self._while_made(fault, rec)
+            return
+        w = self._worker(fault.rank)
+        if w is None:
+            landed["error"] = f"no worker of rank {fault.rank} found"
+            return
+        pid = w[0]
+        where, ids = procs.spares_dir(pid), procs.ray_ids(pid)
+        got: dict = {}
+
+        def claimed() -> bool:
+            got["spares"] = [c for c in procs.spares_of(pid, where) if c["idle"]]
+            return bool(got["spares"])
+
+        t0 = time.time()
+        wait_for(claimed, SPARE_WAIT_S, alive=self.alive, every_s=0.1)
+        spares = [c["pid"] for c in got.get("spares", [])]
+        how = "claimed"
+        if not spares and ids is not None:  # none claimed yet: the one the raylet is starting for it
+            spares, how = procs.unclaimed_idle(*ids, where, procs.start_ticks(pid) or 0), "unclaimed idle"
+        landed["waited_s"] = round(time.time() - t0, 2)
+        landed["spare_pids"] = spares
+        landed["spare_signalled"] = {str(p): procs.signal_pid(p) for p in spares}
+        wait_for(lambda: all(procs.start_ticks(p) is None for p in spares), 5.0, every_s=0.01)  # dead first
+        if spares:
+            landed["point"] = f"rank {fault.rank}'s spare(s) {spares} ({how}) killed, then its worker"
+        else:
+            landed["point"] = f"at the step (no spare of rank {fault.rank} within {SPARE_WAIT_S:.0f} s)"
+        rec["injected"] = self._kill_rank(fault.rank, rec) is not None
+
+    def _while_made(self, fault: Fault, rec: dict) -> None:
+        landed = rec["landed"]
+        self._arm("restore", {"fault": fault.id, "rank": fault.rank, "after": True})
+        if self._kill_rank(fault.rank, rec, key="first_kill") is None:
+            self._disarm("restore")
+            return
+        at = self._wait_at(fault, STEP_WAIT_S)
+        self._disarm("restore")
+        if at is None:
+            landed["point"] = "no restore seen after the first kill"
+            rec["injected"] = True  # the first kill was
+            return
+        pid = int(at["pid"])
+        where, ids, since = procs.spares_dir(pid), procs.ray_ids(pid), procs.start_ticks(pid) or 0
+        landed["probe"] = at
+        landed["spares_before_kill"] = procs.spares_of(pid, where)
+        landed["spares_at_kill"] = self._spares_now(also=pid)
+        landed["signalled"] = procs.signal_pid(pid)
+        landed["point"] = f"right after the restore of attempt {at.get('generation')}: its spare being made"
+        rec["injected"] = landed["signalled"]
+        if ids is not None:  # what the raylet started for the dead rank, a few seconds later
+            time.sleep(3.0)
+            landed["unclaimed_idle_after_kill"] = procs.unclaimed_idle(*ids, where, since)
 
     def collect(self, rec: dict) -> None:
         """After the run: the probes' and storage's records of this fault."""

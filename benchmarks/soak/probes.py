@@ -15,7 +15,9 @@ the arm (an atomic rename), writes ``at/<fault>.json`` (its pid, what it was doi
   installed by a wrapper of demo's training loop: no driver to kill it).
 * ``restore`` (``Checkpointer.restore``): holds inside the restore's first ``load_state_dict`` (the
   bytes read and checked, nothing loaded yet) until the driver SIGKILLs the process; ``at/<fault>.done.json``
-  says when a restore ended without loading anything (a fresh start).
+  says when a restore ended without loading anything (a fresh start). An arm with ``"after": true``
+  holds right after the restore returned instead (the rank's spare process for the next attempt is
+  being made then).
 * ``stream_flip`` (the direct transfer's reader, ``wire.fetch_into`` or ``stream.fetch``): flips one
   bit of the bytes as they arrive, before any of cf_ray's checks sees them (a bit flipped on the wire),
   and goes on.
@@ -187,6 +189,12 @@ def _patch_checkpointer(module) -> str:
             return orig(self, *args, **kw)
         if not _take("restore"):
             return orig(self, *args, **kw)
+        if spec.get("after"):  # held right after the restore returned: its spare process being made
+            resume = orig(self, *args, **kw)
+            at = {"rank": rank, "point": "right after the restore returned", "step": getattr(resume, "step", None)}
+            _at(spec, dict(at, source=getattr(resume, "source", None), generation=getattr(resume, "generation", None)))
+            _hold()
+            return resume
         import torch
 
         originals = {c: c.load_state_dict for c in (torch.nn.Module, torch.optim.Optimizer)}

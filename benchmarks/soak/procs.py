@@ -7,13 +7,19 @@
 * a holder's slots: its file descriptors that name a ``cf_ray`` memfd (``/proc/<pid>/fd``), each
   slot's header (what it holds) read through that path, its resident bytes, whether it is sealed;
 * the faults: signals by pid, one bit flipped in a slot through ``/proc/<holder pid>/fd/<n>`` or in a
-  file on disk.
+  file on disk;
+* the spare worker processes cf_ray's ranks make ready for the next attempt (``link/ray_train_spare.py``):
+  the claim files of a node and job (``<tmp>/cf_ray-spares/<raylet pid>-<job id>/<pid>.json``: pid,
+  start ticks, ``for_pid`` the rank's worker, rank), and Ray's idle workers (``ray::IDLE``) of a raylet
+  and job that no claim names (a spare being made, or left by a rank that died before claiming it).
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import glob
+import json
 import mmap
 import os
 import re
@@ -207,6 +213,130 @@ def flip_file(path: str, where: float) -> dict:
     return {"file": path, "offset": off, "block": off // (1 << 18), "size": size, "done": True}
 
 
+# -- the spare worker processes -----------------------------------------------------------------------
+_IDLE_TITLE = b"ray::IDLE"
+SPARES = "cf_ray-spares"
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` started with (empty when it is gone or not ours to read)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
+    return {k: v for k, _, v in pairs}
+
+
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot); ``None`` when it is gone (or dead, a
+    zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return None if fields[0] in ("Z", "X") else int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def is_idle_worker(pid: int) -> bool:
+    """Process ``pid`` is an idle Ray worker (its title ``ray::IDLE``: no actor, no task)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().startswith(_IDLE_TITLE)
+    except OSError:
+        return False
+
+
+def ray_ids(pid: int) -> tuple[str, str] | None:
+    """``(raylet pid, job id)`` of a Ray worker process, from its environment."""
+    env = environ_of(pid)
+    raylet, job = env.get("RAY_RAYLET_PID"), env.get("RAY_JOB_ID")
+    return (raylet, job) if raylet and job else None
+
+
+def spares_dir(worker_pid: int) -> str | None:
+    """Where cf_ray claims the spares of training worker ``worker_pid``'s node and job (its temp dir,
+    raylet and job, from its own environment); ``None`` when it is gone."""
+    env = environ_of(worker_pid)
+    ids = ray_ids(worker_pid)
+    if ids is None:
+        return None
+    tmp = env.get("TMPDIR") or env.get("TEMP") or env.get("TMP") or "/tmp"
+    return os.path.join(tmp, SPARES, f"{ids[0]}-{ids[1]}")
+
+
+def spare_claims(directory: str) -> list[dict]:
+    """Every claim file of ``directory``, each with ``alive`` (its process is the one claimed: same
+    pid and start) and ``idle`` (alive and still ``ray::IDLE``) and ``file``."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
+        try:
+            with open(path) as f:
+                rec = json.load(f)
+        except (OSError, ValueError):
+            continue
+        pid = int(rec.get("pid", 0))
+        alive = pid > 0 and start_ticks(pid) == rec.get("start_ticks")
+        out.append(dict(rec, file=path, alive=alive, idle=alive and is_idle_worker(pid)))
+    return out
+
+
+def spares_of(worker_pid: int, directory: str | None = None) -> list[dict]:
+    """The spares training worker ``worker_pid`` claimed (:func:`spare_claims` with its ``for_pid``)."""
+    directory = directory or spares_dir(worker_pid)
+    return [c for c in spare_claims(directory) if c.get("for_pid") == worker_pid] if directory else []
+
+
+def unclaimed_idle(raylet: str, job: str, directory: str | None, since_ticks: int = 0) -> list[int]:
+    """Idle Ray workers of ``raylet`` and ``job`` started at or after ``since_ticks`` that no claim of
+    ``directory`` names: a spare the raylet is starting or started for a rank that has not claimed it
+    (or never will: it died first)."""
+    claimed = {int(c.get("pid", 0)) for c in spare_claims(directory)} if directory else set()
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in claimed:
+            continue
+        pid = int(name)
+        ticks = start_ticks(pid)
+        if ticks is None or ticks < since_ticks or not is_idle_worker(pid):
+            continue
+        if ray_ids(pid) == (raylet, job):
+            out.append(pid)
+    return sorted(out)
+
+
+def job_spares(job: str, tmp: str) -> list[dict]:
+    """Every claim left for ``job`` on any node of this machine (:func:`spare_claims` of each
+    ``<tmp>/cf_ray-spares/*-<job>``)."""
+    return [c for d in sorted(glob.glob(os.path.join(tmp, SPARES, f"*-{job}"))) for c in spare_claims(d)]
+
+
+def idle_workers_of_job(job: str, since_ticks: int = 0) -> list[int]:
+    """Idle Ray workers of ``job`` (any raylet of this machine) started at or after ``since_ticks``."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        ticks = start_ticks(pid)
+        if (
+            ticks is not None
+            and ticks >= since_ticks
+            and is_idle_worker(pid)
+            and environ_of(pid).get("RAY_JOB_ID") == job
+        ):
+            out.append(pid)
+    return sorted(out)
+
+
+def now_ticks() -> int:
+    """Clock ticks since boot now (the unit of :func:`start_ticks`)."""
+    with open("/proc/uptime") as f:
+        return int(float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK"))
+
+
 def signal_pid(pid: int, sig: int = signal.SIGKILL) -> bool:
     try:
         os.kill(pid, sig)
@@ -219,6 +349,17 @@ __all__ = [
     "Actor",
     "Slot",
     "alive_actors",
+    "environ_of",
+    "idle_workers_of_job",
+    "is_idle_worker",
+    "job_spares",
+    "now_ticks",
+    "ray_ids",
+    "spare_claims",
+    "spares_dir",
+    "spares_of",
+    "start_ticks",
+    "unclaimed_idle",
     "flip_file",
     "flip_slot",
     "rank_of",

@@ -10,13 +10,28 @@ import json
 import statistics
 import sys
 
-CHECKS = ("finished", "bitwise", "exactly_once", "committed_kept", "no_silent", "memory")
+CHECKS = ("finished", "bitwise", "exactly_once", "committed_kept", "no_silent", "memory", "no_orphans")
+#: Checks a soak made only from some commit on: a record of an earlier soak without one is not counted for it.
+_LATER_CHECKS = frozenset({"no_orphans"})
+
+
+def _failed(rec: dict) -> list[str]:
+    """The checks ``rec`` failed (one it was not made, being older than the check, is not failed)."""
+    return [
+        c
+        for c in CHECKS
+        if not rec["checks"].get(c, {}).get("ok") and not (c in _LATER_CHECKS and c not in rec["checks"])
+    ]
+
+
 OUTCOMES = ("seen", "silent", "unexercised", "not_injected")
 
 
 def _aimed(fault: dict) -> bool:
     """Whether the fault landed at the point it was drawn for (not a fallback to "at the step")."""
     point = str(fault.get("landed", {}).get("point", ""))
+    if fault["kind"] == "spare_kill":  # a spare found and killed first; a rank held right after its restore
+        return bool(fault.get("injected")) and point.startswith(("rank ", "right after the restore"))
     if fault["point"] in ("step", "outage", "stall", "then_kill", "then_node_loss"):
         return bool(fault.get("injected"))
     if fault["point"] == "mid_restore":
@@ -32,7 +47,8 @@ def summarise(records: list[dict]) -> dict:
         if r.get("soak_error"):  # the soak itself failed on this seed: no verdict on cf_ray
             continue
         for c in CHECKS:
-            checks[c]["pass" if r["checks"].get(c, {}).get("ok") else "fail"] += 1
+            if c in r["checks"] or c not in _LATER_CHECKS:
+                checks[c]["pass" if r["checks"].get(c, {}).get("ok") else "fail"] += 1
         for f in r["faults"]:
             kinds.setdefault(f["kind"], collections.Counter())["drawn"] += 1
             kinds[f["kind"]][f.get("outcome", "not_injected")] += 1
@@ -46,11 +62,7 @@ def summarise(records: list[dict]) -> dict:
         "checks": checks,
         "kinds": {k: dict(v) for k, v in sorted(kinds.items())},
         "points": {k: dict(v) for k, v in sorted(points.items())},
-        "failed_seeds": {
-            str(r["seed"]): [c for c in CHECKS if not r["checks"].get(c, {}).get("ok")]
-            for r in records
-            if not r["ok"] and not r.get("soak_error")
-        },
+        "failed_seeds": {str(r["seed"]): _failed(r) for r in records if not r["ok"] and not r.get("soak_error")},
         "soak_errors": {str(r["seed"]): r["soak_error"] for r in records if r.get("soak_error")},
         "seconds_per_schedule": {
             "median": round(statistics.median(totals), 1) if totals else None,
@@ -69,7 +81,7 @@ def line(rec: dict) -> str:
     if rec.get("soak_error"):
         return f"  seed {rec['seed']:>4}: SOAK ERROR {rec['soak_error']}"
     faults = ", ".join(f"{f['kind']}@{f['point']}:{f.get('outcome')}" for f in rec["faults"])
-    bad = [c for c in CHECKS if not rec["checks"].get(c, {}).get("ok")]
+    bad = _failed(rec)
     took = rec.get("durations", {}).get("with_cleanup_s")
     return f"  seed {rec['seed']:>4}: {'ok  ' if rec['ok'] else 'FAIL'} {took:>5.0f} s  [{faults}]" + (
         f"  failed: {', '.join(bad)}" if bad else ""
@@ -179,7 +191,7 @@ def merge(docs: list[tuple[str, dict]], latest: bool = False) -> dict:
                     {
                         "file": seen[r["seed"]],
                         "ok": old["ok"],
-                        "failed": [c for c in CHECKS if not old.get("checks", {}).get(c, {}).get("ok")],
+                        "failed": _failed({"checks": old.get("checks", {})}),
                         "commit": old.get("_commit"),
                     }
                 )

@@ -14,6 +14,7 @@ checks (``checks.py``). ``<out>/soak.json`` is written again after every schedul
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import glob
 import hashlib
@@ -22,12 +23,13 @@ import os
 import shlex
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.soak import checks, report
+from benchmarks.soak import checks, procs, report
 from benchmarks.soak import storage as soak_storage
 from benchmarks.soak.inject import Injector
 from benchmarks.soak.monitor import LogTail, Monitor, RunPaths
@@ -274,7 +276,7 @@ class Soak:
         from cf_ray import demo
 
         assert self.logs is not None
-        t0 = time.time()
+        t0, since = time.time(), procs.now_ticks()
         sched = draw(seed, total_steps(self.cfg), kinds=self.kinds)
         name = f"soak{seed}"
         root = str(self.out / "runs" / name)
@@ -322,6 +324,10 @@ class Soak:
         leftovers = self._wait_actors_gone(name)
         if leftovers:
             rec["leftover_actors"] = leftovers
+        rec["checks"]["no_orphans"] = orphans = self._orphans(leftovers, since)
+        if not orphans["ok"]:
+            rec["ok"] = False
+            rec.setdefault("log_lines", self.logs.since(mark, limit=80))
         self._keep_three_nodes()
         rec["durations"]["with_cleanup_s"] = round(time.time() - t0, 1)
         if rec["ok"] and not self.args.keep:
@@ -384,7 +390,17 @@ class Soak:
             damaged,
             self.cfg.get("milestone_every"),
         )
-        run = {"resumes": resumes, "result": result, "fit_error": fit_error, "quarantined": quarantined}
+        workers: dict[int, dict[int, int]] = {}  # generation -> rank -> pid, as the monitor saw them placed
+        for p in mon["placements"]:
+            for rank, (pid, _node, gen) in p["workers"].items():
+                workers.setdefault(int(gen), {}).setdefault(int(rank), int(pid))
+        run = {
+            "resumes": resumes,
+            "result": result,
+            "fit_error": fit_error,
+            "quarantined": quarantined,
+            "workers": workers,
+        }
         for f in faults:
             f.update(checks.judge(f, run))
         silent = [f["id"] for f in faults if f["outcome"] == "silent"]
@@ -441,6 +457,31 @@ class Soak:
             if listed:
                 problems[-1] = [repr(e)]
         return listed, quarantined, problems
+
+    @staticmethod
+    def _orphans(actors: list[str], since_ticks: int, timeout_s: float = 15.0) -> dict:
+        """:func:`checks.no_orphans` once the run's spare processes had ``timeout_s`` to go (a rank's
+        ``finish()`` ends its spare; one being made is ended when it is found); then whatever is left
+        is ended and its claim removed (recorded), so that the next schedule starts without it."""
+        import ray
+
+        job, tmp = ray.get_runtime_context().get_job_id(), tempfile.gettempdir()
+
+        def left() -> tuple[list[dict], list[int]]:
+            return procs.job_spares(job, tmp), procs.idle_workers_of_job(job, since_ticks)
+
+        deadline = time.time() + timeout_s
+        claims, idle = left()
+        while (claims or idle) and time.time() < deadline:
+            time.sleep(0.5)
+            claims, idle = left()
+        got = checks.no_orphans(actors, claims, idle)
+        if claims or idle:
+            got["ended"] = {str(p): procs.signal_pid(p) for p in got["spare_processes"]}
+            for c in claims:
+                with contextlib.suppress(OSError):
+                    os.unlink(c["file"])
+        return got
 
     @staticmethod
     def _abort() -> None:

@@ -22,6 +22,10 @@ Kinds (``KINDS``) and the points each can be injected at:
   worker SIGKILLed (the restore reads storage and must refuse that checkpoint).
 * ``stream_flip``: one bit flipped in the next direct transfer between nodes, then a rank's node
   removed (its section comes from the other node over that transfer).
+* ``spare_kill``: the spare worker process a rank made ready for the next attempt (cf_ray's
+  ``link/ray_train_spare.py``) SIGKILLed, then that rank's worker (``then_kill``: the restart must
+  start a new process and say why it took no spare); or a restarted rank SIGKILLed right after its
+  restore, while its spare is being made (``while_made``: two kills).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "slot_flip": ("then_kill",),
     "file_flip": ("then_kill",),
     "stream_flip": ("then_node_loss",),
+    "spare_kill": ("then_kill", "while_made"),
 }
 
 #: How often each kind is drawn (relative).
@@ -55,6 +60,7 @@ WEIGHTS: dict[str, float] = {
     "slot_flip": 1.0,
     "file_flip": 1.0,
     "stream_flip": 1.0,
+    "spare_kill": 1.5,
 }
 
 #: Faults per schedule and how often each count is drawn.
@@ -74,6 +80,8 @@ _NEEDS_FS = frozenset(
         ("controller_kill", "mid_commit"),
     }
 )
+#: Points that kill twice (a first kill, then the restarted rank).
+_TWO_KILLS = frozenset({"mid_restore", "while_made"})
 #: Steps between two faults' injection points (each needs a few steps to show its effect).
 MIN_GAP = 3
 
@@ -110,7 +118,7 @@ class Schedule:
     @property
     def kills(self) -> int:
         """Worker restarts the schedule can cause (for ``FailureConfig(max_failures)``)."""
-        return sum(2 if f.point == "mid_restore" else 1 for f in self.faults)
+        return sum(2 if f.point in _TWO_KILLS else 1 for f in self.faults)
 
     def as_dict(self) -> dict:
         return {"seed": self.seed, "soak_fs": self.soak_fs, "faults": [f.as_dict() for f in self.faults]}
