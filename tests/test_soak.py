@@ -271,6 +271,10 @@ def test_a_ranks_spare_is_found_from_its_claim_or_as_the_idle_worker_of_its_node
         assert procs.unclaimed_idle("4242", "02000000", where, since) == [making.pid]
         assert procs.idle_workers_of_job("02000000", since) == sorted([spare.pid, making.pid])
         assert [c["pid"] for c in procs.job_spares("02000000", str(tmp_path))] == [spare.pid]
+        # Another cluster's raylet with the same job id (job ids repeat across clusters): not ours.
+        assert procs.job_spares("02000000", str(tmp_path), {"4242"}) != []
+        assert procs.job_spares("02000000", str(tmp_path), {"99"}) == []
+        assert procs.idle_workers_of_job("02000000", since, {"99"}) == []
         assert not procs.is_idle_worker(worker.pid)
         spare.kill()
         spare.wait()

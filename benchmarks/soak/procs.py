@@ -307,26 +307,28 @@ def unclaimed_idle(raylet: str, job: str, directory: str | None, since_ticks: in
     return sorted(out)
 
 
-def job_spares(job: str, tmp: str) -> list[dict]:
-    """Every claim left for ``job`` on any node of this machine (:func:`spare_claims` of each
-    ``<tmp>/cf_ray-spares/*-<job>``)."""
-    return [c for d in sorted(glob.glob(os.path.join(tmp, SPARES, f"*-{job}"))) for c in spare_claims(d)]
+def job_spares(job: str, tmp: str, raylets: set[str] | None = None) -> list[dict]:
+    """Every claim left for ``job`` on the nodes of ``raylets`` (raylet pids; ``None``: any node of
+    this machine): :func:`spare_claims` of each ``<tmp>/cf_ray-spares/<raylet>-<job>`` (a job id
+    repeats across Ray clusters: the raylet tells them apart)."""
+    dirs = sorted(glob.glob(os.path.join(tmp, SPARES, f"*-{job}")))
+    mine = [d for d in dirs if raylets is None or os.path.basename(d).rsplit("-", 1)[0] in raylets]
+    return [c for d in mine for c in spare_claims(d)]
 
 
-def idle_workers_of_job(job: str, since_ticks: int = 0) -> list[int]:
-    """Idle Ray workers of ``job`` (any raylet of this machine) started at or after ``since_ticks``."""
+def idle_workers_of_job(job: str, since_ticks: int = 0, raylets: set[str] | None = None) -> list[int]:
+    """Idle Ray workers of ``job`` started at or after ``since_ticks``, of the raylets ``raylets``
+    (``None``: any raylet of this machine)."""
     out = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         pid = int(name)
         ticks = start_ticks(pid)
-        if (
-            ticks is not None
-            and ticks >= since_ticks
-            and is_idle_worker(pid)
-            and environ_of(pid).get("RAY_JOB_ID") == job
-        ):
+        if ticks is None or ticks < since_ticks or not is_idle_worker(pid):
+            continue
+        env = environ_of(pid)
+        if env.get("RAY_JOB_ID") == job and (raylets is None or env.get("RAY_RAYLET_PID") in raylets):
             out.append(pid)
     return sorted(out)
 

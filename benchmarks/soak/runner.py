@@ -458,17 +458,26 @@ class Soak:
                 problems[-1] = [repr(e)]
         return listed, quarantined, problems
 
-    @staticmethod
-    def _orphans(actors: list[str], since_ticks: int, timeout_s: float = 15.0) -> dict:
+    def _raylets(self) -> set[str]:
+        """The pids of the soak cluster's live raylets (a spare's claim and process name theirs)."""
+        assert self.tc is not None
+        return {
+            str(proc.pid)
+            for node in self.tc.cluster.list_all_nodes()
+            for kind, proc in node.live_processes()
+            if kind == "raylet"
+        }
+
+    def _orphans(self, actors: list[str], since_ticks: int, timeout_s: float = 15.0) -> dict:
         """:func:`checks.no_orphans` once the run's spare processes had ``timeout_s`` to go (a rank's
         ``finish()`` ends its spare; one being made is ended when it is found); then whatever is left
         is ended and its claim removed (recorded), so that the next schedule starts without it."""
         import ray
 
-        job, tmp = ray.get_runtime_context().get_job_id(), tempfile.gettempdir()
+        job, tmp, raylets = ray.get_runtime_context().get_job_id(), tempfile.gettempdir(), self._raylets()
 
         def left() -> tuple[list[dict], list[int]]:
-            return procs.job_spares(job, tmp), procs.idle_workers_of_job(job, since_ticks)
+            return procs.job_spares(job, tmp, raylets), procs.idle_workers_of_job(job, since_ticks, raylets)
 
         deadline = time.time() + timeout_s
         claims, idle = left()
