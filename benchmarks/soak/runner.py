@@ -73,7 +73,7 @@ def total_steps(cfg: dict) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="cf-ray soak",
-        description="Fault soak: seeded fault schedules (process kills, a node lost, storage errors and "
+        description="Fault soak: seeded fault schedules (process kills, a rank's spare process killed, a node lost, storage errors and "
         "hangs, bits flipped in memory, on disk and on the wire), each run checked against an "
         "uninterrupted reference.",
         epilog="example:\n  cf-ray soak --seeds 200 --out results/soak   # the full soak, ~2 h on 2 cores\n"
