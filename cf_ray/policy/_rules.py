@@ -325,7 +325,7 @@ def info(
     }
 
 
-def slowdown_measured(est: Estimate, current: int) -> bool:
+def slowdown_measured(est: Estimate) -> bool:
     """Whether the cost to decide on holds what a checkpoint's copy and persist take from the
     iterations they overlap (:func:`decision_cost`).
 
@@ -424,7 +424,7 @@ class _Ladder:
     def __init__(self, cfg: Adaptive, st: RuleState, est: Estimate, prior: dict | None, ckpt_clock: int, current: int):
         self.cfg, self.st, self.est, self.prior = cfg, st, est, prior
         self.ckpt_clock, self.current = ckpt_clock, current
-        measured = slowdown_measured(est, current)
+        measured = slowdown_measured(est)
         if st.slowdown_seen and est.detail.drift != st.slowdown_drift:
             st.slowdown_seen = False  # a new level: its slowdown is measured afresh
         if measured:
