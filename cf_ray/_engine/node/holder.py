@@ -33,6 +33,7 @@ driver is gone: it is drained and killed, and a new, empty one is made.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any, cast
@@ -48,6 +49,7 @@ from cf_ray._engine.node.sender import Sender
 from cf_ray._engine.node.slot_store import Held, SlotStore
 from cf_ray._engine.node.stream import LazyServer
 from cf_ray._engine.node.writer import Writer
+from cf_ray._engine.protocol import spares
 from cf_ray._engine.protocol.actors import resolve_live
 from cf_ray._engine.protocol.cluster import Owner, current_owner, owner_gone
 from cf_ray._engine.protocol.messages import (
@@ -261,7 +263,20 @@ class Holder:
         got = self._writer.drain(timeout_s)
         sent = self._sender.wait_idle(max(0.0, deadline - time.monotonic()))
         unsent = self._sender.pending()
+        self._end_spares()
         return {"drained": not got["waiting"] and got["writing"] is None and sent, **got, "unsent": unsent}
+
+    def _end_spares(self) -> None:
+        """The run is over on this node (a drain comes before the kill): the spare worker processes
+        its ranks made here and nobody took are ended (``protocol/spares.py``); a rank ends its own
+        at ``finish()``, but on a node where the last attempt ran no rank nobody else would."""
+        parts = self._name.split(".")
+        if len(parts) > 3 and parts[1] == "holder":
+            ended = spares.end_run(os.environ.get("RAY_RAYLET_PID", ""), parts[2])
+            if ended:
+                logger.info(
+                    "cf_ray: %s ended %d spare worker process(es) the run left on its node", self._name, len(ended)
+                )
 
     def flush(self, timeout_s: float) -> bool:
         """Deliver the messages queued for the controller (``part_staged`` of a snapshot just handed

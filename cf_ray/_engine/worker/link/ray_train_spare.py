@@ -16,9 +16,10 @@ So each rank, once restored, asks its node's raylet for one worker of its own jo
 ``runtime_env`` (the one Ray Train gives every worker actor of the run: the next group's actors have
 the same hash), finds which process it got (an idle Ray worker, child of the same raylet, of the
 same job, with the run's environment variables, started after the request) and claims it in a file
-of the node's temp dir. The next attempt's rank looks itself up there: :func:`arrival` says whether
-it runs in a spare, and why not when it does not (logged once; rank 0 sends it with the restart's
-``restore`` event as ``spare``). The spare is made again before its keep-alive passes;
+of the node's temp dir (``protocol/spares.py``: a claim names the run, and the node's holder ends the
+run's spares left on its node when the run ends). The next attempt's rank looks itself up there:
+:func:`arrival` says whether it runs in a spare, and why not when it does not (logged once; rank 0
+sends it with the restart's ``restore`` event as ``spare``). The spare is made again before its keep-alive passes;
 ``finish()`` ends it; one left by a run that ended otherwise ends with its keep-alive, or with the
 job. ``CF_RAY_RAY_TRAIN_DEFAULTS=0`` in the workers' environment turns it off.
 
@@ -32,12 +33,10 @@ import contextlib
 import json
 import logging
 import os
-import signal
-import tempfile
 import threading
 import time
-from pathlib import Path
 
+from cf_ray._engine.protocol import spares as _files
 from cf_ray._engine.worker.link import ray_train_fast
 
 logger = logging.getLogger("cf_ray")
@@ -50,7 +49,8 @@ RENEW_S = 480.0
 FIND_TIMEOUT_S = 30.0
 #: Seconds ``finish()`` waits for a spare being made, to end it.
 END_WAIT_S = 5.0
-_IDLE_TITLE = b"ray::IDLE"
+_start_ticks = _files.start_ticks
+_idle_spare = _files.idle_spare
 
 
 def enabled() -> bool:
@@ -66,45 +66,6 @@ def _in_ray_worker() -> bool:
     return bool(os.environ.get("RAY_RAYLET_PID")) and ray.is_initialized()
 
 
-def _spares_dir(raylet: str, job: str) -> Path:
-    """Where the spares of ``job`` on the node of ``raylet`` are claimed (a job id alone repeats
-    across Ray clusters on one machine)."""
-    return Path(tempfile.gettempdir()) / "cf_ray-spares" / f"{raylet}-{job}"
-
-
-def _start_ticks(pid: int) -> int | None:
-    """The process's start time (clock ticks after boot), ``None`` when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return {}
-    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
-    return {k: v for k, _, v in pairs}
-
-
-def _idle_spare(pid: int, job: str, raylet: str, env_vars: dict[str, str]) -> bool:
-    """``pid`` is an idle Ray worker of ``raylet``, of ``job``, with the run's environment variables."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if not f.read().startswith(_IDLE_TITLE):
-                return False
-    except OSError:
-        return False
-    env = _environ(pid)
-    if env.get("RAY_RAYLET_PID") != raylet or env.get("RAY_JOB_ID") != job:
-        return False
-    return all(env.get(k) == v for k, v in env_vars.items())
-
-
 class _Me:
     """This process as the raylet sees it: its job, its raylet, its ``runtime_env``."""
 
@@ -118,7 +79,7 @@ class _Me:
             str(k): str(v) for k, v in (json.loads(self.runtime_env or "{}").get("env_vars") or {}).items()
         }
         self.raylet = os.environ.get("RAY_RAYLET_PID", "")
-        self.dir = _spares_dir(self.raylet, self.job)
+        self.dir = _files.spares_dir(self.raylet, self.job)
 
 
 def _prestart(me: _Me) -> None:
@@ -147,7 +108,7 @@ def _prestart(me: _Me) -> None:
         channel.close()
 
 
-def _claim(me: _Me, since_ticks: int, rank: int) -> dict | None:
+def _claim(me: _Me, since_ticks: int, rank: int, run: str = "") -> dict | None:
     """The idle worker the raylet started after ``since_ticks`` for ``me``, claimed (one file per
     spare, made exclusively: two ranks of a node never claim the same one); ``None`` until there is one."""
     me.dir.mkdir(parents=True, exist_ok=True)
@@ -158,7 +119,14 @@ def _claim(me: _Me, since_ticks: int, rank: int) -> dict | None:
         ticks = _start_ticks(pid)
         if ticks is None or ticks < since_ticks or not _idle_spare(pid, me.job, me.raylet, me.env_vars):
             continue
-        record = {"pid": pid, "start_ticks": ticks, "for_pid": os.getpid(), "rank": rank, "unix": time.time()}
+        record = {
+            "pid": pid,
+            "start_ticks": ticks,
+            "for_pid": os.getpid(),
+            "rank": rank,
+            "run": run,
+            "unix": time.time(),
+        }
         try:
             fd = os.open(me.dir / f"{pid}.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
@@ -173,21 +141,17 @@ def _claim(me: _Me, since_ticks: int, rank: int) -> dict | None:
 
 def _end(me: _Me, record: dict) -> None:
     """End a spare of ours that is still idle (never a process that took an actor or a task since)."""
-    pid = int(record["pid"])
-    try:
-        if _start_ticks(pid) == record["start_ticks"] and _idle_spare(pid, me.job, me.raylet, me.env_vars):
-            os.kill(pid, signal.SIGTERM)
-    except OSError:
-        pass
-    (me.dir / f"{pid}.json").unlink(missing_ok=True)
+    _files.end(me.dir, record, me.job, me.raylet, me.env_vars)
 
 
 class Spare:
     """This rank's spare: made in a thread after :meth:`start`, made again every :data:`RENEW_S`,
     ended by :meth:`end`. Never raises: what fails is logged once."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, run: str = ""):
         self.rank = rank
+        self.run = run
+        """The run's key, in each claim (the node's holder ends the run's spares left when the run ends)."""
         self.record: dict | None = None
         """The spare this rank holds now (pid, start ticks), ``None`` before it is found."""
         self.why_not = ""
@@ -233,7 +197,7 @@ class Spare:
         _prestart(self._me)
         deadline = time.monotonic() + FIND_TIMEOUT_S
         while time.monotonic() < deadline:
-            record = _claim(self._me, since, self.rank)
+            record = _claim(self._me, since, self.rank, self.run)
             if record is not None:
                 return record
             time.sleep(0.2)

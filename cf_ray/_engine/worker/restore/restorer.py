@@ -188,7 +188,7 @@ class Restorer:
         self.memory = MemoryReader(ctx.rank, self.record)
         self._sections: dict[str, Section] = {}  # the candidate being applied (rechecked on a mismatch)
         self._generation = -1  # the generation that took the candidate being read
-        self.spare = ray_train_spare.Spare(ctx.rank)
+        self.spare = ray_train_spare.Spare(ctx.rank, ctx.key)
         """This rank's spare worker process for the next attempt (made once this attempt restored)."""
 
     @property
