@@ -49,6 +49,10 @@ RENEW_S = 480.0
 FIND_TIMEOUT_S = 30.0
 #: Seconds ``finish()`` waits for a spare being made, to end it.
 END_WAIT_S = 5.0
+#: Seconds after a rank's restore before its first spare is asked for: the new process's start
+#: (Python and Ray, a second or two of CPU) would otherwise compete with the attempt's first steps
+#: and its first persists, and a run or attempt that ends sooner never pays for one.
+FIRST_DELAY_S = 10.0
 _start_ticks = _files.start_ticks
 _idle_spare = _files.idle_spare
 
@@ -173,6 +177,8 @@ class Spare:
 
     def _run(self) -> None:
         try:
+            if self._stop.wait(FIRST_DELAY_S):
+                return
             self._me = _Me()
             while True:
                 old, self.record = self.record, self._make()
