@@ -178,7 +178,7 @@ def _loop(cfg: dict) -> None:
     ckpt.finish()
 
 
-def _wait_spares(ranks: int, timeout_s: float = 60.0) -> None:
+def _wait_spares(ranks: int, timeout_s: float = 120.0) -> None:
     """With spares on, until every rank of the node has its spare and each has settled (its CPU
     time unchanged for a second: Python, Ray and any preloaded module imported), or ``timeout_s``."""
     from cf_ray._engine.worker.link import ray_train_spare

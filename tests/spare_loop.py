@@ -50,7 +50,7 @@ def loop(config: dict) -> None:
         return wait_snapshot(self, timeout)
 
     def finished(self):
-        self._restorer.spare.wait_ready(60)  # the spare made again after the restart is there
+        self._restorer.spare.wait_ready(120)  # the spare made again after the restart is there
         with open(os.path.join(out, f"spare_rank{self.rank}_at_finish.json"), "w") as f:
             json.dump({"record": self._restorer.spare.record, "dir": str(ray_train_spare._Me().dir)}, f)
         return finish(self)

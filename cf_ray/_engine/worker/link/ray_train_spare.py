@@ -50,9 +50,9 @@ FIND_TIMEOUT_S = 30.0
 #: Seconds ``finish()`` waits for a spare being made, to end it.
 END_WAIT_S = 5.0
 #: Seconds after a rank's restore before its first spare is asked for: the new process's start
-#: (Python and Ray, a second or two of CPU) would otherwise compete with the attempt's first steps
-#: and its first persists, and a run or attempt that ends sooner never pays for one.
-FIRST_DELAY_S = 10.0
+#: (Python and Ray, a second or two of CPU) competes with the training beside it, which a short run
+#: or the first minute of an attempt (its tuning, its first persists) should not pay for.
+FIRST_DELAY_S = 45.0
 _start_ticks = _files.start_ticks
 _idle_spare = _files.idle_spare
 
