@@ -26,6 +26,8 @@ import re
 import signal
 from dataclasses import dataclass
 
+from cf_ray._engine.protocol import spares
+
 _F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
 _F_SEAL_WRITE = getattr(fcntl, "F_SEAL_WRITE", 0x0008)
 _SECTION = re.compile(r"(shared|rank_\d{5})")
@@ -218,15 +220,7 @@ _IDLE_TITLE = b"ray::IDLE"
 SPARES = "cf_ray-spares"
 
 
-def environ_of(pid: int) -> dict[str, str]:
-    """The environment process ``pid`` started with (empty when it is gone or not ours to read)."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return {}
-    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
-    return {k: v for k, _, v in pairs}
+environ_of = spares.environ  # the environment a process started with: the engine's own reader
 
 
 def start_ticks(pid: int) -> int | None:
