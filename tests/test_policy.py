@@ -800,16 +800,19 @@ def test_a_checkpoint_straddling_the_end_of_slow_storage_does_not_hold_the_inter
     assert run.interval_at(4000) <= 1.2 * k0
 
 
-def _coalescing_run(policy, steps: int, slow_from: int, slow_to: int, fast_s=0.01, slow_s=0.91, iter_s=0.035):
+def _coalescing_run(
+    policy, steps: int, slow_from: int, slow_to: int, fast_s=0.01, slow_s=0.91, iter_s=0.035, seed=0, poll_s=None
+):
     """The engine and the holder as they are at intervals shorter than a persist: each rank
     reports only its newest checkpoint with each sample (one per ``POLL_S``), and the holder writes
     one snapshot at a time, the newest staged one, skipping the rest; persist times come from the
     controller once a written checkpoint is durable. Returns the published changes (step, from, to)
     and the steps whose persists were reported."""
-    rng = random.Random(0)
+    rng = random.Random(seed)
+    poll_s = POLL_S if poll_s is None else poll_s
     cur = policy.initial_interval()
     samples, pending, changes, persisted = [], [], [], []
-    t, next_poll, last_save, busy_until, staged = 0.0, POLL_S, 0, 0.0, None
+    t, next_poll, last_save, busy_until, staged = 0.0, poll_s, 0, 0.0, None
     acc = {r: [0, 0.0] for r in (0, 1)}
     newest: dict = {}
     for step in range(1, steps + 1):
@@ -832,7 +835,7 @@ def _coalescing_run(policy, steps: int, slow_from: int, slow_to: int, fast_s=0.0
             persisted.append(item[1])
             samples += [Sample(rank=r, step=item[1], ckpt_step=item[1], persist_s=item[2]) for r in acc]
         if t >= next_poll:
-            next_poll = t + POLL_S
+            next_poll = t + poll_s
             for r in acc:
                 samples.append(
                     Sample(rank=r, step=step, iter_s=acc[r][1] / acc[r][0], iters=acc[r][0], **newest.get(r, {}))
@@ -843,6 +846,27 @@ def _coalescing_run(policy, steps: int, slow_from: int, slow_to: int, fast_s=0.0
                 changes.append((step, cur, k))
                 cur = k
     return changes, persisted
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_interval_storage_widened_comes_back_when_samples_span_half_of_it(seed):
+    # The e2e slow-storage run on a busy machine: samples every ~14 steps, and the interval storage
+    # widened to (~29) is under two samples' span, so its checkpoints are set aside for their slowdown.
+    # Their persist times must still count (the slow ones no longer did: the interval stayed at 29 to
+    # the end, persist_in_flight binding on 0.91 s), and the cost must not rest on two old checkpoints
+    # for ever (it did: no shortening ever had the three checkpoints of one level it waits for).
+    changes, _ = _coalescing_run(Adaptive(budget_pct=5.0), 500, 60, 220, seed=seed, poll_s=0.5)
+
+    def at(step):
+        k = Adaptive(budget_pct=5.0).initial_interval()
+        for s, _, to in changes:
+            if s <= step:
+                k = to
+        return k
+
+    during = max(at(s) for s in range(60, 260))
+    assert during * 0.035 >= 0.91, changes
+    assert min(at(s) for s in range(280, 501)) <= during / 2, changes
 
 
 def test_persists_of_checkpoints_the_ranks_never_reported_still_count():

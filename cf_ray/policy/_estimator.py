@@ -64,7 +64,7 @@ class Estimator:
         # then covers several, and the slowdown it shows cannot be told apart between them.
         coarse = current < 2 * self.cadence.span()
         for s in self._new_samples(samples):
-            self._ingest(s, current, profiling or coarse)
+            self._ingest(s, current, profiling, coarse)
 
     def record(self, step: int) -> _Ckpt | None:
         """What every rank measured of the checkpoint at ``step`` (recent checkpoints only)."""
@@ -88,7 +88,7 @@ class Estimator:
         return [samples[i] for i in range(start, n)]
 
     # -- ingestion ------------------------------------------------------------------------------
-    def _ingest(self, s: Sample, current: int, profiling: bool) -> None:
+    def _ingest(self, s: Sample, current: int, profiling: bool, coarse: bool = False) -> None:
         if not (
             isinstance(s, Sample)
             and isinstance(s.rank, numbers.Integral)
@@ -108,7 +108,7 @@ class Estimator:
             any(v is not None for v in (s.stall_s, s.wait_s, s.copy_s, s.persist_s, s.nbytes))
             or s.ckpt_step is not None
         ):
-            self._ingest_ckpt(s.rank, r, s, current, profiling)
+            self._ingest_ckpt(s.rank, r, s, current, profiling, coarse)
         if iters and _pos(s.iter_s) is not None:
             r.last_step = max(r.last_step, s.step)
             self.max_step = max(self.max_step, s.step)
@@ -136,7 +136,7 @@ class Estimator:
         self.cadence.rollback(rank)
         self.rev += 1
 
-    def _ingest_ckpt(self, rank: int, r: _Rank, s: Sample, current: int, profiling: bool) -> None:
+    def _ingest_ckpt(self, rank: int, r: _Rank, s: Sample, current: int, profiling: bool, coarse: bool) -> None:
         c = s.ckpt_step
         approx = False
         cur = r.cur
@@ -171,13 +171,13 @@ class Estimator:
                     return
                 self.ckpt_clock += 1
                 self.rev += 1
-                self.recs[c] = _Ckpt(c, self.ckpt_clock, profiling)
+                self.recs[c] = _Ckpt(c, self.ckpt_clock, profiling, coarse)
                 self.recs = dict(sorted(self.recs.items()))
                 rec = self.recs[c]
             else:
                 self.ckpt_clock += 1
                 self.rev += 1
-                rec = self.recs[c] = _Ckpt(c, self.ckpt_clock, profiling)
+                rec = self.recs[c] = _Ckpt(c, self.ckpt_clock, profiling, coarse)
             while len(self.recs) > 2 * self.window + 4:
                 del self.recs[next(iter(self.recs))]
         if rec.put(rank, _nonneg(s.stall_s), _nonneg(s.wait_s), _nonneg(s.copy_s), _nonneg(s.persist_s), s.nbytes):
@@ -334,10 +334,21 @@ class Estimator:
         if self.summary_rev == self.rev:
             return self.summary
         self.summary_rev = self.rev
-        recs = list(self.recs.values())
-        tuned = [rec for rec in recs if not rec.profiling]
-        if sum(1 for rec in tuned if rec.stall and rec.excess) >= 2:
-            recs = tuned  # checkpoints at the short profiling interval may have waited or overlapped
+        every = list(self.recs.values())
+        recs = every
+        tuned = [rec for rec in every if not (rec.profiling or rec.coarse)]
+        # Checkpoints at the short profiling interval may have waited or overlapped: set aside while
+        # two others say what a checkpoint costs, and while those are recent (one of the last three):
+        # a level frozen on old checkpoints (the interval now sets every new one aside) would hold
+        # the estimates, and the interval, where they were when it was set.
+        if sum(1 for rec in tuned if rec.stall and rec.excess) >= 2 and tuned[-1] in every[-3:]:
+            recs = tuned
+        # A checkpoint set aside for its slowdown only (less than two samples after the one before)
+        # still says how long its copy and persist took: without it, an interval that storage made
+        # wide (a persist filling it) would be held by the slow persists for as long as it lasts.
+        timed = [rec for rec in every if not rec.profiling]
+        if sum(1 for rec in timed if rec.persist or rec.copy) < 2:
+            timed = recs
         stalls = [(rec.step, v) for rec in recs if (v := rec.own_stall_max()) is not None]
         if not stalls:
             self.summary = None
@@ -345,30 +356,30 @@ class Estimator:
         # cost() is None exactly when a record has no stall.
         settled = [(rec.step, c) for rec in recs if rec.excess and (c := rec.cost()) is not None]
         costs = settled if settled else [(rec.step, c) for rec in recs if (c := rec.cost()) is not None]
-        bgs = [(rec.step, v) for rec in recs if (v := rec.bg(self.persist_seen)) is not None]
+        bgs = [(rec.step, v) for rec in timed if (v := rec.bg(self.persist_seen)) is not None]
         drift: dict[str, Any] = {}
         out: dict[str, Any] = {"drift": drift, "n": len(costs)}
         out["cost"], out["cost_se"], out["n_level"] = self._level("cost_s", costs, drift)
         out["stall"] = self._level("stall_s", stalls, {})[0]
         out["bg"], out["bg_se"], n_bg = self._level("background_s", bgs, drift) if bgs else (None, 0.0, 0)
         out["n_level"] = min(out["n_level"], n_bg) if bgs else out["n_level"]
-        copies = [v for rec in recs if (v := _max_or_none(rec.copy)) is not None]
-        persists = [v for rec in recs if (v := _max_or_none(rec.persist)) is not None]
+        copies = [v for rec in timed if (v := _max_or_none(rec.copy)) is not None]
+        persists = [v for rec in timed if (v := _max_or_none(rec.persist)) is not None]
         out["copy"] = _median(copies[-self.window :]) if copies else None
         out["persist"] = _median(persists[-self.window :]) if persists else None
         out["has_persist"] = bool(persists)
         out["settled"] = bool(settled)
-        with_bytes = [rec for rec in recs if rec.nbytes]
+        with_bytes = [rec for rec in timed if rec.nbytes]
         out["nbytes"] = sum(with_bytes[-1].nbytes.values()) if with_bytes else None
         rates = [
             sum(rec.nbytes.values()) / max(rec.persist.values())
-            for rec in recs
+            for rec in timed
             if rec.nbytes and rec.persist and max(rec.persist.values()) > 0
         ]
         out["rate"] = _median(rates[-self.window :]) if rates else None
         out["wait_gaps"] = [
             (rec.step - prev.step, max(rec.wait.values()))
-            for prev, rec in zip(recs[-4:], recs[-3:])
+            for prev, rec in zip(timed[-4:], timed[-3:])
             if rec.wait and max(rec.wait.values()) > 0 and rec.step > prev.step
         ]
         self.summary = out
@@ -470,6 +481,7 @@ class _Ckpt:
         "step",
         "seq",
         "profiling",
+        "coarse",
         "stall",
         "wait",
         "copy",
@@ -479,9 +491,10 @@ class _Ckpt:
         "base_s",
     )
 
-    def __init__(self, step: int, seq: int, profiling: bool):
+    def __init__(self, step: int, seq: int, profiling: bool, coarse: bool = False):
         self.step, self.seq = step, seq
         self.profiling = profiling  # taken at the profiling interval, before the first decision
+        self.coarse = coarse  # less than two samples after the one before: its slowdown is not its own
         self.stall: dict[int, float] = {}
         self.wait: dict[int, float] = {}
         self.copy: dict[int, float] = {}
