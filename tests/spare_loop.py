@@ -59,3 +59,43 @@ def loop(config: dict) -> None:
     cf_ray.Checkpointer.wait_snapshot = spares_then_snapshot
     cf_ray.Checkpointer.finish = finished
     demo.train_loop_per_worker(config)
+
+
+def loop_ends_while_made(config: dict) -> None:
+    """demo's loop where the run ends while rank 0's spare is being made: the spare is asked for at
+    once (``FIRST_DELAY_S`` 0 in this worker), and rank 0 does not find it before its ``finish()``
+    (as a loaded raylet that starts it late): its look-up sees the process (``made_rank0.json``: its
+    pid, start, the job, raylet, spares' directory and the run's environment variables) and leaves it
+    unclaimed; ``finish()`` comes once the process is there. Rank 1 makes no spare."""
+    out = config["out_dir"]
+    finish = cf_ray.Checkpointer.finish
+    claim = ray_train_spare._claim
+    made = os.path.join(out, "made_rank0.json")
+    ray_train_spare.FIRST_DELAY_S = 0.0
+
+    def unclaimed(me, since_ticks, rank, run=""):
+        if os.path.exists(made):
+            return None
+        record = claim(me, since_ticks, rank, run)
+        if record is not None:  # seen, and left as if not found yet
+            (me.dir / f"{record['pid']}.json").unlink()
+            with open(made + ".tmp", "w") as f:
+                json.dump(dict(record, job=me.job, raylet=me.raylet, dir=str(me.dir), env_vars=me.env_vars), f)
+            os.replace(made + ".tmp", made)
+        return None
+
+    def finished(self):
+        deadline = time.monotonic() + 120
+        while self.rank == 0 and not os.path.exists(made) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return finish(self)
+
+    import ray.train
+
+    os.makedirs(out, exist_ok=True)
+    if ray.train.get_context().get_world_rank() == 0:
+        ray_train_spare._claim = unclaimed
+    else:
+        ray_train_spare.FIRST_DELAY_S = 3600.0  # none within the run
+    cf_ray.Checkpointer.finish = finished
+    demo.train_loop_per_worker(config)

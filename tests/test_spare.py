@@ -62,6 +62,49 @@ def test_the_restarted_ranks_run_in_the_spares_their_predecessors_made_and_resum
     assert not any(os.path.exists(os.path.join(a["dir"], f"{a['record']['pid']}.json")) for a in at_finish)
 
 
+def test_a_spare_asked_for_and_not_claimed_when_the_run_ends_is_ended_and_no_file_of_the_run_is_left(
+    ray_cluster, tmp_path, monkeypatch
+):
+    """The raylet starts the process a rank asked for whatever the rank does next: when the run ends
+    before the rank claimed it, the node's holder ends it at the run's end (its request says what to
+    look for), and neither a claim nor a request of the run is left."""
+    from cf_ray._engine.protocol import spares
+
+    monkeypatch.setattr(demo, "train_loop_per_worker", spare_loop.loop_ends_while_made)
+    cfg = dict(SMALL, epochs=1)
+    demo.run("spare_end", str(tmp_path), cfg)
+    out = tmp_path / "out" / "spare_end"
+    made = json.load(open(out / "made_rank0.json"))  # rank 0 asked, and the raylet started it
+    assert made["start_ticks"] is not None, made
+
+    def left() -> list[int]:
+        """Idle workers of the job and raylet with the run's environment started since the ask."""
+        return [
+            int(n)
+            for n in os.listdir("/proc")
+            if n.isdigit()
+            and (spares.start_ticks(int(n)) or -1) >= made["start_ticks"]
+            and spares.idle_spare(int(n), made["job"], made["raylet"], made["env_vars"])
+        ]
+
+    def files() -> list[str]:
+        """The claims and requests of rank 0 left in the node's spares directory."""
+        d, mine = made["dir"], []
+        for n in os.listdir(d) if os.path.isdir(d) else []:
+            try:
+                if json.load(open(os.path.join(d, n))).get("for_pid") == made["for_pid"]:
+                    mine.append(n)
+            except (OSError, ValueError):
+                continue
+        return mine
+
+    deadline = time.monotonic() + 60  # the controller lingers, then drains the holders
+    while (left() or files()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left(), (left(), made)
+    assert not files(), files()
+
+
 class _Here:
     """This process as ``ray_train_spare`` sees a Ray worker, with its spares' directory under ``tmp``."""
 

@@ -268,8 +268,10 @@ class Holder:
 
     def _end_spares(self) -> None:
         """The run is over on this node (a drain comes before the kill): the spare worker processes
-        its ranks made here and nobody took are ended (``protocol/spares.py``); a rank ends its own
-        at ``finish()``, but on a node where the last attempt ran no rank nobody else would."""
+        its ranks asked for here and nobody took are ended, claimed or not (``protocol/spares.py``,
+        waiting a few seconds for one the raylet has not started yet); a rank ends its own at
+        ``finish()``, but one whose rank died, or that appeared after the rank's ``finish()``, or on a
+        node where the last attempt ran no rank, has nobody else to end it."""
         parts = self._name.split(".")
         if len(parts) > 3 and parts[1] == "holder":
             ended = spares.end_run(os.environ.get("RAY_RAYLET_PID", ""), parts[2])

@@ -7,6 +7,13 @@ spare on a node where the run's last attempt ran no rank has nobody else to end 
 A claim is ``<tmp>/cf_ray-spares/<raylet pid>-<job id>/<pid>.json`` (a job id alone repeats across
 Ray clusters on one machine): ``pid``, ``start_ticks`` (the process's start: a pid used again is
 never taken for the spare), ``for_pid`` and ``rank`` (the worker that made it), ``run`` (the run's key).
+
+A request is ``<pid of the asking worker>-<since_ticks>.request`` in the same directory, written
+before the raylet is asked for the process and removed once it is claimed: ``run``, ``rank``,
+``for_pid``, ``since_ticks`` (the process is started after it) and ``env_vars`` (the run's, which the
+process has). The raylet starts the process whatever happens to the worker that asked, so a request
+left (its worker died, or the run ended before the process was found) tells the holder to look for
+that process itself: every spare a run asked for is ended when the run ends, claimed or not.
 """
 
 from __future__ import annotations
@@ -16,11 +23,17 @@ import json
 import os
 import signal
 import tempfile
+import time
 from pathlib import Path
 
 #: The folder of the node's temp dir that holds the claims.
 ROOT = "cf_ray-spares"
 _IDLE_TITLE = b"ray::IDLE"
+#: The suffix of a request file (a claim is ``<pid>.json``).
+REQUEST = ".request"
+#: Seconds after its request a spare may still appear (the raylet's start of a Python process under
+#: load): the holder waits at most until then for one that has not appeared yet.
+APPEAR_S = 30.0
 
 
 def spares_dir(raylet: str, job: str) -> Path:
@@ -75,24 +88,103 @@ def end(directory: Path, record: dict, job: str, raylet: str, env_vars: dict[str
     return ended
 
 
-def end_run(raylet: str, run: str) -> list[int]:
-    """End every spare claimed for run ``run`` on the node of ``raylet`` that is still idle, remove
-    those claims, and each directory left empty. Returns the pids ended. Never raises."""
+def request(directory: Path, record: dict) -> Path:
+    """Write the request ``record`` (``for_pid``, ``since_ticks``, ``run``, ``rank``, ``env_vars``)
+    before the raylet is asked for the process; its path, to :func:`withdraw` once it is claimed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{int(record['for_pid'])}-{int(record['since_ticks'])}{REQUEST}"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+    return path
+
+
+def withdraw(path: Path | None) -> None:
+    """The request of ``path`` is answered (its spare claimed) or moot: removed."""
+    if path is not None:
+        path.unlink(missing_ok=True)
+
+
+def _unclaimed(directory: Path, job: str, raylet: str, req: dict, taken: set[int]) -> int | None:
+    """The first idle worker of ``job`` and ``raylet`` with the request's environment variables,
+    started after its ``since_ticks``, that no claim names and this pass did not take."""
+    claimed = {int(p.stem) for p in directory.glob("*.json") if p.stem.isdigit()}
+    found: list[tuple[int, int]] = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in taken or int(name) in claimed:
+            continue
+        ticks = start_ticks(int(name))
+        if ticks is None or ticks < int(req["since_ticks"]):
+            continue
+        if idle_spare(int(name), job, raylet, req.get("env_vars") or {}):
+            found.append((ticks, int(name)))
+    return min(found)[1] if found else None
+
+
+def _end_claims(directory: Path, job: str, raylet: str, run: str) -> list[int]:
+    """End the spares claimed for ``run`` in ``directory`` that are still idle; their claims go,
+    whether their process is gone or not. Returns the pids ended."""
+    ended = []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+            if record.get("run") == run and end(directory, record, job, raylet):
+                ended.append(int(record["pid"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return ended
+
+
+def end_run(raylet: str, run: str, wait_s: float = 10.0) -> list[int]:
+    """End every spare run ``run`` asked for on the node of ``raylet`` that is still idle, claimed or
+    not: each claim of the run (removed, its process ended when idle, gone or not), and for each
+    request of the run left, the idle worker of the job with the run's environment the raylet started
+    for it and nobody claimed, waited for at most ``wait_s`` while it may still appear
+    (:data:`APPEAR_S` after its request); the requests are removed, and each directory left empty.
+    Returns the pids ended. Never raises."""
     ended: list[int] = []
     if not raylet:
         return ended
+    deadline = time.monotonic() + wait_s
     for directory in sorted((Path(tempfile.gettempdir()) / ROOT).glob(f"{raylet}-*")):
         job = directory.name.split("-", 1)[1]
-        for path in sorted(directory.glob("*.json")):
+        ended += _end_claims(directory, job, raylet, run)
+        taken: set[int] = set(ended)
+        for path in sorted(directory.glob(f"*{REQUEST}")):
             try:
-                record = json.loads(path.read_text())
-                if record.get("run") == run and end(directory, record, job, raylet):
-                    ended.append(int(record["pid"]))
+                req = json.loads(path.read_text())
+                if req.get("run") != run:
+                    continue
+                appear_by = time.monotonic() + max(0.0, float(req.get("unix", 0)) + APPEAR_S - time.time())
+                while True:
+                    pid = _unclaimed(directory, job, raylet, req, taken)
+                    if pid is not None or time.monotonic() >= min(deadline, appear_by):
+                        break
+                    time.sleep(0.2)
+                if pid is not None:
+                    taken.add(pid)
+                    rec = {"pid": pid, "start_ticks": start_ticks(pid)}
+                    if end(directory, rec, job, raylet, req.get("env_vars") or {}):
+                        ended.append(pid)
+                path.unlink(missing_ok=True)
             except (OSError, ValueError, KeyError, TypeError):
                 continue
+        ended += _end_claims(directory, job, raylet, run)  # claimed by a rank while this waited
         with contextlib.suppress(OSError):
             directory.rmdir()  # the node's last claims of the job: no directory left
     return ended
 
 
-__all__ = ["ROOT", "end", "end_run", "environ", "idle_spare", "spares_dir", "start_ticks"]
+__all__ = [
+    "APPEAR_S",
+    "REQUEST",
+    "ROOT",
+    "end",
+    "end_run",
+    "environ",
+    "idle_spare",
+    "request",
+    "spares_dir",
+    "start_ticks",
+    "withdraw",
+]

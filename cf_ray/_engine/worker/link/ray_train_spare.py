@@ -16,12 +16,14 @@ So each rank, once restored, asks its node's raylet for one worker of its own jo
 ``runtime_env`` (the one Ray Train gives every worker actor of the run: the next group's actors have
 the same hash), finds which process it got (an idle Ray worker, child of the same raylet, of the
 same job, with the run's environment variables, started after the request) and claims it in a file
-of the node's temp dir (``protocol/spares.py``: a claim names the run, and the node's holder ends the
-run's spares left on its node when the run ends). The next attempt's rank looks itself up there:
+of the node's temp dir (``protocol/spares.py``: a claim names the run; a request, written before
+the raylet is asked and removed once claimed, names it too, and the node's holder ends every spare
+the run asked for on its node when the run ends, claimed or not: the raylet starts the process
+whatever becomes of the rank that asked). The next attempt's rank looks itself up there:
 :func:`arrival` says whether it runs in a spare, and why not when it does not (logged once; rank 0
 sends it with the restart's ``restore`` event as ``spare``). The spare is made again before its keep-alive passes;
-``finish()`` ends it; one left by a run that ended otherwise ends with its keep-alive, or with the
-job. ``CF_RAY_RAY_TRAIN_DEFAULTS=0`` in the workers' environment turns it off.
+``finish()`` ends it, and the holder's drain whatever the rank did not end; one left by a run whose
+holders did not drain ends with its keep-alive, or with the job. ``CF_RAY_RAY_TRAIN_DEFAULTS=0`` in the workers' environment turns it off.
 
 What a spare does not save: the actor's own start in it (Ray Train's worker module), the process
 group, and the user's imports and set-up, which run in the new actor as before.
@@ -200,11 +202,20 @@ class Spare:
         :meth:`end` was called: the raylet starts the process whatever this rank does next)."""
         assert self._me is not None
         since = _now_ticks() - 1
-        _prestart(self._me)
+        asked = {"run": self.run, "rank": self.rank, "for_pid": os.getpid(), "since_ticks": since}
+        # Written before the raylet is asked: whatever becomes of this rank, the node's holder ends
+        # the process the raylet starts for it when the run ends (``protocol/spares.py``).
+        request = _files.request(self._me.dir, dict(asked, env_vars=self._me.env_vars, unix=time.time()))
+        try:
+            _prestart(self._me)
+        except BaseException:
+            _files.withdraw(request)  # nothing was started for it
+            raise
         deadline = time.monotonic() + FIND_TIMEOUT_S
         while time.monotonic() < deadline:
             record = _claim(self._me, since, self.rank, self.run)
             if record is not None:
+                _files.withdraw(request)
                 return record
             time.sleep(0.2)
         self.why_not = f"the raylet's spare did not appear within {FIND_TIMEOUT_S:.0f} s"
