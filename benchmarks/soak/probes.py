@@ -45,6 +45,11 @@ from typing import Any
 CONTROL_ENV = "SOAK_CONTROL_DIR"
 #: Longest a probe holds a process for the driver to kill it.
 HOLD_S = 20.0
+#: The variable that sets, in the soak's workers, the seconds after a rank's restore before its first
+#: spare is asked for (``link/ray_train_spare.py``'s ``FIRST_DELAY_S``; unset: cf_ray's own). A soak
+#: run lasts about a minute: with cf_ray's delay few of its attempts would make a spare, and the
+#: spare faults and the end-of-run check of spares need them made, some of them as the run ends.
+SPARE_DELAY_ENV = "SOAK_SPARE_DELAY_S"
 
 
 def _control() -> str | None:
@@ -297,6 +302,14 @@ def _patch_stream(module) -> str:
     return "stream_flip(fetch)"
 
 
+def _patch_spare(module) -> str:
+    delay = os.environ.get(SPARE_DELAY_ENV)
+    if not delay:
+        return "spare delay: cf_ray's"
+    module.FIRST_DELAY_S = float(delay)
+    return f"spare delay: {float(delay):g} s"
+
+
 def _desc(desc) -> dict:
     return {k: getattr(desc, k, None) for k in ("host", "port", "nbytes")}
 
@@ -306,6 +319,7 @@ PATCHES = {
     "cf_ray.checkpointer": _patch_checkpointer,
     "cf_ray._engine.memory.wire": _patch_wire,
     "cf_ray._engine.node.stream": _patch_stream,
+    "cf_ray._engine.worker.link.ray_train_spare": _patch_spare,
 }
 
 
@@ -359,4 +373,4 @@ def install() -> None:
             _apply(name, sys.modules[name])
 
 
-__all__ = ["CONTROL_ENV", "HOLD_S", "arm", "fired", "install"]
+__all__ = ["CONTROL_ENV", "HOLD_S", "SPARE_DELAY_ENV", "arm", "fired", "install"]
