@@ -47,7 +47,7 @@ CONTROL_ENV = "SOAK_CONTROL_DIR"
 HOLD_S = 20.0
 #: The variable that sets, in the soak's workers, the seconds after a rank's restore before its first
 #: spare is asked for (``link/ray_train_spare.py``'s ``FIRST_DELAY_S``; unset: cf_ray's own). A soak
-#: run lasts about a minute: with cf_ray's delay few of its attempts would make a spare, and the
+#: run trains for seconds: with cf_ray's delay none of its attempts would make a spare, and the
 #: spare faults and the end-of-run check of spares need them made, some of them as the run ends.
 SPARE_DELAY_ENV = "SOAK_SPARE_DELAY_S"
 

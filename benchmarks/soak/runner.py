@@ -101,7 +101,7 @@ def _env(control: str) -> dict[str, str]:
         CF_RAY_REAPER_INTERVAL_S="1",
         RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="30",
         SOAK_CONTROL_DIR=control,
-        SOAK_SPARE_DELAY_S="10",  # spares made in most attempts of a minute's run (probes.SPARE_DELAY_ENV)
+        SOAK_SPARE_DELAY_S="0",  # a spare in every attempt of its short runs (probes.SPARE_DELAY_ENV)
     )
 
 
