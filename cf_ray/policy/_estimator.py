@@ -319,7 +319,7 @@ class Estimator:
         active, d = self.active(), est.detail
         m = d.cadence = self.cadence.measure(est.t, est.bg, active)
         if m is not None:
-            cost = est.stall + max(m.slowdown, 0.0)
+            cost = est.stall + min(max(m.slowdown, 0.0), est.bg or math.inf)
             if m.blind or cost - 2.0 * m.se > est.cost:
                 est.cost, est.cost_se, est.cost_source = cost, m.se, "cadence"
         d.measured_pct = pct = self.cadence.job_overhead_pct(active, est.t, est.bg)
@@ -542,11 +542,18 @@ class _Ckpt:
         guard waits (the largest one also reaches the other ranks, through the collectives)."""
         if not self.stall:
             return None
-        total = max(v + self.excess.get(r, 0.0) for r, v in self.stall.items())
+        # A copy and persist cannot take more from the iterations they overlap than they last: an
+        # excess beyond that is the iteration time moving under them (a busy machine), not their doing.
+        total = max(v + min(self.excess.get(r, 0.0), self._bg_of(r)) for r, v in self.stall.items())
         waits = max(self.wait.values()) if self.wait else 0.0
         own = self.own_stall_max()
         assert own is not None  # self.stall is not empty
         return max(total - waits, own, 0.0)
+
+    def _bg_of(self, rank: int) -> float:
+        """Copy + persist seconds of ``rank`` (unbounded while its persist is not known)."""
+        p = self.persist.get(rank)
+        return math.inf if p is None else self.copy.get(rank, 0.0) + p
 
     def bg(self, persist_expected: bool) -> float | None:
         """Copy + persist seconds of the slowest rank (``None`` while a persist is expected but
