@@ -305,6 +305,9 @@ NIGHTLY = {
     "test_control_plane.py::test_the_controller_stays_flat_through_10000_commits[tracemalloc]",
     "test_soak.py::test_the_soak_runs_a_schedule_on_a_multinode_cluster_and_every_check_holds",
     "test_bench.py::test_bench_fsdp2_job",  # a benchmark job; test_bench_smoke stays
+    # the user's-loop benchmark, eight TorchTrainer fits (~100 s): run by make test-promises (CI), as
+    # make test came to 15 minutes; test_bench_smoke stays in make test
+    "test_bench.py::test_bench_user_loop",
     "test_control_plane.py::test_the_controller_stays_flat_through_10000_commits[blocks]",  # 10,000 commits
     # minutes each on 2 cores; in the default suite: test_report (metrics in an actor), test_spot
     # (SIGTERM in the main thread), test_notebooks (the committed notebook is the generated one, and
