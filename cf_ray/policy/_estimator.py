@@ -88,7 +88,7 @@ class Estimator:
         return [samples[i] for i in range(start, n)]
 
     # -- ingestion ------------------------------------------------------------------------------
-    def _ingest(self, s: Sample, current: int, profiling: bool, coarse: bool = False) -> None:
+    def _ingest(self, s: Sample, current: int, profiling: bool, coarse: bool) -> None:
         if not (
             isinstance(s, Sample)
             and isinstance(s.rank, numbers.Integral)
@@ -491,7 +491,7 @@ class _Ckpt:
         "base_s",
     )
 
-    def __init__(self, step: int, seq: int, profiling: bool, coarse: bool = False):
+    def __init__(self, step: int, seq: int, profiling: bool, coarse: bool):
         self.step, self.seq = step, seq
         self.profiling = profiling  # taken at the profiling interval, before the first decision
         self.coarse = coarse  # less than two samples after the one before: its slowdown is not its own
