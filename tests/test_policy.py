@@ -872,6 +872,28 @@ def test_the_interval_storage_widened_comes_back_once_it_is_fast(seed, poll_s):
     assert min(at(s) for s in range(280, 501)) <= during / 2, changes
 
 
+@pytest.mark.parametrize("poll_s", [0.25, 0.5])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_tenfold_fall_of_the_persist_shortens_at_the_second_fast_checkpoint(seed, poll_s):
+    # Storage slow (0.91 s persists) and then fast (0.01 s) again: the persist is timed, not inferred,
+    # and a fall of 90x seen at two checkpoints is evidence enough. Waiting for a third checkpoint of
+    # the new level and then confirming at a fourth took 3.2-5.7 of the wide intervals to begin
+    # coming back (a 750-step e2e run had too few of them left).
+    changes, _ = _coalescing_run(Adaptive(budget_pct=5.0), 700, 60, 220, seed=seed, poll_s=poll_s)
+
+    def at(step):
+        k = Adaptive(budget_pct=5.0).initial_interval()
+        for s, _, to in changes:
+            if s <= step:
+                k = to
+        return k
+
+    wide = at(220)
+    assert wide * 0.035 >= 0.91, changes
+    first = next((s for s, k0, k in changes if s > 220 and k < k0 == wide), None)
+    assert first is not None and first - 220 <= 2.5 * wide, (wide, changes)
+
+
 def test_persists_of_checkpoints_the_ranks_never_reported_still_count():
     # Storage slows down at step 60 while the interval is 2 and the persist ~25 steps: the holder
     # writes one snapshot in ~12. Those written are seldom the ones the ranks' samples named; their

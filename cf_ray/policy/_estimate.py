@@ -60,6 +60,8 @@ class Estimate:
     """Whether ``bg`` is the lower bound that guard waits imply."""
     n: int = 0
     """Checkpoints measured (recent history)."""
+    sample_iters: float = 1.0
+    """Iterations per sample (the median of the recent ones)."""
     n_level: int = 0
     """Checkpoints the current cost and persist estimates are based on (since the last drift)."""
     has_persist: bool = False

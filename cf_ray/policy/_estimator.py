@@ -279,7 +279,7 @@ class Estimator:
         summary = self._summary()
         if t is None or (summary is None and not prior):
             return None
-        est = Estimate(t=t, slowest=slowest, t_clean=t_clean)
+        est = Estimate(t=t, slowest=slowest, t_clean=t_clean, sample_iters=self.cadence.span())
         if summary is None:
             assert prior  # no summary and no prior returned above
             est.cost, est.stall, est.bg, est.source = (

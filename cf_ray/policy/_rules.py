@@ -23,6 +23,20 @@ from cf_ray.policy.base import MAX_PERSIST_EVERY, PolicyWarning
 if TYPE_CHECKING:
     from cf_ray.policy.adaptive import Adaptive
 
+TOO_SHORT_CKPTS = 50
+"""Checkpoints for which an interval found too short stays out of reach of the rung that shortens:
+the estimates that allow it again are the ones that just allowed it wrongly, and going back and
+forth costs the widening each time."""
+
+SLOWDOWN_UNSEEN_CKPTS = 6
+"""Checkpoints after which the cost measured is taken as it is even when no checkpoint's slowdown
+could be told apart (the engine does not say which checkpoint a sample follows, say): the interval
+then rests on the stall, the probe windows and the cadence, which correct it either way."""
+
+FELL_RATIO = 4.0
+"""A fall of the copy and persist's level by this factor (the storage was slow and is fast again)
+shortens on two checkpoints of the new level, without waiting to confirm (:meth:`_Ladder._room_to_shorten`)."""
+
 Verdict = tuple["int | None", dict]
 """What a decision returns: the interval to publish (``None``: keep the current one) and the
 explanation (:meth:`Adaptive.explain`)."""
@@ -55,10 +69,20 @@ class RuleState:
     """An interval was decided from measurements (the first tuned decision is behind us)."""
     changed_at: int = -1
     """The checkpoint count (``Estimator.ckpt_clock``) when the interval last changed."""
-    shrink_since: int | None = None
-    """The checkpoint count when a clearly shorter interval was first found possible."""
-    widen_since: int | None = None
-    """The checkpoint count when a marginal overrun of the budget was first seen."""
+    since: dict[str, int] = field(default_factory=dict)
+    """The checkpoint count when a move waiting to be confirmed at a later checkpoint was first
+    asked for: ``shrink`` (a clearly shorter interval possible), ``widen`` (a marginal overrun of
+    the budget), ``cost`` (a rise of the cost alone asking for a wider goodput interval)."""
+    slowdown_seen: bool = False
+    """Some decision rested on a measured slowdown (:func:`slowdown_measured`); it stays so until
+    the estimates change level, so that a rule of evidence tied to the interval does not flip with
+    the interval it sets."""
+    slowdown_drift: dict = field(default_factory=dict)
+    """The changes of level known when ``slowdown_seen`` was set."""
+    too_short: tuple[int, int, dict] | None = None
+    """The interval last found too short (over the budget, or its persist did not fit), the
+    checkpoint count then, and the changes of level known then: the rung that shortens does not go
+    back to it for :data:`TOO_SHORT_CKPTS` checkpoints, nor until a new change of level."""
     warned: set[str] = field(default_factory=set)
     """The kinds of conflict already warned about (one :class:`PolicyWarning` per kind)."""
     current: int | None = None
@@ -87,7 +111,7 @@ class RuleState:
         }
         self.changed_at = ckpt_clock
         self.mtbf_s = (info.get("hazard") or {}).get("mtbf_s")
-        self.shrink_since = self.widen_since = None
+        self.since.clear()
         self.binding = info.get("binding")
         info.update(interval=decision, previous=current)
         info["lost_work_s"] = decision * info["iter_s"] if info.get("iter_s") else None
@@ -305,6 +329,66 @@ def info(
     }
 
 
+def slowdown_measured(est: Estimate) -> bool:
+    """Whether the cost to decide on holds what a checkpoint's copy and persist take from the
+    iterations they overlap (:func:`decision_cost`).
+
+    Measured: by the cadence (the iterations under the interval in force against those with
+    nothing in flight), or by a saved profile; or, where a sample is no longer than about two
+    overlaps, by a checkpoint's overlap measured against iterations timed with nothing in flight
+    (against iterations that overlap checkpoints too it is none), or after
+    :data:`SLOWDOWN_UNSEEN_CKPTS` checkpoints when none can be told apart. A longer sample holds a
+    slowdown of a few iterations' worth in the noise of its other iterations: the per-checkpoint
+    attribution then reads about none, and only the cadence measures it (or, when no iteration was
+    ever timed with nothing in flight, the figures there are after :data:`SLOWDOWN_UNSEEN_CKPTS`
+    checkpoints: the probe windows then make clean ones, and the cadence corrects it).
+    """
+    if est.source != "measured":
+        return True
+    m = est.detail.cadence
+    # The cadence measures it once its standard error is under half the copy and persist time (a
+    # figure it cannot tell from none, on a busy machine, is no measure).
+    cadence = m is not None and m.se < 0.5 * est.bg
+    if est.cost_source == "cadence":
+        return cadence
+    unseen = est.n >= SLOWDOWN_UNSEEN_CKPTS
+    if est.sample_iters * est.t > 2.0 * est.bg:
+        # The per-checkpoint records read about none there, even with checkpoints many samples
+        # apart (a real job's 0.0035 s against the cadence's 0.026 s). Without a single iteration
+        # timed with nothing in flight there is nothing for the cadence to compare with until a
+        # probe window makes some: what there is counts after a while.
+        return cadence or (unseen and not est.t_clean)
+    return (est.settled and est.t_clean) or unseen
+
+
+def decision_cost(est: Estimate, measured: bool, aim: float = 0.0) -> float:
+    """The training time one checkpoint costs, as the rules weigh it: the estimate once its slowdown
+    is ``measured`` (with long samples, no less than the cadence measures); until then the copy and
+    persist count as lost time, as in the provisional decision, so the interval errs wide and
+    shortens only on a measured cost.
+
+    Not wider than the cadence can still measure at, though (``aim``: the budget's fraction of an
+    iteration the rules aim at): a persist that mostly waits for slow storage would otherwise weigh as
+    its whole time, set an interval with no checkpoint left in the run to measure it by, and keep it.
+    The unmeasured cost is capped at what asks for :func:`unmeasured_cap` steps."""
+    if not measured:
+        cap = aim * est.t * unmeasured_cap(est) if aim > 0 else math.inf
+        return max(est.cost, min(est.bg, cap))
+    m = est.detail.cadence
+    if m is not None and est.sample_iters * est.t > 2.0 * est.bg:
+        return max(est.cost, est.stall + min(max(m.slowdown, 0.0), est.bg or math.inf))
+    return est.cost
+
+
+def unmeasured_cap(est: Estimate) -> int:
+    """The widest interval an unmeasured slowdown may ask for: twice the steps one copy and persist
+    take, and at least two samples' span. At it half the iterations between checkpoints are free of
+    one, so the cadence (with the probe windows) measures the slowdown within a few checkpoints, and
+    a change of the persist's level is seen within a few more; the interval follows what they find."""
+    flight = max(_ceil(est.bg / est.t), 1) if est.t > 0 else 1
+    return max(2 * flight, 2 * math.ceil(est.sample_iters))
+
+
 def phase_of(est: Estimate, prior: dict | None) -> Phase:
     """Which phase the estimates put the policy in."""
     ready = est.source == "measured" and (est.has_persist or est.n >= 2)
@@ -341,13 +425,34 @@ def decide(
 class _Ladder:
     """One decision: the rungs in order; the first that returns a :data:`Verdict` decides."""
 
-    __slots__ = ("cfg", "st", "est", "prior", "ckpt_clock", "current", "k", "binding", "conflicts", "info", "phase")
+    __slots__ = (
+        "cfg",
+        "st",
+        "est",
+        "prior",
+        "ckpt_clock",
+        "current",
+        "cost",
+        "k",
+        "binding",
+        "conflicts",
+        "info",
+        "phase",
+    )
 
     def __init__(self, cfg: Adaptive, st: RuleState, est: Estimate, prior: dict | None, ckpt_clock: int, current: int):
         self.cfg, self.st, self.est, self.prior = cfg, st, est, prior
         self.ckpt_clock, self.current = ckpt_clock, current
-        self.k, self.binding, self.conflicts = target(cfg, est)
-        self.info = info(cfg, est, self.k, self.binding, self.conflicts, current)
+        measured = slowdown_measured(est)
+        if st.slowdown_seen and est.detail.drift != st.slowdown_drift:
+            st.slowdown_seen = False  # a new level: its slowdown is measured afresh
+        if measured:
+            st.slowdown_seen, st.slowdown_drift = True, dict(est.detail.drift)
+        measured = measured or st.slowdown_seen
+        self.cost = decision_cost(est, measured, cfg.budget_pct / 100.0 * (1.0 - cfg.headroom))
+        self.k, self.binding, self.conflicts = target(cfg, est, self.cost)
+        self.info = info(cfg, est, self.k, self.binding, self.conflicts, current, self.cost)
+        self.info["slowdown_measured"] = measured
         self.phase = phase_of(est, prior)
         self.info["phase"] = self.phase.value
 
@@ -377,6 +482,18 @@ class _Ladder:
         info_["reason"] = (
             f"{info_.get('reason', '')}; a checkpoint costs {est.cost:.3g} s (+/- {est.cost_se:.2g}, "
             f"{est.cost_source}), an iteration {est.t:.3g} s"
+            + (
+                f"; its slowdown not measured yet, the copy and persist ({est.bg:.3g} s) count as lost time"
+                + (
+                    f" up to {self.cost:.3g} s (what {unmeasured_cap(est)} steps allow: the cadence measures there)"
+                    if self.cost < est.bg
+                    else ""
+                )
+                if not self.info["slowdown_measured"]
+                else f"; weighed at {self.cost:.3g} s, as the cadence measures it"
+                if self.cost != est.cost
+                else ""
+            )
             + (f", the job's overhead so far {measured:.3g}%" if measured is not None else "")
         )
         return verdict
@@ -472,8 +589,12 @@ class _Ladder:
                 f"persist in flight: {est.bg:.3g} s of copy+persist do not fit in {current} steps "
                 f"of {t:.3g} s: widening to {k}"
             )
+            self._too_short()
             return k, self.info
         return None
+
+    def _too_short(self) -> None:
+        self.st.too_short = (self.current, self.ckpt_clock, dict(self.est.detail.drift))
 
     def _over_budget(self) -> Verdict | None:
         st, est, t, k, current = self.st, self.est, self.est.t, self.k, self.current
@@ -482,19 +603,19 @@ class _Ladder:
         if k > current and over > budget:
             # A clear overrun widens at once; a marginal one must still be there at the next checkpoint.
             if over > budget * (1.0 + 2.0 * self.cfg.headroom) or (
-                st.widen_since is not None and self.ckpt_clock > st.widen_since
+                "widen" in st.since and self.ckpt_clock > st.since["widen"]
             ):
                 self.info["reason"] = (
                     f"over budget: {100 * over:.3g}% > {self.cfg.budget_pct:g}% at {current} steps: widening to {k}"
                 )
+                self._too_short()
                 return k, self.info
-            if st.widen_since is None:
-                st.widen_since = self.ckpt_clock
+            st.since.setdefault("widen", self.ckpt_clock)
             self.info["reason"] = (
                 f"keeping {current}: {100 * over:.3g}% is over the budget, confirming at the next checkpoint"
             )
             return None, self.info
-        st.widen_since = None
+        st.since.pop("widen", None)
         return None
 
     def _failure_rate_moved(self) -> Verdict | None:
@@ -507,16 +628,32 @@ class _Ladder:
             return None
         ratio = self.cfg.shrink_ratio
         if k > math.floor(current * ratio) and k < math.ceil(current / ratio):
+            st.since.pop("cost", None)
             return None
         hz = self.est.hazard
         assert hz is not None  # a goodput candidate needs a hazard estimate
-        if k < current and st.mtbf_s is not None:
+        then = best_steps(self.est.t, max(self.cost, 0.0), st.mtbf_s) if st.mtbf_s is not None else None
+        if k < current and then is not None:
             # Shorten at once only for the failure rate: at today's cost, did the goodput interval
             # move by the ratio between the failure rate then and now? A move of the cost alone
             # goes through the pessimistic estimates of ``_room_to_shorten``.
-            then = best_steps(self.est.t, max(self.est.cost, 0.0), st.mtbf_s)
-            if then is not None and goodput > math.floor(then * ratio):
+            if goodput > math.floor(then * ratio):
                 return None
+        if k > current and then is not None and goodput < math.ceil(then / ratio):
+            # Widen at once only for the failure rate too: a rise of the cost alone (the estimates
+            # of a restarted group, one slow checkpoint) must still be there at the next checkpoint,
+            # or it would undo the shortening that failures just made.
+            if self.ckpt_clock <= st.since.setdefault("cost", self.ckpt_clock):
+                self.info["reason"] = (
+                    f"keeping {current}: the cost asks for {k} (goodput binds), confirming at the next checkpoint"
+                )
+                return None, self.info
+            st.since.pop("cost", None)
+            self.info["reason"] = (
+                f"cost: {self.est.cost:.3g} s per checkpoint: widening from {current} to {k} (goodput binds)"
+            )
+            return k, self.info
+        st.since.pop("cost", None)
         self.info["reason"] = (
             f"failure rate: one failure every {hz.mtbf_s:.3g} s up ({hz.failures} in {hz.exposure_s:.3g} s): "
             f"{'shortening' if k < current else 'widening'} from {current} to {k} ({self.binding} binds)"
@@ -529,21 +666,38 @@ class _Ladder:
         # the persist + 2: a persist short of its time makes training wait; at least three
         # checkpoints since the last drift), only when that is clearly shorter, and
         # only when it is still so at the next checkpoint.
-        k_safe = target(self.cfg, est, est.cost + est.cost_se, est.bg + 2.0 * est.bg_se)[0]
-        if k_safe <= math.floor(current * self.cfg.shrink_ratio) and est.n_level >= 3:
-            if st.shrink_since is None:
-                st.shrink_since = self.ckpt_clock
-            elif self.ckpt_clock > st.shrink_since and self.ckpt_clock > st.changed_at:
+        cost = self.cost + est.cost_se
+        k_safe = target(self.cfg, est, cost, est.bg + 2.0 * est.bg_se)[0]
+        if st.too_short is not None:
+            short, at, drift = st.too_short
+            if self.ckpt_clock - at > TOO_SHORT_CKPTS or est.detail.drift != drift:
+                st.too_short = None
+            else:
+                k_safe = max(k_safe, short + 1)
+        # A fall of the copy and persist's level by a factor of FELL_RATIO or more, seen at two
+        # checkpoints, is timed directly (not inferred from iteration times): shortening then waits
+        # for neither a third checkpoint nor the next one, or an interval that slow storage widened
+        # would take four of its own wide intervals to come back.
+        fell = est.detail.drift.get("background_s")
+        quick = fell is not None and fell["to"] * FELL_RATIO <= fell["from"]
+        if k_safe <= math.floor(current * self.cfg.shrink_ratio) and est.n_level >= (2 if quick else 3):
+            since = st.since.setdefault("shrink", self.ckpt_clock)
+            if quick or (self.ckpt_clock > since and self.ckpt_clock > st.changed_at):
                 self.info["reason"] = (
                     f"headroom: {k_safe} steps meet every rule (predicted overhead "
-                    f"{100 * est.cost / (k_safe * t):.3g}%): shortening from {current}"
+                    f"{100 * cost / (k_safe * t):.3g}%): shortening from {current}"
+                    + (
+                        f" (the copy and persist fell from {fell['from']:.3g} s to {fell['to']:.3g} s)"
+                        if fell and quick
+                        else ""
+                    )
                 )
                 return k_safe, self.info
             self.info["reason"] = (
                 f"keeping {current}: shorter interval {k_safe} possible, confirming at the next checkpoint"
             )
             return None, self.info
-        st.shrink_since = None
+        st.since.pop("shrink", None)
         return None
 
     def _keep(self) -> Verdict:
