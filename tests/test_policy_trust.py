@@ -293,3 +293,30 @@ def test_after_failures_against_a_prior_the_interval_is_shorter_and_settles(seed
     (with_failures, changes), (without, _) = _after_failures(seed, 2), _after_failures(seed, 0)
     assert with_failures < without, (with_failures, without)
     assert len(changes) <= 2, changes
+
+
+def test_a_sample_of_one_iteration_with_nothing_in_flight_is_not_the_jobs_clean_time():
+    # A poll right after another (or the warm-up's end) gives a "clean" sample of one iteration; the
+    # job's overhead compared the iterations before it with the mean of the clean time before them
+    # and that one noisy iteration, and a real job read 3.5 % where it paid 6 % by its own samples.
+    from cf_ray.policy._cadence import Cadence
+
+    c = Cadence()
+    c.interval(2)
+    step = 0
+
+    def add(iter_s, iters, clean):
+        nonlocal step
+        step += iters
+        c.add(0, step, step - iters + 1, iter_s, iters, clean, stall=0.0)
+
+    for _ in range(2):
+        add(0.075, 13, True)
+    for _ in range(4):
+        add(0.085, 13, False)
+    add(0.095, 1, True)
+    for _ in range(4):
+        add(0.085, 13, False)
+    add(0.075, 13, True)
+    paid = 100 * (8 * 13 * 0.010 + 0.020) / (11 * 13 * 0.075 + 0.075)
+    assert c.job_overhead_pct({0}, 0.075, 0.05) == pytest.approx(paid, abs=1.0)

@@ -50,6 +50,10 @@ PROBE_SAMPLES = 3
 """A probe window spans the background time of a checkpoint and this many samples' span."""
 JOB_SAMPLES = 1024
 """The job's overhead is measured over this many recent samples per rank."""
+JOB_BASE_ITERS = 3
+"""A sample with nothing in flight is compared with as the job's clean iteration time only when it
+covers at least this many iterations: one or two (a poll right after another, the warm-up's end)
+are noise that the mean of the clean time before and after would weigh as much as a probe window."""
 _REGIME_SAMPLES = 3
 """A cadence measurement needs at least this many samples of every rank at the interval in force."""
 
@@ -212,7 +216,7 @@ class Cadence:
             r = self.ranks[rank] = _RankCadence()
         self.max_step = max(self.max_step, step)
         r.span.append(iters)
-        r.add_job(iter_s, iters, stall * iters / (self.k or 1), clean)
+        r.add_job(iter_s, iters, stall * iters / (self.k or 1), clean and iters >= JOB_BASE_ITERS)
         if clean:
             if r.clean and step < r.clean[-1][0]:  # a restart: the steps go back
                 r.clean.clear()
