@@ -7,6 +7,7 @@ controller and holder actors on the shared local cluster), a few steps each.
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 import test_spot
@@ -95,6 +96,25 @@ def test_timing_reports_each_checkpoint_once_and_skips_iterations_that_prepared_
     assert [s["step"] for s in stats] == [4, 4] and stats[1]["guard_s"] == 0.5
     assert t.checkpoints_taken == 1 and t.stall_s_total == pytest.approx(0.52)
     assert t.drain(0, 4, {}) == ([], [])
+
+
+def test_timing_reports_the_checkpointers_own_work_at_every_step_apart_from_the_stall():
+    # What the checkpointer does after the update (agree, decide, report) is outside the iteration
+    # time and, but for a checkpoint's stall, outside the stall too: the job pays it at every step,
+    # and measured_overhead_pct counts it from step_s.
+    t = Timing()
+    t.end_iteration(0.0, preparing=False)
+    time.sleep(0.02)  # the per-step work
+    t.step_end()
+    t.end_iteration(0.0, preparing=False)
+    time.sleep(0.03)
+    t.snapshot_taken(2, sync_s=0.01, stall_s=0.025, last_begin={"wait_s": 0.0, "nbytes": 1.0})
+    t.step_end()  # 0.03 s after the update, 0.025 s of it the checkpoint's stall
+    (sample,), _ = t.drain(0, 2, {})
+    assert 0.0125 <= sample["step_s"] < 0.0125 + 0.02
+    t.end_iteration(0.0, preparing=False)
+    (sample,), _ = t.drain(0, 3, {})
+    assert "step_s" not in sample  # no step ended since the last drain: not measured
 
 
 # -- the lifecycle (Ray actors, no TorchTrainer) -------------------------------------------------------

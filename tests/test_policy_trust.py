@@ -320,3 +320,15 @@ def test_a_sample_of_one_iteration_with_nothing_in_flight_is_not_the_jobs_clean_
     add(0.075, 13, True)
     paid = 100 * (8 * 13 * 0.010 + 0.020) / (11 * 13 * 0.075 + 0.075)
     assert c.job_overhead_pct({0}, 0.075, 0.05) == pytest.approx(paid, abs=1.0)
+
+
+def test_the_checkpointers_work_at_every_step_counts_in_the_jobs_overhead():
+    # No checkpoint in flight anywhere, 0.75 ms of the checkpointer's own work per 75 ms iteration:
+    # the job paid 1 %, and no clean iteration time can show it (it is outside every iteration).
+    from cf_ray.policy._cadence import Cadence
+
+    c = Cadence()
+    c.interval(50)
+    for i in range(1, 11):
+        c.add(0, 13 * i, 13 * i - 12, 0.075, 13, True, stall=0.0, step_s=0.00075)
+    assert c.job_overhead_pct({0}, 0.075, 0.05) == pytest.approx(1.0, abs=0.01)

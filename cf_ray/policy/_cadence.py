@@ -30,8 +30,10 @@ least ``PROBE_SPACING`` windows apart (so at most a tenth of the run is in one).
 **The job's overhead** (``measured_overhead_pct``, the profile table's ``overhead_pct``, the
 ``cf_ray_checkpoint_overhead_pct`` metric): the job's time lost to checkpoints over its training
 time, over its recent samples (:data:`JOB_SAMPLES` per rank): ``sum((iter_s - t_clean) * iters) +
-stall * checkpoints`` over ``t_clean * iters`` of the slowest rank, every checkpoint's stall (guard
-waits included: the training thread waited) counted at the interval in force.
+stall * checkpoints + step_s * iters`` over ``t_clean * iters`` of the slowest rank, every
+checkpoint's stall (guard waits included: the training thread waited) counted at the interval in
+force, and the checkpointer's per-step work (``Sample.step_s``: agreeing, deciding, reporting) at
+every step.
 """
 
 from __future__ import annotations
@@ -208,15 +210,26 @@ class Cadence:
             for r in self.ranks.values():
                 r.regime.clear()
 
-    def add(self, rank: int, step: int, first: int, iter_s: float, iters: int, clean: bool, stall: float) -> None:
+    def add(
+        self,
+        rank: int,
+        step: int,
+        first: int,
+        iter_s: float,
+        iters: int,
+        clean: bool,
+        stall: float,
+        step_s: float = 0.0,
+    ) -> None:
         """A rank's sample of ``iters`` iterations ending at ``step`` (warm-up excluded); ``stall``:
-        the training thread's stall of its newest checkpoint, guard waits included."""
+        the training thread's stall of its newest checkpoint, guard waits included; ``step_s``: the
+        checkpointer's per-step work per iteration (lost at every step, interval or not)."""
         r = self.ranks.get(rank)
         if r is None:
             r = self.ranks[rank] = _RankCadence()
         self.max_step = max(self.max_step, step)
         r.span.append(iters)
-        r.add_job(iter_s, iters, stall * iters / (self.k or 1), clean and iters >= JOB_BASE_ITERS)
+        r.add_job(iter_s, iters, stall * iters / (self.k or 1) + step_s * iters, clean and iters >= JOB_BASE_ITERS)
         if clean:
             if r.clean and step < r.clean[-1][0]:  # a restart: the steps go back
                 r.clean.clear()

@@ -192,7 +192,8 @@ class Estimator:
         base = r.base()
         overlapped = cur is not None and not cur.closed and self._overlapped(rank, r, s, first)
         stall = _nonneg(s.stall_s) or 0.0
-        self.cadence.add(rank, s.step, first, s.iter_s, iters, clean=not overlapped, stall=stall)
+        step_s = _nonneg(s.step_s) or 0.0
+        self.cadence.add(rank, s.step, first, s.iter_s, iters, clean=not overlapped, stall=stall, step_s=step_s)
         if overlapped:
             assert cur is not None
             if base is not None:

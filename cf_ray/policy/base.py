@@ -91,6 +91,10 @@ class Sample:
     """The step of the checkpoint that ``stall_s``/``copy_s``/``persist_s``/``nbytes`` describe.
     Strongly recommended: without it the policy guesses which checkpoint the values belong to and
     cannot attribute the slowdown of the iterations that run while a persist is in flight."""
+    step_s: float | None = None
+    """Mean seconds per iteration the training thread spent in the checkpointer's own per-step work
+    (agreeing with the other ranks, deciding, reporting) outside ``iter_s`` and ``stall_s``: time the
+    job pays for checkpointing at every step, counted in its overhead. ``None``: not measured."""
     overlapped: bool | None = None
     """Whether a snapshot copy or persist of this rank was in flight during these iterations;
     ``None`` lets the policy infer it from ``ckpt_step`` and the copy and persist times."""

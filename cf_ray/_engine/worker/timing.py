@@ -36,6 +36,10 @@ class Timing:
         self._last_step_end: float | None = None
         self._pending_guard_step: int | None = None
         self._last_ckpt: dict[str, Any] = {}
+        self._iter_end: float | None = None  # when the last iteration was timed (end_iteration)
+        self._step_stall_s = 0.0  # the stall of the checkpoint this step started
+        self._step_sum_s = 0.0  # the checkpointer's per-step work since the last drain ...
+        self._step_n = 0  # ... over this many steps
         self.budget = CpuBudget()
         """Wall and thread-CPU seconds per part of the checkpoint path (``cpu_budget.py``)."""
 
@@ -58,11 +62,13 @@ class Timing:
             self._iter_sum_s += max(now - self._last_step_end - guard_s, 0.0)
             self._iter_n += 1
         self.prepare_overlap = preparing
+        self._iter_end, self._step_stall_s = now, 0.0
 
     def snapshot_taken(self, step: int, sync_s: float, stall_s: float, last_begin: dict[str, float]) -> None:
         """A checkpoint of ``step`` started: ``sync_s`` in the snapshotter, ``stall_s`` in all."""
         self.checkpoints_taken += 1
         self.stall_s_total += stall_s
+        self._step_stall_s += stall_s
         self._pending_guard_step = step
         self._ckpt_stats.append({"step": step, "sync_s": sync_s, "stall_s": stall_s})
         wait = last_begin.get("wait_s", 0.0)
@@ -74,7 +80,13 @@ class Timing:
         }
 
     def step_end(self) -> None:
-        self._last_step_end = time.perf_counter()
+        """The checkpointer's work after the update is done: what it took, beyond the stall of a
+        checkpoint started in it, is the per-step work the job pays (``step_s`` of the samples)."""
+        now = self._last_step_end = time.perf_counter()
+        if self._iter_end is not None:
+            self._step_sum_s += max(now - self._iter_end - self._step_stall_s, 0.0)
+            self._step_n += 1
+            self._iter_end = None
 
     # -- the background thread ------------------------------------------------------------------------
     def handed_off(self, step: int, timings: dict[str, float]) -> None:
@@ -104,10 +116,12 @@ class Timing:
                     "step": step,
                     "iter_s": self._iter_sum_s / self._iter_n,
                     "iters": self._iter_n,
+                    **({"step_s": self._step_sum_s / self._step_n} if self._step_n else {}),
                     **self._last_ckpt_sample(copy_timings),
                 }
             )
             self._iter_sum_s, self._iter_n = 0.0, 0
+            self._step_sum_s, self._step_n = 0.0, 0
         stats = []
         while self._ckpt_stats:
             stats.append(self._ckpt_stats.popleft())
