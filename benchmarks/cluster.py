@@ -10,7 +10,12 @@ each side by side in the same invocation:
   node was added just before, as an autoscaler would have it ready). Ray Train restarts the group;
   the new group restores with ``replicas=1`` (the lost rank's sections from the copy a holder of
   the surviving node keeps: peer memory), then runs the same again as another run with
-  ``replicas=0`` (restored from storage), in the same ``fit()``. Reported: kill to the end of the first resumed iteration, and the restore itself.
+  ``replicas=0`` (restored from storage), in the same ``fit()``, ``--rec-losses`` times each. The
+  node goes as ``--node-kill`` says: shut down (SIGTERM first), killed (SIGKILL) or frozen (SIGSTOP
+  until the GCS marks it dead: a machine that vanished). Reported per loss: kill to the end of the
+  first resumed iteration, cut into parts (:data:`NODE_LOSS_PARTS`: the Ray Train controller's state
+  changes and group events from the callback of ``benchmarks.recovery_breakdown``, the ranks' own
+  timestamps), the kill to the GCS marking the node dead, and the restore itself.
 * **Preemption** (``preemption``), a scaled-down copy of Ray's preemption benchmark
   (``release/train_tests/preemption`` of ray-project/ray, PR #65047): the same job trains to
   ``target`` steps while ``N`` preemptions with notices arrive, at the same steps in every arm,
@@ -115,6 +120,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--step-s", type=float, help="seconds each step of the preemption job sleeps (a bigger model)")
     g.add_argument("--interval", type=int, help="checkpoint interval of the replication-cost job")
     g.add_argument("--rec-every", type=int, help="checkpoint interval of the node-loss job")
+    g.add_argument("--rec-losses", type=int, default=1, help="node losses per restore source (peer memory, storage)")
+    g.add_argument(
+        "--node-kill",
+        choices=("graceful", "abrupt", "frozen"),
+        default="graceful",
+        help="node loss: graceful = the node's processes get SIGTERM first (its raylet tells the GCS it goes: a "
+        "node shut down); abrupt = SIGKILLed (its workers see their raylet gone and exit, their connections "
+        "refused); frozen = SIGSTOPped, every process of the node, removed once the GCS has marked the node dead "
+        "(a machine that vanishes: nothing answers, nothing refuses; the GCS's health checks find it)",
+    )
+    g.add_argument(
+        "--cluster-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for every process of the test cluster (GCS, raylets, workers, the driver), "
+        "e.g. RAY_health_check_period_ms=500 or RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=0.25; repeatable",
+    )
     g.add_argument(
         "--warm-storage",
         action="store_true",
@@ -158,6 +181,7 @@ def _recovery_loop(cfg: dict) -> None:
     import torch.nn.functional as F
 
     import cf_ray
+    from cf_ray._engine.worker.link import ray_train_spare
 
     t_attempt = time.time()
     torch.set_num_threads(1)
@@ -229,6 +253,7 @@ def _recovery_loop(cfg: dict) -> None:
                 "restore_phases": resume.phases,
                 "read_bytes": resume.read_bytes,
                 "generation": resume.generation,
+                "spare": ray_train_spare.arrival(restart=True),
             },
         )
         ckpt.finish()
@@ -459,9 +484,48 @@ class _TestCluster:
     def node(self, node_id: str):
         return next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
 
-    def remove(self, node_id: str) -> None:
-        self.cluster.remove_node(self.node(node_id))
+    def remove(self, node_id: str, graceful: bool = True) -> None:
+        self.cluster.remove_node(self.node(node_id), allow_graceful=graceful)
         self.nodes_removed += 1
+
+    def freeze(self, node_id: str) -> list[int]:
+        """SIGSTOP every process of the node (its raylet, object store, agents, and the worker
+        processes they started: Ray Train's workers, cf_ray's holder): a machine that vanished
+        without a word. Returns the pids, for :meth:`remove` once the GCS has marked it dead."""
+        import signal
+
+        roots = [info.process.pid for infos in self.node(node_id).all_processes.values() for info in infos]
+        children: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                children.setdefault(ppid, []).append(int(entry))
+        pids, todo = [], list(roots)
+        while todo:
+            pid = todo.pop()
+            pids.append(pid)
+            todo.extend(children.get(pid, []))
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def await_dead(self, node_id: str, timeout_s: float = 300.0) -> float | None:
+        """Until the GCS reports the node dead; the time it was seen so (polled every 0.1 s), or None."""
+        import ray
+
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if not any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+                return time.time()
+            time.sleep(0.1)
+        return None
 
     def drain(self, node_id: str, deadline_s: float) -> None:
         """Ray's own drain path, as the autoscaler takes it for a preempted node."""
@@ -494,7 +558,7 @@ class _TestCluster:
         self.cluster.shutdown()
 
 
-def _fit(loop, cfg: dict, name: str, storage: Path, *, max_failures: int = 0, preemptions: int = 0):
+def _fit(loop, cfg: dict, name: str, storage: Path, *, max_failures: int = 0, preemptions: int = 0, callbacks=None):
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -507,6 +571,7 @@ def _fit(loop, cfg: dict, name: str, storage: Path, *, max_failures: int = 0, pr
             storage_path=str(storage),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
             failure_config=ray.train.FailureConfig(max_failures=max_failures, max_preemption_failures=preemptions),
+            callbacks=callbacks or [],
         ),
     )
     return trainer.fit()
@@ -560,26 +625,97 @@ def _drop_page_cache(directory: Path) -> int:
     return n
 
 
-def run_recovery(tc: _TestCluster, p: dict, work: Path, seed: int, cold_cache_off: bool = False) -> dict:
-    """Node loss with replicas=1 (peer memory), then replicas=0 (storage), in one ``fit()`` (its
-    restarts are the measured ones; one worker-group start fewer than a ``fit()`` per arm)."""
-    arms = [("memory", 1), ("storage", 0)]
+#: The parts of a node loss, from the kill to the first resumed iteration, in order (``_node_loss_parts``).
+NODE_LOSS_PARTS = (
+    "detect",  # the kill to the Ray Train controller leaving RUNNING (it saw a rank fail)
+    "teardown",  # to the old worker group's shutdown done
+    "reschedule",  # to the new group's start (placement group asked for)
+    "actors_up",  # to the new group's actors answering (placement, process start, Ray Train's worker)
+    "process_group",  # to the new group started (train context, init_process_group)
+    "launch",  # to the training function running, its imports of torch, Ray Train and cf_ray done (slower rank)
+    "setup",  # the job's set-up before restore(): model, DDP, optimizer, Checkpointer
+    "restore",  # cf_ray's restore() on the slower rank
+    "first_iteration",  # the first resumed iteration, to its end
+)
+
+
+def _node_loss_parts(timeline: list[dict], t_kill: float, res: list[dict]) -> dict[str, float] | None:
+    """The parts of one node loss (:data:`NODE_LOSS_PARTS`) from the controller's timeline (the
+    callback of ``benchmarks.recovery_breakdown``) and the resumed ranks' timestamps; the worker-side
+    marks are the slower rank's (the one whose first iteration ended last). None when a mark is missing."""
+
+    def first(pred) -> float | None:
+        return next((e["t"] for e in timeline if e["t"] >= t_kill and pred(e)), None)
+
+    # every poll of a healthy group is a RUNNING -> RUNNING update: the first other one is the failure seen
+    detect = first(lambda e: e["ev"] == "state" and e["prev"] == "RunningState" and e["next"] != "RunningState")
+    shut = first(lambda e: e["ev"] == "group_shutdown_done")
+    begin = first(lambda e: e["ev"] == "group_start_begin")
+    ready = first(lambda e: e["ev"] == "actors_ready")
+    started = first(lambda e: e["ev"] == "group_started")
+    if None in (detect, shut, begin, ready, started) or not res:
+        return None
+    slow = max(res, key=lambda e: e["first_iteration_end"])
+    marks = [
+        t_kill,
+        detect,
+        shut,
+        begin,
+        ready,
+        started,
+        slow["attempt_start"],
+        slow["restore_start"],
+        slow["restore_end"],
+        slow["first_iteration_end"],
+    ]
+    return {part: round(b - a, 3) for part, a, b in zip(NODE_LOSS_PARTS, marks, marks[1:])}
+
+
+def run_recovery(
+    tc: _TestCluster,
+    p: dict,
+    work: Path,
+    seed: int,
+    cold_cache_off: bool = False,
+    losses: int = 1,
+    node_kill: str = "graceful",
+) -> dict:
+    """Node loss with replicas=1 (peer memory), then replicas=0 (storage), ``losses`` times each,
+    alternating, in one ``fit()`` (its restarts are the measured ones; one worker-group start fewer
+    than a ``fit()`` per arm). ``node_kill``: how the node goes (``--node-kill``): ``graceful``
+    (SIGTERM first: its raylet unregisters), ``abrupt`` (SIGKILL: its workers exit when they see
+    their raylet gone) or ``frozen`` (SIGSTOP: nothing answers; removed once the GCS has marked it
+    dead). Every loss records when the GCS was seen to mark the node dead (``kill_to_gcs_dead_s``)."""
+    from benchmarks.recovery_breakdown import Timeline
+
+    kinds = {"memory": 1, "storage": 0}
+    arms = [(f"{kind}-{i}", kind, kinds[kind]) for i in range(losses) for kind in kinds]
     log = work / "recovery.jsonl"
+    timeline = work / "recovery-timeline.jsonl"
     cfg = {
         "width": p["large_width"],
         "layers": p["large_layers"],
         "batch": 8,
         "seed": seed,
         "every": p["rec_every"],
-        "arms": [{"arm": a, "replicas": r, "run": f"nodeloss-{a}"} for a, r in arms],
+        "arms": [{"arm": a, "replicas": r, "run": f"nodeloss-{a}"} for a, _, r in arms],
         "storage": str(work / "ckpt"),
         "log": str(log),
     }
-    th, out = _in_background(lambda: _fit(_recovery_loop, cfg, "nodeloss", work / "ray", max_failures=len(arms)))
+    th, out = _in_background(
+        lambda: _fit(
+            _recovery_loop,
+            cfg,
+            "nodeloss",
+            work / "ray",
+            max_failures=len(arms),
+            callbacks=[Timeline(str(timeline))],
+        )
+    )
     kills: dict[str, tuple[float, dict]] = {}
-    got: dict[str, Any] = {}
+    gcs_dead: dict[str, float | None] = {}
     try:
-        for arm, _ in arms:
+        for arm, _, _ in arms:
 
             def both_ready(arm=arm):
                 r = [e for e in _read_log(log) if e["event"] == "ready" and e["arm"] == arm]
@@ -591,47 +727,77 @@ def run_recovery(tc: _TestCluster, p: dict, work: Path, seed: int, cold_cache_of
                 raise RuntimeError("both ranks run on one node: give each worker node one CPU")
             tc.add()  # the replacement is up before the loss, as an autoscaler's warm node
             kills[arm] = (time.time(), lost)
-            tc.remove(lost["node"])
+            if node_kill == "frozen":
+                frozen = tc.freeze(lost["node"])
+            else:
+                tc.remove(lost["node"], graceful=node_kill == "graceful")
             if not cold_cache_off:
                 _drop_page_cache(work / "ckpt" / f"nodeloss-{arm}")
+            gcs_dead[arm] = tc.await_dead(lost["node"])
+            if node_kill == "frozen":
+                for pid in frozen:
+                    try:
+                        os.kill(pid, 9)  # SIGKILL ends a stopped process
+                    except ProcessLookupError:
+                        pass
+                tc.remove(lost["node"], graceful=False)
         th.join(900)
     except Exception as e:  # noqa: BLE001 - what was measured is still reported
         out.setdefault("error", f"{type(e).__name__}: {e}")
         th.join(120)
-    for arm, replicas in arms:
+    events = _read_log(timeline)
+    per_loss: list[dict] = []
+    for arm, kind, replicas in arms:
         res = [e for e in _read_log(log) if e["event"] == "resumed" and e["arm"] == arm]
         if arm not in kills or len(res) != 2:
-            got[arm] = {"error": out.get("error") or "the run did not resume on both ranks", "replicas": replicas}
+            err = out.get("error") or "the run did not resume on both ranks"
+            per_loss.append({"arm": arm, "kind": kind, "error": err, "replicas": replicas})
             continue
         t_kill, lost = kills[arm]
-        got[arm] = {
-            "replicas": replicas,
-            "kill_step": lost["step"],
-            "checkpoint_step": lost["checkpoint_step"],
-            "resume_step": min(e["step"] for e in res),
-            "resume_source": sorted({e["source"] for e in res}),
-            "iterations_lost": lost["step"] - min(e["step"] for e in res),
-            "kill_to_first_iteration_s": max(e["first_iteration_end"] for e in res) - t_kill,
-            "kill_to_restart_s": min(e["attempt_start"] for e in res) - t_kill,
-            "restore_s": max(e["restore_s"] for e in res),
-            "restore_s_by_rank": {e["rank"]: e["restore_s"] for e in res},
-            "restore_phases_by_rank": {e["rank"]: e.get("restore_phases") for e in res},
-            "read_bytes_by_rank": {e["rank"]: e.get("read_bytes") for e in res},
-            "state_bytes": lost["state_bytes"],
-        }
-    mem, sto = got.get("memory", {}), got.get("storage", {})
+        per_loss.append(
+            {
+                "arm": arm,
+                "kind": kind,
+                "replicas": replicas,
+                "kill_step": lost["step"],
+                "checkpoint_step": lost["checkpoint_step"],
+                "resume_step": min(e["step"] for e in res),
+                "resume_source": sorted({e["source"] for e in res}),
+                "iterations_lost": lost["step"] - min(e["step"] for e in res),
+                "kill_to_first_iteration_s": max(e["first_iteration_end"] for e in res) - t_kill,
+                "kill_to_restart_s": min(e["attempt_start"] for e in res) - t_kill,
+                "restore_s": max(e["restore_s"] for e in res),
+                "restore_s_by_rank": {e["rank"]: e["restore_s"] for e in res},
+                "restore_phases_by_rank": {e["rank"]: e.get("restore_phases") for e in res},
+                "read_bytes_by_rank": {e["rank"]: e.get("read_bytes") for e in res},
+                "parts": _node_loss_parts(events, t_kill, res),
+                "spare_by_rank": {e["rank"]: e.get("spare") for e in res},
+                "kill_to_gcs_dead_s": None if gcs_dead.get(arm) is None else gcs_dead[arm] - t_kill,
+                "state_bytes": lost["state_bytes"],
+            }
+        )
+    got = {kind: _loss_summary([r for r in per_loss if r["kind"] == kind]) for kind in kinds}
+    mem, sto = got["memory"], got["storage"]
     speedup = None
     if mem.get("restore_s") and sto.get("restore_s"):
         speedup = sto["restore_s"] / mem["restore_s"]
     return {
         "memory": mem,
         "storage": sto,
+        "losses": per_loss,
+        "parts": list(NODE_LOSS_PARTS),
         "restore_speedup": speedup,
         "model": {"width": p["large_width"], "layers": p["large_layers"]},
         "interval": p["rec_every"],
+        "node_kill": node_kill,
         "error": out.get("error"),
         "storage_page_cache_dropped": not cold_cache_off,
-        "note": "the replacement node is added before the loss; kill = Cluster.remove_node of rank 1's node; "
+        "note": "the replacement node is added before the loss; kill = Cluster.remove_node of rank 1's node "
+        + {
+            "graceful": "(SIGTERM first: its raylet unregisters); ",
+            "abrupt": "(SIGKILL: its workers exit when their raylet is gone); ",
+            "frozen": "(SIGSTOP of all its processes, SIGKILL once the GCS marked it dead); ",
+        }[node_kill]
         + (
             "the storage reads may come from the page cache"
             if cold_cache_off
@@ -639,6 +805,23 @@ def run_recovery(tc: _TestCluster, p: dict, work: Path, seed: int, cold_cache_of
             "are evicted from the page cache right after the kill (a replacement node has none of them cached)"
         ),
     }
+
+
+def _loss_summary(rows: list[dict]) -> dict:
+    """The losses of one restore source: the first loss's record, its times replaced by the medians
+    over every loss (``n``: how many; ``*_all``: each loss's value). An error when none resumed."""
+    done = [r for r in rows if not r.get("error")]
+    if not done:
+        return dict(rows[0]) if rows else {"error": "not run"}
+    out = dict(done[0], n=len(done), errors=len(rows) - len(done))
+    for key in ("kill_to_first_iteration_s", "kill_to_restart_s", "restore_s", "kill_to_gcs_dead_s"):
+        vals = [r[key] for r in done if r.get(key) is not None]
+        if not vals:
+            continue
+        out[key], out[f"{key}_all"] = statistics.median(vals), vals
+    parts = [r["parts"] for r in done if r.get("parts")]
+    out["parts"] = {k: round(statistics.median(pp[k] for pp in parts), 3) for k in NODE_LOSS_PARTS} if parts else None
+    return out
 
 
 def measure_transfer(nbytes: int) -> dict:
@@ -942,6 +1125,21 @@ def render_markdown(res: dict) -> str:
                 f"{r['resume_step']} | {'/'.join(r['resume_source'])} | {r['iterations_lost']} |"
             )
         lines += ["", f"Restore speed-up (storage / peer memory): {_f(rec.get('restore_speedup'), '.1f')} x", ""]
+        parts = rec.get("parts") or []
+        lines += [
+            f"Where the seconds go ({rec.get('node_kill', 'graceful')} node kill; the slower rank's marks), per loss:",
+            "",
+            "| loss | " + " | ".join(parts) + " | kill → first resumed iteration | kill → GCS marks the node dead |",
+            "|" + "---|" * (len(parts) + 3),
+        ]
+        for r in rec.get("losses") or []:
+            got = r.get("parts") or {}
+            lines.append(
+                f"| {r['arm']} | "
+                + " | ".join(_f(got.get(k)) for k in parts)
+                + f" | {_f(r.get('kill_to_first_iteration_s'))} | {_f(r.get('kill_to_gcs_dead_s'))} |"
+            )
+        lines.append("")
         tr = rec.get("transfer") or {}
         if tr.get("transfer_get_s"):
             lines += [
@@ -1049,13 +1247,26 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S="1",  # Ray's watcher polls the drains every second (default 5)
         CF_RAY_CONTROLLER_LINGER_S="2",
     )
+    for item in args.cluster_env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--cluster-env takes NAME=VALUE, not {item!r}")
+        env[name] = value
     tc = _TestCluster(2, store, env)
     res: dict[str, Any] = {"schema": SCHEMA}
     try:
         if "replication" in jobs:
             res["replication"] = run_replication(p, work, args.seed)
         if "recovery" in jobs:
-            res["recovery"] = run_recovery(tc, p, work, args.seed, cold_cache_off=args.warm_storage)
+            res["recovery"] = run_recovery(
+                tc,
+                p,
+                work,
+                args.seed,
+                cold_cache_off=args.warm_storage,
+                losses=args.rec_losses,
+                node_kill=args.node_kill,
+            )
             try:
                 res["recovery"]["transfer"] = measure_transfer(int(rec_state))
             except Exception as e:  # noqa: BLE001 - a reference figure; the job's own figures stand

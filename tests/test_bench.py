@@ -208,6 +208,12 @@ def test_bench_cluster_jobs(tmp_path, capsys):
         assert r["resume_step"] == r["checkpoint_step"] == 8 and r["iterations_lost"] == 2, r
         assert 0 < r["restore_s"] < r["kill_to_first_iteration_s"], r
     assert rec["restore_speedup"] > 0
+    # Each loss is cut into its parts (the controller's callback and the ranks' timestamps), in order.
+    assert rec["parts"][0] == "detect" and len(rec["losses"]) == 2, rec
+    for loss in rec["losses"]:
+        parts = loss["parts"]
+        assert parts and set(parts) == set(rec["parts"]) and parts["detect"] > 0, loss
+        assert sum(parts.values()) == pytest.approx(loss["kill_to_first_iteration_s"], abs=0.05), loss
     # The rank restarted on the replacement node streamed its bytes from the surviving node's holder.
     assert any((b or {}).get("direct") for b in rec["memory"]["read_bytes_by_rank"].values()), rec["memory"]
     assert all(set(b or {}) == {"storage"} for b in rec["storage"]["read_bytes_by_rank"].values()), rec["storage"]
