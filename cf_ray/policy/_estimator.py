@@ -29,6 +29,11 @@ from cf_ray.policy._estimate import (
 from cf_ray.policy.base import Sample
 
 _DETAIL = frozenset({"copy", "persist", "nbytes", "rate", "drift"})
+
+WAIT_EVIDENCE_S = 0.002
+"""A guard wait shorter than this (or than a twentieth of an iteration) says nothing of the previous
+persist: the wait's own cost is a fraction of a millisecond on every checkpoint, and taken as
+evidence it made the interval its own lower bound (each wider interval, a wider bound)."""
 """The keys of :meth:`Estimator._summary` that go into :class:`EstimateDetail`."""
 
 
@@ -301,7 +306,14 @@ class Estimator:
         # A guard wait means the previous copy+persist outlasted the interval: it took at least the
         # time between the two checkpoints plus the wait. This catches a slower disk at once, even
         # before (or without) persist times.
-        lower = [gap * t + w for gap, w in summary["wait_gaps"]]
+        # Not a wait shorter than what waiting itself costs, nor one after a checkpoint whose copy+persist
+        # is known to have taken under a quarter of the gap: that one did not outlast the interval.
+        floor = max(WAIT_EVIDENCE_S, 0.05 * t)
+        lower = [
+            gap * t + w
+            for gap, w, prev_bg in summary["wait_gaps"]
+            if w >= floor and (prev_bg is None or 4.0 * prev_bg >= gap * t)
+        ]
         if lower and max(lower) > est.bg:
             est.bg = max(lower)
             est.bg_from_waits = True
@@ -379,7 +391,7 @@ class Estimator:
         ]
         out["rate"] = _median(rates[-self.window :]) if rates else None
         out["wait_gaps"] = [
-            (rec.step - prev.step, max(rec.wait.values()))
+            (rec.step - prev.step, max(rec.wait.values()), prev.bg(self.persist_seen))
             for prev, rec in zip(timed[-4:], timed[-3:])
             if rec.wait and max(rec.wait.values()) > 0 and rec.step > prev.step
         ]
