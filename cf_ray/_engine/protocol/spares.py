@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import tempfile
@@ -27,6 +28,8 @@ import time
 from pathlib import Path
 
 #: The folder of the node's temp dir that holds the claims.
+logger = logging.getLogger("cf_ray")
+
 ROOT = "cf_ray-spares"
 _IDLE_TITLE = b"ray::IDLE"
 #: The suffix of a request file (a claim is ``<pid>.json``).
@@ -105,20 +108,34 @@ def withdraw(path: Path | None) -> None:
         path.unlink(missing_ok=True)
 
 
+def idle_workers(
+    job: str,
+    raylet: str,
+    env_vars: dict[str, str] | None,
+    since_ticks: int,
+    skip: frozenset[int] | set[int] = frozenset(),
+) -> list[tuple[int, int]]:
+    """``(start ticks, pid)`` of every idle worker of ``job`` and ``raylet`` with ``env_vars``,
+    started at or after ``since_ticks`` and not in ``skip``, oldest first: the one scan of
+    ``/proc`` that both a rank claiming its spare and a holder ending the unclaimed ones use."""
+    found: list[tuple[int, int]] = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in skip:
+            continue
+        ticks = start_ticks(int(name))
+        if ticks is None or ticks < since_ticks:
+            continue
+        if idle_spare(int(name), job, raylet, env_vars or {}):
+            found.append((ticks, int(name)))
+    return sorted(found)
+
+
 def _unclaimed(directory: Path, job: str, raylet: str, req: dict, taken: set[int]) -> int | None:
     """The first idle worker of ``job`` and ``raylet`` with the request's environment variables,
     started after its ``since_ticks``, that no claim names and this pass did not take."""
     claimed = {int(p.stem) for p in directory.glob("*.json") if p.stem.isdigit()}
-    found: list[tuple[int, int]] = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) in taken or int(name) in claimed:
-            continue
-        ticks = start_ticks(int(name))
-        if ticks is None or ticks < int(req["since_ticks"]):
-            continue
-        if idle_spare(int(name), job, raylet, req.get("env_vars") or {}):
-            found.append((ticks, int(name)))
-    return min(found)[1] if found else None
+    found = idle_workers(job, raylet, req.get("env_vars"), int(req["since_ticks"]), taken | claimed)
+    return found[0][1] if found else None
 
 
 def _end_claims(directory: Path, job: str, raylet: str, run: str) -> list[int]:
@@ -156,6 +173,15 @@ def end_run(raylet: str, run: str, wait_s: float = 10.0) -> list[int]:
                 if req.get("run") != run:
                     continue
                 appear_by = time.monotonic() + max(0.0, float(req.get("unix", 0)) + APPEAR_S - time.time())
+                if _unclaimed(directory, job, raylet, req, taken) is None and time.monotonic() < min(
+                    deadline, appear_by
+                ):
+                    logger.info(
+                        "cf_ray: waiting at most %.1f s for the spare rank %s of run %s asked for, to end it",
+                        min(deadline, appear_by) - time.monotonic(),
+                        req.get("rank"),
+                        run,
+                    )
                 while True:
                     pid = _unclaimed(directory, job, raylet, req, taken)
                     if pid is not None or time.monotonic() >= min(deadline, appear_by):
@@ -183,6 +209,7 @@ __all__ = [
     "end_run",
     "environ",
     "idle_spare",
+    "idle_workers",
     "request",
     "spares_dir",
     "start_ticks",

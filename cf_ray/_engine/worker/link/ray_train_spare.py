@@ -118,13 +118,7 @@ def _claim(me: _Me, since_ticks: int, rank: int, run: str = "") -> dict | None:
     """The idle worker the raylet started after ``since_ticks`` for ``me``, claimed (one file per
     spare, made exclusively: two ranks of a node never claim the same one); ``None`` until there is one."""
     me.dir.mkdir(parents=True, exist_ok=True)
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        pid = int(name)
-        ticks = _start_ticks(pid)
-        if ticks is None or ticks < since_ticks or not _idle_spare(pid, me.job, me.raylet, me.env_vars):
-            continue
+    for ticks, pid in _files.idle_workers(me.job, me.raylet, me.env_vars, since_ticks):
         record = {
             "pid": pid,
             "start_ticks": ticks,
