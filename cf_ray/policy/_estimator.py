@@ -30,6 +30,20 @@ from cf_ray.policy.base import Sample
 
 _DETAIL = frozenset({"copy", "persist", "nbytes", "rate", "drift"})
 
+
+def _bg_from_waits(wait_gaps: list, t: float) -> float | None:
+    """The copy+persist time that guard waits imply, or ``None``: a wait means the previous
+    copy+persist outlasted the interval, so it took at least the time between the two checkpoints
+    plus the wait (a slower disk is caught at once, before or without persist times). Not a wait
+    shorter than what waiting itself costs, nor one after a checkpoint whose copy+persist is known to
+    have taken under a quarter of the gap: that one did not outlast the interval."""
+    floor = max(WAIT_EVIDENCE_S, 0.05 * t)
+    lower = [
+        gap * t + w for gap, w, prev_bg in wait_gaps if w >= floor and (prev_bg is None or 4.0 * prev_bg >= gap * t)
+    ]
+    return max(lower) if lower else None
+
+
 WAIT_EVIDENCE_S = 0.002
 """A guard wait shorter than this (or than a twentieth of an iteration) says nothing of the previous
 persist: the wait's own cost is a fraction of a millisecond on every checkpoint, and taken as
@@ -303,20 +317,9 @@ class Estimator:
                 setattr(est, name, value)
         if est.bg is None:
             est.bg = prior["background_s"] if prior else 0.0
-        # A guard wait means the previous copy+persist outlasted the interval: it took at least the
-        # time between the two checkpoints plus the wait. This catches a slower disk at once, even
-        # before (or without) persist times.
-        # Not a wait shorter than what waiting itself costs, nor one after a checkpoint whose copy+persist
-        # is known to have taken under a quarter of the gap: that one did not outlast the interval.
-        floor = max(WAIT_EVIDENCE_S, 0.05 * t)
-        lower = [
-            gap * t + w
-            for gap, w, prev_bg in summary["wait_gaps"]
-            if w >= floor and (prev_bg is None or 4.0 * prev_bg >= gap * t)
-        ]
-        if lower and max(lower) > est.bg:
-            est.bg = max(lower)
-            est.bg_from_waits = True
+        lower = _bg_from_waits(summary["wait_gaps"], t)
+        if lower is not None and lower > est.bg:
+            est.bg, est.bg_from_waits = lower, True
         self._with_cadence(est)
         return est
 
