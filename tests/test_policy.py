@@ -872,6 +872,15 @@ def _coalescing_run(
     return changes, persisted
 
 
+def _in_force(changes, step: int) -> int:
+    """The interval in force at ``step`` of a :func:`_coalescing_run` of ``Adaptive(budget_pct=5.0)``."""
+    k = Adaptive(budget_pct=5.0).initial_interval()
+    for s, _, to in changes:
+        if s <= step:
+            k = to
+    return k
+
+
 @pytest.mark.parametrize("poll_s", [0.5, 1.0])
 @pytest.mark.parametrize("seed", range(6))
 def test_the_interval_storage_widened_comes_back_once_it_is_fast(seed, poll_s):
@@ -885,11 +894,7 @@ def test_the_interval_storage_widened_comes_back_once_it_is_fast(seed, poll_s):
     changes, _ = _coalescing_run(Adaptive(budget_pct=5.0), 500, 60, 220, seed=seed, poll_s=poll_s)
 
     def at(step):
-        k = Adaptive(budget_pct=5.0).initial_interval()
-        for s, _, to in changes:
-            if s <= step:
-                k = to
-        return k
+        return _in_force(changes, step)
 
     during = max(at(s) for s in range(60, 260))
     assert during * 0.035 >= 0.91, changes
@@ -906,11 +911,7 @@ def test_a_tenfold_fall_of_the_persist_shortens_at_the_second_fast_checkpoint(se
     changes, _ = _coalescing_run(Adaptive(budget_pct=5.0), 700, 60, 220, seed=seed, poll_s=poll_s)
 
     def at(step):
-        k = Adaptive(budget_pct=5.0).initial_interval()
-        for s, _, to in changes:
-            if s <= step:
-                k = to
-        return k
+        return _in_force(changes, step)
 
     wide = at(220)
     assert wide * 0.035 >= 0.91, changes
