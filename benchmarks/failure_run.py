@@ -554,7 +554,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     if args.fail_rounds < 1:
         raise SystemExit(f"--fail-rounds must be at least 1, not {args.fail_rounds}")
     traces = [_gaps(p, args.seed + r) for r in range(args.fail_rounds)]
-    root = Path(args.out)
+    root = Path(args.out).resolve()  # Ray Train takes an absolute storage path only
     root.mkdir(parents=True, exist_ok=True)
     if ray.is_initialized():
         raise SystemExit("cf-ray bench --failures starts its own local Ray; call it without Ray initialised")
