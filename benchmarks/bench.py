@@ -509,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.user_loop:
         return _user_loop(args)
     if args.budgets:
-        return _budgets(args)
+        return _budgets(args, argv if argv is not None else sys.argv[1:])
     results = run(args, argv if argv is not None else sys.argv[1:])
     print(render_markdown(results))
     print(
@@ -536,15 +536,19 @@ def _user_loop(args: argparse.Namespace) -> int:
     return 0
 
 
-def _budgets(args: argparse.Namespace) -> int:
+def _budgets(args: argparse.Namespace, argv: list[str]) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     from benchmarks import budget_run
 
-    res = budget_run.run(args, _fit, _ray_env(), out)
-    res["meta"] = {"host": _host(), "loadavg_end": list(os.getloadavg()), "argv": sys.argv[1:]}
     path = Path(args.json) if args.json else out / "results-budgets.json"
-    path.write_text(json.dumps(res, indent=1, default=_json_default))
+
+    def save(res: dict) -> None:  # after every fit, and at the end
+        res["meta"] = {"host": _host(), "loadavg_end": list(os.getloadavg()), "argv": argv}
+        path.write_text(json.dumps(res, indent=1, default=_json_default))
+
+    res = budget_run.run(args, _fit, _ray_env(), out, save=save)
+    save(res)
     print(budget_run.render(res))
     print(f"JSON: {path}")
     return 0

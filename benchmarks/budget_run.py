@@ -134,8 +134,18 @@ def _loop(cfg: dict) -> None:
                 "hazard",
             )
         }
-        rec["intervals"] = [
-            ev.get("interval") for ev in ckpt.events() if ev.get("event") == "interval" and ev.get("interval")
+        changes = [ev for ev in ckpt.events() if ev.get("event") == "interval" and ev.get("interval")]
+        rec["intervals"] = [ev["interval"] for ev in changes]
+        # Each change with the policy's reason and the figures it used: a dip or a swing in the
+        # intervals above can be read back from the JSON instead of a rerun.
+        rec["interval_changes"] = [
+            {"interval": ev["interval"], "time": ev.get("time")}
+            | {
+                key: why.get(key)
+                for key in ("reason", "phase", "slowdown_measured", "cost_s", "iter_s", "background_s")
+            }
+            for ev in changes
+            for why in [ev.get("why") if isinstance(ev.get("why"), dict) else {"reason": ev.get("why")}]
         ]
         rec["checkpoints_taken"] = ckpt.checkpoints_taken
         rows = [r for r in ckpt.profile_rows() if r.get("overhead_pct") is not None]
@@ -170,8 +180,10 @@ def _settings(opts: dict, no_kills: bool) -> list[dict]:
     return out
 
 
-def run(args, fit, ray_env: dict, out: Path) -> dict:
-    """Every fit, in one Ray session; returns the results object (with its verdicts)."""
+def run(args, fit, ray_env: dict, out: Path, save=None) -> dict:
+    """Every fit, in one Ray session; returns the results object (with its verdicts). ``save``, when
+    given, is called with the results so far (``complete`` false) after every fit, so that a run
+    stopped part-way (a time limit, a crash) keeps what it measured."""
     import ray
 
     opts = dict(QUICK if args.preset == "quick" else FULL)
@@ -225,9 +237,18 @@ def run(args, fit, ray_env: dict, out: Path) -> dict:
                     {**rec, **f, "round": r, "seed": args.seed + r, "warmup": shape["warmup"],
                      "wall_s": time.time() - t0, "error": error}
                 )  # fmt: skip
+                if save is not None:
+                    save(_results(opts, workers, rounds, runs, complete=False))
     finally:
         ray.shutdown()
-    return {**opts, "protocol": "issue #45: budgets", "workers": workers, "rounds": rounds, **judge(runs, opts)}
+    return _results(opts, workers, rounds, runs, complete=True)
+
+
+def _results(opts: dict, workers: int, rounds: int, runs: list[dict], complete: bool) -> dict:
+    return {
+        **opts, "protocol": "issue #45: budgets", "workers": workers, "rounds": rounds,
+        "complete": complete, "fits_done": len(runs), **judge(runs, opts),
+    }  # fmt: skip
 
 
 def judge(runs: list[dict], opts: dict) -> dict:
@@ -248,6 +269,7 @@ def judge(runs: list[dict], opts: dict) -> dict:
                 "round": x["round"],
                 "interval": e.get("interval"),
                 "intervals": x.get("intervals"),
+                "interval_changes": x.get("interval_changes"),
                 "overhead_after_warmup_pct": _overhead(x["iter_s"], b["iter_s"], warm),
                 "overhead_run_pct": _overhead(x["iter_s"], b["iter_s"], 2),
                 "measured_overhead_pct": e.get("measured_overhead_pct"),

@@ -57,9 +57,37 @@ def test_bench_budgets_smoke(tmp_path, capsys):
     assert "The automatic interval against its budget" in printed and "overhead_within_budget_x1.2" in printed
     res = json.loads((out / "results-budgets.json").read_text())
     assert not res["errors"], res["errors"]
+    assert res["complete"] and res["fits_done"] == 2
     (row,) = res["table"]
     assert row["shape"] == "mlp5" and row["budget"] == 20.0 and row["interval"] >= 1
     # 80 iterations may end before the policy has timed a clean sample: the figure may be missing
     # (None), never made up.
     assert row["overhead_run_pct"] is not None and "measured_overhead_pct" in row
     assert set(res["verdicts"]) >= {"overhead_within_budget_x1.2", "reported_overhead_within_3_points"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_stopped_part_way_keeps_the_fits_it_measured(tmp_path, monkeypatch):
+    """A benchmark of many minutes stopped by a time limit (here: interrupted at its second fit)
+    leaves its JSON with what the fits before measured, marked incomplete."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    real, calls = bench._fit, []
+
+    def fit(*a, **kw):
+        calls.append(a[3])
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what a time limit's SIGINT raises in the driver
+        return real(*a, **kw)
+
+    monkeypatch.setattr(bench, "_fit", fit)
+    out = tmp_path / "bench"
+    args = ["--quick", "--budgets", "--budget-rounds", "1", "--budget-list", "20", "--budget-no-kills"]
+    with pytest.raises(KeyboardInterrupt):
+        bench.main([*args, "--iters", "60", "--out", str(out)])
+    res = json.loads((out / "results-budgets.json").read_text())
+    assert not res["complete"] and res["fits_done"] == 1 and calls == ["budget-r0-mlp5-none", "budget-r0-mlp5-b20"]
+    assert res["meta"]["argv"][:2] == ["--quick", "--budgets"]
