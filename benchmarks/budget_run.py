@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.proc_cpu import ProcCPU
+
 SHAPES: dict[str, dict[str, Any]] = {
     "ddp302": dict(width=2048, layers=6, batch=32, iters=200, warmup=60),
     "mlp50": dict(width=1024, layers=4, batch=128, iters=420, warmup=100),
@@ -225,17 +227,19 @@ def run(args, fit, ray_env: dict, out: Path, save=None) -> dict:
                     name=name,
                     out_dir=str(seg),
                 )
-                t0, error = time.time(), None
+                t0, error, cpu = time.time(), None, ProcCPU().start()
                 try:
                     fit(mod._loop, cfg, workers, name, out / "work", max_failures=4 if f.get("kills") else 0)
                 except Exception as e:  # noqa: BLE001 - report what was measured, and the failure
                     error = f"{type(e).__name__}: {e}"
+                finally:
+                    cpu_s = cpu.stop()
                 p = seg / f"{name}.rank0.json"
                 rec = json.loads(p.read_text()) if p.exists() else {}
                 shutil.rmtree(out / "work" / name, ignore_errors=True)
                 runs.append(
                     {**rec, **f, "round": r, "seed": args.seed + r, "warmup": shape["warmup"],
-                     "wall_s": time.time() - t0, "error": error}
+                     "wall_s": time.time() - t0, "error": error, "cpu_s_by_process": cpu_s}
                 )  # fmt: skip
                 if save is not None:
                     save(_results(opts, workers, rounds, runs, complete=False))
@@ -247,8 +251,33 @@ def run(args, fit, ray_env: dict, out: Path, save=None) -> dict:
 def _results(opts: dict, workers: int, rounds: int, runs: list[dict], complete: bool) -> dict:
     return {
         **opts, "protocol": "issue #45: budgets", "workers": workers, "rounds": rounds,
-        "complete": complete, "fits_done": len(runs), **judge(runs, opts),
+        "complete": complete, "fits_done": len(runs), **judge(runs, opts), "cpu": cpu_by_fit(runs),
     }  # fmt: skip
+
+
+#: The process kinds that are cf_ray's own (its actors; the spares run as ``ray::IDLE`` until used).
+CF_RAY_PROCESSES = ("ray::Controller", "ray::Holder")
+
+
+def cpu_by_fit(runs: list[dict]) -> list[dict]:
+    """Per fit, the CPU seconds of every process kind on the machine during it, and what cf_ray's
+    actors and the idle worker processes (the spares among them) used as a percentage of one core:
+    CPU the two training workers did not get, in every iteration alike."""
+    out = []
+    for x in runs:
+        cpu, wall = x.get("cpu_s_by_process") or {}, x.get("wall_s") or 0.0
+        own = sum(cpu.get(k, 0.0) for k in CF_RAY_PROCESSES)
+        out.append(
+            {
+                "fit": f"r{x['round']}-{x['shape']}-{x['arm']}",
+                "wall_s": round(wall, 1),
+                "training_cpu_s": cpu.get("ray::RayTrainWorker"),
+                "cf_ray_actors_pct_of_core": round(100 * own / wall, 2) if wall else None,
+                "idle_workers_pct_of_core": round(100 * cpu.get("ray::IDLE", 0.0) / wall, 2) if wall else None,
+                "cpu_s_by_process": cpu,
+            }
+        )
+    return out
 
 
 def judge(runs: list[dict], opts: dict) -> dict:
@@ -391,6 +420,13 @@ def render(res: dict) -> str:
     for name, v in res["verdicts"].items():
         detail = {k: v[k] for k in v if k != "met"}
         lines.append(f"- **{name}: {'met' if v['met'] else 'MISSED'}** {json.dumps(detail, default=str)}")
+    lines.append("")
+    lines.append("CPU during each fit (% of one core; the training workers' CPU seconds beside):")
+    for c in res.get("cpu", []):
+        lines.append(
+            f"- {c['fit']}: cf_ray's actors {c['cf_ray_actors_pct_of_core']} %, idle worker processes "
+            f"{c['idle_workers_pct_of_core']} %, training {c['training_cpu_s']} s in {c['wall_s']} s"
+        )
     for e in res["errors"]:
         lines.append(f"- fit failed: {e}")
     return "\n".join(lines)

@@ -58,6 +58,12 @@ def test_bench_budgets_smoke(tmp_path, capsys):
     res = json.loads((out / "results-budgets.json").read_text())
     assert not res["errors"], res["errors"]
     assert res["complete"] and res["fits_done"] == 2
+    # The CPU each fit's processes used: the training workers', and cf_ray's actors only where
+    # cf_ray ran (every iteration pays for CPU taken from the cores that train).
+    none, b20 = (next(c for c in res["cpu"] if c["fit"].endswith(arm)) for arm in ("-none", "-b20"))
+    assert none["training_cpu_s"] > 0 and b20["training_cpu_s"] > 0
+    assert "ray::Controller" in b20["cpu_s_by_process"] and "ray::Controller" not in none["cpu_s_by_process"]
+    assert b20["cf_ray_actors_pct_of_core"] > 0 and none["cf_ray_actors_pct_of_core"] == 0
     (row,) = res["table"]
     assert row["shape"] == "mlp5" and row["budget"] == 20.0 and row["interval"] >= 1
     # 80 iterations may end before the policy has timed a clean sample: the figure may be missing
