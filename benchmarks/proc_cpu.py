@@ -5,11 +5,13 @@ checkpoint: whatever else takes CPU from the cores that train (cf_ray's controll
 actors, the spare worker processes, Ray's own daemons) slows every iteration alike, and no
 comparison inside the run can see that. :class:`ProcCPU` samples ``/proc`` once a second in a
 thread and returns, per kind, the CPU seconds that the processes this driver started (its local
-Ray: GCS, raylet, the raylet's workers) used during the fit: a Ray worker process by its
-``ray::`` title (``ray::Controller``, ``ray::Holder``, ``ray::RayTrainWorker``, ``ray::IDLE``:
-a worker process not running anything, a spare among them), any other by its program's name. A
-process that ends between two samples loses at most its last second; one that starts during the
-fit counts from zero. Linux only (``/proc``); elsewhere it returns nothing.
+Ray: GCS, raylet, the raylet's workers) used during the fit: a process by its role
+(:func:`benchmarks.thread_cpu.role_of`: ``ray::Controller``, ``ray::Holder``,
+``ray::RayTrainWorker``, ``ray::IDLE`` for a worker process running nothing, a spare among them;
+any other by its program's name). ``thread_cpu`` splits the same by thread over a whole
+benchmark; this one is per fit, for the budgets benchmark. A process
+that ends between two samples loses at most its last second; one that starts during the fit counts
+from zero. Linux only (``/proc``).
 """
 
 from __future__ import annotations
@@ -18,19 +20,7 @@ import os
 import threading
 from collections import Counter
 
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _kind(cmdline: bytes) -> str:
-    args = cmdline.split(b"\0")
-    first = args[0].decode(errors="replace")
-    if first.startswith("ray::"):
-        return first.split()[0].split(".")[0]  # "ray::Controller.attach" -> "ray::Controller"
-    for a in args[:3]:  # "python -u .../default_worker.py" -> "default_worker.py"
-        name = os.path.basename(a.decode(errors="replace"))
-        if name and not name.startswith("python") and not name.startswith("-"):
-            return name
-    return os.path.basename(first) or "?"
+from benchmarks.thread_cpu import TICK, role_of
 
 
 def _sample(root: int) -> dict[int, tuple[str, float]]:
@@ -46,11 +36,15 @@ def _sample(root: int) -> dict[int, tuple[str, float]]:
             with open(f"/proc/{pid}/stat", "rb") as f:
                 stat = f.read()
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             continue  # ended
         fields = stat[stat.rfind(b")") + 2 :].split()
-        found[pid] = (int(fields[1]), _kind(cmd), (int(fields[11]) + int(fields[12])) / _TICK)  # ppid, utime + stime
+        found[pid] = (
+            int(fields[1]),
+            role_of(cmd) if cmd else "?",
+            (int(fields[11]) + int(fields[12])) / TICK,
+        )  # ppid, utime + stime
     out = {}
     for pid, (_, kind, cpu) in found.items():
         p, hops = pid, 0
