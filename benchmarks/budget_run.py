@@ -260,7 +260,7 @@ CF_RAY_PROCESSES = ("ray::Controller", "ray::Holder")
 
 
 def cpu_by_fit(runs: list[dict]) -> list[dict]:
-    """Per fit, the CPU seconds of every process kind on the machine during it, and what cf_ray's
+    """Per fit, the CPU seconds of every process kind of the driver's Ray during it, and what cf_ray's
     actors and the idle worker processes (the spares among them) used as a percentage of one core:
     CPU the two training workers did not get, in every iteration alike."""
     out = []
