@@ -66,7 +66,8 @@ class ProcCPU:
         self._thread: threading.Thread | None = None
 
     def start(self) -> ProcCPU:
-        self._first = self._last = _sample(self.root)
+        self._first = _sample(self.root)
+        self._last = dict(self._first)
         self._thread = threading.Thread(target=self._run, name="proc-cpu", daemon=True)
         self._thread.start()
         return self
@@ -76,7 +77,7 @@ class ProcCPU:
             self._merge(_sample(self.root))
 
     def _merge(self, snap: dict[int, tuple[str, float]]) -> None:
-        last = dict(self._last)
+        last = self._last  # the sampling thread's alone until stop() has joined it
         for pid, (kind, cpu) in snap.items():
             seen = last.get(pid)
             if seen is not None and cpu < seen[1]:
@@ -84,7 +85,6 @@ class ProcCPU:
             if seen is not None and kind == "?":
                 kind = seen[0]  # an ending process's cmdline reads empty: keep the title it had
             last[pid] = (kind, cpu)  # the latest title (an idle worker becomes an actor's)
-        self._last = last
 
     def stop(self) -> dict[str, float]:
         self._stop.set()
