@@ -175,7 +175,10 @@ def test_rare_failures_lengthen_the_interval_past_the_budget_and_max_lost_s_caps
     k = _feed(p, 3000, None)
     e = p.explain()
     oracle = best_steps(T, COST, 24 * 3600.0)
-    assert e["binding"] == "goodput" and k == e["candidates"]["goodput"] == oracle
+    assert e["binding"] == "goodput" and e["candidates"]["goodput"] == oracle
+    # The interval in force got there by shortening, which goes to what the cost + 1 standard error
+    # asks for: a few per cent longer than the oracle's (the cost's error never reaches zero).
+    assert oracle <= k <= 1.1 * oracle
     assert k > 3 * e["candidates"]["budget"]  # the budget alone would checkpoint far more often
     assert e["hazard"]["young_daly_interval"] == pytest.approx(oracle, rel=0.05)
     assert e["hazard"]["predicted_goodput"] > expected_goodput(e["candidates"]["budget"] * T, COST, 24 * 3600.0)

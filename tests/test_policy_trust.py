@@ -332,3 +332,23 @@ def test_the_checkpointers_work_at_every_step_counts_in_the_jobs_overhead():
     for i in range(1, 11):
         c.add(0, 13 * i, 13 * i - 12, 0.075, 13, True, stall=0.0, step_s=0.00075)
     assert c.job_overhead_pct({0}, 0.075, 0.05) == pytest.approx(1.0, abs=0.01)
+
+
+def test_a_cost_measured_on_few_checkpoints_is_as_uncertain_as_they_are():
+    # Identical costs at the first checkpoints say nothing of how much the next one will differ
+    # (a real 302 MB job's measured 0.13, 0.22, 0.02 and 0.39 s at one interval, each first read
+    # as "+/- 0"): the policy must not weigh them as certain, or its rules meant to ignore noise
+    # (widen only past the cost minus its error, shorten only on the cost plus it) act on one
+    # checkpoint. The uncertainty falls as checkpoints agree.
+    p = Adaptive(budget_pct=5.0)
+    quiet(_steady, p, range(10, 41, 10))
+    few = p.explain()
+    assert few["cost_s"] == pytest.approx(0.2)
+    assert few["cost_se_s"] >= 0.1 * few["cost_s"], few
+    quiet(_steady, p, range(50, 401, 10))
+    many = p.explain()
+    assert 0 < many["cost_se_s"] < 0.5 * few["cost_se_s"], many
+    # A level that scatters says so, whatever the prior.
+    q = Adaptive(budget_pct=5.0)
+    quiet(_steady, q, range(10, 401, 10), lambda step: 0.1 if step % 20 else 0.3)
+    assert q.explain()["cost_se_s"] > many["cost_se_s"]

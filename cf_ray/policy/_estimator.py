@@ -44,6 +44,14 @@ def _bg_from_waits(wait_gaps: list, t: float) -> float | None:
     return max(lower) if lower else None
 
 
+COST_SCATTER_PRIOR = 0.5
+"""What the cost of one checkpoint scatters by from one checkpoint to the next, as a fraction of it,
+before a level has values enough to say (the slowdown is read from iteration times with a few per
+cent of noise each; the 302 MB DDP job's checkpoints measured 0.06-0.25 s at one interval)."""
+COST_SCATTER_WEIGHT = 2
+"""How many values :data:`COST_SCATTER_PRIOR` counts as: after a dozen checkpoints the level's own
+scatter decides."""
+
 WAIT_EVIDENCE_S = 0.002
 """A guard wait shorter than this (or than a twentieth of an iteration) says nothing of the previous
 persist: the wait's own cost is a fraction of a millisecond on every checkpoint, and taken as
@@ -433,16 +441,21 @@ class Estimator:
             drift[name] = {"at_step": series[i + 1 - n][0], "from": math.exp(m), "to": _median(vals[i + 1 - n : i + 1])}
             start = i + 1 - n
         recent = vals[max(start, len(vals) - self.window) :]
-        mean = _robust_mean(recent)
-        if len(recent) < 2:
-            return mean, 0.0, len(recent)
+        mean, n = _robust_mean(recent), len(recent)
         # The scatter as the median absolute deviation (x 1.4826: the standard deviation for normal
         # noise): one value that straddles a change of level (a persist that was half slow) would
         # otherwise inflate the standard error for ``window`` checkpoints, and with it the
         # pessimistic estimate that shortening waits for, long after the mean has dropped it.
         m = _median(recent)
-        sd = 1.4826 * _median([abs(v - m) for v in recent])
-        return mean, sd / math.sqrt(len(recent)), len(recent)
+        sd = 1.4826 * _median([abs(v - m) for v in recent]) if n >= 2 else 0.0
+        if name == "cost_s":
+            # One, two or three costs say little of their own scatter (one says none; two that
+            # happen to agree say almost none): pooled with COST_SCATTER_PRIOR, worth
+            # COST_SCATTER_WEIGHT values, so that a decision on the first checkpoints of a level
+            # weighs them as uncertain as they are.
+            prior = COST_SCATTER_PRIOR * mean
+            sd = math.sqrt((COST_SCATTER_WEIGHT * prior**2 + (n - 1) * sd**2) / (COST_SCATTER_WEIGHT + n - 1))
+        return mean, sd / math.sqrt(n) if n else 0.0, n
 
 
 # -- per-rank and per-checkpoint bookkeeping ------------------------------------------------------

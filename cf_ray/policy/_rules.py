@@ -667,7 +667,7 @@ class _Ladder:
         # checkpoints since the last drift), only when that is clearly shorter, and
         # only when it is still so at the next checkpoint.
         cost = self.cost + est.cost_se
-        k_safe = target(self.cfg, est, cost, est.bg + 2.0 * est.bg_se)[0]
+        k_safe = self._k_safe()
         if st.too_short is not None:
             short, at, drift = st.too_short
             if self.ckpt_clock - at > TOO_SHORT_CKPTS or est.detail.drift != drift:
@@ -699,6 +699,12 @@ class _Ladder:
             return None, self.info
         st.since.pop("shrink", None)
         return None
+
+    def _k_safe(self) -> int:
+        """The interval the rules give for pessimistic estimates: the cost + 1 standard error, the
+        persist + 2 (a persist short of its time makes training wait)."""
+        est = self.est
+        return target(self.cfg, est, self.cost + est.cost_se, est.bg + 2.0 * est.bg_se)[0]
 
     def _keep(self) -> Verdict:
         self.info["reason"] = f"keeping {self.current}: within every rule ({self.binding} sets the target {self.k})"

@@ -48,7 +48,8 @@ class Adaptive(FrequencyPolicy):
       guard wait ``w`` after ``g`` steps proves ``B >= g * t + w``; that bound is used at once.
 
     ``C`` and ``B`` are the mean (lowest and highest dropped) of the last ``window`` checkpoints
-    since the last *drift*, with a standard error. A drift is the newest values of a series all
+    since the last *drift*, with a standard error (for ``C`` pooled with a prior scatter of half
+    the cost worth two checkpoints: one checkpoint's cost is not exact). A drift is the newest values of a series all
     off the median of the ones before by more than ``drift_ratio`` (or four times the series' own
     scatter, so noisy storage is not mistaken for drift) in the same direction: two values, three
     for a fall of ``C`` (it shortens the interval against the budget); the older values are then
