@@ -34,9 +34,8 @@ could be told apart (the engine does not say which checkpoint a sample follows, 
 then rests on the stall, the probe windows and the cadence, which correct it either way."""
 
 FIRST_SHORTEN = 0.25
-"""The first measured decision shortens the interval to no less than this fraction of it: its cost
-rests on a checkpoint or two (on the 302 MB job one read the stall alone and cut 48 steps to 2, 11.5 %
-against a 2 % budget). Further shortening waits for ``_room_to_shorten``'s confirmed estimates."""
+"""The first decision on a measured slowdown (one or two checkpoints' worth: on the 302 MB job one read as
+none cut 48 steps to 2) shortens to no less than this fraction; ``_room_to_shorten`` goes further."""
 
 FELL_RATIO = 4.0
 """A fall of the copy and persist's level by this factor (the storage was slow and is fast again)
@@ -567,7 +566,9 @@ class _Ladder:
             return None
         st.measured_decided = st.decided = True
         why = "profiled" if not self.prior else prior_check(self.cfg, self.prior, self.est)
-        k = max(self.k, min(self.current, math.ceil(self.current * FIRST_SHORTEN)))
+        k = self.k
+        if self.info["slowdown_measured"]:  # unmeasured, the copy and persist already count whole
+            k = max(k, min(self.current, math.ceil(self.current * FIRST_SHORTEN)))
         self.info["first_limited"] = k != self.k
         limited = f"; {k} at first: at most {1 / FIRST_SHORTEN:g}x shorter at once" if k != self.k else ""
         self.info["reason"] = f"{why}: interval {self.k} ({self.binding} binds{limited})"
@@ -690,12 +691,12 @@ class _Ladder:
         fell = est.detail.drift.get("background_s") or {"from": 0.0, "to": 0.0}
         quick = fell["to"] * FELL_RATIO < fell["from"]
         fall = f" (the copy and persist fell from {fell['from']:.3g} s to {fell['to']:.3g} s)" if quick else ""
-        # After a first decision that FIRST_SHORTEN held back, any confirmed shorter one: no dead band.
-        first_limited = st.last_change is not None and st.last_change.get("first_limited")
-        limit = current - 1 if first_limited else math.floor(current * self.cfg.shrink_ratio)
-        if k_safe <= limit and est.n_level >= (2 if quick else 3):
+        # Held by FIRST_SHORTEN: the next checkpoint decides, to any shorter interval (no dead band).
+        held = bool((st.last_change or {}).get("first_limited")) and self.ckpt_clock > st.changed_at
+        limit = current - 1 if held else math.floor(current * self.cfg.shrink_ratio)
+        if k_safe <= limit and est.n_level >= (2 if quick or held else 3):
             since = st.since.setdefault("shrink", self.ckpt_clock)
-            if quick or (self.ckpt_clock > since and self.ckpt_clock > st.changed_at):
+            if quick or held or (self.ckpt_clock > since and self.ckpt_clock > st.changed_at):
                 self.info["reason"] = (
                     f"headroom: {k_safe} steps meet every rule (predicted overhead "
                     f"{100 * cost / (k_safe * t):.3g}%): shortening from {current}{fall}"
@@ -710,8 +711,7 @@ class _Ladder:
 
     def _k_safe(self) -> int:
         """The interval for pessimistic estimates: the cost + 1 standard error, the persist + 2."""
-        est = self.est
-        return target(self.cfg, est, self.cost + est.cost_se, est.bg + 2.0 * est.bg_se)[0]
+        return target(self.cfg, self.est, self.cost + self.est.cost_se, self.est.bg + 2.0 * self.est.bg_se)[0]
 
     def _keep(self) -> Verdict:
         self.info["reason"] = f"keeping {self.current}: within every rule ({self.binding} sets the target {self.k})"

@@ -97,10 +97,10 @@ class Adaptive(FrequencyPolicy):
     one by the ``shrink_ratio`` either way (a failure is an event, not noise); otherwise it is
     shortened only to the interval that pessimistic estimates (``C`` plus one standard error,
     ``B`` plus two, at least three checkpoints since the last drift) allow, when that is at most
-    ``shrink_ratio * current`` at two checkpoints in a row. The first tuned decision shortens the
-    provisional interval to a quarter of it at most; the next confirmed shortening then goes to the
-    pessimistic interval without waiting for ``shrink_ratio``. The gap between the limits and the aims
-    (``headroom``) is the dead band.
+    ``shrink_ratio * current`` at two checkpoints in a row. The first tuned decision, on a measured
+    slowdown, shortens the provisional interval to a quarter of it at most; at the next checkpoint
+    it goes to the pessimistic interval, without confirming and without ``shrink_ratio``. The gap
+    between the limits and the aims (``headroom``) is the dead band.
 
     **Profiling** is the first checkpoint, at ``first_checkpoint_step``: once its stall and persist
     time are known (or a second checkpoint has been seen without a persist time), with the first
