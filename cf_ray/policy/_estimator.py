@@ -47,7 +47,7 @@ def _bg_from_waits(wait_gaps: list, t: float) -> float | None:
 COST_SCATTER_PRIOR = 0.5
 """What the cost of one checkpoint scatters by from one checkpoint to the next, as a fraction of it,
 before a level has values enough to say (the slowdown is read from iteration times with a few per
-cent of noise each; the 302 MB DDP job's checkpoints measured 0.06-0.25 s at one interval)."""
+cent of noise each; one run of the 302 MB DDP job read 0.02-0.39 s at one interval)."""
 COST_SCATTER_WEIGHT = 2
 """How many values :data:`COST_SCATTER_PRIOR` counts as: after a dozen checkpoints the level's own
 scatter decides."""

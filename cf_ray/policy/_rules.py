@@ -677,7 +677,7 @@ class _Ladder:
         # checkpoints since the last drift), only when that is clearly shorter, and
         # only when it is still so at the next checkpoint.
         cost = self.cost + est.cost_se
-        k_safe = self._k_safe()
+        k_safe = target(self.cfg, est, cost, est.bg + 2.0 * est.bg_se)[0]
         if st.too_short is not None:
             short, at, drift = st.too_short
             if self.ckpt_clock - at > TOO_SHORT_CKPTS or est.detail.drift != drift:
@@ -688,9 +688,9 @@ class _Ladder:
         # checkpoints, is timed directly (not inferred from iteration times): shortening then waits
         # for neither a third checkpoint nor the next one, or an interval that slow storage widened
         # would take four of its own wide intervals to come back.
-        fell = est.detail.drift.get("background_s") or {"from": 0.0, "to": 0.0}
-        quick = fell["to"] * FELL_RATIO < fell["from"]
-        fall = f" (the copy and persist fell from {fell['from']:.3g} s to {fell['to']:.3g} s)" if quick else ""
+        fell = est.detail.drift.get("background_s")
+        quick = fell is not None and fell["to"] * FELL_RATIO <= fell["from"]
+        fall = f" (the copy and persist fell from {fell['from']:.3g} s to {fell['to']:.3g} s)" if fell and quick else ""
         # Held by FIRST_SHORTEN: the next checkpoint decides, to any shorter interval (no dead band).
         held = bool((st.last_change or {}).get("first_limited")) and self.ckpt_clock > st.changed_at
         limit = current - 1 if held else math.floor(current * self.cfg.shrink_ratio)
@@ -708,10 +708,6 @@ class _Ladder:
             return None, self.info
         st.since.pop("shrink", None)
         return None
-
-    def _k_safe(self) -> int:
-        """The interval for pessimistic estimates: the cost + 1 standard error, the persist + 2."""
-        return target(self.cfg, self.est, self.cost + self.est.cost_se, self.est.bg + 2.0 * self.est.bg_se)[0]
 
     def _keep(self) -> Verdict:
         self.info["reason"] = f"keeping {self.current}: within every rule ({self.binding} sets the target {self.k})"

@@ -49,13 +49,13 @@ class Adaptive(FrequencyPolicy):
 
     ``C`` and ``B`` are the mean (lowest and highest dropped) of the last ``window`` checkpoints
     since the last *drift*, with a standard error (for ``C`` pooled with a prior scatter of half
-    the cost worth two checkpoints: one checkpoint's cost is not exact). A drift is the newest values of a series all
-    off the median of the ones before by more than ``drift_ratio`` (or four times the series' own
-    scatter, so noisy storage is not mistaken for drift) in the same direction: two values, three
-    for a fall of ``C`` (it shortens the interval against the budget); the older values are then
-    dropped, so a change of level (interference, a slower disk, a larger state) is followed within
-    two or three checkpoints, and one or two odd checkpoints move nothing. ``t`` follows drift
-    continuously (16 samples).
+    the cost worth two checkpoints: one checkpoint's cost is not exact). A drift is the newest
+    values of a series all off the median of the ones before by more than ``drift_ratio`` (or four
+    times the series' own scatter, so noisy storage is not mistaken for drift) in the same
+    direction: two values, three for a fall of ``C`` (it shortens the interval against the budget);
+    the older values are then dropped, so a change of level (interference, a slower disk, a larger
+    state) is followed within two or three checkpoints, and one or two odd checkpoints move nothing.
+    ``t`` follows drift continuously (16 samples).
 
     **At short intervals** a rank's sample (a second of iterations) covers several checkpoints
     and no iteration is free of one, so the slowdown above cannot be attributed: ``C`` is then
