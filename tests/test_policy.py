@@ -30,6 +30,7 @@ from cf_ray.policy._rules import FIRST_SHORTEN
 # ------------------------------------------------------------------------------------------------
 
 POLL_S = 0.25  # a rank sends a sample about this often (simulated seconds)
+EARLY_POLL_S = (0.0, 0.25)  # for this long at the start, a sample this often (the engine's bell-less polls)
 ADOPT_DELAY = 2  # steps between publication and adoption by every rank
 
 _KEYS = ("iter_s", "stall_s", "copy_s", "nbytes", "bw", "slowdown")
@@ -128,7 +129,7 @@ def simulate(
     last: list = [None] * R
     acc = [[0.0, 0] for _ in range(R)]
     stall_prev = None
-    next_poll = POLL_S
+    next_poll = EARLY_POLL_S[1] if EARLY_POLL_S[0] > 0 else POLL_S
     samples: collections.deque = collections.deque(maxlen=history)
     persist_pending: list = []
     run = Run([], [], [], [], [], start_step)
@@ -191,7 +192,7 @@ def simulate(
             last_save = step
             run.ckpts.append({"step": step, "interval": worker_interval, "wait": max(waits)})
         if t >= next_poll:
-            next_poll = t + POLL_S
+            next_poll = t + (EARLY_POLL_S[1] if t < EARLY_POLL_S[0] else POLL_S)
             for r in range(R):
                 kw = {}
                 if last[r] is not None:

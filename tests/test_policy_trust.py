@@ -242,7 +242,7 @@ def test_a_slowdown_the_samples_cannot_resolve_never_shortens_the_interval_below
         after_first = [k for step, k, _ in run.changes if step > 10]
         assert min(after_first) >= 0.5 * k_true, (budget, k_true, run.changes)
         assert run.overhead_pct(100) <= budget * 1.2, (budget, run.changes)
-        finals[budget] = run.interval_at(420)
+        finals[budget] = p.explain()["interval"]  # the rules' interval (a probe window may be open)
     assert finals[2.0] >= finals[5.0] >= finals[20.0], finals  # monotone in the budget
 
 
@@ -352,3 +352,23 @@ def test_a_cost_measured_on_few_checkpoints_is_as_uncertain_as_they_are():
     q = Adaptive(budget_pct=5.0)
     quiet(_steady, q, range(10, 401, 10), lambda step: 0.1 if step % 20 else 0.3)
     assert q.explain()["cost_se_s"] > many["cost_se_s"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_slowdown_measured_against_the_runs_start_up_does_not_shorten_the_interval(seed, monkeypatch):
+    # The run's first seconds are slower (the spare workers, the controller and the holder start
+    # beside training: 95 ms iterations against 75 ms later) and the engine polls every 0.25 s
+    # until the controller has the rank's bell, so the only iterations timed with nothing in flight
+    # are the start-up's. Against them the copies' slowdown read as none and a 20 % budget went
+    # to every step or two (30 % paid in a real run). The cadence is no measure until iterations
+    # are timed with nothing in flight after the interval was decided (a probe window soon after).
+    monkeypatch.setattr(tp, "EARLY_POLL_S", (2.0, 0.25))
+    budget = 20.0
+    k_true = true_cost_s(fast_job(seed)) / (budget / 100 * 0.075)
+    p = Adaptive(budget_pct=budget)
+    run = quiet(tp.simulate, p, fast_job(seed).at(0, iter_s=0.095).at(40, iter_s=0.075), 420)
+    shortest = min(k for step, k, _ in run.changes if step > 10)
+    assert shortest >= 0.9 * k_true, (k_true, run.changes)
+    assert run.overhead_pct(100) <= budget * 1.2, run.changes
+    probes = [step for step, k, _ in run.changes if k > 3 * k_true]
+    assert probes and probes[0] <= 120, run.changes  # a window soon after the interval was decided

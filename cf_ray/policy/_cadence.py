@@ -19,8 +19,13 @@ iterations to checkpoints:
 * the slowdown one checkpoint causes: ``k * mean(iter_s - t_clean)``, with a standard error from
   the scatter of both (``k`` times the standard error of the difference).
 
-**Probe windows.** When a rank has no sample with nothing in flight newer than ``stale_steps``,
-the policy publishes a longer interval for one window (``probe_steps``: the background time of a
+**Referenced.** A cadence figure is a measure (``CadenceCost.referenced``) only once every rank has
+timed iterations with nothing in flight since the rules decided the interval in force: the older
+ones may be the run's start-up's, slower than the job later runs, against which a checkpoint's
+slowdown reads as none (a 20 % budget went to every step on such a figure).
+
+**Probe windows.** When a rank has no sample with nothing in flight newer than ``stale_steps``, or
+none since the interval in force was decided a window ago, the policy publishes a longer interval for one window (``probe_steps``: the background time of a
 checkpoint plus three samples' span, in iterations) so that the ranks time iterations with nothing
 in flight, then returns to the interval the rules give. A probe is a schedule version like any
 other: every rank adopts it together. It costs no training time (no checkpoint in it); it costs
@@ -39,6 +44,7 @@ every step.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import math
 from collections import deque
@@ -81,6 +87,9 @@ class CadenceCost:
     """Samples of the governing rank it is based on."""
     at_step: int
     """The newest step it covers."""
+    referenced: bool = True
+    """Every rank it compares timed iterations with nothing in flight since the interval in force
+    was published (:meth:`Cadence.referenced`); until then it compares with older ones."""
 
     def as_dict(self) -> dict:
         return {
@@ -92,6 +101,7 @@ class CadenceCost:
             "blind": self.blind,
             "samples": self.samples,
             "at_step": self.at_step,
+            "referenced": self.referenced,
         }
 
 
@@ -192,6 +202,8 @@ class Cadence:
     def __init__(self):
         self.ranks: dict[int, _RankCadence] = {}
         self.k: int | None = None  # the interval the regime's samples are under
+        self.k_rules: int | None = None  # the interval the rules published (not a probe window's)
+        self.published_at = 0  # the step when it was
         self.regime_from = 0  # samples whose first iteration is at or after this count
         self.measured: CadenceCost | None = None  # the newest measurement
         self.probe: dict | None = None  # the probe window in force: from_step, k, back_to, ...
@@ -204,11 +216,20 @@ class Cadence:
     # -- input ------------------------------------------------------------------------------------
     def interval(self, k: int) -> None:
         """The interval in force (published) is ``k``; a new one starts a new regime."""
+        if self.probe is None and k != self.k_rules:
+            self.k_rules = k
+            self.decided()
         if k != self.k:
             self.k = k
             self.regime_from = self.max_step + max(k, 2) + 2
             for r in self.ranks.values():
                 r.regime.clear()
+
+    def decided(self) -> None:
+        """The rules decided the interval in force (changed it, or kept it at their first decision
+        on measured figures): what it costs is compared with iterations timed from now on
+        (:meth:`referenced`)."""
+        self.published_at = self.max_step
 
     def add(
         self,
@@ -248,6 +269,20 @@ class Cadence:
             r.regime.clear()
 
     # -- the cost -----------------------------------------------------------------------------------
+    def referenced(self, rank: int) -> bool:
+        """Whether ``rank`` timed iterations with nothing in flight (at least :data:`JOB_BASE_ITERS`
+        in a sample) since the interval in force was published: between checkpoints at a long
+        interval, in a probe window at a short one. Older ones may be from another condition: the
+        run's start-up (the spare workers', the controller's and the holder's first seconds ran
+        the iterations up to a quarter slower than later with nothing in flight), against which a
+        checkpoint's slowdown reads as about none, and an interval shortened on that shortens again
+        before anything has timed what it costs."""
+        r = self.ranks.get(rank)
+        return r is not None and any(
+            n >= JOB_BASE_ITERS
+            for _, _, n in itertools.takewhile(lambda c: c[0] > self.published_at, reversed(r.clean))
+        )
+
     def stale_steps(self, t: float, bg: float) -> int:
         """Clean samples older than this many steps are too old to compare with."""
         return PROBE_SPACING * self.probe_steps(t, bg)
@@ -271,6 +306,7 @@ class Cadence:
             return self.measured
         newer_than = self.max_step - self.stale_steps(t, bg)
         best: CadenceCost | None = None
+        referenced = True
         for rank in active:
             r = self.ranks.get(rank)
             if r is None:
@@ -281,6 +317,7 @@ class Cadence:
             if base is None or len(regime) < _REGIME_SAMPLES or iters < 3 * k:
                 continue
             se_c = base[1]
+            referenced = referenced and self.referenced(rank)
             diffs = [(v - r.resolved_base(e), n) for e in regime for _, v, n, _, _ in (e,)]
             t_all = sum(v * n for _, v, n, _, _ in regime) / iters
             d = sum(x * n for x, n in diffs) / iters
@@ -297,6 +334,8 @@ class Cadence:
             )
             if best is None or m.slowdown > best.slowdown:
                 best = m
+        if best is not None and not referenced:
+            best = dataclasses.replace(best, referenced=False)
         if best is not None and best.slowdown + 2.0 * best.se < 0:
             # Faster with checkpoints than without: the iteration time itself moved since the clean
             # samples were timed (the machine's load), so they no longer compare. Not a measurement;
@@ -306,20 +345,29 @@ class Cadence:
             self.measured = best
         return self.measured
 
-    def needs_probe(self, t: float, bg: float, active: set[int]) -> bool:
-        """Whether a rank has no clean sample recent enough to compare with (and the last probe
-        is far enough back)."""
+    def needs_probe(self, t: float, bg: float, active: set[int]) -> str | None:
+        """Why a probe is due, or ``None``: the last probe is far enough back, and a rank has no
+        clean sample recent enough to compare with, or none since the interval in force was
+        published a window ago (:meth:`referenced`)."""
         if self.probe is not None or not active:
-            return False
-        if self.stale and (
-            self.last_probe_step is None or self.max_step - self.last_probe_step >= 2 * self.probe_steps(t, bg)
+            return None
+        window = self.probe_steps(t, bg)
+        since_probe = math.inf if self.last_probe_step is None else self.max_step - self.last_probe_step
+        if self.stale and since_probe >= 2 * window:
+            return "the iteration time moved since iterations were last timed with nothing in flight"
+        if (
+            since_probe >= 2 * window
+            and self.max_step - self.published_at >= window
+            and not all(self.referenced(rank) for rank in active)
         ):
-            return True
+            return f"no iteration timed with nothing in flight since the interval was set (step {self.published_at})"
         stale = self.stale_steps(t, bg)
-        if self.last_probe_step is not None and self.max_step - self.last_probe_step < stale:
-            return False
+        if since_probe < stale:
+            return None
         newer_than = self.max_step - stale
-        return any((r := self.ranks.get(rank)) is None or r.t_clean(newer_than) is None for rank in active)
+        if any((r := self.ranks.get(rank)) is None or r.t_clean(newer_than) is None for rank in active):
+            return f"no iteration timed with nothing in flight for {stale} steps"
+        return None
 
     def start_probe(self, k_probe: int, back_to: int) -> None:
         self.probe = {"from_step": self.max_step, "k": k_probe, "back_to": back_to}

@@ -353,7 +353,7 @@ def slowdown_measured(est: Estimate) -> bool:
     m = est.detail.cadence
     # The cadence measures it once its standard error is under half the copy and persist time (a
     # figure it cannot tell from none, on a busy machine, is no measure).
-    cadence = m is not None and m.se < 0.5 * est.bg
+    cadence = m is not None and m.referenced and m.se < 0.5 * est.bg
     if est.cost_source == "cadence":
         return cadence
     unseen = est.n >= SLOWDOWN_UNSEEN_CKPTS

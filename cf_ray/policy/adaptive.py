@@ -257,7 +257,10 @@ class Adaptive(FrequencyPolicy):
             est.hazard = self._hazard.estimate()
         base = _probe_base(self, current)
         rules.current = base
+        first_measured = not rules.measured_decided
         decision, info = _rules.decide(self, rules, est, estimator.prior, estimator.ckpt_clock, base)
+        if first_measured and rules.measured_decided:
+            estimator.cadence.decided()
         rules.info = info
         k = decision if decision is not None else base
         probe = _probe(self, est, base, k)
@@ -450,7 +453,10 @@ def _probe(cfg: Adaptive, est, base: int, k: int) -> int | None:
         )
         rules.info["probe"] = dict(cad.probe)
         return cad.probe["k"]
-    if est is None or not rules.measured_decided or k != base or not cad.needs_probe(est.t, est.bg, cfg._est.active()):
+    if est is None or not rules.measured_decided or k != base:
+        return None
+    why = cad.needs_probe(est.t, est.bg, cfg._est.active())
+    if why is None:
         return None
     if rules.info.get("binding") == "persist_in_flight":
         return None  # the persist sets the interval and fills it by design: no window free of one to make
@@ -464,7 +470,7 @@ def _probe(cfg: Adaptive, est, base: int, k: int) -> int | None:
     info = rules.info
     info["probe"] = dict(cad.probe or {})
     info["reason"] = (
-        f"probe: no iteration timed with nothing in flight for {cad.stale_steps(est.t, est.bg)} steps, so the "
+        f"probe: {why}, so the "
         f"slowdown a checkpoint causes cannot be told: no checkpoint for {k_probe} steps, then back to {base}"
     )
     return k_probe
