@@ -45,7 +45,7 @@ def run(budgets=(2.0, 5.0, 20.0), steps=(420, 2000), seeds=range(5)) -> list[dic
                         "steps": n,
                         "budget": budget,
                         "seed": seed,
-                        "interval": r.interval_at(n),
+                        "interval": e["interval"],  # the rules' (a probe window may be open)
                         "shortest": min(after) if after else r.interval_at(n),
                         "overhead_pct": r.overhead_pct(100),
                         "measured_overhead_pct": e.get("measured_overhead_pct"),

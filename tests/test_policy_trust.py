@@ -354,21 +354,41 @@ def test_a_cost_measured_on_few_checkpoints_is_as_uncertain_as_they_are():
     assert q.explain()["cost_se_s"] > many["cost_se_s"]
 
 
-@pytest.mark.parametrize("seed", range(4))
+def start_up_job(seed: int) -> tp.Trace:
+    """:func:`fast_job` whose first 40 steps run at 95 ms instead of 75 (the spare workers, the
+    controller and the holder start beside training)."""
+    return fast_job(seed).at(0, iter_s=0.095).at(40, iter_s=0.075)
+
+
+@pytest.mark.parametrize("seed", range(8))
 def test_a_slowdown_measured_against_the_runs_start_up_does_not_shorten_the_interval(seed, monkeypatch):
-    # The run's first seconds are slower (the spare workers, the controller and the holder start
-    # beside training: 95 ms iterations against 75 ms later) and the engine polls every 0.25 s
-    # until the controller has the rank's bell, so the only iterations timed with nothing in flight
-    # are the start-up's. Against them the copies' slowdown read as none and a 20 % budget went
-    # to every step or two (30 % paid in a real run). The cadence is no measure until iterations
-    # are timed with nothing in flight after the interval was decided (a probe window soon after).
+    # The run's first seconds are slower and the engine polls every 0.25 s until the controller
+    # has the rank's bell, so the first iterations timed with nothing in flight are the
+    # start-up's. Against them the copies' slowdown read as none and a 20 % budget went to every
+    # step or two (30 % paid in a real run). The start-up's clean iterations are set aside once a
+    # later one is timed, and the interval shortens only on a comparison no older than a probe
+    # window before it (a probe window comes first, soon after the first decision).
     monkeypatch.setattr(tp, "EARLY_POLL_S", (2.0, 0.25))
     budget = 20.0
     k_true = true_cost_s(fast_job(seed)) / (budget / 100 * 0.075)
     p = Adaptive(budget_pct=budget)
-    run = quiet(tp.simulate, p, fast_job(seed).at(0, iter_s=0.095).at(40, iter_s=0.075), 420)
+    run = quiet(tp.simulate, p, start_up_job(seed), 420)
     shortest = min(k for step, k, _ in run.changes if step > 10)
-    assert shortest >= 0.9 * k_true, (k_true, run.changes)
+    assert shortest >= 0.8 * k_true, (k_true, run.changes)
     assert run.overhead_pct(100) <= budget * 1.2, run.changes
     probes = [step for step, k, _ in run.changes if k > 3 * k_true]
-    assert probes and probes[0] <= 120, run.changes  # a window soon after the interval was decided
+    assert probes and probes[0] <= 120, run.changes  # not when the start-up's samples age out
+
+
+@pytest.mark.parametrize("budget", [2.0, 5.0, 20.0])
+def test_a_short_run_keeps_its_budget_while_its_slowdown_is_not_measured(budget, monkeypatch):
+    # 420 steps of the start-up job with the engine's first polls: at 2 % an interval of 14 steps
+    # was kept for the whole run (3.3 % paid) while the per-checkpoint figure read 0.015 s against
+    # 0.04 and the cadence could not tell its figure from none: the copy and persist counted whole
+    # only where the interval was set, not where it was kept. Until the slowdown is measured they
+    # count whole against the budget too.
+    monkeypatch.setattr(tp, "EARLY_POLL_S", (0.5, 0.25))
+    for seed in range(8):
+        p = Adaptive(budget_pct=budget)
+        run = quiet(tp.simulate, p, start_up_job(seed), 420)
+        assert run.overhead_pct(100) <= budget * 1.2, (seed, run.changes, p.explain()["reason"])

@@ -19,13 +19,17 @@ iterations to checkpoints:
 * the slowdown one checkpoint causes: ``k * mean(iter_s - t_clean)``, with a standard error from
   the scatter of both (``k`` times the standard error of the difference).
 
-**Referenced.** A cadence figure is a measure (``CadenceCost.referenced``) only once every rank has
-timed iterations with nothing in flight since the rules decided the interval in force: the older
-ones may be the run's start-up's, slower than the job later runs, against which a checkpoint's
-slowdown reads as none (a 20 % budget went to every step on such a figure).
+**The start-up, and an old comparison.** The run's first seconds are slower (the spare workers',
+the controller's and the holder's start-up beside training: up to a quarter), and the first
+iterations timed with nothing in flight are theirs; against them a checkpoint's slowdown reads as
+none (a 20 % budget went to every step on such a figure). A rank's clean samples from before the
+rules' first decision on measured figures are set aside once it times a clean one after it
+(:meth:`Cadence.started`). A figure whose comparison is the start-up's, or more than a probe window
+older than the samples under the interval in force, is not ``referenced``: the rules do not
+shorten the interval on it, and a probe window comes first.
 
-**Probe windows.** When a rank has no sample with nothing in flight newer than ``stale_steps``, or
-none since the interval in force was decided a window ago, the policy publishes a longer interval for one window (``probe_steps``: the background time of a
+**Probe windows.** When a rank has no sample with nothing in flight newer than ``stale_steps``, none
+since the start-up a window ago, or the figure is not referenced, the policy publishes a longer interval for one window (``probe_steps``: the background time of a
 checkpoint plus three samples' span, in iterations) so that the ranks time iterations with nothing
 in flight, then returns to the interval the rules give. A probe is a schedule version like any
 other: every rank adopts it together. It costs no training time (no checkpoint in it); it costs
@@ -88,8 +92,9 @@ class CadenceCost:
     at_step: int
     """The newest step it covers."""
     referenced: bool = True
-    """Every rank it compares timed iterations with nothing in flight since the interval in force
-    was published (:meth:`Cadence.referenced`); until then it compares with older ones."""
+    """Every rank it compares timed iterations with nothing in flight after the run's start-up
+    (:meth:`Cadence.referenced`) and at most a probe window before the interval in force: an older
+    comparison is no reason to shorten the interval (a probe window comes first)."""
 
     def as_dict(self) -> dict:
         return {
@@ -106,7 +111,7 @@ class CadenceCost:
 
 
 class _RankCadence:
-    __slots__ = ("clean", "clean_steps", "regime", "job", "span", "job_sums", "pending")
+    __slots__ = ("clean", "clean_steps", "regime", "job", "span", "job_sums", "pending", "past_start")
 
     def __init__(self):
         self.clean: deque = deque(maxlen=256)  # (last step, iter_s, iters) with nothing in flight, in step order
@@ -116,6 +121,7 @@ class _RankCadence:
         self.job_sums = [0.0, 0.0, 0.0]  # their sums
         self.pending = [0.0, 0, 0.0]  # sum of iter_s * iters, iters, stalls since the newest clean sample
         self.span: deque = deque(maxlen=8)  # iterations per sample
+        self.past_start = False  # its start-up's clean samples were set aside (Cadence.add)
 
     def t_clean(self, newer_than: int) -> tuple[float, float, int] | None:
         """Weighted median of the clean samples newer than ``newer_than``, its standard error and count."""
@@ -202,8 +208,7 @@ class Cadence:
     def __init__(self):
         self.ranks: dict[int, _RankCadence] = {}
         self.k: int | None = None  # the interval the regime's samples are under
-        self.k_rules: int | None = None  # the interval the rules published (not a probe window's)
-        self.published_at = 0  # the step when it was
+        self.start_up_end: int | None = None  # the step of the rules' first decision on measured figures
         self.regime_from = 0  # samples whose first iteration is at or after this count
         self.measured: CadenceCost | None = None  # the newest measurement
         self.probe: dict | None = None  # the probe window in force: from_step, k, back_to, ...
@@ -216,20 +221,16 @@ class Cadence:
     # -- input ------------------------------------------------------------------------------------
     def interval(self, k: int) -> None:
         """The interval in force (published) is ``k``; a new one starts a new regime."""
-        if self.probe is None and k != self.k_rules:
-            self.k_rules = k
-            self.decided()
         if k != self.k:
             self.k = k
             self.regime_from = self.max_step + max(k, 2) + 2
             for r in self.ranks.values():
                 r.regime.clear()
 
-    def decided(self) -> None:
-        """The rules decided the interval in force (changed it, or kept it at their first decision
-        on measured figures): what it costs is compared with iterations timed from now on
-        (:meth:`referenced`)."""
-        self.published_at = self.max_step
+    def started(self) -> None:
+        """The rules took their first decision on measured figures: the run's start-up is over
+        (see :meth:`add`)."""
+        self.start_up_end = self.max_step
 
     def add(
         self,
@@ -250,7 +251,16 @@ class Cadence:
             r = self.ranks[rank] = _RankCadence()
         self.max_step = max(self.max_step, step)
         r.span.append(iters)
-        r.add_job(iter_s, iters, stall * iters / (self.k or 1) + step_s * iters, clean and iters >= JOB_BASE_ITERS)
+        base = clean and iters >= JOB_BASE_ITERS
+        if base and not r.past_start and self.start_up_end is not None and step > self.start_up_end:
+            # The rank's first clean sample after the start-up: the clean samples before it ran beside
+            # the run's start-up (the spare workers', the controller's and the holder's first
+            # seconds), up to a quarter slower than the job later runs with nothing in flight. Not
+            # compared with from now on, by the cost nor by the job's overhead.
+            r.clean.clear()
+            r.clean_steps.clear()
+            r.past_start = True
+        r.add_job(iter_s, iters, stall * iters / (self.k or 1) + step_s * iters, base)
         if clean:
             if r.clean and step < r.clean[-1][0]:  # a restart: the steps go back
                 r.clean.clear()
@@ -271,17 +281,11 @@ class Cadence:
     # -- the cost -----------------------------------------------------------------------------------
     def referenced(self, rank: int) -> bool:
         """Whether ``rank`` timed iterations with nothing in flight (at least :data:`JOB_BASE_ITERS`
-        in a sample) since the interval in force was published: between checkpoints at a long
-        interval, in a probe window at a short one. Older ones may be from another condition: the
-        run's start-up (the spare workers', the controller's and the holder's first seconds ran
-        the iterations up to a quarter slower than later with nothing in flight), against which a
-        checkpoint's slowdown reads as about none, and an interval shortened on that shortens again
-        before anything has timed what it costs."""
+        in a sample) after the run's start-up (:meth:`started`): between checkpoints at a long
+        interval, in a probe window at a short one. Before, it has only the start-up's to compare
+        with (see :meth:`add`), against which a checkpoint's slowdown reads as about none."""
         r = self.ranks.get(rank)
-        return r is not None and any(
-            n >= JOB_BASE_ITERS
-            for _, _, n in itertools.takewhile(lambda c: c[0] > self.published_at, reversed(r.clean))
-        )
+        return r is not None and r.past_start
 
     def stale_steps(self, t: float, bg: float) -> int:
         """Clean samples older than this many steps are too old to compare with."""
@@ -306,7 +310,7 @@ class Cadence:
             return self.measured
         newer_than = self.max_step - self.stale_steps(t, bg)
         best: CadenceCost | None = None
-        referenced = True
+        referenced, window = True, self.probe_steps(t, bg)
         for rank in active:
             r = self.ranks.get(rank)
             if r is None:
@@ -317,7 +321,7 @@ class Cadence:
             if base is None or len(regime) < _REGIME_SAMPLES or iters < 3 * k:
                 continue
             se_c = base[1]
-            referenced = referenced and self.referenced(rank)
+            referenced = referenced and self.referenced(rank) and r.clean[-1][0] >= regime[0][0] - window
             diffs = [(v - r.resolved_base(e), n) for e in regime for _, v, n, _, _ in (e,)]
             t_all = sum(v * n for _, v, n, _, _ in regime) / iters
             d = sum(x * n for x, n in diffs) / iters
@@ -347,20 +351,20 @@ class Cadence:
 
     def needs_probe(self, t: float, bg: float, active: set[int]) -> str | None:
         """Why a probe is due, or ``None``: the last probe is far enough back, and a rank has no
-        clean sample recent enough to compare with, or none since the interval in force was
-        published a window ago (:meth:`referenced`)."""
+        clean sample recent enough to compare with, none since the start-up a window ago
+        (:meth:`referenced`), or the newest figure is not referenced."""
         if self.probe is not None or not active:
             return None
         window = self.probe_steps(t, bg)
         since_probe = math.inf if self.last_probe_step is None else self.max_step - self.last_probe_step
         if self.stale and since_probe >= 2 * window:
             return "the iteration time moved since iterations were last timed with nothing in flight"
-        if (
-            since_probe >= 2 * window
-            and self.max_step - self.published_at >= window
-            and not all(self.referenced(rank) for rank in active)
-        ):
-            return f"no iteration timed with nothing in flight since the interval was set (step {self.published_at})"
+        end = self.start_up_end
+        if since_probe >= 2 * window:
+            if end is not None and self.max_step - end >= window and not all(self.referenced(r) for r in active):
+                return f"no iteration timed with nothing in flight since the run's start-up (step {end})"
+            if self.measured is not None and not self.measured.referenced:
+                return "the iterations timed with nothing in flight are older than the interval in force"
         stale = self.stale_steps(t, bg)
         if since_probe < stale:
             return None

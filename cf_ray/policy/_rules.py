@@ -353,7 +353,7 @@ def slowdown_measured(est: Estimate) -> bool:
     m = est.detail.cadence
     # The cadence measures it once its standard error is under half the copy and persist time (a
     # figure it cannot tell from none, on a busy machine, is no measure).
-    cadence = m is not None and m.referenced and m.se < 0.5 * est.bg
+    cadence = m is not None and m.se < 0.5 * est.bg
     if est.cost_source == "cadence":
         return cadence
     unseen = est.n >= SLOWDOWN_UNSEEN_CKPTS
@@ -609,7 +609,8 @@ class _Ladder:
     def _over_budget(self) -> Verdict | None:
         st, est, t, k, current = self.st, self.est, self.est.t, self.k, self.current
         budget = self.cfg.budget_pct / 100.0
-        over = max(est.cost - est.cost_se, 0.0) / (current * t)  # noise alone does not widen
+        # Noise alone does not widen; an unmeasured slowdown counts whole (decision_cost): it errs wide.
+        over = max(est.cost - est.cost_se if self.info["slowdown_measured"] else self.cost, 0.0) / (current * t)
         if k > current and over > budget:
             # A clear overrun widens at once; a marginal one must still be there at the next checkpoint.
             if over > budget * (1.0 + 2.0 * self.cfg.headroom) or (
@@ -674,10 +675,8 @@ class _Ladder:
         st, est, t, current = self.st, self.est, self.est.t, self.current
         # Shorten only to what the rules give for pessimistic estimates (the cost + 1 standard error,
         # the persist + 2: a persist short of its time makes training wait; at least three
-        # checkpoints since the last drift), only when that is clearly shorter, and
-        # only when it is still so at the next checkpoint.
-        cost = self.cost + est.cost_se
-        k_safe = target(self.cfg, est, cost, est.bg + 2.0 * est.bg_se)[0]
+        # checkpoints since the last drift), when clearly shorter and still so at the next checkpoint.
+        k_safe = target(self.cfg, est, cost := self.cost + est.cost_se, est.bg + 2.0 * est.bg_se)[0]
         if st.too_short is not None:
             short, at, drift = st.too_short
             if self.ckpt_clock - at > TOO_SHORT_CKPTS or est.detail.drift != drift:
@@ -693,6 +692,11 @@ class _Ladder:
         fall = f" (the copy and persist fell from {fell['from']:.3g} s to {fell['to']:.3g} s)" if fell and quick else ""
         # Held by FIRST_SHORTEN: the next checkpoint decides, to any shorter interval (no dead band).
         held = bool((st.last_change or {}).get("first_limited")) and self.ckpt_clock > st.changed_at
+        m = est.detail.cadence
+        if m is not None and not m.referenced and k_safe < current:  # an old comparison: a probe first
+            st.since.pop("shrink", None)
+            self.info["reason"] = f"keeping {current}: the cadence has no recent iterations with nothing in flight"
+            return None, self.info
         limit = current - 1 if held else math.floor(current * self.cfg.shrink_ratio)
         if k_safe <= limit and est.n_level >= (2 if quick or held else 3):
             since = st.since.setdefault("shrink", self.ckpt_clock)

@@ -260,7 +260,7 @@ class Adaptive(FrequencyPolicy):
         first_measured = not rules.measured_decided
         decision, info = _rules.decide(self, rules, est, estimator.prior, estimator.ckpt_clock, base)
         if first_measured and rules.measured_decided:
-            estimator.cadence.decided()
+            estimator.cadence.started()
         rules.info = info
         k = decision if decision is not None else base
         probe = _probe(self, est, base, k)
