@@ -355,7 +355,9 @@ fit beside the same job without cf_ray in the same Ray session, on a quiet 2-cor
 cell below reads its committed results, the same files and figures as the
 [choosing-when-to-checkpoint guide](../docs/guides/choosing-when-to-checkpoint.md): the interval each
 round settled on, the overhead the job paid after warm-up against its round's fit without cf_ray,
-and the overhead cf_ray reported (`explain()["measured_overhead_pct"]`), then each target's verdict.""",
+and the overhead cf_ray reported (`explain()["measured_overhead_pct"]`), then each target's verdict.
+These are the runs of the rules before the start-up ones; the guide's later section has both jobs
+again with the rules in force now, beside the previous rules on the same (noisier) machine.""",
     ),
     (
         "code",

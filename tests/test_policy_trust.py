@@ -382,13 +382,15 @@ def test_a_slowdown_measured_against_the_runs_start_up_does_not_shorten_the_inte
 
 @pytest.mark.parametrize("budget", [2.0, 5.0, 20.0])
 def test_a_short_run_keeps_its_budget_while_its_slowdown_is_not_measured(budget, monkeypatch):
-    # 420 steps of the start-up job with the engine's first polls: at 2 % an interval of 14 steps
-    # was kept for the whole run (3.3 % paid) while the per-checkpoint figure read 0.015 s against
-    # 0.04 and the cadence could not tell its figure from none: the copy and persist counted whole
-    # only where the interval was set, not where it was kept. Until the slowdown is measured they
-    # count whole against the budget too.
+    # 420 steps of the fast job and the start-up job with the engine's first polls: at 2 % an
+    # interval of 14 or 16 steps was kept for the whole run (3.3 % paid) while the per-checkpoint
+    # figure read 0.015 s against 0.04 and the cadence could not tell its figure from none: the
+    # copy and persist counted whole only where the interval was set, not where it was kept. Until
+    # the slowdown is measured they count whole against the budget too (f3f0e3c: 5 of 8 seeds
+    # within at 2 %, 7 of 8 at 5 %, on the fast job).
     monkeypatch.setattr(tp, "EARLY_POLL_S", (0.5, 0.25))
     for seed in range(8):
-        p = Adaptive(budget_pct=budget)
-        run = quiet(tp.simulate, p, start_up_job(seed), 420)
-        assert run.overhead_pct(100) <= budget * 1.2, (seed, run.changes, p.explain()["reason"])
+        for trace in (fast_job(seed), start_up_job(seed)):
+            p = Adaptive(budget_pct=budget)
+            run = quiet(tp.simulate, p, trace, 420)
+            assert run.overhead_pct(100) <= budget * 1.2, (seed, run.changes, p.explain()["reason"])
