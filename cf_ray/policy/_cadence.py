@@ -29,9 +29,10 @@ older than the samples under the interval in force, is not ``referenced``: the r
 shorten the interval on it, and a probe window comes first.
 
 **Probe windows.** When a rank has no sample with nothing in flight newer than ``stale_steps``, none
-since the start-up a window ago, or the figure is not referenced, the policy publishes a longer interval for one window (``probe_steps``: the background time of a
-checkpoint plus three samples' span, in iterations) so that the ranks time iterations with nothing
-in flight, then returns to the interval the rules give. A probe is a schedule version like any
+since the start-up a window ago, or the figure is not referenced, the policy publishes a longer
+interval for one window (``probe_steps``: the background time of a checkpoint plus three samples'
+span, in iterations) so that the ranks time iterations with nothing in flight, then returns to
+the interval the rules give. A probe is a schedule version like any
 other: every rank adopts it together. It costs no training time (no checkpoint in it); it costs
 exposure: a failure in it loses up to ``probe_steps`` of work instead of ``k``. Probes are at
 least ``PROBE_SPACING`` windows apart (so at most a tenth of the run is in one).
