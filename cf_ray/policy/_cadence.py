@@ -322,7 +322,7 @@ class Cadence:
             if base is None or len(regime) < _REGIME_SAMPLES or iters < 3 * k:
                 continue
             se_c = base[1]
-            referenced = referenced and self.referenced(rank) and r.clean[-1][0] >= regime[0][0] - window
+            referenced = referenced and r.past_start and r.clean[-1][0] >= regime[0][0] - window
             diffs = [(v - r.resolved_base(e), n) for e in regime for _, v, n, _, _ in (e,)]
             t_all = sum(v * n for _, v, n, _, _ in regime) / iters
             d = sum(x * n for x, n in diffs) / iters
