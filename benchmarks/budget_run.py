@@ -31,7 +31,11 @@ The verdicts of issue #45's targets, each printed with the intervals it is judge
   differ on a shared machine; the steps are printed beside).
 
 The baseline's own spread (its mean iteration time over the rounds, as a percentage) is reported
-beside them: on a shared machine a verdict within that spread says little.
+beside them: on a shared machine a verdict within that spread says little. With
+``--budget-idle-arm`` each round also has an ``idle`` fit per shape: cf_ray attached (its controller,
+holder, spare workers, ``ckpt.step`` at every iteration) with its first checkpoint past the run's
+end; its overhead against the same round's ``none`` fit is what cf_ray costs the job without any
+checkpoint, which no budget (and no figure cf_ray reports) can see.
 """
 
 from __future__ import annotations
@@ -74,6 +78,12 @@ def add_arguments(p) -> None:
         "--budget-mtbf-s", type=float, default=600.0, help="the prior of the kill arms (default: %(default)s s)"
     )
     g.add_argument("--budget-no-kills", action="store_true", help="skip the arms with injected kills")
+    g.add_argument(
+        "--budget-idle-arm",
+        action="store_true",
+        help="add per shape a fit with cf_ray attached that takes no checkpoint: what its actors, spare "
+        "workers and per-iteration bookkeeping cost the job without one",
+    )
 
 
 def _loop(cfg: dict) -> None:
@@ -90,10 +100,14 @@ def _loop(cfg: dict) -> None:
     rank = ctx.get_world_rank()
     model, opt, x, y = _seeded_job(cfg, rank)
     ckpt, step = None, 0
-    if cfg["budget"] is not None:
+    if cfg["budget"] is not None or cfg.get("idle"):
         import cf_ray
 
-        policy = cf_ray.Adaptive(budget_pct=cfg["budget"], mtbf_s=cfg.get("mtbf_s"))
+        if cfg.get("idle"):  # attached, its first checkpoint past the run's end
+            never = cfg["iters"] + 1
+            policy = cf_ray.Adaptive(min_interval=never, max_interval=never, first_checkpoint_step=never)
+        else:
+            policy = cf_ray.Adaptive(budget_pct=cfg["budget"], mtbf_s=cfg.get("mtbf_s"))
         conf = cf_ray.CheckpointConfig(policy=policy, keep_last=2, register_with_ray=False, final_model=None)
         ckpt = cf_ray.Checkpointer({"model": model, "optimizer": opt}, config=conf)
         step = ckpt.restore().step
@@ -168,12 +182,14 @@ def _overhead(times: list[float], base: list[float], lo: int) -> float | None:
     return None if a is None or not b else 100.0 * (a / b - 1.0)
 
 
-def _settings(opts: dict, no_kills: bool) -> list[dict]:
-    """The fits of one round: per shape ``none`` and one per budget; on the kill shape, the prior
-    without and with kills."""
+def _settings(opts: dict, no_kills: bool, idle: bool = False) -> list[dict]:
+    """The fits of one round: per shape ``none``, ``idle`` (with ``idle``: cf_ray attached, no
+    checkpoint) and one per budget; on the kill shape, the prior without and with kills."""
     out = []
     for shape in opts["shapes"]:
         out.append({"shape": shape, "arm": "none", "budget": None})
+        if idle:
+            out.append({"shape": shape, "arm": "idle", "budget": None, "idle": True})
         out += [{"shape": shape, "arm": f"b{b:g}", "budget": b} for b in opts["budgets"]]
     if not no_kills and opts["kill_shape"]:
         s = opts["kill_shape"]
@@ -200,7 +216,7 @@ def run(args, fit, ray_env: dict, out: Path, save=None) -> dict:
             opts["kill_shape"] = opts["shapes"][-1]
     rounds = args.budget_rounds or opts["rounds"]
     workers = (args.workers or [2])[0]
-    fits = _settings(opts, args.budget_no_kills)
+    fits = _settings(opts, args.budget_no_kills, getattr(args, "budget_idle_arm", False))
     seg = out / "budgets"
     seg.mkdir(parents=True, exist_ok=True)
     os.environ.update(ray_env)
@@ -222,6 +238,7 @@ def run(args, fit, ray_env: dict, out: Path, save=None) -> dict:
                     shape,
                     seed=args.seed + r,
                     budget=f["budget"],
+                    idle=bool(f.get("idle")),
                     mtbf_s=args.budget_mtbf_s if f.get("prior") else None,
                     kill_steps=[iters // 3, iters // 2] if f.get("kills") else [],
                     name=name,
@@ -282,13 +299,16 @@ def cpu_by_fit(runs: list[dict]) -> list[dict]:
 
 def judge(runs: list[dict], opts: dict) -> dict:
     """Per run its overheads against its round's baseline; the verdicts of issue #45's targets."""
-    table = []
+    table, idle = [], []
     base = {(x["shape"], x["round"]): x for x in runs if x["arm"] == "none" and x.get("iter_s")}
     for x in runs:
         b = base.get((x["shape"], x["round"]))
         if x["arm"] == "none" or not x.get("iter_s") or b is None or x.get("kills"):
             continue
         warm = x.get("warmup", SHAPES[x["shape"]]["warmup"])
+        if x["arm"] == "idle":  # cf_ray attached, no checkpoint: its cost without one (no verdict)
+            idle.append((x["shape"], x["round"], _overhead(x["iter_s"], b["iter_s"], warm)))
+            continue
         e = x.get("explain") or {}
         table.append(
             {
@@ -388,7 +408,21 @@ def judge(runs: list[dict], opts: dict) -> dict:
                 "spread_pct": 100.0 * statistics.stdev(means) / statistics.fmean(means),
             }
     errors = [(x["round"], x["shape"], x["arm"], x["error"]) for x in runs if x.get("error")]
-    return {"table": table, "verdicts": verdicts, "baseline": spread_base, "errors": errors, "runs": runs}
+    attached = {
+        shape: {
+            "after_warmup_pct": [o for s, _, o in idle if s == shape],
+            "mean_pct": _mean([o for s, _, o in idle if s == shape and o is not None]),
+        }
+        for shape in sorted({s for s, _, _ in idle})
+    }
+    return {
+        "table": table,
+        "verdicts": verdicts,
+        "baseline": spread_base,
+        "attached_no_checkpoint": attached,
+        "errors": errors,
+        "runs": runs,
+    }
 
 
 def render(res: dict) -> str:
@@ -415,6 +449,12 @@ def render(res: dict) -> str:
     for shape, b in res["baseline"].items():
         lines.append(
             f"baseline {shape}: {1e3 * b['iter_s_mean']:.1f} ms per iteration, spread over rounds {b['spread_pct']:.1f} %"
+        )
+    for shape, a in res.get("attached_no_checkpoint", {}).items():
+        rounds = ", ".join(f(o) for o in a["after_warmup_pct"])
+        lines.append(
+            f"cf_ray attached without a checkpoint, {shape}: {f(a['mean_pct'])} % after warm-up on average "
+            f"(rounds: {rounds}): the cost of its actors, spare workers and bookkeeping, which no budget sees"
         )
     lines.append("")
     for name, v in res["verdicts"].items():

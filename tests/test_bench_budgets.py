@@ -26,7 +26,15 @@ def test_the_verdicts_judge_every_run():
         runs.append(_run("mlp5", "b20", 20.0, r, [0.115] * 20, k20, 15.0, 15.0))
         runs.append(_run("mlp5", "prior", 5.0, r, [0.104] * 20, 60, 4.0, 4.0, prior=True, kills=False))
         runs.append(_run("mlp5", "prior_kills", 5.0, r, [0.104] * 5, 30 + r * 40, 4.0, 4.0, prior=True, kills=True))
-    v = budget_run.judge(runs, opts)["verdicts"]
+    # cf_ray attached without a checkpoint: its overhead against the round's baseline, beside the
+    # verdicts and in none of them (round 0 +3 %, round 1 +5 %).
+    runs += [_run("mlp5", "idle", None, r, [0.1 + 0.003 + 0.002 * r] * 20, idle=True) for r in range(2)]
+    res = budget_run.judge(runs, opts)
+    assert res["attached_no_checkpoint"]["mlp5"]["after_warmup_pct"] == pytest.approx([3.0, 5.0])
+    assert res["attached_no_checkpoint"]["mlp5"]["mean_pct"] == pytest.approx(4.0)
+    assert all(t["arm"] != "idle" for t in res["table"])
+    assert "without a checkpoint, mlp5: +4.0 %" in budget_run.render({**res, "workers": 2, "rounds": 2, "cpu": []})
+    v = res["verdicts"]
     assert v["overhead_within_budget_x1.2"]["met"]
     assert v["interval_monotone_in_budget"]["met"]
     assert v["interval_spread_within_x1.5"]["met"]
@@ -45,19 +53,26 @@ def test_the_verdicts_judge_every_run():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_budgets_smoke(tmp_path, capsys):
-    """The smallest run: one round, one budget, the small shape, no kills."""
+    """The smallest run: one round, one budget and cf_ray attached without a checkpoint, the small
+    shape, no kills."""
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
     out = tmp_path / "bench"
     args = ["--quick", "--budgets", "--budget-rounds", "1", "--budget-list", "20", "--budget-no-kills"]
-    assert bench.main([*args, "--iters", "80", "--out", str(out)]) == 0
+    assert bench.main([*args, "--budget-idle-arm", "--iters", "80", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "The automatic interval against its budget" in printed and "overhead_within_budget_x1.2" in printed
     res = json.loads((out / "results-budgets.json").read_text())
     assert not res["errors"], res["errors"]
-    assert res["complete"] and res["fits_done"] == 2
+    assert res["complete"] and res["fits_done"] == 3
+    # Attached without a checkpoint: cf_ray's actors ran, no checkpoint was taken, and its overhead
+    # against the round's baseline is reported beside the verdicts.
+    idle = next(x for x in res["runs"] if x["arm"] == "idle")
+    assert idle["checkpoints_taken"] == 0 and "ray::Controller" in idle["cpu_s_by_process"]
+    assert res["attached_no_checkpoint"]["mlp5"]["mean_pct"] is not None
+    assert "cf_ray attached without a checkpoint, mlp5" in printed
     # The CPU each fit's processes used: the training workers', and cf_ray's actors only where
     # cf_ray ran (every iteration pays for CPU taken from the cores that train).
     none, b20 = (next(c for c in res["cpu"] if c["fit"].endswith(arm)) for arm in ("-none", "-b20"))
