@@ -34,6 +34,13 @@ def test_the_verdicts_judge_every_run():
     assert res["attached_no_checkpoint"]["mlp5"]["mean_pct"] == pytest.approx(4.0)
     assert all(t["arm"] != "idle" for t in res["table"])
     assert "without a checkpoint, mlp5: +4.0 %" in budget_run.render({**res, "workers": 2, "rounds": 2, "cpu": []})
+    # Against the attached fit instead (the checkpoints' own cost): budget 5 at +1.0 and -1.0 %,
+    # budget 20 at +11.7 and +9.5 %, all within budget x 1.2; the reported 4 and 15 % are more than
+    # 3 points off all four (3.03, 3.35, 4.95, 5.48): missed.
+    v = res["verdicts"]["against_attached_no_checkpoint"]
+    assert v["of"] == 4 and v["within_budget_x1.2"] == 4 and v["reported_within_3_points"] == 0 and not v["met"]
+    expected = [100 * (a / b - 1) for b in (0.103, 0.105) for a in (0.104, 0.115)]
+    assert [r[3] for r in v["runs"]] == pytest.approx(expected)
     v = res["verdicts"]
     assert v["overhead_within_budget_x1.2"]["met"]
     assert v["interval_monotone_in_budget"]["met"]
