@@ -64,6 +64,12 @@ class Adaptive(FrequencyPolicy):
     *probe windows* the controller publishes (a longer interval for a few samples' time) when no
     such iteration is recent. That measure also replaces the per-checkpoint ``C`` whenever it is
     higher by two standard errors; ``explain()["cost_source"]`` says which one is used.
+    The run's start-up (its first seconds are slower: the spare workers, the controller and the
+    holder start beside training) is no reference: a rank's iterations with nothing in flight timed
+    before the first tuned decision are set aside once it times one after it, a probe window comes
+    one window after that decision when none has been, and the interval is not shortened on a
+    cadence comparison that is still the start-up's or older than a probe window before the
+    interval in force (``explain()["cadence"]["referenced"]``; a probe window comes first).
 
     **What it learns of the run's failures** (from :meth:`observe`, fed by the controller: the
     run's start, its restarts, their recoveries, preemption notices, the clock): the failure rate
@@ -91,8 +97,9 @@ class Adaptive(FrequencyPolicy):
     issued once per kind of conflict.
 
     **Hysteresis.** Once tuned, the interval is *widened* when the current one breaks a rule by
-    more than the noise (``(C - se) / (k * t) > budget_pct``, or ``k * t < B - se``): at once for
-    a clear overrun, at the next checkpoint for a marginal one. It is *shortened* at once when it
+    more than the noise (``(C - se) / (k * t) > budget_pct``, or ``k * t < B - se``; while the
+    slowdown is not measured, the copy and persist count whole there too, as where the interval is
+    set): at once for a clear overrun, at the next checkpoint for a marginal one. It is *shortened* at once when it
     exceeds ``max_lost_s``; it moves at once to the goodput interval when that is off the current
     one by the ``shrink_ratio`` either way (a failure is an event, not noise); otherwise it is
     shortened only to the interval that pessimistic estimates (``C`` plus one standard error,
