@@ -99,15 +99,15 @@ class Adaptive(FrequencyPolicy):
     **Hysteresis.** Once tuned, the interval is *widened* when the current one breaks a rule by
     more than the noise (``(C - se) / (k * t) > budget_pct``, or ``k * t < B - se``; while the
     slowdown is not measured, the copy and persist count whole there too, as where the interval is
-    set): at once for a clear overrun, at the next checkpoint for a marginal one. It is *shortened* at once when it
-    exceeds ``max_lost_s``; it moves at once to the goodput interval when that is off the current
-    one by the ``shrink_ratio`` either way (a failure is an event, not noise); otherwise it is
-    shortened only to the interval that pessimistic estimates (``C`` plus one standard error,
-    ``B`` plus two, at least three checkpoints since the last drift) allow, when that is at most
-    ``shrink_ratio * current`` at two checkpoints in a row. The first tuned decision, on a measured
-    slowdown, shortens the provisional interval to a quarter of it at most; at the next checkpoint
-    it goes to the pessimistic interval, without confirming and without ``shrink_ratio``. The gap
-    between the limits and the aims (``headroom``) is the dead band.
+    set): at once for a clear overrun, at the next checkpoint for a marginal one. It is *shortened*
+    at once when it exceeds ``max_lost_s``; it moves at once to the goodput interval when that is
+    off the current one by the ``shrink_ratio`` either way (a failure is an event, not noise);
+    otherwise it is shortened only to the interval that pessimistic estimates (``C`` plus one
+    standard error, ``B`` plus two, at least three checkpoints since the last drift) allow, when
+    that is at most ``shrink_ratio * current`` at two checkpoints in a row. The first tuned
+    decision, on a measured slowdown, shortens the provisional interval to a quarter of it at most;
+    at the next checkpoint it goes to the pessimistic interval, without confirming and without
+    ``shrink_ratio``. The gap between the limits and the aims (``headroom``) is the dead band.
 
     **Profiling** is the first checkpoint, at ``first_checkpoint_step``: once its stall and persist
     time are known (or a second checkpoint has been seen without a persist time), with the first
