@@ -164,8 +164,12 @@ def _loop(cfg: dict) -> None:
             for why in [ev.get("why") if isinstance(ev.get("why"), dict) else {"reason": ev.get("why")}]
         ]
         rec["checkpoints_taken"] = ckpt.checkpoints_taken
-        rows = [r for r in ckpt.profile_rows() if r.get("overhead_pct") is not None]
+        every = ckpt.profile_rows()
+        rows = [r for r in every if r.get("overhead_pct") is not None]
         rec["profile_overhead_pct"] = rows[-1]["overhead_pct"] if rows else None
+        # Every checkpoint's row (its cost, stall, copy, persist, step): a per-checkpoint reading
+        # far from what the job paid can be read back against ``iter_s`` instead of a rerun.
+        rec["profile_rows"] = every
     if ckpt is not None:
         rec["save_failures"] = len(ckpt.finish().failures)
     _barrier()
