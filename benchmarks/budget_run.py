@@ -167,8 +167,8 @@ def _loop(cfg: dict) -> None:
         every = ckpt.profile_rows()
         rows = [r for r in every if r.get("overhead_pct") is not None]
         rec["profile_overhead_pct"] = rows[-1]["overhead_pct"] if rows else None
-        # Every checkpoint's row (its cost, stall, copy, persist, step): a per-checkpoint reading
-        # far from what the job paid can be read back against ``iter_s`` instead of a rerun.
+        # Every checkpoint's row (its step, stall, guard, copy, persist, slot wait, the job's overhead
+        # so far; not the policy's per-checkpoint cost, which only the reasons above carry).
         rec["profile_rows"] = every
     if ckpt is not None:
         rec["save_failures"] = len(ckpt.finish().failures)
