@@ -220,7 +220,7 @@ def run(args, fit, ray_env: dict, out: Path, save=None) -> dict:
             opts["kill_shape"] = opts["shapes"][-1]
     rounds = args.budget_rounds or opts["rounds"]
     workers = (args.workers or [2])[0]
-    fits = _settings(opts, args.budget_no_kills, getattr(args, "budget_idle_arm", False))
+    fits = _settings(opts, args.budget_no_kills, args.budget_idle_arm)
     seg = out / "budgets"
     seg.mkdir(parents=True, exist_ok=True)
     os.environ.update(ray_env)
@@ -421,21 +421,16 @@ def judge(runs: list[dict], opts: dict) -> dict:
     # one): what the checkpoints cost, which is what the budget and the reported figures are about.
     vs = [t for t in main if t["over_attached_after_warmup_pct"] is not None]
     if vs:
+        within = [t["over_attached_after_warmup_pct"] <= t["budget"] * OVER_BUDGET_FACTOR for t in vs]
+        agrees = [
+            t["measured_overhead_pct"] is not None
+            and abs(t["measured_overhead_pct"] - t["over_attached_run_pct"]) <= AGREE_POINTS
+            for t in vs
+        ]
         verdicts["against_attached_no_checkpoint"] = {
-            "met": all(
-                t["over_attached_after_warmup_pct"] <= t["budget"] * OVER_BUDGET_FACTOR
-                and t["measured_overhead_pct"] is not None
-                and abs(t["measured_overhead_pct"] - t["over_attached_run_pct"]) <= AGREE_POINTS
-                for t in vs
-            ),
-            "within_budget_x1.2": sum(
-                t["over_attached_after_warmup_pct"] <= t["budget"] * OVER_BUDGET_FACTOR for t in vs
-            ),
-            "reported_within_3_points": sum(
-                t["measured_overhead_pct"] is not None
-                and abs(t["measured_overhead_pct"] - t["over_attached_run_pct"]) <= AGREE_POINTS
-                for t in vs
-            ),
+            "met": all(within) and all(agrees),
+            "within_budget_x1.2": sum(within),
+            "reported_within_3_points": sum(agrees),
             "of": len(vs),
             "runs": [
                 (

@@ -86,7 +86,7 @@ def test_bench_budgets_smoke(tmp_path, capsys):
     assert none["training_cpu_s"] > 0 and b20["training_cpu_s"] > 0
     assert "ray::Controller" in b20["cpu_s_by_process"] and "ray::Controller" not in none["cpu_s_by_process"]
     assert b20["cf_ray_actors_pct_of_core"] > 0 and none["cf_ray_actors_pct_of_core"] == 0
-    # Every checkpoint's profile row is kept with the fit (what the policy read, checkpoint by checkpoint).
+    # Every checkpoint's profile row is kept with the fit (its step and timings, checkpoint by checkpoint).
     b20_run = next(x for x in res["runs"] if x["arm"] == "b20")
     assert 0 < len(b20_run["profile_rows"]) <= b20_run["checkpoints_taken"]
     assert all("step" in r for r in b20_run["profile_rows"])
