@@ -86,10 +86,13 @@ def test_bench_budgets_smoke(tmp_path, capsys):
     assert none["training_cpu_s"] > 0 and b20["training_cpu_s"] > 0
     assert "ray::Controller" in b20["cpu_s_by_process"] and "ray::Controller" not in none["cpu_s_by_process"]
     assert b20["cf_ray_actors_pct_of_core"] > 0 and none["cf_ray_actors_pct_of_core"] == 0
-    # Every checkpoint's profile row is kept with the fit (its step and timings, checkpoint by checkpoint).
+    # Every checkpoint's profile row is kept with the fit (its step and timings, checkpoint by
+    # checkpoint). On a busy machine a rank may skip a snapshot (no free slot in time): its step
+    # still has a row (failed), so only the committed rows are bounded by what rank 0 took.
     b20_run = next(x for x in res["runs"] if x["arm"] == "b20")
-    assert 0 < len(b20_run["profile_rows"]) <= b20_run["checkpoints_taken"]
-    assert all("step" in r for r in b20_run["profile_rows"])
+    rows = b20_run["profile_rows"]
+    assert rows and all("step" in r for r in rows)
+    assert 0 < sum(bool(r["committed"]) for r in rows) <= b20_run["checkpoints_taken"]
     (row,) = res["table"]
     assert row["shape"] == "mlp5" and row["budget"] == 20.0 and row["interval"] >= 1
     # 80 iterations may end before the policy has timed a clean sample: the figure may be missing
