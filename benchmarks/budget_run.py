@@ -148,6 +148,7 @@ def _loop(cfg: dict) -> None:
                 "background_s",
                 "cadence",
                 "hazard",
+                "records",
             )
         }
         changes = [ev for ev in ckpt.events() if ev.get("event") == "interval" and ev.get("interval")]

@@ -225,6 +225,7 @@ class Estimator:
             assert cur is not None
             if base is not None:
                 cur.excess += (s.iter_s - base) * iters
+                cur.over_iters += iters
                 cur.base_open = cur.base_open or base
             r.dirty.append((s.iter_s, iters))
         else:
@@ -268,6 +269,7 @@ class Estimator:
         rec = self.recs.get(cur.step)
         if rec is not None and not cur.unmeasured:
             rec.excess[rank] = cur.excess  # unclipped: noise averages out over checkpoints
+            rec.over_iters[rank] = cur.over_iters
             self.rev += 1
 
     def _close_segment(self, rank: int, cur: _RankCkpt) -> None:
@@ -489,13 +491,14 @@ class _Rank:
 class _RankCkpt:
     """One rank's view of its latest checkpoint while the iterations after it come in."""
 
-    __slots__ = ("step", "approx", "prev_step", "excess", "base_open", "closed", "unmeasured", "seg_base", "values")
+    __slots__ = tuple("step approx prev_step excess over_iters base_open closed unmeasured seg_base values".split())
 
     def __init__(self, step: int, approx: bool, prev_step: int | None):
         self.step = step
         self.approx = approx
         self.prev_step = prev_step  # the rank's previous checkpoint, whose segment ends here
         self.excess = 0.0  # sum of (iter_s - baseline) over overlapped iterations
+        self.over_iters = 0  # how many iterations that sum is over
         self.base_open: float | None = None  # the baseline they were compared with
         self.closed = False  # the overlap is over; excess is final
         self.unmeasured = False  # the iteration time moved during the overlap: excess is not known
@@ -506,19 +509,7 @@ class _RankCkpt:
 class _Ckpt:
     """All ranks' measurements of one checkpoint."""
 
-    __slots__ = (
-        "step",
-        "seq",
-        "profiling",
-        "coarse",
-        "stall",
-        "wait",
-        "copy",
-        "persist",
-        "nbytes",
-        "excess",
-        "base_s",
-    )
+    __slots__ = tuple("step seq profiling coarse stall wait copy persist nbytes excess over_iters base_s".split())
 
     def __init__(self, step: int, seq: int, profiling: bool, coarse: bool):
         self.step, self.seq = step, seq
@@ -530,6 +521,7 @@ class _Ckpt:
         self.persist: dict[int, float] = {}
         self.nbytes: dict[int, int] = {}
         self.excess: dict[int, float] = {}
+        self.over_iters: dict[int, int] = {}
         self.base_s: dict[int, float] = {}
 
     def put(self, rank, stall, wait, copy, persist, nbytes) -> bool:
@@ -550,7 +542,16 @@ class _Ckpt:
         return changed
 
     def drop_rank(self, rank: int) -> None:
-        for d in (self.stall, self.wait, self.copy, self.persist, self.nbytes, self.excess, self.base_s):
+        for d in (
+            self.stall,
+            self.wait,
+            self.copy,
+            self.persist,
+            self.nbytes,
+            self.excess,
+            self.over_iters,
+            self.base_s,
+        ):
             d.pop(rank, None)
 
     def empty(self) -> bool:

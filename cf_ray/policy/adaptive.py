@@ -335,7 +335,11 @@ class Adaptive(FrequencyPolicy):
         ``persist_s``, ``background_s``, ``bytes``, ``persist_bytes_per_s``), ``checkfreq_interval``
         (CheckFreq's formula on the same measurements), ``drift``, ``last_change`` and ``persist``
         (:meth:`persist_every` and why: ``binding``, ``storage_interval_s``,
-        ``persisted_recovery_point_s``, ``storage_failure_rate_per_hour``, ``reason``).
+        ``persisted_recovery_point_s``, ``storage_failure_rate_per_hour``, ``reason``), and
+        ``records``: the recent checkpoints as the estimates read them, each with its cost and per
+        rank its stall, wait, copy, persist, the excess of the iterations its copy and persist
+        overlapped over the rank's baseline and how many those were (a cost far from what the job
+        paid can be traced to the samples that made it).
         """
         st = self._rule_state
         out = (
@@ -346,6 +350,7 @@ class Adaptive(FrequencyPolicy):
         out["policy"] = "Adaptive"
         out["last_change"] = dict(st.last_change) if st.last_change else None
         out["persist"] = dict(st.persist_info) if st.persist_info else {"persist_every": st.persist_every}
+        out["records"] = _records(self._est)
         return out
 
     def checkpoint_stats(self, step: int) -> dict | None:
@@ -481,3 +486,35 @@ def _probe(cfg: Adaptive, est, base: int, k: int) -> int | None:
         f"slowdown a checkpoint causes cannot be told: no checkpoint for {k_probe} steps, then back to {base}"
     )
     return k_probe
+
+
+def _records(est: Estimator) -> list[dict]:
+    """The recent checkpoints as the estimates read them (JSON-able, in step order): per checkpoint
+    its ``cost_s`` (``None`` without a stall), whether it was taken while ``profiling`` or is
+    ``coarse`` (set aside for its slowdown), and per rank the stall, guard wait, copy, persist,
+    ``excess_s`` (the overlapped iterations' time over the rank's baseline; absent while the overlap
+    is open, or where the iteration time moved under it), ``overlapped_iters`` (how many iterations
+    that is over) and ``base_s`` (the baseline time of its iterations until the next checkpoint)."""
+    out = []
+    for rec in est.recs.values():
+        fields = (
+            ("stall_s", rec.stall),
+            ("wait_s", rec.wait),
+            ("copy_s", rec.copy),
+            ("persist_s", rec.persist),
+            ("excess_s", rec.excess),
+            ("overlapped_iters", rec.over_iters),
+            ("base_s", rec.base_s),
+        )
+        ranks = sorted(set().union(*(d for _, d in fields)))
+        per_rank = [{"rank": r} | {key: d[r] for key, d in fields if r in d} for r in ranks]
+        out.append(
+            {
+                "step": rec.step,
+                "cost_s": rec.cost(),
+                "profiling": rec.profiling,
+                "coarse": rec.coarse,
+                "ranks": per_rank,
+            }
+        )
+    return out
