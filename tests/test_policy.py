@@ -116,8 +116,13 @@ def simulate(
     history=256,
     start_step=0,
     samples_out=None,
+    stagger=False,
 ) -> Run:
-    """Train ``steps`` steps under ``policy`` the way cf_ray's engine and controller drive it."""
+    """Train ``steps`` steps under ``policy`` the way cf_ray's engine and controller drive it.
+
+    ``stagger``: each rank polls on its own clock (rank ``r`` a fraction ``r / ranks`` of a poll
+    later), and the controller plans on each rank's sample as it comes, as the engine's ranks do;
+    else every rank's sample comes at once."""
     rng = random.Random(trace.seed)
     R = trace.ranks
     t = 0.0
@@ -129,7 +134,8 @@ def simulate(
     last: list = [None] * R
     acc = [[0.0, 0] for _ in range(R)]
     stall_prev = None
-    next_poll = EARLY_POLL_S[1] if EARLY_POLL_S[0] > 0 else POLL_S
+    first_poll = EARLY_POLL_S[1] if EARLY_POLL_S[0] > 0 else POLL_S
+    next_poll = [first_poll + (r * first_poll / R if stagger else 0.0) for r in range(R)]
     samples: collections.deque = collections.deque(maxlen=history)
     persist_pending: list = []
     run = Run([], [], [], [], [], start_step)
@@ -191,9 +197,10 @@ def simulate(
             stall_prev = stalls
             last_save = step
             run.ckpts.append({"step": step, "interval": worker_interval, "wait": max(waits)})
-        if t >= next_poll:
-            next_poll = t + (EARLY_POLL_S[1] if t < EARLY_POLL_S[0] else POLL_S)
-            for r in range(R):
+        polling = [r for r in range(R) if t >= next_poll[r]]
+        for group in [[r] for r in polling] if stagger else [polling] if polling else []:
+            for r in group:
+                next_poll[r] = t + (EARLY_POLL_S[1] if t < EARLY_POLL_S[0] else POLL_S)
                 kw = {}
                 if last[r] is not None:
                     L = last[r]

@@ -416,7 +416,7 @@ def test_explain_records_show_what_each_checkpoints_cost_was_read_from(slowdown)
         seed=3,
     )
     policy = Adaptive(budget_pct=5)
-    quiet(tp.simulate, policy, trace, 420)
+    quiet(tp.simulate, policy, trace, 420, stagger=True)  # each rank's samples on its own clock
     records = policy.explain()["records"]
     json.dumps(records)  # a report a user can keep
     # Tuned checkpoints (the profiling ones may have had no baseline yet: 0 iterations measured).
@@ -429,3 +429,52 @@ def test_explain_records_show_what_each_checkpoints_cost_was_read_from(slowdown)
     excess = sorted(x["excess_s"] for r in measured for x in r["ranks"] if "excess_s" in x)
     paid = slowdown * (0.1 + 302e6 / 1.5e9)  # the iterations under copy and persist, slower by `slowdown`
     assert excess[len(excess) // 2] == pytest.approx(paid, abs=0.05)
+
+
+def _estimator_two_ranks():
+    """An estimator fed two ranks' clean 0.3 s iterations up to step 9 (one sample per 3 steps)."""
+    from cf_ray.policy._estimator import Estimator
+
+    est = Estimator(window=16, warmup_steps=2, drift_ratio=1.6)
+    est.ingest([Sample(rank=r, step=s, iter_s=0.3, iters=3) for s in (3, 6, 9) for r in (0, 1)], 10, False)
+    return est
+
+
+def test_a_checkpoint_counts_as_measured_only_once_every_rank_timed_its_overlap():
+    # A real 302 MB DDP job: rank 1 closed its overlap first and read 0.003 s of slowdown, rank 0
+    # was still in its overlap (0.178 s): the cost read as 0.006 s, "measured", and a 2 % budget
+    # went to 2 steps. The slowest rank's slowdown may be the one missing until every rank has it.
+    est = _estimator_two_ranks()
+    ckpt = {"ckpt_step": 10, "stall_s": 0.002, "nbytes": 150_000_000}
+    feed = [
+        Sample(rank=0, step=12, iter_s=0.35, iters=3, copy_s=0.12, **ckpt),
+        Sample(rank=1, step=12, iter_s=0.301, iters=3, copy_s=0.0, **ckpt),
+        *(Sample(rank=r, step=10, ckpt_step=10, persist_s=0.25) for r in (0, 1)),
+        Sample(rank=1, step=15, iter_s=0.3, iters=3, ckpt_step=10),
+    ]
+    est.ingest(feed, 10, False)
+    e = est.estimate()
+    assert e is not None and not e.settled, "one rank's reading is not the checkpoint's cost"
+    est.ingest([*feed, Sample(rank=0, step=15, iter_s=0.3, iters=3, ckpt_step=10)], 10, False)
+    e = est.estimate()
+    assert e is not None and e.settled
+    assert e.cost == pytest.approx(0.002 + 3 * 0.05, rel=0.01)  # rank 0's: the slowest rank's
+
+
+def test_a_rank_without_a_copy_of_its_own_times_the_slowest_ranks_copy_and_persist_as_overlapped():
+    # Rank 0 copies 0.3 s and persists 0.5 s; rank 1 has nothing to copy (its own 0.5 s would end
+    # its overlap at step 12). The collectives pass rank 0's slowdown on to rank 1: its iterations
+    # until rank 0's copy and persist end (step 13) are its overlap, not the clean time its
+    # baseline is made of.
+    est = _estimator_two_ranks()
+    ckpt = {"ckpt_step": 10, "stall_s": 0.002}
+    feed = [
+        Sample(rank=0, step=11, iter_s=0.3, iters=2, copy_s=0.3, **ckpt),
+        Sample(rank=1, step=11, iter_s=0.3, iters=2, copy_s=0.0, **ckpt),
+        *(Sample(rank=r, step=10, ckpt_step=10, persist_s=0.5) for r in (0, 1)),
+        Sample(rank=1, step=12, iter_s=0.3, iters=1, ckpt_step=10),
+        Sample(rank=1, step=14, iter_s=0.4, iters=2, ckpt_step=10),  # steps 13-14: rank 0's persist
+        Sample(rank=1, step=17, iter_s=0.3, iters=3, ckpt_step=10),
+    ]
+    est.ingest(feed, 10, False)
+    assert est.record(10).excess[1] == pytest.approx(0.2)

@@ -260,7 +260,8 @@ class Estimator:
         base = r.base()
         if base is None:
             base = self._t_iter()[0]
-        bg = (copy or 0.0) + (persist or 0.0)
+        # The slowest rank's copy and persist: the collectives pass its slowdown on to every rank.
+        bg = max((copy or 0.0) + (persist or 0.0), (rec.bg(False) or 0.0) if rec else 0.0)
         steps = math.ceil(bg / base) if base else 1
         return first <= cur.step + max(steps, 1)
 
@@ -367,7 +368,7 @@ class Estimator:
         # two others say what a checkpoint costs, and while those are recent (one of the last three):
         # a level frozen on old checkpoints (the interval now sets every new one aside) would hold
         # the estimates, and the interval, where they were when it was set.
-        if sum(1 for rec in tuned if rec.stall and rec.excess) >= 2 and tuned[-1] in every[-3:]:
+        if sum(1 for rec in tuned if rec.measured()) >= 2 and tuned[-1] in every[-3:]:
             recs = tuned
         # A checkpoint set aside for its slowdown only (less than two samples after the one before)
         # still says how long its copy and persist took: without it, an interval that storage made
@@ -380,7 +381,7 @@ class Estimator:
             self.summary = None
             return None
         # cost() is None exactly when a record has no stall.
-        settled = [(rec.step, c) for rec in recs if rec.excess and (c := rec.cost()) is not None]
+        settled = [(rec.step, c) for rec in recs if rec.measured() and (c := rec.cost()) is not None]
         costs = settled if settled else [(rec.step, c) for rec in recs if (c := rec.cost()) is not None]
         bgs = [(rec.step, v) for rec in timed if (v := rec.bg(self.persist_seen)) is not None]
         drift: dict[str, Any] = {}
@@ -556,6 +557,10 @@ class _Ckpt:
 
     def empty(self) -> bool:
         return not (self.stall or self.copy or self.persist or self.nbytes)
+
+    def measured(self) -> bool:
+        """Whether every rank that stalled for it timed its overlap (the slowest may be the one missing)."""
+        return bool(self.stall) and all(r in self.excess for r in self.stall)
 
     def stall_max(self) -> float | None:
         """The largest stall of a rank, guard waits included."""
