@@ -1,6 +1,7 @@
 """The estimates one decision of :class:`~cf_ray.policy.adaptive.Adaptive` is based on
 (:class:`Estimate`, made by :class:`~cf_ray.policy._estimator.Estimator`, read by the decision
-ladder in :mod:`cf_ray.policy._rules`), and the numeric helpers both use."""
+ladder in :mod:`cf_ray.policy._rules`), the numeric helpers both use, and the background time that
+guard waits imply (:func:`_bg_from_waits`)."""
 
 from __future__ import annotations
 
@@ -119,3 +120,22 @@ def _weighted_median(pairs) -> float:
         if acc * 2 >= total:
             return v
     return items[-1][0]
+
+
+WAIT_EVIDENCE_S = 0.002
+"""A guard wait shorter than this (or than a twentieth of an iteration) says nothing of the previous
+persist: the wait's own cost is a fraction of a millisecond on every checkpoint, and taken as
+evidence it made the interval its own lower bound (each wider interval, a wider bound)."""
+
+
+def _bg_from_waits(wait_gaps: list, t: float) -> float | None:
+    """The copy+persist time that guard waits imply, or ``None``: a wait means the previous
+    copy+persist outlasted the interval, so it took at least the time between the two checkpoints
+    plus the wait (a slower disk is caught at once, before or without persist times). Not a wait
+    shorter than what waiting itself costs, nor one after a checkpoint whose copy+persist is known to
+    have taken under a quarter of the gap: that one did not outlast the interval."""
+    floor = max(WAIT_EVIDENCE_S, 0.05 * t)
+    lower = [
+        gap * t + w for gap, w, prev_bg in wait_gaps if w >= floor and (prev_bg is None or 4.0 * prev_bg >= gap * t)
+    ]
+    return max(lower) if lower else None

@@ -19,6 +19,7 @@ from typing import Any
 from cf_ray.policy._cadence import Cadence
 from cf_ray.policy._estimate import (
     Estimate,
+    _bg_from_waits,
     _max_or_none,
     _median,
     _nonneg,
@@ -29,19 +30,7 @@ from cf_ray.policy._estimate import (
 from cf_ray.policy.base import Sample
 
 _DETAIL = frozenset({"copy", "persist", "nbytes", "rate", "drift"})
-
-
-def _bg_from_waits(wait_gaps: list, t: float) -> float | None:
-    """The copy+persist time that guard waits imply, or ``None``: a wait means the previous
-    copy+persist outlasted the interval, so it took at least the time between the two checkpoints
-    plus the wait (a slower disk is caught at once, before or without persist times). Not a wait
-    shorter than what waiting itself costs, nor one after a checkpoint whose copy+persist is known to
-    have taken under a quarter of the gap: that one did not outlast the interval."""
-    floor = max(WAIT_EVIDENCE_S, 0.05 * t)
-    lower = [
-        gap * t + w for gap, w, prev_bg in wait_gaps if w >= floor and (prev_bg is None or 4.0 * prev_bg >= gap * t)
-    ]
-    return max(lower) if lower else None
+"""The keys of :meth:`Estimator._summary` that go into :class:`EstimateDetail`."""
 
 
 COST_SCATTER_PRIOR = 0.5
@@ -51,12 +40,6 @@ cent of noise each; one run of the 302 MB DDP job read 0.02-0.39 s at one interv
 COST_SCATTER_WEIGHT = 2
 """How many values :data:`COST_SCATTER_PRIOR` counts as: after a dozen checkpoints the level's own
 scatter decides."""
-
-WAIT_EVIDENCE_S = 0.002
-"""A guard wait shorter than this (or than a twentieth of an iteration) says nothing of the previous
-persist: the wait's own cost is a fraction of a millisecond on every checkpoint, and taken as
-evidence it made the interval its own lower bound (each wider interval, a wider bound)."""
-"""The keys of :meth:`Estimator._summary` that go into :class:`EstimateDetail`."""
 
 
 class Estimator:
@@ -225,8 +208,10 @@ class Estimator:
             assert cur is not None
             if base is not None:
                 cur.excess += (s.iter_s - base) * iters
-                cur.over_iters += iters
                 cur.base_open = cur.base_open or base
+                cur.before = cur.before or _weighted_median(list(r.clean)[-3:])
+            cur.over_s += s.iter_s * iters
+            cur.over_iters += iters
             r.dirty.append((s.iter_s, iters))
         else:
             if cur is not None and not cur.closed:
@@ -235,6 +220,11 @@ class Estimator:
                     # checkpoint's doing, so this checkpoint's slowdown is not measured (and it
                     # does not count as a checkpoint whose slowdown is known: ``settled``).
                     cur.unmeasured = True
+                elif cur.before and cur.over_iters:
+                    # Against the clean iterations on both sides of the overlap: the run's
+                    # median would make a trend (a start-up still slowing the first ones) read
+                    # as a slowdown, or as none.
+                    cur.excess = cur.over_s - cur.over_iters * 0.5 * (cur.before + s.iter_s)
                 self._close_excess(rank, cur)
             r.clean.append((s.iter_s, iters))
             r.invalidate()
@@ -386,9 +376,11 @@ class Estimator:
         bgs = [(rec.step, v) for rec in timed if (v := rec.bg(self.persist_seen)) is not None]
         drift: dict[str, Any] = {}
         out: dict[str, Any] = {"drift": drift, "n": len(costs)}
-        out["cost"], out["cost_se"], out["n_level"] = self._level("cost_s", costs, drift)
-        out["stall"] = self._level("stall_s", stalls, {})[0]
-        out["bg"], out["bg_se"], n_bg = self._level("background_s", bgs, drift) if bgs else (None, 0.0, 0)
+        out["cost"], out["cost_se"], out["n_level"] = _level("cost_s", costs, drift, self.window, self.drift_ratio)
+        out["stall"] = _level("stall_s", stalls, {}, self.window, self.drift_ratio)[0]
+        out["bg"], out["bg_se"], n_bg = (
+            _level("background_s", bgs, drift, self.window, self.drift_ratio) if bgs else (None, 0.0, 0)
+        )
         out["n_level"] = min(out["n_level"], n_bg) if bgs else out["n_level"]
         copies = [v for rec in timed if (v := _max_or_none(rec.copy)) is not None]
         persists = [v for rec in timed if (v := _max_or_none(rec.persist)) is not None]
@@ -412,53 +404,56 @@ class Estimator:
         self.summary = out
         return out
 
-    def _level(self, name: str, series: list[tuple[int, float]], drift: dict) -> tuple[float, float, int]:
-        """Robust mean of the last ``window`` values since the last change of level, its standard
-        error (from their median absolute deviation), and how many values it is based on.
 
-        A change of level is two newest values (three for a fall of ``cost_s``) all off the median
-        of the values before them (at least two) by more than ``drift_ratio`` — or by more than four
-        times that series' own typical scatter (median absolute deviation of the logarithms), so
-        noisy storage does not look like drift — in the same direction.
-        """
-        series = series[-2 * self.window - 2 :]  # a change of level older than this is in the mean anyway
-        vals = [max(v, 1e-9) for _, v in series]
-        logs = [math.log(v) for v in vals]
-        start, base_thr = 0, math.log(self.drift_ratio)
-        for i in range(3, len(vals)):
-            ref = logs[max(start, i - 1 - self.window) : i - 1]
-            if len(ref) < 2:
-                continue
-            m = _median(ref)
-            mad = _median([abs(x - m) for x in ref])
-            thr = max(base_thr, 4.0 * mad)
-            # Two newest values; a fall of the cost (it shortens the interval against the budget)
-            # needs three, so one or two odd checkpoints do not move it.
-            fall = 3 if name == "cost_s" else 2
-            if logs[i - 1] - m > thr and logs[i] - m > thr:
-                n = 2
-            elif all(x - m < -thr for x in logs[i + 1 - fall : i + 1]) and i + 1 - fall >= start + 2:
-                n = fall
-            else:
-                continue
-            drift[name] = {"at_step": series[i + 1 - n][0], "from": math.exp(m), "to": _median(vals[i + 1 - n : i + 1])}
-            start = i + 1 - n
-        recent = vals[max(start, len(vals) - self.window) :]
-        mean, n = _robust_mean(recent), len(recent)
-        # The scatter as the median absolute deviation (x 1.4826: the standard deviation for normal
-        # noise): one value that straddles a change of level (a persist that was half slow) would
-        # otherwise inflate the standard error for ``window`` checkpoints, and with it the
-        # pessimistic estimate that shortening waits for, long after the mean has dropped it.
-        m = _median(recent)
-        sd = 1.4826 * _median([abs(v - m) for v in recent]) if n >= 2 else 0.0
-        if name == "cost_s":
-            # One, two or three costs say little of their own scatter (one says none; two that
-            # happen to agree say almost none): pooled with COST_SCATTER_PRIOR, worth
-            # COST_SCATTER_WEIGHT values, so that a decision on the first checkpoints of a level
-            # weighs them as uncertain as they are.
-            prior = COST_SCATTER_PRIOR * mean
-            sd = math.sqrt((COST_SCATTER_WEIGHT * prior**2 + (n - 1) * sd**2) / (COST_SCATTER_WEIGHT + n - 1))
-        return mean, sd / math.sqrt(n) if n else 0.0, n
+def _level(
+    name: str, series: list[tuple[int, float]], drift: dict, window: int, drift_ratio: float
+) -> tuple[float, float, int]:
+    """Robust mean of the last ``window`` values since the last change of level, its standard
+    error (from their median absolute deviation), and how many values it is based on.
+
+    A change of level is two newest values (three for a fall of ``cost_s``) all off the median
+    of the values before them (at least two) by more than ``drift_ratio`` — or by more than four
+    times that series' own typical scatter (median absolute deviation of the logarithms), so
+    noisy storage does not look like drift — in the same direction.
+    """
+    series = series[-2 * window - 2 :]  # a change of level older than this is in the mean anyway
+    vals = [max(v, 1e-9) for _, v in series]
+    logs = [math.log(v) for v in vals]
+    start, base_thr = 0, math.log(drift_ratio)
+    for i in range(3, len(vals)):
+        ref = logs[max(start, i - 1 - window) : i - 1]
+        if len(ref) < 2:
+            continue
+        m = _median(ref)
+        mad = _median([abs(x - m) for x in ref])
+        thr = max(base_thr, 4.0 * mad)
+        # Two newest values; a fall of the cost (it shortens the interval against the budget)
+        # needs three, so one or two odd checkpoints do not move it.
+        fall = 3 if name == "cost_s" else 2
+        if logs[i - 1] - m > thr and logs[i] - m > thr:
+            n = 2
+        elif all(x - m < -thr for x in logs[i + 1 - fall : i + 1]) and i + 1 - fall >= start + 2:
+            n = fall
+        else:
+            continue
+        drift[name] = {"at_step": series[i + 1 - n][0], "from": math.exp(m), "to": _median(vals[i + 1 - n : i + 1])}
+        start = i + 1 - n
+    recent = vals[max(start, len(vals) - window) :]
+    mean, n = _robust_mean(recent), len(recent)
+    # The scatter as the median absolute deviation (x 1.4826: the standard deviation for normal
+    # noise): one value that straddles a change of level (a persist that was half slow) would
+    # otherwise inflate the standard error for ``window`` checkpoints, and with it the
+    # pessimistic estimate that shortening waits for, long after the mean has dropped it.
+    m = _median(recent)
+    sd = 1.4826 * _median([abs(v - m) for v in recent]) if n >= 2 else 0.0
+    if name == "cost_s":
+        # One, two or three costs say little of their own scatter (one says none; two that
+        # happen to agree say almost none): pooled with COST_SCATTER_PRIOR, worth
+        # COST_SCATTER_WEIGHT values, so that a decision on the first checkpoints of a level
+        # weighs them as uncertain as they are.
+        prior = COST_SCATTER_PRIOR * mean
+        sd = math.sqrt((COST_SCATTER_WEIGHT * prior**2 + (n - 1) * sd**2) / (COST_SCATTER_WEIGHT + n - 1))
+    return mean, sd / math.sqrt(n) if n else 0.0, n
 
 
 # -- per-rank and per-checkpoint bookkeeping ------------------------------------------------------
@@ -492,14 +487,18 @@ class _Rank:
 class _RankCkpt:
     """One rank's view of its latest checkpoint while the iterations after it come in."""
 
-    __slots__ = tuple("step approx prev_step excess over_iters base_open closed unmeasured seg_base values".split())
+    __slots__ = tuple(
+        "step approx prev_step excess over_iters over_s before base_open closed unmeasured seg_base values".split()
+    )
 
     def __init__(self, step: int, approx: bool, prev_step: int | None):
         self.step = step
         self.approx = approx
         self.prev_step = prev_step  # the rank's previous checkpoint, whose segment ends here
         self.excess = 0.0  # sum of (iter_s - baseline) over overlapped iterations
-        self.over_iters = 0  # how many iterations that sum is over
+        self.over_iters = 0  # how many iterations overlapped
+        self.over_s = 0.0  # and their time
+        self.before: float | None = None  # the clean iteration time just before them
         self.base_open: float | None = None  # the baseline they were compared with
         self.closed = False  # the overlap is over; excess is final
         self.unmeasured = False  # the iteration time moved during the overlap: excess is not known

@@ -338,7 +338,7 @@ class Adaptive(FrequencyPolicy):
         ``persisted_recovery_point_s``, ``storage_failure_rate_per_hour``, ``reason``), and
         ``records``: the recent checkpoints as the estimates read them, each with its cost and per
         rank its stall, wait, copy, persist, the excess of the iterations its copy and persist
-        overlapped over the rank's baseline and how many those were (a cost far from what the job
+        overlapped over the clean ones on both sides of them and how many those were (a cost far from what the job
         paid can be traced to the samples that made it).
         """
         st = self._rule_state
@@ -492,7 +492,7 @@ def _records(est: Estimator) -> list[dict]:
     """The recent checkpoints as the estimates read them (JSON-able, in step order): per checkpoint
     its ``cost_s`` (``None`` without a stall), whether it was taken while ``profiling`` or is
     ``coarse`` (set aside for its slowdown), and per rank the stall, guard wait, copy, persist,
-    ``excess_s`` (the overlapped iterations' time over the rank's baseline; absent while the overlap
+    ``excess_s`` (the overlapped iterations' time over the clean ones around them; absent while the overlap
     is open, or where the iteration time moved under it), ``overlapped_iters`` (how many iterations
     that is over) and ``base_s`` (the baseline time of its iterations until the next checkpoint)."""
     out = []
