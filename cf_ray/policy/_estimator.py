@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from cf_ray.policy._bookkeeping import _Ckpt, _Rank, _RankCkpt
 from cf_ray.policy._cadence import Cadence
 from cf_ray.policy._estimate import (
     Estimate,
@@ -212,6 +212,7 @@ class Estimator:
                 cur.before = cur.before or _weighted_median(list(r.clean)[-3:])
             cur.over_s += s.iter_s * iters
             cur.over_iters += iters
+            cur.over_sq += iters * iters
             r.dirty.append((s.iter_s, iters))
         else:
             if cur is not None and not cur.closed:
@@ -225,7 +226,7 @@ class Estimator:
                     # median would make a trend (a start-up still slowing the first ones) read
                     # as a slowdown, or as none.
                     cur.excess = cur.over_s - cur.over_iters * 0.5 * (cur.before + s.iter_s)
-                self._close_excess(rank, cur)
+                self._close_excess(rank, cur, r.scatter())
             r.clean.append((s.iter_s, iters))
             r.invalidate()
         if cur is not None:
@@ -255,12 +256,16 @@ class Estimator:
         steps = math.ceil(bg / base) if base else 1
         return first <= cur.step + max(steps, 1)
 
-    def _close_excess(self, rank: int, cur: _RankCkpt) -> None:
+    def _close_excess(self, rank: int, cur: _RankCkpt, scatter: float | None = None) -> None:
         cur.closed = True
         rec = self.recs.get(cur.step)
         if rec is not None and not cur.unmeasured:
             rec.excess[rank] = cur.excess  # unclipped: noise averages out over checkpoints
             rec.over_iters[rank] = cur.over_iters
+            if scatter is not None:
+                # Each overlapped sample's scatter, and the baseline's (a third of one sample's
+                # variance per iteration: the mean of the samples before and the one after).
+                rec.noise[rank] = scatter * math.sqrt(cur.over_sq + cur.over_iters**2 / 3.0)
             self.rev += 1
 
     def _close_segment(self, rank: int, cur: _RankCkpt) -> None:
@@ -376,7 +381,11 @@ class Estimator:
         bgs = [(rec.step, v) for rec in timed if (v := rec.bg(self.persist_seen)) is not None]
         drift: dict[str, Any] = {}
         out: dict[str, Any] = {"drift": drift, "n": len(costs)}
-        out["cost"], out["cost_se"], out["n_level"] = _level("cost_s", costs, drift, self.window, self.drift_ratio)
+        # Each measured cost's noise (its slowest-reading rank's), for the level's standard error.
+        noise = {rec.step: max(rec.noise.values()) for rec in recs if rec.noise and rec.measured()}
+        out["cost"], out["cost_se"], out["n_level"] = _level(
+            "cost_s", costs, drift, self.window, self.drift_ratio, [noise.get(step) for step, _ in costs]
+        )
         out["stall"] = _level("stall_s", stalls, {}, self.window, self.drift_ratio)[0]
         out["bg"], out["bg_se"], n_bg = (
             _level("background_s", bgs, drift, self.window, self.drift_ratio) if bgs else (None, 0.0, 0)
@@ -406,7 +415,12 @@ class Estimator:
 
 
 def _level(
-    name: str, series: list[tuple[int, float]], drift: dict, window: int, drift_ratio: float
+    name: str,
+    series: list[tuple[int, float]],
+    drift: dict,
+    window: int,
+    drift_ratio: float,
+    noise: list[float | None] | None = None,
 ) -> tuple[float, float, int]:
     """Robust mean of the last ``window`` values since the last change of level, its standard
     error (from their median absolute deviation), and how many values it is based on.
@@ -416,6 +430,7 @@ def _level(
     times that series' own typical scatter (median absolute deviation of the logarithms), so
     noisy storage does not look like drift — in the same direction.
     """
+    noises: list[float | None] = list(noise or [None] * len(series))[-2 * window - 2 :]
     series = series[-2 * window - 2 :]  # a change of level older than this is in the mean anyway
     vals = [max(v, 1e-9) for _, v in series]
     logs = [math.log(v) for v in vals]
@@ -451,149 +466,10 @@ def _level(
         # happen to agree say almost none): pooled with COST_SCATTER_PRIOR, worth
         # COST_SCATTER_WEIGHT values, so that a decision on the first checkpoints of a level
         # weighs them as uncertain as they are.
-        prior = COST_SCATTER_PRIOR * mean
+        # Where each value's own noise is known (the iteration times' scatter over the iterations
+        # it was read from), the prior is no less: two readings of about none from noisy
+        # iterations say little, and a prior in proportion to them said +/- 0.0008 s.
+        known = [v for v in noises[len(vals) - n :] if v is not None]
+        prior = max(COST_SCATTER_PRIOR * mean, math.sqrt(sum(v * v for v in known) / len(known)) if known else 0.0)
         sd = math.sqrt((COST_SCATTER_WEIGHT * prior**2 + (n - 1) * sd**2) / (COST_SCATTER_WEIGHT + n - 1))
     return mean, sd / math.sqrt(n) if n else 0.0, n
-
-
-# -- per-rank and per-checkpoint bookkeeping ------------------------------------------------------
-
-
-class _Rank:
-    __slots__ = ("clean", "dirty", "_base", "rough", "last_step", "warm_until", "seen", "cur")
-
-    def __init__(self, warmup: int):
-        self.clean: deque = deque(maxlen=16)  # (iter_s, iters) with nothing in flight
-        self.dirty: deque = deque(maxlen=16)  # (iter_s, iters) overlapping a copy/persist
-        self._base: float | None = None
-        self.rough: float | None = None  # a mean over warm-up iterations too: until anything better
-        self.last_step = 0
-        self.warm_until = warmup
-        self.seen = 0
-        self.cur: _RankCkpt | None = None
-
-    def base(self) -> float | None:
-        if self._base is None and self.clean:
-            self._base = _weighted_median(self.clean)
-        return self._base
-
-    def dirty_base(self) -> float | None:
-        return _weighted_median(self.dirty) if self.dirty else None
-
-    def invalidate(self) -> None:
-        self._base = None
-
-
-class _RankCkpt:
-    """One rank's view of its latest checkpoint while the iterations after it come in."""
-
-    __slots__ = tuple(
-        "step approx prev_step excess over_iters over_s before base_open closed unmeasured seg_base values".split()
-    )
-
-    def __init__(self, step: int, approx: bool, prev_step: int | None):
-        self.step = step
-        self.approx = approx
-        self.prev_step = prev_step  # the rank's previous checkpoint, whose segment ends here
-        self.excess = 0.0  # sum of (iter_s - baseline) over overlapped iterations
-        self.over_iters = 0  # how many iterations overlapped
-        self.over_s = 0.0  # and their time
-        self.before: float | None = None  # the clean iteration time just before them
-        self.base_open: float | None = None  # the baseline they were compared with
-        self.closed = False  # the overlap is over; excess is final
-        self.unmeasured = False  # the iteration time moved during the overlap: excess is not known
-        self.seg_base = 0.0  # baseline time of the iterations until the next checkpoint
-        self.values: tuple = ()
-
-
-class _Ckpt:
-    """All ranks' measurements of one checkpoint."""
-
-    __slots__ = tuple("step seq profiling coarse stall wait copy persist nbytes excess over_iters base_s".split())
-
-    def __init__(self, step: int, seq: int, profiling: bool, coarse: bool):
-        self.step, self.seq = step, seq
-        self.profiling = profiling  # taken at the profiling interval, before the first decision
-        self.coarse = coarse  # less than two samples after the one before: its slowdown is not its own
-        self.stall: dict[int, float] = {}
-        self.wait: dict[int, float] = {}
-        self.copy: dict[int, float] = {}
-        self.persist: dict[int, float] = {}
-        self.nbytes: dict[int, int] = {}
-        self.excess: dict[int, float] = {}
-        self.over_iters: dict[int, int] = {}
-        self.base_s: dict[int, float] = {}
-
-    def put(self, rank, stall, wait, copy, persist, nbytes) -> bool:
-        """Record the newest known values of ``rank``; whether anything changed."""
-        changed = False
-        for d, v in ((self.stall, stall), (self.wait, wait), (self.copy, copy), (self.persist, persist)):
-            if v is not None and d.get(rank) != v:
-                d[rank] = v
-                changed = True
-        if (
-            isinstance(nbytes, (int, float))
-            and not isinstance(nbytes, bool)
-            and nbytes >= 0
-            and self.nbytes.get(rank) != int(nbytes)
-        ):
-            self.nbytes[rank] = int(nbytes)
-            changed = True
-        return changed
-
-    def drop_rank(self, rank: int) -> None:
-        for d in (
-            self.stall,
-            self.wait,
-            self.copy,
-            self.persist,
-            self.nbytes,
-            self.excess,
-            self.over_iters,
-            self.base_s,
-        ):
-            d.pop(rank, None)
-
-    def empty(self) -> bool:
-        return not (self.stall or self.copy or self.persist or self.nbytes)
-
-    def measured(self) -> bool:
-        """Whether every rank that stalled for it timed its overlap (the slowest may be the one missing)."""
-        return bool(self.stall) and all(r in self.excess for r in self.stall)
-
-    def stall_max(self) -> float | None:
-        """The largest stall of a rank, guard waits included."""
-        return max(self.stall.values()) if self.stall else None
-
-    def own_stall_max(self) -> float | None:
-        """The largest stall of a rank without its guard wait."""
-        if not self.stall:
-            return None
-        return max(max(v - min(self.wait.get(r, 0.0), v), 0.0) for r, v in self.stall.items())
-
-    def cost(self) -> float | None:
-        """Training time the checkpoint cost: the slowest rank's stall plus slowdown, without
-        guard waits (the largest one also reaches the other ranks, through the collectives)."""
-        if not self.stall:
-            return None
-        # A copy and persist cannot take more from the iterations they overlap than they last: an
-        # excess beyond that is the iteration time moving under them (a busy machine), not their doing.
-        total = max(v + min(self.excess.get(r, 0.0), self._bg_of(r)) for r, v in self.stall.items())
-        waits = max(self.wait.values()) if self.wait else 0.0
-        own = self.own_stall_max()
-        assert own is not None  # self.stall is not empty
-        return max(total - waits, own, 0.0)
-
-    def _bg_of(self, rank: int) -> float:
-        """Copy + persist seconds of ``rank`` (unbounded while its persist is not known)."""
-        p = self.persist.get(rank)
-        return math.inf if p is None else self.copy.get(rank, 0.0) + p
-
-    def bg(self, persist_expected: bool) -> float | None:
-        """Copy + persist seconds of the slowest rank (``None`` while a persist is expected but
-        not yet known)."""
-        if self.persist:
-            return max(self.copy.get(r, 0.0) + p for r, p in self.persist.items())
-        if persist_expected:
-            return None
-        return max(self.copy.values()) if self.copy else None

@@ -492,9 +492,10 @@ def _records(est: Estimator) -> list[dict]:
     """The recent checkpoints as the estimates read them (JSON-able, in step order): per checkpoint
     its ``cost_s`` (``None`` without a stall), whether it was taken while ``profiling`` or is
     ``coarse`` (set aside for its slowdown), and per rank the stall, guard wait, copy, persist,
-    ``excess_s`` (the overlapped iterations' time over the clean ones around them; absent while the overlap
-    is open, or where the iteration time moved under it), ``overlapped_iters`` (how many iterations
-    that is over) and ``base_s`` (the baseline time of its iterations until the next checkpoint)."""
+    ``excess_s`` (the overlapped iterations' time over the clean ones around them; absent while the
+    overlap is open, or where the iteration time moved under it), ``noise_s`` (its standard error,
+    from the scatter of the rank's clean samples), ``overlapped_iters`` (how many iterations that
+    is over) and ``base_s`` (the baseline time of its iterations until the next checkpoint)."""
     out = []
     for rec in est.recs.values():
         fields = (
@@ -503,6 +504,7 @@ def _records(est: Estimator) -> list[dict]:
             ("copy_s", rec.copy),
             ("persist_s", rec.persist),
             ("excess_s", rec.excess),
+            ("noise_s", rec.noise),
             ("overlapped_iters", rec.over_iters),
             ("base_s", rec.base_s),
         )
