@@ -48,8 +48,20 @@ class _Rank:
 class _RankCkpt:
     """One rank's view of its latest checkpoint while the iterations after it come in."""
 
-    __slots__ = tuple(
-        "step approx prev_step excess over_iters over_s over_sq before base_open closed unmeasured seg_base values".split()
+    __slots__ = (
+        "step",
+        "approx",
+        "prev_step",
+        "excess",
+        "over_iters",
+        "over_s",
+        "over_sq",
+        "before",
+        "base_open",
+        "closed",
+        "unmeasured",
+        "seg_base",
+        "values",
     )
 
     def __init__(self, step: int, approx: bool, prev_step: int | None):
@@ -58,8 +70,8 @@ class _RankCkpt:
         self.prev_step = prev_step  # the rank's previous checkpoint, whose segment ends here
         self.excess = 0.0  # sum of (iter_s - baseline) over overlapped iterations
         self.over_iters = 0  # how many iterations overlapped
-        self.over_sq = 0  # the sum of the squares of the overlapped samples' iteration counts
         self.over_s = 0.0  # and their time
+        self.over_sq = 0  # the sum of the squares of the overlapped samples' iteration counts
         self.before: float | None = None  # the clean iteration time just before them
         self.base_open: float | None = None  # the baseline they were compared with
         self.closed = False  # the overlap is over; excess is final
@@ -71,7 +83,21 @@ class _RankCkpt:
 class _Ckpt:
     """All ranks' measurements of one checkpoint."""
 
-    __slots__ = tuple("step seq profiling coarse stall wait copy persist nbytes excess noise over_iters base_s".split())
+    __slots__ = (
+        "step",
+        "seq",
+        "profiling",
+        "coarse",
+        "stall",
+        "wait",
+        "copy",
+        "persist",
+        "nbytes",
+        "excess",
+        "noise",
+        "over_iters",
+        "base_s",
+    )
 
     def __init__(self, step: int, seq: int, profiling: bool, coarse: bool):
         self.step, self.seq = step, seq

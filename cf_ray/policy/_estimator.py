@@ -423,7 +423,9 @@ def _level(
     noise: list[float | None] | None = None,
 ) -> tuple[float, float, int]:
     """Robust mean of the last ``window`` values since the last change of level, its standard
-    error (from their median absolute deviation), and how many values it is based on.
+    error (from their median absolute deviation; for ``cost_s`` pooled with a prior scatter no less
+    than the values' own ``noise``, each value's standard error where known), and how many values
+    it is based on.
 
     A change of level is two newest values (three for a fall of ``cost_s``) all off the median
     of the values before them (at least two) by more than ``drift_ratio`` — or by more than four
