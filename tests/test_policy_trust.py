@@ -24,6 +24,23 @@ def engine_poll(monkeypatch):
     monkeypatch.setattr(tp, "POLL_S", POLL_S)
 
 
+def ddp302_job(seed: int, slowdown: float = 0.5, iter_noise: float = 0.08, ckpt_noise: float = 0.3) -> tp.Trace:
+    """The 302 MB DDP job: 0.29 s iterations, a 20 ms stall, copy 0.1 s and persist 0.2 s, during
+    which the iterations run ``slowdown`` slower."""
+    return tp.Trace(
+        ranks=2,
+        iter_s=0.293,
+        stall_s=0.02,
+        copy_s=0.1,
+        nbytes=302_000_000,
+        bw=1.5e9,
+        slowdown=slowdown,
+        iter_noise=iter_noise,
+        ckpt_noise=ckpt_noise,
+        seed=seed,
+    )
+
+
 def fast_job(seed: int = 0, slowdown: float = 0.45) -> tp.Trace:
     """A small model's job: 75 ms iterations, a 1.5 ms stall, copy and persist ~80 ms, during
     which the iterations run ``slowdown`` slower (the copy and the write compete for the cores)."""
@@ -403,18 +420,7 @@ def test_explain_records_show_what_each_checkpoints_cost_was_read_from(slowdown)
     checkpoint, the cost the policy read and per rank the time its overlapped iterations took over
     the clean ones around them, and those read the slowdown the copy and persist really caused (none, or
     half of their time on a 302 MB job of 0.29 s iterations)."""
-    trace = tp.Trace(
-        ranks=2,
-        iter_s=0.293,
-        stall_s=0.02,
-        copy_s=0.1,
-        nbytes=302_000_000,
-        bw=1.5e9,
-        slowdown=slowdown,
-        iter_noise=0.05,
-        ckpt_noise=0.2,
-        seed=3,
-    )
+    trace = ddp302_job(3, slowdown=slowdown, iter_noise=0.05, ckpt_noise=0.2)
     policy = Adaptive(budget_pct=5)
     quiet(tp.simulate, policy, trace, 420, stagger=True)  # each rank's samples on its own clock
     records = policy.explain()["records"]
@@ -481,22 +487,10 @@ def test_a_rank_without_a_copy_of_its_own_times_the_slowest_ranks_copy_and_persi
 
 
 def ramp_job(seed: int) -> tp.Trace:
-    """The 302 MB DDP job as it runs here: 0.29 s iterations that start at 0.37 s and speed up over
-    the first 60 steps (the spare workers, controller and holder starting beside training); rank 0
-    copies 0.1 s and persists 0.2 s, rank 1 has nothing to copy; the iterations under a copy or
-    persist run half again as long."""
-    trace = tp.Trace(
-        ranks=2,
-        iter_s=0.293,
-        stall_s=0.02,
-        copy_s=0.1,
-        nbytes=302_000_000,
-        bw=1.5e9,
-        slowdown=0.5,
-        iter_noise=0.08,
-        ckpt_noise=0.3,
-        seed=seed,
-    ).at(0, ranks=[1], copy_s=0.0)
+    """:func:`ddp302_job` as it runs here: its iterations start at 0.37 s and speed up over the
+    first 60 steps (the spare workers, controller and holder starting beside training), and rank 1
+    has nothing to copy."""
+    trace = ddp302_job(seed).at(0, ranks=[1], copy_s=0.0)
     for step in range(0, 61, 4):
         trace.at(step, iter_s=0.37 - (0.37 - 0.293) * step / 60)
     return trace
@@ -535,8 +529,7 @@ def test_a_302mb_job_does_not_shorten_below_half_its_interval_on_noisy_readings(
     # Iterations scattering by 8 %, checkpoints' times by 30 %: readings of about none come by
     # chance, and on one seed in eight a 5 % budget went to 6 steps of the 12 it needs.
     monkeypatch.setattr(tp, "EARLY_POLL_S", (0.5, 0.25))
-    trace = ramp_job(seed)
-    trace.changes = []  # no slow start, both ranks copy
+    trace = ddp302_job(seed)  # no slow start, both ranks copy
     k_true = true_cost_s(trace) / (5.0 / 100 * trace.iter_s)
     run = quiet(tp.simulate, Adaptive(budget_pct=5), trace, 260, stagger=True)
     shortest = min(k for step, k, _ in run.changes if step > 10)
