@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import warnings
 
 import pytest
@@ -534,3 +535,22 @@ def test_a_302mb_job_does_not_shorten_below_half_its_interval_on_noisy_readings(
     run = quiet(tp.simulate, Adaptive(budget_pct=5), trace, 260, stagger=True)
     shortest = min(k for step, k, _ in run.changes if step > 10)
     assert shortest >= 0.5 * k_true, (k_true, run.changes)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_first_decision_on_an_unmeasured_slowdown_does_not_dip_far_below_the_provisional_interval(
+    seed, monkeypatch
+):
+    # The copy and persist count whole until the slowdown is measured, but no wider than the cadence
+    # can measure at: with samples a second apart the first tuned decision went from the provisional
+    # 39-57 steps to 8 on every seed (6 on the real 302 MB runs), and the job paid for it until a
+    # measurement widened it again. Now a quarter at most, as on a measured slowdown (or twice the
+    # interval the cadence measures at, after a slow first persist).
+    monkeypatch.setattr(tp, "EARLY_POLL_S", (0.5, 0.25))
+    monkeypatch.setattr(tp, "POLL_S", 1.0)
+    run = quiet(tp.simulate, Adaptive(budget_pct=2), ddp302_job(seed), 120, stagger=True)
+    phases = [phase for _, _, phase in run.changes]
+    assert phases[:2] == ["provisional", "tuned"], run.changes
+    provisional, first = run.changes[0][1], run.changes[1][1]
+    assert provisional >= 30, run.changes  # the copy and persist counted whole: wide
+    assert math.ceil(provisional / 4) <= first < provisional, run.changes

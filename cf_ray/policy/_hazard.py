@@ -33,7 +33,8 @@ pseudo-restart of each, so that one restart does not make the other kind impossi
 first measured one, :data:`DEFAULT_RECOVERY_S`.
 
 The interval that maximises goodput given these (:func:`goodput_work_s`, :func:`expected_goodput`)
-is in this module too; :mod:`cf_ray.policy._rules` applies it.
+is in this module too; :mod:`cf_ray.policy._rules` applies it. So is how many snapshots there are
+per persisted one (:func:`persist_cadence`): Daly's rule again, against the failures that lose memory.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ import enum
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from cf_ray.policy.base import MAX_PERSIST_EVERY
+
+if TYPE_CHECKING:
+    from cf_ray.policy._estimate import Estimate
+    from cf_ray.policy.adaptive import Adaptive
 
 DEFAULT_RECOVERY_S = 60.0
 """The recovery time (failure to the first resumed iteration) assumed before this run has measured
@@ -372,3 +380,45 @@ __all__ = [
     "goodput_work_s",
     "young_daly_work_s",
 ]
+
+
+def persist_cadence(cfg: Adaptive, est: Estimate | None, interval: int | None, current: int) -> tuple[int, dict]:
+    """How many scheduled snapshots per persisted one (``Adaptive.persist_every``), and why.
+
+    A snapshot held in memory only is restored after any failure that leaves its holder alive (a
+    worker's crash or SIGKILL, Ray Train restarting the group); only a failure that loses the
+    holder's memory (its node, or the holder itself: ``storage_share`` of this run's restarts, with
+    half a pseudo-restart of each kind) goes back to storage. So the storage recovery point is an
+    interval of its own, set by Daly's rule (:func:`goodput_work_s`) against the rate of those
+    failures only, ``λ × storage_share``, with the checkpoint's measured cost ``C`` (all of it: an
+    upper bound of what its persist part costs), capped by ``max_lost_s``. ``persist_every`` is that
+    interval over the checkpoint interval, rounded down, in ``[1, MAX_PERSIST_EVERY]``; 1 (every
+    snapshot persisted, as CheckFreq does) while the failure rate is unknown. It rises only when the
+    ratio clears the next integer by a quarter (no flapping); it falls at once.
+    """
+    h = est.hazard if est is not None else None
+    if est is None or h is None or not h.known or not interval or est.t <= 0:
+        return 1, {"persist_every": 1, "reason": "every snapshot persisted until the run's failure rate is known"}
+    interval_s = interval * est.t
+    rate = h.rate_per_s * h.storage_share
+    target = goodput_work_s(est.cost, 1.0 / rate) if rate > 0 else math.inf
+    binding = "goodput"
+    if cfg.max_lost_s is not None and cfg.max_lost_s * (1 - cfg.headroom) < target:
+        target, binding = cfg.max_lost_s * (1 - cfg.headroom), "max_lost_s"
+    ratio = target / interval_s if interval_s > 0 else 1.0
+    n = max(1, min(int(ratio) if math.isfinite(ratio) else MAX_PERSIST_EVERY, MAX_PERSIST_EVERY))
+    n = min(n, max(1, cfg.max_interval // interval))
+    if n > current and ratio < current + 1.25:
+        n = current  # not clearly above the next integer: keep
+    return n, {
+        "persist_every": n,
+        "binding": binding,
+        "storage_failure_rate_per_hour": 3600.0 * rate,
+        "storage_interval_s": target,
+        "persisted_recovery_point_s": n * interval_s,
+        "reason": (
+            f"one snapshot in {n} persisted: failures that lose memory come every "
+            f"{(1.0 / rate if rate > 0 else math.inf):.0f} s up ({h.storage_share:.0%} of restarts), so storage "
+            f"is worth refreshing every {target:.1f} s ({binding})"
+        ),
+    }

@@ -17,8 +17,8 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from cf_ray.policy._estimate import Estimate, _ceil
-from cf_ray.policy._hazard import best_steps, expected_goodput, goodput_work_s, young_daly_work_s
-from cf_ray.policy.base import MAX_PERSIST_EVERY, PolicyWarning
+from cf_ray.policy._hazard import best_steps, expected_goodput, young_daly_work_s
+from cf_ray.policy.base import PolicyWarning
 
 if TYPE_CHECKING:
     from cf_ray.policy.adaptive import Adaptive
@@ -566,11 +566,14 @@ class _Ladder:
             return None
         st.measured_decided = st.decided = True
         why = "profiled" if not self.prior else prior_check(self.cfg, self.prior, self.est)
-        k = self.k
-        if self.info["slowdown_measured"]:  # unmeasured, the copy and persist already count whole
-            k = max(k, min(self.current, math.ceil(self.current * FIRST_SHORTEN)))
+        floor, why_floor = math.ceil(self.current * FIRST_SHORTEN), f"at most {1 / FIRST_SHORTEN:g}x shorter at once"
+        if not self.info["slowdown_measured"] and 2 * unmeasured_cap(self.est) < floor:
+            # Unmeasured, it shortens to where the cadence measures (``decision_cost``); a slow first
+            # persist's wide provisional interval is left for no more than twice that.
+            floor, why_floor = 2 * unmeasured_cap(self.est), "twice the interval the slowdown is measured at"
+        k = max(self.k, min(self.current, floor))
         self.info["first_limited"] = k != self.k
-        limited = f"; {k} at first: at most {1 / FIRST_SHORTEN:g}x shorter at once" if k != self.k else ""
+        limited = f"; {k} at first: {why_floor}" if k != self.k else ""
         self.info["reason"] = f"{why}: interval {self.k} ({self.binding} binds{limited})"
         if not why.startswith("saved profile confirmed"):
             return self._publish(k), self.info
@@ -691,7 +694,11 @@ class _Ladder:
         quick = fell is not None and fell["to"] * FELL_RATIO <= fell["from"]
         fall = f" (the copy and persist fell from {fell['from']:.3g} s to {fell['to']:.3g} s)" if fell and quick else ""
         # Held by FIRST_SHORTEN: the next checkpoint decides, to any shorter interval (no dead band).
-        held = bool((st.last_change or {}).get("first_limited")) and self.ckpt_clock > st.changed_at
+        held = (
+            bool((st.last_change or {}).get("first_limited"))
+            and self.ckpt_clock > st.changed_at
+            and self.info["slowdown_measured"]
+        )
         m = est.detail.cadence
         if m is not None and not m.referenced and k_safe < current:  # an old comparison: a probe first
             st.since.pop("shrink", None)
@@ -716,45 +723,3 @@ class _Ladder:
     def _keep(self) -> Verdict:
         self.info["reason"] = f"keeping {self.current}: within every rule ({self.binding} sets the target {self.k})"
         return None, self.info
-
-
-def persist_cadence(cfg: Adaptive, est: Estimate | None, interval: int | None, current: int) -> tuple[int, dict]:
-    """How many scheduled snapshots per persisted one (``Adaptive.persist_every``), and why.
-
-    A snapshot held in memory only is restored after any failure that leaves its holder alive (a
-    worker's crash or SIGKILL, Ray Train restarting the group); only a failure that loses the
-    holder's memory (its node, or the holder itself: ``storage_share`` of this run's restarts, with
-    half a pseudo-restart of each kind) goes back to storage. So the storage recovery point is an
-    interval of its own, set by Daly's rule (:func:`goodput_work_s`) against the rate of those
-    failures only, ``λ × storage_share``, with the checkpoint's measured cost ``C`` (all of it: an
-    upper bound of what its persist part costs), capped by ``max_lost_s``. ``persist_every`` is that
-    interval over the checkpoint interval, rounded down, in ``[1, MAX_PERSIST_EVERY]``; 1 (every
-    snapshot persisted, as CheckFreq does) while the failure rate is unknown. It rises only when the
-    ratio clears the next integer by a quarter (no flapping); it falls at once.
-    """
-    h = est.hazard if est is not None else None
-    if est is None or h is None or not h.known or not interval or est.t <= 0:
-        return 1, {"persist_every": 1, "reason": "every snapshot persisted until the run's failure rate is known"}
-    interval_s = interval * est.t
-    rate = h.rate_per_s * h.storage_share
-    target = goodput_work_s(est.cost, 1.0 / rate) if rate > 0 else math.inf
-    binding = "goodput"
-    if cfg.max_lost_s is not None and cfg.max_lost_s * (1 - cfg.headroom) < target:
-        target, binding = cfg.max_lost_s * (1 - cfg.headroom), "max_lost_s"
-    ratio = target / interval_s if interval_s > 0 else 1.0
-    n = max(1, min(int(ratio) if math.isfinite(ratio) else MAX_PERSIST_EVERY, MAX_PERSIST_EVERY))
-    n = min(n, max(1, cfg.max_interval // interval))
-    if n > current and ratio < current + 1.25:
-        n = current  # not clearly above the next integer: keep
-    return n, {
-        "persist_every": n,
-        "binding": binding,
-        "storage_failure_rate_per_hour": 3600.0 * rate,
-        "storage_interval_s": target,
-        "persisted_recovery_point_s": n * interval_s,
-        "reason": (
-            f"one snapshot in {n} persisted: failures that lose memory come every "
-            f"{(1.0 / rate if rate > 0 else math.inf):.0f} s up ({h.storage_share:.0%} of restarts), so storage "
-            f"is worth refreshing every {target:.1f} s ({binding})"
-        ),
-    }

@@ -20,7 +20,7 @@ from cf_ray.errors import ConfigError
 from cf_ray.policy import _rules
 from cf_ray.policy._estimate import _max_or_none, _nonneg, _pos
 from cf_ray.policy._estimator import Estimator
-from cf_ray.policy._hazard import HazardModel, RunEvent
+from cf_ray.policy._hazard import HazardModel, RunEvent, persist_cadence
 from cf_ray.policy.base import FrequencyPolicy, Sample, SaveContext
 
 _STATE_VERSION = 2
@@ -105,9 +105,9 @@ class Adaptive(FrequencyPolicy):
     otherwise it is shortened only to the interval that pessimistic estimates (``C`` plus one
     standard error, ``B`` plus two, at least three checkpoints since the last drift) allow, when
     that is at most ``shrink_ratio * current`` at two checkpoints in a row. The first tuned
-    decision, on a measured slowdown, shortens the provisional interval to a quarter of it at most;
-    at the next checkpoint it goes to the pessimistic interval, without confirming and without
-    ``shrink_ratio``. The gap between the limits and the aims (``headroom``) is the dead band.
+    decision shortens the provisional interval 4x at most (unmeasured, after a slow first persist:
+    to twice the interval the cadence measures at); measured, the next checkpoint goes to the
+    pessimistic interval, unconfirmed, without ``shrink_ratio``. ``headroom`` is the dead band.
 
     **Profiling** is the first checkpoint, at ``first_checkpoint_step``: once its stall and persist
     time are known (or a second checkpoint has been seen without a persist time), with the first
@@ -273,7 +273,7 @@ class Adaptive(FrequencyPolicy):
         probe = _probe(self, est, base, k)
         if probe is not None:
             return None if probe == current else probe
-        rules.persist_every, rules.persist_info = _rules.persist_cadence(self, est, k, rules.persist_every)
+        rules.persist_every, rules.persist_info = persist_cadence(self, est, k, rules.persist_every)
         if decision is not None and decision != base:
             rules.published(decision, base, info, estimator.ckpt_clock, estimator.max_step)
         return k if k != current else None
@@ -281,7 +281,7 @@ class Adaptive(FrequencyPolicy):
     def persist_cadence(self) -> int:
         """One scheduled snapshot in how many is persisted, as of the last :meth:`plan` (the others
         are held in memory only: restorable after a failure that leaves their holder alive, never
-        written); see :func:`cf_ray.policy._rules.persist_cadence` for the rule. 1 until the run's
+        written); see :func:`cf_ray.policy._hazard.persist_cadence` for the rule. 1 until the run's
         failure rate is known."""
         return self._rule_state.persist_every
 
