@@ -369,19 +369,6 @@ def _median(xs: list[float]) -> float:
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
-__all__ = [
-    "DEFAULT_RECOVERY_S",
-    "HazardEstimate",
-    "HazardModel",
-    "RunEvent",
-    "RunEventKind",
-    "best_steps",
-    "expected_goodput",
-    "goodput_work_s",
-    "young_daly_work_s",
-]
-
-
 def persist_cadence(cfg: Adaptive, est: Estimate | None, interval: int | None, current: int) -> tuple[int, dict]:
     """How many scheduled snapshots per persisted one (``Adaptive.persist_every``), and why.
 
@@ -422,3 +409,17 @@ def persist_cadence(cfg: Adaptive, est: Estimate | None, interval: int | None, c
             f"is worth refreshing every {target:.1f} s ({binding})"
         ),
     }
+
+
+__all__ = [
+    "DEFAULT_RECOVERY_S",
+    "HazardEstimate",
+    "HazardModel",
+    "RunEvent",
+    "RunEventKind",
+    "best_steps",
+    "expected_goodput",
+    "goodput_work_s",
+    "persist_cadence",
+    "young_daly_work_s",
+]

@@ -694,11 +694,7 @@ class _Ladder:
         quick = fell is not None and fell["to"] * FELL_RATIO <= fell["from"]
         fall = f" (the copy and persist fell from {fell['from']:.3g} s to {fell['to']:.3g} s)" if fell and quick else ""
         # Held by FIRST_SHORTEN: the next checkpoint decides, to any shorter interval (no dead band).
-        held = (
-            bool((st.last_change or {}).get("first_limited"))
-            and self.ckpt_clock > st.changed_at
-            and self.info["slowdown_measured"]
-        )
+        held = bool((st.last_change or {}).get("first_limited")) and self.ckpt_clock > st.changed_at
         m = est.detail.cadence
         if m is not None and not m.referenced and k_safe < current:  # an old comparison: a probe first
             st.since.pop("shrink", None)

@@ -106,8 +106,8 @@ class Adaptive(FrequencyPolicy):
     standard error, ``B`` plus two, at least three checkpoints since the last drift) allow, when
     that is at most ``shrink_ratio * current`` at two checkpoints in a row. The first tuned
     decision shortens the provisional interval 4x at most (unmeasured, after a slow first persist:
-    to twice the interval the cadence measures at); measured, the next checkpoint goes to the
-    pessimistic interval, unconfirmed, without ``shrink_ratio``. ``headroom`` is the dead band.
+    to twice the interval the cadence measures at); the next checkpoint goes to the pessimistic
+    interval, unconfirmed, without ``shrink_ratio``. ``headroom`` is the dead band.
 
     **Profiling** is the first checkpoint, at ``first_checkpoint_step``: once its stall and persist
     time are known (or a second checkpoint has been seen without a persist time), with the first
