@@ -567,10 +567,10 @@ class _Ladder:
         st.measured_decided = st.decided = True
         why = "profiled" if not self.prior else prior_check(self.cfg, self.prior, self.est)
         floor, why_floor = math.ceil(self.current * FIRST_SHORTEN), f"at most {1 / FIRST_SHORTEN:g}x shorter at once"
-        if not self.info["slowdown_measured"] and 2 * unmeasured_cap(self.est) < floor:
-            # Unmeasured, it shortens to where the cadence measures (``decision_cost``); a slow first
-            # persist's wide provisional interval is left for no more than twice that.
-            floor, why_floor = 2 * unmeasured_cap(self.est), "twice the interval the slowdown is measured at"
+        # Unmeasured, it shortens to where the cadence measures (``decision_cost``); a slow first
+        # persist's wide provisional interval is left for no more than twice that.
+        if not self.info["slowdown_measured"] and (twice := 2 * unmeasured_cap(self.est)) < floor:
+            floor, why_floor = twice, "twice the interval the slowdown is measured at"
         k = max(self.k, min(self.current, floor))
         self.info["first_limited"] = k != self.k
         limited = f"; {k} at first: {why_floor}" if k != self.k else ""
