@@ -143,6 +143,7 @@ def _loop(cfg: dict) -> None:
                 "predicted_overhead_pct",
                 "cost_s",
                 "cost_source",
+                "cpu_taken_s",
                 "iter_s",
                 "stall_s",
                 "background_s",
@@ -335,6 +336,7 @@ def judge(runs: list[dict], opts: dict) -> dict:
                 "profile_overhead_pct": x.get("profile_overhead_pct"),
                 "cost_s": e.get("cost_s"),
                 "cost_source": e.get("cost_source"),
+                "cpu_taken_s": e.get("cpu_taken_s"),
                 "reason": e.get("reason"),
                 "checkpoints_taken": x.get("checkpoints_taken"),
             }

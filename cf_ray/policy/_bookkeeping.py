@@ -12,7 +12,7 @@ from cf_ray.policy._estimate import _median, _weighted_median
 
 
 class _Rank:
-    __slots__ = ("clean", "dirty", "_base", "rough", "last_step", "warm_until", "seen", "cur")
+    __slots__ = ("clean", "dirty", "_base", "rough", "last_step", "warm_until", "seen", "cur", "idle")
 
     def __init__(self, warmup: int):
         self.clean: deque = deque(maxlen=16)  # (iter_s, iters) with nothing in flight
@@ -23,6 +23,7 @@ class _Rank:
         self.warm_until = warmup
         self.seen = 0
         self.cur: _RankCkpt | None = None
+        self.idle: deque = deque(maxlen=16)  # idle cores per rank of its node, recent samples
 
     def base(self) -> float | None:
         if self._base is None and self.clean:
@@ -37,6 +38,10 @@ class _Rank:
         values = [v for v, _ in self.clean]
         m = _median(values)
         return 1.4826 * _median([abs(v - m) for v in values])
+
+    def idle_level(self) -> float | None:
+        """Idle cores per rank of its node (the median of recent samples), ``None`` if not reported."""
+        return _median(self.idle) if self.idle else None
 
     def dirty_base(self) -> float | None:
         return _weighted_median(self.dirty) if self.dirty else None
@@ -92,6 +97,8 @@ class _Ckpt:
         "wait",
         "copy",
         "persist",
+        "copy_cpu",
+        "persist_cpu",
         "nbytes",
         "excess",
         "noise",
@@ -107,16 +114,25 @@ class _Ckpt:
         self.wait: dict[int, float] = {}
         self.copy: dict[int, float] = {}
         self.persist: dict[int, float] = {}
+        self.copy_cpu: dict[int, float] = {}  # CPU seconds of the rank's background copy
+        self.persist_cpu: dict[int, float] = {}  # CPU seconds of the holder's write of its sections
         self.nbytes: dict[int, int] = {}
         self.excess: dict[int, float] = {}
         self.over_iters: dict[int, int] = {}
         self.noise: dict[int, float] = {}  # the standard error of each rank's excess
         self.base_s: dict[int, float] = {}
 
-    def put(self, rank, stall, wait, copy, persist, nbytes) -> bool:
+    def put(self, rank, stall, wait, copy, persist, nbytes, copy_cpu=None, persist_cpu=None) -> bool:
         """Record the newest known values of ``rank``; whether anything changed."""
         changed = False
-        for d, v in ((self.stall, stall), (self.wait, wait), (self.copy, copy), (self.persist, persist)):
+        for d, v in (
+            (self.stall, stall),
+            (self.wait, wait),
+            (self.copy, copy),
+            (self.persist, persist),
+            (self.copy_cpu, copy_cpu),
+            (self.persist_cpu, persist_cpu),
+        ):
             if v is not None and d.get(rank) != v:
                 d[rank] = v
                 changed = True
@@ -136,6 +152,8 @@ class _Ckpt:
             self.wait,
             self.copy,
             self.persist,
+            self.copy_cpu,
+            self.persist_cpu,
             self.nbytes,
             self.excess,
             self.noise,
@@ -173,6 +191,19 @@ class _Ckpt:
         own = self.own_stall_max()
         assert own is not None  # self.stall is not empty
         return max(total - waits, own, 0.0)
+
+    def cpu_taken(self, idle: dict[int, float | None]) -> float | None:
+        """The training time its background work's CPU took where training left no core idle: per
+        rank, the CPU of its copy and of the holder's write of its sections, times the share of a core
+        its node lacked (one minus its idle cores per rank, from 0 to 1); the largest rank's (the
+        collectives make every rank wait for the slowest). ``None``: no CPU or idle figure."""
+        out = None
+        for r in self.copy_cpu.keys() | self.persist_cpu.keys():
+            free = idle.get(r)
+            if free is not None:
+                taken = min(max(1.0 - free, 0.0), 1.0) * (self.copy_cpu.get(r, 0.0) + self.persist_cpu.get(r, 0.0))
+                out = taken if out is None else max(out, taken)
+        return out
 
     def _bg_of(self, rank: int) -> float:
         """Copy + persist seconds of ``rank`` (unbounded while its persist is not known)."""

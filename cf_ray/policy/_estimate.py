@@ -27,6 +27,9 @@ class EstimateDetail:
     """Bytes of the newest checkpoint, all ranks."""
     rate: float | None = None
     """Persist throughput, bytes per second."""
+    cpu: float | None = None
+    """Training time per checkpoint its background work's CPU took where training left no core
+    idle (median of recent checkpoints; :meth:`~cf_ray.policy._bookkeeping._Ckpt.cpu_taken`)."""
     measured_pct: float | None = None
     """The job's time lost to checkpoints over its training time, in percent (recent samples)."""
     cadence: CadenceCost | None = None
@@ -71,7 +74,8 @@ class Estimate:
     """``measured`` or ``saved profile``."""
     cost_source: str = "per checkpoint"
     """Where ``cost`` comes from: ``per checkpoint`` (the iterations around each checkpoint) or
-    ``cadence`` (:mod:`cf_ray.policy._cadence`)."""
+    ``cadence`` (:mod:`cf_ray.policy._cadence`), or ``CPU taken from training`` (more than either:
+    :attr:`EstimateDetail.cpu`)."""
     detail: EstimateDetail = field(default_factory=EstimateDetail)
     """Copy and persist times, bytes, throughput, measured overhead and drift (reported only)."""
     hazard: HazardEstimate | None = None

@@ -29,7 +29,7 @@ from cf_ray.policy._estimate import (
 )
 from cf_ray.policy.base import Sample
 
-_DETAIL = frozenset({"copy", "persist", "nbytes", "rate", "drift"})
+_DETAIL = frozenset({"copy", "persist", "nbytes", "rate", "drift", "cpu"})
 """The keys of :meth:`Estimator._summary` that go into :class:`EstimateDetail`."""
 
 
@@ -115,10 +115,16 @@ class Estimator:
         if iters and s.step < r.last_step:
             self._rollback(s.rank, r, s.step - iters)
         if (
-            any(v is not None for v in (s.stall_s, s.wait_s, s.copy_s, s.persist_s, s.nbytes))
+            any(
+                v is not None
+                for v in (s.stall_s, s.wait_s, s.copy_s, s.persist_s, s.nbytes, s.copy_cpu_s, s.persist_cpu_s)
+            )
             or s.ckpt_step is not None
         ):
             self._ingest_ckpt(s.rank, r, s, current, profiling, coarse)
+        if iters and (idle := _nonneg(s.idle_cpus)) is not None:
+            r.idle.append(idle)
+            self.rev += 1  # the CPU taken from training depends on it
         if iters and _pos(s.iter_s) is not None:
             r.last_step = max(r.last_step, s.step)
             self.max_step = max(self.max_step, s.step)
@@ -190,7 +196,16 @@ class Estimator:
                 rec = self.recs[c] = _Ckpt(c, self.ckpt_clock, profiling, coarse)
             while len(self.recs) > 2 * self.window + 4:
                 del self.recs[next(iter(self.recs))]
-        if rec.put(rank, _nonneg(s.stall_s), _nonneg(s.wait_s), _nonneg(s.copy_s), _nonneg(s.persist_s), s.nbytes):
+        if rec.put(
+            rank,
+            _nonneg(s.stall_s),
+            _nonneg(s.wait_s),
+            _nonneg(s.copy_s),
+            _nonneg(s.persist_s),
+            s.nbytes,
+            _nonneg(s.copy_cpu_s),
+            _nonneg(s.persist_cpu_s),
+        ):
             self.rev += 1
         if s.persist_s is not None:
             self.persist_seen = True
@@ -327,6 +342,9 @@ class Estimator:
         if lower is not None and lower > est.bg:
             est.bg, est.bg_from_waits = lower, True
         self._with_cadence(est)
+        d = est.detail
+        if d.cpu is not None and est.stall + d.cpu > est.cost:
+            est.cost, est.cost_source = est.stall + d.cpu, "CPU taken from training"
         return est
 
     def active(self) -> set[int]:
@@ -396,6 +414,11 @@ class Estimator:
         out["copy"] = _median(copies[-self.window :]) if copies else None
         out["persist"] = _median(persists[-self.window :]) if persists else None
         out["has_persist"] = bool(persists)
+        # What the background work's CPU took from training (Sample.idle_cpus): a floor of the cost
+        # that needs no clean iteration to compare with, so it holds at every interval.
+        idle = {rank: r.idle_level() for rank, r in self.ranks.items()}
+        taken = [v for rec in timed if (v := rec.cpu_taken(idle)) is not None]
+        out["cpu"] = _median(taken[-self.window :]) if taken else None
         out["settled"] = bool(settled)
         with_bytes = [rec for rec in timed if rec.nbytes]
         out["nbytes"] = sum(with_bytes[-1].nbytes.values()) if with_bytes else None

@@ -324,6 +324,7 @@ def info(
         "cost_s": est.cost,
         "copy_s": d.copy,
         "persist_s": d.persist,
+        "cpu_taken_s": d.cpu,
         "background_s": est.bg,
         "bytes": d.nbytes,
         "persist_bytes_per_s": d.rate,

@@ -54,16 +54,16 @@ class Adaptive(FrequencyPolicy):
     times the series' own scatter, so noisy storage is not mistaken for drift) in the same
     direction: two values, three for a fall of ``C`` (it shortens the interval against the budget);
     the older values are then dropped, so a change of level (interference, a slower disk, a larger
-    state) is followed within two or three checkpoints, and one or two odd checkpoints move nothing.
-    ``t`` follows drift continuously (16 samples).
+    state) is followed within two or three checkpoints, and one or two odd checkpoints move nothing
+    (``t`` follows drift continuously, 16 samples).
 
     **At short intervals** a rank's sample (a second of iterations) covers several checkpoints
     and no iteration is free of one, so the slowdown above cannot be attributed: ``C`` is then
     measured from the cadence instead (:mod:`cf_ray.policy._cadence`), the mean iteration time
     under the interval in force against the iteration time with nothing in flight, timed in
     *probe windows* the controller publishes (a longer interval for a few samples' time) when no
-    such iteration is recent. That measure also replaces the per-checkpoint ``C`` whenever it is
-    higher by two standard errors; ``explain()["cost_source"]`` says which one is used.
+    such iteration is recent. It replaces the per-checkpoint ``C`` when higher by two standard errors; the
+    CPU background work takes where training leaves no core idle is a floor (``cpu_taken_s``, ``cost_source``).
     The run's start-up (its first seconds are slower: the spare workers, the controller and the
     holder start beside training) is no reference: a rank's iterations with nothing in flight timed
     before the first tuned decision are set aside once it times one after it, a probe window comes
@@ -495,14 +495,19 @@ def _records(est: Estimator) -> list[dict]:
     ``excess_s`` (the overlapped iterations' time over the clean ones around them; absent while the
     overlap is open, or where the iteration time moved under it), ``noise_s`` (its standard error,
     from the scatter of the rank's clean samples), ``overlapped_iters`` (how many iterations that
-    is over) and ``base_s`` (the baseline time of its iterations until the next checkpoint)."""
+    is over), ``base_s`` (the baseline time of its iterations until the next checkpoint) and the CPU
+    of its copy and of the holder's write (``copy_cpu_s``, ``persist_cpu_s``); ``cpu_taken_s``: what
+    that CPU took from training where it found no idle core."""
     out = []
+    idle = {rank: r.idle_level() for rank, r in est.ranks.items()}
     for rec in est.recs.values():
         fields = (
             ("stall_s", rec.stall),
             ("wait_s", rec.wait),
             ("copy_s", rec.copy),
             ("persist_s", rec.persist),
+            ("copy_cpu_s", rec.copy_cpu),
+            ("persist_cpu_s", rec.persist_cpu),
             ("excess_s", rec.excess),
             ("noise_s", rec.noise),
             ("overlapped_iters", rec.over_iters),
@@ -514,6 +519,7 @@ def _records(est: Estimator) -> list[dict]:
             {
                 "step": rec.step,
                 "cost_s": rec.cost(),
+                "cpu_taken_s": rec.cpu_taken(idle),
                 "profiling": rec.profiling,
                 "coarse": rec.coarse,
                 "ranks": per_rank,

@@ -98,6 +98,16 @@ class Sample:
     overlapped: bool | None = None
     """Whether a snapshot copy or persist of this rank was in flight during these iterations;
     ``None`` lets the policy infer it from ``ckpt_step`` and the copy and persist times."""
+    copy_cpu_s: float | None = None
+    """CPU seconds the background work of checkpoint ``ckpt_step`` took on this rank outside the
+    training thread (its copy, checksums, index and hand-off). ``None``: not measured."""
+    persist_cpu_s: float | None = None
+    """CPU seconds the holder's write of this rank's sections of checkpoint ``ckpt_step`` took (the
+    controller sends it with ``persist_s``). ``None``: not measured."""
+    idle_cpus: float | None = None
+    """Cores of this rank's machine left idle over these iterations, per rank of the job on its
+    node. Below one, a rank's background thread finds no idle core, so the CPU above is taken from
+    training and :class:`~cf_ray.policy.Adaptive` counts it as cost. ``None``: not known."""
 
 
 class FrequencyPolicy(ABC):

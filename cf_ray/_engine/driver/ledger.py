@@ -265,9 +265,7 @@ class Ledger:
 
     def durable(self, msg: PartDurable) -> tuple[SectionState | None, SettledList]:
         with self.lock:
-            job = self.commits.durable(
-                msg.generation, msg.step, msg.section, msg.files, msg.persist_s, holder=msg.holder
-            )
+            job = self.commits.durable(msg)
             self.book.note_host_copies(
                 msg.generation, msg.step, ("durable", msg.section), msg.copied_bytes, msg.crc_read_bytes
             )
@@ -336,11 +334,7 @@ class Ledger:
         jobs = [self._staged(m, resync=True) for m in staged]
         for o in outcomes:
             if isinstance(o, PartDurable):
-                jobs.append(
-                    self.commits.durable(
-                        o.generation, o.step, o.section, o.files, o.persist_s, holder=o.holder, resync=True
-                    )
-                )
+                jobs.append(self.commits.durable(o, resync=True))
             elif isinstance(o, PartFailed):
                 self.commits.failed(o.generation, o.step, o.section, o.error, holder=o.holder, resync=True)
             elif isinstance(o, PartSuperseded):

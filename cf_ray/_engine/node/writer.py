@@ -190,7 +190,7 @@ class Writer:
                 self._cond.notify_all()
 
     def _write(self, entry: Held) -> PartDurable | PartFailed | PartSuperseded:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         lk = self._store.take_pin(entry.key, "write") or self._store.take(entry)
         if lk is None:
             logger.info(
@@ -219,6 +219,7 @@ class Writer:
                 section=entry.section,
                 files={k: v.to_json() for k, v in files.items()},
                 persist_s=time.perf_counter() - t0,
+                persist_cpu_s=time.thread_time() - cpu0,
                 holder=self._holder,
                 copied_bytes=copied,
                 crc_read_bytes=lk.data.nbytes,

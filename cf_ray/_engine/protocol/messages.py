@@ -297,6 +297,8 @@ class PartDurable(Message):
     persist_s: float
     holder: str = ""
     """The holder that wrote it (the controller asks it again when it has to)."""
+    persist_cpu_s: float | None = None
+    """CPU seconds the holder's writer thread spent on it (the policy's ``Sample.persist_cpu_s``)."""
     copied_bytes: int = 0
     """Bytes the write copied on the host (a bounce buffer, the page cache; 0 with O_DIRECT from a slot)."""
     crc_read_bytes: int = 0

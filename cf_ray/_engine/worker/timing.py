@@ -14,6 +14,48 @@ from typing import Any
 from cf_ray._engine.worker.cpu_budget import CpuBudget
 
 
+def _cpu_jiffies() -> tuple[int, int, int] | None:
+    """(idle and iowait jiffies, all jiffies, online cores) of this machine from ``/proc/stat``;
+    ``None`` where there is none (not Linux)."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            lines = f.read().splitlines()
+        fields = [int(v) for v in lines[0].split()[1:]]
+    except (OSError, IndexError, ValueError):
+        return None
+    cores = sum(1 for line in lines[1:] if line.startswith(b"cpu"))
+    return fields[3] + (fields[4] if len(fields) > 4 else 0), sum(fields[:8]), max(cores, 1)
+
+
+def _local_ranks() -> int:
+    """Ranks of the job on this node (1 outside Ray Train)."""
+    try:
+        import ray.train
+
+        return max(int(ray.train.get_context().get_local_world_size()), 1)
+    except Exception:  # noqa: BLE001 - not inside a Ray Train worker
+        return 1
+
+
+class IdleCpus:
+    """Cores of this machine left idle between two calls, per rank of the job on its node (the
+    policy's ``Sample.idle_cpus``): below one, a rank's background copy finds no idle core and
+    takes its CPU from training."""
+
+    def __init__(self) -> None:
+        self._last = _cpu_jiffies()
+        self._ranks: int | None = None
+
+    def per_rank(self) -> float | None:
+        now, last = _cpu_jiffies(), self._last
+        self._last = now
+        if now is None or last is None or now[1] <= last[1]:
+            return None
+        if self._ranks is None:
+            self._ranks = _local_ranks()
+        return (now[0] - last[0]) / (now[1] - last[1]) * now[2] / self._ranks
+
+
 class Timing:
     """One rank's measurements between two polls of the controller.
 
@@ -40,6 +82,7 @@ class Timing:
         self._step_stall_s = 0.0  # the stall of the checkpoint this step started
         self._step_sum_s = 0.0  # the checkpointer's per-step work since the last drain ...
         self._step_n = 0  # ... over this many steps
+        self.idle = IdleCpus()
         self.budget = CpuBudget()
         """Wall and thread-CPU seconds per part of the checkpoint path (``cpu_budget.py``)."""
 
@@ -110,6 +153,7 @@ class Timing:
         """
         samples = []
         if self._iter_n:
+            idle = self.idle.per_rank()
             samples.append(
                 {
                     "rank": rank,
@@ -117,6 +161,7 @@ class Timing:
                     "iter_s": self._iter_sum_s / self._iter_n,
                     "iters": self._iter_n,
                     **({"step_s": self._step_sum_s / self._step_n} if self._step_n else {}),
+                    **({"idle_cpus": idle} if idle is not None else {}),
                     **self._last_ckpt_sample(copy_timings),
                 }
             )
@@ -134,4 +179,5 @@ class Timing:
         out = dict(self._last_ckpt)
         if copy_timings.get("step") == out["ckpt_step"]:
             out["copy_s"] = copy_timings.get("copy_s")
+            out["copy_cpu_s"] = copy_timings.get("cpu_s")
         return out

@@ -51,6 +51,7 @@ from cf_ray._engine.observe.profile_book import ProfileBook
 from cf_ray._engine.protocol.messages import (
     CheckpointKind,
     MemorySnapshot,
+    PartDurable,
     PartReplicated,
     PartStaged,
     SectionState,
@@ -71,6 +72,16 @@ def per_holder_persist(p: Pending) -> dict[str, float]:
     for sec, secs in p.parts.persist_s.items():
         out[p.parts.staged.get(sec, "")] += secs
     return out
+
+
+def per_rank_persist_cpu(p: Pending) -> dict[int, float]:
+    """CPU seconds the holders' writers spent on each rank's sections of this checkpoint (the shared
+    section counts as rank 0's); a rank without a figure is left out."""
+    out: dict[int, float] = collections.defaultdict(float)
+    for sec, secs in p.parts.persist_cpu_s.items():
+        if secs is not None:
+            out[section_rank(sec)] += secs
+    return dict(out)
 
 
 class CommitBook:
@@ -284,22 +295,14 @@ class CommitBook:
             self.table.settle(p, SectionState.SUPERSEDED)
             self._book.note_superseded(generation, step)
 
-    def durable(
-        self,
-        generation: int,
-        step: int,
-        section: str,
-        files: dict[str, dict[str, int]],
-        persist_s: float,
-        *,
-        holder: str = "",
-        resync: bool = False,
-    ) -> CommitJob | None:
-        p = self.table.entry(generation, step, resync=resync)
+    def durable(self, msg: PartDurable, *, resync: bool = False) -> CommitJob | None:
+        """A section is written (``msg``): recorded, and the checkpoint committed once complete."""
+        p = self.table.entry(msg.generation, msg.step, resync=resync)
         if p is None:
             return None
-        p.parts.durable[section] = {k: FileInfo(int(v["size"]), int(v["crc32"])) for k, v in files.items()}
-        p.parts.persist_s[section] = persist_s
+        section, holder = msg.section, msg.holder
+        p.parts.durable[section] = {k: FileInfo(int(v["size"]), int(v["crc32"])) for k, v in msg.files.items()}
+        p.parts.persist_s[section], p.parts.persist_cpu_s[section] = msg.persist_s, msg.persist_cpu_s
         if holder:
             p.parts.writers[section] = holder
         self._report_persist(p)
@@ -371,13 +374,14 @@ class CommitBook:
         # A holder writes its sections one after the other: a rank's persist time is the time its
         # holder spent writing this checkpoint (what "one persist in flight" has to fit).
         per_holder = per_holder_persist(p)
+        cpu = per_rank_persist_cpu(p)
         for sec in sorted(p.parts.persist_s):
             rank = section_rank(sec)
             if sec == SHARED and rank_section(0) in p.parts.persist_s:
                 continue  # rank 0's sample comes with its own section (same holder)
-            self._schedule.add_sample(
-                Sample(rank=rank, step=p.step, ckpt_step=p.step, persist_s=per_holder[p.parts.staged.get(sec, "")])
-            )
+            persist = per_holder[p.parts.staged.get(sec, "")]
+            sample = Sample(rank=rank, step=p.step, ckpt_step=p.step, persist_s=persist, persist_cpu_s=cpu.get(rank))
+            self._schedule.add_sample(sample)
 
     def _try_commit(self, p: Pending) -> CommitJob | None:
         """The decision, under the lock: a complete step becomes *committing* (once)."""

@@ -52,6 +52,8 @@ class Parts:
     """section -> its files on storage."""
     persist_s: dict[str, float] = field(default_factory=dict)
     """section -> seconds its holder spent writing it."""
+    persist_cpu_s: dict[str, float | None] = field(default_factory=dict)
+    """section -> CPU seconds its holder's writer thread spent on it (``None``: not measured)."""
     section_bytes: dict[str, int] = field(default_factory=dict)
     """section -> its size in bytes."""
     failed: dict[str, str] = field(default_factory=dict)

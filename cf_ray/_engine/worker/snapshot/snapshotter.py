@@ -311,7 +311,7 @@ class Snapshotter:
         """One job: the deferred copy (then the guard is released), the checksums, the late
         capture's seal, the fingerprints, the index, the hand-off; each part's time in the budget."""
         budget, m = self._budget, cpu_mark()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), m[1]
         try:
             crcs = self._engine.copy(job)
         finally:
@@ -323,7 +323,7 @@ class Snapshotter:
         budget.add("crc", crc_wall, crc_cpu)
         self._engine.checksum_dma(job, crcs)  # after the guard: the weights may change meanwhile
         m = budget.lap("crc", m, calls=0)
-        budget.add("crc", 0.0, job.timings.pop("crc_pool_cpu_s", 0.0), calls=0)  # its threads' CPU
+        budget.add("crc", 0.0, pool_cpu := job.timings.pop("crc_pool_cpu_s", 0.0), calls=0)  # its threads' CPU
         self._late.seal(job)
         m = budget.lap("seal_wait", m)
         self._engine.checksum_late(job, crcs)
@@ -342,7 +342,7 @@ class Snapshotter:
         t1 = time.perf_counter()
         self._hand_off(job, sections)
         job.timings["handoff_s"] = time.perf_counter() - t1
-        budget.lap("handoff", m)
+        job.timings["cpu_s"] = budget.lap("handoff", m)[1] - cpu0 + pool_cpu  # the policy's Sample.copy_cpu_s
 
 
 class Phase1:

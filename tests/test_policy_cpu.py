@@ -1,0 +1,107 @@
+"""The CPU a checkpoint's background work takes from training: where training leaves no core idle,
+the copy thread's and the holder's writer's CPU is training time lost, whatever the iterations
+around the checkpoint read (a sample of a second holds a slowdown of a tenth of one in its noise).
+The policy counts it as a floor of the cost; with idle cores it counts none of it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cf_ray.policy import Adaptive, Sample
+from cf_ray.policy._estimator import Estimator
+
+ITER_S = 0.27
+STALL_S = 0.002
+COPY_CPU_S, PERSIST_CPU_S = 0.15, 0.05
+
+
+def _run(idle_cpus: float | None, budget: float = 2.0, steps: int = 1200) -> tuple[int, dict]:
+    """Two ranks of a 302 MB-like job whose iterations never read slower around a checkpoint (one
+    sample per checkpoint, its iterations clean), each reporting its copy's CPU and its idle cores
+    per rank; the controller's sample brings the holder's write CPU with the persist. Returns the
+    interval in force at the end and ``explain()``."""
+    p = Adaptive(budget_pct=budget)
+    k = p.initial_interval() or 1
+    last = 0
+    samples: list[Sample] = []
+    for step in range(1, steps + 1):
+        if step - last < k:
+            continue
+        n = step - last
+        for rank in (0, 1):
+            samples.append(
+                Sample(
+                    rank=rank,
+                    step=step,
+                    iter_s=ITER_S,
+                    iters=n,
+                    stall_s=STALL_S,
+                    copy_s=0.1,
+                    copy_cpu_s=COPY_CPU_S,
+                    nbytes=151_000_000,
+                    ckpt_step=last or None,
+                    overlapped=False,
+                    idle_cpus=idle_cpus,
+                )
+            )
+            if last:
+                samples.append(Sample(rank=rank, step=last, ckpt_step=last, persist_s=0.2, persist_cpu_s=PERSIST_CPU_S))
+        last = step
+        k = p.plan(samples[-256:], k) or k
+    return k, p.explain()
+
+
+def test_a_checkpoint_whose_background_cpu_finds_no_idle_core_costs_that_cpu():
+    # The iterations read no slowdown; the copy and the write take 0.2 s of CPU on cores training
+    # keeps busy (0.1 idle cores per rank): 0.18 s of it is training time lost.
+    k, e = _run(idle_cpus=0.1)
+    taken = 0.9 * (COPY_CPU_S + PERSIST_CPU_S)
+    assert e["cpu_taken_s"] == pytest.approx(taken, rel=0.01), e
+    assert e["cost_s"] == pytest.approx(STALL_S + taken, rel=0.01), e
+    assert e["cost_source"] == "CPU taken from training"
+    assert "CPU taken from training" in e["reason"]
+    # The budget holds on that cost: 0.182 s per checkpoint at 2 % of 0.27 s iterations.
+    assert k >= math.floor((STALL_S + taken) / (0.02 * ITER_S)), e
+    assert 100.0 * e["cost_s"] / (k * ITER_S) <= 2.0 * 1.2
+    records = [r for r in e["records"] if r["cpu_taken_s"] is not None]
+    assert records and all(x.get("copy_cpu_s") == COPY_CPU_S for r in records for x in r["ranks"])
+
+
+def test_with_idle_cores_the_background_cpu_takes_nothing_from_training():
+    _, busy = _run(idle_cpus=0.1)
+    _, e = _run(idle_cpus=1.5)
+    assert e["cpu_taken_s"] == 0.0
+    assert e["cost_source"] != "CPU taken from training"
+    assert e["cost_s"] == pytest.approx(STALL_S, rel=0.05), e
+    # The budget alone would take a checkpoint at every step or two: the interval the rules aim at
+    # is far shorter than where the CPU counts (one persist in flight then decides).
+    assert e["target"] < busy["target"] / 4, (e["target"], busy["target"])
+
+
+def test_without_cpu_figures_the_cost_is_what_the_iterations_read():
+    # An engine that reports no idle cores (not Linux) or no CPU: no floor, as before.
+    k, e = _run(idle_cpus=None)
+    assert e["cpu_taken_s"] is None
+    assert e["cost_s"] == pytest.approx(STALL_S, rel=0.05), e
+
+
+def test_the_slowest_ranks_share_counts_and_only_the_cpu_that_found_no_idle_core():
+    # Rank 0 copies 0.1 s of CPU with no idle core; rank 1 copies 0.3 s of CPU with 1.5 idle cores
+    # per rank (its copy runs beside training): the checkpoint cost 0.1 s of training time, not 0.3.
+    est = Estimator(window=16, warmup_steps=2, drift_ratio=1.6)
+    idle = {0: 0.0, 1: 1.5}
+    cpu = {0: 0.1, 1: 0.3}
+    feed = [Sample(rank=r, step=s, iter_s=0.3, iters=3, idle_cpus=idle[r]) for s in (3, 6, 9) for r in (0, 1)]
+    feed += [
+        Sample(rank=r, step=12, iter_s=0.3, iters=3, ckpt_step=10, stall_s=0.002, copy_s=0.1, copy_cpu_s=cpu[r])
+        for r in (0, 1)
+    ]
+    est.ingest(feed, 10, False)
+    rec = est.record(10)
+    assert rec is not None
+    assert rec.cpu_taken({0: 0.0, 1: 1.5}) == pytest.approx(0.1)
+    e = est.estimate()
+    assert e is not None and e.detail.cpu == pytest.approx(0.1)
+    assert e.cost == pytest.approx(0.102) and e.cost_source == "CPU taken from training"
