@@ -355,35 +355,36 @@ fit beside the same job without cf_ray in the same Ray session, on a quiet 2-cor
 cell below reads its committed results, the same files and figures as the
 [choosing-when-to-checkpoint guide](../docs/guides/choosing-when-to-checkpoint.md): the interval each
 round settled on, the overhead the job paid after warm-up against its round's fit without cf_ray
-(and against its round's fit with cf_ray attached and no checkpoint), and the overhead cf_ray reported (`explain()["measured_overhead_pct"]`), then each target's verdict.
-This is the run of the rules in force now: both jobs, every budget, the kill arms, and in every
-round a fit with cf_ray attached that takes no checkpoint (what cf_ray costs beside its
-checkpoints, and how far one fit scatters from the next on this machine).""",
+(and against its round's fit with cf_ray attached and no checkpoint), and the overhead cf_ray
+reported (`explain()["measured_overhead_pct"]`), then each target's verdict. This is the run of
+the rules in force now (the CPU a checkpoint's background work takes from busy cores counted in
+its cost): both jobs, every budget, the kill arms, and in every round a fit with cf_ray attached
+that takes no checkpoint (what cf_ray costs beside its checkpoints, and how far one fit scatters
+from the next on this machine).""",
     ),
     (
         "code",
         """import pathlib
 
 results = pathlib.Path(cf_ray.__file__).resolve().parents[1] / "benchmarks" / "results"
+name = "budgets-full-2026-12-07f.json"
+bench = json.loads((results / name).read_text())
+for shape, base in bench["baseline"].items():
+    print(f"{name}: {shape} without cf_ray {1e3 * base['iter_s_mean']:.1f} ms per iteration, "
+          f"{base['spread_pct']:.1f} % apart over the rounds")
+for shape, attached in bench["attached_no_checkpoint"].items():
+    print(f"    {shape} with cf_ray attached and no checkpoint: {attached['mean_pct']:+.1f} % on average")
+for key, verdict in bench["verdicts"].items():
+    print(f"    {key}: {'met' if verdict['met'] else 'missed'}")
+fits = sorted((t for t in bench["table"] if t["arm"].startswith("b")), key=lambda t: (t["budget"], t["round"]))
 bench_rows = []
-for name in ("budgets-full-2026-12-07e.json",):
-    bench = json.loads((results / name).read_text())
-    for shape, base in bench["baseline"].items():
-        print(f"{name}: {shape} without cf_ray {1e3 * base['iter_s_mean']:.1f} ms per iteration, "
-              f"{base['spread_pct']:.1f} % apart over the rounds")
-    for shape, attached in bench["attached_no_checkpoint"].items():
-        print(f"    {shape} with cf_ray attached and no checkpoint: {attached['mean_pct']:+.1f} % on average")
-    for key, verdict in bench["verdicts"].items():
-        print(f"    {key}: {'met' if verdict['met'] else 'missed'}")
-    fits = sorted((t for t in bench["table"] if t["arm"].startswith("b")), key=lambda t: (t["budget"], t["round"]))
-    for shape, budget in dict.fromkeys((t["shape"], t["budget"]) for t in fits):
-        ts = [t for t in fits if (t["shape"], t["budget"]) == (shape, budget)]
-        bench_rows.append({"job": shape, "budget %": budget,
-                           "interval (each round)": ", ".join(str(t["interval"]) for t in ts),
-                           "paid % after warm-up": ", ".join(f"{t['overhead_after_warmup_pct']:+.1f}" for t in ts),
-                           "paid % vs cf_ray attached": ", ".join(
-                               f"{t['over_attached_after_warmup_pct']:+.1f}" for t in ts),
-                           "reported %": ", ".join(f"{t['measured_overhead_pct']:+.1f}" for t in ts)})
+for shape, budget in dict.fromkeys((t["shape"], t["budget"]) for t in fits):
+    ts = [t for t in fits if (t["shape"], t["budget"]) == (shape, budget)]
+    bench_rows.append({"job": shape, "budget %": budget,
+                       "interval (each round)": ", ".join(str(t["interval"]) for t in ts),
+                       "paid % after warm-up": ", ".join(f"{t['overhead_after_warmup_pct']:+.1f}" for t in ts),
+                       "paid % vs cf_ray attached": ", ".join(f"{t['over_attached_after_warmup_pct']:+.1f}" for t in ts),
+                       "reported %": ", ".join(f"{t['measured_overhead_pct']:+.1f}" for t in ts)})
 pd.DataFrame(bench_rows)""",
         DETERMINISTIC,
     ),
