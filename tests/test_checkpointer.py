@@ -6,7 +6,11 @@ controller and holder actors on the shared local cluster), a few steps each.
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -115,6 +119,44 @@ def test_timing_reports_the_checkpointers_own_work_at_every_step_apart_from_the_
     t.end_iteration(0.0, preparing=False)
     (sample,), _ = t.drain(0, 3, {})
     assert "step_s" not in sample  # no step ended since the last drain: not measured
+
+
+@pytest.mark.skipif(
+    not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"), reason="Linux scheduler statistics"
+)
+def test_timing_reports_the_training_threads_wait_for_a_cpu_per_iteration():
+    # Sample.queue_s: the seconds per iteration the training thread was runnable but not running.
+    # Four busy processes per core beside a training thread that computes: it waits for a core; a
+    # training thread that sleeps waits for none.
+    def iteration(busy: bool) -> None:
+        procs = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(4 * (os.cpu_count() or 1) if busy else 0)
+        ]
+        try:
+            end = time.perf_counter() + 0.6
+            while time.perf_counter() < end:
+                if not busy:
+                    time.sleep(0.01)
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+        t.end_iteration(0.0, preparing=False)
+        t.step_end()
+
+    t = Timing()
+    t.end_iteration(0.0, preparing=False)  # the thread whose wait is measured: this one
+    t.step_end()
+    t.drain(0, 1, {})  # the wait is counted from here
+    iteration(busy=True)
+    iteration(busy=True)
+    (busy,), _ = t.drain(0, 3, {})
+    iteration(busy=False)
+    iteration(busy=False)
+    (quiet,), _ = t.drain(0, 5, {})
+    assert busy["queue_s"] > 0.1, busy  # of 0.6 s per iteration, with four processes per core
+    assert quiet["queue_s"] < busy["queue_s"] / 3, (quiet, busy)
 
 
 # -- the lifecycle (Ray actors, no TorchTrainer) -------------------------------------------------------

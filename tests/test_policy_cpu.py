@@ -105,3 +105,82 @@ def test_the_slowest_ranks_share_counts_and_only_the_cpu_that_found_no_idle_core
     e = est.estimate()
     assert e is not None and e.detail.cpu == pytest.approx(0.1)
     assert e.cost == pytest.approx(0.102) and e.cost_source == "CPU taken from training"
+
+
+# -- the training thread's wait for a CPU (Sample.queue_s) ------------------------------------------------
+
+QUEUE_S = 0.02  # the training thread's wait per iteration with nothing in flight
+
+
+def _run_queued(extra_s: float | None, budget: float = 2.0, steps: int = 1500) -> tuple[int, dict]:
+    """Two ranks whose iterations read no slower while a checkpoint's copy and persist run (the
+    iterations after them are as slow: a machine whose every iteration the background work touches),
+    but whose training thread waits ``extra_s`` more for a CPU over the three iterations a copy and
+    persist overlap (``None``: no wait reported). Returns the interval at the end and ``explain()``."""
+    p = Adaptive(budget_pct=budget)
+    k = p.initial_interval() or 1
+    last = 0
+    samples: list[Sample] = []
+    for step in range(1, steps + 1):
+        if step - last < k:
+            continue
+        n = step - last
+        for rank in (0, 1):
+            common = dict(rank=rank, iter_s=ITER_S, stall_s=STALL_S, copy_s=0.1, nbytes=151_000_000)
+            common["ckpt_step"] = last or None
+            if last and n >= 6:
+                q = None if extra_s is None else QUEUE_S + extra_s / 3
+                samples.append(Sample(step=last + 3, iters=3, overlapped=True, queue_s=q, **common))
+                samples.append(Sample(rank=rank, step=last, ckpt_step=last, persist_s=0.2))
+                first = n - 3
+            else:
+                first = n
+            q = None if extra_s is None else QUEUE_S
+            samples.append(Sample(step=step, iters=first, overlapped=False, queue_s=q, **common))
+        last = step
+        k = p.plan(samples[-256:], k) or k
+    return k, p.explain()
+
+
+def test_what_training_waits_for_a_cpu_while_a_copy_runs_is_cost_the_iteration_times_miss():
+    k, e = _run_queued(extra_s=0.15)
+    assert e["queued_s"] == pytest.approx(0.15, rel=0.01), e
+    assert e["cost_s"] == pytest.approx(STALL_S + 0.15, rel=0.01), e
+    assert e["cost_source"] == "training's wait for a CPU"
+    assert "training's wait for a CPU" in e["reason"]
+    assert k >= math.floor((STALL_S + 0.15) / (0.02 * ITER_S)), e
+    records = [r for r in e["records"] if r["queued_s"] is not None]
+    assert records and all(r["queued_s"] == pytest.approx(0.15) for r in records), records
+
+
+def test_no_extra_wait_or_no_wait_reported_adds_nothing():
+    _, waited = _run_queued(extra_s=0.15)
+    for extra in (0.0, None):
+        _, e = _run_queued(extra_s=extra)
+        assert not e["queued_s"], e  # 0, or none where the interval left no checkpoint its own iterations
+        assert e["cost_source"] != "training's wait for a CPU"
+        assert e["target"] < waited["target"] / 4, (e["target"], waited["target"])
+
+
+def test_the_wait_counts_no_more_than_the_copy_and_persist_lasted_and_not_from_coarse_checkpoints():
+    est = Estimator(window=16, warmup_steps=2, drift_ratio=1.6)
+    feed = [Sample(rank=0, step=s, iter_s=0.3, iters=3, queue_s=0.01) for s in (3, 6, 9)]
+    # Checkpoint 10: its copy and persist lasted 0.3 s; the overlapped iterations waited 0.2 s per
+    # iteration more than with nothing in flight (something else loaded the machine meanwhile).
+    feed += [
+        Sample(
+            rank=0, step=13, iter_s=0.3, iters=3, ckpt_step=10, stall_s=0.002, copy_s=0.1, overlapped=True, queue_s=0.21
+        ),
+        Sample(rank=0, step=10, ckpt_step=10, persist_s=0.2),
+        Sample(rank=0, step=16, iter_s=0.3, iters=3, ckpt_step=10, overlapped=False, queue_s=0.01),
+    ]
+    est.ingest(feed, 10, False)
+    rec = est.record(10)
+    assert rec is not None and rec.taken.queued[0] == pytest.approx(0.6)
+    assert rec.queue_taken() == pytest.approx(0.3)  # at most its copy + persist
+    e = est.estimate()
+    assert e is not None and e.detail.queued == pytest.approx(0.3)
+    rec.coarse = True  # its samples covered other checkpoints too: their wait is not its own
+    est.rev += 1
+    e = est.estimate()
+    assert e is not None and e.detail.queued is None

@@ -12,7 +12,7 @@ from cf_ray.policy._estimate import _median, _weighted_median
 
 
 class _Rank:
-    __slots__ = ("clean", "dirty", "_base", "rough", "last_step", "warm_until", "seen", "cur", "idle")
+    __slots__ = ("clean", "dirty", "_base", "rough", "last_step", "warm_until", "seen", "cur", "idle", "queue")
 
     def __init__(self, warmup: int):
         self.clean: deque = deque(maxlen=16)  # (iter_s, iters) with nothing in flight
@@ -24,6 +24,7 @@ class _Rank:
         self.seen = 0
         self.cur: _RankCkpt | None = None
         self.idle: deque = deque(maxlen=16)  # idle cores per rank of its node, recent samples
+        self.queue: deque = deque(maxlen=16)  # (queue_s, iters) with nothing in flight
 
     def base(self) -> float | None:
         if self._base is None and self.clean:
@@ -42,6 +43,11 @@ class _Rank:
     def idle_level(self) -> float | None:
         """Idle cores per rank of its node (the median of recent samples), ``None`` if not reported."""
         return _median(self.idle) if self.idle else None
+
+    def queue_level(self) -> float | None:
+        """The training thread's wait for a CPU per iteration with nothing in flight (the weighted
+        median of recent samples), ``None`` if not reported."""
+        return _weighted_median(self.queue) if self.queue else None
 
     def dirty_base(self) -> float | None:
         return _weighted_median(self.dirty) if self.dirty else None
@@ -67,6 +73,8 @@ class _RankCkpt:
         "unmeasured",
         "seg_base",
         "values",
+        "queued",
+        "queued_iters",
     )
 
     def __init__(self, step: int, approx: bool, prev_step: int | None):
@@ -83,6 +91,24 @@ class _RankCkpt:
         self.unmeasured = False  # the iteration time moved during the overlap: excess is not known
         self.seg_base = 0.0  # baseline time of the iterations until the next checkpoint
         self.values: tuple = ()
+        self.queued = 0.0  # sum of (queue_s - its level with nothing in flight) over overlapped iterations
+        self.queued_iters = 0  # how many of them reported queue_s
+
+
+class _Taken:
+    """Per rank, what a checkpoint's background work took from training that needs no iteration
+    with nothing in flight to tell: the CPU of its copy and of the holder's write of its sections,
+    and the training thread's extra wait for a CPU while they ran."""
+
+    __slots__ = ("copy_cpu", "persist_cpu", "queued")
+
+    def __init__(self):
+        self.copy_cpu: dict[int, float] = {}  # CPU seconds of the rank's background copy
+        self.persist_cpu: dict[int, float] = {}  # CPU seconds of the holder's write of its sections
+        self.queued: dict[int, float] = {}  # the training thread's extra wait for a CPU while they ran
+
+    def dicts(self) -> tuple[dict[int, float], ...]:
+        return self.copy_cpu, self.persist_cpu, self.queued
 
 
 class _Ckpt:
@@ -97,8 +123,7 @@ class _Ckpt:
         "wait",
         "copy",
         "persist",
-        "copy_cpu",
-        "persist_cpu",
+        "taken",
         "nbytes",
         "excess",
         "noise",
@@ -114,8 +139,7 @@ class _Ckpt:
         self.wait: dict[int, float] = {}
         self.copy: dict[int, float] = {}
         self.persist: dict[int, float] = {}
-        self.copy_cpu: dict[int, float] = {}  # CPU seconds of the rank's background copy
-        self.persist_cpu: dict[int, float] = {}  # CPU seconds of the holder's write of its sections
+        self.taken = _Taken()
         self.nbytes: dict[int, int] = {}
         self.excess: dict[int, float] = {}
         self.over_iters: dict[int, int] = {}
@@ -130,8 +154,8 @@ class _Ckpt:
             (self.wait, wait),
             (self.copy, copy),
             (self.persist, persist),
-            (self.copy_cpu, copy_cpu),
-            (self.persist_cpu, persist_cpu),
+            (self.taken.copy_cpu, copy_cpu),
+            (self.taken.persist_cpu, persist_cpu),
         ):
             if v is not None and d.get(rank) != v:
                 d[rank] = v
@@ -152,13 +176,12 @@ class _Ckpt:
             self.wait,
             self.copy,
             self.persist,
-            self.copy_cpu,
-            self.persist_cpu,
             self.nbytes,
             self.excess,
             self.noise,
             self.over_iters,
             self.base_s,
+            *self.taken.dicts(),
         ):
             d.pop(rank, None)
 
@@ -198,12 +221,23 @@ class _Ckpt:
         its node lacked (one minus its idle cores per rank, from 0 to 1); the largest rank's (the
         collectives make every rank wait for the slowest). ``None``: no CPU or idle figure."""
         out = None
-        for r in self.copy_cpu.keys() | self.persist_cpu.keys():
+        cpu = self.taken
+        for r in cpu.copy_cpu.keys() | cpu.persist_cpu.keys():
             free = idle.get(r)
             if free is not None:
-                taken = min(max(1.0 - free, 0.0), 1.0) * (self.copy_cpu.get(r, 0.0) + self.persist_cpu.get(r, 0.0))
+                taken = min(max(1.0 - free, 0.0), 1.0) * (cpu.copy_cpu.get(r, 0.0) + cpu.persist_cpu.get(r, 0.0))
                 out = taken if out is None else max(out, taken)
         return out
+
+    def queue_taken(self) -> float | None:
+        """The training time its background work took as the training threads' wait for a CPU: per
+        rank, the wait in the iterations it overlapped above the rank's level with nothing in flight
+        (from 0 to as long as its copy and persist lasted); the largest rank's. ``None``: no rank
+        reported its wait."""
+        queued = self.taken.queued
+        if not queued:
+            return None
+        return max(min(max(v, 0.0), self._bg_of(r)) for r, v in queued.items())
 
     def _bg_of(self, rank: int) -> float:
         """Copy + persist seconds of ``rank`` (unbounded while its persist is not known)."""

@@ -30,6 +30,10 @@ class EstimateDetail:
     cpu: float | None = None
     """Training time per checkpoint its background work's CPU took where training left no core
     idle (median of recent checkpoints; :meth:`~cf_ray.policy._bookkeeping._Ckpt.cpu_taken`)."""
+    queued: float | None = None
+    """Training time per checkpoint the training threads waited for a CPU while its copy or persist
+    ran, above their wait with nothing in flight (median of recent checkpoints;
+    :meth:`~cf_ray.policy._bookkeeping._Ckpt.queue_taken`)."""
     measured_pct: float | None = None
     """The job's time lost to checkpoints over its training time, in percent (recent samples)."""
     cadence: CadenceCost | None = None

@@ -29,7 +29,7 @@ from cf_ray.policy._estimate import (
 )
 from cf_ray.policy.base import Sample
 
-_DETAIL = frozenset({"copy", "persist", "nbytes", "rate", "drift", "cpu"})
+_DETAIL = frozenset({"copy", "persist", "nbytes", "rate", "drift", "cpu", "queued"})
 """The keys of :meth:`Estimator._summary` that go into :class:`EstimateDetail`."""
 
 
@@ -218,6 +218,7 @@ class Estimator:
         overlapped = cur is not None and not cur.closed and self._overlapped(rank, r, s, first)
         stall = _nonneg(s.stall_s) or 0.0
         step_s = _nonneg(s.step_s) or 0.0
+        queue = _nonneg(s.queue_s)
         self.cadence.add(rank, s.step, first, s.iter_s, iters, clean=not overlapped, stall=stall, step_s=step_s)
         if overlapped:
             assert cur is not None
@@ -225,6 +226,9 @@ class Estimator:
                 cur.excess += (s.iter_s - base) * iters
                 cur.base_open = cur.base_open or base
                 cur.before = cur.before or _weighted_median(list(r.clean)[-3:])
+            if queue is not None and (level := r.queue_level()) is not None:
+                cur.queued += (queue - level) * iters
+                cur.queued_iters += iters
             cur.over_s += s.iter_s * iters
             cur.over_iters += iters
             cur.over_sq += iters * iters
@@ -243,6 +247,8 @@ class Estimator:
                     cur.excess = cur.over_s - cur.over_iters * 0.5 * (cur.before + s.iter_s)
                 self._close_excess(rank, cur, r.scatter())
             r.clean.append((s.iter_s, iters))
+            if queue is not None:
+                r.queue.append((queue, iters))
             r.invalidate()
         if cur is not None:
             per_iter = base if base is not None else s.iter_s
@@ -277,6 +283,8 @@ class Estimator:
         if rec is not None and not cur.unmeasured:
             rec.excess[rank] = cur.excess  # unclipped: noise averages out over checkpoints
             rec.over_iters[rank] = cur.over_iters
+            if cur.queued_iters:
+                rec.taken.queued[rank] = cur.queued
             if scatter is not None:
                 # Each overlapped sample's scatter, and the baseline's (a third of one sample's
                 # variance per iteration: the mean of the samples before and the one after).
@@ -345,6 +353,8 @@ class Estimator:
         d = est.detail
         if d.cpu is not None and est.stall + d.cpu > est.cost:
             est.cost, est.cost_source = est.stall + d.cpu, "CPU taken from training"
+        if d.queued is not None and est.stall + d.queued > est.cost:
+            est.cost, est.cost_source = est.stall + d.queued, "training's wait for a CPU"
         return est
 
     def active(self) -> set[int]:
@@ -414,11 +424,7 @@ class Estimator:
         out["copy"] = _median(copies[-self.window :]) if copies else None
         out["persist"] = _median(persists[-self.window :]) if persists else None
         out["has_persist"] = bool(persists)
-        # What the background work's CPU took from training (Sample.idle_cpus): a floor of the cost
-        # that needs no clean iteration to compare with, so it holds at every interval.
-        idle = {rank: r.idle_level() for rank, r in self.ranks.items()}
-        taken = [v for rec in timed if (v := rec.cpu_taken(idle)) is not None]
-        out["cpu"] = _median(taken[-self.window :]) if taken else None
+        out["cpu"], out["queued"] = _taken_levels(self, recs, timed)
         out["settled"] = bool(settled)
         with_bytes = [rec for rec in timed if rec.nbytes]
         out["nbytes"] = sum(with_bytes[-1].nbytes.values()) if with_bytes else None
@@ -435,6 +441,22 @@ class Estimator:
         ]
         self.summary = out
         return out
+
+
+def _taken_levels(est: Estimator, recs: list[_Ckpt], timed: list[_Ckpt]) -> tuple[float | None, float | None]:
+    """The floors of the cost that need no iteration with nothing in flight (median of recent
+    checkpoints): what the background work's CPU took from training where it found no idle core
+    (``Sample.idle_cpus``), and the training threads' extra wait for a CPU while it ran
+    (``Sample.queue_s``), which also counts what the CPU figures do not (other processes' work on its
+    behalf, the kernel's). The wait only where a checkpoint's own iterations can be told apart (not
+    coarse: a sample covering several checkpoints would give one of them all their wait)."""
+    idle = {rank: r.idle_level() for rank, r in est.ranks.items()}
+    taken = [v for rec in timed if (v := rec.cpu_taken(idle)) is not None]
+    queued = [v for rec in recs if not rec.coarse and (v := rec.queue_taken()) is not None]
+    return (
+        _median(taken[-est.window :]) if taken else None,
+        _median(queued[-est.window :]) if queued else None,
+    )
 
 
 def _level(

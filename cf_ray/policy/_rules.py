@@ -325,6 +325,7 @@ def info(
         "copy_s": d.copy,
         "persist_s": d.persist,
         "cpu_taken_s": d.cpu,
+        "queued_s": d.queued,
         "background_s": est.bg,
         "bytes": d.nbytes,
         "persist_bytes_per_s": d.rate,

@@ -63,7 +63,7 @@ class Adaptive(FrequencyPolicy):
     under the interval in force against the iteration time with nothing in flight, timed in
     *probe windows* the controller publishes (a longer interval for a few samples' time) when no
     such iteration is recent. It replaces the per-checkpoint ``C`` when higher by two standard errors; the
-    CPU background work takes where training leaves no core idle is a floor (``cpu_taken_s``, ``cost_source``).
+    CPU background work takes where no core is idle, and training's extra wait for a CPU, are floors (``cpu_taken_s``, ``queued_s``).
     The run's start-up (its first seconds are slower: the spare workers, the controller and the
     holder start beside training) is no reference: a rank's iterations with nothing in flight timed
     before the first tuned decision are set aside once it times one after it, a probe window comes
@@ -497,7 +497,9 @@ def _records(est: Estimator) -> list[dict]:
     from the scatter of the rank's clean samples), ``overlapped_iters`` (how many iterations that
     is over), ``base_s`` (the baseline time of its iterations until the next checkpoint) and the CPU
     of its copy and of the holder's write (``copy_cpu_s``, ``persist_cpu_s``); ``cpu_taken_s``: what
-    that CPU took from training where it found no idle core."""
+    that CPU took from training where it found no idle core; per rank ``queued_s``, the training
+    thread's wait for a CPU in the overlapped iterations above its wait with nothing in flight, and
+    per checkpoint the largest of those (within its copy and persist time)."""
     out = []
     idle = {rank: r.idle_level() for rank, r in est.ranks.items()}
     for rec in est.recs.values():
@@ -506,12 +508,13 @@ def _records(est: Estimator) -> list[dict]:
             ("wait_s", rec.wait),
             ("copy_s", rec.copy),
             ("persist_s", rec.persist),
-            ("copy_cpu_s", rec.copy_cpu),
-            ("persist_cpu_s", rec.persist_cpu),
+            ("copy_cpu_s", rec.taken.copy_cpu),
+            ("persist_cpu_s", rec.taken.persist_cpu),
             ("excess_s", rec.excess),
             ("noise_s", rec.noise),
             ("overlapped_iters", rec.over_iters),
             ("base_s", rec.base_s),
+            ("queued_s", rec.taken.queued),
         )
         ranks = sorted(set().union(*(d for _, d in fields)))
         per_rank = [{"rank": r} | {key: d[r] for key, d in fields if r in d} for r in ranks]
@@ -520,6 +523,7 @@ def _records(est: Estimator) -> list[dict]:
                 "step": rec.step,
                 "cost_s": rec.cost(),
                 "cpu_taken_s": rec.cpu_taken(idle),
+                "queued_s": rec.queue_taken(),
                 "profiling": rec.profiling,
                 "coarse": rec.coarse,
                 "ranks": per_rank,

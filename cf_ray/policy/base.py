@@ -108,6 +108,11 @@ class Sample:
     """Cores of this rank's machine left idle over these iterations, per rank of the job on its
     node. Below one, a rank's background thread finds no idle core, so the CPU above is taken from
     training and :class:`~cf_ray.policy.Adaptive` counts it as cost. ``None``: not known."""
+    queue_s: float | None = None
+    """Mean seconds per iteration the training thread waited for a CPU (runnable, not running) over
+    these iterations. What it waits more in the iterations a checkpoint's copy or persist overlaps
+    than in those with nothing in flight is training time that checkpoint's background work took,
+    and :class:`~cf_ray.policy.Adaptive` counts it as cost. ``None``: not measured."""
 
 
 class FrequencyPolicy(ABC):

@@ -56,6 +56,69 @@ class IdleCpus:
         return (now[0] - last[0]) / (now[1] - last[1]) * now[2] / self._ranks
 
 
+class RunQueueWait:
+    """Seconds the calling thread has waited for a CPU, runnable but not running (Linux's
+    ``schedstat`` of the thread, its second field): the policy's ``Sample.queue_s``. Where the
+    machine's cores are all busy, what a checkpoint's background threads (and the holder's writer,
+    and anything else) take from training shows here first, as the training thread's wait for a
+    core. Measures the thread that called :meth:`bind`."""
+
+    def __init__(self) -> None:
+        self._path: str | None = None
+        self._last: float | None = None
+
+    def bind(self) -> None:
+        """Measure the calling thread from now on."""
+        import threading
+
+        self._path, self._last = f"/proc/self/task/{threading.get_native_id()}/schedstat", None
+
+    def unbound(self) -> bool:
+        return self._path is None
+
+    def since_last(self) -> float | None:
+        """Seconds waited since the last call; ``None`` before :meth:`bind`, on the first call after
+        it, and without the file (not Linux, or a kernel without scheduler statistics)."""
+        if self._path is None:
+            return None
+        try:
+            with open(self._path, "rb") as f:
+                now = int(f.read().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            return None
+        last, self._last = self._last, now
+        return None if last is None or now < last else now - last
+
+
+class Contention:
+    """What the machine leaves the training thread, reported with each sample: idle cores per rank
+    (:class:`IdleCpus`) and the training thread's wait for a CPU per iteration (:class:`RunQueueWait`)."""
+
+    def __init__(self) -> None:
+        self.idle = IdleCpus()
+        self.queued = RunQueueWait()
+        self._iters = 0  # iterations since the wait was last read, timed or not
+
+    def iteration(self) -> None:
+        """An iteration ended (the training thread: the one whose wait is measured)."""
+        if self._iters == 0 and self.queued.unbound():
+            self.queued.bind()
+        self._iters += 1
+
+    def fields(self, timed: bool) -> dict[str, float]:
+        """The ``Sample`` fields ``idle_cpus`` and ``queue_s`` since the last call; none but the
+        reset when ``timed`` is false (no iteration timed since)."""
+        queued, iters = self.queued.since_last(), self._iters
+        self._iters = 0
+        if not timed:
+            return {}
+        idle = self.idle.per_rank()
+        out = {"idle_cpus": idle} if idle is not None else {}
+        if queued is not None and iters:
+            out["queue_s"] = queued / iters
+        return out
+
+
 class Timing:
     """One rank's measurements between two polls of the controller.
 
@@ -82,7 +145,8 @@ class Timing:
         self._step_stall_s = 0.0  # the stall of the checkpoint this step started
         self._step_sum_s = 0.0  # the checkpointer's per-step work since the last drain ...
         self._step_n = 0  # ... over this many steps
-        self.idle = IdleCpus()
+        self.contention = Contention()
+        """Idle cores and the training thread's wait for a CPU, read at each :meth:`drain`."""
         self.budget = CpuBudget()
         """Wall and thread-CPU seconds per part of the checkpoint path (``cpu_budget.py``)."""
 
@@ -105,6 +169,7 @@ class Timing:
             self._iter_sum_s += max(now - self._last_step_end - guard_s, 0.0)
             self._iter_n += 1
         self.prepare_overlap = preparing
+        self.contention.iteration()
         self._iter_end, self._step_stall_s = now, 0.0
 
     def snapshot_taken(self, step: int, sync_s: float, stall_s: float, last_begin: dict[str, float]) -> None:
@@ -152,8 +217,8 @@ class Timing:
             copy_timings: the snapshotter's timings of its last finished job (``last_timings``).
         """
         samples = []
+        contention = self.contention.fields(bool(self._iter_n))
         if self._iter_n:
-            idle = self.idle.per_rank()
             samples.append(
                 {
                     "rank": rank,
@@ -161,7 +226,7 @@ class Timing:
                     "iter_s": self._iter_sum_s / self._iter_n,
                     "iters": self._iter_n,
                     **({"step_s": self._step_sum_s / self._step_n} if self._step_n else {}),
-                    **({"idle_cpus": idle} if idle is not None else {}),
+                    **contention,
                     **self._last_ckpt_sample(copy_timings),
                 }
             )
