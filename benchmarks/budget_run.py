@@ -112,6 +112,8 @@ def _loop(cfg: dict) -> None:
         ckpt = cf_ray.Checkpointer({"model": model, "optimizer": opt}, config=conf)
         step = ckpt.restore().step
     times: list[float] = []
+    sched: list[tuple[float, float]] = []  # per iteration: the training thread's (CPU, run-queue wait) seconds
+    s0 = _schedstat()
     while step < cfg["iters"]:
         t0 = time.perf_counter()
         F.mse_loss(model(x), y).backward()
@@ -122,6 +124,10 @@ def _loop(cfg: dict) -> None:
         opt.zero_grad()
         step += 1
         times.append(time.perf_counter() - t0)
+        s1 = _schedstat()
+        if s0 is not None and s1 is not None:
+            sched.append((s1[0] - s0[0], s1[1] - s0[1]))
+        s0 = s1
         if rank == 1 and step in cfg["kill_steps"]:
             marker = os.path.join(cfg["out_dir"], f"{cfg['name']}.kill{step}")
             try:
@@ -131,6 +137,8 @@ def _loop(cfg: dict) -> None:
             os.close(fd)
             os.kill(os.getpid(), signal.SIGKILL)
     rec: dict[str, Any] = {"iter_s": times, "start_step": cfg["iters"] - len(times)}
+    if sched:
+        rec["thread_cpu_s"], rec["runqueue_s"] = [c for c, _ in sched], [w for _, w in sched]
     if ckpt is not None and rank == 0:
         e = ckpt.explain() or {}
         rec["explain"] = {
@@ -144,6 +152,7 @@ def _loop(cfg: dict) -> None:
                 "cost_s",
                 "cost_source",
                 "cpu_taken_s",
+                "queued_s",
                 "iter_s",
                 "stall_s",
                 "background_s",
@@ -176,6 +185,31 @@ def _loop(cfg: dict) -> None:
         rec["save_failures"] = len(ckpt.finish().failures)
     _barrier()
     _write_json(os.path.join(cfg["out_dir"], f"{cfg['name']}.rank{rank}.json"), rec)
+
+
+def _schedstat() -> tuple[float, float] | None:
+    """This thread's (seconds on a CPU, seconds runnable but waiting for one) from Linux's
+    ``/proc/thread-self/schedstat``; ``None`` without it."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            run_ns, wait_ns = f.read().split()[:2]
+        return int(run_ns) / 1e9, int(wait_ns) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
+def _thread_split(x: dict, a: dict | None, lo: int) -> dict:
+    """Milliseconds per iteration that fit ``x``'s rank 0 spent over fit ``a`` (the attached one)
+    from iteration ``lo`` on: in its training thread's own CPU, waiting for a CPU, and the rest."""
+    keys = ("iter_s", "thread_cpu_s", "runqueue_s")
+    if a is None or not all(x.get(k) and a.get(k) for k in keys):
+        return {}
+    d = {k: (_mean(x[k][lo:]) or 0.0) - (_mean(a[k][lo:]) or 0.0) for k in keys}
+    return {
+        "thread_cpu_over_attached_ms": 1e3 * d["thread_cpu_s"],
+        "runqueue_over_attached_ms": 1e3 * d["runqueue_s"],
+        "off_cpu_over_attached_ms": 1e3 * (d["iter_s"] - d["thread_cpu_s"] - d["runqueue_s"]),
+    }
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -337,6 +371,11 @@ def judge(runs: list[dict], opts: dict) -> dict:
                 "cost_s": e.get("cost_s"),
                 "cost_source": e.get("cost_source"),
                 "cpu_taken_s": e.get("cpu_taken_s"),
+                "queued_s": e.get("queued_s"),
+                # Where the time over the attached fit went, per iteration after warm-up (rank 0's
+                # training thread): more CPU of its own (caches, memory bandwidth), more waiting for
+                # a core (the run queue), the rest off a CPU (the collectives, waiting on rank 1).
+                **_thread_split(x, a, warm),
                 "reason": e.get("reason"),
                 "checkpoints_taken": x.get("checkpoints_taken"),
             }
@@ -506,6 +545,21 @@ def render(res: dict) -> str:
             f"- {c['fit']}: cf_ray's actors {c['cf_ray_actors_pct_of_core']} %, idle worker processes "
             f"{c['idle_workers_pct_of_core']} %, training {c['training_cpu_s']} s in {c['wall_s']} s"
         )
+    split = [t for t in res["table"] if "runqueue_over_attached_ms" in t]
+    if split:
+        lines.append("")
+        lines.append(
+            "Where each fit's time over its round's attached fit went (rank 0's training thread, ms per iteration "
+            "after warm-up): its own CPU / waiting for a core / off a CPU (collectives); the policy's cost, "
+            "its CPU floor and the wait it measured (s per checkpoint):"
+        )
+        for t in split:
+            lines.append(
+                f"- r{t['round']}-{t['shape']}-b{t['budget']:g} (interval {t['interval']}): "
+                f"{f(t['thread_cpu_over_attached_ms'])} / {f(t['runqueue_over_attached_ms'])} / "
+                f"{f(t['off_cpu_over_attached_ms'])}; cost {f(t['cost_s'], '{:.3f}')}, "
+                f"cpu_taken_s {f(t['cpu_taken_s'], '{:.3f}')}, queued_s {f(t.get('queued_s'), '{:.3f}')}"
+            )
     for e in res["errors"]:
         lines.append(f"- fit failed: {e}")
     return "\n".join(lines)
