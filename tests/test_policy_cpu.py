@@ -17,11 +17,11 @@ STALL_S = 0.002
 COPY_CPU_S, PERSIST_CPU_S = 0.15, 0.05
 
 
-def _run(idle_cpus: float | None, budget: float = 2.0, steps: int = 1200) -> tuple[int, dict]:
-    """Two ranks of a 302 MB-like job whose iterations never read slower around a checkpoint (one
-    sample per checkpoint, its iterations clean), each reporting its copy's CPU and its idle cores
-    per rank; the controller's sample brings the holder's write CPU with the persist. Returns the
-    interval in force at the end and ``explain()``."""
+def _drive(budget: float, steps: int, segment) -> tuple[int, dict]:
+    """Two ranks under ``Adaptive(budget_pct=budget)`` for ``steps`` steps, a checkpoint at every
+    interval the policy plans; ``segment(rank, last, step)`` gives a rank's samples for the steps
+    after checkpoint ``last`` (0: none yet) up to ``step``. Returns the interval in force at the end
+    and ``explain()``."""
     p = Adaptive(budget_pct=budget)
     k = p.initial_interval() or 1
     last = 0
@@ -29,28 +29,40 @@ def _run(idle_cpus: float | None, budget: float = 2.0, steps: int = 1200) -> tup
     for step in range(1, steps + 1):
         if step - last < k:
             continue
-        n = step - last
         for rank in (0, 1):
-            samples.append(
-                Sample(
-                    rank=rank,
-                    step=step,
-                    iter_s=ITER_S,
-                    iters=n,
-                    stall_s=STALL_S,
-                    copy_s=0.1,
-                    copy_cpu_s=COPY_CPU_S,
-                    nbytes=151_000_000,
-                    ckpt_step=last or None,
-                    overlapped=False,
-                    idle_cpus=idle_cpus,
-                )
-            )
-            if last:
-                samples.append(Sample(rank=rank, step=last, ckpt_step=last, persist_s=0.2, persist_cpu_s=PERSIST_CPU_S))
+            samples += segment(rank, last, step)
         last = step
         k = p.plan(samples[-256:], k) or k
     return k, p.explain()
+
+
+def _run(idle_cpus: float | None, budget: float = 2.0, steps: int = 1200) -> tuple[int, dict]:
+    """Two ranks of a 302 MB-like job whose iterations never read slower around a checkpoint (one
+    sample per checkpoint, its iterations clean), each reporting its copy's CPU and its idle cores
+    per rank; the controller's sample brings the holder's write CPU with the persist. Returns the
+    interval in force at the end and ``explain()``."""
+
+    def segment(rank: int, last: int, step: int) -> list[Sample]:
+        out = [
+            Sample(
+                rank=rank,
+                step=step,
+                iter_s=ITER_S,
+                iters=step - last,
+                stall_s=STALL_S,
+                copy_s=0.1,
+                copy_cpu_s=COPY_CPU_S,
+                nbytes=151_000_000,
+                ckpt_step=last or None,
+                overlapped=False,
+                idle_cpus=idle_cpus,
+            )
+        ]
+        if last:
+            out.append(Sample(rank=rank, step=last, ckpt_step=last, persist_s=0.2, persist_cpu_s=PERSIST_CPU_S))
+        return out
+
+    return _drive(budget, steps, segment)
 
 
 def test_a_checkpoint_whose_background_cpu_finds_no_idle_core_costs_that_cpu():
@@ -117,29 +129,21 @@ def _run_queued(extra_s: float | None, budget: float = 2.0, steps: int = 1500) -
     iterations after them are as slow: a machine whose every iteration the background work touches),
     but whose training thread waits ``extra_s`` more for a CPU over the three iterations a copy and
     persist overlap (``None``: no wait reported). Returns the interval at the end and ``explain()``."""
-    p = Adaptive(budget_pct=budget)
-    k = p.initial_interval() or 1
-    last = 0
-    samples: list[Sample] = []
-    for step in range(1, steps + 1):
-        if step - last < k:
-            continue
-        n = step - last
-        for rank in (0, 1):
-            common = dict(rank=rank, iter_s=ITER_S, stall_s=STALL_S, copy_s=0.1, nbytes=151_000_000)
-            common["ckpt_step"] = last or None
-            if last and n >= 6:
-                q = None if extra_s is None else QUEUE_S + extra_s / 3
-                samples.append(Sample(step=last + 3, iters=3, overlapped=True, queue_s=q, **common))
-                samples.append(Sample(rank=rank, step=last, ckpt_step=last, persist_s=0.2))
-                first = n - 3
-            else:
-                first = n
-            q = None if extra_s is None else QUEUE_S
-            samples.append(Sample(step=step, iters=first, overlapped=False, queue_s=q, **common))
-        last = step
-        k = p.plan(samples[-256:], k) or k
-    return k, p.explain()
+
+    def segment(rank: int, last: int, step: int) -> list[Sample]:
+        n, out = step - last, []
+        common = dict(rank=rank, iter_s=ITER_S, stall_s=STALL_S, copy_s=0.1, nbytes=151_000_000)
+        common["ckpt_step"] = last or None
+        if last and n >= 6:
+            q = None if extra_s is None else QUEUE_S + extra_s / 3
+            out.append(Sample(step=last + 3, iters=3, overlapped=True, queue_s=q, **common))
+            out.append(Sample(rank=rank, step=last, ckpt_step=last, persist_s=0.2))
+            n -= 3
+        q = None if extra_s is None else QUEUE_S
+        out.append(Sample(step=step, iters=n, overlapped=False, queue_s=q, **common))
+        return out
+
+    return _drive(budget, steps, segment)
 
 
 def test_what_training_waits_for_a_cpu_while_a_copy_runs_is_cost_the_iteration_times_miss():
