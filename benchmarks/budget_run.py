@@ -169,7 +169,15 @@ def _loop(cfg: dict) -> None:
             {"interval": ev["interval"], "time": ev.get("time")}
             | {
                 key: why.get(key)
-                for key in ("reason", "phase", "slowdown_measured", "cost_s", "iter_s", "background_s")
+                for key in (
+                    "reason",
+                    "phase",
+                    "slowdown_measured",
+                    "slowdown_evidence",
+                    "cost_s",
+                    "iter_s",
+                    "background_s",
+                )
             }
             for ev in changes
             for why in [ev.get("why") if isinstance(ev.get("why"), dict) else {"reason": ev.get("why")}]

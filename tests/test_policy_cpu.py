@@ -188,3 +188,66 @@ def test_the_wait_counts_no_more_than_the_copy_and_persist_lasted_and_not_from_c
     est.rev += 1
     e = est.estimate()
     assert e is not None and e.detail.queued is None
+
+
+# -- a floor is no evidence of room ------------------------------------------------------------------------
+
+
+def _run_never_clean(budget: float, steps: int = 800) -> tuple[list[tuple[int, dict]], dict]:
+    """Two ranks of an MLP-like job (0.09 s iterations, a 0.11 s copy and persist) whose every
+    sample overlaps a checkpoint's copy or persist (long samples, each sharing a checkpoint with the
+    next): no iteration is ever timed with nothing in flight, so nothing measures what a checkpoint
+    slows, and the only cost is the CPU the copy and write take where no core is idle (a floor).
+    Returns the changes of the interval after the first tuned decision (interval, ``explain()``)
+    and the last ``explain()``."""
+
+    def segment(rank: int, last: int, step: int) -> list[Sample]:
+        out = [
+            Sample(
+                rank=rank,
+                step=step,
+                iter_s=0.09,
+                iters=step - last,
+                stall_s=STALL_S,
+                copy_s=0.05,
+                copy_cpu_s=0.03,
+                nbytes=25_000_000,
+                ckpt_step=last or None,
+                overlapped=True,
+                idle_cpus=0.1,
+            )
+        ]
+        if last:
+            out.append(Sample(rank=rank, step=last, ckpt_step=last, persist_s=0.06, persist_cpu_s=0.01))
+        return out
+
+    p = Adaptive(budget_pct=budget)
+    k, last, samples, changes = p.initial_interval() or 1, 0, [], []
+    for step in range(1, steps + 1):
+        if step - last < k:
+            continue
+        for rank in (0, 1):
+            samples += segment(rank, last, step)
+        last = step
+        new = p.plan(samples[-256:], k)
+        if new is not None and new != k:
+            changes.append((new, p.explain()))
+            k = new
+    return changes, p.explain()
+
+
+@pytest.mark.parametrize("budget", [5.0, 20.0])
+def test_a_cost_that_is_only_a_floor_never_shortens_the_interval(budget):
+    changes, e = _run_never_clean(budget)
+    # After six checkpoints with none told apart the floor decides (the cost counts as measured),
+    # but it is a floor: nothing says the interval has room. The interval set before that holds
+    # (probe windows aside, which lengthen it for one interval); it never goes shorter.
+    first = changes[0][0]
+    assert e["slowdown_evidence"] == "unseen", e
+    assert e["cost_source"] == "CPU taken from training"
+    assert [k for k, _ in changes if k < first] == [], [(k, x["reason"]) for k, x in changes]
+    assert not any(x["reason"].startswith("headroom") for _, x in changes)
+    held = [x for _, x in changes if "would rest on a floor of the cost" in x["reason"]]
+    # At 20 % the budget alone asks for 3 steps: the rule that holds says so, with the cost's source.
+    if budget == 20.0:
+        assert held and "CPU taken from training" in held[0]["reason"], [x["reason"] for _, x in changes]

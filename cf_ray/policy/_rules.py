@@ -77,10 +77,10 @@ class RuleState:
     """The checkpoint count when a move waiting to be confirmed at a later checkpoint was first
     asked for: ``shrink`` (a clearly shorter interval possible), ``widen`` (a marginal overrun of
     the budget), ``cost`` (a rise of the cost alone asking for a wider goodput interval)."""
-    slowdown_seen: bool = False
-    """Some decision rested on a measured slowdown (:func:`slowdown_measured`); it stays so until
-    the estimates change level, so that a rule of evidence tied to the interval does not flip with
-    the interval it sets."""
+    slowdown_seen: str = ""
+    """What some decision's measured slowdown rested on (:func:`slowdown_evidence`; the strongest
+    seen); it stays so until the estimates change level, so that a rule of evidence tied to the
+    interval does not flip with the interval it sets."""
     slowdown_drift: dict = field(default_factory=dict)
     """The changes of level known when ``slowdown_seen`` was set."""
     too_short: tuple[int, int, dict] | None = None
@@ -338,34 +338,47 @@ def info(
 
 def slowdown_measured(est: Estimate) -> bool:
     """Whether the cost to decide on holds what a checkpoint's copy and persist take from the
-    iterations they overlap (:func:`decision_cost`).
+    iterations they overlap (:func:`decision_cost`): :func:`slowdown_evidence` names some."""
+    return slowdown_evidence(est) is not None
 
-    Measured: by the cadence (the iterations under the interval in force against those with
-    nothing in flight), or by a saved profile; or, where a sample is no longer than about two
-    overlaps, by a checkpoint's overlap measured against iterations timed with nothing in flight
-    (against iterations that overlap checkpoints too it is none), or after
-    :data:`SLOWDOWN_UNSEEN_CKPTS` checkpoints when none can be told apart. A longer sample holds a
-    slowdown of a few iterations' worth in the noise of its other iterations: the per-checkpoint
-    attribution then reads about none, and only the cadence measures it (or, when no iteration was
-    ever timed with nothing in flight, the figures there are after :data:`SLOWDOWN_UNSEEN_CKPTS`
-    checkpoints: the probe windows then make clean ones, and the cadence corrects it).
+
+def slowdown_evidence(est: Estimate) -> str | None:
+    """What says what a checkpoint's copy and persist take from the iterations they overlap:
+    ``"profile"`` (a saved profile), ``"cadence"`` (the iterations under the interval in force
+    against those with nothing in flight), ``"records"`` (where a sample is no longer than about two
+    overlaps, a checkpoint's overlap against iterations timed with nothing in flight; against
+    iterations that overlap checkpoints too it is none), ``"unseen"`` (:data:`SLOWDOWN_UNSEEN_CKPTS`
+    checkpoints and none told apart, with no iteration timed with nothing in flight to compare
+    with: the cost is then what needs no comparison, a floor at best); ``None``: nothing yet.
+
+    A longer sample holds a slowdown of a few iterations' worth in the noise of its other
+    iterations: the per-checkpoint attribution then reads about none, and only the cadence measures
+    it (or, when no iteration was ever timed with nothing in flight, the figures there are after
+    :data:`SLOWDOWN_UNSEEN_CKPTS` checkpoints: the probe windows then make clean ones, and the
+    cadence corrects it). An ``"unseen"`` cost decides, but never shortens (``_room_to_shorten``).
     """
     if est.source != "measured":
-        return True
+        return "profile"
     m = est.detail.cadence
     # The cadence measures it once its standard error is under half the copy and persist time (a
     # figure it cannot tell from none, on a busy machine, is no measure).
     cadence = m is not None and m.se < 0.5 * est.bg
     if est.cost_source == "cadence":
-        return cadence
+        return "cadence" if cadence else None
     unseen = est.n >= SLOWDOWN_UNSEEN_CKPTS
     if est.sample_iters * est.t > 2.0 * est.bg:
         # The per-checkpoint records read about none there, even with checkpoints many samples
         # apart (a real job's 0.0035 s against the cadence's 0.026 s). Without a single iteration
         # timed with nothing in flight there is nothing for the cadence to compare with until a
         # probe window makes some: what there is counts after a while.
-        return cadence or (unseen and not est.t_clean)
-    return (est.settled and est.t_clean) or unseen
+        if cadence:
+            return "cadence"
+        return "unseen" if unseen and not est.t_clean else None
+    if est.settled and est.t_clean:
+        return "records"
+    if unseen:
+        return "records" if est.t_clean else "unseen"
+    return None
 
 
 def decision_cost(est: Estimate, measured: bool, aim: float = 0.0) -> float:
@@ -450,16 +463,17 @@ class _Ladder:
     def __init__(self, cfg: Adaptive, st: RuleState, est: Estimate, prior: dict | None, ckpt_clock: int, current: int):
         self.cfg, self.st, self.est, self.prior = cfg, st, est, prior
         self.ckpt_clock, self.current = ckpt_clock, current
-        measured = slowdown_measured(est)
+        evidence = slowdown_evidence(est)
         if st.slowdown_seen and est.detail.drift != st.slowdown_drift:
-            st.slowdown_seen = False  # a new level: its slowdown is measured afresh
-        if measured:
-            st.slowdown_seen, st.slowdown_drift = True, dict(est.detail.drift)
-        measured = measured or st.slowdown_seen
+            st.slowdown_seen = ""  # a new level: its slowdown is measured afresh
+        if evidence and (st.slowdown_seen in ("", "unseen")):
+            st.slowdown_seen, st.slowdown_drift = evidence, dict(est.detail.drift)
+        measured = bool(st.slowdown_seen)
         self.cost = decision_cost(est, measured, cfg.budget_pct / 100.0 * (1.0 - cfg.headroom))
         self.k, self.binding, self.conflicts = target(cfg, est, self.cost)
         self.info = info(cfg, est, self.k, self.binding, self.conflicts, current, self.cost)
         self.info["slowdown_measured"] = measured
+        self.info["slowdown_evidence"] = st.slowdown_seen or None
         self.phase = phase_of(est, prior)
         self.info["phase"] = self.phase.value
 
@@ -701,6 +715,13 @@ class _Ladder:
         if m is not None and not m.referenced and k_safe < current:  # an old comparison: a probe first
             st.since.pop("shrink", None)
             self.info["reason"] = f"keeping {current}: the cadence has no recent iterations with nothing in flight"
+            return None, self.info
+        if st.slowdown_seen == "unseen" and k_safe < current:  # a floor is no evidence of room
+            st.since.pop("shrink", None)
+            self.info["reason"] = (
+                f"keeping {current}: {k_safe} steps would rest on a floor of the cost ({est.cost_source}), "
+                "no checkpoint's slowdown measured against iterations with nothing in flight"
+            )
             return None, self.info
         limit = current - 1 if held else math.floor(current * self.cfg.shrink_ratio)
         if k_safe <= limit and est.n_level >= (2 if quick or held else 3):

@@ -57,13 +57,13 @@ class Adaptive(FrequencyPolicy):
     state) is followed within two or three checkpoints, and one or two odd checkpoints move nothing
     (``t`` follows drift continuously, 16 samples).
 
-    **At short intervals** a rank's sample (a second of iterations) covers several checkpoints
-    and no iteration is free of one, so the slowdown above cannot be attributed: ``C`` is then
-    measured from the cadence instead (:mod:`cf_ray.policy._cadence`), the mean iteration time
-    under the interval in force against the iteration time with nothing in flight, timed in
-    *probe windows* the controller publishes (a longer interval for a few samples' time) when no
-    such iteration is recent. It replaces the per-checkpoint ``C`` when higher by two standard errors; the
-    CPU background work takes where no core is idle, and training's extra wait for a CPU, are floors (``cpu_taken_s``, ``queued_s``).
+    **At short intervals** a rank's sample (a second of iterations) covers several checkpoints and no iteration
+    is free of one, so the slowdown above cannot be attributed: ``C`` is then measured from the cadence instead
+    (:mod:`cf_ray.policy._cadence`), the mean iteration time under the interval in force against the iteration
+    time with nothing in flight, timed in *probe windows* the controller publishes (a longer interval for a few
+    samples' time) when no such iteration is recent. It replaces the per-checkpoint ``C`` when higher by two
+    standard errors; the CPU background work takes where no core is idle and training's extra wait for a CPU are
+    floors (``cpu_taken_s``, ``queued_s``); a cost no comparison measured (``"unseen"``) never shortens it.
     The run's start-up (its first seconds are slower: the spare workers, the controller and the
     holder start beside training) is no reference: a rank's iterations with nothing in flight timed
     before the first tuned decision are set aside once it times one after it, a probe window comes
