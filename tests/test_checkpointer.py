@@ -124,7 +124,7 @@ def test_timing_reports_the_checkpointers_own_work_at_every_step_apart_from_the_
 @pytest.mark.skipif(
     not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"), reason="Linux scheduler statistics"
 )
-def test_timing_reports_the_training_threads_wait_for_a_cpu_per_iteration():
+def test_timing_reports_the_training_threads_wait_for_a_cpu_and_the_idle_cores_per_iteration():
     # Sample.queue_s: the seconds per iteration the training thread was runnable but not running.
     # Four busy processes per core beside a training thread that computes: it waits for a core; a
     # training thread that sleeps waits for none.
@@ -157,6 +157,10 @@ def test_timing_reports_the_training_threads_wait_for_a_cpu_per_iteration():
     (quiet,), _ = t.drain(0, 5, {})
     assert busy["queue_s"] > 0.1, busy  # of 0.6 s per iteration, with four processes per core
     assert quiet["queue_s"] < busy["queue_s"] / 3, (quiet, busy)
+    # Sample.idle_cpus, over the same polls: the busy processes left no core idle; with the training
+    # thread asleep most cores were (one rank outside Ray Train: the machine's idle cores).
+    assert busy["idle_cpus"] < 0.5, busy
+    assert quiet["idle_cpus"] > busy["idle_cpus"] + 0.5 * (os.cpu_count() or 1), (quiet, busy)
 
 
 # -- the lifecycle (Ray actors, no TorchTrainer) -------------------------------------------------------

@@ -14,17 +14,27 @@ from typing import Any
 from cf_ray._engine.worker.cpu_budget import CpuBudget
 
 
-def _cpu_jiffies() -> tuple[int, int, int] | None:
-    """(idle and iowait jiffies, all jiffies, online cores) of this machine from ``/proc/stat``;
-    ``None`` where there is none (not Linux)."""
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(idle and iowait jiffies, all jiffies) of this machine, from the first line of
+    ``/proc/stat`` (a read of one line, whatever the machine's core count); ``None`` where there is
+    none (not Linux)."""
     try:
         with open("/proc/stat", "rb") as f:
-            lines = f.read().splitlines()
-        fields = [int(v) for v in lines[0].split()[1:]]
-    except (OSError, IndexError, ValueError):
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
         return None
-    cores = sum(1 for line in lines[1:] if line.startswith(b"cpu"))
-    return fields[3] + (fields[4] if len(fields) > 4 else 0), sum(fields[:8]), max(cores, 1)
+    if len(fields) < 4:
+        return None
+    return fields[3] + (fields[4] if len(fields) > 4 else 0), sum(fields[:8])
+
+
+def _online_cores() -> int:
+    """Online cores of this machine (the ``cpuN`` lines of ``/proc/stat``), read once per rank."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            return max(sum(1 for line in f if line.startswith(b"cpu")) - 1, 1)
+    except OSError:
+        return 1
 
 
 def _local_ranks() -> int:
@@ -44,6 +54,7 @@ class IdleCpus:
 
     def __init__(self) -> None:
         self._last = _cpu_jiffies()
+        self._cores = _online_cores()
         self._ranks: int | None = None
 
     def per_rank(self) -> float | None:
@@ -53,7 +64,7 @@ class IdleCpus:
             return None
         if self._ranks is None:
             self._ranks = _local_ranks()
-        return (now[0] - last[0]) / (now[1] - last[1]) * now[2] / self._ranks
+        return (now[0] - last[0]) / (now[1] - last[1]) * self._cores / self._ranks
 
 
 class RunQueueWait:
