@@ -153,6 +153,7 @@ def _loop(cfg: dict) -> None:
                 "cost_source",
                 "cpu_taken_s",
                 "queued_s",
+                "slowdown_evidence",
                 "iter_s",
                 "stall_s",
                 "background_s",
