@@ -358,7 +358,8 @@ round settled on, the overhead the job paid after warm-up against its round's fi
 (and against its round's fit with cf_ray attached and no checkpoint), and the overhead cf_ray
 reported (`explain()["measured_overhead_pct"]`), then each target's verdict. This is the run of
 the rules in force now (the CPU a checkpoint's background work takes from busy cores, and the
-training thread's extra wait for a core while it runs, counted in its cost): both jobs, every budget, the kill arms, and in every round a fit with cf_ray attached
+training thread's extra wait for a core while it runs, counted in its cost; a cost no comparison
+measured never shortens the interval): both jobs, every budget, the kill arms, and in every round a fit with cf_ray attached
 that takes no checkpoint (what cf_ray costs beside its checkpoints, and how far one fit scatters
 from the next on this machine).""",
     ),
@@ -367,7 +368,7 @@ from the next on this machine).""",
         """import pathlib
 
 results = pathlib.Path(cf_ray.__file__).resolve().parents[1] / "benchmarks" / "results"
-name = "budgets-full-2026-12-07g.json"
+name = "budgets-full-2026-12-08.json"
 bench = json.loads((results / name).read_text())
 for shape, base in bench["baseline"].items():
     print(f"{name}: {shape} without cf_ray {1e3 * base['iter_s_mean']:.1f} ms per iteration, "
