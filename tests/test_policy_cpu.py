@@ -17,11 +17,12 @@ STALL_S = 0.002
 COPY_CPU_S, PERSIST_CPU_S = 0.15, 0.05
 
 
-def _drive(budget: float, steps: int, segment) -> tuple[int, dict]:
+def _drive(budget: float, steps: int, segment, changes: list | None = None) -> tuple[int, dict]:
     """Two ranks under ``Adaptive(budget_pct=budget)`` for ``steps`` steps, a checkpoint at every
     interval the policy plans; ``segment(rank, last, step)`` gives a rank's samples for the steps
     after checkpoint ``last`` (0: none yet) up to ``step``. Returns the interval in force at the end
-    and ``explain()``."""
+    and ``explain()``; each change of the interval is appended to ``changes`` (if given) as
+    (interval, ``explain()`` then)."""
     p = Adaptive(budget_pct=budget)
     k = p.initial_interval() or 1
     last = 0
@@ -32,7 +33,11 @@ def _drive(budget: float, steps: int, segment) -> tuple[int, dict]:
         for rank in (0, 1):
             samples += segment(rank, last, step)
         last = step
-        k = p.plan(samples[-256:], k) or k
+        new = p.plan(samples[-256:], k)
+        if new is not None and new != k:
+            if changes is not None:
+                changes.append((new, p.explain()))
+            k = new
     return k, p.explain()
 
 
@@ -221,19 +226,9 @@ def _run_never_clean(budget: float, steps: int = 800) -> tuple[list[tuple[int, d
             out.append(Sample(rank=rank, step=last, ckpt_step=last, persist_s=0.06, persist_cpu_s=0.01))
         return out
 
-    p = Adaptive(budget_pct=budget)
-    k, last, samples, changes = p.initial_interval() or 1, 0, [], []
-    for step in range(1, steps + 1):
-        if step - last < k:
-            continue
-        for rank in (0, 1):
-            samples += segment(rank, last, step)
-        last = step
-        new = p.plan(samples[-256:], k)
-        if new is not None and new != k:
-            changes.append((new, p.explain()))
-            k = new
-    return changes, p.explain()
+    changes: list[tuple[int, dict]] = []
+    _, e = _drive(budget, steps, segment, changes)
+    return changes, e
 
 
 @pytest.mark.parametrize("budget", [5.0, 20.0])
